@@ -1,0 +1,147 @@
+"""Checkpoint I/O in Hugging Face format: the only file that knows HF tensor names.
+
+HF names are ours with a `model.` prefix (`model.layers.0.self_attn.q_proj.weight`), except
+`lm_head.weight`, which is absent from checkpoints with tied embeddings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from grpo.errors import GrpoError
+from grpo.models.config import ModelConfig
+from grpo.models.decoder import Decoder, rope_inv_freq
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise GrpoError(f"unknown dtype {dtype!r}; valid: {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def hf_name(name: str) -> str:
+    """Our parameter name -> the HF checkpoint name."""
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+def our_name(name: str) -> str:
+    """HF checkpoint name -> our parameter name."""
+    return name[len("model.") :] if name.startswith("model.") else name
+
+
+def resolve_model_dir(path_or_id: str | Path) -> Path:
+    """A local directory as is; otherwise a hub id downloaded (config, weights, tokenizer)."""
+    path = Path(path_or_id)
+    if path.is_dir():
+        return path
+    if path.exists() or str(path_or_id).startswith((".", "/")) or str(path_or_id).count("/") != 1:
+        raise GrpoError(f"model path {str(path_or_id)!r} is not a directory or a hub id")
+    try:
+        from huggingface_hub import snapshot_download
+
+        patterns = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model"]
+        return Path(snapshot_download(str(path_or_id), allow_patterns=patterns))
+    except Exception as e:  # offline, unknown repo, auth...
+        raise GrpoError(f"could not fetch model {str(path_or_id)!r} from the hub: {e}") from None
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise GrpoError(
+            f"no safetensors weights in {model_dir} (pickle .bin checkpoints are not loaded)"
+        )
+    return files
+
+
+def load_model(
+    path_or_id: str | Path,
+    dtype: str | torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> Decoder:
+    """Load a HF-format Llama / Qwen2 / Qwen3 checkpoint (single or sharded safetensors).
+
+    Args:
+        path_or_id: a local directory with config.json + *.safetensors, or a hub id.
+        dtype: parameter dtype (weights are cast on load).
+        device: where the parameters live.
+
+    Returns:
+        a `Decoder` in eval mode.
+    """
+    model_dir = resolve_model_dir(path_or_id)
+    cfg = ModelConfig.from_hf(model_dir)
+    dtype = parse_dtype(dtype)
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(cfg).to(device)
+
+    params = dict(model.named_parameters())  # tied weights appear once, as embed_tokens
+    loaded: set[str] = set()
+    for file in _weight_files(model_dir):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                name = our_name(key)
+                if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                    continue
+                if name not in params:
+                    raise GrpoError(f"{file.name}: unexpected tensor {key!r} for a {cfg.family}")
+                t = f.get_tensor(key)
+                if t.shape != params[name].shape:
+                    raise GrpoError(
+                        f"{file.name}: {key} has shape {tuple(t.shape)}, "
+                        f"expected {tuple(params[name].shape)}"
+                    )
+                with torch.no_grad():
+                    params[name].copy_(t)
+                loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise GrpoError(f"checkpoint {model_dir} is missing tensors: {missing[:5]}...")
+    return model.eval()
+
+
+def save_pretrained(model: Decoder, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write config.json + model.safetensors that `transformers.AutoModelForCausalLM` loads."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = model.config.to_hf()
+    tensors = {}
+    for name, p in model.named_parameters():  # tied lm_head is skipped (same Parameter)
+        t = p.detach()
+        if dtype is not None:
+            t = t.to(dtype)
+        tensors[hf_name(name)] = t.contiguous().cpu()
+        cfg["torch_dtype"] = str(t.dtype).removeprefix("torch.")
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out

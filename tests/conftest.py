@@ -1,0 +1,87 @@
+"""Shared fixtures: a tiny BPE tokenizer and tiny random-init HF checkpoints, built locally."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+TOKENIZER_CORPUS = [
+    "Tom has 3 apples and buys 5 more. How many apples does Tom have?",
+    "Step 1: 3 + 5 = 8\nFinal Answer: 8",
+    "A box holds 12 pens. Sara shares them among 4 friends. How many pens each?",
+    "Step 1: 12 / 4 = 3\nStep 2: 3 * 2 = 6\nFinal Answer: 6",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many.",
+    "The answer is #### 72. Weng earns $12 an hour for babysitting.",
+] * 20
+
+
+def tiny_hf_config(family: str, vocab_size: int = 256, tie: bool | None = None, **over):
+    """A transformers config of the STYLE.md tiny shape: L=2, C=64, H=4, H_kv=2."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
+    kw = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        tie_word_embeddings=(family != "llama") if tie is None else tie,
+        eos_token_id=2,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    kw.update(over)
+    return cls(**kw)
+
+
+def make_hf_checkpoint(path: Path, family: str, seed: int = 0, **kw) -> Path:
+    """Write a random-init transformers checkpoint of `family` to `path` and return it."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_hf_config(family, **kw)
+    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    with torch.no_grad():  # perturb norms and biases so they are not trivially ones / zeros
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory):
+    """A small ChatML BPE tokenizer (eos `<|im_end|>`, pad `<|endoftext|>`), saved to disk."""
+    from grpo.tokenizer import load_tokenizer, train_bpe_tokenizer
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    train_bpe_tokenizer(TOKENIZER_CORPUS, vocab_size=300, out_dir=out)
+    return load_tokenizer(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """Factory: tiny_checkpoints(family, **config overrides) -> checkpoint dir (cached)."""
+    cache: dict = {}
+
+    def get(family: str, **kw) -> Path:
+        key = (family, repr(sorted(kw.items())))
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"ckpt_{family}")
+            cache[key] = make_hf_checkpoint(path, family, **kw)
+        return cache[key]
+
+    return get
