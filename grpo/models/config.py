@@ -48,8 +48,7 @@ class ModelConfig:
     def __post_init__(self):
         if self.family not in _MODEL_TYPES:
             raise GrpoError(
-                f"model family {self.family!r} is not supported; supported: "
-                f"{sorted(_MODEL_TYPES)}"
+                f"model family {self.family!r} is not supported; supported: {sorted(_MODEL_TYPES)}"
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise GrpoError(

@@ -1,0 +1,448 @@
+"""Run configuration: frozen dataclasses per concern, YAML + dotted overrides, strict keys.
+
+    cfg = load_config("configs/tiny_ci.yaml", ["optim.lr=1e-5", "rollout.temperature=0.7"])
+
+Unknown keys fail and list the valid ones; every validation message names the dotted field.
+Model architecture is never configured here: it comes from the checkpoint's config.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from grpo.errors import GrpoError
+
+
+class ConfigError(GrpoError):
+    """A bad configuration value or key; the message names the dotted field."""
+
+
+def _check(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name}: {msg}")
+
+
+@dataclass(frozen=True)
+class ModelSourceConfig:
+    """Which checkpoint to train and how to hold it."""
+
+    path: str = ""  # local HF-format directory or hub id
+    tokenizer: str | None = None  # default: the model path
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "auto"  # auto: cuda when available, else cpu
+    gradient_checkpointing: bool = False
+    autocast_bf16: bool = False  # bf16 autocast of forward passes (GPU)
+
+    def __post_init__(self):
+        _check(bool(self.path), "model.path", "is required (a local directory or a hub id)")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Low-rank adapters; `enabled: false` means full fine-tuning."""
+
+    enabled: bool = True
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    adapter: str | None = None  # start from this adapter directory
+
+    def __post_init__(self):
+        _check(self.rank > 0, "lora.rank", f"must be > 0, got {self.rank}")
+        _check(self.alpha > 0, "lora.alpha", f"must be > 0, got {self.alpha}")
+        _check(0 <= self.dropout < 1, "lora.dropout", f"must be in [0, 1), got {self.dropout}")
+        _check(len(self.targets) > 0, "lora.targets", "must name at least one module")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where prompts come from and how they are rendered."""
+
+    dataset: str = "minimath"  # gsm8k | minimath | a name given to register_dataset
+    source: str | None = None  # gsm8k: hub id (default openai/gsm8k) or a local path
+    split: str = "train"
+    eval_split: str = "test"
+    max_samples: int | None = None
+    eval_samples: int = 64
+    system_prompt: str | None = None
+    enable_thinking: bool | None = None
+    max_prompt_len: int = 512
+    difficulty: int = 0  # minimath only
+    seed: int = 0  # minimath only: which problems
+
+    def __post_init__(self):
+        _check(self.max_prompt_len > 0, "data.max_prompt_len", "must be > 0")
+        if self.max_samples is not None:
+            _check(self.max_samples > 0, "data.max_samples", "must be > 0")
+        _check(self.eval_samples >= 0, "data.eval_samples", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """One reward function with its weight: r = sum_k weight_k * reward_k."""
+
+    name: str = "accuracy"  # registered name or package.module:function
+    weight: float = 1.0
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Sampling of G completions per prompt."""
+
+    group_size: int = 4
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    compile: bool = False
+
+    def __post_init__(self):
+        _check(self.group_size >= 2, "rollout.group_size", f"must be >= 2, got {self.group_size}")
+        _check(self.max_new_tokens > 0, "rollout.max_new_tokens", "must be > 0")
+        _check(self.temperature >= 0, "rollout.temperature", "must be >= 0")
+        _check(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)")
+        _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(0 <= self.min_p < 1, "rollout.min_p", f"must be in [0, 1), got {self.min_p}")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The GRPO objective and its variants (see docs/algorithm.md)."""
+
+    beta: float = 0.04  # KL coefficient; 0 skips the reference model entirely
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2  # > epsilon_low is DAPO's clip-higher
+    dual_clip: float | None = None  # c > 1: bound -A*rho at -c*A for A < 0
+    importance_level: Literal["token", "sequence"] = "token"  # sequence = GSPO
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = (
+        "token_mean"
+    )
+    advantage_scale: Literal["group", "batch", "none"] = "group"  # none = Dr. GRPO
+    advantage_eps: float = 1e-4
+    mask_truncated_completions: bool = False
+    num_iterations: int = 1  # mu: updates per rollout batch
+    dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill
+    max_sampling_rounds: int = 3
+
+    def __post_init__(self):
+        _check(self.beta >= 0, "loss.beta", f"must be >= 0, got {self.beta}")
+        _check(self.epsilon_low > 0, "loss.epsilon_low", f"must be > 0, got {self.epsilon_low}")
+        _check(self.epsilon_high > 0, "loss.epsilon_high", f"must be > 0, got {self.epsilon_high}")
+        _check(self.epsilon_low < 1, "loss.epsilon_low", "must be < 1")
+        if self.dual_clip is not None:
+            _check(self.dual_clip > 1, "loss.dual_clip", f"must be > 1, got {self.dual_clip}")
+        _check(self.advantage_eps > 0, "loss.advantage_eps", "must be > 0")
+        _check(self.num_iterations >= 1, "loss.num_iterations", "must be >= 1")
+        _check(self.max_sampling_rounds >= 1, "loss.max_sampling_rounds", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with warmup + cosine (or constant) learning rate."""
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    schedule: Literal["cosine", "constant"] = "cosine"
+    warmup_ratio: float = 0.0
+    min_lr_ratio: float = 0.0
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self):
+        _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
+        _check(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        _check(0 <= self.warmup_ratio < 1, "optim.warmup_ratio", "must be in [0, 1)")
+        _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
+        if self.max_grad_norm is not None:
+            _check(self.max_grad_norm > 0, "optim.max_grad_norm", "must be > 0 (or null)")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Loop sizes, cadence and outputs (shared by `grpo sft` and `grpo train`).
+
+    batch_size is per rank and per optimizer step: completions (P*G) for GRPO, examples for
+    SFT. micro_batch_size rows go through one forward/backward; the rest is accumulation.
+    """
+
+    output_dir: str = "runs/run"
+    seed: int = 0
+    max_steps: int = 100
+    epochs: float | None = None  # SFT: if set, overrides max_steps
+    batch_size: int = 8
+    micro_batch_size: int | None = None  # default: batch_size
+    log_every: int = 1
+    eval_every: int = 0  # 0 = only at the end
+    save_every: int = 0  # 0 = only at the end
+    sample_every: int = 0  # print a sample completion every N steps (0 = never)
+    keep_last: int = 2
+    progress: bool = True
+
+    def __post_init__(self):
+        _check(self.max_steps > 0, "train.max_steps", f"must be > 0, got {self.max_steps}")
+        _check(self.batch_size > 0, "train.batch_size", f"must be > 0, got {self.batch_size}")
+        if self.epochs is not None:
+            _check(self.epochs > 0, "train.epochs", "must be > 0")
+        mb = self.micro_batch_size
+        if mb is not None:
+            _check(mb > 0, "train.micro_batch_size", "must be > 0")
+            _check(
+                self.batch_size % mb == 0,
+                "train.micro_batch_size",
+                f"must divide train.batch_size ({self.batch_size}), got {mb}",
+            )
+        for name in ("log_every", "eval_every", "save_every", "sample_every"):
+            _check(getattr(self, name) >= 0, f"train.{name}", "must be >= 0")
+        _check(self.keep_last >= 1, "train.keep_last", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation: greedy accuracy plus pass@k from k samples."""
+
+    max_samples: int | None = 64
+    max_new_tokens: int | None = None  # default: rollout.max_new_tokens
+    k: int = 1
+    temperature: float = 0.8  # for the k samples
+    batch_size: int = 32
+    sft_accuracy_threshold: float = 0.0  # pipeline: stop after SFT below this
+
+    def __post_init__(self):
+        _check(self.k >= 1, "eval.k", "must be >= 1")
+        _check(self.batch_size >= 1, "eval.batch_size", "must be >= 1")
+        _check(0 <= self.sft_accuracy_threshold <= 1, "eval.sft_accuracy_threshold", "in [0, 1]")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """Where numbers go besides stdout and metrics.jsonl."""
+
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "grpo"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything one run needs."""
+
+    model: ModelSourceConfig
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rewards: tuple[RewardConfig, ...] = (RewardConfig(),)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self):
+        G = self.rollout.group_size
+        _check(
+            self.train.batch_size % G == 0,
+            "train.batch_size",
+            f"GRPO needs whole groups: {self.train.batch_size} is not divisible by "
+            f"rollout.group_size ({G})",
+        )
+        _check(len(self.rewards) > 0, "rewards", "needs at least one reward function")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+    """Check `value` against the annotation `tp`, converting lists to tuples and ints to floats."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, name)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{name}: invalid value {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        _check(value in allowed, name, f"must be one of {list(allowed)}, got {value!r}")
+        return value
+    if origin is tuple:
+        args = typing.get_args(tp)
+        _check(isinstance(value, (list, tuple)), name, f"expected a list, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{name}[{i}]") for i, v in enumerate(value))
+        _check(len(value) == len(args), name, f"expected {len(args)} values, got {len(value)}")
+        return tuple(_coerce(v, a, f"{name}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        _check(isinstance(value, dict), name, f"expected a mapping, got {value!r}")
+        return _build(tp, value, name)
+    if tp is dict or origin is dict:
+        _check(isinstance(value, dict), name, f"expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        _check(isinstance(value, bool), name, f"expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        _check(ok, name, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads `1e-5` (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        _check(ok, name, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        _check(isinstance(value, str), name, f"expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{name}: unsupported type {_type_name(tp)}")
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(
+            f"unknown config key {where}{unknown[0]!r}; valid keys"
+            f"{' of ' + prefix if prefix else ''}: {', '.join(sorted(fields))}"
+        )
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        kwargs[key] = _coerce(value, hints[key], dotted)
+    required = [
+        n
+        for n, f in fields.items()
+        if f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+        and n not in kwargs
+    ]
+    if required:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"{where}{required[0]}: is required")
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # should not happen after the checks above
+        raise ConfigError(f"{prefix or 'config'}: {e}") from None
+
+
+def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    """Set data['a']['b'] = value for 'a.b', checking each key against the schema."""
+    parts = dotted.split(".")
+    cls: Any = Config
+    node = data
+    for i, key in enumerate(parts):
+        prefix = ".".join(parts[:i])
+        if not dataclasses.is_dataclass(cls):
+            raise ConfigError(f"{prefix}: is not a section, cannot set {dotted!r}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        if key not in names:
+            where = f" of {prefix}" if prefix else ""
+            raise ConfigError(
+                f"unknown config key {dotted!r}; valid keys{where}: {', '.join(sorted(names))}"
+            )
+        if i == len(parts) - 1:
+            node[key] = value
+            return
+        cls = typing.get_type_hints(cls)[key]
+        child = node.get(key)
+        if not isinstance(child, dict):
+            child = {}
+            node[key] = child
+        node = child
+
+
+def parse_overrides(overrides: list[str] | None) -> list[tuple[str, Any]]:
+    out = []
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        out.append((key.strip(), value))
+    return out
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, base: dict | None = None
+) -> Config:
+    """Read a YAML config, apply dotted overrides (values parsed as YAML), validate.
+
+    Args:
+        path: a YAML file, or None to start from `base` (or defaults).
+        overrides: ["optim.lr=1e-5", "lora.targets=[q_proj,v_proj]", ...].
+        base: a dict used instead of (or, with a path, under) the file's content.
+
+    Returns:
+        the frozen `Config`. Raises `ConfigError` naming the dotted field on any problem.
+    """
+    data: dict = json.loads(json.dumps(base)) if base else {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+        data.update(loaded)
+    for key, value in parse_overrides(overrides):
+        _set_dotted(data, key, value)
+    return _build(Config, data)
+
+
+def config_to_dict(cfg) -> dict:
+    """A plain dict (tuples as lists) that `load_config(base=...)` reads back to `cfg`."""
+
+    def plain(x):
+        if dataclasses.is_dataclass(x):
+            return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        return x
+
+    return plain(cfg)
+
+
+def save_config(cfg: Config, path: str | Path) -> Path:
+    """Write the resolved config as YAML (beside a run's outputs)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    return path
