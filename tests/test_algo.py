@@ -1,0 +1,172 @@
+"""Advantages and losses on hand-computed cases (worked out in the comments)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from grpo.algo.advantages import group_advantages, zero_std_groups
+from grpo.algo.losses import (
+    AGGREGATIONS,
+    LossSettings,
+    aggregate,
+    kl_penalty,
+    loss_normalizer,
+    policy_loss,
+)
+
+EPS = 1e-4
+
+
+def test_group_advantages_hand_computed():
+    r = torch.tensor([1.0, 0.0, 1.0, 1.0])  # groups of 2: (1, 0) and (1, 1)
+    # group: mean 0.5, unbiased std sqrt(0.25 + 0.25) = 0.70711 -> +-0.5 / (0.70711 + eps)
+    a = group_advantages(r, 2, "group", EPS)
+    s = 0.5 / (math.sqrt(0.5) + EPS)
+    torch.testing.assert_close(a, torch.tensor([s, -s, 0.0, 0.0]), rtol=0, atol=1e-7)
+    # none (Dr. GRPO): just centered
+    torch.testing.assert_close(group_advantages(r, 2, "none"), torch.tensor([0.5, -0.5, 0, 0]))
+    # batch: std of (1, 0, 1, 1) = sqrt(((.25)^2 * 3 + (.75)^2) / 3) = 0.5 -> 0.5 / 0.5 = 1
+    b = group_advantages(r, 2, "batch", EPS)
+    torch.testing.assert_close(b, torch.tensor([1.0, -1.0, 0, 0]) * 0.5 / (0.5 + EPS))
+
+
+def test_equal_rewards_give_zero_not_nan():
+    r = torch.full((8,), 3.0)
+    for scale in ("group", "batch", "none"):
+        a = group_advantages(r, 4, scale)
+        assert torch.isfinite(a).all() and (a == 0).all()
+    assert zero_std_groups(torch.tensor([1.0, 1, 0, 1]), 2).tolist() == [True, False]
+    with pytest.raises(ValueError):
+        group_advantages(torch.ones(5), 2)
+
+
+def test_kl_estimators_hand_computed():
+    logp, ref = torch.tensor([0.0]), torch.tensor([math.log(2.0)])
+    # d = ref - logp = ln 2: k1 = -ln2, k2 = (ln2)^2 / 2, k3 = e^d - d - 1 = 2 - ln2 - 1
+    assert kl_penalty(logp, ref, "k1").item() == pytest.approx(-math.log(2))
+    assert kl_penalty(logp, ref, "k2").item() == pytest.approx(0.5 * math.log(2) ** 2)
+    assert kl_penalty(logp, ref, "k3").item() == pytest.approx(1 - math.log(2))
+
+
+def test_k3_nonnegative_and_zero_when_equal():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(1000, generator=g) * 3, torch.randn(1000, generator=g) * 3
+    assert (kl_penalty(a, b, "k3") >= 0).all()
+    assert (kl_penalty(a, a, "k3") == 0).all()
+
+
+def one_row(logprobs, A, **kw):
+    lp = torch.tensor([logprobs])
+    return policy_loss(
+        lp, torch.zeros_like(lp), None, torch.tensor([A]), torch.ones_like(lp, dtype=bool),
+        LossSettings(**kw),
+    )  # fmt: skip
+
+
+def test_clipped_surrogate_positive_advantage():
+    # ratios 1.5 and 0.9, A = +1, eps 0.2: min(1.5, 1.2) = 1.2 and min(0.9, 0.9) = 0.9
+    # token_mean loss = -(1.2 + 0.9) / 2 = -1.05; one of two tokens clipped high.
+    loss, st = one_row([math.log(1.5), math.log(0.9)], 1.0)
+    assert loss.item() == pytest.approx(-1.05)
+    assert st["clip_frac_high"] == 0.5 and st["clip_frac_low"] == 0.0
+    assert st["ratio_max"] == pytest.approx(1.5) and st["ratio_mean"] == pytest.approx(1.2)
+
+
+def test_clipped_surrogate_negative_advantage():
+    # ratios 0.5 and 1.1, A = -1: min(-0.5, -0.8) = -0.8 and min(-1.1, -1.1) = -1.1
+    # loss = (0.8 + 1.1) / 2 = 0.95; the ratio-0.5 token is clipped low.
+    loss, st = one_row([math.log(0.5), math.log(1.1)], -1.0)
+    assert loss.item() == pytest.approx(0.95)
+    assert st["clip_frac_low"] == 0.5 and st["clip_frac_high"] == 0.0
+
+
+def test_clip_higher_and_dual_clip():
+    # eps_high 0.28 (DAPO): ratio 1.25, A = 1 -> not clipped: loss = -1.25
+    loss, st = one_row([math.log(1.25)], 1.0, epsilon_high=0.28)
+    assert loss.item() == pytest.approx(-1.25) and st["clip_frac_high"] == 0.0
+    # ratio 5, A = -1: min(-5, -1.2) = -5; dual clip c=3 bounds it at max(-5, -3) = -3
+    assert one_row([math.log(5.0)], -1.0)[0].item() == pytest.approx(5.0)
+    assert one_row([math.log(5.0)], -1.0, dual_clip=3.0)[0].item() == pytest.approx(3.0)
+
+
+def test_kl_term_added_with_beta():
+    # on-policy ratio 1, A = 0, ref = ln 2 at logp 0: loss = beta * k3 = 0.1 * (1 - ln 2)
+    lp = torch.zeros(1, 1)
+    loss, st = policy_loss(
+        lp, lp, torch.full((1, 1), math.log(2)), torch.zeros(1), torch.ones(1, 1, dtype=bool),
+        LossSettings(beta=0.1),
+    )  # fmt: skip
+    assert loss.item() == pytest.approx(0.1 * (1 - math.log(2)))
+    assert st["kl"] == pytest.approx(1 - math.log(2))
+
+
+def test_gspo_sequence_ratio():
+    # log-ratios ln 1.5 and ln(2/3) average to 0 -> sequence ratio 1 for both tokens:
+    # nothing is clipped and loss = -A = -1 (token level would clip the 1.5)
+    loss, st = one_row([math.log(1.5), math.log(2 / 3)], 1.0, importance_level="sequence")
+    assert loss.item() == pytest.approx(-1.0)
+    assert st["clip_frac_high"] == 0.0 and st["ratio_max"] == pytest.approx(1.0)
+
+
+def test_aggregations_hand_computed():
+    # row 0 has one token (value 2), row 1 three tokens (value 1 each), T_max = 3
+    values = torch.tensor([[2.0, 9.0, 9.0], [1.0, 1.0, 1.0]])
+    mask = torch.tensor([[True, False, False], [True, True, True]])
+    expect = {
+        "token_mean": 5 / 4,  # (2 + 3) / 4 tokens
+        "seq_mean_token_mean": (2 + 1) / 2,  # mean of row means
+        "seq_mean_token_sum_norm": 5 / (2 * 3),  # sum / (rows * T_max)
+    }
+    for agg, want in expect.items():
+        norm = loss_normalizer(mask, agg, max_new_tokens=3)
+        assert aggregate(values, mask, agg, norm).item() == pytest.approx(want)
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_on_policy_gradient_is_reinforce(aggregation, level):
+    # With beta 0, mu 1 and old = logp (detached), rho = 1 with grad(rho) = grad(logp), so
+    # grad(loss) = -aggregate(A * grad logp) for token level. For sequence level the per-token
+    # gradient is A * mean_t grad(logp) of its row, broadcast to every token of the row.
+    torch.manual_seed(0)
+    logits = torch.randn(4, 5, 7, requires_grad=True)
+    ids = torch.randint(0, 7, (4, 5))
+    mask = torch.rand(4, 5) > 0.3
+    mask[:, 0] = True
+    A = torch.randn(4)
+    cfg = LossSettings(aggregation=aggregation, importance_level=level)
+
+    logp = logits.log_softmax(-1).gather(-1, ids[..., None])[..., 0]
+    loss, _ = policy_loss(logp, logp.detach(), None, A, mask, cfg, max_new_tokens=5)
+    (g_loss,) = torch.autograd.grad(loss, logits)
+
+    logp = logits.log_softmax(-1).gather(-1, ids[..., None])[..., 0]
+    if level == "sequence":
+        f = mask.float()
+        logp = ((logp * f).sum(-1, keepdim=True) / f.sum(-1, keepdim=True)).expand_as(logp)
+    norm = loss_normalizer(mask, aggregation, 5)
+    reinforce = -aggregate(A[:, None] * logp, mask, aggregation, norm)
+    (g_ref,) = torch.autograd.grad(reinforce, logits)
+    torch.testing.assert_close(g_loss, g_ref, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_micro_batches_sum_to_full_batch(aggregation):
+    torch.manual_seed(1)
+    logp = torch.randn(6, 4, requires_grad=True)
+    old, ref = torch.randn(6, 4) * 0.1 + logp.detach(), torch.randn(6, 4)
+    A, mask = torch.randn(6), torch.rand(6, 4) > 0.2
+    cfg = LossSettings(beta=0.05, aggregation=aggregation)
+    norm = loss_normalizer(mask, aggregation, 4)
+    full, _ = policy_loss(logp, old, ref, A, mask, cfg, normalizer=norm)
+    (g_full,) = torch.autograd.grad(full, logp)
+    parts = [
+        policy_loss(logp[s], old[s], ref[s], A[s], mask[s], cfg, normalizer=norm)[0]
+        for s in (slice(0, 2), slice(2, 6))
+    ]
+    (g_parts,) = torch.autograd.grad(sum(parts), logp)
+    assert sum(parts).item() == pytest.approx(full.item(), abs=1e-6)
+    torch.testing.assert_close(g_parts, g_full, rtol=0, atol=1e-7)
