@@ -24,6 +24,25 @@ def cmd_config(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from grpo.config import load_config
+    from grpo.train.grpo import train_grpo
+
+    summary = train_grpo(load_config(args.config, args.overrides), resume=args.resume)
+    print(f"done: {summary['step']} steps; weights in {summary['final']}")
+    return 0
+
+
+def cmd_tiny_model(args) -> int:
+    from grpo.tiny import SIZES, make_tiny_model
+
+    if args.size not in SIZES:
+        raise GrpoError(f"--size must be one of {sorted(SIZES)}, got {args.size!r}")
+    out = make_tiny_model(args.out, size=args.size, seed=args.seed)
+    print(f"wrote a tiny random-init Qwen3 ({args.size}) and its tokenizer to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="grpo", description="GRPO for LLMs in pure PyTorch (run `grpo CMD -h` for help)."
@@ -34,6 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="validate a config and print it resolved")
     _add_config_args(p)
     p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("train", help="GRPO training")
+    _add_config_args(p)
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("tiny-model", help="write a tiny random-init model + tokenizer (offline)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--size", default="ci", help="ci (L=2, C=64) or demo (L=3, C=192)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_tiny_model)
     return parser
 
 

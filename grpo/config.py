@@ -36,6 +36,7 @@ class ModelSourceConfig:
 
     path: str = ""  # local HF-format directory or hub id
     tokenizer: str | None = None  # default: the model path
+    adapter: str | None = None  # a LoRA adapter merged into the weights at load (e.g. SFT's)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "auto"  # auto: cuda when available, else cpu
     gradient_checkpointing: bool = False

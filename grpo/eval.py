@@ -1,0 +1,193 @@
+"""Evaluation of math reasoning: accuracy, pass@k, lengths, steps, format, error categories.
+
+Scoring is pure (`score_completion`, `summarize`) and tested on hand-made completions;
+`evaluate` batches prompts through our sampler (greedy, plus k samples for pass@k).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from grpo.rewards import compare_answers, count_steps, extract_answer, has_final_answer
+from grpo.rewards.extract import parse_number
+
+_EQ_RE = re.compile(
+    r"(-?\d+(?:\.\d+)?)\s*([-+*/x×÷])\s*(-?\d+(?:\.\d+)?)\s*=\s*(-?\d+(?:\.\d+)?)(?![\d.])"
+)
+DIFFICULTY_BUCKETS = (("1-2", 1, 2), ("3-4", 3, 4), ("5+", 5, 10**9))
+
+
+def wrong_calculation(text: str) -> bool:
+    """True when a line holds an `a op b = c` whose c is not a op b."""
+    for a, op, b, c in _EQ_RE.findall(text.replace(",", "")):
+        a, b, c = float(a), float(b), float(c)
+        if op in "x×*":
+            want = a * b
+        elif op in "/÷":
+            if b == 0:
+                return True
+            want = a / b
+        elif op == "+":
+            want = a + b
+        else:
+            want = a - b
+        if abs(want - c) > 1e-6 * max(1.0, abs(want)):
+            return True
+    return False
+
+
+def reference_steps(solution: str) -> int:
+    """Steps of a GSM8K-style reference solution: its non-empty lines before `####`."""
+    body = solution.split("####")[0]
+    return max(1, sum(1 for line in body.splitlines() if line.strip()))
+
+
+def score_completion(text: str, ground_truth: str, n_tokens: int | None = None) -> dict:
+    """Everything evaluation reads off one completion.
+
+    Returns:
+        dict with correct (bool), format_ok (has a Final Answer marker with an answer),
+        steps, n_tokens, pred, abs_error (None unless both numeric), and error_type:
+        None when correct, else "format" (no extractable final answer), "calculation" (a wrong
+        `a op b = c`), or "other".
+    """
+    pred = extract_answer(text) if has_final_answer(text) else None
+    correct = pred is not None and compare_answers(pred, ground_truth)
+    p, t = (parse_number(pred) if pred else None), parse_number(ground_truth)
+    if correct:
+        error = None
+    elif pred is None:
+        error = "format"
+    elif wrong_calculation(text):
+        error = "calculation"
+    else:
+        error = "other"
+    return {
+        "correct": bool(correct),
+        "format_ok": pred is not None,
+        "steps": count_steps(text),
+        "n_tokens": n_tokens,
+        "pred": pred,
+        "abs_error": abs(p - t) if p is not None and t is not None else None,
+        "error_type": error,
+    }
+
+
+def summarize(scored: list[dict], difficulties: list[int] | None = None) -> dict:
+    """Aggregate `score_completion` dicts of greedy completions into the summary metrics."""
+    n = len(scored)
+    if n == 0:
+        return {"n": 0}
+    errors = [s["abs_error"] for s in scored if s["abs_error"] is not None]
+    tokens = [s["n_tokens"] for s in scored if s["n_tokens"] is not None]
+    out = {
+        "n": n,
+        "accuracy": sum(s["correct"] for s in scored) / n,
+        "format_rate": sum(s["format_ok"] for s in scored) / n,
+        "avg_steps": sum(s["steps"] for s in scored) / n,
+        "avg_length": sum(tokens) / len(tokens) if tokens else 0.0,
+        "mean_abs_error": sum(errors) / len(errors) if errors else 0.0,
+        "errors": {
+            kind: sum(s["error_type"] == kind for s in scored)
+            for kind in ("format", "calculation", "other")
+        },
+    }
+    if difficulties is not None:
+        by = {}
+        for name, lo, hi in DIFFICULTY_BUCKETS:
+            hits = [s["correct"] for s, d in zip(scored, difficulties) if lo <= d <= hi]
+            if hits:
+                by[name] = {"n": len(hits), "accuracy": sum(hits) / len(hits)}
+        out["by_difficulty"] = by
+    return out
+
+
+@dataclass
+class EvalResult:
+    summary: dict
+    samples: list[dict] = field(default_factory=list)
+
+
+def evaluate(
+    model,
+    tokenizer,
+    rows: list[dict],
+    *,
+    stop_ids: list[int],
+    max_new_tokens: int = 256,
+    batch_size: int = 32,
+    k: int = 1,
+    temperature: float = 0.8,
+    seed: int = 0,
+    details: bool = False,
+    progress: bool = False,
+) -> EvalResult:
+    """Greedy accuracy and, with k > 1, pass@k / mean@k from k samples per prompt.
+
+    Args:
+        model: a `Decoder` (with or without LoRA).
+        tokenizer: its tokenizer.
+        rows: RL-format rows with `prompt_ids`, `ground_truth` and `full_answer`.
+        stop_ids: ids that end a completion.
+        max_new_tokens: completion length limit.
+        batch_size: prompts per sampler call.
+        k: samples per prompt for pass@k (pass@k = some sample correct; mean@k = the mean).
+        temperature: temperature of the k samples.
+        seed: sampling seed.
+        details: keep per-sample records (prompt, completion, scores).
+
+    Returns:
+        `EvalResult(summary, samples)`.
+    """
+    from grpo.rollout import sample
+
+    scored, samples, diffs, pass_hits, mean_hits = [], [], [], [], []
+    pad = tokenizer.pad_token_id
+    batches = range(0, len(rows), batch_size)
+    for start in tqdm(batches, desc="eval", disable=not progress, leave=False):
+        chunk = rows[start : start + batch_size]
+        prompts = [r["prompt_ids"] for r in chunk]
+        greedy = sample(
+            model, prompts, group_size=1, max_new_tokens=max_new_tokens, temperature=0.0,
+            stop_ids=stop_ids, seed=seed, pad_id=pad,
+        )  # fmt: skip
+        texts = greedy.decode(tokenizer, skip_special_tokens=True)
+        for i, (row, text) in enumerate(zip(chunk, texts)):
+            s = score_completion(text, row["ground_truth"], int(greedy.completion_lens[i]))
+            scored.append(s)
+            diffs.append(reference_steps(row.get("full_answer", "")))
+            if details:
+                samples.append({"question": row.get("question"), "completion": text, **s})
+        if k > 1:
+            many = sample(
+                model, prompts, group_size=k, max_new_tokens=max_new_tokens,
+                temperature=temperature, stop_ids=stop_ids, seed=seed + start + 1, pad_id=pad,
+            )  # fmt: skip
+            ktexts = many.decode(tokenizer, skip_special_tokens=True)
+            for i, row in enumerate(chunk):
+                hits = [
+                    score_completion(t, row["ground_truth"])["correct"]
+                    for t in ktexts[i * k : (i + 1) * k]
+                ]
+                pass_hits.append(any(hits))
+                mean_hits.append(sum(hits) / k)
+    summary = summarize(scored, diffs)
+    if k > 1 and rows:
+        summary[f"pass@{k}"] = sum(pass_hits) / len(pass_hits)
+        summary[f"mean@{k}"] = sum(mean_hits) / len(mean_hits)
+    return EvalResult(summary, samples)
+
+
+def comparison_table(results: dict[str, dict]) -> str:
+    """A Markdown table comparing summaries side by side (e.g. base / SFT / GRPO)."""
+    keys = ["accuracy", "format_rate", "avg_length", "avg_steps", "mean_abs_error"]
+    extra = sorted({k for s in results.values() for k in s if k.startswith(("pass@", "mean@"))})
+    keys += extra
+    lines = ["| model | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    for name, s in results.items():
+        vals = [f"{s[k]:.3f}" if isinstance(s.get(k), float) else str(s.get(k, "")) for k in keys]
+        lines.append(f"| {name} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)

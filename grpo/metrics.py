@@ -1,0 +1,99 @@
+"""One metric logger: a compact stdout line, `metrics.jsonl`, optional TensorBoard / wandb."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+log = logging.getLogger(__name__)
+
+# (metric, short label, format) shown on the stdout line when present.
+STDOUT_KEYS = [
+    ("rollout/reward_mean", "reward", "{:.3f}"),
+    ("rollout/accuracy", "acc", "{:.2f}"),
+    ("train/loss", "loss", "{:.4f}"),
+    ("train/kl", "kl", "{:.4f}"),
+    ("train/clip_frac_high", "clip+", "{:.3f}"),
+    ("rollout/completion_len_mean", "len", "{:.1f}"),
+    ("train/grad_norm", "gnorm", "{:.3f}"),
+    ("train/lr", "lr", "{:.2e}"),
+    ("eval/accuracy", "eval_acc", "{:.3f}"),
+    ("perf/step_s", "s/step", "{:.2f}"),
+]
+
+
+class MetricLogger:
+    """Writes each `log(step, metrics)` as one JSON line and a short stdout line.
+
+    Args:
+        out_dir: run directory; metrics go to out_dir/metrics.jsonl (appended, so a resumed
+            run continues the same file).
+        enabled: False on ranks other than 0 (then every call is a no-op).
+        tensorboard / wandb: also send scalars there (optional dependencies).
+        config: the resolved config dict, given to wandb.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        enabled: bool = True,
+        tensorboard: bool = False,
+        wandb: bool = False,
+        wandb_project: str = "grpo",
+        config: dict | None = None,
+    ):
+        self.enabled = enabled
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self._tb = self._wandb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(out_dir) / "tensorboard"))
+        if wandb:
+            import wandb as wb
+
+            self._wandb = wb.init(project=wandb_project, config=config, dir=str(out_dir))
+
+    def log(self, step: int, metrics: dict[str, float], stdout: bool = True) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **clean}) + "\n")
+        if stdout:
+            parts = [f"step {step}"]
+            for key, label, fmt in STDOUT_KEYS:
+                v = clean.get(key)
+                if isinstance(v, float) and math.isfinite(v):
+                    parts.append(f"{label} {fmt.format(v)}")
+            tqdm.write(" | ".join(parts))
+        for k, v in clean.items():
+            if isinstance(v, float):
+                if self._tb is not None:
+                    self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """All records of a metrics.jsonl (a torn last line, from a kill, is skipped)."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows

@@ -1,0 +1,161 @@
+"""The built-in math reward functions, each made by a factory that takes its parameters.
+
+Every reward function has the signature ``fn(completions: list[str], **columns) -> list[float]``
+with one float per completion. ``columns`` are the dataset columns of the rows (each a list as
+long as ``completions``), plus what the trainer adds:
+
+- ``ground_truth`` (list[str]): the reference final answers; needed by every built-in except
+  ``format``.
+- ``completion_lengths`` (list[int], optional): completion lengths in tokens.
+
+Functions ignore columns they do not use, so any dataset column can reach a custom reward.
+
+| name | reward per completion |
+|---|---|
+| ``accuracy`` | r_acc = 1 if the extracted answer equals the ground truth, else 0 |
+| ``length_penalty`` | r_acc - alpha * max(0, length - target) if correct (floored), else 0 |
+| ``step`` | r_acc + beta * min(steps, cap) |
+| ``format`` | 1 if the completion ends its reasoning with ``Final Answer: <answer>``, else 0 |
+
+``combined`` (a weighted sum of other rewards) lives in ``registry.py`` because it resolves its
+components by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from grpo.errors import GrpoError
+from grpo.rewards.extract import compare_answers, count_steps, extract_answer, has_final_answer
+
+RewardFn = Callable[..., list[float]]
+
+
+@dataclass(frozen=True)
+class NamedReward:
+    """A reward function with the name it is logged under (``rewards/<name>``)."""
+
+    name: str
+    fn: RewardFn
+
+    def __call__(self, completions: list[str], **columns: Any) -> list[float]:
+        return self.fn(completions, **columns)
+
+
+def make_accuracy(tolerance: float = 1e-6) -> RewardFn:
+    """1.0 for a completion whose extracted answer equals its ``ground_truth``, else 0.0.
+
+    Args:
+        tolerance: relative and absolute tolerance of the numeric compare.
+    """
+
+    def accuracy(completions: list[str], **columns: Any) -> list[float]:
+        truths = _column(columns, "ground_truth", len(completions))
+        return [
+            float(compare_answers(extract_answer(c), str(t), tolerance))
+            for c, t in zip(completions, truths)
+        ]
+
+    return accuracy
+
+
+def make_length_penalty(
+    target: int = 200,
+    alpha: float = 0.001,
+    tokenizer: Any = None,
+    floor: float | None = 0.0,
+    tolerance: float = 1e-6,
+) -> RewardFn:
+    """Accuracy minus a penalty for length beyond `target`, applied to correct answers only.
+
+    reward = r_acc - alpha * max(0, length - target) when correct (e.g. target 200, length 500,
+    alpha 0.001 -> 0.7), and 0.0 when wrong. The length is in tokens when the trainer passes
+    ``completion_lengths`` or a `tokenizer` is given, otherwise in characters.
+
+    Args:
+        target: length allowed without penalty.
+        alpha: penalty per unit of length beyond `target`.
+        tokenizer: counts tokens when ``completion_lengths`` is absent (optional).
+        floor: lower bound of a correct answer's reward, so that a long correct answer never
+            scores below a wrong one (default 0.0); None for no bound.
+        tolerance: tolerance of the answer compare.
+    """
+    if target < 0 or alpha < 0:
+        raise GrpoError(f"length_penalty: target and alpha must be >= 0, got {target}, {alpha}")
+
+    def length_penalty(completions: list[str], **columns: Any) -> list[float]:
+        truths = _column(columns, "ground_truth", len(completions))
+        lengths = _lengths(completions, columns.get("completion_lengths"), tokenizer)
+        rewards = []
+        for c, t, n in zip(completions, truths, lengths):
+            if not compare_answers(extract_answer(c), str(t), tolerance):
+                rewards.append(0.0)
+                continue
+            r = 1.0 - alpha * max(0, n - target)
+            rewards.append(r if floor is None else max(floor, r))
+        return rewards
+
+    return length_penalty
+
+
+def make_step(beta: float = 0.1, cap: int | None = None, tolerance: float = 1e-6) -> RewardFn:
+    """Accuracy plus a bonus per reasoning step: r_acc + beta * min(steps, cap).
+
+    Steps are ``Step k:`` markers, or else the non-empty lines before the final answer (see
+    `count_steps`); the bonus applies to wrong answers too (e.g. 3 steps, beta 0.1, correct ->
+    1.3; wrong -> 0.3), so set `cap` to bound it.
+
+    Args:
+        beta: bonus per step.
+        cap: most steps that earn a bonus (None: no cap).
+        tolerance: tolerance of the answer compare.
+    """
+    if cap is not None and cap < 0:
+        raise GrpoError(f"step: cap must be >= 0 or None, got {cap}")
+
+    def step(completions: list[str], **columns: Any) -> list[float]:
+        truths = _column(columns, "ground_truth", len(completions))
+        rewards = []
+        for c, t in zip(completions, truths):
+            steps = count_steps(c) if cap is None else min(count_steps(c), cap)
+            correct = compare_answers(extract_answer(c), str(t), tolerance)
+            rewards.append(float(correct) + beta * steps)
+        return rewards
+
+    return step
+
+
+def make_format() -> RewardFn:
+    """1.0 for a completion with a ``Final Answer: <answer>`` line, else 0.0."""
+
+    def format_reward(completions: list[str], **columns: Any) -> list[float]:
+        return [float(has_final_answer(c)) for c in completions]
+
+    return format_reward
+
+
+def _column(columns: dict[str, Any], name: str, n: int) -> Sequence[Any]:
+    """A per-row column, checked to exist and to have one value per completion."""
+    if name not in columns:
+        have = ", ".join(sorted(columns)) or "none"
+        raise GrpoError(f"needs the column {name!r} (columns given: {have})")
+    values = columns[name]
+    if len(values) != n:
+        raise GrpoError(f"column {name!r} has {len(values)} values for {n} completions")
+    return values
+
+
+def _lengths(completions: list[str], lengths: Any, tokenizer: Any) -> list[int]:
+    """Token lengths when given or countable with `tokenizer`, else character lengths."""
+    if lengths is not None:
+        if len(lengths) != len(completions):
+            raise GrpoError(
+                f"column 'completion_lengths' has {len(lengths)} values "
+                f"for {len(completions)} completions"
+            )
+        return [int(n) for n in lengths]
+    if tokenizer is not None:
+        return [len(tokenizer.encode(c, add_special_tokens=False)) for c in completions]
+    return [len(c) for c in completions]

@@ -1,0 +1,1 @@
+"""Training loops (SFT, GRPO) and what they share: optimizer, schedule, state, checkpoints."""

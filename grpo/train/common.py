@@ -1,0 +1,170 @@
+"""What the SFT and GRPO loops share: device, policy (model + LoRA + tokenizer), data rows,
+the run directory, and saving the final weights."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from grpo.config import Config, save_config
+from grpo.data import format_math_dataset, get_dataset
+from grpo.errors import GrpoError
+from grpo.lora import apply_lora, load_adapter, lora_modules, save_adapter, unwrap_lora
+from grpo.models import Decoder, load_model, save_pretrained
+from grpo.tokenizer import load_tokenizer, stop_ids
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise GrpoError(
+            f"model.device: {name!r} is not a device (auto, cpu, cuda, cuda:N)"
+        ) from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise GrpoError(f"model.device is {name!r} but CUDA is not available")
+    return dev
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class Policy:
+    """The model being trained and what goes with it."""
+
+    model: Decoder
+    tokenizer: object
+    stop_ids: list[int]
+    ref_model: Decoder | None  # a frozen copy for full fine-tuning with beta > 0
+    model_dir: Path
+    lora: bool
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def build_policy(cfg: Config, device: torch.device, need_ref: bool, adapter: str | None = None):
+    """Load the checkpoint and tokenizer, add LoRA (or unfreeze all), make the reference.
+
+    Args:
+        cfg: the run config (model, lora sections).
+        device: where the model lives.
+        need_ref: a reference policy is needed (beta > 0). LoRA runs use the base model through
+            `disabled_lora`; full fine-tuning gets a frozen deep copy.
+        adapter: start from this LoRA adapter directory (overrides cfg.lora.adapter).
+    """
+    model_dir = Path(cfg.model.path)
+    model = load_model(cfg.model.path, dtype=cfg.model.dtype, device=device)
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+    if cfg.model.adapter:  # e.g. the SFT adapter: folded in, so it is also the reference
+        load_adapter(model, cfg.model.adapter)
+        unwrap_lora(model)
+    adapter = adapter or cfg.lora.adapter
+    if cfg.lora.enabled:
+        if adapter:
+            load_adapter(model, adapter)
+            for m in lora_modules(model).values():  # an adapter to continue training
+                m.lora_a.requires_grad_(True)
+                m.lora_b.requires_grad_(True)
+        else:
+            apply_lora(
+                model,
+                rank=cfg.lora.rank,
+                alpha=cfg.lora.alpha,
+                dropout=cfg.lora.dropout,
+                targets=cfg.lora.targets,
+                seed=cfg.train.seed,
+            )
+    else:
+        if adapter:
+            raise GrpoError("lora.adapter is set but lora.enabled is false")
+        for p in model.parameters():
+            p.requires_grad_(True)
+    model.gradient_checkpointing = cfg.model.gradient_checkpointing
+    ref = None
+    if need_ref and not cfg.lora.enabled:
+        ref = copy.deepcopy(model).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+    ids = stop_ids(tokenizer, model_dir if model_dir.is_dir() else None)
+    return Policy(model, tokenizer, ids, ref, model_dir, cfg.lora.enabled)
+
+
+def load_rows(cfg: Config, split: str, max_samples: int | None, format_type: str, tokenizer):
+    """Dataset rows of `split` in the SFT or RL format, with the prompt's token ids added.
+
+    A prompt longer than data.max_prompt_len fails, naming its row and length.
+    """
+    kwargs = {}
+    if cfg.data.dataset == "minimath":
+        kwargs = {"seed": cfg.data.seed, "difficulty": cfg.data.difficulty}
+    elif cfg.data.dataset == "gsm8k" and cfg.data.source:
+        kwargs = {"source": cfg.data.source}
+    ds = get_dataset(cfg.data.dataset, split=split, max_samples=max_samples, **kwargs)
+    if len(ds) == 0:
+        raise GrpoError(f"data: dataset {cfg.data.dataset!r} split {split!r} has no rows")
+    ds = format_math_dataset(
+        ds,
+        format_type,
+        tokenizer=tokenizer,
+        system_prompt=cfg.data.system_prompt,
+        enable_thinking=cfg.data.enable_thinking,
+    )
+    rows = ds.to_list()
+    for i, row in enumerate(rows):
+        row["prompt_ids"] = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+        if len(row["prompt_ids"]) > cfg.data.max_prompt_len:
+            raise GrpoError(
+                f"data: prompt of row {i} of {cfg.data.dataset!r} ({split}) has "
+                f"{len(row['prompt_ids'])} tokens > data.max_prompt_len {cfg.data.max_prompt_len}"
+            )
+    return rows
+
+
+def prepare_run_dir(cfg: Config, resume: bool, rank0: bool = True) -> Path:
+    """Create the run directory and write the resolved config beside the outputs."""
+    out = Path(cfg.train.output_dir)
+    if rank0:
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out / ("config.resume.yaml" if resume else "config.yaml"))
+    return out
+
+
+def save_final(policy: Policy, out_dir: Path, cfg: Config) -> Path:
+    """Write the trained weights: a PEFT-format adapter for LoRA, a full HF checkpoint else,
+    plus the tokenizer, into out_dir/final."""
+    final = out_dir / "final"
+    tmp = out_dir / ".final.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    if policy.lora:
+        save_adapter(policy.model, tmp, base_model_name_or_path=str(cfg.model.path))
+    else:
+        save_pretrained(policy.model, tmp)
+    policy.tokenizer.save_pretrained(str(tmp))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    return final
+
+
+def due(step: int, every: int, last: bool) -> bool:
+    """True at the last step and every `every` steps (every = 0: only the last)."""
+    return last or (every > 0 and step % every == 0)

@@ -1,0 +1,394 @@
+"""The GRPO loop: rollout -> rewards -> advantages -> ref log-probs -> mu updates -> log -> save.
+
+Each phase is one function over plain values; `train_grpo` only sequences them. Shapes:
+P prompts per step, G completions per prompt, B = P*G rows, T_c completion tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from grpo.algo.advantages import group_advantages, zero_std_groups
+from grpo.algo.logprobs import completion_logprobs
+from grpo.algo.losses import loss_normalizer, policy_loss
+from grpo.config import Config, config_to_dict
+from grpo.errors import GrpoError
+from grpo.lora import disabled_lora
+from grpo.metrics import MetricLogger
+from grpo.rewards import build_rewards, compute_rewards
+from grpo.rollout import Rollout, Sampler
+from grpo.train.common import (
+    build_policy,
+    due,
+    load_rows,
+    prepare_run_dir,
+    resolve_device,
+    save_final,
+    seed_everything,
+)
+from grpo.train.optim import build_optimizer, build_scheduler
+from grpo.train.state import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    """One step's training data: rollouts plus everything the loss needs, all (B, ...)."""
+
+    rollout: Rollout
+    rows: list[dict]  # B dataset rows (each prompt's row repeated G times)
+    rewards: torch.Tensor  # (B,)
+    per_fn: dict[str, torch.Tensor]  # name -> (B,)
+    advantages: torch.Tensor  # (B,)
+    loss_mask: torch.Tensor  # (B, T_c) bool: completion_mask, minus truncated rows if asked
+    texts: list[str]
+    frac_zero_std: float
+    ref_logprobs: torch.Tensor | None = None  # (B, T_c)
+
+
+def derive_seed(*parts: int) -> int:
+    """A sampler seed from (seed, rank, step, round): distinct, reproducible streams."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
+
+
+def next_prompts(state: TrainState, n_rows: int, count: int, seed: int) -> list[int]:
+    """The next `count` row indices of a per-epoch shuffled order; advances `state`."""
+    out = []
+    while len(out) < count:
+        order = np.random.default_rng([seed, state.epoch]).permutation(n_rows)
+        take = order[state.data_index : state.data_index + count - len(out)]
+        out.extend(int(i) for i in take)
+        state.data_index += len(take)
+        if state.data_index >= n_rows:
+            state.epoch, state.data_index = state.epoch + 1, 0
+    return out
+
+
+def select_rows(r: Rollout, idx: torch.Tensor) -> Rollout:
+    """The rollout restricted to rows `idx` (whole groups)."""
+    return Rollout(
+        ids=r.ids[idx],
+        prompt_lens=r.prompt_lens[idx],
+        prompt_width=r.prompt_width,
+        completion_ids=r.completion_ids[idx],
+        completion_mask=r.completion_mask[idx],
+        completion_lens=r.completion_lens[idx],
+        finished=r.finished[idx],
+        logprobs=r.logprobs[idx],
+        group_size=r.group_size,
+    )
+
+
+def rollout_phase(cfg: Config, policy, sampler, rows, state, reward_fns, seed_parts) -> Batch:
+    """Sample G completions for P prompts, score them, compute advantages.
+
+    With loss.dynamic_sampling, groups whose rewards are all equal (no signal) are dropped and
+    new prompts sampled in up to loss.max_sampling_rounds rounds; if still short, dropped
+    groups fill the batch so its size stays fixed.
+    """
+    G = cfg.rollout.group_size
+    P = cfg.train.batch_size // G
+    kept: list[tuple] = []  # (rollout piece, rows, rewards, per_fn, texts)
+    spare: list[tuple] = []
+    frac_zero = None
+    for round_ in range(cfg.loss.max_sampling_rounds if cfg.loss.dynamic_sampling else 1):
+        idx = next_prompts(state, len(rows), P - len(kept), cfg.train.seed)
+        rollout = sampler.sample(
+            [rows[i]["prompt_ids"] for i in idx],
+            group_size=G,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature,
+            top_k=cfg.rollout.top_k,
+            top_p=cfg.rollout.top_p,
+            min_p=cfg.rollout.min_p,
+            stop_ids=policy.stop_ids,
+            seed=derive_seed(*seed_parts, round_),
+            pad_id=policy.tokenizer.pad_token_id,
+        )
+        brows = [rows[i] for i in idx for _ in range(G)]
+        texts = rollout.decode(policy.tokenizer, skip_special_tokens=True)
+        columns = {k: [r[k] for r in brows] for k in brows[0] if k != "prompt_ids"}
+        columns["completion_lengths"] = rollout.completion_lens.tolist()
+        total, per_fn = compute_rewards(reward_fns, texts, columns)
+        zero = zero_std_groups(total, G)  # (P_round,)
+        frac_zero = float(zero.float().mean()) if frac_zero is None else frac_zero
+        for p in range(len(idx)):
+            sl = slice(p * G, (p + 1) * G)
+            piece = (
+                select_rows(rollout, torch.arange(sl.start, sl.stop)),
+                brows[sl],
+                total[sl],
+                {k: v[sl] for k, v in per_fn.items()},
+                texts[sl],
+            )
+            (spare if cfg.loss.dynamic_sampling and zero[p] else kept).append(piece)
+        if len(kept) >= P:
+            break
+    kept = (kept + spare)[:P]
+    rollout = _cat_rollouts([k[0] for k in kept], policy.tokenizer.pad_token_id)
+    rewards = torch.cat([k[2] for k in kept])
+    per_fn = {name: torch.cat([k[3][name] for k in kept]) for name in kept[0][3]}
+    advantages = group_advantages(rewards, G, cfg.loss.advantage_scale, cfg.loss.advantage_eps)
+    loss_mask = rollout.completion_mask.clone()
+    if cfg.loss.mask_truncated_completions:
+        loss_mask &= rollout.finished[:, None]
+    return Batch(
+        rollout=rollout,
+        rows=[r for k in kept for r in k[1]],
+        rewards=rewards,
+        per_fn=per_fn,
+        advantages=advantages.to(rollout.ids.device),
+        loss_mask=loss_mask,
+        texts=[t for k in kept for t in k[4]],
+        frac_zero_std=frac_zero,
+    )
+
+
+def _cat_rollouts(pieces: list[Rollout], pad_id: int) -> Rollout:
+    """Concatenate rollout pieces of (maybe) different prompt widths and completion lengths."""
+    if len(pieces) == 1:
+        return pieces[0]
+    T_p = max(p.prompt_width for p in pieces)
+    T_c = max(p.completion_ids.shape[1] for p in pieces)
+
+    def pad(x, left, right, value):
+        return torch.nn.functional.pad(x, (left, right), value=value)
+
+    ids, cids, cmask, lps = [], [], [], []
+    for p in pieces:
+        dl, dr = T_p - p.prompt_width, T_c - p.completion_ids.shape[1]
+        cids.append(pad(p.completion_ids, 0, dr, pad_id))
+        ids.append(torch.cat([pad(p.prompt_ids, dl, 0, pad_id), cids[-1]], 1))
+        cmask.append(pad(p.completion_mask, 0, dr, False))
+        lps.append(pad(p.logprobs, 0, dr, 0.0))
+    return Rollout(
+        ids=torch.cat(ids),
+        prompt_lens=torch.cat([p.prompt_lens for p in pieces]),
+        prompt_width=T_p,
+        completion_ids=torch.cat(cids),
+        completion_mask=torch.cat(cmask),
+        completion_lens=torch.cat([p.completion_lens for p in pieces]),
+        finished=torch.cat([p.finished for p in pieces]),
+        logprobs=torch.cat(lps),
+        group_size=pieces[0].group_size,
+    )
+
+
+def micro_batches(B: int, size: int):
+    for start in range(0, B, size):
+        yield slice(start, min(B, start + size))
+
+
+def _logprobs(cfg: Config, model, batch: Batch, sl: slice, entropy: bool = False):
+    r = batch.rollout
+    with torch.autocast(model.device.type, torch.bfloat16, enabled=cfg.model.autocast_bf16):
+        return completion_logprobs(
+            model,
+            r.ids[sl],
+            r.attention_mask()[sl],
+            r.prompt_width,
+            batch.loss_mask[sl],
+            temperature=cfg.rollout.temperature or 1.0,  # greedy rollouts score at T=1
+            return_entropy=entropy,
+        )
+
+
+@torch.no_grad()
+def reference_phase(cfg: Config, policy, batch: Batch) -> None:
+    """ref log-probs (B, T_c): the base model via disabled LoRA, or the frozen copy."""
+    if cfg.loss.beta == 0:
+        return
+    mb = cfg.train.micro_batch_size or cfg.train.batch_size
+    B = batch.rollout.ids.shape[0]
+    if policy.ref_model is not None:
+        parts = [_logprobs(cfg, policy.ref_model, batch, sl) for sl in micro_batches(B, mb)]
+    else:
+        with disabled_lora(policy.model):
+            parts = [_logprobs(cfg, policy.model, batch, sl) for sl in micro_batches(B, mb)]
+    batch.ref_logprobs = torch.cat(parts)
+
+
+def update_phase(cfg: Config, policy, batch: Batch, optimizer, scheduler, params) -> dict:
+    """mu passes over the batch; each pass is one optimizer step over all micro-batches."""
+    model = policy.model
+    model.train()
+    B = batch.rollout.ids.shape[0]
+    mb = cfg.train.micro_batch_size or cfg.train.batch_size
+    norm = loss_normalizer(batch.loss_mask, cfg.loss.aggregation, cfg.rollout.max_new_tokens)
+    sums: dict[str, float] = {}
+    ratio_max, losses, grad_norms = 0.0, [], []
+    for _ in range(cfg.loss.num_iterations):
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for sl in micro_batches(B, mb):
+            logprobs, entropy = _logprobs(cfg, model, batch, sl, entropy=True)
+            ref = batch.ref_logprobs[sl] if batch.ref_logprobs is not None else None
+            loss, st = policy_loss(
+                logprobs,
+                batch.rollout.logprobs[sl],
+                ref,
+                batch.advantages[sl],
+                batch.loss_mask[sl],
+                cfg.loss,
+                normalizer=norm,
+                max_new_tokens=cfg.rollout.max_new_tokens,
+                entropy=entropy,
+            )
+            loss.backward()
+            total += loss.item()
+            w = st["tokens"]
+            for k in ("kl", "clip_frac_low", "clip_frac_high", "ratio_mean", "entropy"):
+                sums[k] = sums.get(k, 0.0) + st.get(k, 0.0) * w
+            sums["tokens"] = sums.get("tokens", 0.0) + w
+            sums["policy_loss"] = sums.get("policy_loss", 0.0) + st["policy_loss"]
+            ratio_max = max(ratio_max, st["ratio_max"])
+        max_norm = cfg.optim.max_grad_norm or math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if not math.isfinite(grad_norm) or not math.isfinite(total):
+            raise GrpoError(
+                f"non-finite loss ({total}) or gradient norm ({grad_norm}); "
+                "lower optim.lr or check the rewards"
+            )
+        optimizer.step()
+        scheduler.step()
+        losses.append(total)
+        grad_norms.append(grad_norm)
+    model.eval()
+    mu, n = cfg.loss.num_iterations, max(sums.get("tokens", 0.0), 1.0)
+    out = {f"train/{k}": sums.get(k, 0.0) / n for k in ("kl", "clip_frac_low", "clip_frac_high")}
+    out.update(
+        {
+            "train/loss": sum(losses) / mu,
+            "train/policy_loss": sums.get("policy_loss", 0.0) / mu,
+            "train/ratio_mean": sums.get("ratio_mean", 0.0) / n,
+            "train/ratio_max": ratio_max,
+            "train/entropy": sums.get("entropy", 0.0) / n,
+            "train/grad_norm": sum(grad_norms) / mu,
+            "train/lr": scheduler.get_last_lr()[0],
+        }
+    )
+    return out
+
+
+def rollout_metrics(batch: Batch, G: int) -> dict:
+    lens = batch.rollout.completion_lens.float()
+    out = {
+        "rollout/reward_mean": float(batch.rewards.mean()),
+        "rollout/reward_std": float(batch.rewards.std()) if len(batch.rewards) > 1 else 0.0,
+        "rollout/frac_zero_std_groups": batch.frac_zero_std,
+        "rollout/completion_len_mean": float(lens.mean()),
+        "rollout/completion_len_min": float(lens.min()),
+        "rollout/completion_len_max": float(lens.max()),
+        "rollout/truncated_frac": float((~batch.rollout.finished).float().mean()),
+    }
+    for name, v in batch.per_fn.items():
+        out[f"rewards/{name}"] = float(v.mean())
+    if "accuracy" in batch.per_fn:
+        out["rollout/accuracy"] = float(batch.per_fn["accuracy"].mean())
+    return out
+
+
+def peak_mem_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def train_grpo(cfg: Config, resume: bool = False) -> dict:
+    """Run GRPO as configured; returns a summary (final metrics, paths)."""
+    from grpo.eval import evaluate
+
+    device = resolve_device(cfg.model.device)
+    seed_everything(cfg.train.seed)
+    out_dir = prepare_run_dir(cfg, resume)
+    policy = build_policy(cfg, device, need_ref=cfg.loss.beta > 0)
+    rows = load_rows(cfg, cfg.data.split, cfg.data.max_samples, "rl", policy.tokenizer)
+    eval_rows = None
+    if cfg.data.eval_samples:
+        n_eval = cfg.data.eval_samples
+        eval_rows = load_rows(cfg, cfg.data.eval_split, n_eval, "rl", policy.tokenizer)
+    reward_fns = build_rewards(
+        [{"name": r.name, "weight": r.weight, **r.kwargs} for r in cfg.rewards]
+    )
+    params = policy.trainable_parameters()
+    optimizer = build_optimizer(params, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.train.max_steps * cfg.loss.num_iterations, cfg.optim)
+    state = TrainState()
+    if resume:
+        ckpt = latest_checkpoint(out_dir)
+        if ckpt is None:
+            raise GrpoError(f"--resume: no checkpoint in {out_dir / 'checkpoints'}")
+        state = load_checkpoint(ckpt, policy.model, optimizer, scheduler)
+        log.info("resumed from %s (step %d)", ckpt, state.step)
+    policy.model.eval()
+    sampler = Sampler(policy.model, compile=cfg.rollout.compile)
+    logger = MetricLogger(
+        out_dir, True, cfg.log.tensorboard, cfg.log.wandb, cfg.log.wandb_project,
+        config_to_dict(cfg),
+    )  # fmt: skip
+    G = cfg.rollout.group_size
+
+    def run_eval() -> dict:
+        res = evaluate(
+            policy.model, policy.tokenizer, eval_rows, stop_ids=policy.stop_ids,
+            max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+            batch_size=cfg.eval.batch_size,
+        )  # fmt: skip
+        return {f"eval/{k}": v for k, v in res.summary.items() if isinstance(v, (int, float))}
+
+    metrics: dict = {}
+    bar = tqdm(
+        total=cfg.train.max_steps, initial=state.step, desc="grpo", disable=not cfg.train.progress
+    )
+    while state.step < cfg.train.max_steps:
+        t0 = time.perf_counter()
+        batch = rollout_phase(
+            cfg, policy, sampler, rows, state, reward_fns, (cfg.train.seed, 0, state.step)
+        )
+        t1 = time.perf_counter()
+        reference_phase(cfg, policy, batch)
+        t2 = time.perf_counter()
+        metrics = rollout_metrics(batch, G)
+        metrics.update(update_phase(cfg, policy, batch, optimizer, scheduler, params))
+        t3 = time.perf_counter()
+        state.step += 1
+        tokens = int(batch.rollout.completion_mask.sum())
+        metrics.update(
+            {
+                "perf/step_s": t3 - t0,
+                "perf/rollout_s": t1 - t0,
+                "perf/logprob_s": t2 - t1,
+                "perf/update_s": t3 - t2,
+                "perf/tokens_per_s": tokens / max(t3 - t0, 1e-9),
+                "perf/peak_mem_mib": peak_mem_mib(device),
+            }
+        )
+        last = state.step == cfg.train.max_steps
+        if eval_rows and (
+            last or (cfg.train.eval_every and state.step % cfg.train.eval_every == 0)
+        ):
+            metrics.update(run_eval())
+        if state.step % cfg.train.log_every == 0 or last:
+            logger.log(state.step, metrics)
+        if cfg.train.sample_every and state.step % cfg.train.sample_every == 0:
+            tqdm.write(f"[sample] reward {float(batch.rewards[0]):.2f}: {batch.texts[0]!r}")
+        if due(state.step, cfg.train.save_every, last):
+            save_checkpoint(
+                out_dir, state, policy.model, optimizer, scheduler, config_to_dict(cfg),
+                cfg.train.keep_last,
+            )  # fmt: skip
+        bar.update(1)
+    bar.close()
+    logger.close()
+    final = save_final(policy, out_dir, cfg)
+    return {"output_dir": str(out_dir), "final": str(final), "step": state.step, **metrics}

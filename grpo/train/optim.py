@@ -1,0 +1,41 @@
+"""AdamW and the learning-rate schedule (linear warmup, then cosine decay or constant)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def build_optimizer(params, cfg) -> torch.optim.AdamW:
+    """AdamW over `params` (trainable only); no weight decay on 1-d tensors (norms, biases).
+
+    Args:
+        params: iterable of parameters (those with requires_grad are kept).
+        cfg: an `OptimConfig`.
+    """
+    params = [p for p in params if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+
+
+def lr_lambda(step: int, total_steps: int, cfg) -> float:
+    """Multiplier of cfg.lr at optimizer step `step` (0-based) of `total_steps`."""
+    warmup = int(round(cfg.warmup_ratio * total_steps))
+    if step < warmup:
+        return (step + 1) / warmup
+    if cfg.schedule == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
+
+
+def build_scheduler(optimizer, total_steps: int, cfg) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_lambda(step, total_steps, cfg)
+    )

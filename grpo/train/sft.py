@@ -1,0 +1,172 @@
+"""Supervised fine-tuning on worked solutions: completion-only token-mean cross-entropy.
+
+Each example is a left-padded prompt followed by its completion; only completion tokens count
+(prompt tokens are masked), and the loss of a step is the mean over all completion tokens of
+the step's batch, so micro-batches with gradient accumulation equal one full batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from grpo.algo.logprobs import completion_logprobs
+from grpo.config import Config, config_to_dict
+from grpo.errors import GrpoError
+from grpo.metrics import MetricLogger
+from grpo.train.common import (
+    build_policy,
+    due,
+    load_rows,
+    prepare_run_dir,
+    resolve_device,
+    save_final,
+    seed_everything,
+)
+from grpo.train.grpo import micro_batches, next_prompts, peak_mem_mib
+from grpo.train.optim import build_optimizer, build_scheduler
+from grpo.train.state import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+def tokenize_sft(rows: list[dict], tokenizer, max_completion: int) -> list[dict]:
+    """Add `completion_ids` (truncated to max_completion tokens) to SFT rows."""
+    for row in rows:
+        ids = tokenizer(row["completion"], add_special_tokens=False)["input_ids"]
+        row["completion_ids"] = ids[:max_completion]
+    return rows
+
+
+def collate(rows: list[dict], pad_id: int, device) -> dict:
+    """Left-padded prompts + right-padded completions, with masks from lengths.
+
+    Returns:
+        ids (B, T_p + T_c), attention_mask (same, bool), completion_mask (B, T_c) bool,
+        prompt_width T_p.
+    """
+    T_p = max(len(r["prompt_ids"]) for r in rows)
+    T_c = max(len(r["completion_ids"]) for r in rows)
+    B = len(rows)
+    ids = torch.full((B, T_p + T_c), pad_id, dtype=torch.long)
+    attn = torch.zeros(B, T_p + T_c, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        p, c = r["prompt_ids"], r["completion_ids"]
+        ids[b, T_p - len(p) : T_p] = torch.tensor(p)
+        ids[b, T_p : T_p + len(c)] = torch.tensor(c)
+        attn[b, T_p - len(p) : T_p + len(c)] = True
+    return {
+        "ids": ids.to(device),
+        "attention_mask": attn.to(device),
+        "completion_mask": attn[:, T_p:].to(device),
+        "prompt_width": T_p,
+    }
+
+
+def sft_loss(cfg: Config, model, batch: dict, normalizer: float) -> tuple[torch.Tensor, int]:
+    """sum of -log p(completion tokens) / normalizer, and the number of tokens."""
+    with torch.autocast(model.device.type, torch.bfloat16, enabled=cfg.model.autocast_bf16):
+        logprobs = completion_logprobs(
+            model,
+            batch["ids"],
+            batch["attention_mask"],
+            batch["prompt_width"],
+            batch["completion_mask"],
+        )  # (B, T_c), 0 where masked
+    return -logprobs.sum() / normalizer, int(batch["completion_mask"].sum())
+
+
+def total_sft_steps(cfg: Config, n_rows: int) -> int:
+    if cfg.train.epochs is None:
+        return cfg.train.max_steps
+    return max(1, math.ceil(cfg.train.epochs * n_rows / cfg.train.batch_size))
+
+
+def train_sft(cfg: Config, resume: bool = False) -> dict:
+    """Run SFT as configured; returns a summary (final metrics, paths)."""
+    from grpo.eval import evaluate
+
+    device = resolve_device(cfg.model.device)
+    seed_everything(cfg.train.seed)
+    out_dir = prepare_run_dir(cfg, resume)
+    policy = build_policy(cfg, device, need_ref=False)
+    tok = policy.tokenizer
+    rows = load_rows(cfg, cfg.data.split, cfg.data.max_samples, "sft", tok)
+    rows = tokenize_sft(rows, tok, cfg.rollout.max_new_tokens)
+    eval_rows = None
+    if cfg.data.eval_samples:
+        eval_rows = load_rows(cfg, cfg.data.eval_split, cfg.data.eval_samples, "rl", tok)
+    params = policy.trainable_parameters()
+    optimizer = build_optimizer(params, cfg.optim)
+    steps = total_sft_steps(cfg, len(rows))
+    scheduler = build_scheduler(optimizer, steps, cfg.optim)
+    state = TrainState()
+    if resume:
+        ckpt = latest_checkpoint(out_dir)
+        if ckpt is None:
+            raise GrpoError(f"--resume: no checkpoint in {out_dir / 'checkpoints'}")
+        state = load_checkpoint(ckpt, policy.model, optimizer, scheduler)
+    logger = MetricLogger(
+        out_dir, True, cfg.log.tensorboard, cfg.log.wandb, cfg.log.wandb_project,
+        config_to_dict(cfg),
+    )  # fmt: skip
+    mb = cfg.train.micro_batch_size or cfg.train.batch_size
+    metrics: dict = {}
+    bar = tqdm(total=steps, initial=state.step, desc="sft", disable=not cfg.train.progress)
+    while state.step < steps:
+        t0 = time.perf_counter()
+        idx = next_prompts(state, len(rows), cfg.train.batch_size, cfg.train.seed)
+        batch_rows = [rows[i] for i in idx]
+        norm = float(sum(len(r["completion_ids"]) for r in batch_rows))
+        policy.model.train()
+        optimizer.zero_grad(set_to_none=True)
+        total, tokens = 0.0, 0
+        for sl in micro_batches(len(batch_rows), mb):
+            batch = collate(batch_rows[sl], tok.pad_token_id, device)
+            loss, n = sft_loss(cfg, policy.model, batch, norm)
+            loss.backward()
+            total, tokens = total + loss.item(), tokens + n
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm or np.inf))
+        if not (math.isfinite(total) and math.isfinite(grad_norm)):
+            raise GrpoError(f"non-finite loss ({total}) or grad norm ({grad_norm}); lower optim.lr")
+        optimizer.step()
+        scheduler.step()
+        policy.model.eval()
+        state.step += 1
+        dt = time.perf_counter() - t0
+        metrics = {
+            "train/loss": total,
+            "train/grad_norm": grad_norm,
+            "train/lr": scheduler.get_last_lr()[0],
+            "train/epoch": state.epoch + state.data_index / len(rows),
+            "perf/step_s": dt,
+            "perf/tokens_per_s": tokens / max(dt, 1e-9),
+            "perf/peak_mem_mib": peak_mem_mib(device),
+        }
+        last = state.step == steps
+        if eval_rows and (
+            last or (cfg.train.eval_every and state.step % cfg.train.eval_every == 0)
+        ):
+            res = evaluate(
+                policy.model, tok, eval_rows, stop_ids=policy.stop_ids,
+                max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+                batch_size=cfg.eval.batch_size,
+            )  # fmt: skip
+            metrics.update({f"eval/{k}": v for k, v in res.summary.items() if k != "errors"})
+        if state.step % cfg.train.log_every == 0 or last:
+            logger.log(state.step, {k: v for k, v in metrics.items() if not isinstance(v, dict)})
+        if due(state.step, cfg.train.save_every, last):
+            save_checkpoint(
+                out_dir, state, policy.model, optimizer, scheduler, config_to_dict(cfg),
+                cfg.train.keep_last,
+            )  # fmt: skip
+        bar.update(1)
+    bar.close()
+    logger.close()
+    final = save_final(policy, out_dir, cfg)
+    return {"output_dir": str(out_dir), "final": str(final), "step": state.step, **metrics}

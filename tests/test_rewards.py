@@ -1,0 +1,361 @@
+"""Tests for grpo.rewards: answer extraction, reward formulas, the registry, batch checks."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo.data.formats import sft_solution, split_solution
+from grpo.errors import GrpoError
+from grpo.rewards import (
+    build_rewards,
+    compare_answers,
+    compute_rewards,
+    count_steps,
+    extract_answer,
+    get_reward,
+    has_final_answer,
+    make_combined,
+    make_length_penalty,
+    make_step,
+    register_reward,
+)
+from grpo.rewards import registry as reward_registry
+
+GSM8K_DIR = Path(__file__).resolve().parents[1].parent / "shared/data/gsm8k"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_registry(monkeypatch):
+    """Each test registers into its own empty registry."""
+    monkeypatch.setattr(reward_registry, "_REGISTERED", {})
+
+
+# ---------------------------------------------------------------- extraction
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("Step 1: 3+5 = 8\nFinal Answer: 8", "8"),
+        ("final answer: 42", "42"),  # case-insensitive
+        ("**Final Answer:** 72", "72"),
+        ("**Final Answer**: 7 km", "7"),
+        ("Final Answer:\n15", "15"),  # answer on the next line
+        ("Final Answer: 5 + 3 = 8", "8"),  # keeps what follows the last '='
+        ("Final Answer: $1,234.50", "1234.5"),  # currency, thousands, trailing zero
+        ("Final Answer: 25%", "25"),
+        ("Final Answer: 12 apples.", "12"),  # units and period
+        ("Final Answer: -7", "-7"),
+        ("Final Answer: 3/4", "3/4"),
+        ("Final Answer: 0.50", "0.5"),
+        ("Final Answer: .5", "0.5"),
+        ("Final Answer: \\boxed{9}", "9"),
+        ("Final Answer: yes.", "yes"),  # no number: the text itself
+        ("Natalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72", "72"),
+        ("#### 1,200", "1200"),
+        ("#### -3", "-3"),
+        ("The answer is \\boxed{14}.", "14"),
+        ("So \\boxed{\\frac{3}{4}} cup", "3/4"),
+        ("\\boxed{\\text{5 dollars}}", "5"),
+        ("\\boxed{1{,}000}", "1000"),  # LaTeX thousands separator
+        ("He paid $18 in total.", "18"),  # last number
+        ("It costs -$5 now", "-5"),
+        ("costs $-5", "-5"),
+        ("5-3 is 2 and then 10-4", "4"),  # a hyphen between numbers is not a sign
+        ("temperature fell to -4.5 degrees", "-4.5"),
+        ("about 1,000,000 people", "1000000"),
+        ("he ate 3/8 of the pie", "3/8"),
+        ("-0", "0"),
+    ],
+)
+def test_extract_answer_cases(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_extract_answer_precedence():
+    # Final Answer beats ####, which beats \boxed, which beats the last number.
+    assert extract_answer("#### 1\n\\boxed{2} 3\nFinal Answer: 4\n5") == "4"
+    assert extract_answer("\\boxed{2}\n#### 1\n9") == "1"
+    assert extract_answer("\\boxed{2} then 9") == "2"
+    # the last marker of a kind wins
+    assert extract_answer("Final Answer: 1\nno wait\nFinal Answer: 2") == "2"
+    # an empty marker falls through to the next rule
+    assert extract_answer("#### 6\nFinal Answer:") == "6"
+
+
+@pytest.mark.parametrize("text", ["", None, "no numbers here", "Final Answer:"])
+def test_extract_answer_none(text):
+    assert extract_answer(text) is None
+
+
+@pytest.mark.parametrize(
+    "pred, truth, expected",
+    [
+        ("72", "72", True),
+        ("72.0", "72", True),
+        ("1200", "1,200", True),
+        ("0.75", "3/4", True),
+        ("$5.50", "5.5", True),
+        ("25%", "25", True),
+        ("-3", "3", False),
+        ("72", "73", False),
+        ("1/3", "0.333", False),
+        ("Yes", "yes.", True),  # string fallback
+        ("yes", "no", False),
+        ("7", "seven", False),
+        (None, "1", False),
+        ("3/0", "3/0", True),  # zero denominator: not a number, compared as text
+    ],
+)
+def test_compare_answers(pred, truth, expected):
+    assert compare_answers(pred, truth) is expected
+
+
+def test_compare_answers_tolerance():
+    assert compare_answers("1.0000001", "1")
+    assert not compare_answers("1.001", "1")
+    assert compare_answers("1.001", "1", tolerance=1e-2)
+
+
+def test_count_steps_and_format_marker():
+    assert count_steps("Step 1: a\nStep 2: b\nstep 3) c\nFinal Answer: 1") == 3
+    assert count_steps("first line\n\nsecond line\nFinal Answer: 1") == 2  # lines, no markers
+    assert count_steps("a\nb\n#### 3") == 2
+    assert count_steps("") == 0
+    assert has_final_answer("Step 1: x\nFinal Answer: 3")
+    assert not has_final_answer("#### 3")
+    assert not has_final_answer("Final Answer:")
+
+
+def _gsm8k_rows() -> list[dict]:
+    if not GSM8K_DIR.is_dir():
+        pytest.skip(f"real GSM8K not found at {GSM8K_DIR} (../shared/data/gsm8k beside the repo)")
+    rows = []
+    for split in ("train", "test"):
+        with open(GSM8K_DIR / f"{split}.jsonl", encoding="utf-8") as f:
+            rows.extend(json.loads(line) for line in f if line.strip())
+    return rows
+
+
+def test_extract_answer_recovers_every_gsm8k_answer():
+    rows = _gsm8k_rows()
+    assert len(rows) == 7473 + 1319
+    for i, row in enumerate(rows):
+        truth = row["answer"].rsplit("####", 1)[1].strip()
+        canonical = truth.replace(",", "")
+        # the raw GSM8K solution
+        got = extract_answer(row["answer"])
+        assert got == canonical and compare_answers(got, truth), (i, row["answer"], got)
+        # the same solution rewritten in our SFT format
+        steps, final = split_solution(row["answer"], row=i)
+        sft = sft_solution(steps, final)
+        assert "<<" not in sft and sft.startswith("Step 1: ")
+        got = extract_answer(sft)
+        assert got == canonical and compare_answers(got, truth), (i, sft, got)
+
+
+# ---------------------------------------------------------------- reward formulas
+
+
+def test_accuracy():
+    fn = get_reward("accuracy")
+    completions = ["Final Answer: 5", "Final Answer: 6", "#### 1,200", "nothing"]
+    assert fn(completions, ground_truth=["5", "5", "1200", "3"]) == [1.0, 0.0, 1.0, 0.0]
+    assert fn.name == "accuracy"
+
+
+def test_length_penalty_formula():
+    fn = make_length_penalty(target=200, alpha=0.001)
+    right, wrong = "Final Answer: 5", "Final Answer: 4"
+    # correct: 1 - 0.001 * (500 - 200) = 0.7; under target: 1.0; wrong: 0.0 whatever the length
+    got = fn([right, right, wrong], ground_truth=["5"] * 3, completion_lengths=[500, 150, 900])
+    assert got == pytest.approx([0.7, 1.0, 0.0])
+    # very long and correct: 1 - 0.001 * 1800 = -0.8, floored at 0.0 by default
+    assert fn([right], ground_truth=["5"], completion_lengths=[2000]) == [0.0]
+    unfloored = make_length_penalty(target=200, alpha=0.001, floor=None)
+    got = unfloored([right], ground_truth=["5"], completion_lengths=[2000])
+    assert got == pytest.approx([-0.8])
+
+
+def test_length_penalty_counts_characters_or_tokens():
+    text = "x" * 35 + "\nFinal Answer: 5"  # 51 characters, 3 whitespace-separated "tokens"
+    chars = make_length_penalty(target=41, alpha=0.01)
+    assert chars([text], ground_truth=["5"]) == pytest.approx([1 - 0.01 * (51 - 41)])
+
+    class WordTokenizer:
+        def encode(self, text, add_special_tokens=False):
+            return text.split()
+
+    tokens = make_length_penalty(target=1, alpha=0.1, tokenizer=WordTokenizer())
+    assert tokens([text], ground_truth=["5"]) == pytest.approx([1 - 0.1 * (4 - 1)])
+    # completion_lengths from the trainer win over the tokenizer
+    assert tokens([text], ground_truth=["5"], completion_lengths=[1]) == [1.0]
+
+
+def test_step_formula():
+    three = "Step 1: a\nStep 2: b\nStep 3: c\nFinal Answer: 5"
+    fn = get_reward({"name": "step", "beta": 0.1})
+    # correct: 1 + 0.1 * 3 = 1.3; wrong: 0 + 0.1 * 3 = 0.3
+    assert fn([three, three], ground_truth=["5", "6"]) == pytest.approx([1.3, 0.3])
+    capped = make_step(beta=0.1, cap=2)
+    assert capped([three], ground_truth=["5"]) == pytest.approx([1.2])
+    # without markers, the non-empty lines before the final answer count
+    assert fn(["a\nb\n\nFinal Answer: 5"], ground_truth=["5"]) == pytest.approx([1.2])
+
+
+def test_format_reward():
+    fn = get_reward("format")
+    got = fn(["Step 1: x\nFinal Answer: 3", "#### 3", "Final Answer:"], ground_truth=["3"] * 3)
+    assert got == [1.0, 0.0, 0.0]
+    assert fn(["Final Answer: 3"]) == [1.0]  # needs no ground truth
+
+
+def test_combined_formula():
+    fn = make_combined({"accuracy": 1.0, "length_penalty": 0.5})
+    right = "Final Answer: 5"
+    # 1.0 * 1 + 0.5 * (1 - 0.001 * 300) = 1.35; wrong: 0
+    got = fn([right, "Final Answer: 4"], ground_truth=["5", "5"], completion_lengths=[500, 500])
+    assert got == pytest.approx([1.35, 0.0])
+    spec = {
+        "name": "combined",
+        "weights": {"format": 0.2, "length_penalty": {"weight": 2.0, "target": 100}},
+    }
+    # 0.2 * 1 + 2.0 * (1 - 0.001 * (300 - 100)) = 1.8
+    cfg = get_reward(spec)
+    assert cfg([right], ground_truth=["5"], completion_lengths=[300]) == pytest.approx([1.8])
+
+
+# ---------------------------------------------------------------- registry
+
+
+def test_get_reward_callable_and_register(tmp_path):
+    def shouty(completions, **columns):
+        return [float(c.isupper()) for c in completions]
+
+    assert get_reward(shouty).name == "shouty"
+    register_reward("shout", shouty)
+    assert get_reward("shout")(["A", "b"]) == [1.0, 0.0]
+    assert "shout" in reward_registry.available_rewards()
+    with pytest.raises(GrpoError, match="already registered"):
+        register_reward("shout", shouty)
+    with pytest.raises(GrpoError, match="already registered"):
+        register_reward("accuracy", shouty)
+    register_reward("shout", lambda completions, **c: [2.0] * len(completions), overwrite=True)
+    assert get_reward("shout")(["A"]) == [2.0]
+
+    def make_const(value=1.0):
+        return lambda completions, **c: [value] * len(completions)
+
+    register_reward("const", make_const, factory=True)
+    assert get_reward({"name": "const", "value": 3.0})(["x", "y"]) == [3.0, 3.0]
+    with pytest.raises(GrpoError, match="parameters: value"):
+        get_reward({"name": "const", "valu": 3.0})
+
+
+def test_get_reward_module_path(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        "def brevity(completions, scale=1.0, **columns):\n"
+        "    return [scale / (1 + len(c)) for c in completions]\n"
+    )
+    (tmp_path / "broken_rewards.py").write_text("import no_such_module_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = get_reward("my_rewards:brevity")
+    assert fn.name == "brevity" and fn(["abc"]) == [0.25]
+    assert get_reward({"name": "my_rewards:brevity", "scale": 2.0})(["abc"]) == [0.5]
+    with pytest.raises(GrpoError, match="cannot import module 'broken_rewards'.*no_such_module"):
+        get_reward("broken_rewards:anything")
+    with pytest.raises(GrpoError, match="cannot import module 'nope_pkg.mod'"):
+        get_reward("nope_pkg.mod:fn")
+    with pytest.raises(GrpoError, match="has no attribute 'missing'"):
+        get_reward("my_rewards:missing")
+
+
+def test_get_reward_errors():
+    with pytest.raises(GrpoError, match="unknown reward 'acc'.*accuracy, combined, format"):
+        get_reward("acc")
+    with pytest.raises(GrpoError, match="reward 'length_penalty'.*target, alpha"):
+        get_reward({"name": "length_penalty", "targte": 3})
+    with pytest.raises(GrpoError, match="has no 'name'"):
+        get_reward({"beta": 0.1})
+    with pytest.raises(GrpoError, match="must be >= 0"):
+        get_reward({"name": "length_penalty", "alpha": -1})
+    with pytest.raises(GrpoError, match="needs the column 'ground_truth'"):
+        get_reward("accuracy")(["Final Answer: 1"])
+
+
+def test_build_rewards_forms():
+    pairs = build_rewards({"accuracy": 1.0, "step": {"weight": 0.5, "beta": 0.2}})
+    assert [(fn.name, w) for fn, w in pairs] == [("accuracy", 1.0), ("step", 0.5)]
+    pairs = build_rewards(["accuracy", {"name": "format", "weight": 0.1}])
+    assert [(fn.name, w) for fn, w in pairs] == [("accuracy", 1.0), ("format", 0.1)]
+    assert [w for _, w in build_rewards("accuracy")] == [1.0]
+    with pytest.raises(GrpoError, match="weight of 'accuracy' must be a number"):
+        build_rewards({"accuracy": "high"})
+    with pytest.raises(GrpoError, match="non-empty list"):
+        build_rewards([])
+
+
+# ---------------------------------------------------------------- compute_rewards
+
+
+def test_compute_rewards_total_and_parts():
+    pairs = build_rewards({"accuracy": 1.0, "format": 0.5})
+    completions = ["Final Answer: 5", "#### 5", "Final Answer: 2"]
+    total, parts = compute_rewards(pairs, completions, {"ground_truth": ["5", "5", "5"]})
+    assert total.shape == (3,) and total.dtype == torch.float32
+    assert total.tolist() == pytest.approx([1.5, 1.0, 0.5])
+    assert parts["accuracy"].tolist() == [1.0, 1.0, 0.0]
+    assert parts["format"].tolist() == [1.0, 0.0, 1.0]
+    # the same reward twice gets a distinct log name
+    _, parts = compute_rewards(pairs + pairs[:1], completions, {"ground_truth": ["5"] * 3})
+    assert set(parts) == {"accuracy", "format", "accuracy_2"}
+
+
+def test_compute_rewards_errors_name_function_and_row():
+    columns = {"ground_truth": ["1", "2", "3"]}
+    completions = ["a", "b", "boom"]
+
+    def explodes(completions, **columns):
+        return [1.0 / (c != "boom") for c in completions]
+
+    with pytest.raises(GrpoError, match=r"'explodes' raised ZeroDivisionError at row 2 .*boom"):
+        compute_rewards([(explodes, 1.0)], completions, columns)
+
+    def short(completions, **columns):
+        return [0.0]
+
+    with pytest.raises(GrpoError, match="'short' returned 1 values for 3 completions"):
+        compute_rewards([(short, 1.0)], completions, columns)
+
+    def nan_at_1(completions, **columns):
+        return [0.0, math.nan, 0.0]
+
+    with pytest.raises(GrpoError, match="'nan_at_1' returned nan at row 1"):
+        compute_rewards([(nan_at_1, 1.0)], completions, columns)
+
+    def none_at_0(completions, **columns):
+        return [None, 1.0, 1.0]
+
+    with pytest.raises(GrpoError, match="'none_at_0' returned None at row 0"):
+        compute_rewards([(none_at_0, 1.0)], completions, columns)
+
+    def scalar(completions, **columns):
+        return 1.0
+
+    with pytest.raises(GrpoError, match="'scalar' returned float"):
+        compute_rewards([(scalar, 1.0)], completions, columns)
+
+    # a failing component of `combined` is named as such
+    combined = get_reward({"name": "combined", "weights": {"accuracy": 1.0, nan_at_1: 1.0}})
+    with pytest.raises(GrpoError, match="'combined/nan_at_1' returned nan at row 1"):
+        compute_rewards([(combined, 1.0)], completions, columns)
+
+    with pytest.raises(GrpoError, match="'accuracy' raised GrpoError: needs the column 'ground"):
+        compute_rewards(build_rewards("accuracy"), completions, {})
+    with pytest.raises(GrpoError, match="no reward functions"):
+        compute_rewards([], completions, columns)
