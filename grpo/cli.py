@@ -33,6 +33,29 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_sft(args) -> int:
+    from grpo.config import load_config
+    from grpo.train.sft import train_sft
+
+    summary = train_sft(load_config(args.config, args.overrides), resume=args.resume)
+    print(f"done: {summary['step']} steps; weights in {summary['final']}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from grpo.demo import run_demo
+
+    run_demo(args.out, quick=args.quick, seed=args.seed)
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from grpo.plot import plot_run
+
+    print(f"wrote {plot_run(args.run_dir)}")
+    return 0
+
+
 def cmd_tiny_model(args) -> int:
     from grpo.tiny import SIZES, make_tiny_model
 
@@ -50,9 +73,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    p = sub.add_parser("demo", help="offline: tiny model, SFT then GRPO on mini-math (CPU)")
+    p.add_argument("--out", default="runs/demo", help="run directory (default runs/demo)")
+    p.add_argument("--quick", action="store_true", help="a smoke-test sized run")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("plot", help="PNG curves of a run from its metrics.jsonl")
+    p.add_argument("run_dir")
+    p.set_defaults(func=cmd_plot)
+
     p = sub.add_parser("config", help="validate a config and print it resolved")
     _add_config_args(p)
     p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("sft", help="supervised fine-tuning on worked solutions")
+    _add_config_args(p)
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.set_defaults(func=cmd_sft)
 
     p = sub.add_parser("train", help="GRPO training")
     _add_config_args(p)
