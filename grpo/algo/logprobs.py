@@ -91,3 +91,19 @@ def completion_logprobs(
         return full
     ent = torch.zeros(mask.shape, dtype=torch.float32, device=ids.device)
     return full, ent.masked_scatter(mask, entropy.detach().float())
+
+
+class CompletionLogprobs(torch.nn.Module):
+    """`completion_logprobs` as a module, so that DDP wraps the whole computation (decoder and
+    lm_head) in one forward and syncs every trainable parameter's gradient."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, attention_mask, prompt_width, completion_mask, temperature=1.0,
+                return_entropy=False):  # fmt: skip
+        return completion_logprobs(
+            self.model, ids, attention_mask, prompt_width, completion_mask, temperature,
+            return_entropy=return_entropy,
+        )  # fmt: skip

@@ -160,27 +160,35 @@ class Decoder(nn.Module):
             position_ids: (B, T) rotary positions; by default counted over the attention mask
                 (so left padding does not shift positions).
             attention_mask: (B, S) bool, True = real token, over all key positions: S = T
-                without a cache, S >= kv_cache.pos + T with one. Default: all True.
+                without a cache, S >= kv_cache.pos + T with one (S >= kv_cache.max_len for a
+                static cache). Default: all True.
             kv_cache: a `KVCache`; the T new positions are written at kv_cache.pos and the
-                cache is advanced by T.
+                cache is advanced by T. A static cache attends over all its slots (fixed
+                shapes, for a compiled decode step).
             return_hidden: return the final-norm hidden states instead of logits.
 
         Returns:
             logits (B, T, V) or hidden states (B, T, C), in the model's dtype.
         """
         B, T = input_ids.shape
-        start = kv_cache.pos if kv_cache is not None else 0
-        S = start + T  # number of key positions attended over
+        dev = input_ids.device
+        if kv_cache is not None and kv_cache.static:
+            # Static shapes: queries sit at a tensor position, keys span the whole buffer.
+            S = kv_cache.max_len
+            q_pos = kv_cache.pos_tensor + torch.arange(T, device=dev)  # (T,)
+        else:
+            start = kv_cache.pos if kv_cache is not None else 0
+            S = start + T  # number of key positions attended over
+            q_pos = torch.arange(start, S, device=dev)  # (T,)
         if attention_mask is None:
-            attention_mask = torch.ones(B, S, dtype=torch.bool, device=input_ids.device)
+            attention_mask = torch.ones(B, S, dtype=torch.bool, device=dev)
         attention_mask = attention_mask[:, :S].bool()
         if position_ids is None:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, start:S]
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, q_pos]
 
         # Causal + padding mask (B, 1, T, S). Every query keeps its own key so that rows of
         # pure padding never see an all-False row (which would make softmax NaN).
-        q_pos = torch.arange(start, S, device=input_ids.device)
-        k_pos = torch.arange(S, device=input_ids.device)
+        k_pos = torch.arange(S, device=dev)
         causal = k_pos[None, :] <= q_pos[:, None]  # (T, S)
         mask = causal[None] & attention_mask[:, None, :]  # (B, T, S)
         mask = (mask | (k_pos[None, :] == q_pos[:, None])[None])[:, None]

@@ -9,9 +9,18 @@ class KVCache:
     """Keys and values of every layer for B rows and up to `max_len` positions.
 
     Buffers are allocated once, (L, B, H_kv, S, D); each forward writes its T new positions at
-    `[pos, pos + T)` in place and attends over `[0, pos + T)`. Nothing is concatenated or
-    re-allocated per step. `pos` is shared by all rows: rows are left-padded so that they all
-    end at the same slot, and padding is hidden by the attention mask, not by the cache.
+    `[pos, pos + T)` in place. Nothing is concatenated or re-allocated per step. `pos` is shared
+    by all rows: rows are left-padded so that they all end at the same slot, and padding is
+    hidden by the attention mask, not by the cache.
+
+    Two modes, same buffers:
+
+    - dynamic (default): `pos` is a Python int; a forward attends over `[0, pos + T)` only.
+    - static (`static=True`, gpt-fast style, for `torch.compile`): `pos` lives in a 0-d long
+      tensor and a forward attends over all `max_len` slots (unwritten ones are hidden by the
+      causal mask), so a decode step has the same shapes and guards at every position and
+      compiles once. Writes are not bounds-checked on the host (that would need a sync);
+      an index past `max_len` fails inside `index_copy_`.
     """
 
     def __init__(
@@ -23,14 +32,18 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        static: bool = False,
     ):
         shape = (num_layers, rows, num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, H_kv, S, D)
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, H_kv, S, D)
-        self.pos = 0
+        self.static = static
+        self._pos = 0
+        # static mode: the write position as a tensor, advanced in place (no Python int).
+        self.pos_tensor = torch.zeros((), dtype=torch.long, device=device) if static else None
 
     @classmethod
-    def for_model(cls, model, rows: int, max_len: int) -> KVCache:
+    def for_model(cls, model, rows: int, max_len: int, static: bool = False) -> KVCache:
         """A cache sized for `model` (a `Decoder`), on its device and in its dtype."""
         cfg = model.config
         p = next(model.parameters())
@@ -42,7 +55,13 @@ class KVCache:
             cfg.head_dim,
             dtype=p.dtype,
             device=p.device,
+            static=static,
         )
+
+    @property
+    def pos(self) -> int:
+        """Number of positions written so far (a host sync in static mode)."""
+        return int(self.pos_tensor) if self.static else self._pos
 
     @property
     def rows(self) -> int:
@@ -53,18 +72,28 @@ class KVCache:
         return self.k.shape[3]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Write k, v (B, H_kv, T, D) at [pos, pos+T) of `layer`; return keys/values so far."""
+        """Write k, v (B, H_kv, T, D) at [pos, pos+T) of `layer`; return the keys/values to
+        attend over: (B, H_kv, pos+T, D) in dynamic mode, (B, H_kv, max_len, D) in static mode.
+        """
         T = k.shape[2]
-        end = self.pos + T
+        if self.static:
+            idx = self.pos_tensor + torch.arange(T, device=k.device)  # (T,)
+            self.k[layer].index_copy_(2, idx, k)
+            self.v[layer].index_copy_(2, idx, v)
+            return self.k[layer], self.v[layer]
+        end = self._pos + T
         if end > self.max_len:
             raise ValueError(f"KV cache overflow: {end} positions > max_len {self.max_len}")
-        self.k[layer, :, :, self.pos : end] = k
-        self.v[layer, :, :, self.pos : end] = v
+        self.k[layer, :, :, self._pos : end] = k
+        self.v[layer, :, :, self._pos : end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, H_kv, pos+T, D)
 
     def advance(self, T: int) -> None:
         """Mark T more positions as written (called once per forward, after all layers)."""
-        self.pos += T
+        if self.static:
+            self.pos_tensor.add_(T)
+        else:
+            self._pos += T
 
     def repeat_rows(self, G: int) -> KVCache:
         """A new cache whose rows are each of this cache's rows repeated G times in a row.
@@ -75,5 +104,7 @@ class KVCache:
         out = KVCache.__new__(KVCache)
         out.k = self.k.repeat_interleave(G, dim=1)  # (L, B*G, H_kv, S, D)
         out.v = self.v.repeat_interleave(G, dim=1)
-        out.pos = self.pos
+        out.static = self.static
+        out._pos = self._pos
+        out.pos_tensor = self.pos_tensor.clone() if self.static else None
         return out

@@ -16,9 +16,22 @@ import torch
 from tqdm.auto import tqdm
 
 from grpo.algo.advantages import group_advantages, zero_std_groups
-from grpo.algo.logprobs import completion_logprobs
+from grpo.algo.logprobs import CompletionLogprobs
 from grpo.algo.losses import loss_normalizer, policy_loss
 from grpo.config import Config, config_to_dict
+from grpo.distributed import (
+    SINGLE,
+    all_gather_cat,
+    all_reduce_max,
+    all_reduce_mean_dict,
+    all_reduce_sum,
+    barrier,
+    device_for,
+    init_distributed,
+    no_sync,
+    teardown,
+    wrap_ddp,
+)
 from grpo.errors import GrpoError
 from grpo.lora import disabled_lora
 from grpo.metrics import MetricLogger
@@ -87,20 +100,33 @@ def select_rows(r: Rollout, idx: torch.Tensor) -> Rollout:
     )
 
 
-def rollout_phase(cfg: Config, policy, sampler, rows, state, reward_fns, seed_parts) -> Batch:
+def rollout_phase(
+    cfg: Config, policy, sampler, rows, state, reward_fns, step: int, dist=SINGLE
+) -> Batch:
     """Sample G completions for P prompts, score them, compute advantages.
 
     With loss.dynamic_sampling, groups whose rewards are all equal (no signal) are dropped and
     new prompts sampled in up to loss.max_sampling_rounds rounds; if still short, dropped
     groups fill the batch so its size stays fixed.
+
+    Under DDP every rank walks the same global prompt order and takes its own slice of each
+    draw (a group never spans ranks); sampler seeds come from (seed, rank, step, round).
     """
     G = cfg.rollout.group_size
     P = cfg.train.batch_size // G
     kept: list[tuple] = []  # (rollout piece, rows, rewards, per_fn, texts)
     spare: list[tuple] = []
     frac_zero = None
-    for round_ in range(cfg.loss.max_sampling_rounds if cfg.loss.dynamic_sampling else 1):
-        idx = next_prompts(state, len(rows), P - len(kept), cfg.train.seed)
+    rounds = cfg.loss.max_sampling_rounds if cfg.loss.dynamic_sampling else 1
+    for round_ in range(rounds):
+        # every rank draws P prompts per round (so all advance the data order alike) and
+        # samples the ones it still needs
+        drawn = next_prompts(state, len(rows), P * dist.world_size, cfg.train.seed)
+        idx = drawn[dist.rank * P : (dist.rank + 1) * P][: P - len(kept)]
+        if not idx:  # this rank is full, others may not be: stay in lockstep
+            if all_reduce_sum(0.0, dist) == 0:
+                break
+            continue
         rollout = sampler.sample(
             [rows[i]["prompt_ids"] for i in idx],
             group_size=G,
@@ -110,7 +136,7 @@ def rollout_phase(cfg: Config, policy, sampler, rows, state, reward_fns, seed_pa
             top_p=cfg.rollout.top_p,
             min_p=cfg.rollout.min_p,
             stop_ids=policy.stop_ids,
-            seed=derive_seed(*seed_parts, round_),
+            seed=derive_seed(cfg.train.seed, dist.rank, step, round_),
             pad_id=policy.tokenizer.pad_token_id,
         )
         brows = [rows[i] for i in idx for _ in range(G)]
@@ -130,13 +156,18 @@ def rollout_phase(cfg: Config, policy, sampler, rows, state, reward_fns, seed_pa
                 texts[sl],
             )
             (spare if cfg.loss.dynamic_sampling and zero[p] else kept).append(piece)
-        if len(kept) >= P:
+        if all_reduce_sum(float(len(kept) < P), dist) == 0:
             break
     kept = (kept + spare)[:P]
     rollout = _cat_rollouts([k[0] for k in kept], policy.tokenizer.pad_token_id)
     rewards = torch.cat([k[2] for k in kept])
     per_fn = {name: torch.cat([k[3][name] for k in kept]) for name in kept[0][3]}
-    advantages = group_advantages(rewards, G, cfg.loss.advantage_scale, cfg.loss.advantage_eps)
+    batch_std = None
+    if cfg.loss.advantage_scale == "batch":  # std over the global batch (all ranks)
+        batch_std = all_gather_cat(rewards, dist).std()
+    advantages = group_advantages(
+        rewards, G, cfg.loss.advantage_scale, cfg.loss.advantage_eps, batch_std=batch_std
+    )
     loss_mask = rollout.completion_mask.clone()
     if cfg.loss.mask_truncated_completions:
         loss_mask &= rollout.finished[:, None]
@@ -187,16 +218,17 @@ def micro_batches(B: int, size: int):
         yield slice(start, min(B, start + size))
 
 
-def _logprobs(cfg: Config, model, batch: Batch, sl: slice, entropy: bool = False):
+def _logprobs(cfg: Config, scorer, batch: Batch, sl: slice, entropy: bool = False):
+    """(micro-batch) completion log-probs through `scorer` (a CompletionLogprobs, maybe DDP)."""
     r = batch.rollout
-    with torch.autocast(model.device.type, torch.bfloat16, enabled=cfg.model.autocast_bf16):
-        return completion_logprobs(
-            model,
+    device = r.ids.device
+    with torch.autocast(device.type, torch.bfloat16, enabled=cfg.model.autocast_bf16):
+        return scorer(
             r.ids[sl],
             r.attention_mask()[sl],
             r.prompt_width,
             batch.loss_mask[sl],
-            temperature=cfg.rollout.temperature or 1.0,  # greedy rollouts score at T=1
+            cfg.rollout.temperature or 1.0,  # greedy rollouts are scored at T = 1
             return_entropy=entropy,
         )
 
@@ -209,40 +241,53 @@ def reference_phase(cfg: Config, policy, batch: Batch) -> None:
     mb = cfg.train.micro_batch_size or cfg.train.batch_size
     B = batch.rollout.ids.shape[0]
     if policy.ref_model is not None:
-        parts = [_logprobs(cfg, policy.ref_model, batch, sl) for sl in micro_batches(B, mb)]
+        ref = CompletionLogprobs(policy.ref_model)
+        parts = [_logprobs(cfg, ref, batch, sl) for sl in micro_batches(B, mb)]
     else:
         with disabled_lora(policy.model):
-            parts = [_logprobs(cfg, policy.model, batch, sl) for sl in micro_batches(B, mb)]
+            ref = CompletionLogprobs(policy.model)
+            parts = [_logprobs(cfg, ref, batch, sl) for sl in micro_batches(B, mb)]
     batch.ref_logprobs = torch.cat(parts)
 
 
-def update_phase(cfg: Config, policy, batch: Batch, optimizer, scheduler, params) -> dict:
-    """mu passes over the batch; each pass is one optimizer step over all micro-batches."""
+def update_phase(
+    cfg: Config, policy, batch: Batch, optimizer, scheduler, params, scorer=None, dist=SINGLE
+) -> dict:
+    """mu passes over the batch; each pass is one optimizer step over all micro-batches.
+
+    Under DDP the aggregation's normalizer is summed over ranks and each rank's loss is
+    multiplied by the world size (DDP averages gradients), so the update equals the
+    single-process update on the combined batch; gradients sync on the last micro-batch only.
+    """
     model = policy.model
+    scorer = scorer if scorer is not None else CompletionLogprobs(model)
     model.train()
     B = batch.rollout.ids.shape[0]
     mb = cfg.train.micro_batch_size or cfg.train.batch_size
     norm = loss_normalizer(batch.loss_mask, cfg.loss.aggregation, cfg.rollout.max_new_tokens)
+    norm = all_reduce_sum(norm, dist, batch.rollout.ids.device)
+    slices = list(micro_batches(B, mb))
     sums: dict[str, float] = {}
     ratio_max, losses, grad_norms = 0.0, [], []
     for _ in range(cfg.loss.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
-        for sl in micro_batches(B, mb):
-            logprobs, entropy = _logprobs(cfg, model, batch, sl, entropy=True)
+        for i, sl in enumerate(slices):
             ref = batch.ref_logprobs[sl] if batch.ref_logprobs is not None else None
-            loss, st = policy_loss(
-                logprobs,
-                batch.rollout.logprobs[sl],
-                ref,
-                batch.advantages[sl],
-                batch.loss_mask[sl],
-                cfg.loss,
-                normalizer=norm,
-                max_new_tokens=cfg.rollout.max_new_tokens,
-                entropy=entropy,
-            )
-            loss.backward()
+            with no_sync(scorer, skip=i < len(slices) - 1):
+                logprobs, entropy = _logprobs(cfg, scorer, batch, sl, entropy=True)
+                loss, st = policy_loss(
+                    logprobs,
+                    batch.rollout.logprobs[sl],
+                    ref,
+                    batch.advantages[sl],
+                    batch.loss_mask[sl],
+                    cfg.loss,
+                    normalizer=norm,
+                    max_new_tokens=cfg.rollout.max_new_tokens,
+                    entropy=entropy,
+                )
+                (loss * dist.world_size).backward()  # DDP averages; we want the sum
             total += loss.item()
             w = st["tokens"]
             for k in ("kl", "clip_frac_low", "clip_frac_high", "ratio_mean", "entropy"):
@@ -275,6 +320,13 @@ def update_phase(cfg: Config, policy, batch: Batch, optimizer, scheduler, params
             "train/lr": scheduler.get_last_lr()[0],
         }
     )
+    if dist.enabled:  # every rank's loss is its share of the global loss: sum them
+        device = batch.rollout.ids.device
+        shares = {k: out.pop(k) for k in ("train/loss", "train/policy_loss", "train/ratio_max")}
+        out = all_reduce_mean_dict(out, dist, device)
+        out["train/loss"] = all_reduce_sum(shares["train/loss"], dist, device)
+        out["train/policy_loss"] = all_reduce_sum(shares["train/policy_loss"], dist, device)
+        out["train/ratio_max"] = all_reduce_max(shares["train/ratio_max"], dist, device)
     return out
 
 
@@ -305,16 +357,24 @@ def peak_mem_mib(device: torch.device) -> float:
 
 
 def train_grpo(cfg: Config, resume: bool = False) -> dict:
-    """Run GRPO as configured; returns a summary (final metrics, paths)."""
+    """Run GRPO as configured (one process, or one rank of a torchrun job)."""
+    dist = init_distributed(resolve_device(cfg.model.device).type)
+    try:
+        return _train(cfg, resume, dist)
+    finally:
+        teardown()
+
+
+def _train(cfg: Config, resume: bool, dist) -> dict:
     from grpo.eval import evaluate
 
-    device = resolve_device(cfg.model.device)
+    device = device_for(dist, resolve_device(cfg.model.device))
     seed_everything(cfg.train.seed)
-    out_dir = prepare_run_dir(cfg, resume)
+    out_dir = prepare_run_dir(cfg, resume, rank0=dist.is_main)
     policy = build_policy(cfg, device, need_ref=cfg.loss.beta > 0)
     rows = load_rows(cfg, cfg.data.split, cfg.data.max_samples, "rl", policy.tokenizer)
     eval_rows = None
-    if cfg.data.eval_samples:
+    if cfg.data.eval_samples and dist.is_main:
         n_eval = cfg.data.eval_samples
         eval_rows = load_rows(cfg, cfg.data.eval_split, n_eval, "rl", policy.tokenizer)
     reward_fns = build_rewards(
@@ -332,8 +392,9 @@ def train_grpo(cfg: Config, resume: bool = False) -> dict:
         log.info("resumed from %s (step %d)", ckpt, state.step)
     policy.model.eval()
     sampler = Sampler(policy.model, compile=cfg.rollout.compile)
+    scorer = wrap_ddp(CompletionLogprobs(policy.model), dist, device)
     logger = MetricLogger(
-        out_dir, True, cfg.log.tensorboard, cfg.log.wandb, cfg.log.wandb_project,
+        out_dir, dist.is_main, cfg.log.tensorboard, cfg.log.wandb, cfg.log.wandb_project,
         config_to_dict(cfg),
     )  # fmt: skip
     G = cfg.rollout.group_size
@@ -347,22 +408,19 @@ def train_grpo(cfg: Config, resume: bool = False) -> dict:
         return {f"eval/{k}": v for k, v in res.summary.items() if isinstance(v, (int, float))}
 
     metrics: dict = {}
-    bar = tqdm(
-        total=cfg.train.max_steps, initial=state.step, desc="grpo", disable=not cfg.train.progress
-    )
+    show = cfg.train.progress and dist.is_main
+    bar = tqdm(total=cfg.train.max_steps, initial=state.step, desc="grpo", disable=not show)
     while state.step < cfg.train.max_steps:
         t0 = time.perf_counter()
-        batch = rollout_phase(
-            cfg, policy, sampler, rows, state, reward_fns, (cfg.train.seed, 0, state.step)
-        )
+        batch = rollout_phase(cfg, policy, sampler, rows, state, reward_fns, state.step, dist)
         t1 = time.perf_counter()
         reference_phase(cfg, policy, batch)
         t2 = time.perf_counter()
-        metrics = rollout_metrics(batch, G)
-        metrics.update(update_phase(cfg, policy, batch, optimizer, scheduler, params))
+        metrics = all_reduce_mean_dict(rollout_metrics(batch, G), dist, device)
+        metrics.update(update_phase(cfg, policy, batch, optimizer, scheduler, params, scorer, dist))
         t3 = time.perf_counter()
         state.step += 1
-        tokens = int(batch.rollout.completion_mask.sum())
+        tokens = all_reduce_sum(int(batch.rollout.completion_mask.sum()), dist, device)
         metrics.update(
             {
                 "perf/step_s": t3 - t0,
@@ -374,21 +432,21 @@ def train_grpo(cfg: Config, resume: bool = False) -> dict:
             }
         )
         last = state.step == cfg.train.max_steps
-        if eval_rows and (
-            last or (cfg.train.eval_every and state.step % cfg.train.eval_every == 0)
-        ):
+        if eval_rows and due(state.step, cfg.train.eval_every, last):
             metrics.update(run_eval())
         if state.step % cfg.train.log_every == 0 or last:
             logger.log(state.step, metrics)
-        if cfg.train.sample_every and state.step % cfg.train.sample_every == 0:
+        if dist.is_main and cfg.train.sample_every and state.step % cfg.train.sample_every == 0:
             tqdm.write(f"[sample] reward {float(batch.rewards[0]):.2f}: {batch.texts[0]!r}")
-        if due(state.step, cfg.train.save_every, last):
+        if due(state.step, cfg.train.save_every, last) and dist.is_main:
             save_checkpoint(
                 out_dir, state, policy.model, optimizer, scheduler, config_to_dict(cfg),
                 cfg.train.keep_last,
             )  # fmt: skip
+        barrier(dist)  # nobody runs ahead of a checkpoint or an evaluation
         bar.update(1)
     bar.close()
     logger.close()
-    final = save_final(policy, out_dir, cfg)
+    final = save_final(policy, out_dir, cfg) if dist.is_main else out_dir / "final"
+    barrier(dist)
     return {"output_dir": str(out_dir), "final": str(final), "step": state.step, **metrics}

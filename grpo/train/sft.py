@@ -15,8 +15,17 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from grpo.algo.logprobs import completion_logprobs
+from grpo.algo.logprobs import CompletionLogprobs
 from grpo.config import Config, config_to_dict
+from grpo.distributed import (
+    all_reduce_sum,
+    barrier,
+    device_for,
+    init_distributed,
+    no_sync,
+    teardown,
+    wrap_ddp,
+)
 from grpo.errors import GrpoError
 from grpo.metrics import MetricLogger
 from grpo.train.common import (
@@ -68,17 +77,49 @@ def collate(rows: list[dict], pad_id: int, device) -> dict:
     }
 
 
-def sft_loss(cfg: Config, model, batch: dict, normalizer: float) -> tuple[torch.Tensor, int]:
-    """sum of -log p(completion tokens) / normalizer, and the number of tokens."""
-    with torch.autocast(model.device.type, torch.bfloat16, enabled=cfg.model.autocast_bf16):
-        logprobs = completion_logprobs(
-            model,
+def sft_loss(cfg: Config, scorer, batch: dict, normalizer: float) -> tuple[torch.Tensor, int]:
+    """sum of -log p(completion tokens) / normalizer, and the number of tokens.
+
+    Args:
+        scorer: a `CompletionLogprobs` (maybe DDP-wrapped) around the model.
+    """
+    device = batch["ids"].device
+    with torch.autocast(device.type, torch.bfloat16, enabled=cfg.model.autocast_bf16):
+        logprobs = scorer(
             batch["ids"],
             batch["attention_mask"],
             batch["prompt_width"],
             batch["completion_mask"],
         )  # (B, T_c), 0 where masked
     return -logprobs.sum() / normalizer, int(batch["completion_mask"].sum())
+
+
+def sft_update(cfg: Config, policy, scorer, batch_rows, optimizer, scheduler, params, dist):
+    """One optimizer step on this rank's rows; returns (global loss share, tokens, grad norm).
+
+    The token-mean is over the completion tokens of the global batch (all micro-batches and
+    ranks), so accumulation and DDP give the update of one full batch in one process.
+    """
+    device = policy.device
+    local = float(sum(len(r["completion_ids"]) for r in batch_rows))
+    norm = all_reduce_sum(local, dist, device)  # completion tokens of the global batch
+    policy.model.train()
+    optimizer.zero_grad(set_to_none=True)
+    total, tokens = 0.0, 0
+    slices = list(micro_batches(len(batch_rows), cfg.train.micro_batch_size or len(batch_rows)))
+    for i, sl in enumerate(slices):
+        batch = collate(batch_rows[sl], policy.tokenizer.pad_token_id, device)
+        with no_sync(scorer, skip=i < len(slices) - 1):
+            loss, n = sft_loss(cfg, scorer, batch, norm)
+            (loss * dist.world_size).backward()  # DDP averages; we want the sum
+        total, tokens = total + loss.item(), tokens + n
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm or np.inf))
+    if not (math.isfinite(total) and math.isfinite(grad_norm)):
+        raise GrpoError(f"non-finite loss ({total}) or grad norm ({grad_norm}); lower optim.lr")
+    optimizer.step()
+    scheduler.step()
+    policy.model.eval()
+    return total, tokens, grad_norm
 
 
 def total_sft_steps(cfg: Config, n_rows: int) -> int:
@@ -88,22 +129,30 @@ def total_sft_steps(cfg: Config, n_rows: int) -> int:
 
 
 def train_sft(cfg: Config, resume: bool = False) -> dict:
-    """Run SFT as configured; returns a summary (final metrics, paths)."""
+    """Run SFT as configured (one process, or one rank of a torchrun job)."""
+    dist = init_distributed(resolve_device(cfg.model.device).type)
+    try:
+        return _train(cfg, resume, dist)
+    finally:
+        teardown()
+
+
+def _train(cfg: Config, resume: bool, dist) -> dict:
     from grpo.eval import evaluate
 
-    device = resolve_device(cfg.model.device)
+    device = device_for(dist, resolve_device(cfg.model.device))
     seed_everything(cfg.train.seed)
-    out_dir = prepare_run_dir(cfg, resume)
+    out_dir = prepare_run_dir(cfg, resume, rank0=dist.is_main)
     policy = build_policy(cfg, device, need_ref=False)
     tok = policy.tokenizer
     rows = load_rows(cfg, cfg.data.split, cfg.data.max_samples, "sft", tok)
     rows = tokenize_sft(rows, tok, cfg.rollout.max_new_tokens)
     eval_rows = None
-    if cfg.data.eval_samples:
+    if cfg.data.eval_samples and dist.is_main:
         eval_rows = load_rows(cfg, cfg.data.eval_split, cfg.data.eval_samples, "rl", tok)
     params = policy.trainable_parameters()
     optimizer = build_optimizer(params, cfg.optim)
-    steps = total_sft_steps(cfg, len(rows))
+    steps = total_sft_steps(cfg, len(rows) // dist.world_size)
     scheduler = build_scheduler(optimizer, steps, cfg.optim)
     state = TrainState()
     if resume:
@@ -111,47 +160,36 @@ def train_sft(cfg: Config, resume: bool = False) -> dict:
         if ckpt is None:
             raise GrpoError(f"--resume: no checkpoint in {out_dir / 'checkpoints'}")
         state = load_checkpoint(ckpt, policy.model, optimizer, scheduler)
+    scorer = wrap_ddp(CompletionLogprobs(policy.model), dist, device)
     logger = MetricLogger(
-        out_dir, True, cfg.log.tensorboard, cfg.log.wandb, cfg.log.wandb_project,
+        out_dir, dist.is_main, cfg.log.tensorboard, cfg.log.wandb, cfg.log.wandb_project,
         config_to_dict(cfg),
     )  # fmt: skip
-    mb = cfg.train.micro_batch_size or cfg.train.batch_size
+    B = cfg.train.batch_size
     metrics: dict = {}
-    bar = tqdm(total=steps, initial=state.step, desc="sft", disable=not cfg.train.progress)
+    show = cfg.train.progress and dist.is_main
+    bar = tqdm(total=steps, initial=state.step, desc="sft", disable=not show)
     while state.step < steps:
         t0 = time.perf_counter()
-        idx = next_prompts(state, len(rows), cfg.train.batch_size, cfg.train.seed)
-        batch_rows = [rows[i] for i in idx]
-        norm = float(sum(len(r["completion_ids"]) for r in batch_rows))
-        policy.model.train()
-        optimizer.zero_grad(set_to_none=True)
-        total, tokens = 0.0, 0
-        for sl in micro_batches(len(batch_rows), mb):
-            batch = collate(batch_rows[sl], tok.pad_token_id, device)
-            loss, n = sft_loss(cfg, policy.model, batch, norm)
-            loss.backward()
-            total, tokens = total + loss.item(), tokens + n
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm or np.inf))
-        if not (math.isfinite(total) and math.isfinite(grad_norm)):
-            raise GrpoError(f"non-finite loss ({total}) or grad norm ({grad_norm}); lower optim.lr")
-        optimizer.step()
-        scheduler.step()
-        policy.model.eval()
+        # every rank walks the same global order and takes its own slice of the global batch
+        idx = next_prompts(state, len(rows), B * dist.world_size, cfg.train.seed)
+        batch_rows = [rows[i] for i in idx[dist.rank * B : (dist.rank + 1) * B]]
+        total, tokens, grad_norm = sft_update(
+            cfg, policy, scorer, batch_rows, optimizer, scheduler, params, dist
+        )
         state.step += 1
         dt = time.perf_counter() - t0
         metrics = {
-            "train/loss": total,
+            "train/loss": all_reduce_sum(total, dist, device),
             "train/grad_norm": grad_norm,
             "train/lr": scheduler.get_last_lr()[0],
             "train/epoch": state.epoch + state.data_index / len(rows),
             "perf/step_s": dt,
-            "perf/tokens_per_s": tokens / max(dt, 1e-9),
+            "perf/tokens_per_s": all_reduce_sum(tokens, dist, device) / max(dt, 1e-9),
             "perf/peak_mem_mib": peak_mem_mib(device),
         }
         last = state.step == steps
-        if eval_rows and (
-            last or (cfg.train.eval_every and state.step % cfg.train.eval_every == 0)
-        ):
+        if eval_rows and due(state.step, cfg.train.eval_every, last):
             res = evaluate(
                 policy.model, tok, eval_rows, stop_ids=policy.stop_ids,
                 max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
@@ -160,13 +198,15 @@ def train_sft(cfg: Config, resume: bool = False) -> dict:
             metrics.update({f"eval/{k}": v for k, v in res.summary.items() if k != "errors"})
         if state.step % cfg.train.log_every == 0 or last:
             logger.log(state.step, {k: v for k, v in metrics.items() if not isinstance(v, dict)})
-        if due(state.step, cfg.train.save_every, last):
+        if due(state.step, cfg.train.save_every, last) and dist.is_main:
             save_checkpoint(
                 out_dir, state, policy.model, optimizer, scheduler, config_to_dict(cfg),
                 cfg.train.keep_last,
             )  # fmt: skip
+        barrier(dist)
         bar.update(1)
     bar.close()
     logger.close()
-    final = save_final(policy, out_dir, cfg)
+    final = save_final(policy, out_dir, cfg) if dist.is_main else out_dir / "final"
+    barrier(dist)
     return {"output_dir": str(out_dir), "final": str(final), "step": state.step, **metrics}

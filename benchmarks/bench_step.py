@@ -1,0 +1,114 @@
+"""GRPO step-time split (rollout / reference log-probs / update) and peak memory.
+
+    python -m benchmarks.bench_step                 # tiny models on CPU
+    python -m benchmarks.bench_step --sizes demo --repeats 5
+
+Each phase of `grpo.train.grpo` is timed on its own with the shared harness, for LoRA and
+full fine-tuning, on tiny random-init Qwen3 models written by `grpo.tiny.make_tiny_model`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.harness import measure, write_results
+from grpo.config import load_config
+from grpo.rewards import build_rewards
+from grpo.rollout import Sampler
+from grpo.tiny import make_tiny_model
+from grpo.train.common import build_policy, load_rows
+from grpo.train.grpo import reference_phase, rollout_phase, update_phase
+from grpo.train.optim import build_optimizer, build_scheduler
+from grpo.train.state import TrainState
+
+
+def bench_case(model_dir: Path, size: str, lora: bool, args) -> dict:
+    cfg = load_config(
+        base={"model": {"path": str(model_dir), "device": args.device}},
+        overrides=[
+            f"lora.enabled={str(lora).lower()}",
+            "lora.targets=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
+            f"rollout.group_size={args.group_size}",
+            f"rollout.max_new_tokens={args.max_new_tokens}",
+            f"train.batch_size={args.prompts * args.group_size}",
+            f"train.micro_batch_size={args.micro_batch_size}",
+            "loss.beta=0.04",
+            "data.max_samples=256",
+        ],
+    )
+    device = torch.device(args.device)
+    policy = build_policy(cfg, device, need_ref=True)
+    rows = load_rows(cfg, "train", 256, "rl", policy.tokenizer)
+    rewards = build_rewards([{"name": "accuracy"}])
+    params = policy.trainable_parameters()
+    opt = build_optimizer(params, cfg.optim)
+    sched = build_scheduler(opt, 1000, cfg.optim)
+    sampler = Sampler(policy.model)
+    state = TrainState()
+    step = [0]
+
+    def rollout():
+        step[0] += 1
+        return rollout_phase(cfg, policy, sampler, rows, state, rewards, step[0])
+
+    batch = rollout()
+    t_roll = measure(rollout, warmup=1, repeats=args.repeats, device=device)
+    ref = lambda: reference_phase(cfg, policy, batch)  # noqa: E731
+    t_ref = measure(ref, repeats=args.repeats, device=device)
+    t_upd = measure(
+        lambda: update_phase(cfg, policy, batch, opt, sched, params),
+        warmup=1,
+        repeats=args.repeats,
+        device=device,
+    )
+    tokens = int(batch.rollout.completion_mask.sum())
+    total = t_roll.median_ms + t_ref.median_ms + t_upd.median_ms
+    return {
+        "size": size,
+        "mode": "lora r16" if lora else "full",
+        "trainable_params": sum(p.numel() for p in params),
+        "rollout_ms": round(t_roll.median_ms, 1),
+        "ref_logprob_ms": round(t_ref.median_ms, 1),
+        "update_ms": round(t_upd.median_ms, 1),
+        "step_ms": round(total, 1),
+        "rollout_frac": round(t_roll.median_ms / total, 3),
+        "tokens_per_s": round(tokens / (total / 1e3), 1),
+        "peak_mem_mib": round(max(t_roll.peak_mem_mib, t_ref.peak_mem_mib, t_upd.peak_mem_mib), 1),
+        "spread_ms": f"{t_upd.p20_ms:.0f}-{t_upd.p80_ms:.0f}",
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="ci,demo", help="comma list of grpo.tiny.SIZES keys")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--micro-batch-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--name", default=None, help="results file stem")
+    args = p.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in args.sizes.split(","):
+            model_dir = make_tiny_model(Path(tmp) / size, size=size)
+            for lora in (True, False):
+                rows.append(bench_case(model_dir, size, lora, args))
+    cols = ["size", "mode", "trainable_params", "rollout_ms", "ref_logprob_ms", "update_ms",
+            "step_ms", "rollout_frac", "tokens_per_s", "peak_mem_mib", "spread_ms"]  # fmt: skip
+    meta = {
+        "command": "python -m benchmarks.bench_step " + " ".join(argv or []),
+        "shape": f"P={args.prompts} G={args.group_size} T_c<={args.max_new_tokens} "
+        f"micro={args.micro_batch_size}, beta=0.04 (reference forward included)",
+        "note": "rollouts stop at eos, so completion lengths vary with the random weights",
+    }
+    write_results(args.name or f"step_{args.device}", rows, cols, meta=meta)
+
+
+if __name__ == "__main__":
+    main()

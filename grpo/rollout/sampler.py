@@ -1,0 +1,350 @@
+"""Rollouts: prefill each prompt once, copy its KV rows G times, decode all P*G rows together.
+
+Shapes: P prompts, G completions per prompt (group), B = P*G rows, T_p the padded prompt width,
+T_c completion tokens, V vocab. Row b belongs to prompt b // G (a group's rows are adjacent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from grpo.errors import GrpoError
+from grpo.models.kv_cache import KVCache
+from grpo.rollout.sampling import next_tokens
+
+
+@dataclass
+class Rollout:
+    """The sampled completions of P prompts x G rows and everything training needs of them.
+
+    Attributes:
+        ids: (B, T_p + T_c) prompt (left-padded with pad_id) + completion token ids.
+        prompt_lens: (B,) real prompt tokens per row.
+        prompt_width: T_p, the padded prompt width (completions start at this column).
+        completion_ids: (B, T_c) sampled ids; pad_id after a row's stop token.
+        completion_mask: (B, T_c) bool, True = the token counts: up to and including the first
+            stop token, nothing after it. Built from `completion_lens`, never from pad ids.
+        completion_lens: (B,) tokens per completion, the stop token included.
+        finished: (B,) bool, True = stopped on a stop id, False = truncated at max_new_tokens.
+        logprobs: (B, T_c) float32 log-prob of each sampled token under the distribution it was
+            drawn from before truncation: log_softmax(logits / temperature) (temperature 1 when
+            greedy); top-k / top-p / min-p are not reflected. 0 where the mask is False.
+        group_size: G.
+    """
+
+    ids: torch.Tensor
+    prompt_lens: torch.Tensor
+    prompt_width: int
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    completion_lens: torch.Tensor
+    finished: torch.Tensor
+    logprobs: torch.Tensor
+    group_size: int
+
+    @property
+    def prompt_ids(self) -> torch.Tensor:
+        """(B, T_p) left-padded prompt ids."""
+        return self.ids[:, : self.prompt_width]
+
+    def attention_mask(self) -> torch.Tensor:
+        """(B, T_p + T_c) bool mask for a training forward over prompt + completion.
+
+        True on each row's real prompt tokens and on its counted completion tokens; feeding it
+        to `Decoder.forward` gives the same rotary positions the sampler used.
+        """
+        T_p = self.prompt_width
+        cols = torch.arange(T_p, device=self.ids.device)
+        prompt_mask = cols[None, :] >= (T_p - self.prompt_lens)[:, None]  # (B, T_p)
+        return torch.cat([prompt_mask, self.completion_mask], dim=1)
+
+    def decode(self, tokenizer, skip_special_tokens: bool = False) -> list[str]:
+        """The completions as text, one per row; a row's stop token is not part of its text.
+
+        Args:
+            tokenizer: anything with `decode(list[int], skip_special_tokens=...)`.
+            skip_special_tokens: passed on to the tokenizer.
+
+        Returns:
+            B strings.
+        """
+        texts = []
+        rows = zip(
+            self.completion_ids.tolist(), self.completion_lens.tolist(), self.finished.tolist()
+        )
+        for ids, n, stopped in rows:
+            keep = n - 1 if stopped else n
+            texts.append(tokenizer.decode(ids[:keep], skip_special_tokens=skip_special_tokens))
+        return texts
+
+
+class Sampler:
+    """Turns prompts into a `Rollout` with one model; holds its (optionally compiled) decode step.
+
+    Build it once and call `sample` many times: with `compile=True` the decode step is
+    `torch.compile`d once, here, with static shapes (the KV cache is then a static one), and
+    reused while shapes stay the same (new P, G or lengths recompile).
+
+    Args:
+        model: a `Decoder` (or anything with its forward signature, `config` and `lm_head`).
+        compile: compile the decode step with `torch.compile` (inductor needs a C compiler
+            on CPU; the prefill stays eager).
+        compile_options: extra `torch.compile` keyword arguments, e.g. {"mode":
+            "reduce-overhead"} on GPU or {"backend": "aot_eager"} in tests; the defaults are
+            dynamic=False, fullgraph=True.
+        sync_every: check "all rows done?" on the host every this many steps (the only host
+            sync of the loop); at most sync_every - 1 steps run after the last row stops.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        compile: bool = False,
+        compile_options: dict | None = None,
+        sync_every: int = 4,
+    ):
+        if sync_every < 1:
+            raise GrpoError(f"sync_every must be >= 1, got {sync_every}")
+        self.model = model
+        self.compile = compile
+        self.sync_every = sync_every
+        if compile:
+            options = {"dynamic": False, "fullgraph": True, **(compile_options or {})}
+            self._decode = torch.compile(self._decode_step, **options)
+        else:
+            self._decode = self._decode_step
+
+    def _decode_step(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: KVCache,
+    ) -> torch.Tensor:
+        """One token per row through the model: (B, 1) ids -> (B, V) float32 logits."""
+        logits = self.model(
+            tokens, position_ids=position_ids, attention_mask=attention_mask, kv_cache=cache
+        )  # (B, 1, V)
+        return logits[:, -1].float()
+
+    @torch.no_grad()
+    def sample(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        stop_ids: Sequence[int],
+        seed: int,
+        pad_id: int = 0,
+    ) -> Rollout:
+        """Sample `group_size` completions for each prompt; see `grpo.rollout.sample`."""
+        model = self.model
+        cfg = model.config
+        prompts = _check_prompts(prompts, cfg.vocab_size)
+        _check_settings(cfg, prompts, group_size, max_new_tokens, temperature, top_k, top_p, min_p)
+        if not 0 <= pad_id < cfg.vocab_size:
+            raise GrpoError(f"pad_id must be in [0, {cfg.vocab_size}), got {pad_id}")
+        dev = model.device
+        P, G = len(prompts), group_size
+        T_p = max(len(p) for p in prompts)
+        max_len = T_p + max_new_tokens
+
+        # Left-pad the P prompts; the attention mask spans every cache slot (B, max_len).
+        prompt_ids = torch.full((P, T_p), pad_id, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            prompt_ids[i, T_p - len(p) :] = torch.tensor(p, dtype=torch.long)
+        prompt_ids = prompt_ids.to(dev)
+        prompt_lens = torch.tensor([len(p) for p in prompts], device=dev)  # (P,)
+        kv_mask = torch.zeros(P, max_len, dtype=torch.bool, device=dev)
+        kv_mask[:, :T_p] = torch.arange(T_p, device=dev) >= (T_p - prompt_lens)[:, None]
+
+        was_training = model.training
+        model.eval()
+        try:
+            # Prefill once per prompt; logits only at the last position (not (P, T_p, V)).
+            cache = KVCache.for_model(model, rows=P, max_len=max_len, static=self.compile)
+            hidden = model(prompt_ids, attention_mask=kv_mask, kv_cache=cache, return_hidden=True)
+            logits = model.lm_head(hidden[:, -1]).float()  # (P, V)
+            # Copy each prompt's state to its G rows: row b <- prompt b // G.
+            cache = cache.repeat_rows(G)
+            logits = logits.repeat_interleave(G, dim=0)  # (B, V)
+            kv_mask = kv_mask.repeat_interleave(G, dim=0)  # (B, max_len)
+            prompt_lens = prompt_lens.repeat_interleave(G)  # (B,)
+            gen = torch.Generator(device=dev).manual_seed(seed)
+
+            def draw(logits):  # (B, V) -> tokens (B,), logprobs (B,)
+                return next_tokens(logits, gen, temperature, top_k, top_p, min_p)
+
+            stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev)
+            completion_ids, logprobs, lens, done = self._decode_loop(
+                logits, cache, kv_mask, prompt_lens, T_p, max_new_tokens, draw, stops, pad_id
+            )
+        finally:
+            model.train(was_training)
+
+        T_c = int(lens.max())  # trim the steps after the last row stopped
+        completion_ids, logprobs = completion_ids[:, :T_c], logprobs[:, :T_c]
+        completion_mask = torch.arange(T_c, device=dev)[None, :] < lens[:, None]  # (B, T_c)
+        ids = torch.cat([prompt_ids.repeat_interleave(G, dim=0), completion_ids], dim=1)
+        return Rollout(
+            ids=ids,
+            prompt_lens=prompt_lens,
+            prompt_width=T_p,
+            completion_ids=completion_ids,
+            completion_mask=completion_mask,
+            completion_lens=lens,
+            finished=done,
+            logprobs=logprobs,
+            group_size=G,
+        )
+
+    def _decode_loop(
+        self, logits, cache, kv_mask, prompt_lens, T_p, max_new_tokens, draw, stops, pad_id
+    ):
+        """Sample from `logits` (B, V), feed the tokens back, repeat; all rows in one batch.
+
+        Args:
+            logits: (B, V) float32 logits of each row's first completion token.
+            cache: the KV cache holding the B rows' prompts (positions [0, T_p)).
+            kv_mask: (B, max_len) bool attention mask; completion slots are set as they fill.
+            prompt_lens: (B,) real prompt tokens per row (= first rotary position to write).
+            T_p: padded prompt width (= first completion slot in the cache).
+            max_new_tokens: step limit.
+            draw: (B, V) logits -> (tokens (B,), logprobs (B,)), holding the generator.
+            stops: (S,) stop ids.
+            pad_id: emitted by rows that have stopped.
+
+        Returns:
+            completion_ids (B, max_new_tokens), logprobs (B, max_new_tokens) float32,
+            lens (B,) long and done (B,) bool.
+        """
+        dev = logits.device
+        B = logits.shape[0]
+        completion_ids = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=dev)
+        logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=dev)
+        lens = torch.zeros(B, dtype=torch.long, device=dev)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        position_ids = prompt_lens[:, None].clone()  # (B, 1) next rotary position per row
+        for t in range(max_new_tokens):
+            # Every row draws its own token (rows of a group differ from the first one on).
+            tok, lp = draw(logits)  # (B,), (B,)
+            tok = tok.masked_fill(done, pad_id)  # finished rows only emit padding
+            completion_ids[:, t] = tok
+            logprobs[:, t] = lp.masked_fill(done, 0.0)
+            lens += ~done
+            done |= torch.isin(tok, stops)
+            if t == max_new_tokens - 1 or ((t + 1) % self.sync_every == 0 and bool(done.all())):
+                break
+            kv_mask[:, T_p + t] = True
+            logits = self._decode(tok[:, None], position_ids, kv_mask, cache)  # (B, V)
+            position_ids += 1
+        return completion_ids, logprobs, lens, done
+
+
+def sample(
+    model,
+    prompts: Sequence[Sequence[int]],
+    *,
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    stop_ids: Sequence[int],
+    seed: int,
+    pad_id: int = 0,
+    compile: bool = False,
+) -> Rollout:
+    """Sample `group_size` completions for each of P prompts (one-shot; see `Sampler`).
+
+    The P prompts are left-padded and prefilled once; each prompt's KV rows are copied G
+    times and all B = P*G rows decode together with a static KV cache. Each row draws its own
+    tokens, from the first one on, from an explicit generator seeded with `seed` (same seed,
+    same rollout, bit for bit). A row that emits a stop id stops there: its later tokens are
+    pad_id, masked out, with log-prob 0. The loop ends when every row has stopped or after
+    `max_new_tokens`. The model runs in eval mode under no_grad (its mode is restored).
+
+    Args:
+        model: a `Decoder`.
+        prompts: P token-id lists (unpadded, each non-empty).
+        group_size: G completions per prompt.
+        max_new_tokens: completion length limit; prompt + completion must fit in the model's
+            max_position_embeddings.
+        temperature: 0 = greedy (arg-max), else the softmax temperature.
+        top_k: keep the k most likely tokens (0 = off).
+        top_p: nucleus sampling mass (1.0 = off).
+        min_p: keep tokens with p >= min_p * p_max (0 = off).
+        stop_ids: token ids that end a completion (the stop token counts in the mask).
+        seed: seeds the sampling generator.
+        pad_id: the id of left padding and of tokens after a stop (never used to build masks).
+        compile: `torch.compile` the decode step. To reuse the compiled step across calls,
+            hold a `Sampler(model, compile=True)` instead of calling this function.
+
+    Returns:
+        a `Rollout` with B = P*G rows; row b belongs to prompt b // G.
+    """
+    return Sampler(model, compile=compile).sample(
+        prompts,
+        group_size=group_size,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        stop_ids=stop_ids,
+        seed=seed,
+        pad_id=pad_id,
+    )
+
+
+def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
+    """Prompts as lists of ints; an empty list, an empty prompt or an id out of range is named."""
+    if isinstance(prompts, torch.Tensor) or not isinstance(prompts, Sequence) or not prompts:
+        raise GrpoError("prompts must be a non-empty list of token-id lists")
+    out = []
+    for i, p in enumerate(prompts):
+        ids = p.tolist() if isinstance(p, torch.Tensor) else list(p)
+        if not ids:
+            raise GrpoError(f"prompt {i} is empty (every prompt needs at least one token)")
+        if not all(isinstance(x, int) and 0 <= x < vocab_size for x in ids):
+            raise GrpoError(f"prompt {i} has token ids outside [0, {vocab_size}) or non-integers")
+        out.append(ids)
+    return out
+
+
+def _check_settings(cfg, prompts, group_size, max_new_tokens, temperature, top_k, top_p, min_p):
+    """One clear GrpoError per bad setting, naming it and the value expected."""
+    if group_size < 1:
+        raise GrpoError(f"group_size must be >= 1, got {group_size}")
+    if max_new_tokens < 1:
+        raise GrpoError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise GrpoError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k < 0:
+        raise GrpoError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise GrpoError(f"top_p must be in (0, 1], got {top_p}")
+    if not 0.0 <= min_p <= 1.0:
+        raise GrpoError(f"min_p must be in [0, 1], got {min_p}")
+    ctx = cfg.max_position_embeddings
+    if max_new_tokens >= ctx:
+        raise GrpoError(
+            f"max_new_tokens={max_new_tokens} does not fit in the model's context "
+            f"(max_position_embeddings={ctx}, and a prompt needs at least one token)"
+        )
+    for i, p in enumerate(prompts):
+        if len(p) + max_new_tokens > ctx:
+            raise GrpoError(
+                f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
+                f"{len(p) + max_new_tokens} positions > max_position_embeddings={ctx}"
+            )

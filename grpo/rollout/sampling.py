@@ -1,0 +1,146 @@
+"""Pure logits processing for sampling: temperature, top-k, top-p, min-p, and the draw.
+
+Every function takes and returns (B, V) tensors and has no state; randomness comes only from
+the explicit `torch.Generator` passed to `next_tokens`. The filters follow `transformers`'
+`TopKLogitsWarper`, `TopPLogitsWarper` and `MinPLogitsWarper` (keeping at least one token),
+applied in the same order: temperature, top-k, top-p, min-p.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature in float32.
+
+    Args:
+        logits: (B, V) raw logits, any float dtype.
+        temperature: > 0.
+
+    Returns:
+        (B, V) float32 scaled logits.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to scale logits, got {temperature}")
+    logits = logits.float()
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def apply_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Keep the `top_k` largest logits of each row (ties with the k-th are kept); -inf elsewhere.
+
+    Args:
+        logits: (B, V).
+        top_k: number of tokens kept; 0 (or >= V) disables the filter.
+
+    Returns:
+        (B, V) logits with the removed tokens at -inf.
+    """
+    if top_k <= 0 or top_k >= logits.shape[-1]:
+        return logits
+    kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus filter: keep the most likely tokens whose probabilities sum to >= `top_p`.
+
+    Tokens are removed from the unlikely end while the cumulative probability of the removed
+    ones stays <= 1 - top_p; the most likely token is always kept.
+
+    Args:
+        logits: (B, V).
+        top_p: in (0, 1]; 1 disables the filter.
+
+    Returns:
+        (B, V) logits with the removed tokens at -inf.
+    """
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1)  # ascending, (B, V)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # (B, V)
+    remove_sorted = cum <= 1.0 - top_p
+    remove_sorted[:, -1] = False  # the arg-max survives
+    remove = remove_sorted.scatter(-1, order, remove_sorted)  # back to vocab order
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Keep tokens whose probability is >= min_p * (probability of the most likely token).
+
+    Args:
+        logits: (B, V).
+        min_p: in [0, 1]; 0 disables the filter.
+
+    Returns:
+        (B, V) logits with the removed tokens at -inf.
+    """
+    if min_p <= 0.0:
+        return logits
+    probs = logits.softmax(dim=-1)  # (B, V)
+    threshold = min_p * probs.amax(dim=-1, keepdim=True)  # (B, 1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def process_logits(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p, in that order (as `transformers` does).
+
+    Args:
+        logits: (B, V) raw logits.
+        temperature: > 0.
+        top_k, top_p, min_p: filters; 0, 1.0 and 0.0 disable them.
+
+    Returns:
+        (B, V) float32 logits to sample from (removed tokens at -inf).
+    """
+    logits = apply_temperature(logits, temperature)
+    logits = apply_top_k(logits, top_k)
+    logits = apply_top_p(logits, top_p)
+    return apply_min_p(logits, min_p)
+
+
+def next_tokens(
+    logits: torch.Tensor,
+    generator: torch.Generator | None,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row and return its log-probability.
+
+    The log-prob is taken under the *untruncated* temperature distribution
+    log_softmax(logits / temperature), whatever top-k / top-p / min-p removed: that is the
+    quantity a training forward recomputes (it never applies the filters), so the sampler's
+    log-probs and the trainer's agree exactly. With temperature == 0 the draw is greedy (the
+    arg-max, lowest index on ties) and the log-prob is under the temperature-1 distribution.
+
+    Args:
+        logits: (B, V) raw logits of the next position.
+        generator: the explicit source of randomness (unused when greedy).
+        temperature: 0 for greedy, else > 0.
+        top_k, top_p, min_p: filters, see `process_logits`.
+
+    Returns:
+        tokens (B,) long and logprobs (B,) float32.
+    """
+    if temperature == 0:
+        logits = logits.float()
+        tokens = logits.argmax(dim=-1)  # (B,)
+        logprobs = logits.log_softmax(dim=-1)  # (B, V)
+        return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+    scaled = apply_temperature(logits, temperature)  # (B, V) float32
+    logprobs = scaled.log_softmax(dim=-1)  # (B, V)
+    if top_k <= 0 and top_p >= 1.0 and min_p <= 0.0:
+        probs = logprobs.exp()  # no filter: reuse the log-softmax
+    else:
+        probs = process_logits(scaled, 1.0, top_k, top_p, min_p).softmax(dim=-1)
+    tokens = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
+    return tokens[:, 0], logprobs.gather(-1, tokens)[:, 0]

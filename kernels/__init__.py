@@ -1,0 +1,141 @@
+"""Fused log-prob kernels: `fused_logprobs` dispatches to Triton (CUDA) or the chunked torch twin.
+
+Triton is imported lazily, on the first impl="triton" call, so importing `kernels` is cheap and
+leaves TRITON_INTERPRET to whoever imports triton first.
+"""
+
+import importlib.util
+import os
+
+import torch
+
+from kernels.reference import (
+    check_operands,
+    chunked_logprobs,
+    default_blocks,
+    naive_logprobs,
+)
+
+IMPLS = ("auto", "naive", "chunked", "triton")
+
+__all__ = [
+    "IMPLS",
+    "check_operands",
+    "chunked_logprobs",
+    "default_blocks",
+    "fused_logprobs",
+    "lora_lm_head_operands",
+    "naive_logprobs",
+    "resolve_impl",
+]
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """Map impl="auto" to "triton" on CUDA (when triton is installed), else "chunked"; validate.
+
+    Args:
+        impl: one of IMPLS.
+        device: device of the operands.
+
+    Returns:
+        "naive", "chunked" or "triton".
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    has_triton = importlib.util.find_spec("triton") is not None
+    if impl == "auto":
+        return "triton" if device.type == "cuda" and has_triton else "chunked"
+    if impl == "triton":
+        if not has_triton:
+            raise RuntimeError("impl='triton' needs the triton package (pip install triton)")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"impl='triton' needs CUDA tensors (got {device}); on CPU use impl='chunked', "
+                "or set TRITON_INTERPRET=1 before importing triton to run the kernels interpreted"
+            )
+    return impl
+
+
+def fused_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    temperature: float = 1.0,
+    impl: str = "auto",
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log softmax((hidden @ weight.T) / temperature)[n, ids[n]] for every token, fused.
+
+    Differentiable in `hidden` and `weight`; whichever does not require grad gets no gradient
+    work (a frozen lm_head costs no d_weight GEMM). The (N, V) logits are never materialized
+    except by impl="naive".
+
+    Args:
+        hidden: (N, C) final hidden states (flatten (B, T, C) first); made contiguous if needed.
+        weight: (V, C) lm_head weight, same dtype and device.
+        ids: (N,) int32/int64 target ids in [0, V).
+        temperature: sampling temperature; logits are divided by it.
+        impl: "auto" (Triton on CUDA, chunked torch elsewhere), "naive", "chunked" or "triton".
+        return_entropy: also return the per-token entropy of the tempered distribution (no grad),
+            for metrics.
+
+    Returns:
+        logprobs (N,) float32 (float64 only for float64 inputs); with `return_entropy`, a tuple
+        (logprobs, entropy), both (N,).
+
+    Raises:
+        ValueError / TypeError: malformed operands, ids out of range, unknown impl.
+    """
+    check_operands(hidden, weight, ids, temperature)
+    impl = resolve_impl(impl, hidden.device)
+    if ids.numel() > 0:
+        lo, hi = torch.aminmax(ids)
+        lo, hi = int(lo), int(hi)
+        if lo < 0 or hi >= weight.shape[0]:
+            raise ValueError(f"ids must lie in [0, V={weight.shape[0]}), got min {lo}, max {hi}")
+    if impl == "naive":
+        return naive_logprobs(hidden, weight, ids, temperature, return_entropy)
+    if impl == "chunked":
+        return chunked_logprobs(hidden, weight, ids, temperature, return_entropy)
+    from kernels.logprobs import triton_logprobs
+
+    return triton_logprobs(
+        hidden.contiguous(), weight.contiguous(), ids.contiguous(), temperature, return_entropy
+    )
+
+
+def lora_lm_head_operands(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold a LoRA lm_head into one plain linear head so that it runs through `fused_logprobs`.
+
+    hidden' @ weight'^T = hidden @ W^T + scale * (hidden @ A^T) @ B^T with
+    hidden' = [hidden, scale * hidden @ A^T] and weight' = [W, B] (concatenated along C).
+    Gradients flow back to hidden, lora_a and lora_b (and W if it requires grad) through the cat.
+    Note that d weight' is then computed for all C + r columns (the kernels see one weight), and
+    weight' is a fresh (V, C + r) copy per call.
+
+    Args:
+        hidden: (N, C).
+        weight: (V, C) frozen base weight W.
+        lora_a: (r, C) LoRA A.
+        lora_b: (V, r) LoRA B.
+        scale: alpha / r.
+
+    Returns:
+        (hidden' (N, C + r), weight' (V, C + r)) in the dtype of `hidden`.
+    """
+    r = lora_a.shape[0]
+    if lora_a.shape != (r, hidden.shape[1]) or lora_b.shape != (weight.shape[0], r):
+        raise ValueError(
+            f"LoRA shapes: expected lora_a (r, C={hidden.shape[1]}) and lora_b (V={weight.shape[0]}"
+            f", r), got {tuple(lora_a.shape)} and {tuple(lora_b.shape)}"
+        )
+    low_rank = (hidden @ lora_a.t()) * scale  # (N, r)
+    hidden_cat = torch.cat([hidden, low_rank.to(hidden.dtype)], dim=1)  # (N, C + r)
+    weight_cat = torch.cat([weight, lora_b.to(weight.dtype)], dim=1)  # (V, C + r)
+    return hidden_cat, weight_cat

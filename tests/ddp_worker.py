@@ -1,0 +1,102 @@
+"""Run by tests/test_distributed.py under torchrun (and once without): one GRPO update per
+loss aggregation and one SFT step on fixed data, each rank taking its half of the batch.
+
+    torchrun --nproc_per_node=2 tests/ddp_worker.py CKPT OUT_DIR
+    python tests/ddp_worker.py CKPT OUT_DIR          # the single-process reference
+
+Rank 0 writes the updated trainable parameters to OUT_DIR/<case>.safetensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from grpo.algo.logprobs import CompletionLogprobs
+from grpo.config import load_config
+from grpo.distributed import init_distributed, teardown, wrap_ddp
+from grpo.lora import apply_lora
+from grpo.models import load_model
+from grpo.rollout import sample
+from grpo.train.common import Policy
+from grpo.train.grpo import Batch, select_rows, update_phase
+from grpo.train.optim import build_optimizer, build_scheduler
+from grpo.train.sft import sft_update
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
+class _Tok:
+    pad_token_id = 0
+
+
+def fixed_batch(model, rank: int, world: int) -> Batch:
+    """The same 16-row rollout on every rank (fixed seed); this rank's contiguous half."""
+    r = sample(model, [[5, 17, 33, 9], [101, 7], [44, 45, 46], [8]], group_size=4,
+               max_new_tokens=10, temperature=1.0, stop_ids=[3], seed=0, pad_id=0)  # fmt: skip
+    adv = torch.randn(16, generator=torch.Generator().manual_seed(0))
+    B = 16 // world
+    idx = torch.arange(rank * B, (rank + 1) * B)
+    r = select_rows(r, idx)
+    return Batch(
+        rollout=r, rows=[{}] * B, rewards=adv[idx], per_fn={}, advantages=adv[idx],
+        loss_mask=r.completion_mask.clone(), texts=[], frac_zero_std=0.0,
+    )  # fmt: skip
+
+
+def sft_rows(rank: int, world: int) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for i in range(8):
+        p = torch.randint(4, 250, (2 + i % 3,), generator=g).tolist()
+        c = torch.randint(4, 250, (3 + i % 4,), generator=g).tolist()
+        rows.append({"prompt_ids": p, "completion_ids": c})
+    B = 8 // world
+    return rows[rank * B : (rank + 1) * B]
+
+
+def main(ckpt: str, out_dir: str) -> None:
+    dist = init_distributed("cpu")
+    out = Path(out_dir)
+    base = load_model(ckpt)
+    apply_lora(base, rank=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"], seed=0)
+    for agg in AGGREGATIONS:
+        model = copy.deepcopy(base)
+        cfg = load_config(
+            base={"model": {"path": ckpt}},
+            overrides=[f"loss.aggregation={agg}", "loss.beta=0", "optim.lr=1e-3",
+                       "train.batch_size=16", "train.micro_batch_size=4"],
+        )  # fmt: skip
+        policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=True)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = build_optimizer(params, cfg.optim)
+        sched = build_scheduler(opt, 10, cfg.optim)
+        scorer = wrap_ddp(CompletionLogprobs(model), dist, torch.device("cpu"))
+        batch = fixed_batch(model, dist.rank, dist.world_size)
+        update_phase(cfg, policy, batch, opt, sched, params, scorer, dist)
+        if dist.is_main:
+            save_file({n: p.detach() for n, p in model.named_parameters() if p.requires_grad},
+                      str(out / f"grpo_{agg}.safetensors"))  # fmt: skip
+    model = copy.deepcopy(base)
+    cfg = load_config(
+        base={"model": {"path": ckpt}},
+        overrides=["optim.lr=1e-3", "train.batch_size=8", "train.micro_batch_size=2"],
+    )
+    policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = build_optimizer(params, cfg.optim)
+    sched = build_scheduler(opt, 10, cfg.optim)
+    scorer = wrap_ddp(CompletionLogprobs(model), dist, torch.device("cpu"))
+    sft_update(cfg, policy, scorer, sft_rows(dist.rank, dist.world_size), opt, sched, params, dist)
+    if dist.is_main:
+        save_file({n: p.detach() for n, p in model.named_parameters() if p.requires_grad},
+                  str(out / "sft.safetensors"))  # fmt: skip
+    teardown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,359 @@
+"""Tests of kernels/: the torch twins and the Triton kernels against float64, LoRA operands, errors.
+
+The Triton kernels run on CPU under TRITON_INTERPRET=1, which triton reads when a kernel module is
+imported; so the interpreted checks run in one subprocess (`interpret_report`) started with the
+variable set, and the tests here assert on its report. On CUDA the same checks run compiled, in
+bf16 under the error-budget rule: error vs float64 <= 2x the same-dtype naive torch error.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import kernels
+from kernels.reference import check_operands, chunked_logprobs, naive_logprobs
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPES = [(37, 64, 1003), (19, 72, 517)]  # (N, C, V): ragged token / vocab tiles; ragged C too
+TEMPS = [1.0, 0.7]
+FP32_TOL = dict(rtol=1e-5, atol=1e-5)
+CHUNKED_SMALL = dict(block_n=16, block_v=128)  # several tiles in both directions
+# interpreted Triton: 3 vocab splits, 4 backward vocab chunks, ragged edges everywhere
+TRITON_SMALL = dict(block_n=16, block_v=64, block_c=32, num_splits=3)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def make_inputs(n, c, v, seed=0, dtype=torch.float32, device="cpu"):
+    """hidden (N, C), weight (V, C) (logits ~ N(0, 4): a peaked softmax), ids (N,), grad (N,)."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, c, generator=gen)
+    weight = torch.randn(v, c, generator=gen) * 2 / c**0.5
+    ids = torch.randint(0, v, (n,), generator=gen)
+    grad = torch.randn(n, generator=gen)
+    return hidden.to(device, dtype), weight.to(device, dtype), ids.to(device), grad.to(device)
+
+
+def run(fn, hidden, weight, ids, grad, temperature, weight_grad=True, upcast=None, **kw):
+    """(logprobs, entropy, d_hidden, d_weight or None) of fn, inputs optionally upcast first."""
+    h = hidden.detach().to(upcast or hidden.dtype).requires_grad_(True)
+    w = weight.detach().to(upcast or weight.dtype).requires_grad_(weight_grad)
+    logprobs, entropy = fn(h, w, ids, temperature, return_entropy=True, **kw)
+    inputs = (h, w) if weight_grad else (h,)
+    grads = torch.autograd.grad(logprobs, inputs, grad.to(logprobs.dtype))
+    return logprobs, entropy, grads[0], (grads[1] if weight_grad else None)
+
+
+def gold(hidden, weight, ids, grad, temperature, weight_grad=True):
+    """The float64 naive path on the (already rounded) inputs."""
+    return run(naive_logprobs, hidden, weight, ids, grad, temperature, weight_grad, torch.float64)
+
+
+def close_errors(actual, expected, names=("logprobs", "entropy", "d_hidden", "d_weight")):
+    """Messages of every output that misses float32 tolerance against float64 (empty if none)."""
+    errors = []
+    for name, a, e in zip(names, actual, expected):
+        if e is None:
+            continue
+        try:
+            torch.testing.assert_close(a.double().cpu(), e.double().cpu(), **FP32_TOL)
+        except AssertionError as err:
+            errors.append(f"{name}: {str(err).splitlines()[2:4]}")
+    return errors
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def assert_error_budget(ours, ref, expected, factor=2.0, floor=1e-6):
+    """bf16 rule: each output's relative L2 error vs float64 <= factor x the reference's + floor."""
+    names = ("logprobs", "entropy", "d_hidden", "d_weight")
+    for name, o, r, e in zip(names, ours, ref, expected):
+        if e is None:
+            continue
+        err_ours, err_ref = rel_err(o, e), rel_err(r, e)
+        assert err_ours <= factor * err_ref + floor, f"{name}: {err_ours:.3g} vs ref {err_ref:.3g}"
+
+
+# ---------------------------------------------------------------- torch twins vs float64
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("temperature", TEMPS)
+def test_naive_fp32_matches_float64(shape, temperature):
+    args = make_inputs(*shape)
+    assert not close_errors(run(naive_logprobs, *args, temperature), gold(*args, temperature))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("temperature", TEMPS)
+@pytest.mark.parametrize("weight_grad", [True, False], ids=["d_weight", "frozen"])
+@pytest.mark.parametrize("blocks", [CHUNKED_SMALL, {}], ids=["small_tiles", "default_tiles"])
+def test_chunked_matches_float64(shape, temperature, weight_grad, blocks):
+    args = make_inputs(*shape)
+    ours = run(chunked_logprobs, *args, temperature, weight_grad, **blocks)
+    assert ours[0].dtype == torch.float32
+    assert not close_errors(ours, gold(*args, temperature, weight_grad))
+
+
+class CountMatmuls(TorchDispatchMode):
+    """Counts aten matmul-family calls (mm, addmm, addmm_, bmm, ...) made inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += "mm" in func.overloadpacket.__name__
+        return func(*args, **(kwargs or {}))
+
+
+def test_chunked_frozen_weight_backward_does_no_recompute():
+    hidden, weight, ids, grad = make_inputs(37, 64, 1003)
+    h = hidden.clone().requires_grad_(True)
+    with CountMatmuls() as fwd:
+        logprobs = chunked_logprobs(h, weight, ids, 0.7, **CHUNKED_SMALL)
+    with CountMatmuls() as bwd:
+        (d_h,) = torch.autograd.grad(logprobs, h, grad)
+    tiles = 3 * 8  # ceil(37 / 16) x ceil(1003 / 128)
+    assert fwd.count == 2 * tiles  # logits and the online softmax-weighted W average
+    assert bwd.count == 0  # d_hidden = g/T * (W[id] - E_p[W]) from the forward's average
+    # with a trainable weight the backward recomputes each tile: logits, d_hidden, d_weight
+    w = weight.clone().requires_grad_(True)
+    logprobs = chunked_logprobs(h, w, ids, 0.7, **CHUNKED_SMALL)
+    with CountMatmuls() as bwd:
+        torch.autograd.grad(logprobs, (h, w), grad)
+    assert bwd.count == 3 * tiles
+
+
+@pytest.mark.parametrize("weight_grad", [True, False], ids=["d_weight", "frozen"])
+def test_chunked_bf16_within_error_budget_of_naive_bf16(weight_grad):
+    args = make_inputs(37, 64, 1003, dtype=torch.bfloat16)
+    ours = run(chunked_logprobs, *args, 0.7, weight_grad, **CHUNKED_SMALL)
+    ref = run(naive_logprobs, *args, 0.7, weight_grad)
+    assert ours[2].dtype == torch.bfloat16
+    assert_error_budget(ours, ref, gold(*args, 0.7, weight_grad))
+
+
+def test_chunked_empty_batch():
+    hidden, weight, ids, _ = make_inputs(0, 8, 11)
+    h = hidden.requires_grad_(True)
+    logprobs = chunked_logprobs(h, weight, ids)
+    assert logprobs.shape == (0,)
+    (d_h,) = torch.autograd.grad(logprobs.sum(), h)
+    assert d_h.shape == (0, 8)
+
+
+# ---------------------------------------------------------------- public entry point
+
+
+def test_fused_logprobs_dispatch_on_cpu():
+    hidden, weight, ids, _ = make_inputs(37, 64, 1003)
+    assert kernels.resolve_impl("auto", hidden.device) == "chunked"
+    auto = kernels.fused_logprobs(hidden, weight, ids, 0.7)
+    assert torch.equal(auto, kernels.fused_logprobs(hidden, weight, ids, 0.7, impl="chunked"))
+    naive = kernels.fused_logprobs(hidden, weight, ids.int(), 0.7, impl="naive")
+    torch.testing.assert_close(auto, naive, **FP32_TOL)
+    logprobs, entropy = kernels.fused_logprobs(hidden, weight, ids, 0.7, return_entropy=True)
+    assert torch.equal(logprobs, auto) and entropy.shape == (37,) and not entropy.requires_grad
+    assert logprobs.dtype == entropy.dtype == torch.float32
+    # entropy of the tempered distribution, by hand
+    p = torch.softmax((hidden.double() @ weight.double().t()) / 0.7, dim=-1)
+    torch.testing.assert_close(entropy.double(), -(p * p.log()).sum(-1), **FP32_TOL)
+
+
+def test_lora_lm_head_operands_reproduce_lora_logits():
+    hidden, weight, _, _ = make_inputs(37, 64, 1003, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(1)
+    lora_a = torch.randn(8, 64, generator=gen, dtype=torch.float64)
+    lora_b = torch.randn(1003, 8, generator=gen, dtype=torch.float64)
+    h2, w2 = kernels.lora_lm_head_operands(hidden, weight, lora_a, lora_b, scale=0.5)
+    assert h2.shape == (37, 72) and w2.shape == (1003, 72)
+    expected = hidden @ weight.t() + 0.5 * (hidden @ lora_a.t()) @ lora_b.t()
+    torch.testing.assert_close(h2 @ w2.t(), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("impl", ["chunked", "naive"])
+def test_lora_lm_head_through_fused_logprobs(impl):
+    hidden, weight, ids, grad = make_inputs(37, 64, 1003)
+    gen = torch.Generator().manual_seed(1)
+    lora_a = torch.randn(8, 64, generator=gen) * 0.1
+    lora_b = torch.randn(1003, 8, generator=gen) * 0.1
+
+    def grads(h, a, b, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_(True) for t in (h, a, b)]
+        h2, w2 = kernels.lora_lm_head_operands(leaves[0], weight.to(dtype), *leaves[1:], 0.5)
+        logprobs = kernels.fused_logprobs(h2, w2, ids, 0.7, impl=impl)
+        return [logprobs, *torch.autograd.grad(logprobs, leaves, grad.to(logprobs.dtype))]
+
+    # gold: the LoRA formula itself in float64, no concatenation
+    leaves = [t.detach().double().requires_grad_(True) for t in (hidden, lora_a, lora_b)]
+    h, a, b = leaves
+    z = (h @ weight.double().t() + 0.5 * (h @ a.t()) @ b.t()) / 0.7
+    expected_lp = torch.log_softmax(z, -1).gather(1, ids[:, None]).squeeze(1)
+    expected = [expected_lp, *torch.autograd.grad(expected_lp, leaves, grad.double())]
+    for ours, exp in zip(grads(hidden, lora_a, lora_b, torch.float32), expected):
+        torch.testing.assert_close(ours.double(), exp, **FP32_TOL)
+
+
+# ---------------------------------------------------------------- operand errors
+
+
+def _bad_cases():
+    h, w, ids, _ = make_inputs(5, 8, 11)
+    return [
+        ("hidden must be 2-D", (h[None], w, ids), {}),
+        ("weight must be 2-D", (h, w[0], ids), {}),
+        ("ids must be 1-D", (h, w, ids[:, None]), {}),
+        ("disagree on C", (h, w[:, :4], ids), {}),
+        ("ids has 4 entries", (h, w, ids[:4]), {}),
+        ("ids must be int32 or int64", (h, w, ids.float()), {}),
+        ("hidden must be a floating tensor", (h.long(), w.long(), ids), {}),
+        ("weight dtype torch.float64 must equal", (h, w.double(), ids), {}),
+        ("temperature must be > 0", (h, w, ids), {"temperature": 0.0}),
+        ("ids must lie in", (h, w, ids + 11), {}),
+        ("impl must be one of", (h, w, ids), {"impl": "cuda"}),
+    ]
+
+
+@pytest.mark.parametrize("message,args,kwargs", _bad_cases(), ids=[c[0] for c in _bad_cases()])
+def test_fused_logprobs_rejects_bad_operands(message, args, kwargs):
+    with pytest.raises((ValueError, TypeError), match=message):
+        kernels.fused_logprobs(*args, **kwargs)
+
+
+def test_contiguity_and_triton_device_errors(monkeypatch):
+    h, w, ids, _ = make_inputs(5, 8, 11)
+    with pytest.raises(ValueError, match="hidden must be contiguous"):
+        check_operands(h.t().contiguous().t(), w, ids, 1.0, require_contiguous=True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        kernels.fused_logprobs(h, w, ids, impl="triton")
+    with pytest.raises(ValueError, match="LoRA shapes"):
+        kernels.lora_lm_head_operands(h, w, torch.zeros(2, 7), torch.zeros(11, 2), 1.0)
+
+
+# ---------------------------------------------------------------- Triton, interpreted on CPU
+
+INTERPRET_CASES = [
+    (shape, temperature, weight_grad)
+    for shape in SHAPES
+    for temperature in TEMPS
+    for weight_grad in (True, False)
+]
+
+
+def _case_id(shape, temperature, weight_grad):
+    return f"{'x'.join(map(str, shape))}-T{temperature}-{'d_weight' if weight_grad else 'frozen'}"
+
+
+def interpret_report() -> dict:
+    """Run every interpreted Triton check; called in a subprocess with TRITON_INTERPRET=1."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    from kernels.logprobs import triton_logprobs
+
+    report = {}
+    for shape, temperature, weight_grad in INTERPRET_CASES:
+        args = make_inputs(*shape)
+        n = shape[0]
+        small = dict(TRITON_SMALL, grad_buffer_mib=n * 256 * 4 / 2**20)  # 256-column chunks
+        ours = run(triton_logprobs, *args, temperature, weight_grad, **small)
+        report[_case_id(shape, temperature, weight_grad)] = close_errors(
+            ours, gold(*args, temperature, weight_grad)
+        )
+    # the fp32 default tiles (64 x 64 x 32) as compiled on a GPU; one vocab chunk in backward
+    args = make_inputs(37, 64, 1003)
+    ours = run(triton_logprobs, *args, 0.7, True)
+    report["default_config"] = close_errors(ours, gold(*args, 0.7, True))
+    h, w, ids, _ = make_inputs(5, 8, 11)
+    for name, call, exc in [
+        ("noncontiguous", lambda: triton_logprobs(h.t().contiguous().t(), w, ids), ValueError),
+        ("bad_config", lambda: triton_logprobs(h, w, ids, block_m=16), TypeError),
+        ("float64", lambda: triton_logprobs(h.double(), w.double(), ids), TypeError),
+    ]:
+        try:
+            call()
+            report[name] = ["no error raised"]
+        except exc as err:
+            report[name] = [] if str(err) else ["empty message"]
+    return report
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    code = (
+        "import json, runpy, sys; ns = runpy.run_path(sys.argv[1]); "
+        "print('REPORT ' + json.dumps(ns['interpret_report']()))"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", code, __file__],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("REPORT ") :])
+
+
+@pytest.mark.parametrize("case", INTERPRET_CASES, ids=[_case_id(*c) for c in INTERPRET_CASES])
+def test_triton_interpreted_matches_float64(interpreted, case):
+    assert interpreted[_case_id(*case)] == []
+
+
+@pytest.mark.parametrize("check", ["default_config", "noncontiguous", "bad_config", "float64"])
+def test_triton_interpreted_launcher_checks(interpreted, check):
+    assert interpreted[check] == []
+
+
+# ---------------------------------------------------------------- Triton, compiled on CUDA
+
+CUDA_SHAPES = SHAPES + [(1000, 512, 32003)]
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("shape", CUDA_SHAPES)
+@pytest.mark.parametrize("temperature", TEMPS)
+@pytest.mark.parametrize("weight_grad", [True, False], ids=["d_weight", "frozen"])
+@pytest.mark.parametrize("chunks", ["one_chunk", "many_chunks"])
+def test_triton_cuda_bf16_within_error_budget(shape, temperature, weight_grad, chunks):
+    from kernels.logprobs import triton_logprobs
+
+    args = make_inputs(*shape, dtype=torch.bfloat16, device="cuda")
+    config = {"grad_buffer_mib": shape[0] * 256 * 2 / 2**20} if chunks == "many_chunks" else {}
+    ours = run(triton_logprobs, *args, temperature, weight_grad, **config)
+    ref = run(naive_logprobs, *args, temperature, weight_grad)
+    assert ours[0].dtype == torch.float32 and ours[2].dtype == torch.bfloat16
+    assert_error_budget(ours, ref, gold(*args, temperature, weight_grad))
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("temperature", TEMPS)
+def test_triton_cuda_fp32_matches_float64(shape, temperature):
+    from kernels.logprobs import triton_logprobs
+
+    args = make_inputs(*shape, device="cuda")
+    ours = run(triton_logprobs, *args, temperature, True)
+    assert not close_errors(ours, gold(*args, temperature, True))
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("weight_grad", [True, False], ids=["d_weight", "frozen"])
+def test_chunked_and_auto_cuda_bf16_within_error_budget(weight_grad):
+    args = make_inputs(1000, 512, 32003, dtype=torch.bfloat16, device="cuda")
+    ref = run(naive_logprobs, *args, 0.7, weight_grad)
+    expected = gold(*args, 0.7, weight_grad)
+    assert_error_budget(run(chunked_logprobs, *args, 0.7, weight_grad), ref, expected)
+    assert kernels.resolve_impl("auto", args[0].device) == "triton"
+    fused = run(kernels.fused_logprobs, *args, 0.7, weight_grad)  # impl="auto" -> triton
+    assert_error_budget(fused, ref, expected)
