@@ -56,6 +56,25 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_merge(args) -> int:
+    from grpo.lora import merge_command
+
+    out = merge_command(args.model, args.adapter, args.out, dtype=args.dtype)
+    print(f"wrote merged checkpoint to {out}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from grpo.eval import run_eval_command
+
+    run_eval_command(
+        model=args.model, adapter=args.adapter, data=args.data, max_samples=args.max_samples,
+        k=args.k, out=args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+        details=args.details, compare=args.compare,
+    )  # fmt: skip
+    return 0
+
+
 def cmd_tiny_model(args) -> int:
     from grpo.tiny import SIZES, make_tiny_model
 
@@ -96,6 +115,29 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="accuracy, pass@k, lengths, format, errors of a model")
+    p.add_argument("--model", required=True, help="HF-format model directory or hub id")
+    p.add_argument("--adapter", help="a LoRA adapter directory to apply")
+    p.add_argument("--data", default="minimath:test", help="NAME[:SPLIT] or a .jsonl/.parquet")
+    p.add_argument("--max-samples", type=int, default=None)
+    p.add_argument("--k", type=int, default=1, help="samples per prompt for pass@k")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--out", help="write the results JSON here")
+    p.add_argument("--details", action="store_true", help="keep per-sample records in --out")
+    p.add_argument(
+        "--compare", nargs="*", default=[], metavar="NAME=MODEL[+ADAPTER]",
+        help="more models to evaluate on the same data, shown side by side",
+    )  # fmt: skip
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("merge", help="fold a LoRA adapter into its base: an HF checkpoint")
+    p.add_argument("--model", required=True, help="base model directory or hub id")
+    p.add_argument("--adapter", required=True, help="PEFT-format adapter directory")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: base)")
+    p.set_defaults(func=cmd_merge)
 
     p = sub.add_parser("tiny-model", help="write a tiny random-init model + tokenizer (offline)")
     p.add_argument("--out", required=True, help="output directory")

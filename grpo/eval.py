@@ -191,3 +191,79 @@ def comparison_table(results: dict[str, dict]) -> str:
         vals = [f"{s[k]:.3f}" if isinstance(s.get(k), float) else str(s.get(k, "")) for k in keys]
         lines.append(f"| {name} | " + " | ".join(vals) + " |")
     return "\n".join(lines)
+
+
+def _eval_rows(data: str, max_samples: int | None, tokenizer) -> list[dict]:
+    """RL-format rows with prompt ids from `NAME[:SPLIT]` or a local file / directory."""
+    from pathlib import Path
+
+    from grpo.data import format_math_dataset, get_dataset
+
+    name, split = data, "test"
+    if ":" in data and not Path(data).exists():
+        name, split = data.rsplit(":", 1)
+    ds = get_dataset(name, split=split, max_samples=max_samples)
+    rows = format_math_dataset(ds, "rl", tokenizer=tokenizer).to_list()
+    for row in rows:
+        row["prompt_ids"] = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+    return rows
+
+
+def run_eval_command(
+    model: str,
+    data: str,
+    adapter: str | None = None,
+    max_samples: int | None = None,
+    k: int = 1,
+    out: str | None = None,
+    max_new_tokens: int = 256,
+    batch_size: int = 32,
+    details: bool = False,
+    compare: list[str] | None = None,
+) -> dict:
+    """`grpo eval`: evaluate one model (and optionally others) on the same data; print a
+    comparison table; write JSON to `out`."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from grpo.errors import GrpoError
+    from grpo.lora import load_adapter
+    from grpo.models import load_model
+    from grpo.tokenizer import load_tokenizer, stop_ids
+
+    if k < 1:
+        raise GrpoError(f"--k must be >= 1, got {k}")
+    specs = {"model": (model, adapter)}
+    for item in compare or []:
+        name, _, spec = item.partition("=")
+        if not spec:
+            raise GrpoError(f"--compare {item!r} must look like NAME=MODEL or NAME=MODEL+ADAPTER")
+        path, _, ad = spec.partition("+")
+        specs[name] = (path, ad or None)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    results, payload = {}, {"data": data, "k": k, "models": {}}
+    rows = None
+    for name, (path, ad) in specs.items():
+        tok = load_tokenizer(path)
+        rows = rows if rows is not None else _eval_rows(data, max_samples, tok)
+        net = load_model(path, device=device)
+        if ad:
+            load_adapter(net, ad)
+        model_dir = Path(path) if Path(path).is_dir() else None
+        res = evaluate(
+            net, tok, rows, stop_ids=stop_ids(tok, model_dir), max_new_tokens=max_new_tokens,
+            batch_size=batch_size, k=k, details=details, progress=True,
+        )  # fmt: skip
+        results[name] = res.summary
+        payload["models"][name] = {"path": path, "adapter": ad, "summary": res.summary}
+        if details:
+            payload["models"][name]["samples"] = res.samples
+    print(comparison_table(results))
+    for name, s in results.items():
+        print(f"{name}: errors {s.get('errors')}, by difficulty {s.get('by_difficulty')}")
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(payload, indent=2) + "\n")
+    return payload
