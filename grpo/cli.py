@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except GrpoError as e:
-        print(f"grpo {args.command}: error: {e}", file=sys.stderr)
+        message = " ".join(str(e).split())  # always one line
+        print(f"grpo {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"grpo {args.command}: interrupted", file=sys.stderr)

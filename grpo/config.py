@@ -190,6 +190,7 @@ class TrainConfig:
     save_every: int = 0  # 0 = only at the end
     sample_every: int = 0  # print a sample completion every N steps (0 = never)
     keep_last: int = 2
+    max_nonfinite_steps: int = 3  # stop after this many consecutive non-finite updates
     progress: bool = True
 
     def __post_init__(self):
@@ -208,6 +209,7 @@ class TrainConfig:
         for name in ("log_every", "eval_every", "save_every", "sample_every"):
             _check(getattr(self, name) >= 0, f"train.{name}", "must be >= 0")
         _check(self.keep_last >= 1, "train.keep_last", "must be >= 1")
+        _check(self.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -417,7 +419,12 @@ def load_config(
         try:
             loaded = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(e, "problem", None) or "cannot be parsed"
+            raise ConfigError(
+                f"config file {str(p)!r} is not valid YAML{where}: {problem}"
+            ) from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
         data.update(loaded)

@@ -111,6 +111,15 @@ def all_gather_cat(x: torch.Tensor, dist: Dist) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def gather_objects(obj, dist: Dist) -> list:
+    """[obj of rank 0, obj of rank 1, ...] on every rank (picklable objects)."""
+    if not dist.enabled:
+        return [obj]
+    out = [None] * dist.world_size
+    td.all_gather_object(out, obj)
+    return out
+
+
 def barrier(dist: Dist) -> None:
     if dist.enabled:
         td.barrier()

@@ -35,6 +35,8 @@ class MetricLogger:
         enabled: False on ranks other than 0 (then every call is a no-op).
         tensorboard / wandb: also send scalars there (optional dependencies).
         config: the resolved config dict, given to wandb.
+        resume_step: a resumed run drops records after this step (logged by the killed run
+            after its last checkpoint, and about to be logged again).
     """
 
     def __init__(
@@ -45,6 +47,7 @@ class MetricLogger:
         wandb: bool = False,
         wandb_project: str = "grpo",
         config: dict | None = None,
+        resume_step: int | None = None,
     ):
         self.enabled = enabled
         self.path = Path(out_dir) / "metrics.jsonl"
@@ -52,6 +55,11 @@ class MetricLogger:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and self.path.is_file():
+            keep = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+            tmp.replace(self.path)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -10,6 +10,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from grpo.distributed import (
     all_reduce_sum,
     barrier,
     device_for,
+    gather_objects,
     init_distributed,
     no_sync,
     teardown,
@@ -47,7 +49,13 @@ from grpo.train.common import (
     seed_everything,
 )
 from grpo.train.optim import build_optimizer, build_scheduler
-from grpo.train.state import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from grpo.train.state import (
+    TrainState,
+    latest_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +276,7 @@ def update_phase(
     norm = all_reduce_sum(norm, dist, batch.rollout.ids.device)
     slices = list(micro_batches(B, mb))
     sums: dict[str, float] = {}
-    ratio_max, losses, grad_norms = 0.0, [], []
+    ratio_max, losses, grad_norms, skipped = 0.0, [], [], 0
     for _ in range(cfg.loss.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
@@ -297,17 +305,19 @@ def update_phase(
             ratio_max = max(ratio_max, st["ratio_max"])
         max_norm = cfg.optim.max_grad_norm or math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        if not math.isfinite(grad_norm) or not math.isfinite(total):
-            raise GrpoError(
-                f"non-finite loss ({total}) or gradient norm ({grad_norm}); "
-                "lower optim.lr or check the rewards"
-            )
+        finite = math.isfinite(grad_norm) and math.isfinite(total)
+        if all_reduce_sum(float(not finite), dist, batch.rollout.ids.device):
+            # A non-finite loss or gradient on any rank: skip this update everywhere.
+            log.warning("non-finite loss (%s) or grad norm (%s): update skipped", total, grad_norm)
+            optimizer.zero_grad(set_to_none=True)
+            skipped += 1
+            continue
         optimizer.step()
         scheduler.step()
         losses.append(total)
         grad_norms.append(grad_norm)
     model.eval()
-    mu, n = cfg.loss.num_iterations, max(sums.get("tokens", 0.0), 1.0)
+    mu, n = max(len(losses), 1), max(sums.get("tokens", 0.0), 1.0)
     out = {f"train/{k}": sums.get(k, 0.0) / n for k in ("kl", "clip_frac_low", "clip_frac_high")}
     out.update(
         {
@@ -316,17 +326,20 @@ def update_phase(
             "train/ratio_mean": sums.get("ratio_mean", 0.0) / n,
             "train/ratio_max": ratio_max,
             "train/entropy": sums.get("entropy", 0.0) / n,
-            "train/grad_norm": sum(grad_norms) / mu,
+            "train/grad_norm": sum(grad_norms) / mu if grad_norms else float("nan"),
+            "train/nonfinite_skipped": skipped,
             "train/lr": scheduler.get_last_lr()[0],
         }
     )
     if dist.enabled:  # every rank's loss is its share of the global loss: sum them
         device = batch.rollout.ids.device
-        shares = {k: out.pop(k) for k in ("train/loss", "train/policy_loss", "train/ratio_max")}
+        keys = ("train/loss", "train/policy_loss", "train/ratio_max", "train/nonfinite_skipped")
+        shares = {k: out.pop(k) for k in keys}
         out = all_reduce_mean_dict(out, dist, device)
         out["train/loss"] = all_reduce_sum(shares["train/loss"], dist, device)
         out["train/policy_loss"] = all_reduce_sum(shares["train/policy_loss"], dist, device)
         out["train/ratio_max"] = all_reduce_max(shares["train/ratio_max"], dist, device)
+        out["train/nonfinite_skipped"] = shares["train/nonfinite_skipped"]  # same on all ranks
     return out
 
 
@@ -370,7 +383,10 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
 
     device = device_for(dist, resolve_device(cfg.model.device))
     seed_everything(cfg.train.seed)
-    out_dir = prepare_run_dir(cfg, resume, rank0=dist.is_main)
+    out_dir = Path(cfg.train.output_dir)
+    ckpt = latest_checkpoint(out_dir) if resume else None
+    if resume and ckpt is None:
+        raise GrpoError(f"--resume: no checkpoint in {out_dir / 'checkpoints'}")
     policy = build_policy(cfg, device, need_ref=cfg.loss.beta > 0)
     rows = load_rows(cfg, cfg.data.split, cfg.data.max_samples, "rl", policy.tokenizer)
     eval_rows = None
@@ -384,20 +400,20 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
     optimizer = build_optimizer(params, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.train.max_steps * cfg.loss.num_iterations, cfg.optim)
     state = TrainState()
-    if resume:
-        ckpt = latest_checkpoint(out_dir)
-        if ckpt is None:
-            raise GrpoError(f"--resume: no checkpoint in {out_dir / 'checkpoints'}")
-        state = load_checkpoint(ckpt, policy.model, optimizer, scheduler)
+    if ckpt is not None:
+        state = load_checkpoint(ckpt, policy.model, optimizer, scheduler, rank=dist.rank)
         log.info("resumed from %s (step %d)", ckpt, state.step)
+    # Only now, with model, data and rewards checked, does the run directory get written.
+    prepare_run_dir(cfg, resume, rank0=dist.is_main)
     policy.model.eval()
     sampler = Sampler(policy.model, compile=cfg.rollout.compile)
     scorer = wrap_ddp(CompletionLogprobs(policy.model), dist, device)
     logger = MetricLogger(
         out_dir, dist.is_main, cfg.log.tensorboard, cfg.log.wandb, cfg.log.wandb_project,
-        config_to_dict(cfg),
+        config_to_dict(cfg), resume_step=state.step if resume else None,
     )  # fmt: skip
     G = cfg.rollout.group_size
+    bad_steps = 0  # consecutive updates skipped as non-finite
 
     def run_eval() -> dict:
         res = evaluate(
@@ -431,6 +447,8 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
                 "perf/peak_mem_mib": peak_mem_mib(device),
             }
         )
+        skipped = int(metrics["train/nonfinite_skipped"])
+        bad_steps = bad_steps + skipped if skipped else 0
         last = state.step == cfg.train.max_steps
         if eval_rows and due(state.step, cfg.train.eval_every, last):
             metrics.update(run_eval())
@@ -438,11 +456,19 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
             logger.log(state.step, metrics)
         if dist.is_main and cfg.train.sample_every and state.step % cfg.train.sample_every == 0:
             tqdm.write(f"[sample] reward {float(batch.rewards[0]):.2f}: {batch.texts[0]!r}")
-        if due(state.step, cfg.train.save_every, last) and dist.is_main:
-            save_checkpoint(
-                out_dir, state, policy.model, optimizer, scheduler, config_to_dict(cfg),
-                cfg.train.keep_last,
-            )  # fmt: skip
+        if bad_steps >= cfg.train.max_nonfinite_steps:
+            raise GrpoError(
+                f"{bad_steps} consecutive updates had a non-finite loss or gradient (step "
+                f"{state.step}); stopped. Lower optim.lr or check the rewards; resume from the "
+                "last checkpoint with --resume"
+            )
+        if due(state.step, cfg.train.save_every, last):
+            rngs = gather_objects(rng_state(), dist)
+            if dist.is_main:
+                save_checkpoint(
+                    out_dir, state, policy.model, optimizer, scheduler, config_to_dict(cfg),
+                    cfg.train.keep_last, rng_states=rngs,
+                )  # fmt: skip
         barrier(dist)  # nobody runs ahead of a checkpoint or an evaluation
         bar.update(1)
     bar.close()

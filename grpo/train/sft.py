@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from grpo.distributed import (
     all_reduce_sum,
     barrier,
     device_for,
+    gather_objects,
     init_distributed,
     no_sync,
     teardown,
@@ -39,7 +41,13 @@ from grpo.train.common import (
 )
 from grpo.train.grpo import micro_batches, next_prompts, peak_mem_mib
 from grpo.train.optim import build_optimizer, build_scheduler
-from grpo.train.state import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from grpo.train.state import (
+    TrainState,
+    latest_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +103,9 @@ def sft_loss(cfg: Config, scorer, batch: dict, normalizer: float) -> tuple[torch
 
 
 def sft_update(cfg: Config, policy, scorer, batch_rows, optimizer, scheduler, params, dist):
-    """One optimizer step on this rank's rows; returns (global loss share, tokens, grad norm).
+    """One optimizer step on this rank's rows; returns (loss share, tokens, grad norm).
+
+    A non-finite loss or gradient on any rank skips the step (the returned values show it).
 
     The token-mean is over the completion tokens of the global batch (all micro-batches and
     ranks), so accumulation and DDP give the update of one full batch in one process.
@@ -114,11 +124,14 @@ def sft_update(cfg: Config, policy, scorer, batch_rows, optimizer, scheduler, pa
             (loss * dist.world_size).backward()  # DDP averages; we want the sum
         total, tokens = total + loss.item(), tokens + n
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm or np.inf))
-    if not (math.isfinite(total) and math.isfinite(grad_norm)):
-        raise GrpoError(f"non-finite loss ({total}) or grad norm ({grad_norm}); lower optim.lr")
+    policy.model.eval()
+    finite = math.isfinite(total) and math.isfinite(grad_norm)
+    if all_reduce_sum(float(not finite), dist, device):  # skip the update on every rank
+        log.warning("non-finite loss (%s) or grad norm (%s): update skipped", total, grad_norm)
+        optimizer.zero_grad(set_to_none=True)
+        return total, tokens, grad_norm
     optimizer.step()
     scheduler.step()
-    policy.model.eval()
     return total, tokens, grad_norm
 
 
@@ -142,7 +155,10 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
 
     device = device_for(dist, resolve_device(cfg.model.device))
     seed_everything(cfg.train.seed)
-    out_dir = prepare_run_dir(cfg, resume, rank0=dist.is_main)
+    out_dir = Path(cfg.train.output_dir)
+    ckpt = latest_checkpoint(out_dir) if resume else None
+    if resume and ckpt is None:
+        raise GrpoError(f"--resume: no checkpoint in {out_dir / 'checkpoints'}")
     policy = build_policy(cfg, device, need_ref=False)
     tok = policy.tokenizer
     rows = load_rows(cfg, cfg.data.split, cfg.data.max_samples, "sft", tok)
@@ -155,17 +171,16 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
     steps = total_sft_steps(cfg, len(rows) // dist.world_size)
     scheduler = build_scheduler(optimizer, steps, cfg.optim)
     state = TrainState()
-    if resume:
-        ckpt = latest_checkpoint(out_dir)
-        if ckpt is None:
-            raise GrpoError(f"--resume: no checkpoint in {out_dir / 'checkpoints'}")
-        state = load_checkpoint(ckpt, policy.model, optimizer, scheduler)
+    if ckpt is not None:
+        state = load_checkpoint(ckpt, policy.model, optimizer, scheduler, rank=dist.rank)
+    prepare_run_dir(cfg, resume, rank0=dist.is_main)  # inputs checked: now write outputs
     scorer = wrap_ddp(CompletionLogprobs(policy.model), dist, device)
     logger = MetricLogger(
         out_dir, dist.is_main, cfg.log.tensorboard, cfg.log.wandb, cfg.log.wandb_project,
-        config_to_dict(cfg),
+        config_to_dict(cfg), resume_step=state.step if resume else None,
     )  # fmt: skip
     B = cfg.train.batch_size
+    bad_steps = 0  # consecutive skipped (non-finite) updates
     metrics: dict = {}
     show = cfg.train.progress and dist.is_main
     bar = tqdm(total=steps, initial=state.step, desc="sft", disable=not show)
@@ -178,10 +193,18 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
             cfg, policy, scorer, batch_rows, optimizer, scheduler, params, dist
         )
         state.step += 1
+        bad_steps = 0 if math.isfinite(total) and math.isfinite(grad_norm) else bad_steps + 1
+        if bad_steps >= cfg.train.max_nonfinite_steps:
+            raise GrpoError(
+                f"{bad_steps} consecutive updates had a non-finite loss or gradient (step "
+                f"{state.step}); stopped. Lower optim.lr; resume from the last checkpoint "
+                "with --resume"
+            )
         dt = time.perf_counter() - t0
         metrics = {
             "train/loss": all_reduce_sum(total, dist, device),
             "train/grad_norm": grad_norm,
+            "train/nonfinite_skipped": int(bad_steps > 0),
             "train/lr": scheduler.get_last_lr()[0],
             "train/epoch": state.epoch + state.data_index / len(rows),
             "perf/step_s": dt,
@@ -198,11 +221,13 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
             metrics.update({f"eval/{k}": v for k, v in res.summary.items() if k != "errors"})
         if state.step % cfg.train.log_every == 0 or last:
             logger.log(state.step, {k: v for k, v in metrics.items() if not isinstance(v, dict)})
-        if due(state.step, cfg.train.save_every, last) and dist.is_main:
-            save_checkpoint(
-                out_dir, state, policy.model, optimizer, scheduler, config_to_dict(cfg),
-                cfg.train.keep_last,
-            )  # fmt: skip
+        if due(state.step, cfg.train.save_every, last):
+            rngs = gather_objects(rng_state(), dist)
+            if dist.is_main:
+                save_checkpoint(
+                    out_dir, state, policy.model, optimizer, scheduler, config_to_dict(cfg),
+                    cfg.train.keep_last, rng_states=rngs,
+                )  # fmt: skip
         barrier(dist)
         bar.update(1)
     bar.close()

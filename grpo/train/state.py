@@ -80,8 +80,12 @@ def save_checkpoint(
     scheduler,
     config: dict,
     keep_last: int = 2,
+    rng_states: list[dict] | None = None,
 ) -> Path:
     """Write checkpoints/step_NNNNNN atomically, point `latest` at it, keep the newest K.
+
+    Args:
+        rng_states: every rank's `rng_state()` (rank order); default: this process's only.
 
     Returns:
         the checkpoint directory. A failing write raises GrpoError and leaves earlier
@@ -93,14 +97,14 @@ def save_checkpoint(
     tmp = root / f".tmp-{name}-{os.getpid()}"
     try:
         root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        for stale in root.glob(".tmp-*"):  # left by a run killed inside a save
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
         save_file(trainable_state_dict(model), str(tmp / "trainable.safetensors"))
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / "state.json").write_text(
-            json.dumps({"train_state": asdict(state), "rng": rng_state()})
+            json.dumps({"train_state": asdict(state), "rng": rng_states or [rng_state()]})
         )
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
         _fsync_tree(tmp)
@@ -131,9 +135,10 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def load_checkpoint(
-    path: str | Path, model: torch.nn.Module, optimizer=None, scheduler=None
+    path: str | Path, model: torch.nn.Module, optimizer=None, scheduler=None, rank: int = 0
 ) -> TrainState:
-    """Restore trainable weights (and optimizer, scheduler, RNGs); return the TrainState."""
+    """Restore trainable weights (and optimizer, scheduler, this rank's RNGs); return the
+    TrainState."""
     path = Path(path)
     try:
         weights = load_file(str(path / "trainable.safetensors"))
@@ -150,5 +155,10 @@ def load_checkpoint(
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     if scheduler is not None:
         scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    set_rng_state(meta["rng"])
+    rngs = meta["rng"]
+    if rank >= len(rngs):
+        raise GrpoError(
+            f"checkpoint {path} holds RNG states of {len(rngs)} ranks; cannot resume rank {rank}"
+        )
+    set_rng_state(rngs[rank])
     return TrainState(**meta["train_state"])

@@ -1,0 +1,319 @@
+"""Reliability: exact resume after SIGKILL, atomic checkpoints, non-finite guard, and a
+bad-input matrix through the CLI (one line, non-zero exit, no traceback, nothing lost)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpo import cli
+from grpo.errors import GrpoError
+from grpo.tiny import make_tiny_model
+from grpo.train.state import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_CI = str(REPO / "configs" / "tiny_ci.yaml")
+FAST = ["train.progress=false", "data.eval_samples=0", "train.save_every=1"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("rel") / "tiny", size="ci")
+
+
+def grpo_cmd(*args, torchrun=False):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node=2"] if torchrun else [sys.executable]  # fmt: skip
+    return [*launcher, "-m", "grpo", *args]
+
+
+def run_to_end(cmd, cwd):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def run_and_kill(cmd, cwd, ckpt_root: Path, seed: int):
+    """Start `cmd`, wait for its first checkpoint, SIGKILL its whole process group at a random
+    moment shortly after (possibly inside a later save)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.time() + 240
+    while not (ckpt_root / "latest").exists():
+        assert p.poll() is None, "the run ended before its first checkpoint"
+        assert time.time() < deadline
+        time.sleep(0.05)
+    time.sleep(random.Random(seed).uniform(0.0, 1.5))
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+
+
+def final_weights(run: Path, step: int) -> dict:
+    return load_file(run / "checkpoints" / f"step_{step:06d}" / "trainable.safetensors")
+
+
+CASES = [
+    ("train", "grpo-lora", []),
+    ("sft", "sft-full", ["lora.enabled=false"]),
+]
+
+
+@pytest.mark.parametrize("command, name, extra", CASES)
+def test_sigkill_then_resume_is_bitwise_identical(model_dir, tmp_path, command, name, extra):
+    steps = 4
+    common = [command, "--config", TINY_CI, f"model.path={model_dir}", *FAST,
+              f"train.max_steps={steps}", *extra]  # fmt: skip
+    run_to_end(grpo_cmd(*common, "train.output_dir=straight"), tmp_path)
+    cmd = grpo_cmd(*common, "train.output_dir=killed")
+    run_and_kill(cmd, tmp_path, tmp_path / "killed" / "checkpoints", seed=len(name))
+    run_to_end([*cmd, "--resume"], tmp_path)
+    a, b = final_weights(tmp_path / "straight", steps), final_weights(tmp_path / "killed", steps)
+    assert a.keys() == b.keys() and len(a) > 0
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    rows = [json.loads(x) for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # no duplicated steps
+
+
+def test_sigkill_then_resume_under_torchrun(model_dir, tmp_path):
+    steps = 3
+    common = ["train", "--config", TINY_CI, f"model.path={model_dir}", *FAST,
+              f"train.max_steps={steps}"]  # fmt: skip
+    run_to_end(grpo_cmd(*common, "train.output_dir=straight", torchrun=True), tmp_path)
+    cmd = grpo_cmd(*common, "train.output_dir=killed", torchrun=True)
+    run_and_kill(cmd, tmp_path, tmp_path / "killed" / "checkpoints", seed=3)
+    run_to_end([*cmd, "--resume"], tmp_path)
+    a, b = final_weights(tmp_path / "straight", steps), final_weights(tmp_path / "killed", steps)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+# ----------------------------------------------------------------- atomic checkpoints
+
+SAVE_SCRIPT = """
+import sys, time, torch
+from grpo.train import state as st
+root = sys.argv[1]
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 4)
+opt = torch.optim.AdamW(model.parameters())
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+st.save_checkpoint(root, st.TrainState(step=1), model, opt, sched, {})
+real_save = torch.save
+def stalled(*a, **k):
+    real_save(*a, **k)
+    print("IN_SAVE", flush=True)
+    time.sleep(120)
+st.torch.save = stalled
+with torch.no_grad():
+    model.weight.add_(1.0)
+st.save_checkpoint(root, st.TrainState(step=2), model, opt, sched, {})
+"""
+
+
+def tiny_training_objects():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+
+
+def test_kill_inside_save_keeps_latest_readable(tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", SAVE_SCRIPT, str(tmp_path)],
+                         stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert p.stdout.readline().strip() == "IN_SAVE"  # step 2 is half written
+    p.kill()
+    p.wait()
+    assert list((tmp_path / "checkpoints").glob(".tmp-*"))  # the torn save is there...
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt is not None and ckpt.name == "step_000001"  # ...but latest is the good one
+    model, opt, sched = tiny_training_objects()
+    with torch.no_grad():
+        model.weight.zero_()
+    assert load_checkpoint(ckpt, model, opt, sched).step == 1
+    torch.manual_seed(0)
+    assert torch.equal(model.weight, torch.nn.Linear(4, 4).weight)  # step-1 weights back
+    save_checkpoint(tmp_path, TrainState(step=3), model, opt, sched, {})
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))  # cleaned by the next save
+
+
+def test_failing_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    import grpo.train.state as st
+
+    model, opt, sched = tiny_training_objects()
+    save_checkpoint(tmp_path, TrainState(step=1), model, opt, sched, {})
+
+    def no_space(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(st, "save_file", no_space)
+    with pytest.raises(GrpoError, match="could not write checkpoint .*No space left on device"):
+        save_checkpoint(tmp_path, TrainState(step=2), model, opt, sched, {})
+    assert latest_checkpoint(tmp_path).name == "step_000001"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "latest",
+        "step_000001",
+    ]
+
+
+def test_keep_last_k(tmp_path):
+    model, opt, sched = tiny_training_objects()
+    for step in range(1, 5):
+        save_checkpoint(tmp_path, TrainState(step=step), model, opt, sched, {}, keep_last=2)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["latest", "step_000003", "step_000004"]
+
+
+# ----------------------------------------------------------------- non-finite guard
+
+
+def test_nonfinite_updates_are_skipped_then_stop(model_dir, tmp_path, monkeypatch):
+    import grpo.train.grpo as g
+    from grpo.config import load_config
+
+    real = g.policy_loss
+
+    def nan_loss(*a, **k):
+        loss, stats = real(*a, **k)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(g, "policy_loss", nan_loss)
+    overrides = [f"model.path={model_dir}", f"train.output_dir={tmp_path}/run",
+                 "train.progress=false", "data.eval_samples=0", "loss.num_iterations=1",
+                 "train.max_nonfinite_steps=2"]  # fmt: skip
+    cfg = load_config(TINY_CI, overrides)
+    with pytest.raises(GrpoError, match="2 consecutive updates had a non-finite loss"):
+        g.train_grpo(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/nonfinite_skipped"] for r in rows] == [1, 1]  # logged and counted
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing saved from a bad state
+
+
+# ----------------------------------------------------------------- bad-input matrix
+
+REWARDS = """
+def raises(completions, **columns):
+    raise RuntimeError("kaboom")
+def short(completions, **columns):
+    return [0.0]
+def nan(completions, **columns):
+    return [float("nan")] * len(completions)
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(model_dir, tmp_path_factory):
+    """Files the matrix points at, and an existing run whose checkpoint must survive."""
+    d = tmp_path_factory.mktemp("bad")
+    (d / "rewards_mod.py").write_text(REWARDS)
+    (d / "empty.jsonl").write_text("")
+    (d / "broken.jsonl").write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": \n')
+    (d / "nocols.jsonl").write_text('{"prompt": "1+1?", "solution": "2"}\n')
+    (d / "gpt2").mkdir()
+    (d / "gpt2" / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    shutil.copytree(model_dir, d / "nochat")
+    (d / "nochat" / "chat_template.jinja").unlink()
+    tc = json.loads((d / "nochat" / "tokenizer_config.json").read_text())
+    tc.pop("chat_template", None)
+    (d / "nochat" / "tokenizer_config.json").write_text(json.dumps(tc))
+    # an adapter of a wider model (C=192) cannot fit the C=64 tiny model
+    from grpo.lora import apply_lora, save_adapter
+    from grpo.models import load_model
+
+    wide = load_model(make_tiny_model(d / "wide", size="demo"))
+    apply_lora(wide, rank=4, alpha=8, targets=["q_proj"])
+    save_adapter(wide, d / "wide_adapter")
+    (d / "bad.yaml").write_text("model: {path: x\n  lora: [")
+    # an existing run with a checkpoint, as the target of every failing case
+    model, opt, sched = tiny_training_objects()
+    save_checkpoint(d / "run", TrainState(step=7), model, opt, sched, {"ok": True})
+    return d
+
+
+def tree_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted((path / "checkpoints").rglob("*")):
+        h.update(str(p.relative_to(path)).encode())
+        if p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def matrix(d: Path, m: Path):
+    """(name, extra CLI args, expected message fragment) for `grpo train --config tiny_ci`."""
+    return [
+        ("unknown key", ["optim.lrr=1"], "unknown config key 'optim.lrr'; valid keys of optim"),
+        ("wrong type", ["train.max_steps=abc"], "train.max_steps: expected an integer"),
+        ("group size 1", ["rollout.group_size=1"], "rollout.group_size: must be >= 2"),
+        ("negative lr", ["optim.lr=-0.1"], "optim.lr: must be > 0"),
+        ("epsilon 0", ["loss.epsilon_low=0"], "loss.epsilon_low: must be > 0"),
+        (
+            "batch vs group",
+            ["train.batch_size=6", "train.micro_batch_size=3"],
+            "not divisible by rollout.group_size",
+        ),
+        ("missing model", ["model.path=/nonexistent/model"], "is not a directory or a hub id"),
+        ("unsupported arch", [f"model.path={d}/gpt2"], "unsupported architecture 'GPT2LMHead"),
+        ("no chat template", [f"model.path={d}/nochat"], "has no chat template"),
+        ("missing dataset", [f"data.dataset={d}/missing.jsonl"], "missing.jsonl"),
+        ("empty dataset", [f"data.dataset={d}/empty.jsonl"], "empty.jsonl"),
+        ("malformed json", [f"data.dataset={d}/broken.jsonl"], "broken.jsonl"),
+        ("lacking columns", [f"data.dataset={d}/nocols.jsonl"], "question"),
+        ("prompt too long", ["data.max_prompt_len=4"], "data.max_prompt_len 4"),
+        ("unknown reward", ["rewards=[{name: acuracy}]"], "acuracy"),
+        ("reward import", ["rewards=[{name: 'no_such_mod:fn'}]"], "no_such_mod"),
+        ("reward raises", ["rewards=[{name: 'rewards_mod:raises'}]"], "kaboom"),
+        ("reward length", ["rewards=[{name: 'rewards_mod:short'}]"], "short"),
+        ("reward nan", ["rewards=[{name: 'rewards_mod:nan'}]"], "nan"),
+        ("adapter misfit", [f"lora.adapter={d}/wide_adapter"], "shape (4, 192), expected (4, 64)"),
+        ("no checkpoint", ["train.output_dir=" + str(d / "fresh"), "--resume"], "no checkpoint"),
+    ]
+
+
+def test_bad_input_matrix(model_dir, bad_inputs, capsys, monkeypatch):
+    d = bad_inputs
+    monkeypatch.syspath_prepend(str(d))
+    before = tree_digest(d / "run")
+    base = ["train", "--config", TINY_CI, f"model.path={model_dir}", f"train.output_dir={d}/run",
+            "train.progress=false", "data.eval_samples=0"]  # fmt: skip
+    results = []
+    for name, extra, expect in matrix(d, model_dir):
+        code = cli.main(base + extra)
+        err = capsys.readouterr().err.strip()
+        results.append(name)
+        assert code == 2, (name, err)
+        assert len(err.splitlines()) == 1, (name, err)
+        assert "Traceback" not in err, name
+        assert expect.lower() in err.lower(), (name, err)
+        assert tree_digest(d / "run") == before, f"{name} touched the existing checkpoint"
+    code = cli.main(["train", "--config", str(d / "bad.yaml")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "is not valid YAML" in err and len(err.splitlines()) == 1
+    code = cli.main(["train", "--config", str(d / "nope.yaml")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "does not exist" in err
+    assert len(results) + 2 >= 20
+
+
+def test_bad_input_through_a_real_process(model_dir, tmp_path):
+    r = subprocess.run(
+        grpo_cmd("train", "--config", TINY_CI, f"model.path={model_dir}", "rollout.group_size=1"),
+        cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "grpo train: error: rollout.group_size: must be >= 2, got 1"
+    ]
