@@ -139,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: base)")
     p.set_defaults(func=cmd_merge)
 
+    from grpo import pipeline, serve, sweep
+
+    pipeline.add_parser(sub)
+    sweep.add_parser(sub)
+    serve.add_parser(sub)
+
     p = sub.add_parser("tiny-model", help="write a tiny random-init model + tokenizer (offline)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--size", default="ci", help="ci (L=2, C=64) or demo (L=3, C=192)")

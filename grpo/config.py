@@ -206,7 +206,8 @@ class TrainConfig:
                 "train.micro_batch_size",
                 f"must divide train.batch_size ({self.batch_size}), got {mb}",
             )
-        for name in ("log_every", "eval_every", "save_every", "sample_every"):
+        _check(self.log_every >= 1, "train.log_every", f"must be >= 1, got {self.log_every}")
+        for name in ("eval_every", "save_every", "sample_every"):
             _check(getattr(self, name) >= 0, f"train.{name}", "must be >= 0")
         _check(self.keep_last >= 1, "train.keep_last", "must be >= 1")
         _check(self.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", "must be >= 1")

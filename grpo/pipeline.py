@@ -1,0 +1,528 @@
+"""`grpo pipeline`: prepare data -> SFT -> evaluate SFT -> GRPO from the SFT result -> evaluate
+GRPO, with every stage's status, metrics, paths and timings in OUTPUT_DIR/training_results.json
+(rewritten after every stage, so a failure keeps what the earlier stages produced).
+
+A pipeline config is a YAML mapping (unknown keys fail):
+
+    output_dir: runs/pipeline        # stage runs go to OUTPUT_DIR/sft and OUTPUT_DIR/grpo
+    base: {model: {path: ...}}       # optional: config keys shared by both stages
+    sft: {config: sft.yaml, overrides: ["optim.lr=5e-5"]}   # a config file (+ overrides) ...
+    grpo: {rollout: {group_size: 4}}                        # ... or an inline config mapping
+    evaluate_base: false             # also evaluate the base model, for a 3-way comparison
+
+A stage's config is `base` deep-merged with the stage's file (paths relative to the pipeline
+file) or inline mapping, then its overrides. GRPO starts from SFT's result, whatever GRPO's own
+model.path / model.adapter say: a LoRA SFT adapter becomes GRPO's `model.adapter` (merged at
+load, so the SFT model is also GRPO's reference policy); a full fine-tune's final directory
+becomes GRPO's `model.path`. GRPO keeps its own model.dtype, device and other settings. The
+SFT evaluation stops the pipeline when accuracy < the SFT config's
+`eval.sft_accuracy_threshold`. The evaluation stages use `eval.max_samples` rows of
+`data.eval_split` and also report `average_reward` under the stage's rewards.
+
+Also here, because the tool and the server share them: `resolve_trained` (a run / final /
+adapter directory -> base model + adapters) and `load_trained_model` / `evaluate_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from grpo.config import Config, ConfigError, load_config
+from grpo.errors import GrpoError
+
+log = logging.getLogger(__name__)
+
+RESULTS_FILE = "training_results.json"
+PIPELINE_KEYS = ("output_dir", "base", "sft", "grpo", "evaluate_base")
+STAGES = ("prepare_data", "base_eval", "sft", "sft_eval", "grpo", "grpo_eval")
+
+
+class PipelineError(GrpoError):
+    """A stage failed; the message names it and where the earlier results are."""
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The resolved pipeline: one validated `Config` per training stage.
+
+    `grpo.model` still names SFT's base; `grpo_config_from_sft` points it at SFT's result.
+    """
+
+    output_dir: Path
+    sft: Config
+    grpo: Config
+    evaluate_base: bool = False
+    source: str | None = None  # the pipeline YAML, for the record
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    """`over` on top of `base`, recursively for mappings (lists are replaced, not merged)."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _read_yaml(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"{what}: config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what}: {str(path)!r} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what}: {str(path)!r} must hold a mapping at the top level")
+    return data
+
+
+def _stage_source(spec: Any, name: str, root: Path) -> tuple[dict, list[str]]:
+    """(config dict, overrides) of a stage given inline or as {config: FILE, overrides: [...]}."""
+    if not isinstance(spec, dict):
+        raise ConfigError(
+            f"{name}: expected a config mapping or {{config: FILE, overrides: [...]}}, got {spec!r}"
+        )
+    if "config" not in spec:
+        return spec, []
+    extra = sorted(set(spec) - {"config", "overrides"})
+    if extra:
+        raise ConfigError(f"{name}: with 'config' only 'overrides' may be given, not {extra[0]!r}")
+    file = Path(str(spec["config"])).expanduser()
+    data = _read_yaml(file if file.is_absolute() else root / file, name)
+    overrides = spec.get("overrides") or []
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise ConfigError(f"{name}.overrides: expected a list of 'section.key=value' strings")
+    return data, list(overrides)
+
+
+def _route_overrides(overrides: list[str]) -> tuple[dict, list[str], list[str]]:
+    """Split CLI overrides: top-level keys, `sft.`-prefixed, `grpo.`-prefixed; the rest
+    (optionally `base.`-prefixed) go to both stages."""
+    top: dict = {}
+    sft: list[str] = []
+    grpo: list[str] = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(
+                f"override {item!r} must look like key=value or stage.section.key=value"
+            )
+        key = key.strip()
+        if key in ("output_dir", "evaluate_base"):
+            top[key] = yaml.safe_load(raw) if raw else ""
+        elif key.startswith("sft."):
+            sft.append(item.strip()[4:])
+        elif key.startswith("grpo."):
+            grpo.append(item.strip()[5:])
+        else:
+            rest = item.strip().removeprefix("base.")
+            sft.append(rest)
+            grpo.append(rest)
+    return top, sft, grpo
+
+
+def _stage_config(name: str, data: dict, overrides: list[str], out_dir: Path) -> Config:
+    try:
+        cfg = load_config(None, overrides, base=data)
+    except ConfigError as e:
+        raise ConfigError(f"{name}: {e}") from None
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=str(out_dir)))
+
+
+def load_pipeline_config(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:
+    """Read and validate a pipeline YAML (see the module docstring).
+
+    Args:
+        path: the pipeline YAML.
+        overrides: `output_dir=DIR`, `evaluate_base=true`, `sft.optim.lr=1e-4`,
+            `grpo.rollout.group_size=8`, or `model.path=X` (no stage prefix: both stages).
+
+    Returns:
+        the `PipelineConfig`; raises `ConfigError` naming the stage and dotted field.
+    """
+    p = Path(path)
+    data = _read_yaml(p, "pipeline")
+    unknown = sorted(set(data) - set(PIPELINE_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"unknown pipeline key {unknown[0]!r}; valid keys: {', '.join(PIPELINE_KEYS)}"
+        )
+    top, sft_over, grpo_over = _route_overrides(overrides or [])
+    data.update(top)
+    for key in ("sft", "grpo"):
+        if key not in data:
+            raise ConfigError(f"pipeline: {key!r} is required (a config mapping or file)")
+    out = data.get("output_dir")
+    if not isinstance(out, str) or not out:
+        raise ConfigError(f"output_dir: expected a directory path, got {out!r}")
+    evaluate_base = data.get("evaluate_base", False)
+    if not isinstance(evaluate_base, bool):
+        raise ConfigError(f"evaluate_base: expected true/false, got {evaluate_base!r}")
+    base = data.get("base") or {}
+    if not isinstance(base, dict):
+        raise ConfigError(f"base: expected a mapping of config sections, got {base!r}")
+    sft_data, sft_file_over = _stage_source(data["sft"], "sft", p.parent)
+    grpo_data, grpo_file_over = _stage_source(data["grpo"], "grpo", p.parent)
+    out_dir = Path(out)
+    sft = _stage_config(
+        "sft", _deep_merge(base, sft_data), sft_file_over + sft_over, out_dir / "sft"
+    )
+    # GRPO's model section names SFT's result, whatever a (standalone) GRPO config said
+    grpo_dict = _deep_merge(base, grpo_data)
+    grpo_dict["model"] = {**(grpo_dict.get("model") or {}), "path": sft.model.path, "adapter": None}
+    grpo = _stage_config("grpo", grpo_dict, grpo_file_over + grpo_over, out_dir / "grpo")
+    model = dataclasses.replace(
+        grpo.model, path=sft.model.path, tokenizer=sft.model.tokenizer, adapter=None
+    )
+    grpo = dataclasses.replace(grpo, model=model)
+    if sft.lora.enabled and sft.model.adapter:
+        raise ConfigError(
+            "sft: model.adapter with LoRA SFT would leave GRPO two adapters to merge; fold the "
+            "first one in with `grpo merge` and use the result as model.path"
+        )
+    return PipelineConfig(out_dir, sft, grpo, evaluate_base, str(p))
+
+
+def grpo_config_from_sft(grpo: Config, sft: Config, sft_final: str | Path) -> Config:
+    """GRPO's config pointed at SFT's result.
+
+    LoRA SFT: `model.adapter` = the SFT adapter (merged at load; also GRPO's reference).
+    Full fine-tuning: `model.path` (and tokenizer) = SFT's final checkpoint directory.
+    """
+    if sft.lora.enabled:
+        model = dataclasses.replace(
+            grpo.model, path=sft.model.path, tokenizer=sft.model.tokenizer, adapter=str(sft_final)
+        )
+    else:
+        model = dataclasses.replace(
+            grpo.model, path=str(sft_final), tokenizer=str(sft_final), adapter=None
+        )
+    return dataclasses.replace(grpo, model=model)
+
+
+# --------------------------------------------------------------------------- trained models
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    """A model as stored on disk: a base checkpoint plus LoRA adapters to fold in, in order."""
+
+    path: str
+    adapters: tuple[str, ...] = ()
+    tokenizer: str | None = None  # default: path
+
+
+def trained_model(cfg: Config, final: str | Path) -> TrainedModel:
+    """What a finished run of `cfg` (weights in `final`) is: base + adapters, or a checkpoint."""
+    if cfg.lora.enabled:
+        pre = (cfg.model.adapter,) if cfg.model.adapter else ()
+        return TrainedModel(cfg.model.path, (*pre, str(final)), cfg.model.tokenizer)
+    return TrainedModel(str(final), (), str(final))
+
+
+def resolve_trained(path: str | Path) -> TrainedModel:
+    """A run directory, its `final/`, an adapter directory, or a plain checkpoint / hub id.
+
+    A run directory (with config.yaml and final/) resolves through its config, so an adapter
+    trained on top of a merged one brings both; a bare adapter directory uses the base named
+    in its adapter_config.json.
+    """
+    p = Path(path)
+    if (p / "final").is_dir() and (p / "config.yaml").is_file():
+        cfg = load_config(p / "config.yaml")
+        return trained_model(cfg, p / "final")
+    if p.name == "final" and (p.parent / "config.yaml").is_file():
+        return resolve_trained(p.parent)
+    if (p / "adapter_config.json").is_file():
+        from grpo.lora import read_adapter_config
+
+        base = read_adapter_config(p).get("base_model_name_or_path")
+        if not base:
+            raise GrpoError(f"{p}: adapter_config.json names no base_model_name_or_path")
+        tok = str(p) if (p / "tokenizer_config.json").is_file() else None
+        return TrainedModel(str(base), (str(p),), tok)
+    return TrainedModel(str(path))
+
+
+def load_trained_model(spec: TrainedModel, dtype: str = "float32", device: str = "auto"):
+    """Load `spec` with its adapters folded in; returns (model, tokenizer, stop_ids, device)."""
+    from grpo.lora import load_adapter, unwrap_lora
+    from grpo.models import load_model
+    from grpo.tokenizer import load_tokenizer, stop_ids
+    from grpo.train.common import resolve_device
+
+    dev = resolve_device(device)
+    model = load_model(spec.path, dtype=dtype, device=dev)
+    for adapter in spec.adapters:
+        load_adapter(model, adapter)
+        unwrap_lora(model)
+    tok = load_tokenizer(spec.tokenizer or spec.path)
+    model_dir = Path(spec.path) if Path(spec.path).is_dir() else None
+    return model.eval(), tok, stop_ids(tok, model_dir), dev
+
+
+def average_reward(cfg: Config, rows: list[dict], samples: list[dict]) -> float:
+    """Mean weighted reward (cfg.rewards) of evaluation completions."""
+    from grpo.rewards import build_rewards, compute_rewards
+
+    if not samples:
+        return 0.0
+    fns = build_rewards([{"name": r.name, "weight": r.weight, **r.kwargs} for r in cfg.rewards])
+    columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt_ids"}
+    columns["completion_lengths"] = [s["n_tokens"] for s in samples]
+    total, _ = compute_rewards(fns, [s["completion"] for s in samples], columns)
+    return float(total.mean())
+
+
+def evaluate_config(cfg: Config, spec: TrainedModel, details: bool = False) -> dict:
+    """Evaluate `spec` on `eval.max_samples` rows of `data.eval_split` as `cfg` says.
+
+    Returns:
+        the `grpo.eval.evaluate` summary plus `average_reward` (cfg.rewards on the greedy
+        completions), and `samples` when `details`.
+    """
+    import torch
+
+    from grpo.eval import evaluate, reference_steps
+    from grpo.train.common import load_rows
+
+    model, tok, stops, dev = load_trained_model(spec, cfg.model.dtype, cfg.model.device)
+    rows = load_rows(cfg, cfg.data.eval_split, cfg.eval.max_samples, "rl", tok)
+    res = evaluate(
+        model, tok, rows, stop_ids=stops,
+        max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+        batch_size=cfg.eval.batch_size, k=cfg.eval.k, temperature=cfg.eval.temperature,
+        seed=cfg.train.seed, details=True, progress=cfg.train.progress,
+    )  # fmt: skip
+    summary = dict(res.summary)
+    summary["average_reward"] = average_reward(cfg, rows, res.samples)
+    if details:
+        for sample, row in zip(res.samples, rows):
+            sample["ground_truth"] = row["ground_truth"]
+            sample["ground_truth_steps"] = reference_steps(row.get("full_answer", ""))
+        summary["samples"] = res.samples
+    del model
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return summary
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Atomic write: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def _split_summary(summary: dict) -> tuple[dict, dict]:
+    """A trainer summary -> (paths, metrics)."""
+    out = Path(summary["output_dir"])
+    paths = {
+        "output_dir": str(out),
+        "final": str(summary["final"]),
+        "config": str(out / "config.yaml"),
+        "metrics": str(out / "metrics.jsonl"),
+    }
+    metrics = {k: v for k, v in summary.items() if k not in ("output_dir", "final")}
+    return paths, metrics
+
+
+def _check_single_process() -> None:
+    from grpo.distributed import init_distributed, teardown
+
+    dist = init_distributed("cpu")
+    teardown()
+    if dist.enabled:
+        raise GrpoError(
+            "grpo pipeline runs in one process; under torchrun run its stages "
+            "(`grpo sft`, `grpo eval`, `grpo train`) one by one (see docs/distributed.md)"
+        )
+
+
+def run_pipeline(pcfg: PipelineConfig) -> dict:
+    """Run the stages in order, rewriting OUTPUT_DIR/training_results.json after each.
+
+    Returns:
+        the results dict; `status` is "completed", or "stopped" (SFT accuracy under the
+        threshold; `message` says so). A failing stage raises `PipelineError` naming it, after
+        recording it (status "failed", `failed_stage`, the stage's `error`) in the file.
+    """
+    from grpo.eval import comparison_table
+    from grpo.tokenizer import load_tokenizer
+    from grpo.train.common import load_rows
+    from grpo.train.grpo import train_grpo
+    from grpo.train.sft import train_sft
+
+    _check_single_process()
+    out = pcfg.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / RESULTS_FILE
+    results: dict[str, Any] = {
+        "status": "running",
+        "config": pcfg.source,
+        "output_dir": str(out),
+        "started": _now(),
+        "stages": {},
+    }
+    t_start = time.perf_counter()
+
+    def save() -> None:
+        results["total_s"] = round(time.perf_counter() - t_start, 3)
+        _write_json(path, results)
+
+    def stage(name: str, fn: Callable[[dict], Any]) -> Any:
+        log.info("pipeline: stage %s", name)
+        entry: dict[str, Any] = {"status": "running", "started": _now()}
+        results["stages"][name] = entry
+        save()
+        t0 = time.perf_counter()
+        try:
+            value = fn(entry)
+        except BaseException as e:
+            interrupted = isinstance(e, KeyboardInterrupt)
+            msg = str(e) if isinstance(e, GrpoError) else f"{type(e).__name__}: {e}"
+            entry.update(status="interrupted" if interrupted else "failed", error=msg)
+            entry["seconds"] = round(time.perf_counter() - t0, 3)
+            results.update(status=entry["status"], failed_stage=name, finished=_now())
+            save()
+            if interrupted or not isinstance(e, Exception):
+                raise
+            log.debug("stage %s failed", name, exc_info=True)
+            raise PipelineError(
+                f"stage {name!r} failed: {msg} (results of earlier stages kept in {path})"
+            ) from e
+        entry["status"] = "done"
+        entry["seconds"] = round(time.perf_counter() - t0, 3)
+        save()
+        return value
+
+    sft_cfg = pcfg.sft
+
+    def prepare(entry: dict) -> None:
+        tok = load_tokenizer(sft_cfg.model.tokenizer or sft_cfg.model.path)
+        rows = load_rows(sft_cfg, sft_cfg.data.split, sft_cfg.data.max_samples, "sft", tok)
+        evals = load_rows(sft_cfg, sft_cfg.data.eval_split, sft_cfg.eval.max_samples, "rl", tok)
+        metrics = {
+            "dataset": sft_cfg.data.dataset,
+            "split": sft_cfg.data.split,
+            "dataset_size": len(rows),
+            "sample_keys": sorted(k for k in rows[0] if k != "prompt_ids"),
+            "eval_split": sft_cfg.data.eval_split,
+            "eval_size": len(evals),
+            "max_prompt_tokens": max(len(r["prompt_ids"]) for r in rows),
+        }
+        if pcfg.grpo.data != sft_cfg.data:  # GRPO trains on other data: check it too
+            g = pcfg.grpo
+            metrics["grpo_dataset"] = g.data.dataset
+            metrics["grpo_dataset_size"] = len(
+                load_rows(g, g.data.split, g.data.max_samples, "rl", tok)
+            )
+        entry["metrics"] = metrics
+
+    def evaluation(cfg: Config, spec: TrainedModel) -> Callable[[dict], dict]:
+        def run(entry: dict) -> dict:
+            entry["paths"] = {"model": spec.path, "adapters": list(spec.adapters)}
+            entry["metrics"] = evaluate_config(cfg, spec)
+            return entry["metrics"]
+
+        return run
+
+    def training(train_fn: Callable, cfg: Config) -> Callable[[dict], dict]:
+        def run(entry: dict) -> dict:
+            entry["paths"] = {"output_dir": cfg.train.output_dir}
+            summary = train_fn(cfg)
+            entry["paths"], entry["metrics"] = _split_summary(summary)
+            return summary
+
+        return run
+
+    compare: dict[str, dict] = {}
+    stage("prepare_data", prepare)
+    if pcfg.evaluate_base:
+        pre = (sft_cfg.model.adapter,) if sft_cfg.model.adapter else ()
+        base = TrainedModel(sft_cfg.model.path, pre, sft_cfg.model.tokenizer)
+        compare["base"] = stage("base_eval", evaluation(sft_cfg, base))
+    sft_summary = stage("sft", training(train_sft, sft_cfg))
+    sft_model = trained_model(sft_cfg, sft_summary["final"])
+    compare["sft"] = stage("sft_eval", evaluation(sft_cfg, sft_model))
+    threshold = sft_cfg.eval.sft_accuracy_threshold
+    accuracy = compare["sft"].get("accuracy", 0.0)
+    if accuracy < threshold:
+        results.update(
+            status="stopped",
+            finished=_now(),
+            message=(
+                f"stopped after SFT evaluation: accuracy {accuracy:.4f} < "
+                f"eval.sft_accuracy_threshold {threshold}; GRPO was not run. Train SFT longer "
+                "or lower the threshold (sft.eval.sft_accuracy_threshold=...)"
+            ),
+        )
+        save()
+        return results
+    grpo_cfg = grpo_config_from_sft(pcfg.grpo, sft_cfg, sft_summary["final"])
+    grpo_summary = stage("grpo", training(train_grpo, grpo_cfg))
+    grpo_model = trained_model(grpo_cfg, grpo_summary["final"])
+    compare["grpo"] = stage("grpo_eval", evaluation(grpo_cfg, grpo_model))
+    results["summary"] = {
+        name: {k: s.get(k) for k in ("accuracy", "average_reward", "format_rate", "avg_length")}
+        for name, s in compare.items()
+    }
+    results["table"] = comparison_table(compare)
+    results.update(status="completed", finished=_now())
+    save()
+    return results
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def cmd_pipeline(args) -> int:
+    """`grpo pipeline --config C [overrides]`: exit 0 completed, 1 stopped at the threshold."""
+    import sys
+
+    results = run_pipeline(load_pipeline_config(args.config, args.overrides))
+    path = Path(results["output_dir"]) / RESULTS_FILE
+    if results["status"] == "stopped":
+        print(f"grpo pipeline: {results['message']}", file=sys.stderr)
+        print(f"results in {path}")
+        return 1
+    print(results["table"])
+    print(f"results in {path}")
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    """Add `grpo pipeline` to the CLI's subparsers."""
+    p = subparsers.add_parser(
+        "pipeline", help="data -> SFT -> eval -> GRPO -> eval -> training_results.json"
+    )
+    p.add_argument("--config", required=True, help="pipeline YAML (output_dir, base, sft, grpo)")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="output_dir=DIR, sft.optim.lr=1e-4, grpo.loss.beta=0.0, model.path=X (both stages)",
+    )
+    p.set_defaults(func=cmd_pipeline)
