@@ -8,7 +8,9 @@ Modes: fwd (no grad), fwd_bwd (d_hidden and d_weight), fwd_bwd_frozen (d_hidden 
 lm_head, the LoRA case). Flops counted as 2NCV (fwd), 6NCV (fwd_bwd), 4NCV (fwd_bwd_frozen),
 whatever an implementation really does (ours recomputes logits in backward). Every
 implementation's first call is checked against the reference (the first impl listed, naive by
-default) before it is timed; a mismatch is reported and not timed.
+default) before it is timed; a mismatch is reported and not timed. The checked implementations of
+one shape and mode are then timed together, round-robin (`measure_interleaved`), so that load
+drift on a shared machine hits them alike.
 """
 
 import argparse
@@ -18,7 +20,7 @@ import sys
 
 import torch
 
-from benchmarks.harness import matmul_ceiling_tflops, measure, write_results
+from benchmarks.harness import matmul_ceiling_tflops, measure_interleaved, write_results
 from kernels.reference import chunked_logprobs, naive_logprobs
 
 MODES = {"fwd": 2, "fwd_bwd": 6, "fwd_bwd_frozen": 4}  # counted flops per N*C*V
@@ -113,15 +115,15 @@ def bench_shape(shape, args, device, dtype, ceiling_tflops) -> list[dict]:
     for mode in args.modes:
         flops = MODES[mode] * n_tok * c * v
         floor_ms = flops / (ceiling_tflops * 1e12) * 1e3
-        ref, ref_impl, naive = None, None, None
+        ref, ref_impl, calls, mode_rows = None, None, {}, {}
         for impl in args.impls:
             row = {"shape": f"{n_tok}x{c}x{v}", "dtype": str(dtype).split(".")[-1], "mode": mode}
             row["impl"] = impl
             rows.append(row)
+            mode_rows[impl] = row
             try:
-                call = make_call(
-                    build_impl(impl, device, args.temperature), hidden, weight, ids, grad, mode
-                )
+                fn = build_impl(impl, device, args.temperature)
+                call = make_call(fn, hidden, weight, ids, grad, mode)
                 out = call()  # compiles / warms up, and is checked before any timing
             except Skip as e:
                 row["note"] = f"skipped: {e}"
@@ -136,23 +138,29 @@ def bench_shape(shape, args, device, dtype, ceiling_tflops) -> list[dict]:
                 if row["lp_err"] > lp_tol or row["grad_err"] > grad_tol:
                     row["note"] = f"MISMATCH vs {ref_impl}, not timed"
                     continue
+            calls[impl] = call
             del out
-            t = measure(call, warmup=args.warmup, repeats=args.repeats, device=device)
+        del ref
+        # all checked impls timed together, round-robin, so load drift hits them alike
+        timings = measure_interleaved(
+            calls, warmup=args.warmup, repeats=args.repeats, device=device
+        ) if calls else {}  # fmt: skip
+        naive = timings.get("naive")
+        for impl, t in timings.items():
+            row = mode_rows[impl]
             tflops = flops / (t.median_ms * 1e-3) / 1e12
             row.update(median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms)
             row.update(peak_mib=t.peak_mem_mib, tflops=tflops, x_floor=t.median_ms / floor_ms)
             row["pct_ceil"] = 100 * tflops / ceiling_tflops
-            if impl == "naive":
-                naive = t
             if naive is not None:
                 row["x_naive_time"] = t.median_ms / naive.median_ms
                 row["x_naive_mem"] = t.peak_mem_mib / naive.peak_mem_mib
-            del call
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
             print(f"  {row['shape']} {mode:15s} {impl:8s} {t.median_ms:10.2f} ms "
                   f"{t.peak_mem_mib:9.1f} MiB", flush=True)  # fmt: skip
+        del calls
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 

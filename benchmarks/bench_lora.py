@@ -12,23 +12,30 @@ loss mean(hidden^2), and backward; the lm_head is left out, so LoRA's share is n
 - full: every decoder-body weight trainable (embedding excluded); same leaf.
 
 Correctness first: with B = 0 the LoRA model's hidden states and input gradients equal the
-frozen model's (and full's), checked before anything is timed. The three modes are timed in
-interleaved rounds so that load from other processes hits them alike.
+frozen model's (and full's), checked before anything is timed. The three modes are timed
+round-robin (`measure_interleaved`) so that load from other processes hits them alike. Besides
+wall time (the harness: median and p20/p80) the fastest wall time and the fastest process CPU
+time of each mode are reported: on a shared, busy machine (see `loadavg_1m` in the stamp)
+medians measure the neighbours, the fastest call is the least disturbed one, and `--threads 1`
+keeps OpenMP threads from waiting on a descheduled sibling.
 """
 
 import argparse
-import statistics
+import sys
+import time
 
 import torch
 
-from benchmarks.harness import measure, write_results
+from benchmarks.harness import measure_interleaved, write_results
 from grpo.lora import apply_lora, lora_parameters
 from grpo.models import Decoder, ModelConfig
 
 MODES = ("frozen", "lora", "full")
 COLUMNS = [
-    "mode", "trainable_m", "median_ms", "p20_ms", "p80_ms", "peak_mib", "x_frozen_time",
-    "x_frozen_mem", "x_full_time", "x_full_mem", "tokens_per_s",
+    "mode", "trainable_m", "median_ms", "p20_ms", "p80_ms", "min_ms", "cpu_min_ms", "peak_mib",
+    "x_frozen_time", "x_frozen_min", "x_frozen_cpu", "x_frozen_mem", "x_full_time", "x_full_min",
+    "x_full_mem",
+    "tokens_per_s",
 ]  # fmt: skip
 
 
@@ -63,14 +70,18 @@ def make_step(model: Decoder, ids: torch.Tensor):
     leaf = {}
     hook = model.embed_tokens.register_forward_hook(lambda m, i, out: leaf.update(x=out))
 
+    cpu_ms = []  # process CPU time of every call
+
     def step():
+        t0 = time.process_time()
         hidden = model(ids, return_hidden=True)  # (B, T, C)
         hidden.float().square().mean().backward()
         d_x = leaf["x"].grad  # (B, T, C) gradient at the embedding output
         model.zero_grad(set_to_none=True)
+        cpu_ms.append((time.process_time() - t0) * 1e3)
         return hidden.detach(), d_x
 
-    step.hook = hook
+    step.hook, step.cpu_ms = hook, cpu_ms
     return step
 
 
@@ -89,57 +100,58 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small model, few repeats")
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 6)")
-    p.add_argument("--repeats", type=int, default=2, help="timed calls per mode per round")
+    p.add_argument("--repeats", type=int, default=None, help="timed calls per mode (default 8)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--name", default=None, help="results file stem (default lora_cpu)")
+    p.add_argument("--out-dir", default=None, help="results folder (default benchmarks/results)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    rounds = args.rounds or (2 if args.quick else 6)
+    repeats = args.repeats or (4 if args.quick else 8)
     cfg = model_config(args.quick)
     B, T = (2, 64) if args.quick else (4, 256)
     ids = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
     models = {mode: build(mode, cfg, args.rank) for mode in MODES}
     steps = {mode: make_step(models[mode], ids) for mode in MODES}
     check(steps)
-    times = {mode: [] for mode in MODES}
-    peaks = {mode: 0.0 for mode in MODES}
-    for _ in range(rounds):  # interleaved: frozen, lora, full, frozen, ...
-        for mode in MODES:
-            t = measure(steps[mode], warmup=1, repeats=args.repeats, device="cpu")
-            times[mode] += t.times_ms
-            peaks[mode] = max(peaks[mode], t.peak_mem_mib)
+    # Round-robin (frozen, lora, full, then rotated), warm-up calls interleaved too.
+    timings = measure_interleaved(steps, warmup=1, repeats=repeats, device="cpu")
     rows = []
     for mode in MODES:
-        model = models[mode]
+        model, t = models[mode], timings[mode]
         trainable = (
             sum(p.numel() for p in lora_parameters(model))
             if mode == "lora"
             else sum(p.numel() for p in model.parameters() if p.requires_grad)
         )
-        q = statistics.quantiles(times[mode], n=5, method="inclusive")  # 20/40/60/80 cut points
-        median = statistics.median(times[mode])
-        rows.append({"mode": mode, "trainable_m": trainable / 1e6, "median_ms": median,
-                     "p20_ms": q[0], "p80_ms": q[3], "peak_mib": peaks[mode],
-                     "tokens_per_s": B * T / (median / 1e3), "times_ms": times[mode]})  # fmt: skip
+        cpu = steps[mode].cpu_ms[-repeats:]  # the timed calls (not the check, not the warm-up)
+        rows.append({"mode": mode, "trainable_m": trainable / 1e6, "median_ms": t.median_ms,
+                     "p20_ms": t.p20_ms, "p80_ms": t.p80_ms, "min_ms": min(t.times_ms),
+                     "cpu_min_ms": min(cpu), "peak_mib": t.peak_mem_mib,
+                     "tokens_per_s": B * T / (t.median_ms / 1e3), "times_ms": list(t.times_ms),
+                     "cpu_times_ms": cpu})  # fmt: skip
     by = {r["mode"]: r for r in rows}
     for r in rows:
         for ref in ("frozen", "full"):
             r[f"x_{ref}_time"] = r["median_ms"] / by[ref]["median_ms"]
+            r[f"x_{ref}_min"] = r["min_ms"] / by[ref]["min_ms"]
+            r[f"x_{ref}_cpu"] = r["cpu_min_ms"] / by[ref]["cpu_min_ms"]
             r[f"x_{ref}_mem"] = r["peak_mib"] / by[ref]["peak_mib"] if by[ref]["peak_mib"] else None
     meta = {
-        "command": "python -m benchmarks.bench_lora" + (" --quick" if args.quick else ""),
+        "command": "python -m benchmarks.bench_lora " + " ".join(argv or sys.argv[1:]),
         "model": f"qwen3-style C={cfg.hidden_size} I={cfg.intermediate_size} "
         f"L={cfg.num_hidden_layers} H={cfg.num_attention_heads} H_kv={cfg.num_key_value_heads} "
         f"D={cfg.head_dim}, float32, decoder body only (no lm_head)",
         "batch": f"B={B} x T={T} = {B * T} tokens",
         "lora": f"r={args.rank}, alpha={2 * args.rank}, targets q,k,v,o,gate,up,down",
-        "timing": f"{rounds} interleaved rounds x {args.repeats} repeats per mode (+1 warmup)",
+        "timing": f"measure_interleaved: {repeats} repeats per mode, round-robin (+1 warmup)",
         "frozen": "all weights frozen, backward to the embedding output (no weight grads)",
+        "ratios": "x_*_time: of medians; x_*_min: of fastest wall times; x_*_cpu: of fastest "
+        "process CPU times (all threads); x_*_mem: of peak RSS added by a step",
+        "torch_threads": torch.get_num_threads(),
     }
     name = args.name or ("lora_cpu_quick" if args.quick else "lora_cpu")
-    write_results(name, rows, COLUMNS, meta=meta)
+    write_results(name, rows, COLUMNS, out_dir=args.out_dir, meta=meta)
 
 
 if __name__ == "__main__":

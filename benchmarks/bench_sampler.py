@@ -1,57 +1,83 @@
 """Our rollout sampler vs `transformers` `generate`, same checkpoint and settings, side by side.
 
-    python -m benchmarks.bench_sampler                       # tiny + Qwen3-0.6B shape, fp32 CPU
-    python -m benchmarks.bench_sampler --cases tiny --rounds 2 --name sampler_quick
-    python -m benchmarks.bench_sampler --cases tiny --compile --name sampler_cpu_compile
+    python -m benchmarks.bench_sampler --compile tiny        # the recorded run (docs/sampler.md)
+    python -m benchmarks.bench_sampler --cases tiny --rounds 3 --out-dir /tmp/bench   # quick
 
 Both sides sample P=4 prompts x G=8 completions of a 128-token prompt, 64 new tokens each,
-temperature 1 with no top-k / top-p, from the same random-weight checkpoint (built with
+temperature 1 with no top-k / top-p, float32, from the same random-weight checkpoint (built with
 `transformers` into a temp dir; ours loads it through `grpo.models.load_model`). The stop id is
 the vocab size, which no row can sample, so every row produces exactly 64 tokens on both sides.
 `generate` runs with do_sample=True, num_return_sequences=G (it expands the prompts before its
-prefill; we prefill each prompt once and copy its KV rows G times) and a dynamic or static cache.
+prefill; we prefill each prompt once and copy its KV rows G times), with a dynamic and/or a
+static cache (`impl` says which).
 
 Before timing, greedy decoding of both is checked to give the same tokens (column `greedy_ok`).
-Timing: each call is timed on its own with `benchmarks.harness.measure`, the implementations
-interleaved round by round so that a busy machine slows them alike. `ms_per_step` is
-(t(64 tokens) - t(1 token)) / 63, the same subtraction for both sides, so prefill is excluded;
-`tok_per_s` is B * 64 / t(64 tokens), prefill included; `x_hf` is tok_per_s over generate's
-with a dynamic cache.
+Each call is timed on its own with `benchmarks.harness.measure`, the implementations
+interleaved round by round so that a busy machine slows them alike. Columns:
+
+- `tok_per_s`: B * 64 / t(64 tokens), prefill included; `total_ms` = t(64 tokens) (median,
+  spread p20-p80 over the rounds).
+- `ms_per_step`: (t(64 tokens) - t(1 token)) / 63, the same subtraction for both sides, so
+  prefill is excluded; `prefill_ms` = t(1 token).
+- `peak_mib`: resident memory added at the peak of the 64-token call (harness).
+- `cpu_ms`: process CPU time of the 64-token call (all threads).
+- `x_hf_dyn`, `x_hf_static`: our tok_per_s over generate's with that cache; `x_cpu` the
+  CPU-time ratio against the dynamic cache (stable when other jobs share the cores).
+
+Threads: the tiny case runs on one thread (at its shapes an op takes microseconds and OpenMP
+fork/join on more threads costs more than it saves), the 0.6B shape on all of torch's threads.
 """
 
 import argparse
 import statistics
 import tempfile
+import time
 
 import torch
 
 from benchmarks.harness import measure, write_results
 
+# threads 0 = torch's default; target = required tok/s ratio ours / generate (dynamic cache);
+# rounds / warmup: timed / untimed calls per implementation (flags override them)
 CASES = {
     "tiny": dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        config=dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+        ),
+        target=2.0,
+        threads=1,
+        hf_caches="dynamic,static",
+        rounds=7,
+        warmup=1,
     ),
     "qwen3-0.6b": dict(
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
+        config=dict(
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+        ),
+        target=1.2,
+        threads=0,
+        hf_caches="dynamic",  # a static-cache generate costs another ~10 min here
+        rounds=3,  # one generate call takes minutes on a 2-core CPU
+        warmup=0,
     ),
 }
-TARGETS = {"tiny": 2.0, "qwen3-0.6b": 1.2}  # required tok/s ratio ours / generate (dynamic)
 COLUMNS = [
-    "case", "impl", "tok_per_s", "ms_per_step", "prefill_ms", "total_ms", "p20_ms", "p80_ms",
-    "peak_mib", "x_hf", "target", "greedy_ok",
+    "case", "impl", "threads", "tok_per_s", "ms_per_step", "prefill_ms", "total_ms", "p20_ms",
+    "p80_ms", "peak_mib", "cpu_ms", "x_hf_dyn", "x_hf_static", "x_cpu", "target", "greedy_ok",
 ]  # fmt: skip
+HF_DYNAMIC, HF_STATIC = "hf generate (dynamic cache)", "hf generate (static cache)"
 
 
 def build_models(case: str, out_dir: str):
@@ -61,7 +87,7 @@ def build_models(case: str, out_dir: str):
     from grpo.models import load_model
 
     cfg = Qwen3Config(
-        **CASES[case],
+        **CASES[case]["config"],
         max_position_embeddings=40960,
         rope_theta=1000000.0,
         rms_norm_eps=1e-6,
@@ -75,54 +101,69 @@ def build_models(case: str, out_dir: str):
     return hf, load_model(out_dir)
 
 
-def hf_generate(hf, input_ids, *, group_size, max_new_tokens, cache, do_sample=True, eos):
+def hf_generate(hf, input_ids, *, group_size, max_new_tokens, cache, eos, do_sample=True):
     """`generate` on (P, T_p) unpadded prompts -> (P*G, T_p + max_new_tokens) ids."""
     kwargs = dict(cache_implementation="static") if cache == "static" else {}
+    sampling = dict(temperature=1.0, top_k=0, top_p=1.0) if do_sample else {}
     return hf.generate(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),
         do_sample=do_sample,
-        num_return_sequences=group_size if do_sample else 1,
+        num_return_sequences=group_size,
         max_new_tokens=max_new_tokens,
-        temperature=1.0 if do_sample else None,
-        top_k=0 if do_sample else None,
-        top_p=1.0 if do_sample else None,
         eos_token_id=eos,
         pad_token_id=0,
+        **sampling,
         **kwargs,
     )
 
 
-def greedy_ok(hf, sampler, prompts, input_ids, tokens: int) -> bool:
+def greedy_ok(hf, sampler, input_ids, tokens: int) -> bool:
     """Same greedy tokens from both for `tokens` steps (the correctness check before timing)."""
     never = hf.config.vocab_size
     ours = sampler.sample(
-        prompts, group_size=1, max_new_tokens=tokens, temperature=0, stop_ids=[never], seed=0
-    )
+        input_ids.tolist(), group_size=1, max_new_tokens=tokens, temperature=0,
+        stop_ids=[never], seed=0,
+    )  # fmt: skip
     theirs = hf_generate(
-        hf, input_ids, group_size=1, max_new_tokens=tokens, cache="dynamic", do_sample=False,
-        eos=never,
+        hf, input_ids, group_size=1, max_new_tokens=tokens, cache="dynamic", eos=never,
+        do_sample=False,
     )  # fmt: skip
     return torch.equal(ours.completion_ids, theirs[:, input_ids.shape[1] :])
 
 
-def run_case(case, args) -> list[dict]:
+def with_cpu_time(fn, out: list):
+    """`fn` that also appends its process CPU time (ms, all threads) to `out`."""
+
+    def timed():
+        t0 = time.process_time()
+        result = fn()
+        out.append((time.process_time() - t0) * 1e3)
+        return result
+
+    return timed
+
+
+def run_case(case: str, args, default_threads: int) -> list[dict]:
+    """Build the checkpoint, check greedy parity, time every implementation; one row each."""
     from grpo.rollout import Sampler
 
+    spec = CASES[case]
+    threads = args.threads or spec["threads"] or default_threads
+    torch.set_num_threads(threads)
     P, G, T_p, N = args.prompts, args.group_size, args.prompt_len, args.new_tokens
     B = P * G
     with tempfile.TemporaryDirectory() as tmp:
         hf, ours = build_models(case, tmp)
-    V = ours.config.vocab_size
-    never = V  # an id no row can sample: both sides run all N steps
+    never = ours.config.vocab_size  # an id no row can sample: both sides run all N steps
     gen = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(2, V, (P, T_p), generator=gen)  # (P, T_p)
+    input_ids = torch.randint(2, never, (P, T_p), generator=gen)  # (P, T_p)
     prompts = input_ids.tolist()
 
-    impls = {"ours": Sampler(ours)}
-    if args.compile:
-        impls["ours+compile"] = Sampler(ours, compile=True)
-    check = greedy_ok(hf, impls["ours"], prompts, input_ids, args.check_tokens)
+    samplers = {"ours": Sampler(ours)}
+    if case in args.compile:
+        samplers["ours+compile"] = Sampler(ours, compile=True)
+    check = greedy_ok(hf, samplers["ours"], input_ids, args.check_tokens)
 
     def ours_fn(sampler, n):
         def fn():
@@ -142,82 +183,95 @@ def run_case(case, args) -> list[dict]:
 
         return fn
 
-    fns = {name: (ours_fn(s, N), ours_fn(s, 1)) for name, s in impls.items()}
-    for cache in args.hf_caches:
+    fns = {name: (ours_fn(s, N), ours_fn(s, 1)) for name, s in samplers.items()}
+    for cache in (args.hf_caches or spec["hf_caches"]).split(","):
         fns[f"hf generate ({cache} cache)"] = (hf_fn(cache, N), hf_fn(cache, 1))
+    warmup = spec["warmup"] if args.warmup is None else args.warmup
+    rounds = args.rounds or spec["rounds"]
     for full, first in fns.values():  # warm-up (and compile) outside the timed rounds
-        for _ in range(args.warmup):
+        for _ in range(warmup):
             full(), first()
-    times = {name: ([], [], []) for name in fns}  # full ms, 1-token ms, peak MiB
-    for _ in range(args.rounds):
+    runs = {name: {"full": [], "first": [], "peak": [], "cpu": []} for name in fns}
+    for _ in range(rounds):
         for name, (full, first) in fns.items():
-            t_full = measure(full, warmup=0, repeats=1)
-            t_first = measure(first, warmup=0, repeats=1)
-            times[name][0].append(t_full.median_ms)
-            times[name][1].append(t_first.median_ms)
-            times[name][2].append(t_full.peak_mem_mib)
+            t_full = measure(with_cpu_time(full, runs[name]["cpu"]), warmup=0, repeats=1)
+            runs[name]["full"].append(t_full.median_ms)
+            runs[name]["peak"].append(t_full.peak_mem_mib)
+            runs[name]["first"].append(measure(first, warmup=0, repeats=1).median_ms)
 
     rows = []
-    for name, (full_ms, first_ms, peaks) in times.items():
-        total, prefill = statistics.median(full_ms), statistics.median(first_ms)
-        q = statistics.quantiles(full_ms, n=5, method="inclusive") if len(full_ms) > 1 else None
+    for name, run in runs.items():
+        total, prefill = statistics.median(run["full"]), statistics.median(run["first"])
+        q = statistics.quantiles(run["full"], n=5, method="inclusive") if rounds > 1 else None
         rows.append(
             {
                 "case": case,
                 "impl": name,
+                "threads": threads,
                 "tok_per_s": B * N / (total / 1e3),
                 "ms_per_step": (total - prefill) / (N - 1),
                 "prefill_ms": prefill,
                 "total_ms": total,
                 "p20_ms": q[0] if q else total,
                 "p80_ms": q[3] if q else total,
-                "peak_mib": max(peaks),
+                "peak_mib": max(run["peak"]),
+                "cpu_ms": statistics.median(run["cpu"]),
                 "greedy_ok": check if name.startswith("ours") else None,
-                "times_ms": full_ms,
-                "first_token_ms": first_ms,
+                "rounds": rounds,
+                "warmup": warmup,
+                "runs_ms": run,
             }
         )
-    base = next((r for r in rows if r["impl"] == "hf generate (dynamic cache)"), None)
+    by_impl = {r["impl"]: r for r in rows}
     for r in rows:
-        if base is not None and r["impl"].startswith("ours"):
-            r["x_hf"] = r["tok_per_s"] / base["tok_per_s"]
-            r["target"] = TARGETS[case]
+        if not r["impl"].startswith("ours"):
+            continue
+        r["target"] = spec["target"]
+        if HF_DYNAMIC in by_impl:
+            r["x_hf_dyn"] = r["tok_per_s"] / by_impl[HF_DYNAMIC]["tok_per_s"]
+            r["x_cpu"] = by_impl[HF_DYNAMIC]["cpu_ms"] / r["cpu_ms"]
+        if HF_STATIC in by_impl:
+            r["x_hf_static"] = r["tok_per_s"] / by_impl[HF_STATIC]["tok_per_s"]
     return rows
 
 
-def main(argv=None) -> None:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default="tiny,qwen3-0.6b", help=f"of {list(CASES)}")
     parser.add_argument("--prompts", type=int, default=4, help="P")
     parser.add_argument("--group-size", type=int, default=8, help="G")
     parser.add_argument("--prompt-len", type=int, default=128, help="T_p")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--hf-caches", default="dynamic,static")
-    parser.add_argument("--compile", action="store_true", help="also time Sampler(compile=True)")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=3, help="timed calls per implementation")
+    parser.add_argument("--hf-caches", default="", help="dynamic,static (default: per case)")
+    parser.add_argument("--compile", default="", help="cases that also time compile=True")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: per case)")
+    parser.add_argument("--warmup", type=int, default=None, help="default: per case")
+    parser.add_argument("--rounds", type=int, default=None, help="default: per case")
     parser.add_argument("--check-tokens", type=int, default=16, help="greedy parity steps")
     parser.add_argument("--name", default="sampler_cpu_float32")
+    parser.add_argument("--out-dir", default=None, help="default: benchmarks/results/")
     args = parser.parse_args(argv)
-    args.hf_caches = [c for c in args.hf_caches.split(",") if c]
+    cases = [c for c in args.cases.split(",") if c]
+    for case in cases:
+        if case not in CASES:
+            parser.error(f"unknown case {case!r}; valid: {list(CASES)}")
+    args.compile = [c for c in args.compile.split(",") if c]
 
     import transformers
 
     transformers.logging.set_verbosity_error()
-    rows = []
-    for case in args.cases.split(","):
-        if case not in CASES:
-            parser.error(f"unknown case {case!r}; valid: {list(CASES)}")
-        rows += run_case(case, args)
+    default_threads = torch.get_num_threads()
+    rows = [row for case in cases for row in run_case(case, args, default_threads)]
     meta = {
-        "command": "python -m benchmarks.bench_sampler " + " ".join(argv or []),
+        "command": " ".join(["python -m benchmarks.bench_sampler", *argv]),
         "setup": f"P={args.prompts} x G={args.group_size}, prompt {args.prompt_len} tokens, "
-        f"{args.new_tokens} new tokens, float32, temperature 1, no top-k/top-p, "
-        f"{args.rounds} interleaved rounds after {args.warmup} warm-up",
-        "ms_per_step": "(t(N tokens) - t(1 token)) / (N - 1), prefill excluded",
-        "x_hf": "tok_per_s / hf generate (dynamic cache) tok_per_s",
+        f"{args.new_tokens} new tokens, float32, temperature 1, no top-k/top-p; "
+        "implementations interleaved round by round (rounds/warmup per row in the JSON)",
+        "ms_per_step": "(t(N tokens) - t(1 token)) / (N - 1): prefill excluded",
+        "x_hf_dyn / x_hf_static": "our tok_per_s over generate's with a dynamic / static cache",
+        "x_cpu": "hf generate (dynamic cache) cpu_ms / our cpu_ms",
     }
-    write_results(args.name, rows, COLUMNS, meta=meta)
+    write_results(args.name, rows, COLUMNS, out_dir=args.out_dir, meta=meta)
 
 
 if __name__ == "__main__":

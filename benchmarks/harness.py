@@ -3,7 +3,7 @@
 Every benchmark under `benchmarks/` uses it the same way:
 
     from benchmarks.harness import measure, write_results
-    t = measure(lambda: step(batch), warmup=2, repeats=10, device="cuda")
+    t = measure(lambda: step(batch), warmup=2, repeats=10, device="cuda")  # or measure_interleaved
     rows.append({"impl": "ours", "median_ms": t.median_ms, "peak_mem_mib": t.peak_mem_mib})
     write_results("bench_x", rows, columns=["impl", "median_ms", "peak_mem_mib"])
 
@@ -122,6 +122,39 @@ class _CpuPeak:
         return False
 
 
+def _timed_call(fn: Callable[[], object], is_cuda: bool, device) -> tuple[float, float]:
+    """One call of `fn`: (milliseconds, MiB it added at its peak, outputs included)."""
+    if is_cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        peak_mib = (torch.cuda.max_memory_allocated(device) - base) / _MIB
+        del out
+        return start.elapsed_time(end), peak_mib
+    with _CpuPeak() as mem:
+        t0 = time.perf_counter()
+        out = fn()
+        ms = (time.perf_counter() - t0) * 1e3
+    del out
+    return ms, mem.peak_bytes / _MIB
+
+
+def _timing(times: list[float], peaks: list[float]) -> Timing:
+    return Timing(
+        median_ms=statistics.median(times),
+        p20_ms=_percentile(times, 20),
+        p80_ms=_percentile(times, 80),
+        peak_mem_mib=max(peaks),
+        times_ms=tuple(times),
+    )
+
+
 def measure(
     fn: Callable[[], object],
     *,
@@ -142,39 +175,44 @@ def measure(
     Returns:
         Timing(median_ms, p20_ms, p80_ms, peak_mem_mib, times_ms).
     """
+    return measure_interleaved({"fn": fn}, warmup=warmup, repeats=repeats, device=device)["fn"]
+
+
+def measure_interleaved(
+    fns: dict[str, Callable[[], object]],
+    *,
+    warmup: int = 2,
+    repeats: int = 10,
+    device: str | torch.device = "cpu",
+) -> dict[str, Timing]:
+    """`measure` for several calls side by side, round-robin: repeat r runs each once.
+
+    On a shared machine whose load drifts over minutes, timing A's repeats and then B's lets the
+    drift land in the A/B ratio; interleaving (with the order rotated every repeat) makes every
+    call see the same conditions, so ratios stay meaningful.
+
+    Args:
+        fns: name -> call, as for `measure`.
+        warmup, repeats, device: as for `measure` (warm-up calls are interleaved too).
+
+    Returns:
+        name -> Timing.
+    """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     is_cuda = torch.device(device).type == "cuda"
+    names = list(fns)
     for _ in range(warmup):
-        fn()
-    times, peaks = [], []
-    for _ in range(repeats):
-        if is_cuda:
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end))
-            peaks.append((torch.cuda.max_memory_allocated(device) - base) / _MIB)
-        else:
-            with _CpuPeak() as mem:
-                t0 = time.perf_counter()
-                out = fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-            peaks.append(mem.peak_bytes / _MIB)
-        del out
-    return Timing(
-        median_ms=statistics.median(times),
-        p20_ms=_percentile(times, 20),
-        p80_ms=_percentile(times, 80),
-        peak_mem_mib=max(peaks),
-        times_ms=tuple(times),
-    )
+        for name in names:
+            fns[name]()
+    times = {name: [] for name in names}
+    peaks = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            ms, peak = _timed_call(fns[name], is_cuda, device)
+            times[name].append(ms)
+            peaks[name].append(peak)
+    return {name: _timing(times[name], peaks[name]) for name in names}
 
 
 def matmul_ceiling_tflops(

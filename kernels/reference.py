@@ -120,6 +120,22 @@ def default_blocks(n: int, v: int, tile_elems: int = 2**23) -> tuple[int, int]:
     return block_n, min(block_v, max(v, 1))
 
 
+def _tile_logits(buf: torch.Tensor, h: torch.Tensor, w: torch.Tensor, temperature: float):
+    """(h @ w.T) / T written into the front of the flat buffer `buf`; returns the (n, v) view.
+
+    Reusing one buffer matters on CPU: a fresh 32 MiB tile per step is mmapped and page-faulted
+    anew by the allocator, which costs as much as the naive path's big allocations.
+    """
+    out = buf[: h.shape[0] * w.shape[0]].view(h.shape[0], w.shape[0])  # (n, v)
+    if h.dtype == buf.dtype:
+        torch.mm(h, w.t(), out=out)
+    else:
+        out.copy_(h @ w.t())  # 16-bit logits, rounded like naive's, then upcast
+    if temperature != 1.0:
+        out.div_(temperature)
+    return out
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     """Tiled log-probs with an online logsumexp and a backward that never stores the logits.
 
@@ -146,7 +162,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
         logprobs = torch.empty(n_tok, dtype=acc, device=hidden.device)  # (N,)
         lse = torch.empty(n_tok, dtype=acc, device=hidden.device)  # (N,)
         entropy = torch.empty(n_tok if return_entropy else 0, dtype=acc, device=hidden.device)
-        w_avg = torch.empty(n_tok, c, dtype=acc, device=hidden.device) if fold_dh else None
+        w_diff = torch.empty(n_tok, c, dtype=acc, device=hidden.device) if fold_dh else None
+        z_buf = torch.empty(
+            min(block_n, n_tok) * min(block_v, v_total), dtype=acc, device=hidden.device
+        )
+        p_buf = torch.empty_like(z_buf)
         for n0 in range(0, n_tok, block_n):
             n1 = min(n0 + block_n, n_tok)
             h = hidden[n0:n1]  # (n, C)
@@ -159,16 +179,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
             for v0 in range(0, v_total, block_v):
                 v1 = min(v0 + block_v, v_total)
                 w = weight[v0:v1]  # (v, C)
-                z = (h @ w.t()).to(acc)  # (n, v) rounded to the input dtype like naive's logits
-                if temperature != 1.0:
-                    z.div_(temperature)
+                z = _tile_logits(z_buf, h, w, temperature)  # (n, v) fp32
                 in_tile = (tid >= v0) & (tid < v1)
                 col = (tid - v0).clamp(0, v1 - v0 - 1).unsqueeze(1)  # (n, 1)
                 target = torch.where(in_tile, z.gather(1, col).squeeze(1), target)
                 m_new = torch.maximum(m, z.amax(dim=1))  # (n,)
                 alpha = torch.exp(m - m_new)  # (n,) rescales the running sums; 0 on the 1st tile
                 z.sub_(m_new.unsqueeze(1))  # (n, v) shifted logits, <= 0
-                p = torch.exp(z)  # (n, v) unnormalized probabilities
+                p = torch.exp(z, out=p_buf[: z.numel()].view_as(z))  # (n, v) unnormalized probs
                 if return_entropy:
                     # sum p * (z - m) re-based on m_new; all terms <= 0, so nothing cancels
                     carry = torch.where(s > 0, (m - m_new) * s, 0.0)
@@ -185,14 +203,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if fold_dh:
                 # W[id] - E_p[W]: all that d_hidden needs, so hidden and weight are not saved
                 a.div_(s.unsqueeze(1)).neg_().add_(weight[tid].to(acc))
-                w_avg[n0:n1] = a
+                w_diff[n0:n1] = a
 
         ctx.temperature = temperature
         ctx.blocks = (block_n, block_v)
         ctx.fold_dh = fold_dh
         ctx.hidden_dtype = hidden.dtype
         if fold_dh:
-            ctx.save_for_backward(w_avg)
+            ctx.save_for_backward(w_diff)
         elif need_dh or need_dw:
             ctx.save_for_backward(hidden, weight, ids, lse)
         ctx.mark_non_differentiable(entropy)
@@ -216,6 +234,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
         g = grad_logprobs.to(acc) / t  # (N,) d logprobs / d z[id]
         d_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_dh else None
         d_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_dw else None
+        z_buf = torch.empty(
+            min(block_n, n_tok) * min(block_v, v_total), dtype=acc, device=hidden.device
+        )
         for n0 in range(0, n_tok, block_n):
             n1 = min(n0 + block_n, n_tok)
             h = hidden[n0:n1]  # (n, C)
@@ -225,9 +246,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             for v0 in range(0, v_total, block_v):
                 v1 = min(v0 + block_v, v_total)
                 w = weight[v0:v1]  # (v, C)
-                grad_z = (h @ w.t()).to(acc)  # (n, v) recomputed logits
-                if t != 1.0:
-                    grad_z.div_(t)
+                grad_z = _tile_logits(z_buf, h, w, t)  # (n, v) recomputed logits
                 grad_z.sub_(lse_c).exp_().mul_(neg_g)  # (n, v) -g/T * softmax
                 if need_dh:
                     d_h[n0:n1].addmm_(grad_z, w.to(acc))

@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from benchmarks import bench_logprobs
-from benchmarks.harness import Timing, env_stamp, markdown_table, measure, write_results
+from benchmarks.harness import (
+    Timing,
+    env_stamp,
+    markdown_table,
+    measure,
+    measure_interleaved,
+    write_results,
+)
 
 MIB_200MB = 200e6 / 2**20  # 190.7 MiB
 
@@ -36,6 +43,24 @@ def test_measure_timing_statistics():
     assert t.median_ms >= 5.0
     with pytest.raises(ValueError, match="repeats"):
         measure(lambda: None, repeats=0)
+
+
+def test_measure_interleaved_round_robin_with_rotation():
+    order = []
+
+    def call(name, seconds):
+        def fn():
+            order.append(name)
+            time.sleep(seconds)
+
+        return fn
+
+    timings = measure_interleaved(
+        {"a": call("a", 0.002), "b": call("b", 0.006)}, warmup=1, repeats=3
+    )
+    assert order == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-up, then rotated repeats
+    assert set(timings) == {"a", "b"} and len(timings["a"].times_ms) == 3
+    assert timings["a"].median_ms < timings["b"].median_ms
 
 
 def test_markdown_table_formats_values():

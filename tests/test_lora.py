@@ -310,7 +310,8 @@ def test_load_adapter_errors(tiny_checkpoints, tmp_path):
 
 # ---------------------------------------------------------------- PEFT interop
 
-INTEROP = [("qwen3", DEFAULT_TARGETS), ("llama", ALL_TARGETS)]  # tied; untied with lm_head
+# Qwen3 is tied, Llama untied; ALL_TARGETS adds lm_head.
+INTEROP = [("qwen3", DEFAULT_TARGETS), ("llama", ALL_TARGETS), ("qwen3", ALL_TARGETS)]
 
 
 @pytest.mark.parametrize("family,targets", INTEROP)
@@ -333,9 +334,13 @@ def test_peft_loads_our_adapter_and_merge_matches(tiny_checkpoints, tmp_path, fa
         out = merge_command(model_dir, tmp_path / "ad", tmp_path / "merged")
         merged_logits = hf_model(out)(input_ids=ids).logits
         assert max_diff(merged_logits, want) <= 1e-5
+        assert (out / "tokenizer_config.json").is_file()
+        if family == "qwen3" and "lm_head" in targets:
+            # PEFT merges a tied lm_head in place, which also moves the input embedding (its
+            # logits then differ by O(1)); ours unties on merge, checked against `want` above.
+            return
         peft_merged = peft_model.merge_and_unload()(input_ids=ids).logits
         assert max_diff(merged_logits, peft_merged) <= 1e-5
-    assert (out / "tokenizer_config.json").is_file()
 
 
 @pytest.mark.parametrize("family,targets", INTEROP)

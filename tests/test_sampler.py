@@ -190,12 +190,16 @@ def test_attention_mask_and_decode(tiny_checkpoints, tiny_tokenizer):
         assert text == tok.decode(r.completion_ids[b, :n].tolist())
 
 
-def test_model_mode_is_restored_and_no_grad(qwen3):
+def test_model_mode_is_restored_and_outputs_can_enter_autograd(qwen3):
     qwen3.train()
     try:
         r = sample(qwen3, make_prompts(), group_size=1, max_new_tokens=3, stop_ids=[], seed=0)
         assert qwen3.training and not r.logprobs.requires_grad
+        # sampled under inference_mode, returned as ordinary tensors: a training forward works
+        assert not any(t.is_inference() for t in (r.ids, r.completion_mask, r.logprobs))
+        qwen3(r.ids, attention_mask=r.attention_mask()).sum().backward()
     finally:
+        qwen3.zero_grad(set_to_none=True)
         qwen3.eval()
 
 

@@ -14,6 +14,7 @@ from grpo.rollout.sampling import (
     apply_top_p,
     next_tokens,
     process_logits,
+    sample_categorical,
 )
 
 NEG_INF = float("-inf")
@@ -140,3 +141,35 @@ def test_temperature_sharpens():
     p0 = 0.25 / 0.365
     assert abs((tokens == 0).float().mean().item() - p0) < 0.015
     assert math.isclose(logprobs[tokens == 0][0].item(), math.log(p0), abs_tol=1e-6)
+
+
+@pytest.mark.parametrize("V", [4, 300])  # below one block; not a multiple of the block width
+def test_sample_categorical_frequencies(V):
+    g = torch.Generator().manual_seed(0)
+    probs = torch.rand(1, V, generator=g) ** 4  # uneven, unnormalized
+    probs[0, ::3] = 0.0  # some impossible tokens, including index 0
+    n = 40000
+    tokens = sample_categorical(probs.expand(n, V), torch.Generator().manual_seed(1))
+    freq = torch.bincount(tokens, minlength=V).double() / n
+    want = (probs[0] / probs[0].sum()).double()
+    assert freq[probs[0] == 0].sum() == 0
+    # binomial standard deviation per token, 5 of them
+    assert ((freq - want).abs() <= 5 * (want * (1 - want) / n).sqrt() + 1e-4).all()
+
+
+def test_sample_categorical_never_picks_zero_mass_at_the_edges():
+    g = torch.Generator().manual_seed(0)
+    V = 256
+    probs = torch.zeros(6, V)
+    probs[0, 0] = 1.0  # all mass on the first token
+    probs[1, V - 1] = 1.0  # ... on the last token
+    probs[2, 127], probs[2, 128] = 0.5, 0.5  # across a block boundary
+    probs[3, :5] = 1e-30  # tiny masses, last tokens impossible
+    probs[4, 200] = 1e-38  # a single denormal-sized token
+    probs[5] = torch.rand(V, generator=g)
+    probs[5, -10:] = 0.0
+    tokens = sample_categorical(probs.repeat(500, 1), g).view(500, 6)
+    assert (tokens[:, 0] == 0).all() and (tokens[:, 1] == V - 1).all()
+    assert set(tokens[:, 2].tolist()) == {127, 128}
+    assert (tokens[:, 3] < 5).all() and (tokens[:, 4] == 200).all()
+    assert (tokens[:, 5] < V - 10).all()

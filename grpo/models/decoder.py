@@ -26,9 +26,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # F.rms_norm is x * rsqrt(mean(x^2) + eps), bit for bit, in one call instead of five.
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * x.to(dtype)
 
 
@@ -84,7 +84,8 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, H_kv, S, D), S = pos + T
-        # mask: (B, 1, T, S) bool, True = attend. GQA shares each kv head among H/H_kv heads.
+        # mask: (B, 1, T, S) additive, 0 = attend, -inf = not. GQA shares each kv head among
+        # H/H_kv query heads.
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.H != self.H_kv)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.D))
 
@@ -198,6 +199,8 @@ class Decoder(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         x = self.embed_tokens(input_ids)  # (B, T, C)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        # Additive float mask, built once: SDPA would otherwise convert a bool mask per layer.
+        mask = torch.zeros(mask.shape, dtype=x.dtype, device=dev).masked_fill_(~mask, float("-inf"))
 
         for block in self.layers:
             if self.gradient_checkpointing and self.training and kv_cache is None:

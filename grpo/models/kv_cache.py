@@ -8,10 +8,12 @@ import torch
 class KVCache:
     """Keys and values of every layer for B rows and up to `max_len` positions.
 
-    Buffers are allocated once, (L, B, H_kv, S, D); each forward writes its T new positions at
-    `[pos, pos + T)` in place. Nothing is concatenated or re-allocated per step. `pos` is shared
-    by all rows: rows are left-padded so that they all end at the same slot, and padding is
-    hidden by the attention mask, not by the cache.
+    Buffers are allocated once, one (B, H_kv, S, D) pair per layer; each forward writes its T
+    new positions at `[pos, pos + T)` in place. Nothing is concatenated or re-allocated per
+    step. `pos` is shared by all rows: rows are left-padded so that they all end at the same
+    slot, and padding is hidden by the attention mask, not by the cache. Separate per-layer
+    tensors (not views of one (L, ...) tensor) let a compiled step update each one in place;
+    a mutated view of a graph input makes inductor copy the whole base every step.
 
     Two modes, same buffers:
 
@@ -34,9 +36,9 @@ class KVCache:
         device: torch.device | str = "cpu",
         static: bool = False,
     ):
-        shape = (num_layers, rows, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, H_kv, S, D)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, H_kv, S, D)
+        shape = (rows, num_kv_heads, max_len, head_dim)
+        self.k_layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.static = static
         self._pos = 0
         # static mode: the write position as a tensor, advanced in place (no Python int).
@@ -64,29 +66,40 @@ class KVCache:
         return int(self.pos_tensor) if self.static else self._pos
 
     @property
+    def k(self) -> torch.Tensor:
+        """(L, B, H_kv, S, D) copy of all keys, for inspection."""
+        return torch.stack(self.k_layers)
+
+    @property
+    def v(self) -> torch.Tensor:
+        """(L, B, H_kv, S, D) copy of all values, for inspection."""
+        return torch.stack(self.v_layers)
+
+    @property
     def rows(self) -> int:
-        return self.k.shape[1]
+        return self.k_layers[0].shape[0]
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.k_layers[0].shape[2]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Write k, v (B, H_kv, T, D) at [pos, pos+T) of `layer`; return the keys/values to
         attend over: (B, H_kv, pos+T, D) in dynamic mode, (B, H_kv, max_len, D) in static mode.
         """
         T = k.shape[2]
+        k_buf, v_buf = self.k_layers[layer], self.v_layers[layer]  # (B, H_kv, S, D)
         if self.static:
             idx = self.pos_tensor + torch.arange(T, device=k.device)  # (T,)
-            self.k[layer].index_copy_(2, idx, k)
-            self.v[layer].index_copy_(2, idx, v)
-            return self.k[layer], self.v[layer]
+            k_buf.index_copy_(2, idx, k)
+            v_buf.index_copy_(2, idx, v)
+            return k_buf, v_buf
         end = self._pos + T
         if end > self.max_len:
             raise ValueError(f"KV cache overflow: {end} positions > max_len {self.max_len}")
-        self.k[layer, :, :, self._pos : end] = k
-        self.v[layer, :, :, self._pos : end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, H_kv, pos+T, D)
+        k_buf[:, :, self._pos : end] = k
+        v_buf[:, :, self._pos : end] = v
+        return k_buf[:, :, :end], v_buf[:, :, :end]  # (B, H_kv, pos+T, D)
 
     def advance(self, T: int) -> None:
         """Mark T more positions as written (called once per forward, after all layers)."""
@@ -102,8 +115,8 @@ class KVCache:
         its whole group.
         """
         out = KVCache.__new__(KVCache)
-        out.k = self.k.repeat_interleave(G, dim=1)  # (L, B*G, H_kv, S, D)
-        out.v = self.v.repeat_interleave(G, dim=1)
+        out.k_layers = [k.repeat_interleave(G, dim=0) for k in self.k_layers]  # (B*G, H_kv, S, D)
+        out.v_layers = [v.repeat_interleave(G, dim=0) for v in self.v_layers]
         out.static = self.static
         out._pos = self._pos
         out.pos_tensor = self.pos_tensor.clone() if self.static else None

@@ -92,9 +92,8 @@ class Sampler:
         model: a `Decoder` (or anything with its forward signature, `config` and `lm_head`).
         compile: compile the decode step with `torch.compile` (inductor needs a C compiler
             on CPU; the prefill stays eager).
-        compile_options: extra `torch.compile` keyword arguments, e.g. {"mode":
-            "reduce-overhead"} on GPU or {"backend": "aot_eager"} in tests; the defaults are
-            dynamic=False, fullgraph=True.
+        compile_options: extra `torch.compile` keyword arguments (e.g. {"backend":
+            "aot_eager"} in tests) over the defaults dynamic=False, fullgraph=True.
         sync_every: check "all rows done?" on the host every this many steps (the only host
             sync of the loop); at most sync_every - 1 steps run after the last row stops.
     """
@@ -131,7 +130,6 @@ class Sampler:
         )  # (B, 1, V)
         return logits[:, -1].float()
 
-    @torch.no_grad()
     def sample(
         self,
         prompts: Sequence[Sequence[int]],
@@ -166,34 +164,41 @@ class Sampler:
         prompt_lens = torch.tensor([len(p) for p in prompts], device=dev)  # (P,)
         kv_mask = torch.zeros(P, max_len, dtype=torch.bool, device=dev)
         kv_mask[:, :T_p] = torch.arange(T_p, device=dev) >= (T_p - prompt_lens)[:, None]
+        # Completion slots are open from the start: a query never sees a later slot (the causal
+        # mask hides it), so no per-step mask update is needed.
+        kv_mask[:, T_p:] = True
 
+        prompt_lens = prompt_lens.repeat_interleave(G)  # (B,): row b <- prompt b // G
+        gen = torch.Generator(device=dev).manual_seed(seed)
+
+        def draw(logits):  # (B, V) -> tokens (B,), logprobs (B,)
+            return next_tokens(logits, gen, temperature, top_k, top_p, min_p)
+
+        stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev)
         was_training = model.training
         model.eval()
         try:
-            # Prefill once per prompt; logits only at the last position (not (P, T_p, V)).
-            cache = KVCache.for_model(model, rows=P, max_len=max_len, static=self.compile)
-            hidden = model(prompt_ids, attention_mask=kv_mask, kv_cache=cache, return_hidden=True)
-            logits = model.lm_head(hidden[:, -1]).float()  # (P, V)
-            # Copy each prompt's state to its G rows: row b <- prompt b // G.
-            cache = cache.repeat_rows(G)
-            logits = logits.repeat_interleave(G, dim=0)  # (B, V)
-            kv_mask = kv_mask.repeat_interleave(G, dim=0)  # (B, max_len)
-            prompt_lens = prompt_lens.repeat_interleave(G)  # (B,)
-            gen = torch.Generator(device=dev).manual_seed(seed)
-
-            def draw(logits):  # (B, V) -> tokens (B,), logprobs (B,)
-                return next_tokens(logits, gen, temperature, top_k, top_p, min_p)
-
-            stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev)
-            completion_ids, logprobs, lens, done = self._decode_loop(
-                logits, cache, kv_mask, prompt_lens, T_p, max_new_tokens, draw, stops, pad_id
-            )
+            with torch.inference_mode():
+                logits, cache = self._prefill(prompt_ids, kv_mask, G)
+                out = self._decode_loop(
+                    logits, cache, kv_mask.repeat_interleave(G, dim=0), prompt_lens,
+                    max_new_tokens, draw, stops,
+                )  # fmt: skip
         finally:
             model.train(was_training)
+        # Inference-mode tensors may not enter autograd later (a training forward embeds the
+        # ids), so the outputs leave it as ordinary copies.
+        completion_ids, logprobs, done = (t.clone() for t in out)  # (B, T_run) x 2, (B,)
 
-        T_c = int(lens.max())  # trim the steps after the last row stopped
-        completion_ids, logprobs = completion_ids[:, :T_c], logprobs[:, :T_c]
+        # Lengths from the first stop of each row (rows that never stopped ran all T_run steps:
+        # the loop only ends early once every row has stopped), then the mask from lengths.
+        T_run = completion_ids.shape[1]
+        first_stop = torch.isin(completion_ids, stops).int().argmax(dim=1)  # (B,) first True
+        lens = torch.where(done, first_stop + 1, T_run)  # (B,)
+        T_c = int(lens.max())  # trim the steps run after the last row stopped
         completion_mask = torch.arange(T_c, device=dev)[None, :] < lens[:, None]  # (B, T_c)
+        completion_ids = completion_ids[:, :T_c].masked_fill(~completion_mask, pad_id)
+        logprobs = logprobs[:, :T_c].masked_fill(~completion_mask, 0.0)
         ids = torch.cat([prompt_ids.repeat_interleave(G, dim=0), completion_ids], dim=1)
         return Rollout(
             ids=ids,
@@ -207,47 +212,58 @@ class Sampler:
             group_size=G,
         )
 
-    def _decode_loop(
-        self, logits, cache, kv_mask, prompt_lens, T_p, max_new_tokens, draw, stops, pad_id
-    ):
+    def _prefill(self, prompt_ids: torch.Tensor, kv_mask: torch.Tensor, G: int):
+        """Run the P prompts once and copy each one's cache rows G times.
+
+        Args:
+            prompt_ids: (P, T_p) left-padded prompts.
+            kv_mask: (P, max_len) bool, True on real prompt tokens.
+            G: rows per prompt.
+
+        Returns:
+            logits (B, V) float32 of each row's first completion token, and the KV cache of
+            B = P*G rows (row b holds prompt b // G) with T_p positions written.
+        """
+        model = self.model
+        P, max_len = kv_mask.shape
+        cache = KVCache.for_model(model, rows=P, max_len=max_len, static=self.compile)
+        hidden = model(prompt_ids, attention_mask=kv_mask, kv_cache=cache, return_hidden=True)
+        logits = model.lm_head(hidden[:, -1]).float()  # (P, V): the last position only
+        return logits.repeat_interleave(G, dim=0), cache.repeat_rows(G)
+
+    def _decode_loop(self, logits, cache, kv_mask, prompt_lens, max_new_tokens, draw, stops):
         """Sample from `logits` (B, V), feed the tokens back, repeat; all rows in one batch.
+
+        Rows that have stopped keep decoding (the batch keeps its shape) but what they draw
+        is discarded afterwards: it only ever affects their own row.
 
         Args:
             logits: (B, V) float32 logits of each row's first completion token.
-            cache: the KV cache holding the B rows' prompts (positions [0, T_p)).
-            kv_mask: (B, max_len) bool attention mask; completion slots are set as they fill.
+            cache: the KV cache holding the B rows' prompts.
+            kv_mask: (B, max_len) bool attention mask over every cache slot.
             prompt_lens: (B,) real prompt tokens per row (= first rotary position to write).
-            T_p: padded prompt width (= first completion slot in the cache).
             max_new_tokens: step limit.
             draw: (B, V) logits -> (tokens (B,), logprobs (B,)), holding the generator.
             stops: (S,) stop ids.
-            pad_id: emitted by rows that have stopped.
 
         Returns:
-            completion_ids (B, max_new_tokens), logprobs (B, max_new_tokens) float32,
-            lens (B,) long and done (B,) bool.
+            tokens (B, T_run), their logprobs (B, T_run) float32 and done (B,) bool (the row
+            drew a stop id); T_run <= max_new_tokens steps were run.
         """
-        dev = logits.device
-        B = logits.shape[0]
-        completion_ids = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=dev)
-        logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=dev)
-        lens = torch.zeros(B, dtype=torch.long, device=dev)
-        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        tokens, logprobs = [], []
+        done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
         position_ids = prompt_lens[:, None].clone()  # (B, 1) next rotary position per row
         for t in range(max_new_tokens):
             # Every row draws its own token (rows of a group differ from the first one on).
             tok, lp = draw(logits)  # (B,), (B,)
-            tok = tok.masked_fill(done, pad_id)  # finished rows only emit padding
-            completion_ids[:, t] = tok
-            logprobs[:, t] = lp.masked_fill(done, 0.0)
-            lens += ~done
+            tokens.append(tok)
+            logprobs.append(lp)
             done |= torch.isin(tok, stops)
             if t == max_new_tokens - 1 or ((t + 1) % self.sync_every == 0 and bool(done.all())):
                 break
-            kv_mask[:, T_p + t] = True
             logits = self._decode(tok[:, None], position_ids, kv_mask, cache)  # (B, V)
             position_ids += 1
-        return completion_ids, logprobs, lens, done
+        return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), done
 
 
 def sample(
@@ -272,7 +288,8 @@ def sample(
     tokens, from the first one on, from an explicit generator seeded with `seed` (same seed,
     same rollout, bit for bit). A row that emits a stop id stops there: its later tokens are
     pad_id, masked out, with log-prob 0. The loop ends when every row has stopped or after
-    `max_new_tokens`. The model runs in eval mode under no_grad (its mode is restored).
+    `max_new_tokens`. The model runs in eval mode under torch.inference_mode (its mode is
+    restored); the returned tensors are ordinary ones that training can use.
 
     Args:
         model: a `Decoder`.

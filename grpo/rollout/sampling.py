@@ -9,6 +9,11 @@ applied in the same order: temperature, top-k, top-p, min-p.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+# Inverse-CDF block width: the CDF over V is taken in two levels (block sums, then one block)
+# so that float64 accumulation costs O(V / BLOCK + BLOCK) per row instead of O(V).
+BLOCK = 128
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -106,6 +111,44 @@ def process_logits(
     return apply_min_p(logits, min_p)
 
 
+def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row from unnormalized probabilities, by inverse CDF in two levels.
+
+    `torch.multinomial` draws one exponential variate per vocab entry (B*V of them, ~300 ms
+    per step at B=32, V=151936 on a CPU core); this needs one uniform per row. A float32
+    cumulative sum over V would swallow tail tokens smaller than its rounding step, so the
+    CDF is taken in two levels: each block of 128 tokens is summed on its own (float32, no
+    long accumulation), a block is picked on the float64 CDF of the block masses, then a token
+    inside it on the block's float64 CDF. A zero-probability token is never returned (when
+    rounding lands past the end, the last token with positive probability is taken).
+
+    Args:
+        probs: (B, V) non-negative, each row with a positive sum.
+        generator: the explicit source of randomness.
+
+    Returns:
+        (B,) long token ids.
+    """
+    B, V = probs.shape
+    nb = -(-V // BLOCK)
+    if nb * BLOCK != V:
+        probs = F.pad(probs, (0, nb * BLOCK - V))  # zero mass: never picked
+    blocks = probs.view(B, nb, BLOCK)
+    mass = blocks.sum(-1).double()  # (B, nb); a float32 sum of 128 terms, then float64
+    cdf = mass.cumsum(-1)  # (B, nb)
+    u = torch.rand(B, 1, generator=generator, dtype=torch.float64, device=probs.device)
+    u = u * cdf[:, -1:]  # (B, 1) uniform in [0, total)
+    # first block whose CDF exceeds u; capped at the last block with mass (first to reach total)
+    blk = torch.searchsorted(cdf, u, right=True)
+    blk = torch.minimum(blk, torch.searchsorted(cdf, cdf[:, -1:].contiguous()))  # (B, 1)
+    u = u - (cdf.gather(1, blk) - mass.gather(1, blk))  # offset inside the block
+    inner = blocks.gather(1, blk[:, :, None].expand(B, 1, BLOCK))[:, 0].double()  # (B, BLOCK)
+    inner_cdf = inner.cumsum(-1)
+    j = torch.searchsorted(inner_cdf, u, right=True)
+    j = torch.minimum(j, torch.searchsorted(inner_cdf, inner_cdf[:, -1:].contiguous()))  # (B, 1)
+    return (blk * BLOCK + j)[:, 0]
+
+
 def next_tokens(
     logits: torch.Tensor,
     generator: torch.Generator | None,
@@ -142,5 +185,5 @@ def next_tokens(
         probs = logprobs.exp()  # no filter: reuse the log-softmax
     else:
         probs = process_logits(scaled, 1.0, top_k, top_p, min_p).softmax(dim=-1)
-    tokens = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
-    return tokens[:, 0], logprobs.gather(-1, tokens)[:, 0]
+    tokens = sample_categorical(probs, generator)  # (B,)
+    return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]

@@ -1,0 +1,354 @@
+"""`grpo demo`: the offline end-to-end run, on a CPU, from nothing to a model that GRPO improved.
+
+    tokenizer (BPE on mini-math text) + tiny Qwen3 from random init
+      -> SFT on worked solutions -> evaluate -> GRPO from the SFT model -> evaluate
+      -> results.json, metrics.jsonl, curves.png and a short table
+
+Settings live in `configs/demo_cpu.yaml` (a `demo` section for what is built before training,
+a `pipeline` section in the `grpo pipeline` format, and `quick` overrides for the smoke run);
+docs/demo.md explains the choices and gives measured numbers. Both evaluations use the same
+held-out problems and the same decoding (greedy accuracy, pass@k from k samples).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from grpo.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml"
+DATASET = "demo-minimath"  # the name the demo registers its three splits under
+CONFIG_KEYS = ("demo", "pipeline", "quick")
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """What the demo builds before training (the `demo` section of the config)."""
+
+    model_size: str = "demo"  # a key of grpo.tiny.SIZES
+    vocab_size: int = 384
+    difficulty: int = 0  # minimath level
+    problem_steps: int = 1  # arithmetic steps per problem (minimath max_steps)
+    data_seed: int = 0  # which problems (the same for every --seed)
+    train_problems: int = 4000
+    validation_problems: int = 256  # generated after train's problems: disjoint, for tuning
+    test_problems: int = 256  # minimath's test split: disjoint from train by construction
+    threads: int = 2  # torch intra-op threads (capped at the machine's cores)
+
+    def __post_init__(self):
+        from grpo.tiny import SIZES
+
+        if self.model_size not in SIZES:
+            raise ConfigError(f"demo.model_size: one of {sorted(SIZES)}, got {self.model_size!r}")
+        for name in ("train_problems", "validation_problems", "test_problems", "threads"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"demo.{name}: must be a positive integer")
+
+
+def load_demo_config(
+    path: str | Path | None = None, quick: bool = False
+) -> tuple[DemoSettings, dict, list[str]]:
+    """Read the demo config: (settings, pipeline mapping, pipeline overrides).
+
+    With `quick`, the `quick` section's `demo` values replace the settings and its
+    `overrides` (``sft.train.max_steps=4`` ...) are returned for `load_pipeline_config`.
+    """
+    p = Path(path) if path is not None else DEFAULT_CONFIG
+    if not p.is_file():
+        raise ConfigError(f"demo config {str(p)!r} does not exist")
+    data = yaml.safe_load(p.read_text()) or {}
+    unknown = sorted(set(data) - set(CONFIG_KEYS)) if isinstance(data, dict) else ["<top>"]
+    if unknown:
+        raise ConfigError(f"{p}: unknown key {unknown[0]!r}; valid keys: {', '.join(CONFIG_KEYS)}")
+    values = _checked(data.get("demo") or {}, "demo")
+    overrides: list[str] = []
+    if quick:
+        q = data.get("quick") or {}
+        values.update(_checked(q.get("demo") or {}, "quick.demo"))
+        overrides = [str(o) for o in q.get("overrides") or []]
+    return DemoSettings(**values), dict(data.get("pipeline") or {}), overrides
+
+
+def _checked(values: dict, where: str) -> dict:
+    names = {f.name for f in fields(DemoSettings)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; valid keys: {sorted(names)}")
+    return dict(values)
+
+
+def register_demo_data(s: DemoSettings) -> dict[str, int]:
+    """Register the demo's mini-math splits as dataset `DATASET`: train, validation, test.
+
+    Validation is the `validation_problems` problems that train's generator makes after its
+    first `train_problems` (so the two never share a question); test is minimath's test split.
+    """
+    from datasets import DatasetDict
+
+    from grpo.data import minimath, register_dataset
+
+    kw = {"difficulty": s.difficulty, "max_steps": s.problem_steps}
+    pool = minimath(s.train_problems + s.validation_problems, s.data_seed, "train", **kw)
+    splits = DatasetDict(
+        train=pool.select(range(s.train_problems)),
+        validation=pool.select(range(s.train_problems, len(pool))),
+        test=minimath(s.test_problems, s.data_seed, "test", **kw),
+    )
+    register_dataset(DATASET, splits, overwrite=True)
+    return {name: len(ds) for name, ds in splits.items()}
+
+
+def _pipeline_file(out: Path, pipeline: dict, model_dir: Path, seed: int) -> Path:
+    """Write the demo's pipeline config, with its run paths, seed and dataset, to out/."""
+    data = json.loads(json.dumps(pipeline))
+    base = data.setdefault("base", {})
+    base.setdefault("model", {})["path"] = str(model_dir)
+    base.setdefault("train", {})["seed"] = seed
+    base.setdefault("data", {})["dataset"] = DATASET
+    data["output_dir"] = str(out)
+    path = out / "pipeline.yaml"
+    header = (
+        "# The pipeline `grpo demo` ran (written by the demo; its dataset exists in the demo's\n"
+        "# process only, so rerun it with `grpo demo`, not `grpo pipeline`).\n"
+    )
+    path.write_text(header + yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _combined_metrics(out: Path, sft_steps: int, grpo_steps: int, evals: dict) -> Path:
+    """out/metrics.jsonl: SFT's and GRPO's records tagged with their stage, plus the held-out
+    evaluations as `test/*` points (after SFT = GRPO step 0, after GRPO = its last step)."""
+    from grpo.metrics import read_metrics
+
+    def test_point(stage: str, step: int, summary: dict) -> dict:
+        point = {"stage": stage, "step": step, "test/accuracy": summary["accuracy"]}
+        point.update({f"test/{k}": v for k, v in summary.items() if k.startswith("pass@")})
+        return point
+
+    records = [{"stage": "sft", **r} for r in read_metrics(out / "sft" / "metrics.jsonl")]
+    records.append(test_point("sft", sft_steps, evals["sft"]))
+    records.append(test_point("grpo", 0, evals["sft"]))
+    records += [{"stage": "grpo", **r} for r in read_metrics(out / "grpo" / "metrics.jsonl")]
+    records.append(test_point("grpo", grpo_steps, evals["grpo"]))
+    path = out / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _fmt_s(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def summary_table(results: dict) -> str:
+    """The closing Markdown table: held-out accuracy after SFT and after GRPO, and times."""
+    k = results["eval"]["k"]
+    head = f"| model | greedy accuracy | pass@{k} | mean@{k} | format | length | train time |"
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    for name in ("sft", "grpo"):
+        e = results[name]["eval"]
+        lines.append(
+            f"| {name.upper()} | {e['accuracy']:.3f} | {e.get(f'pass@{k}', 0.0):.3f} | "
+            f"{e.get(f'mean@{k}', 0.0):.3f} | {e['format_rate']:.3f} | {e['avg_length']:.1f} | "
+            f"{_fmt_s(results['time_s'][name])} |"
+        )
+    delta = 100 * results["accuracy_gain"]
+    n = results["eval"]["n"]
+    lines.append("")
+    lines.append(
+        f"GRPO - SFT: {delta:+.1f} points of greedy accuracy on {n} held-out problems; "
+        f"total time {_fmt_s(results['time_s']['total'])}"
+    )
+    return "\n".join(lines)
+
+
+def _clean(out: Path) -> None:
+    """Remove what an earlier demo wrote to `out` (and nothing else)."""
+    for name in ("model", "sft", "grpo"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    for name in ("pipeline.yaml", "metrics.jsonl", "results.json", "curves.png"):
+        (out / name).unlink(missing_ok=True)
+
+
+def run_demo(
+    out: str | Path = "runs/demo",
+    quick: bool = False,
+    seed: int = 0,
+    config: str | Path | None = None,
+) -> dict:
+    """Run the demo into `out` and return what it writes to out/results.json.
+
+    Args:
+        out: the run directory (model/, sft/, grpo/, results.json, metrics.jsonl, curves.png).
+        quick: the smoke-test sizes of the config's `quick` section (CI).
+        seed: model init, data order and sampling seed (the problems stay the same).
+        config: the demo config (default configs/demo_cpu.yaml).
+
+    Returns:
+        the results: per stage the held-out evaluation and training summary, the accuracy
+        gain of GRPO over SFT, times in seconds, settings and paths.
+    """
+    import torch
+
+    from grpo.models import load_model
+    from grpo.pipeline import (
+        evaluate_config,
+        grpo_config_from_sft,
+        load_pipeline_config,
+        trained_model,
+    )
+    from grpo.plot import plot_run
+    from grpo.tiny import make_tiny_model
+    from grpo.train.grpo import train_grpo
+    from grpo.train.sft import train_sft
+
+    settings, pipeline, overrides = load_demo_config(config, quick)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    _clean(out)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(settings.threads, os.cpu_count() or 1)))
+    times: dict[str, float] = {}
+    t_start = time.perf_counter()
+
+    def stage(name: str, title: str):
+        print(f"\n== {title}", flush=True)
+        return name, time.perf_counter()
+
+    def done(mark) -> None:
+        name, t0 = mark
+        times[name] = time.perf_counter() - t0
+
+    try:
+        mark = stage("setup", "1/5 tokenizer and model")
+        model_dir = make_tiny_model(
+            out / "model",
+            size=settings.model_size,
+            vocab_size=settings.vocab_size,
+            seed=seed,
+            difficulty=settings.difficulty,
+        )
+        sizes = register_demo_data(settings)
+        pcfg = load_pipeline_config(_pipeline_file(out, pipeline, model_dir, seed), overrides)
+        sft_cfg = pcfg.sft
+        n_params = sum(p.numel() for p in load_model(model_dir, device="cpu").parameters())
+        print(
+            f"model: {settings.model_size} ({n_params / 1e6:.2f}M parameters) in {model_dir}; "
+            f"problems: {sizes}",
+            flush=True,
+        )
+        done(mark)
+
+        mark = stage("sft", "2/5 SFT on worked solutions")
+        sft_summary = train_sft(sft_cfg)
+        done(mark)
+
+        mark = stage("eval_sft", "3/5 evaluate the SFT model on the held-out problems")
+        sft_model = trained_model(sft_cfg, sft_summary["final"])
+        sft_eval = evaluate_config(sft_cfg, sft_model, details=True)
+        _print_eval("SFT", sft_eval, sft_cfg.eval.k)
+        done(mark)
+
+        mark = stage("grpo", "4/5 GRPO from the SFT model")
+        grpo_cfg = grpo_config_from_sft(pcfg.grpo, sft_cfg, sft_summary["final"])
+        grpo_summary = train_grpo(grpo_cfg)
+        done(mark)
+
+        mark = stage("eval_grpo", "5/5 evaluate the GRPO model on the same problems")
+        grpo_eval = evaluate_config(grpo_cfg, trained_model(grpo_cfg, grpo_summary["final"]), True)
+        _print_eval("GRPO", grpo_eval, grpo_cfg.eval.k)
+        done(mark)
+    finally:
+        torch.set_num_threads(threads_before)
+    times["total"] = time.perf_counter() - t_start
+
+    sft_samples = sft_eval.pop("samples")
+    grpo_samples = grpo_eval.pop("samples")
+    evals = {"sft": sft_eval, "grpo": grpo_eval}
+    metrics = _combined_metrics(out, sft_summary["step"], grpo_summary["step"], evals)
+    curves = plot_run(out)
+    results: dict[str, Any] = {
+        "quick": quick,
+        "seed": seed,
+        "settings": asdict(settings),
+        "problems": sizes,
+        "eval": {
+            "split": sft_cfg.data.eval_split,
+            "n": sft_eval["n"],
+            "k": sft_cfg.eval.k,
+            "temperature": sft_cfg.eval.temperature,
+            "max_new_tokens": sft_cfg.eval.max_new_tokens or sft_cfg.rollout.max_new_tokens,
+            "decoding": "greedy for accuracy; k samples at the temperature for pass@k, mean@k",
+        },
+        "sft": {
+            "eval": evals["sft"],
+            "steps": sft_summary["step"],
+            "train_loss_first": _first(out / "sft" / "metrics.jsonl", "train/loss"),
+            "train_loss_last": sft_summary.get("train/loss"),
+        },
+        "grpo": {
+            "eval": evals["grpo"],
+            "steps": grpo_summary["step"],
+            "reward_last": grpo_summary.get("rollout/reward_mean"),
+        },
+        "accuracy_gain": grpo_eval["accuracy"] - sft_eval["accuracy"],
+        "examples": _examples(sft_samples, grpo_samples),
+        "time_s": {k: round(v, 2) for k, v in times.items()},
+        "threads": max(1, min(settings.threads, os.cpu_count() or 1)),
+        "paths": {
+            "model": str(model_dir),
+            "sft": str(sft_summary["final"]),
+            "grpo": str(grpo_summary["final"]),
+            "metrics": str(metrics),
+            "curves": str(curves),
+        },
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    print("\n" + summary_table(results))
+    print(f"results.json, metrics.jsonl and curves.png are in {out}", flush=True)
+    return results
+
+
+def _first(path: Path, key: str) -> float | None:
+    from grpo.metrics import read_metrics
+
+    for r in read_metrics(path):
+        if key in r:
+            return r[key]
+    return None
+
+
+def _print_eval(name: str, summary: dict, k: int) -> None:
+    extra = f", pass@{k} {summary[f'pass@{k}']:.3f}" if f"pass@{k}" in summary else ""
+    print(
+        f"{name}: greedy accuracy {summary['accuracy']:.3f} on {summary['n']} held-out problems"
+        f"{extra}, format {summary['format_rate']:.3f}",
+        flush=True,
+    )
+
+
+def _examples(sft: list[dict], grpo: list[dict], n: int = 3) -> list[dict]:
+    """A few held-out problems that SFT got wrong and GRPO right (else any), side by side."""
+    pairs = list(zip(sft, grpo))
+    fixed = [p for p in pairs if p[1]["correct"] and not p[0]["correct"]]
+    chosen = (fixed or pairs)[:n]
+    return [
+        {
+            "question": a["question"],
+            "ground_truth": a.get("ground_truth"),
+            "sft": a["completion"],
+            "grpo": b["completion"],
+        }
+        for a, b in chosen
+    ]
