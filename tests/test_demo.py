@@ -1,0 +1,107 @@
+"""`grpo demo --quick` end to end (every stage, tiny sizes) and `grpo plot` on hand-written
+metrics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from grpo.cli import main
+from grpo.config import ConfigError
+from grpo.demo import DEFAULT_CONFIG, load_demo_config
+from grpo.errors import GrpoError
+from grpo.plot import plot_run
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _is_png(path) -> bool:
+    return path.is_file() and path.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_demo_quick_writes_every_output(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--quick", "--seed", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "| SFT |" in printed and "| GRPO |" in printed and "GRPO - SFT" in printed
+
+    results = json.loads((out / "results.json").read_text())
+    assert results["quick"] is True and results["seed"] == 1
+    for stage in ("sft", "grpo"):
+        e = results[stage]["eval"]
+        assert e["n"] == results["eval"]["n"] == 8  # the same held-out problems
+        assert 0.0 <= e["accuracy"] <= 1.0 and "pass@2" in e and "format_rate" in e
+    assert results["accuracy_gain"] == pytest.approx(
+        results["grpo"]["eval"]["accuracy"] - results["sft"]["eval"]["accuracy"]
+    )
+    assert results["sft"]["train_loss_last"] < results["sft"]["train_loss_first"]
+    assert set(results["time_s"]) == {"setup", "sft", "eval_sft", "grpo", "eval_grpo", "total"}
+    assert (out / "model" / "tokenizer.json").is_file()
+    assert (out / "model" / "model.safetensors").is_file()
+    assert (out / "sft" / "final" / "model.safetensors").is_file()
+    assert (out / "grpo" / "final" / "model.safetensors").is_file()
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    stages = {r["stage"] for r in records}
+    assert stages == {"sft", "grpo"}
+    assert any("train/loss" in r for r in records if r["stage"] == "sft")
+    grpo = [r for r in records if r["stage"] == "grpo"]
+    assert any("rollout/reward_mean" in r and "train/kl" in r for r in grpo)
+    assert [r["step"] for r in grpo if "test/accuracy" in r] == [0, results["grpo"]["steps"]]
+    assert _is_png(out / "curves.png")
+
+
+def test_plot_run_with_only_sft_metrics(tmp_path):
+    rows = [{"step": s, "train/loss": 3.0 / s, "train/lr": 1e-3} for s in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["plot", str(tmp_path)]) == 0
+    assert _is_png(tmp_path / "curves.png")
+
+
+def test_plot_run_stages_long_series_and_torn_line(tmp_path):
+    rows = [{"stage": "sft", "step": s, "train/loss": 1.0 / s} for s in range(1, 4)]
+    rows += [
+        {
+            "stage": "grpo",
+            "step": s,
+            "rollout/reward_mean": s / 50,
+            "rollout/accuracy": s / 50,
+            "train/kl": 0.001 * s,
+            "rollout/completion_len_mean": 20.0,
+            "eval/errors": {"format": 1},  # not a number: ignored
+        }
+        for s in range(1, 41)
+    ]
+    rows.append({"stage": "grpo", "step": 40, "test/accuracy": 0.5, "test/pass@8": 0.7})
+    text = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 41, "train/lo'
+    (tmp_path / "metrics.jsonl").write_text(text)
+    png = plot_run(tmp_path / "metrics.jsonl", out=tmp_path / "plots" / "c.png")
+    assert png == tmp_path / "plots" / "c.png" and _is_png(png)
+
+
+def test_plot_run_errors_name_the_problem(tmp_path):
+    with pytest.raises(GrpoError, match="no metrics.jsonl"):
+        plot_run(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "note": "text"}) + "\n")
+    with pytest.raises(GrpoError, match="no metrics to plot"):
+        plot_run(tmp_path)
+
+
+def test_demo_config_is_valid_and_strict(tmp_path):
+    from grpo.pipeline import load_pipeline_config
+
+    for quick in (False, True):
+        settings, pipeline, overrides = load_demo_config(DEFAULT_CONFIG, quick=quick)
+        pipeline = {**pipeline, "output_dir": str(tmp_path)}
+        pipeline["base"] = {**pipeline["base"], "model": {"path": "x", "device": "cpu"}}
+        path = tmp_path / "p.yaml"
+        path.write_text(json.dumps(pipeline))  # JSON is YAML
+        pcfg = load_pipeline_config(path, overrides)
+        assert pcfg.sft.eval == pcfg.grpo.eval  # both evaluations decode the same way
+        assert pcfg.sft.data.eval_split == pcfg.grpo.data.eval_split == "test"
+    assert load_demo_config(DEFAULT_CONFIG, quick=True)[0].model_size == "ci"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("demo: {model_sise: demo}\npipeline: {}\n")
+    with pytest.raises(ConfigError, match="model_sise"):
+        load_demo_config(bad)
