@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import shutil
 import time
 from dataclasses import asdict, dataclass, fields
@@ -22,8 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from datasets import Dataset, DatasetDict
 
 from grpo.config import ConfigError
+from grpo.data import register_dataset
+from grpo.data.minimath import MAX_STEPS, Level, generate_problem, is_test_question
+from grpo.errors import GrpoError
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +43,15 @@ class DemoSettings:
 
     model_size: str = "demo"  # a key of grpo.tiny.SIZES
     vocab_size: int = 384
-    difficulty: int = 0  # minimath level
-    problem_steps: int = 1  # arithmetic steps per problem (minimath max_steps)
+    # The mini-math problems (a `grpo.data.minimath.Level`): steps per problem, the first
+    # quantity in [1, start_max], +/- operands in [1, add_max], */÷ operands in
+    # [2, factor_max], every value <= value_max.
+    min_steps: int = 1
+    max_steps: int = 1
+    start_max: int = 10
+    add_max: int = 10
+    factor_max: int = 5
+    value_max: int = 50
     data_seed: int = 0  # which problems (the same for every --seed)
     train_problems: int = 4000
     validation_problems: int = 256  # generated after train's problems: disjoint, for tuning
@@ -51,9 +63,21 @@ class DemoSettings:
 
         if self.model_size not in SIZES:
             raise ConfigError(f"demo.model_size: one of {sorted(SIZES)}, got {self.model_size!r}")
-        for name in ("train_problems", "validation_problems", "test_problems", "threads"):
+        positive = ("train_problems", "validation_problems", "test_problems", "threads")
+        positive += ("min_steps", "max_steps", "start_max", "add_max", "factor_max", "value_max")
+        for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"demo.{name}: must be a positive integer")
+        if not 1 <= self.min_steps <= self.max_steps <= MAX_STEPS:
+            raise ConfigError(f"demo.min_steps/max_steps: need 1 <= min <= max <= {MAX_STEPS}")
+        if self.factor_max < 2 or self.value_max < max(self.start_max, 2):
+            raise ConfigError("demo.factor_max must be >= 2 and value_max >= start_max")
+
+    def level(self) -> Level:
+        return Level(
+            self.min_steps, self.max_steps, self.start_max, self.add_max, self.factor_max,
+            self.value_max,
+        )  # fmt: skip
 
 
 def load_demo_config(
@@ -88,22 +112,36 @@ def _checked(values: dict, where: str) -> dict:
     return dict(values)
 
 
+def demo_problems(n: int, seed: int, split: str, level: Level) -> Dataset:
+    """`n` distinct mini-math problems of `level` in the minimath format; the train and test
+    splits never share a question (the same hash rule as `grpo.data.minimath`)."""
+    rng = random.Random(f"grpo-demo|{seed}|{split}|{level}")
+    rows: list[dict] = []
+    seen: set[str] = set()
+    for _ in range(100 * n + 1000):
+        if len(rows) == n:
+            break
+        row = generate_problem(rng, level)
+        q = row["question"]
+        if q not in seen and is_test_question(q) == (split == "test"):
+            seen.add(q)
+            rows.append(row)
+    else:
+        raise GrpoError(f"demo: only {len(rows)} distinct {split} problems at {level}; ask fewer")
+    return Dataset.from_list(rows)
+
+
 def register_demo_data(s: DemoSettings) -> dict[str, int]:
     """Register the demo's mini-math splits as dataset `DATASET`: train, validation, test.
 
     Validation is the `validation_problems` problems that train's generator makes after its
-    first `train_problems` (so the two never share a question); test is minimath's test split.
+    first `train_problems` (so the two never share a question); test is the held-out split.
     """
-    from datasets import DatasetDict
-
-    from grpo.data import minimath, register_dataset
-
-    kw = {"difficulty": s.difficulty, "max_steps": s.problem_steps}
-    pool = minimath(s.train_problems + s.validation_problems, s.data_seed, "train", **kw)
+    pool = demo_problems(s.train_problems + s.validation_problems, s.data_seed, "train", s.level())
     splits = DatasetDict(
         train=pool.select(range(s.train_problems)),
         validation=pool.select(range(s.train_problems, len(pool))),
-        test=minimath(s.test_problems, s.data_seed, "test", **kw),
+        test=demo_problems(s.test_problems, s.data_seed, "test", s.level()),
     )
     register_dataset(DATASET, splits, overwrite=True)
     return {name: len(ds) for name, ds in splits.items()}
@@ -237,7 +275,6 @@ def run_demo(
             size=settings.model_size,
             vocab_size=settings.vocab_size,
             seed=seed,
-            difficulty=settings.difficulty,
         )
         sizes = register_demo_data(settings)
         pcfg = load_pipeline_config(_pipeline_file(out, pipeline, model_dir, seed), overrides)
