@@ -165,20 +165,28 @@ def _pipeline_file(out: Path, pipeline: dict, model_dir: Path, seed: int) -> Pat
 
 
 def _combined_metrics(out: Path, sft_steps: int, grpo_steps: int, evals: dict) -> Path:
-    """out/metrics.jsonl: SFT's and GRPO's records tagged with their stage, plus the held-out
-    evaluations as `test/*` points (after SFT = GRPO step 0, after GRPO = its last step)."""
+    """out/metrics.jsonl: SFT's and GRPO's records tagged with their stage, plus the demo's
+    held-out evaluations as `eval/*` points (after SFT: SFT's last step and GRPO's step 0;
+    after GRPO: its last step), so the accuracy curve runs from the SFT model to the end."""
     from grpo.metrics import read_metrics
 
-    def test_point(stage: str, step: int, summary: dict) -> dict:
-        point = {"stage": stage, "step": step, "test/accuracy": summary["accuracy"]}
-        point.update({f"test/{k}": v for k, v in summary.items() if k.startswith("pass@")})
-        return point
+    def point(stage: str, step: int, summary: dict) -> dict:
+        keep = ("accuracy", "format_rate", "avg_length")
+        values = {f"eval/{k}": summary[k] for k in keep}
+        values.update({f"eval/{k}": v for k, v in summary.items() if k.startswith("pass@")})
+        return {"stage": stage, "step": step, **values}
 
-    records = [{"stage": "sft", **r} for r in read_metrics(out / "sft" / "metrics.jsonl")]
-    records.append(test_point("sft", sft_steps, evals["sft"]))
-    records.append(test_point("grpo", 0, evals["sft"]))
-    records += [{"stage": "grpo", **r} for r in read_metrics(out / "grpo" / "metrics.jsonl")]
-    records.append(test_point("grpo", grpo_steps, evals["grpo"]))
+    def stage_records(stage: str, last: int, summary: dict) -> list[dict]:
+        rows = [{"stage": stage, **r} for r in read_metrics(out / stage / "metrics.jsonl")]
+        for r in rows:  # the trainer's own evaluation at the last step is the demo's one
+            if r.get("step") == last:
+                for k in [k for k in r if k.startswith("eval/")]:
+                    del r[k]
+        return rows + [point(stage, last, summary)]
+
+    records = stage_records("sft", sft_steps, evals["sft"])
+    records.append(point("grpo", 0, evals["sft"]))
+    records += stage_records("grpo", grpo_steps, evals["grpo"])
     path = out / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path

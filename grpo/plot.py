@@ -9,6 +9,7 @@ plots as well as a full demo.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from pathlib import Path
 
@@ -17,7 +18,8 @@ from grpo.metrics import read_metrics
 
 COLUMNS = 3  # panels per row
 SMOOTH_ABOVE = 30  # series longer than this get a moving average over the raw values
-# (title, y label, [(metric, legend label), ...]) in drawing order.
+# (title, y label, [(metric or glob, legend label), ...]) in drawing order; a glob's label
+# gets the matched name's last part in its {}.
 PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Loss", "loss", [("train/loss", "train loss")]),
     (
@@ -34,16 +36,15 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         "fraction correct",
         [
             ("rollout/accuracy", "rollouts (sampled)"),
-            ("eval/accuracy", "validation (greedy)"),
-            ("test/accuracy", "held-out test (greedy)"),
-            ("test/pass@k", "held-out test pass@k"),
+            ("eval/accuracy", "held-out (greedy)"),
+            ("eval/pass@*", "held-out {}"),
         ],
     ),
     ("KL to reference", "KL (nats / token)", [("train/kl", "KL")]),
     (
         "Completion length",
         "tokens",
-        [("rollout/completion_len_mean", "rollouts (mean)"), ("eval/avg_length", "validation")],
+        [("rollout/completion_len_mean", "rollouts (mean)"), ("eval/avg_length", "held-out")],
     ),
     ("Entropy", "nats / token", [("train/entropy", "policy entropy")]),
 ]
@@ -61,6 +62,13 @@ def _draw(ax, xs: list[float], ys: list[float], label: str) -> None:
     ]
     (line,) = ax.plot(xs, ys, "-", alpha=0.25, linewidth=1.0)
     ax.plot(xs, smooth, "-", color=line.get_color(), linewidth=1.8, label=f"{label} (avg of {w})")
+
+
+def _matching(rows: list[dict], pattern: str) -> list[str]:
+    """The metric names of `rows` that match `pattern` (a name, or a glob like eval/pass@*)."""
+    if "*" not in pattern:
+        return [pattern]
+    return sorted({k for r in rows for k in r if fnmatch.fnmatchcase(k, pattern)})
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
@@ -102,7 +110,11 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     for stage, srows in stages.items():
         panels = []
         for title, ylabel, keys in PANELS:
-            lines = [(label, *_series(srows, key)) for key, label in keys]
+            lines = [
+                (label.format(k.split("/")[-1]), *_series(srows, k))
+                for pattern, label in keys
+                for k in _matching(srows, pattern)
+            ]
             lines = [line for line in lines if line[1]]
             if lines:
                 panels.append((title, ylabel, lines))

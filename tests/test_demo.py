@@ -48,7 +48,9 @@ def test_demo_quick_writes_every_output(tmp_path, capsys):
     assert any("train/loss" in r for r in records if r["stage"] == "sft")
     grpo = [r for r in records if r["stage"] == "grpo"]
     assert any("rollout/reward_mean" in r and "train/kl" in r for r in grpo)
-    assert [r["step"] for r in grpo if "test/accuracy" in r] == [0, results["grpo"]["steps"]]
+    held_out = [r for r in grpo if "eval/accuracy" in r]
+    assert [r["step"] for r in held_out] == [0, results["grpo"]["steps"]]
+    assert held_out[-1]["eval/accuracy"] == results["grpo"]["eval"]["accuracy"]
     assert _is_png(out / "curves.png")
 
 
@@ -73,7 +75,7 @@ def test_plot_run_stages_long_series_and_torn_line(tmp_path):
         }
         for s in range(1, 41)
     ]
-    rows.append({"stage": "grpo", "step": 40, "test/accuracy": 0.5, "test/pass@8": 0.7})
+    rows.append({"stage": "grpo", "step": 40, "eval/accuracy": 0.5, "eval/pass@8": 0.7})
     text = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 41, "train/lo'
     (tmp_path / "metrics.jsonl").write_text(text)
     png = plot_run(tmp_path / "metrics.jsonl", out=tmp_path / "plots" / "c.png")

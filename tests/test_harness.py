@@ -60,7 +60,7 @@ def test_measure_interleaved_round_robin_with_rotation():
     )
     assert order == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-up, then rotated repeats
     assert set(timings) == {"a", "b"} and len(timings["a"].times_ms) == 3
-    assert timings["a"].median_ms < timings["b"].median_ms
+    assert min(timings["a"].times_ms) >= 2.0 and min(timings["b"].times_ms) >= 6.0
 
 
 def test_markdown_table_formats_values():

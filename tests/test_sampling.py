@@ -143,13 +143,15 @@ def test_temperature_sharpens():
     assert math.isclose(logprobs[tokens == 0][0].item(), math.log(p0), abs_tol=1e-6)
 
 
-@pytest.mark.parametrize("V", [4, 300])  # below one block; not a multiple of the block width
-def test_sample_categorical_frequencies(V):
+# one-level CDF (small_vocab >= V) and two-level (small_vocab=0), V a multiple of the block
+# width (128) or not
+@pytest.mark.parametrize("V,small_vocab", [(4, 4096), (300, 4096), (4, 0), (300, 0), (256, 0)])
+def test_sample_categorical_frequencies(V, small_vocab):
     g = torch.Generator().manual_seed(0)
     probs = torch.rand(1, V, generator=g) ** 4  # uneven, unnormalized
     probs[0, ::3] = 0.0  # some impossible tokens, including index 0
     n = 40000
-    tokens = sample_categorical(probs.expand(n, V), torch.Generator().manual_seed(1))
+    tokens = sample_categorical(probs.expand(n, V), torch.Generator().manual_seed(1), small_vocab)
     freq = torch.bincount(tokens, minlength=V).double() / n
     want = (probs[0] / probs[0].sum()).double()
     assert freq[probs[0] == 0].sum() == 0
@@ -157,7 +159,8 @@ def test_sample_categorical_frequencies(V):
     assert ((freq - want).abs() <= 5 * (want * (1 - want) / n).sqrt() + 1e-4).all()
 
 
-def test_sample_categorical_never_picks_zero_mass_at_the_edges():
+@pytest.mark.parametrize("small_vocab", [4096, 0])  # one-level and two-level CDF
+def test_sample_categorical_never_picks_zero_mass_at_the_edges(small_vocab):
     g = torch.Generator().manual_seed(0)
     V = 256
     probs = torch.zeros(6, V)
@@ -168,7 +171,7 @@ def test_sample_categorical_never_picks_zero_mass_at_the_edges():
     probs[4, 200] = 1e-38  # a single denormal-sized token
     probs[5] = torch.rand(V, generator=g)
     probs[5, -10:] = 0.0
-    tokens = sample_categorical(probs.repeat(500, 1), g).view(500, 6)
+    tokens = sample_categorical(probs.repeat(500, 1), g, small_vocab).view(500, 6)
     assert (tokens[:, 0] == 0).all() and (tokens[:, 1] == V - 1).all()
     assert set(tokens[:, 2].tolist()) == {127, 128}
     assert (tokens[:, 3] < 5).all() and (tokens[:, 4] == 200).all()

@@ -1,7 +1,7 @@
 """Pure logits processing for sampling: temperature, top-k, top-p, min-p, and the draw.
 
-Every function takes and returns (B, V) tensors and has no state; randomness comes only from
-the explicit `torch.Generator` passed to `next_tokens`. The filters follow `transformers`'
+Every function takes (B, V) tensors and has no state; randomness comes only from the explicit
+`torch.Generator` passed to `next_tokens` / `sample_categorical`. The filters follow `transformers`'
 `TopKLogitsWarper`, `TopPLogitsWarper` and `MinPLogitsWarper` (keeping at least one token),
 applied in the same order: temperature, top-k, top-p, min-p.
 """
@@ -14,6 +14,7 @@ import torch.nn.functional as F
 # Inverse-CDF block width: the CDF over V is taken in two levels (block sums, then one block)
 # so that float64 accumulation costs O(V / BLOCK + BLOCK) per row instead of O(V).
 BLOCK = 128
+SMALL_VOCAB = 4096  # up to this V, one float64 CDF over the row
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -111,7 +112,9 @@ def process_logits(
     return apply_min_p(logits, min_p)
 
 
-def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def sample_categorical(
+    probs: torch.Tensor, generator: torch.Generator | None, small_vocab: int = SMALL_VOCAB
+) -> torch.Tensor:
     """One draw per row from unnormalized probabilities, by inverse CDF in two levels.
 
     `torch.multinomial` draws one exponential variate per vocab entry (B*V of them, ~300 ms
@@ -119,24 +122,30 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None) -
     cumulative sum over V would swallow tail tokens smaller than its rounding step, so the
     CDF is taken in two levels: each block of 128 tokens is summed on its own (float32, no
     long accumulation), a block is picked on the float64 CDF of the block masses, then a token
-    inside it on the block's float64 CDF. A zero-probability token is never returned (when
-    rounding lands past the end, the last token with positive probability is taken).
+    inside it on the block's float64 CDF; up to V = small_vocab, one float64 CDF over the row.
+    A zero-probability token is never returned (when rounding lands past the end, the last
+    token with positive probability is taken).
 
     Args:
         probs: (B, V) non-negative, each row with a positive sum.
         generator: the explicit source of randomness.
+        small_vocab: largest V sampled with a one-level CDF.
 
     Returns:
         (B,) long token ids.
     """
     B, V = probs.shape
+    u = torch.rand(B, 1, generator=generator, dtype=torch.float64, device=probs.device)
+    if V <= small_vocab:  # one level: a float64 CDF over a short row is cheap
+        cdf = probs.double().cumsum(-1)  # (B, V)
+        j = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+        return torch.minimum(j, torch.searchsorted(cdf, cdf[:, -1:].contiguous()))[:, 0]
     nb = -(-V // BLOCK)
     if nb * BLOCK != V:
         probs = F.pad(probs, (0, nb * BLOCK - V))  # zero mass: never picked
     blocks = probs.view(B, nb, BLOCK)
     mass = blocks.sum(-1).double()  # (B, nb); a float32 sum of 128 terms, then float64
     cdf = mass.cumsum(-1)  # (B, nb)
-    u = torch.rand(B, 1, generator=generator, dtype=torch.float64, device=probs.device)
     u = u * cdf[:, -1:]  # (B, 1) uniform in [0, total)
     # first block whose CDF exceeds u; capped at the last block with mass (first to reach total)
     blk = torch.searchsorted(cdf, u, right=True)
