@@ -85,3 +85,14 @@ def tiny_checkpoints(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def shared_tiny_model(tmp_path_factory):
+    """One tiny random-init Qwen3 checkpoint (grpo.tiny size "ci") for the whole session."""
+    from grpo.tiny import make_tiny_model
+
+    path = tmp_path_factory.getbasetemp() / "shared_tiny_model_ci"
+    if not (path / "generation_config.json").is_file():  # written last
+        make_tiny_model(path, size="ci")
+    return path

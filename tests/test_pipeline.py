@@ -26,17 +26,6 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 
 
-@pytest.fixture(scope="session")
-def shared_tiny_model(tmp_path_factory):
-    """One tiny random-init Qwen3 for the whole session (the test modules share the dir)."""
-    from grpo.tiny import make_tiny_model
-
-    path = tmp_path_factory.getbasetemp() / "shared_tiny_model_ci"
-    if not (path / "generation_config.json").is_file():  # written last
-        make_tiny_model(path, size="ci")
-    return path
-
-
 def cli(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="grpo")
     add_parser(parser.add_subparsers(dest="command"))

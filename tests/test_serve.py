@@ -14,17 +14,6 @@ import pytest
 from grpo.serve import RequestError, add_parser, parse_request
 
 
-@pytest.fixture(scope="session")
-def shared_tiny_model(tmp_path_factory):
-    """One tiny random-init Qwen3 for the whole session (the test modules share the dir)."""
-    from grpo.tiny import make_tiny_model
-
-    path = tmp_path_factory.getbasetemp() / "shared_tiny_model_ci"
-    if not (path / "generation_config.json").is_file():  # written last
-        make_tiny_model(path, size="ci")
-    return path
-
-
 @pytest.fixture(scope="module")
 def server(shared_tiny_model):
     """`grpo serve --model TINY --port 0 --max-queue 1` in a thread; yields the server."""

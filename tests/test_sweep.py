@@ -17,17 +17,6 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny_ci.yaml")
 
 
-@pytest.fixture(scope="session")
-def shared_tiny_model(tmp_path_factory):
-    """One tiny random-init Qwen3 for the whole session (the test modules share the dir)."""
-    from grpo.tiny import make_tiny_model
-
-    path = tmp_path_factory.getbasetemp() / "shared_tiny_model_ci"
-    if not (path / "generation_config.json").is_file():  # written last
-        make_tiny_model(path, size="ci")
-    return path
-
-
 def tiny_overrides(model: Path) -> list[str]:
     return [f"model.path={model}", "train.max_steps=1", "train.save_every=0",
             "train.progress=false", "data.max_samples=8", "data.eval_samples=2",

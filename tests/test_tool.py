@@ -14,17 +14,6 @@ from datasets import Dataset
 from grpo.tool import RLTrainingTool
 
 
-@pytest.fixture(scope="session")
-def shared_tiny_model(tmp_path_factory):
-    """One tiny random-init Qwen3 for the whole session (the test modules share the dir)."""
-    from grpo.tiny import make_tiny_model
-
-    path = tmp_path_factory.getbasetemp() / "shared_tiny_model_ci"
-    if not (path / "generation_config.json").is_file():  # written last
-        make_tiny_model(path, size="ci")
-    return path
-
-
 @pytest.fixture(scope="module")
 def tool(shared_tiny_model):
     # the tutorial's defaults are Qwen3-0.6B on GSM8K from the hub; offline: tiny + minimath

@@ -10,7 +10,6 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -19,16 +18,14 @@ from tqdm.auto import tqdm
 from grpo.algo.advantages import group_advantages, zero_std_groups
 from grpo.algo.logprobs import CompletionLogprobs
 from grpo.algo.losses import loss_normalizer, policy_loss
-from grpo.config import Config, config_to_dict
+from grpo.config import Config
 from grpo.distributed import (
     SINGLE,
     all_gather_cat,
     all_reduce_max,
     all_reduce_mean_dict,
     all_reduce_sum,
-    barrier,
     device_for,
-    gather_objects,
     init_distributed,
     no_sync,
     teardown,
@@ -36,25 +33,18 @@ from grpo.distributed import (
 )
 from grpo.errors import GrpoError
 from grpo.lora import disabled_lora
-from grpo.metrics import MetricLogger
 from grpo.rewards import build_rewards, compute_rewards
 from grpo.rollout import Rollout, Sampler
 from grpo.train.common import (
     build_policy,
     due,
     load_rows,
-    prepare_run_dir,
     resolve_device,
-    save_final,
     seed_everything,
 )
-from grpo.train.optim import build_optimizer, build_scheduler
+from grpo.train.loop import resume_checkpoint, start_run
 from grpo.train.state import (
     TrainState,
-    latest_checkpoint,
-    load_checkpoint,
-    rng_state,
-    save_checkpoint,
 )
 
 log = logging.getLogger(__name__)
@@ -383,10 +373,7 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
 
     device = device_for(dist, resolve_device(cfg.model.device))
     seed_everything(cfg.train.seed)
-    out_dir = Path(cfg.train.output_dir)
-    ckpt = latest_checkpoint(out_dir) if resume else None
-    if resume and ckpt is None:
-        raise GrpoError(f"--resume: no checkpoint in {out_dir / 'checkpoints'}")
+    ckpt = resume_checkpoint(cfg, resume)
     policy = build_policy(cfg, device, need_ref=cfg.loss.beta > 0)
     rows = load_rows(cfg, cfg.data.split, cfg.data.max_samples, "rl", policy.tokenizer)
     eval_rows = None
@@ -396,22 +383,12 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
     reward_fns = build_rewards(
         [{"name": r.name, "weight": r.weight, **r.kwargs} for r in cfg.rewards]
     )
-    params = policy.trainable_parameters()
-    optimizer = build_optimizer(params, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.train.max_steps * cfg.loss.num_iterations, cfg.optim)
-    state = TrainState()
-    if ckpt is not None:
-        state = load_checkpoint(ckpt, policy.model, optimizer, scheduler, rank=dist.rank)
-        log.info("resumed from %s (step %d)", ckpt, state.step)
     # Only now, with model, data and rewards checked, does the run directory get written.
-    prepare_run_dir(cfg, resume, rank0=dist.is_main)
+    run = start_run(cfg, policy, dist, cfg.train.max_steps * cfg.loss.num_iterations, ckpt, resume)
+    state, optimizer, scheduler, params = run.state, run.optimizer, run.scheduler, run.params
     policy.model.eval()
     sampler = Sampler(policy.model, compile=cfg.rollout.compile)
     scorer = wrap_ddp(CompletionLogprobs(policy.model), dist, device)
-    logger = MetricLogger(
-        out_dir, dist.is_main, cfg.log.tensorboard, cfg.log.wandb, cfg.log.wandb_project,
-        config_to_dict(cfg), resume_step=state.step if resume else None,
-    )  # fmt: skip
     G = cfg.rollout.group_size
     bad_steps = 0  # consecutive updates skipped as non-finite
 
@@ -453,7 +430,7 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
         if eval_rows and due(state.step, cfg.train.eval_every, last):
             metrics.update(run_eval())
         if state.step % cfg.train.log_every == 0 or last:
-            logger.log(state.step, metrics)
+            run.logger.log(state.step, metrics)
         if dist.is_main and cfg.train.sample_every and state.step % cfg.train.sample_every == 0:
             tqdm.write(f"[sample] reward {float(batch.rewards[0]):.2f}: {batch.texts[0]!r}")
         if bad_steps >= cfg.train.max_nonfinite_steps:
@@ -462,17 +439,7 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
                 f"{state.step}); stopped. Lower optim.lr or check the rewards; resume from the "
                 "last checkpoint with --resume"
             )
-        if due(state.step, cfg.train.save_every, last):
-            rngs = gather_objects(rng_state(), dist)
-            if dist.is_main:
-                save_checkpoint(
-                    out_dir, state, policy.model, optimizer, scheduler, config_to_dict(cfg),
-                    cfg.train.keep_last, rng_states=rngs,
-                )  # fmt: skip
-        barrier(dist)  # nobody runs ahead of a checkpoint or an evaluation
+        run.end_step(policy, dist, last)
         bar.update(1)
     bar.close()
-    logger.close()
-    final = save_final(policy, out_dir, cfg) if dist.is_main else out_dir / "final"
-    barrier(dist)
-    return {"output_dir": str(out_dir), "final": str(final), "step": state.step, **metrics}
+    return run.finish(policy, dist, metrics)

@@ -10,44 +10,31 @@ from __future__ import annotations
 import logging
 import math
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from grpo.algo.logprobs import CompletionLogprobs
-from grpo.config import Config, config_to_dict
+from grpo.config import Config
 from grpo.distributed import (
     all_reduce_sum,
-    barrier,
     device_for,
-    gather_objects,
     init_distributed,
     no_sync,
     teardown,
     wrap_ddp,
 )
 from grpo.errors import GrpoError
-from grpo.metrics import MetricLogger
 from grpo.train.common import (
     build_policy,
     due,
     load_rows,
-    prepare_run_dir,
     resolve_device,
-    save_final,
     seed_everything,
 )
 from grpo.train.grpo import micro_batches, next_prompts, peak_mem_mib
-from grpo.train.optim import build_optimizer, build_scheduler
-from grpo.train.state import (
-    TrainState,
-    latest_checkpoint,
-    load_checkpoint,
-    rng_state,
-    save_checkpoint,
-)
+from grpo.train.loop import resume_checkpoint, start_run
 
 log = logging.getLogger(__name__)
 
@@ -155,10 +142,7 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
 
     device = device_for(dist, resolve_device(cfg.model.device))
     seed_everything(cfg.train.seed)
-    out_dir = Path(cfg.train.output_dir)
-    ckpt = latest_checkpoint(out_dir) if resume else None
-    if resume and ckpt is None:
-        raise GrpoError(f"--resume: no checkpoint in {out_dir / 'checkpoints'}")
+    ckpt = resume_checkpoint(cfg, resume)
     policy = build_policy(cfg, device, need_ref=False)
     tok = policy.tokenizer
     rows = load_rows(cfg, cfg.data.split, cfg.data.max_samples, "sft", tok)
@@ -166,19 +150,10 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
     eval_rows = None
     if cfg.data.eval_samples and dist.is_main:
         eval_rows = load_rows(cfg, cfg.data.eval_split, cfg.data.eval_samples, "rl", tok)
-    params = policy.trainable_parameters()
-    optimizer = build_optimizer(params, cfg.optim)
     steps = total_sft_steps(cfg, len(rows) // dist.world_size)
-    scheduler = build_scheduler(optimizer, steps, cfg.optim)
-    state = TrainState()
-    if ckpt is not None:
-        state = load_checkpoint(ckpt, policy.model, optimizer, scheduler, rank=dist.rank)
-    prepare_run_dir(cfg, resume, rank0=dist.is_main)  # inputs checked: now write outputs
+    run = start_run(cfg, policy, dist, steps, ckpt, resume)  # inputs checked: now write outputs
+    state, optimizer, scheduler, params = run.state, run.optimizer, run.scheduler, run.params
     scorer = wrap_ddp(CompletionLogprobs(policy.model), dist, device)
-    logger = MetricLogger(
-        out_dir, dist.is_main, cfg.log.tensorboard, cfg.log.wandb, cfg.log.wandb_project,
-        config_to_dict(cfg), resume_step=state.step if resume else None,
-    )  # fmt: skip
     B = cfg.train.batch_size
     bad_steps = 0  # consecutive skipped (non-finite) updates
     metrics: dict = {}
@@ -220,18 +195,10 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
             )  # fmt: skip
             metrics.update({f"eval/{k}": v for k, v in res.summary.items() if k != "errors"})
         if state.step % cfg.train.log_every == 0 or last:
-            logger.log(state.step, {k: v for k, v in metrics.items() if not isinstance(v, dict)})
-        if due(state.step, cfg.train.save_every, last):
-            rngs = gather_objects(rng_state(), dist)
-            if dist.is_main:
-                save_checkpoint(
-                    out_dir, state, policy.model, optimizer, scheduler, config_to_dict(cfg),
-                    cfg.train.keep_last, rng_states=rngs,
-                )  # fmt: skip
-        barrier(dist)
+            run.logger.log(
+                state.step, {k: v for k, v in metrics.items() if not isinstance(v, dict)}
+            )
+        run.end_step(policy, dist, last)
         bar.update(1)
     bar.close()
-    logger.close()
-    final = save_final(policy, out_dir, cfg) if dist.is_main else out_dir / "final"
-    barrier(dist)
-    return {"output_dir": str(out_dir), "final": str(final), "step": state.step, **metrics}
+    return run.finish(policy, dist, metrics)
