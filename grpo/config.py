@@ -255,6 +255,10 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self):
+        _check(len(self.rewards) > 0, "rewards", "needs at least one reward function")
+
+    def check_grpo(self) -> Config:
+        """The rules only GRPO has (SFT configs need not follow them); returns self."""
         G = self.rollout.group_size
         _check(
             self.train.batch_size % G == 0,
@@ -262,7 +266,7 @@ class Config:
             f"GRPO needs whole groups: {self.train.batch_size} is not divisible by "
             f"rollout.group_size ({G})",
         )
-        _check(len(self.rewards) > 0, "rewards", "needs at least one reward function")
+        return self
 
 
 # --------------------------------------------------------------------------- loading

@@ -187,6 +187,10 @@ def load_pipeline_config(path: str | Path, overrides: list[str] | None = None) -
     grpo_dict = _deep_merge(base, grpo_data)
     grpo_dict["model"] = {**(grpo_dict.get("model") or {}), "path": sft.model.path, "adapter": None}
     grpo = _stage_config("grpo", grpo_dict, grpo_file_over + grpo_over, out_dir / "grpo")
+    try:  # checked now, not after SFT has run
+        grpo.check_grpo()
+    except ConfigError as e:
+        raise ConfigError(f"grpo: {e}") from None
     model = dataclasses.replace(
         grpo.model, path=sft.model.path, tokenizer=sft.model.tokenizer, adapter=None
     )

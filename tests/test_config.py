@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -57,7 +58,6 @@ def test_round_trip(cfg_file, tmp_path):
         ("optim.lr=fast", r"optim.lr: expected a number"),
         ("rollout.group_size=1", r"rollout.group_size: must be >= 2"),
         ("loss.epsilon_low=0", r"loss.epsilon_low: must be > 0"),
-        ("rollout.group_size=3", r"train.batch_size: .*not divisible by rollout.group_size"),
         ("loss.kl_estimator=k4", r"loss.kl_estimator: must be one of \['k1', 'k2', 'k3'\]"),
         ("train.max_steps=2.5", r"train.max_steps: expected an integer"),
         ("lora.enabled=yesplease", r"lora.enabled: expected true/false"),
@@ -67,6 +67,23 @@ def test_round_trip(cfg_file, tmp_path):
 def test_bad_values_name_the_field(cfg_file, override, pattern):
     with pytest.raises(ConfigError, match=pattern):
         load_config(cfg_file, [override])
+
+
+def test_whole_groups_is_a_grpo_rule_only(cfg_file, tmp_path):
+    cfg = load_config(cfg_file, ["rollout.group_size=3"])  # fine for SFT
+    assert cfg.train.batch_size % 3 != 0
+    with pytest.raises(
+        ConfigError, match=r"train.batch_size: .*not divisible by rollout.group_size"
+    ):
+        cfg.check_grpo()
+    from grpo.train.grpo import train_grpo
+
+    bad = dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, output_dir=str(tmp_path / "r"))
+    )
+    with pytest.raises(ConfigError, match="not divisible"):
+        train_grpo(bad)
+    assert not (tmp_path / "r").exists()  # failed before writing anything
 
 
 def test_unknown_key_in_file(tmp_path):

@@ -73,6 +73,10 @@ def test_pipeline_config_errors_name_the_stage_and_field(tmp_path):
         load_pipeline_config(good, ["sft.optim.lr=-1"])
     with pytest.raises(ConfigError, match=r"^grpo: unknown config key 'rollout.nope'"):
         load_pipeline_config(good, ["grpo.rollout.nope=1"])
+    # whole groups is GRPO's rule: checked at load (before SFT runs), and SFT is exempt
+    with pytest.raises(ConfigError, match=r"^grpo: train.batch_size: .*not divisible"):
+        load_pipeline_config(good, ["grpo.rollout.group_size=3"])
+    assert load_pipeline_config(good, ["sft.rollout.group_size=3"]).sft.rollout.group_size == 3
     bad.write_text(yaml.safe_dump({"output_dir": "o", "sft": {"config": "missing.yaml"},
                                    "grpo": {}}))  # fmt: skip
     with pytest.raises(ConfigError, match="sft: config file .*missing.yaml"):

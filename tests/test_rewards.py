@@ -169,6 +169,15 @@ def test_accuracy():
     assert fn.name == "accuracy"
 
 
+def test_strict_accuracy_needs_the_marker():
+    rambling = "Step 1: Leo is 4/2 = 2 years old old old old"  # last number 2: scores unless strict
+    completions = ["Final Answer: 2", rambling, "Final Answer: 3", "#### 2"]
+    truths = ["2"] * 4
+    assert get_reward("accuracy")(completions, ground_truth=truths) == [1.0, 1.0, 0.0, 1.0]
+    strict, _ = build_rewards([{"name": "accuracy", "strict": True}])[0]
+    assert strict(completions, ground_truth=truths) == [1.0, 0.0, 0.0, 0.0]
+
+
 def test_length_penalty_formula():
     fn = make_length_penalty(target=200, alpha=0.001)
     right, wrong = "Final Answer: 5", "Final Answer: 4"

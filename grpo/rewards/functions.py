@@ -12,7 +12,7 @@ Functions ignore columns they do not use, so any dataset column can reach a cust
 
 | name | reward per completion |
 |---|---|
-| ``accuracy`` | r_acc = 1 if the extracted answer equals the ground truth, else 0 |
+| ``accuracy`` | r_acc = 1 if the extracted answer equals the ground truth (marked, if strict) |
 | ``length_penalty`` | r_acc - alpha * max(0, length - target) if correct (floored), else 0 |
 | ``step`` | r_acc + beta * min(steps, cap) |
 | ``format`` | 1 if the completion ends its reasoning with ``Final Answer: <answer>``, else 0 |
@@ -44,17 +44,23 @@ class NamedReward:
         return self.fn(completions, **columns)
 
 
-def make_accuracy(tolerance: float = 1e-6) -> RewardFn:
+def make_accuracy(tolerance: float = 1e-6, strict: bool = False) -> RewardFn:
     """1.0 for a completion whose extracted answer equals its ``ground_truth``, else 0.0.
 
     Args:
         tolerance: relative and absolute tolerance of the numeric compare.
+        strict: count only answers marked ``Final Answer:`` (no fallback to the last number
+            of the text). Without it a policy can learn to drop the marker and ramble: the
+            last number of ``"... = 6 years old old old"`` still scores.
     """
 
     def accuracy(completions: list[str], **columns: Any) -> list[float]:
         truths = _column(columns, "ground_truth", len(completions))
         return [
-            float(compare_answers(extract_answer(c), str(t), tolerance))
+            float(
+                (not strict or has_final_answer(c))
+                and compare_answers(extract_answer(c), str(t), tolerance)
+            )
             for c, t in zip(completions, truths)
         ]
 

@@ -361,6 +361,7 @@ def peak_mem_mib(device: torch.device) -> float:
 
 def train_grpo(cfg: Config, resume: bool = False) -> dict:
     """Run GRPO as configured (one process, or one rank of a torchrun job)."""
+    cfg.check_grpo()
     dist = init_distributed(resolve_device(cfg.model.device).type)
     try:
         return _train(cfg, resume, dist)
