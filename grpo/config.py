@@ -237,6 +237,14 @@ class LogConfig:
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str = "grpo"
+    # GRPO with loss.beta = 0 has no reference model; kl_every = N > 0 keeps one anyway and
+    # measures KL(policy || reference) on every N-th step's batch, for the curves only (one
+    # reference forward on those steps; the update is unchanged). With beta > 0 KL is
+    # measured every step regardless.
+    kl_every: int = 0
+
+    def __post_init__(self):
+        _check(self.kl_every >= 0, "log.kl_every", f"must be >= 0 (0 = never), got {self.kl_every}")
 
 
 @dataclass(frozen=True)

@@ -149,3 +149,44 @@ def test_resume_without_checkpoint_is_one_line(tmp_path):
                  cwd=tmp_path)  # fmt: skip
     assert r.returncode == 2
     assert "no checkpoint" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_kl_monitoring_without_beta_leaves_the_update_alone(shared_tiny_model, tmp_path, lora):
+    """beta = 0 with log.kl_every: KL to the reference is measured on those steps only (0 at
+    step 1, where policy = reference; > 0 after updates) and the weights are bitwise those of
+    a run that never measures it."""
+    from safetensors.torch import load_file
+
+    from grpo.metrics import read_metrics
+    from grpo.rewards import register_reward
+    from grpo.train.grpo import train_grpo
+
+    def reply_length(completions, **_):
+        return [len(c) / 50 for c in completions]
+
+    register_reward("test_reply_length", reply_length, overwrite=True)
+
+    def run(name: str, kl_every: int):
+        cfg = load_config(REPO / "configs" / "tiny_ci.yaml", [
+            f"model.path={shared_tiny_model}", f"train.output_dir={tmp_path / name}",
+            f"lora.enabled={str(lora).lower()}", "loss.beta=0", f"log.kl_every={kl_every}",
+            "train.max_steps=4", "train.save_every=0", "train.log_every=1",
+            "data.eval_samples=0", "train.progress=false", "loss.num_iterations=1",
+            "rewards=[{name: test_reply_length}]",  # random-init replies are never right
+        ])  # fmt: skip
+        final = Path(train_grpo(cfg)["final"])
+        weights = load_file(final / ("adapter_model.safetensors" if lora else "model.safetensors"))
+        return read_metrics(tmp_path / name / "metrics.jsonl"), weights
+
+    plain_rows, plain = run("plain", 0)
+    every1_rows, every1 = run("every1", 1)
+    every2_rows, every2 = run("every2", 2)
+    assert all("train/kl" not in r for r in plain_rows)
+    assert [("train/kl" in r) for r in every2_rows] == [False, True, False, True]
+    kls = [r["train/kl"] for r in every1_rows]
+    assert kls[0] < 1e-6 and all(k > 1e-7 for k in kls[1:]), kls
+    assert kls[1] == pytest.approx(every2_rows[1]["train/kl"], rel=1e-5)
+    for weights in (every1, every2):
+        assert weights.keys() == plain.keys()
+        assert all(torch.equal(weights[k], plain[k]) for k in plain)

@@ -99,7 +99,8 @@ def policy_loss(
     Args:
         logprobs: (B, T_c) log pi_theta of the sampled tokens (requires grad).
         old_logprobs: (B, T_c) log pi_old, from the sampler (no grad).
-        ref_logprobs: (B, T_c) log pi_ref, or None when cfg.beta == 0.
+        ref_logprobs: (B, T_c) log pi_ref; None when cfg.beta == 0 (given with beta == 0, the
+            KL is measured for the stats but stays out of the loss).
         advantages: (B,) one advantage per completion.
         completion_mask: (B, T_c) bool, True = token counts (truncated rows already removed
             when mask_truncated_completions is on).
@@ -139,6 +140,9 @@ def policy_loss(
             raise ValueError("beta > 0 needs ref_logprobs")
         kl = kl_penalty(logprobs, ref_logprobs, cfg.kl_estimator)
         per_token = per_token + cfg.beta * kl
+    elif ref_logprobs is not None:  # measured for the logs only: not part of the loss
+        with torch.no_grad():
+            kl = kl_penalty(logprobs, ref_logprobs, cfg.kl_estimator)
 
     loss = aggregate(per_token, mask, cfg.aggregation, normalizer)
 

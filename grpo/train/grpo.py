@@ -232,9 +232,19 @@ def _logprobs(cfg: Config, scorer, batch: Batch, sl: slice, entropy: bool = Fals
 
 
 @torch.no_grad()
-def reference_phase(cfg: Config, policy, batch: Batch) -> None:
-    """ref log-probs (B, T_c): the base model via disabled LoRA, or the frozen copy."""
-    if cfg.loss.beta == 0:
+def kl_measured(cfg: Config, step: int | None) -> bool:
+    """Whether the update that makes `step` (1-based) measures KL to the reference: every
+    step with loss.beta > 0, else every log.kl_every-th step (never when it is 0)."""
+    if cfg.loss.beta > 0:
+        return True
+    every = cfg.log.kl_every
+    return bool(every) and step is not None and step % every == 0
+
+
+def reference_phase(cfg: Config, policy, batch: Batch, step: int | None = None) -> None:
+    """ref log-probs (B, T_c): the base model via disabled LoRA, or the frozen copy; only on
+    the steps that need them (`kl_measured`)."""
+    if not kl_measured(cfg, step):
         return
     mb = cfg.train.micro_batch_size or cfg.train.batch_size
     B = batch.rollout.ids.shape[0]
@@ -308,7 +318,9 @@ def update_phase(
         grad_norms.append(grad_norm)
     model.eval()
     mu, n = max(len(losses), 1), max(sums.get("tokens", 0.0), 1.0)
-    out = {f"train/{k}": sums.get(k, 0.0) / n for k in ("kl", "clip_frac_low", "clip_frac_high")}
+    out = {f"train/{k}": sums.get(k, 0.0) / n for k in ("clip_frac_low", "clip_frac_high")}
+    if batch.ref_logprobs is not None:  # a step without a reference has no KL to report
+        out["train/kl"] = sums.get("kl", 0.0) / n
     out.update(
         {
             "train/loss": sum(losses) / mu,
@@ -375,7 +387,7 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
     device = device_for(dist, resolve_device(cfg.model.device))
     seed_everything(cfg.train.seed)
     ckpt = resume_checkpoint(cfg, resume)
-    policy = build_policy(cfg, device, need_ref=cfg.loss.beta > 0)
+    policy = build_policy(cfg, device, need_ref=cfg.loss.beta > 0 or cfg.log.kl_every > 0)
     rows = load_rows(cfg, cfg.data.split, cfg.data.max_samples, "rl", policy.tokenizer)
     eval_rows = None
     if cfg.data.eval_samples and dist.is_main:
@@ -408,7 +420,7 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
         t0 = time.perf_counter()
         batch = rollout_phase(cfg, policy, sampler, rows, state, reward_fns, state.step, dist)
         t1 = time.perf_counter()
-        reference_phase(cfg, policy, batch)
+        reference_phase(cfg, policy, batch, state.step + 1)
         t2 = time.perf_counter()
         metrics = all_reduce_mean_dict(rollout_metrics(batch, G), dist, device)
         metrics.update(update_phase(cfg, policy, batch, optimizer, scheduler, params, scorer, dist))
