@@ -36,7 +36,8 @@ def test_demo_quick_writes_every_output(tmp_path, capsys):
         results["grpo"]["eval"]["accuracy"] - results["sft"]["eval"]["accuracy"]
     )
     assert results["sft"]["train_loss_last"] < results["sft"]["train_loss_first"]
-    assert set(results["time_s"]) == {"setup", "sft", "eval_sft", "grpo", "eval_grpo", "total"}
+    stages = {"setup", "sft", "eval_sft", "grpo", "eval_grpo", "total", "cpu"}
+    assert set(results["time_s"]) == stages
     assert (out / "model" / "tokenizer.json").is_file()
     assert (out / "model" / "model.safetensors").is_file()
     assert (out / "sft" / "final" / "model.safetensors").is_file()
