@@ -26,8 +26,7 @@ from datasets import Dataset, DatasetDict
 
 from grpo.config import ConfigError
 from grpo.data import register_dataset
-from grpo.data.minimath import MAX_STEPS, Level, generate_problem, is_test_question
-from grpo.errors import GrpoError
+from grpo.data.minimath import MAX_STEPS, Level, distinct_problems
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml"
 DATASET = "demo-minimath"  # the name the demo registers its three splits under
@@ -113,18 +112,7 @@ def demo_problems(n: int, seed: int, split: str, level: Level) -> Dataset:
     """`n` distinct mini-math problems of `level` in the minimath format; the train and test
     splits never share a question (the same hash rule as `grpo.data.minimath`)."""
     rng = random.Random(f"grpo-demo|{seed}|{split}|{level}")
-    rows: list[dict] = []
-    seen: set[str] = set()
-    attempts = 0
-    while len(rows) < n:
-        attempts += 1
-        if attempts > 100 * n + 1000:
-            raise GrpoError(f"demo: only {len(rows)} distinct {split} problems at {level}")
-        row = generate_problem(rng, level)
-        q = row["question"]
-        if q not in seen and is_test_question(q) == (split == "test"):
-            seen.add(q)
-            rows.append(row)
+    rows = distinct_problems(rng, n, split, level, where=f"demo: {level}")
     return Dataset.from_list(rows)
 
 

@@ -146,6 +146,20 @@ def minimath(
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise GrpoError(f"minimath: n must be a non-negative integer, got {n!r}")
     rng = random.Random(f"minimath|{seed}|{split}|{difficulty}|{max_steps}")
+    where = f"minimath: difficulty {difficulty}, max_steps {max_steps}"
+    rows = distinct_problems(rng, n, split, level, difficulty, where)
+    if not rows:
+        return Dataset.from_dict(
+            {"question": [], "answer": [], "steps": [], "difficulty": [], "expression": []}
+        )
+    return Dataset.from_list(rows)
+
+
+def distinct_problems(
+    rng: random.Random, n: int, split: str, level: Level, difficulty: int = 0, where: str = ""
+) -> list[dict]:
+    """`n` problems drawn with `rng` at `level`, no question twice, each in `split` (the
+    `is_test_question` rule); raises when the level cannot supply that many."""
     rows: list[dict] = []
     seen: set[str] = set()
     attempts = 0
@@ -153,19 +167,15 @@ def minimath(
         attempts += 1
         if attempts > 100 * n + 1000:
             raise GrpoError(
-                f"minimath: only {len(rows)} distinct {split} problems found at difficulty "
-                f"{difficulty}, max_steps {max_steps}; ask for fewer than {n}"
+                f"{where or 'minimath'}: only {len(rows)} distinct {split} problems exist at "
+                f"this level; ask for fewer than {n}"
             )
         row = generate_problem(rng, level, difficulty)
         if row["question"] in seen or is_test_question(row["question"]) != (split == "test"):
             continue
         seen.add(row["question"])
         rows.append(row)
-    if not rows:
-        return Dataset.from_dict(
-            {"question": [], "answer": [], "steps": [], "difficulty": [], "expression": []}
-        )
-    return Dataset.from_list(rows)
+    return rows
 
 
 def is_test_question(question: str) -> bool:
