@@ -62,6 +62,7 @@ def test_round_trip(cfg_file, tmp_path):
         ("train.max_steps=2.5", r"train.max_steps: expected an integer"),
         ("lora.enabled=yesplease", r"lora.enabled: expected true/false"),
         ("optim.lr", r"must look like section.key=value"),
+        ("log.kl_every=-1", r"log.kl_every: must be >= 0"),
     ],
 )
 def test_bad_values_name_the_field(cfg_file, override, pattern):

@@ -65,8 +65,9 @@ class Run:
     def finish(self, policy: Policy, dist, metrics: dict) -> dict:
         """Close the logger, write out_dir/final, and return the run's summary."""
         self.logger.close()
-        final = save_final(policy, self.out_dir, self.cfg) if dist.is_main else None
-        final = final or self.out_dir / "final"
+        final = (
+            save_final(policy, self.out_dir, self.cfg) if dist.is_main else self.out_dir / "final"
+        )
         barrier(dist)
         return {
             "output_dir": str(self.out_dir),
