@@ -45,7 +45,7 @@ def cmd_sft(args) -> int:
 def cmd_demo(args) -> int:
     from grpo.demo import run_demo
 
-    run_demo(args.out, quick=args.quick, seed=args.seed)
+    run_demo(args.out, quick=args.quick, seed=args.seed, config=args.config)
     return 0
 
 
@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/demo", help="run directory (default runs/demo)")
     p.add_argument("--quick", action="store_true", help="a smoke-test sized run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--config", default=None, help="the demo config (default: configs/demo_cpu.yaml)"
+    )
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("plot", help="PNG curves of a run from its metrics.jsonl")

@@ -108,3 +108,13 @@ def test_demo_config_is_valid_and_strict(tmp_path):
     bad.write_text("demo: {model_sise: demo}\npipeline: {}\n")
     with pytest.raises(ConfigError, match="model_sise"):
         load_demo_config(bad)
+
+
+def test_demo_cli_config_errors_are_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("demo: {threads: 0}\npipeline: {}\n")
+    for path, message in ((tmp_path / "missing.yaml", "does not exist"), (bad, "demo.threads")):
+        assert main(["demo", "--out", str(tmp_path / "out"), "--config", str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "out").exists()  # nothing written before the config is checked
