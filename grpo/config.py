@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,6 +24,10 @@ from grpo.errors import GrpoError
 
 class ConfigError(GrpoError):
     """A bad configuration value or key; the message names the dotted field."""
+
+
+def _deprecated(old: str, new: str) -> None:
+    logging.getLogger(__name__).warning("%s is deprecated (kept for one release): use %s", old, new)
 
 
 def _check(cond: bool, name: str, msg: str) -> None:
@@ -119,23 +124,38 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
-    """The GRPO objective and its variants (see docs/algorithm.md)."""
+    """The GRPO objective and its variants (see docs/algorithm.md).
 
-    beta: float = 0.04  # KL coefficient; 0 skips the reference model entirely
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    advantage / policy_loss / kl_estimator name a registered function (`grpo.algo`) or a
+    ``package.module:function``; their *_kwargs are passed to it as keyword arguments.
+    """
+
+    advantage: str = "grpo"  # grpo | dr_grpo | batch_std | rloo | opo | reinforce_pp | ...
+    advantage_kwargs: dict = field(default_factory=dict)
+    policy_loss: str = "clip"  # clip | gspo | gspo_token | cispo | gmpo | sapo | ...
+    policy_loss_kwargs: dict = field(default_factory=dict)
+    beta: float = 0.04  # KL coefficient in the loss; 0 skips the reference model entirely
+    kl_estimator: str = "k3"  # k1 | k2 | k3 | a registered name
+    kl_in_reward: float = 0.0  # > 0: subtract this * KL_t from the token rewards (REINFORCE++)
+    gamma: float = 1.0  # discount of token rewards in returns (reinforce_pp)
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2  # > epsilon_low is DAPO's clip-higher
     dual_clip: float | None = None  # c > 1: bound -A*rho at -c*A for A < 0
-    importance_level: Literal["token", "sequence"] = "token"  # sequence = GSPO
+    entropy_coef: float = 0.0  # > 0: subtract entropy_coef * H_t from the loss (a bonus)
+    tis_cap: float | None = None  # truncated IS: weight by min(pi_old_trainer / pi_sampler, cap)
+    log_ratio_clamp: float | None = 20.0  # |log ratio| and |ref - logp| bound (exp stays finite)
+    kl_clamp: float | None = 10.0  # |KL_t| bound (verl's low_var_kl)
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = (
         "token_mean"
     )
-    advantage_scale: Literal["group", "batch", "none"] = "group"  # none = Dr. GRPO
     advantage_eps: float = 1e-4
     mask_truncated_completions: bool = False
     num_iterations: int = 1  # mu: updates per rollout batch
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill
     max_sampling_rounds: int = 3
+    # Deprecated spellings, kept for one release: mapped onto `advantage` / `policy_loss`.
+    advantage_scale: Literal["group", "batch", "none"] | None = None  # -> grpo|batch_std|dr_grpo
+    importance_level: Literal["token", "sequence"] | None = None  # sequence -> gspo
 
     def __post_init__(self):
         _check(self.beta >= 0, "loss.beta", f"must be >= 0, got {self.beta}")
@@ -147,6 +167,50 @@ class LossConfig:
         _check(self.advantage_eps > 0, "loss.advantage_eps", "must be > 0")
         _check(self.num_iterations >= 1, "loss.num_iterations", "must be >= 1")
         _check(self.max_sampling_rounds >= 1, "loss.max_sampling_rounds", "must be >= 1")
+        _check(self.kl_in_reward >= 0, "loss.kl_in_reward", f"must be >= 0, got {self.kl_in_reward}")
+        _check(0 < self.gamma <= 1, "loss.gamma", f"must be in (0, 1], got {self.gamma}")
+        _check(self.entropy_coef >= 0, "loss.entropy_coef", "must be >= 0")
+        if self.tis_cap is not None:
+            _check(self.tis_cap >= 1, "loss.tis_cap", f"must be >= 1 (or null), got {self.tis_cap}")
+        for name in ("log_ratio_clamp", "kl_clamp"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(value > 0, f"loss.{name}", f"must be > 0 (or null), got {value}")
+        for name in ("advantage", "policy_loss", "kl_estimator"):
+            value = getattr(self, name)
+            _check(isinstance(value, str) and bool(value), f"loss.{name}", "must be a name")
+        if self.advantage_scale is not None:  # deprecated: one name per scale
+            mapped = {"group": "grpo", "batch": "batch_std", "none": "dr_grpo"}
+            _check(
+                self.advantage == "grpo" or self.advantage == mapped[self.advantage_scale],
+                "loss.advantage_scale",
+                f"is deprecated and conflicts with loss.advantage={self.advantage!r}; use "
+                "loss.advantage alone",
+            )
+            _deprecated("loss.advantage_scale", f"loss.advantage: {mapped[self.advantage_scale]}")
+            object.__setattr__(self, "advantage", mapped[self.advantage_scale])
+            object.__setattr__(self, "advantage_scale", None)
+        if self.importance_level == "sequence":  # deprecated: GSPO is a policy loss now
+            _check(
+                self.policy_loss in ("clip", "gspo"),
+                "loss.importance_level",
+                f"is deprecated and conflicts with loss.policy_loss={self.policy_loss!r}; use "
+                "loss.policy_loss: gspo",
+            )
+            _deprecated("loss.importance_level: sequence", "loss.policy_loss: gspo")
+            object.__setattr__(self, "policy_loss", "gspo")
+        object.__setattr__(self, "importance_level", None)
+        from grpo.algo import check_algorithm  # lazy: the registries import torch
+
+        try:  # unknown names and parameters fail here, naming the field
+            check_algorithm(self)
+        except GrpoError as e:
+            raise ConfigError(str(e)) from None
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether every step needs reference log-probs (KL in the loss or in the reward)."""
+        return self.beta > 0 or self.kl_in_reward > 0
 
 
 @dataclass(frozen=True)

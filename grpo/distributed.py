@@ -102,6 +102,26 @@ def all_reduce_mean_dict(values: dict[str, float], dist: Dist, device="cpu") -> 
     return {k: float(v) / dist.world_size for k, v in zip(keys, t.tolist())}
 
 
+def all_reduce_sum_dict(values: dict[str, float], dist: Dist, device="cpu") -> dict[str, float]:
+    """Each float summed over ranks (every rank must pass the same keys)."""
+    if not dist.enabled or not values:
+        return dict(values)
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    td.all_reduce(t)
+    return dict(zip(keys, t.tolist()))
+
+
+def all_reduce_max_dict(values: dict[str, float], dist: Dist, device="cpu") -> dict[str, float]:
+    """Each float's max over ranks (every rank must pass the same keys)."""
+    if not dist.enabled or not values:
+        return dict(values)
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    td.all_reduce(t, op=td.ReduceOp.MAX)
+    return dict(zip(keys, t.tolist()))
+
+
 def all_gather_cat(x: torch.Tensor, dist: Dist) -> torch.Tensor:
     """Concatenate an equally-shaped tensor from every rank along dim 0 (rank order)."""
     if not dist.enabled:

@@ -63,6 +63,8 @@ def fused_logprobs(
     temperature: float = 1.0,
     impl: str = "auto",
     return_entropy: bool = False,
+    *,
+    entropy_grad: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax((hidden @ weight.T) / temperature)[n, ids[n]] for every token, fused.
 
@@ -78,10 +80,13 @@ def fused_logprobs(
         impl: "auto" (Triton on CUDA, chunked torch elsewhere), "naive", "chunked" or "triton".
         return_entropy: also return the per-token entropy of the tempered distribution (no grad),
             for metrics.
+        entropy_grad: return the entropy (implies `return_entropy`) differentiable in `hidden`
+            and `weight`, for an entropy bonus trained through the same fused pass. On the
+            chunked path a frozen weight then loses its no-recompute backward.
 
     Returns:
-        logprobs (N,) float32 (float64 only for float64 inputs); with `return_entropy`, a tuple
-        (logprobs, entropy), both (N,).
+        logprobs (N,) float32 (float64 only for float64 inputs); with `return_entropy` or
+        `entropy_grad`, a tuple (logprobs, entropy), both (N,).
 
     Raises:
         ValueError / TypeError: malformed operands, ids out of range, unknown impl.
@@ -94,13 +99,22 @@ def fused_logprobs(
         if lo < 0 or hi >= weight.shape[0]:
             raise ValueError(f"ids must lie in [0, V={weight.shape[0]}), got min {lo}, max {hi}")
     if impl == "naive":
-        return naive_logprobs(hidden, weight, ids, temperature, return_entropy)
+        return naive_logprobs(
+            hidden, weight, ids, temperature, return_entropy, entropy_grad=entropy_grad
+        )
     if impl == "chunked":
-        return chunked_logprobs(hidden, weight, ids, temperature, return_entropy)
+        return chunked_logprobs(
+            hidden, weight, ids, temperature, return_entropy, entropy_grad=entropy_grad
+        )
     from kernels.logprobs import triton_logprobs
 
     return triton_logprobs(
-        hidden.contiguous(), weight.contiguous(), ids.contiguous(), temperature, return_entropy
+        hidden.contiguous(),
+        weight.contiguous(),
+        ids.contiguous(),
+        temperature,
+        return_entropy,
+        entropy_grad=entropy_grad,
     )
 
 

@@ -4,11 +4,14 @@ Forward, `_fwd_kernel`: each program owns BLOCK_N tokens and one contiguous spli
 walks the split in BLOCK_V tiles; for each tile it computes z = (h @ W_tile^T) / T with `tl.dot`
 on the tensor cores (fp32 accumulation over C in BLOCK_C steps) and folds the tile into an online
 logsumexp kept in fp32: running max m, running sum s = sum exp(z - m), the target logit (picked out
-of the tile where the column equals the token's id) and, for metrics, sum exp(z - m) * (z - m). The
-per-split partials (S, N) are merged in torch; only lse (N,) fp32 is saved for backward.
+of the tile where the column equals the token's id) and, for the entropy, sum exp(z - m) * (z - m).
+The per-split partials (S, N) are merged in torch; only lse (N,) fp32 is saved for backward (and
+the entropy H (N,) fp32 with `entropy_grad`).
 
 Backward, `_grad_logits_kernel`: for one vocab chunk at a time, recompute the logit tiles and write
-G = g/T * (onehot(id) - softmax(z)) in the input dtype into a bounded (N, v_chunk) buffer; then
+G = g/T * (onehot(id) - softmax(z)) in the input dtype into a bounded (N, v_chunk) buffer; with an
+entropy gradient g_H (`entropy_grad`), G = g/T * onehot - p * (g/T + g_H/T * (z - lse + H)), since
+d H / d z_v = -p_v * (z_v - lse + H). Then
 two cuBLAS GEMMs finish the chunk: d_weight[chunk] = G^T @ hidden (one GEMM over all N, fp32
 accumulation inside, one rounding, written straight into the output) and
 d_hidden += G @ W[chunk] (fp32 result accumulated in an fp32 (N, C) buffer). Why not fuse the two
@@ -126,6 +129,8 @@ def _grad_logits_kernel(
     ids_ptr,  # (N,)
     lse_ptr,  # (N,) fp32
     gscale_ptr,  # (N,) fp32: upstream grad / T
+    gent_ptr,  # (N,) fp32: entropy's upstream grad / T, only when WITH_ENTROPY_GRAD
+    entropy_ptr,  # (N,) fp32: entropy H from the forward, only when WITH_ENTROPY_GRAD
     grad_ptr,  # (N, v_len) out, row stride stride_gn: G for vocab columns [v_begin, v_begin+v_len)
     N,
     v_begin,
@@ -138,6 +143,7 @@ def _grad_logits_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    WITH_ENTROPY_GRAD: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -169,9 +175,18 @@ def _grad_logits_kernel(
     ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     gscale = tl.load(gscale_ptr + rows, mask=row_mask, other=0.0)
-    p = tl.exp(acc / temperature - lse[:, None])  # (BN, BV) softmax, fp32
+    log_p = acc / temperature - lse[:, None]  # (BN, BV) log softmax, fp32
+    p = tl.exp(log_p)
     onehot = (cols64[None, :] == ids[:, None]).to(tl.float32)
-    grad = gscale[:, None] * (onehot - p)  # d logprobs / d logits
+    if WITH_ENTROPY_GRAD:
+        gent = tl.load(gent_ptr + rows, mask=row_mask, other=0.0)
+        entropy = tl.load(entropy_ptr + rows, mask=row_mask, other=0.0)
+        # d (g . logprobs + g_H . entropy) / d logits, with d H / d z = -p * (log p + H)
+        grad = gscale[:, None] * onehot - p * (
+            gscale[:, None] + gent[:, None] * (log_p + entropy[:, None])
+        )
+    else:
+        grad = gscale[:, None] * (onehot - p)  # d logprobs / d logits
     tl.store(
         grad_ptr + rows64[:, None] * stride_gn + local[None, :],
         grad.to(grad_ptr.dtype.element_ty),
@@ -289,6 +304,8 @@ def logprobs_backward(
     need_hidden_grad: bool = True,
     need_weight_grad: bool = True,
     *,
+    grad_entropy: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
     grad_buffer_mib: float = 512,
     **config,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -300,6 +317,8 @@ def logprobs_backward(
         grad_logprobs: (N,) upstream gradient.
         temperature: the forward's temperature.
         need_hidden_grad / need_weight_grad: which gradients to compute.
+        grad_entropy: (N,) upstream gradient of the entropy, or None (no entropy term).
+        entropy: (N,) fp32 entropy from the forward; required with `grad_entropy`.
         grad_buffer_mib: size cap of the (N, v_chunk) G buffer in the input dtype.
         **config: tile overrides as in `logprobs_forward`.
 
@@ -319,6 +338,14 @@ def logprobs_backward(
     v_chunk = min(v_chunk, triton.cdiv(v_total, bv) * bv)
     gscale = (grad_logprobs.float() / temperature).contiguous()  # (N,)
     lse = lse.float().contiguous()
+    with_entropy = grad_entropy is not None
+    if with_entropy:
+        if entropy is None:
+            raise ValueError("logprobs_backward: grad_entropy needs the forward's entropy (N,)")
+        gent = (grad_entropy.float() / temperature).contiguous()  # (N,)
+        entropy = entropy.float().contiguous()  # (N,)
+    else:
+        gent = entropy = gscale  # placeholders, never read
     grad_buf = torch.empty(n_tok, v_chunk, dtype=hidden.dtype, device=hidden.device)  # (N, vc)
     one_chunk = v_chunk >= v_total
     d_h = None
@@ -330,11 +357,11 @@ def logprobs_backward(
         grad = grad_buf[:, :v_len]  # (N, v_len), row stride v_chunk
         grid = (triton.cdiv(n_tok, cfg["block_n"]) * triton.cdiv(v_len, bv),)
         _grad_logits_kernel[grid](
-            hidden, weight, ids, lse, gscale, grad,
+            hidden, weight, ids, lse, gscale, gent, entropy, grad,
             n_tok, v0, v_len, c, float(temperature),
             hidden.stride(0), weight.stride(0), grad.stride(0),
             BLOCK_N=cfg["block_n"], BLOCK_V=bv, BLOCK_C=cfg["block_c"],
-            PRECISION=_TL_PRECISION[hidden.dtype],
+            WITH_ENTROPY_GRAD=with_entropy, PRECISION=_TL_PRECISION[hidden.dtype],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
         w_chunk = weight[v0 : v0 + v_len]  # (v_len, C)
@@ -351,23 +378,34 @@ def logprobs_backward(
 
 
 class TritonLogprobs(torch.autograd.Function):
-    """autograd.Function over `logprobs_forward` / `logprobs_backward`; saves only lse (N,) fp32."""
+    """autograd.Function over `logprobs_forward` / `logprobs_backward`; saves only lse (N,) fp32,
+    plus the entropy (N,) fp32 when it is differentiable (`entropy_grad`)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, ids, temperature, return_entropy, config):
+    def forward(ctx, hidden, weight, ids, temperature, return_entropy, entropy_grad, config):
         logprobs, lse, entropy = logprobs_forward(
-            hidden, weight, ids, temperature, return_entropy, **config
+            hidden, weight, ids, temperature, return_entropy or entropy_grad, **config
         )
-        ctx.save_for_backward(hidden, weight, ids, lse)
         ctx.temperature = temperature
         ctx.config = {k: v for k, v in config.items() if k != "num_splits"}
-        ctx.mark_non_differentiable(entropy)
+        ctx.entropy_grad = entropy_grad
+        if entropy_grad:
+            ctx.save_for_backward(hidden, weight, ids, lse, entropy)
+            ctx.set_materialize_grads(False)  # an unused entropy adds no term to the kernel
+        else:
+            ctx.save_for_backward(hidden, weight, ids, lse)
+            ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, ids, lse = ctx.saved_tensors
+        hidden, weight, ids, lse = ctx.saved_tensors[:4]
+        entropy_kw = {}
+        if ctx.entropy_grad:
+            if grad_logprobs is None:  # only the entropy is in the loss
+                grad_logprobs = torch.zeros_like(lse)
+            entropy_kw = dict(grad_entropy=grad_entropy, entropy=ctx.saved_tensors[4])
         d_h, d_w = logprobs_backward(
             hidden,
             weight,
@@ -377,9 +415,10 @@ class TritonLogprobs(torch.autograd.Function):
             ctx.temperature,
             ctx.needs_input_grad[0],
             ctx.needs_input_grad[1],
+            **entropy_kw,
             **ctx.config,
         )
-        return d_h, d_w, None, None, None, None
+        return d_h, d_w, None, None, None, None, None
 
 
 def triton_logprobs(
@@ -388,6 +427,8 @@ def triton_logprobs(
     ids: torch.Tensor,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    *,
+    entropy_grad: bool = False,
     **config,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Differentiable fused log-probs on the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1).
@@ -398,17 +439,19 @@ def triton_logprobs(
         ids: (N,) int32/int64 target ids.
         temperature: logits are divided by it.
         return_entropy: also return the per-token entropy (no grad).
+        entropy_grad: return the entropy (implies `return_entropy`) differentiable in hidden and
+            weight; its gradient joins G in the same backward kernel.
         **config: tile overrides (block_n, block_v, block_c, num_warps, num_stages, num_splits,
             grad_buffer_mib), mainly for tests.
 
     Returns:
-        logprobs (N,) fp32, or (logprobs, entropy) with `return_entropy`.
+        logprobs (N,) fp32, or (logprobs, entropy) with `return_entropy` or `entropy_grad`.
     """
     _check_launch(hidden, weight, ids, temperature)
     unknown = sorted(set(config) - set(_CONFIG_KEYS))
     if unknown:
         raise TypeError(f"unknown triton config keys {unknown}; valid: {list(_CONFIG_KEYS)}")
     logprobs, entropy = TritonLogprobs.apply(
-        hidden, weight, ids, float(temperature), return_entropy, config
+        hidden, weight, ids, float(temperature), return_entropy, entropy_grad, config
     )
-    return (logprobs, entropy) if return_entropy else logprobs
+    return (logprobs, entropy) if return_entropy or entropy_grad else logprobs

@@ -4,7 +4,10 @@ Both compute, for every token n, the log-probability of its target id under a li
 
     z = (hidden @ weight.T) / temperature        (N, V), logits in the input dtype, then fp32
     logprobs[n] = z[n, ids[n]] - logsumexp(z[n])
-    entropy[n]  = logsumexp(z[n]) - sum_v softmax(z[n])_v * z[n, v]        (metrics only, no grad)
+    entropy[n]  = logsumexp(z[n]) - sum_v softmax(z[n])_v * z[n, v]
+
+The entropy is detached (metrics) unless `entropy_grad=True`, which makes it differentiable too,
+for an entropy bonus: d entropy[n] / d z[n, v] = -p_v * (z[n, v] - logsumexp(z[n]) + entropy[n]).
 
 `naive_logprobs` materializes the (N, V) logits; `chunked_logprobs` never holds more than one
 (block_n, block_v) tile of them and has a hand-written backward (see `_ChunkedLogprobs`).
@@ -81,6 +84,8 @@ def naive_logprobs(
     ids: torch.Tensor,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    *,
+    entropy_grad: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of `ids` the obvious way: full logits, fp32 log-softmax, gather (the spec).
 
@@ -93,15 +98,19 @@ def naive_logprobs(
         ids: (N,) target token ids.
         temperature: logits are divided by it before the softmax.
         return_entropy: also return the per-token entropy (detached).
+        entropy_grad: return the entropy (implies `return_entropy`) differentiable in hidden and
+            weight, through the same autograd graph as the log-probs.
 
     Returns:
         logprobs (N,) float32 (float64 for float64 inputs), differentiable in hidden and weight;
-        with `return_entropy`, a tuple (logprobs, entropy).
+        with `return_entropy` or `entropy_grad`, a tuple (logprobs, entropy).
     """
     logits = hidden @ weight.t()  # (N, V) input dtype, like nn.Linear
     z = logits.to(_acc_dtype(hidden.dtype)) / temperature  # (N, V) fp32
     logz = torch.log_softmax(z, dim=-1)  # (N, V)
     logprobs = logz.gather(1, ids.long().unsqueeze(1)).squeeze(1)  # (N,)
+    if entropy_grad:
+        return logprobs, -(logz.exp() * logz).sum(-1)  # (N,) differentiable
     if not return_entropy:
         return logprobs
     with torch.no_grad():
@@ -140,7 +149,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     """Tiled log-probs with an online logsumexp and a backward that never stores the logits.
 
     Forward walks (block_n tokens) x (block_v vocab) tiles and keeps per token only the running max
-    m, the running sum s of exp(z - m) and the target logit. The backward has two modes:
+    m, the running sum s of exp(z - m) and the target logit. The backward has three modes:
 
     - weight frozen (LoRA elsewhere, or a frozen lm_head): d_hidden = g/T * (W[id] - sum_v p_v W_v)
       and the softmax-weighted average of W rows is accumulated online in the forward (rescaled by
@@ -149,15 +158,24 @@ class _ChunkedLogprobs(torch.autograd.Function):
     - weight trainable: the forward stores only lse (N,); the backward recomputes each logit tile,
       p = exp(z - lse), and accumulates d_hidden += G @ W_tile and d_weight += G^T @ h with
       G = -g/T * p; the one-hot part of G is added once at the end by an index_add. 8NCV flops.
+    - entropy_grad: the recompute mode, whatever is frozen (the folded average covers only the
+      log-prob term); the forward also saves the entropy H (N,), and each recomputed tile gets
+      G = -p * (g/T + g_H/T * (z - lse + H)) with g_H the entropy's upstream gradient. One more
+      (block_n, block_v) tile buffer; a backward whose entropy got no gradient runs the plain
+      recompute loop.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, ids, temperature, block_n, block_v, return_entropy):
+    def forward(
+        ctx, hidden, weight, ids, temperature, block_n, block_v, return_entropy, entropy_grad
+    ):
         n_tok, c = hidden.shape
         v_total = weight.shape[0]
         acc = _acc_dtype(hidden.dtype)
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        fold_dh = need_dh and not need_dw  # frozen weight: no recompute in backward
+        # frozen weight: no recompute in backward (log-prob gradient only)
+        fold_dh = need_dh and not need_dw and not entropy_grad
+        return_entropy = return_entropy or entropy_grad
 
         logprobs = torch.empty(n_tok, dtype=acc, device=hidden.device)  # (N,)
         lse = torch.empty(n_tok, dtype=acc, device=hidden.device)  # (N,)
@@ -208,12 +226,18 @@ class _ChunkedLogprobs(torch.autograd.Function):
         ctx.temperature = temperature
         ctx.blocks = (block_n, block_v)
         ctx.fold_dh = fold_dh
+        ctx.entropy_grad = entropy_grad
         ctx.hidden_dtype = hidden.dtype
         if fold_dh:
             ctx.save_for_backward(w_diff)
+        elif entropy_grad and (need_dh or need_dw):
+            ctx.save_for_backward(hidden, weight, ids, lse, entropy)
         elif need_dh or need_dw:
             ctx.save_for_backward(hidden, weight, ids, lse)
-        ctx.mark_non_differentiable(entropy)
+        if entropy_grad:
+            ctx.set_materialize_grads(False)  # an unused entropy gets no (N,) zeros to multiply
+        else:
+            ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
@@ -225,9 +249,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
             (w_diff,) = ctx.saved_tensors  # (N, C) W[id] - E_p[W]
             g = grad_logprobs.to(w_diff.dtype) / t  # (N,)
             d_h = (g.unsqueeze(1) * w_diff).to(ctx.hidden_dtype)  # (N, C)
-            return d_h, None, None, None, None, None, None
+            return d_h, None, None, None, None, None, None, None
+        if grad_entropy is not None and ctx.entropy_grad:
+            return _ChunkedLogprobs._backward_with_entropy(ctx, grad_logprobs, grad_entropy)
 
-        hidden, weight, ids, lse = ctx.saved_tensors
+        # log-prob gradient only (with entropy_grad, an entropy that got no upstream gradient)
+        hidden, weight, ids, lse = ctx.saved_tensors[:4]
         acc = lse.dtype
         block_n, block_v = ctx.blocks
         n_tok, v_total = hidden.shape[0], weight.shape[0]
@@ -260,7 +287,56 @@ class _ChunkedLogprobs(torch.autograd.Function):
         if need_dw:
             d_w.index_add_(0, ids, g.unsqueeze(1) * hidden.to(acc))
             d_w = d_w.to(weight.dtype)
-        return d_h, d_w, None, None, None, None, None
+        return d_h, d_w, None, None, None, None, None, None
+
+    @staticmethod
+    def _backward_with_entropy(ctx, grad_logprobs, grad_entropy):
+        """The recompute backward with the entropy term; grad_logprobs may be None (unused)."""
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        t = ctx.temperature
+        hidden, weight, ids, lse, entropy = ctx.saved_tensors
+        acc = lse.dtype
+        block_n, block_v = ctx.blocks
+        n_tok, v_total = hidden.shape[0], weight.shape[0]
+        if grad_logprobs is None:
+            g = torch.zeros(n_tok, dtype=acc, device=hidden.device)
+        else:
+            g = grad_logprobs.to(acc) / t  # (N,) d logprobs / d z[id]
+        g_ent = grad_entropy.to(acc) / t  # (N,) d entropy / d z, before the softmax factor
+        d_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_dh else None
+        d_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_dw else None
+        z_buf = torch.empty(
+            min(block_n, n_tok) * min(block_v, v_total), dtype=acc, device=hidden.device
+        )
+        p_buf = torch.empty_like(z_buf)
+        for n0 in range(0, n_tok, block_n):
+            n1 = min(n0 + block_n, n_tok)
+            h = hidden[n0:n1]  # (n, C)
+            h_acc = h.to(acc)
+            g_c = g[n0:n1].unsqueeze(1)  # (n, 1)
+            lse_c = lse[n0:n1].unsqueeze(1)  # (n, 1)
+            g_ent_c = g_ent[n0:n1].unsqueeze(1)  # (n, 1)
+            ent_c = entropy[n0:n1].unsqueeze(1)  # (n, 1)
+            for v0 in range(0, v_total, block_v):
+                v1 = min(v0 + block_v, v_total)
+                w = weight[v0:v1]  # (v, C)
+                grad_z = _tile_logits(z_buf, h, w, t).sub_(lse_c)  # (n, v) log p
+                p = torch.exp(grad_z, out=p_buf[: grad_z.numel()].view_as(grad_z))  # (n, v)
+                # -p * (g/T + g_H/T * (log p + H)), log p = z - lse
+                grad_z.add_(ent_c).mul_(g_ent_c).add_(g_c).mul_(p).neg_()
+                if need_dh:
+                    d_h[n0:n1].addmm_(grad_z, w.to(acc))
+                if need_dw:
+                    d_w[v0:v1].addmm_(grad_z.t(), h_acc)
+        # the one-hot part of grad_z: +g/T at (n, ids[n])
+        ids = ids.long()
+        if need_dh:
+            d_h.add_(g.unsqueeze(1) * weight[ids].to(acc))
+            d_h = d_h.to(hidden.dtype)
+        if need_dw:
+            d_w.index_add_(0, ids, g.unsqueeze(1) * hidden.to(acc))
+            d_w = d_w.to(weight.dtype)
+        return d_h, d_w, None, None, None, None, None, None
 
 
 def chunked_logprobs(
@@ -271,11 +347,14 @@ def chunked_logprobs(
     return_entropy: bool = False,
     block_n: int | None = None,
     block_v: int | None = None,
+    *,
+    entropy_grad: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of `ids` tile by tile with an online logsumexp; never holds the (N, V) logits.
 
     Memory beyond inputs and outputs: a few (block_n, block_v) fp32 tiles (32 MiB each by default),
-    plus (N, C) fp32 when the weight is frozen, plus the fp32 (V, C) d_weight accumulator when
+    plus (N, C) fp32 when the weight is frozen (not with `entropy_grad`, which saves hidden and
+    weight and recomputes the tiles in backward), plus the fp32 (V, C) d_weight accumulator when
     it is trainable (reused as the output for fp32 weights). See `_ChunkedLogprobs` for the math.
 
     Args:
@@ -286,13 +365,22 @@ def chunked_logprobs(
         return_entropy: also return the per-token entropy (no grad).
         block_n: tokens per tile (default from `default_blocks`).
         block_v: vocab entries per tile (default from `default_blocks`).
+        entropy_grad: return the entropy (implies `return_entropy`) differentiable in hidden and
+            weight, for an entropy bonus in the loss.
 
     Returns:
-        logprobs (N,) float32 (float64 for float64 inputs); with `return_entropy`, a tuple
-        (logprobs, entropy).
+        logprobs (N,) float32 (float64 for float64 inputs); with `return_entropy` or
+        `entropy_grad`, a tuple (logprobs, entropy).
     """
     d_n, d_v = default_blocks(hidden.shape[0], weight.shape[0])
     logprobs, entropy = _ChunkedLogprobs.apply(
-        hidden, weight, ids, float(temperature), block_n or d_n, block_v or d_v, return_entropy
+        hidden,
+        weight,
+        ids,
+        float(temperature),
+        block_n or d_n,
+        block_v or d_v,
+        return_entropy,
+        entropy_grad,
     )
-    return (logprobs, entropy) if return_entropy else logprobs
+    return (logprobs, entropy) if return_entropy or entropy_grad else logprobs

@@ -106,7 +106,7 @@ def test_kl_term_added_with_beta():
 def test_gspo_sequence_ratio():
     # log-ratios ln 1.5 and ln(2/3) average to 0 -> sequence ratio 1 for both tokens:
     # nothing is clipped and loss = -A = -1 (token level would clip the 1.5)
-    loss, st = one_row([math.log(1.5), math.log(2 / 3)], 1.0, importance_level="sequence")
+    loss, st = one_row([math.log(1.5), math.log(2 / 3)], 1.0, policy_loss="gspo")
     assert loss.item() == pytest.approx(-1.0)
     assert st["clip_frac_high"] == 0.0 and st["ratio_max"] == pytest.approx(1.0)
 
@@ -137,7 +137,7 @@ def test_on_policy_gradient_is_reinforce(aggregation, level):
     mask = torch.rand(4, 5) > 0.3
     mask[:, 0] = True
     A = torch.randn(4)
-    cfg = LossSettings(aggregation=aggregation, importance_level=level)
+    cfg = LossSettings(aggregation=aggregation, policy_loss="clip" if level == "token" else "gspo")
 
     logp = logits.log_softmax(-1).gather(-1, ids[..., None])[..., 0]
     loss, _ = policy_loss(logp, logp.detach(), None, A, mask, cfg, max_new_tokens=5)

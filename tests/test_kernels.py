@@ -6,6 +6,7 @@ variable set, and the tests here assert on its report. On CUDA the same checks r
 bf16 under the error-budget rule: error vs float64 <= 2x the same-dtype naive torch error.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -52,6 +53,43 @@ def run(fn, hidden, weight, ids, grad, temperature, weight_grad=True, upcast=Non
 def gold(hidden, weight, ids, grad, temperature, weight_grad=True):
     """The float64 naive path on the (already rounded) inputs."""
     return run(naive_logprobs, hidden, weight, ids, grad, temperature, weight_grad, torch.float64)
+
+
+def entropy_coefs(n, seed=1):
+    """(a, b) (N,) each: the entropy-bonus tests differentiate loss = sum(a * logprobs + b * H)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+
+
+def run_entropy(fn, hidden, weight, ids, coefs, temperature, weight_grad=True, upcast=None, **kw):
+    """(logprobs, entropy, d_hidden, d_weight or None) of sum(a * logprobs + b * entropy) under
+    fn(..., entropy_grad=True); a coefficient given as None leaves that output out of the loss."""
+    h = hidden.detach().to(upcast or hidden.dtype).requires_grad_(True)
+    w = weight.detach().to(upcast or weight.dtype).requires_grad_(weight_grad)
+    logprobs, entropy = fn(h, w, ids, temperature, entropy_grad=True, **kw)
+    loss = sum(
+        (c.to(out.device, out.dtype) * out).sum()
+        for c, out in zip(coefs, (logprobs, entropy))
+        if c is not None
+    )
+    inputs = (h, w) if weight_grad else (h,)
+    grads = torch.autograd.grad(loss, inputs)
+    return logprobs, entropy, grads[0], (grads[1] if weight_grad else None)
+
+
+def gold_entropy(hidden, weight, ids, coefs, temperature, weight_grad=True):
+    """float64 autograd through torch.distributions.Categorical, independent of our kernels."""
+    h = hidden.detach().cpu().double().requires_grad_(True)
+    w = weight.detach().cpu().double().requires_grad_(weight_grad)
+    dist = torch.distributions.Categorical(logits=(h @ w.t()) / temperature)
+    logprobs, entropy = dist.log_prob(ids.cpu().long()), dist.entropy()  # (N,) each
+    loss = sum(
+        (c.cpu().double() * out).sum()
+        for c, out in zip(coefs, (logprobs, entropy))
+        if c is not None
+    )
+    grads = torch.autograd.grad(loss, (h, w) if weight_grad else (h,))
+    return logprobs, entropy, grads[0], (grads[1] if weight_grad else None)
 
 
 def close_errors(actual, expected, names=("logprobs", "entropy", "d_hidden", "d_weight")):
@@ -148,6 +186,81 @@ def test_chunked_empty_batch():
     assert logprobs.shape == (0,)
     (d_h,) = torch.autograd.grad(logprobs.sum(), h)
     assert d_h.shape == (0, 8)
+
+
+# ---------------------------------------------------------------- differentiable entropy
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("temperature", TEMPS)
+@pytest.mark.parametrize("weight_grad", [True, False], ids=["d_weight", "frozen"])
+def test_naive_entropy_grad_matches_float64(shape, temperature, weight_grad):
+    args = make_inputs(*shape)[:3]
+    coefs = entropy_coefs(shape[0])
+    ours = run_entropy(naive_logprobs, *args, coefs, temperature, weight_grad)
+    assert not close_errors(ours, gold_entropy(*args, coefs, temperature, weight_grad))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("temperature", TEMPS)
+@pytest.mark.parametrize("weight_grad", [True, False], ids=["d_weight", "frozen"])
+@pytest.mark.parametrize("blocks", [CHUNKED_SMALL, {}], ids=["small_tiles", "default_tiles"])
+def test_chunked_entropy_grad_matches_float64(shape, temperature, weight_grad, blocks):
+    args = make_inputs(*shape)[:3]
+    coefs = entropy_coefs(shape[0])
+    ours = run_entropy(chunked_logprobs, *args, coefs, temperature, weight_grad, **blocks)
+    assert ours[1].dtype == torch.float32
+    assert not close_errors(ours, gold_entropy(*args, coefs, temperature, weight_grad))
+
+
+@pytest.mark.parametrize("impl", ["naive", "chunked"])
+@pytest.mark.parametrize("weight_grad", [True, False], ids=["d_weight", "frozen"])
+@pytest.mark.parametrize("used", ["entropy_only", "logprobs_only"])
+def test_entropy_grad_with_one_output_in_the_loss(impl, weight_grad, used):
+    # the other output gets no upstream gradient at all (None in the chunked backward)
+    args = make_inputs(37, 64, 1003)[:3]
+    a, b = entropy_coefs(37)
+    coefs = (None, b) if used == "entropy_only" else (a, None)
+    fn = (
+        functools.partial(chunked_logprobs, **CHUNKED_SMALL)
+        if impl == "chunked"
+        else naive_logprobs
+    )
+    ours = run_entropy(fn, *args, coefs, 0.7, weight_grad)
+    assert not close_errors(ours, gold_entropy(*args, coefs, 0.7, weight_grad))
+
+
+@pytest.mark.parametrize("impl", ["naive", "chunked"])
+def test_entropy_grad_false_keeps_entropy_detached(impl):
+    hidden, weight, ids, _ = make_inputs(37, 64, 1003)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    for kw in ({}, {"entropy_grad": False}):
+        logprobs, entropy = kernels.fused_logprobs(h, w, ids, 0.7, impl, True, **kw)
+        assert logprobs.grad_fn is not None
+        assert entropy.grad_fn is None and not entropy.requires_grad
+    out = kernels.fused_logprobs(h, w, ids, 0.7, impl, entropy_grad=True)  # implies the tuple
+    assert isinstance(out, tuple) and out[1].grad_fn is not None
+    assert torch.equal(out[1].detach(), entropy)  # same forward values
+
+
+def test_chunked_frozen_weight_entropy_grad_recomputes():
+    # the folded frozen-weight backward carries no entropy term: entropy_grad recomputes tiles
+    hidden, weight, ids, _ = make_inputs(37, 64, 1003)
+    h = hidden.clone().requires_grad_(True)
+    logprobs, entropy = chunked_logprobs(h, weight, ids, 0.7, entropy_grad=True, **CHUNKED_SMALL)
+    with CountMatmuls() as bwd:
+        torch.autograd.grad((logprobs + entropy).sum(), h)
+    assert bwd.count == 2 * 3 * 8  # logits and d_hidden per (16, 128) tile
+
+
+@pytest.mark.parametrize("weight_grad", [True, False], ids=["d_weight", "frozen"])
+def test_chunked_bf16_entropy_grad_within_error_budget_of_naive_bf16(weight_grad):
+    args = make_inputs(37, 64, 1003, dtype=torch.bfloat16)[:3]
+    coefs = entropy_coefs(37)
+    ours = run_entropy(chunked_logprobs, *args, coefs, 0.7, weight_grad, **CHUNKED_SMALL)
+    ref = run_entropy(naive_logprobs, *args, coefs, 0.7, weight_grad)
+    assert ours[2].dtype == torch.bfloat16
+    assert_error_budget(ours, ref, gold_entropy(*args, coefs, 0.7, weight_grad))
 
 
 # ---------------------------------------------------------------- public entry point
@@ -267,6 +380,12 @@ def interpret_report() -> dict:
         report[_case_id(shape, temperature, weight_grad)] = close_errors(
             ours, gold(*args, temperature, weight_grad)
         )
+        # entropy bonus: the WITH_ENTROPY_GRAD kernel variant
+        coefs = entropy_coefs(n)
+        ours = run_entropy(triton_logprobs, *args[:3], coefs, temperature, weight_grad, **small)
+        report["entropy-" + _case_id(shape, temperature, weight_grad)] = close_errors(
+            ours, gold_entropy(*args[:3], coefs, temperature, weight_grad)
+        )
     # the fp32 default tiles (64 x 64 x 32) as compiled on a GPU; one vocab chunk in backward
     args = make_inputs(37, 64, 1003)
     ours = run(triton_logprobs, *args, 0.7, True)
@@ -282,6 +401,26 @@ def interpret_report() -> dict:
             report[f"fp16_{chunks}"] = []
         except AssertionError as err:
             report[f"fp16_{chunks}"] = [str(err)]
+    # entropy_grad with one output left out of the loss; entropy_grad=False keeps it detached
+    args = make_inputs(37, 64, 1003)[:3]
+    a, b = entropy_coefs(37)
+    for used, coefs in (("entropy_only", (None, b)), ("logprobs_only", (a, None))):
+        ours = run_entropy(triton_logprobs, *args, coefs, 0.7, True, **TRITON_SMALL)
+        report[f"entropy_grad_{used}"] = close_errors(ours, gold_entropy(*args, coefs, 0.7))
+    h = args[0].clone().requires_grad_(True)
+    _, entropy = triton_logprobs(h, args[1], args[2], 0.7, True, **TRITON_SMALL)
+    _, entropy_g = triton_logprobs(h, args[1], args[2], 0.7, entropy_grad=True, **TRITON_SMALL)
+    report["entropy_grad_false_detached"] = (
+        [] if entropy.grad_fn is None and entropy_g.grad_fn is not None else ["grad_fn wrong"]
+    )
+    args = make_inputs(37, 64, 1003, dtype=torch.float16)[:3]
+    ours = run_entropy(triton_logprobs, *args, (a, b), 0.7, True, **TRITON_SMALL)
+    ref = run_entropy(naive_logprobs, *args, (a, b), 0.7, True)
+    try:
+        assert_error_budget(ours, ref, gold_entropy(*args, (a, b), 0.7))
+        report["fp16_entropy_grad"] = []
+    except AssertionError as err:
+        report["fp16_entropy_grad"] = [str(err)]
     h, w, ids, _ = make_inputs(5, 8, 11)
     for name, call, exc in [
         ("noncontiguous", lambda: triton_logprobs(h.t().contiguous().t(), w, ids), ValueError),
@@ -318,6 +457,11 @@ def test_triton_interpreted_matches_float64(interpreted, case):
     assert interpreted[_case_id(*case)] == []
 
 
+@pytest.mark.parametrize("case", INTERPRET_CASES, ids=[_case_id(*c) for c in INTERPRET_CASES])
+def test_triton_interpreted_entropy_grad_matches_float64(interpreted, case):
+    assert interpreted["entropy-" + _case_id(*case)] == []
+
+
 @pytest.mark.parametrize(
     "check",
     [
@@ -327,6 +471,10 @@ def test_triton_interpreted_matches_float64(interpreted, case):
         "noncontiguous",
         "bad_config",
         "float64",
+        "entropy_grad_entropy_only",
+        "entropy_grad_logprobs_only",
+        "entropy_grad_false_detached",
+        "fp16_entropy_grad",
     ],
 )
 def test_triton_interpreted_launcher_checks(interpreted, check):
@@ -365,6 +513,36 @@ def test_triton_cuda_fp32_matches_float64(shape, temperature):
     args = make_inputs(*shape, device="cuda")
     ours = run(triton_logprobs, *args, temperature, True)
     assert not close_errors(ours, gold(*args, temperature, True))
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("temperature", TEMPS)
+@pytest.mark.parametrize("weight_grad", [True, False], ids=["d_weight", "frozen"])
+def test_triton_cuda_fp32_entropy_grad_matches_float64(shape, temperature, weight_grad):
+    from kernels.logprobs import triton_logprobs
+
+    args = make_inputs(*shape, device="cuda")[:3]
+    coefs = entropy_coefs(shape[0])
+    ours = run_entropy(triton_logprobs, *args, coefs, temperature, weight_grad)
+    assert not close_errors(ours, gold_entropy(*args, coefs, temperature, weight_grad))
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("weight_grad", [True, False], ids=["d_weight", "frozen"])
+@pytest.mark.parametrize("chunks", ["one_chunk", "many_chunks"])
+def test_triton_cuda_bf16_entropy_grad_within_error_budget(weight_grad, chunks):
+    from kernels.logprobs import triton_logprobs
+
+    shape = CUDA_SHAPES[-1]
+    args = make_inputs(*shape, dtype=torch.bfloat16, device="cuda")[:3]
+    coefs = entropy_coefs(shape[0])
+    config = {"grad_buffer_mib": shape[0] * 256 * 2 / 2**20} if chunks == "many_chunks" else {}
+    ours = run_entropy(triton_logprobs, *args, coefs, 0.7, weight_grad, **config)
+    ref = run_entropy(naive_logprobs, *args, coefs, 0.7, weight_grad)
+    assert_error_budget(ours, ref, gold_entropy(*args, coefs, 0.7, weight_grad))
 
 
 @pytest.mark.cuda

@@ -1,8 +1,184 @@
-"""Group-relative advantages: each completion's reward against its own group's."""
+"""Advantage estimators: token rewards of a batch -> (B, T_c) advantages.
+
+Rows of one group are adjacent: row b belongs to group b // G. An estimator is a function under
+`@register_advantage(name)` that takes any of these inputs by name (plain tensors; the trainer
+hands it the *global* batch, all ranks concatenated, so batch statistics are exact under DDP):
+
+    token_rewards  (B, T_c) float32  reward of each completion token: the sequence reward sits on
+                                     the last completion token, per-token (process) rewards where
+                                     the reward function put them, minus loss.kl_in_reward * KL_t
+    scores         (B,)     float32  token_rewards summed over the row (the outcome reward)
+    mask           (B, T_c) bool     True on completion tokens (the tokens that exist)
+    group_size     int               G
+    eps            float             loss.advantage_eps, added to a std before dividing
+    gamma          float             loss.gamma, discount per token for returns
+
+plus whatever `loss.advantage_kwargs` holds. It returns (B, T_c) advantages; values outside
+`mask` are ignored (set to 0). Sequence-level estimators broadcast one value per row with
+`broadcast`.
+
+eps: GRPO divides by (std + eps) with eps = 1e-4 by default, as TRL does; verl uses 1e-6.
+A group of equal rewards gets advantage exactly 0 (never NaN) either way.
+"""
 
 from __future__ import annotations
 
 import torch
+
+from grpo.algo.registry import ADVANTAGES, register_advantage
+from grpo.errors import GrpoError
+
+INPUTS = ("token_rewards", "scores", "mask", "group_size", "eps", "gamma")
+
+
+def broadcast(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B,) per-row values -> (B, T_c), the row's value on its completion tokens, 0 elsewhere."""
+    return torch.where(mask, values[:, None], torch.zeros((), dtype=values.dtype))
+
+
+def _groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    B = scores.shape[0]
+    if B % group_size:
+        raise ValueError(f"{B} rewards do not split into groups of {group_size}")
+    return scores.float().view(-1, group_size)  # (P, G)
+
+
+def _masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
+    """(values - mean) / (std + eps) over the masked entries of the whole batch (unbiased std)."""
+    x = values[mask]  # (N,)
+    if x.numel() < 2:
+        return torch.zeros_like(values)
+    return (values - x.mean()) / (x.std() + eps)
+
+
+@register_advantage("grpo")
+def grpo(scores: torch.Tensor, mask: torch.Tensor, *, group_size: int, eps: float):
+    """GRPO (Shao et al. 2024): (r_i - mean_g) / (std_g + eps), unbiased std of the group."""
+    r = _groups(scores, group_size)
+    a = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + eps)  # (P, G)
+    return broadcast(a.view(-1), mask)
+
+
+@register_advantage("dr_grpo")
+def dr_grpo(scores: torch.Tensor, mask: torch.Tensor, *, group_size: int):
+    """Dr. GRPO (Liu et al. 2025): r_i - mean_g, no division by the std."""
+    r = _groups(scores, group_size)
+    return broadcast((r - r.mean(dim=1, keepdim=True)).view(-1), mask)
+
+
+@register_advantage("batch_std")
+def batch_std(scores: torch.Tensor, mask: torch.Tensor, *, group_size: int, eps: float):
+    """(r_i - mean_g) / (std_batch + eps): group baseline, the whole batch's std (unbiased)."""
+    r = _groups(scores, group_size)
+    centered = r - r.mean(dim=1, keepdim=True)  # (P, G)
+    return broadcast((centered / (scores.float().std() + eps)).view(-1), mask)
+
+
+@register_advantage("rloo")
+def rloo(scores: torch.Tensor, mask: torch.Tensor, *, group_size: int):
+    """RLOO (Ahmadian et al. 2024): r_i - mean of the other G - 1 rewards of its group
+    = G / (G - 1) * (r_i - mean_g)."""
+    G = group_size
+    if G < 2:
+        raise ValueError("rloo needs group_size >= 2")
+    r = _groups(scores, G)
+    baseline = (r.sum(dim=1, keepdim=True) - r) / (G - 1)  # (P, G) leave-one-out mean
+    return broadcast((r - baseline).view(-1), mask)
+
+
+@register_advantage("opo")
+def opo(scores: torch.Tensor, mask: torch.Tensor, *, group_size: int):
+    """OPO (Hao et al. 2025): r_i - b_g with the length-weighted baseline
+    b_g = sum_j L_j r_j / sum_j L_j (L = completion length), optimal for the sequence
+    policy gradient's variance."""
+    r = _groups(scores, group_size)
+    lengths = mask.sum(-1).float().view(-1, group_size).clamp(min=1)  # (P, G)
+    baseline = (lengths * r).sum(dim=1, keepdim=True) / lengths.sum(dim=1, keepdim=True)
+    return broadcast((r - baseline).view(-1), mask)
+
+
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float):
+    """R_t = sum_{t' >= t} gamma^(t' - t) r_t' over the row's completion tokens; (B, T_c)."""
+    r = torch.where(mask, token_rewards.float(), 0.0)
+    out = torch.zeros_like(r)
+    running = torch.zeros_like(r[:, 0])
+    for t in range(r.shape[1] - 1, -1, -1):
+        running = r[:, t] + gamma * running
+        out[:, t] = running
+    return torch.where(mask, out, 0.0)
+
+
+@register_advantage("reinforce_pp")
+def reinforce_pp(token_rewards: torch.Tensor, mask: torch.Tensor, *, eps: float, gamma: float):
+    """REINFORCE++ (Hu 2025): discounted returns of the token rewards (which carry the KL
+    penalty when loss.kl_in_reward > 0), whitened over all completion tokens of the batch."""
+    return _masked_whiten(discounted_returns(token_rewards, mask, gamma), mask, eps)
+
+
+@register_advantage("reinforce_pp_baseline")
+def reinforce_pp_baseline(
+    scores: torch.Tensor, mask: torch.Tensor, *, group_size: int, eps: float
+) -> torch.Tensor:
+    """REINFORCE++-baseline (Hu 2025): r_i - mean_g broadcast to the row's tokens, then
+    whitened over all completion tokens of the batch (a token-weighted global std)."""
+    r = _groups(scores, group_size)
+    centered = broadcast((r - r.mean(dim=1, keepdim=True)).view(-1), mask)  # (B, T_c)
+    return _masked_whiten(centered, mask, eps)
+
+
+def compute_advantages(
+    name: str,
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    group_size: int,
+    eps: float = 1e-4,
+    gamma: float = 1.0,
+    params: dict | None = None,
+) -> torch.Tensor:
+    """Run the estimator `name` and check what it returned.
+
+    Args:
+        name: registered name or ``package.module:function``.
+        token_rewards: (B, T_c) float rewards per completion token.
+        mask: (B, T_c) bool, True on completion tokens.
+        group_size: G.
+        eps, gamma: as in the module docstring.
+        params: extra keyword arguments (``loss.advantage_kwargs``).
+
+    Returns:
+        (B, T_c) float32 advantages, exactly 0 outside `mask`.
+
+    Raises:
+        GrpoError: the estimator returned the wrong shape or a non-finite value on a
+            completion token (named, with the first bad row).
+    """
+    mask = mask.bool()
+    token_rewards = torch.where(mask, token_rewards.float(), 0.0)  # nothing leaks from padding
+    inputs = {
+        "token_rewards": token_rewards,
+        "scores": token_rewards.sum(-1),  # (B,)
+        "mask": mask,
+        "group_size": group_size,
+        "eps": eps,
+        "gamma": gamma,
+        **(params or {}),
+    }
+    out = ADVANTAGES.call(name, inputs)
+    label = f"advantage estimator {name!r}"
+    if not isinstance(out, torch.Tensor):
+        raise GrpoError(f"{label} returned {type(out).__name__}, expected a (B, T_c) tensor")
+    if out.dim() == 1 and out.shape[0] == mask.shape[0]:  # (B,): one value per row
+        out = broadcast(out.float(), mask)
+    if out.shape != mask.shape:
+        raise GrpoError(
+            f"{label} returned shape {tuple(out.shape)}, expected (B, T_c) = {tuple(mask.shape)}"
+        )
+    bad = ~torch.isfinite(out) & mask
+    if bad.any():
+        row = int(bad.any(-1).nonzero()[0])
+        raise GrpoError(f"{label} returned a non-finite advantage at row {row}")
+    return torch.where(mask, out.float(), 0.0)
 
 
 def group_advantages(
@@ -12,26 +188,21 @@ def group_advantages(
     eps: float = 1e-4,
     batch_std: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A_i = (r_i - mean of its group) / (std + eps), or unscaled.
-
-    Rows of one group are adjacent: row b belongs to group b // G.
+    """Per-sequence group-relative advantages (B,): the `grpo` / `batch_std` / `dr_grpo`
+    estimators on one value per row.
 
     Args:
         rewards: (B,) total reward per completion, B = P*G.
         group_size: G.
         scale: "group" divides by the group's std (GRPO); "batch" by the std of the whole
-            batch (more robust when groups are small); "none" does not divide (Dr. GRPO).
-        eps: added to the std, so a group of equal rewards gets advantage 0, never NaN.
-        batch_std: with scale="batch", the std of the *global* batch (all ranks); computed
-            from `rewards` when None.
+            batch; "none" does not divide (Dr. GRPO).
+        eps: added to the std.
+        batch_std: with scale="batch", a std to use instead of this batch's (e.g. all ranks').
 
     Returns:
-        (B,) float32 advantages. std is the unbiased sample std (as TRL computes it).
+        (B,) float32 advantages.
     """
-    B = rewards.shape[0]
-    if B % group_size:
-        raise ValueError(f"{B} rewards do not split into groups of {group_size}")
-    r = rewards.float().view(-1, group_size)  # (P, G)
+    r = _groups(rewards, group_size)
     centered = r - r.mean(dim=1, keepdim=True)  # (P, G)
     if scale == "group":
         centered = centered / (r.std(dim=1, keepdim=True) + eps)
@@ -40,10 +211,26 @@ def group_advantages(
         centered = centered / (std + eps)
     elif scale != "none":
         raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
-    return centered.view(B)
+    return centered.view(-1)
 
 
 def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """(P,) bool: True for groups whose rewards are all equal (no learning signal)."""
     r = rewards.view(-1, group_size)
     return (r == r[:, :1]).all(dim=1)
+
+
+def check_estimator(name: str, params: dict | None = None) -> None:
+    """Fail early (before a run writes anything) on an unknown name or a bad parameter."""
+    ADVANTAGES.check_params(name, params or {}, set(INPUTS))
+
+
+__all__ = [
+    "broadcast",
+    "check_estimator",
+    "compute_advantages",
+    "discounted_returns",
+    "group_advantages",
+    "register_advantage",
+    "zero_std_groups",
+]

@@ -20,6 +20,7 @@ def head_logprobs(
     temperature: float = 1.0,
     impl: str = "auto",
     return_entropy: bool = False,
+    entropy_grad: bool = False,
 ):
     """log softmax(lm_head(hidden) / T)[targets] through the fused path.
 
@@ -29,7 +30,8 @@ def head_logprobs(
         targets: (N,) token ids.
         temperature: T > 0.
         impl: kernels implementation ("auto", "chunked", "naive", "triton").
-        return_entropy: also return the (N,) entropy (no grad), for metrics.
+        return_entropy: also return the (N,) entropy (no grad unless `entropy_grad`).
+        entropy_grad: make the entropy differentiable too (an entropy bonus in the loss).
 
     Returns:
         (N,) float32 log-probs, differentiable in hidden and the trainable head weights
@@ -48,7 +50,8 @@ def head_logprobs(
         targets.contiguous(),
         temperature=temperature,
         impl=impl,
-        return_entropy=return_entropy,
+        return_entropy=return_entropy or entropy_grad,
+        entropy_grad=entropy_grad,
     )
 
 
@@ -61,6 +64,7 @@ def completion_logprobs(
     temperature: float = 1.0,
     impl: str = "auto",
     return_entropy: bool = False,
+    entropy_grad: bool = False,
 ):
     """Log-probs of the completion tokens of a prompt+completion batch.
 
@@ -72,7 +76,8 @@ def completion_logprobs(
         completion_mask: (B, T_c) bool: which completion tokens to score.
         temperature: the sampling temperature the log-probs are taken at.
         impl: kernels implementation.
-        return_entropy: also return (B, T_c) per-token entropy (no grad).
+        return_entropy: also return (B, T_c) per-token entropy (no grad unless `entropy_grad`).
+        entropy_grad: differentiable entropy (for loss.entropy_coef > 0).
 
     Returns:
         (B, T_c) float32 log-probs, 0 where completion_mask is False [and the entropy].
@@ -81,8 +86,9 @@ def completion_logprobs(
     h = hidden[:, prompt_width - 1 : -1]  # (B, T_c, C): position t predicts token t + 1
     targets = ids[:, prompt_width:]  # (B, T_c)
     mask = completion_mask.bool()
+    return_entropy = return_entropy or entropy_grad
     out = head_logprobs(
-        model.lm_head, h[mask], targets[mask], temperature, impl, return_entropy
+        model.lm_head, h[mask], targets[mask], temperature, impl, return_entropy, entropy_grad
     )  # (N,) for the N counted tokens only
     logprobs, entropy = out if return_entropy else (out, None)
     full = torch.zeros(mask.shape, dtype=torch.float32, device=ids.device)
@@ -90,7 +96,8 @@ def completion_logprobs(
     if not return_entropy:
         return full
     ent = torch.zeros(mask.shape, dtype=torch.float32, device=ids.device)
-    return full, ent.masked_scatter(mask, entropy.detach().float())
+    entropy = entropy.float() if entropy_grad else entropy.detach().float()
+    return full, ent.masked_scatter(mask, entropy)
 
 
 class CompletionLogprobs(torch.nn.Module):
@@ -102,8 +109,8 @@ class CompletionLogprobs(torch.nn.Module):
         self.model = model
 
     def forward(self, ids, attention_mask, prompt_width, completion_mask, temperature=1.0,
-                return_entropy=False):  # fmt: skip
+                return_entropy=False, entropy_grad=False):  # fmt: skip
         return completion_logprobs(
             self.model, ids, attention_mask, prompt_width, completion_mask, temperature,
-            return_entropy=return_entropy,
+            return_entropy=return_entropy, entropy_grad=entropy_grad,
         )  # fmt: skip

@@ -1,58 +1,55 @@
-"""The GRPO objective as pure functions: importance ratios, clipped surrogate, KL, aggregation.
+"""The GRPO objective around a registered policy loss: KL, entropy, importance weights, aggregation.
 
-Per token t of completion i (log-ratios are log pi_theta - log pi_old):
+Per token t of completion i:
 
-    rho      = exp(logprobs - old_logprobs)                      importance_level="token"
-             = exp(mean_t(logprobs - old_logprobs)) per row      importance_level="sequence" (GSPO)
-    surr     = min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A)
-    surr     = max(surr, c * A)  where A < 0                       dual clip, c > 1
-    loss_t   = -surr + beta * KL_t(logprobs, ref_logprobs)
+    pg_t     = policy_loss(logprobs, old_logprobs, advantages, ...)    (`grpo.algo.policy_losses`)
+    pg_t     = w_t * pg_t,  w_t = min(pi_old_trainer / pi_sampler, tis_cap)   with loss.tis_cap
+    loss_t   = pg_t + beta * KL_t(logprobs, ref_logprobs) - entropy_coef * H_t
 
-and the KL estimators, with d = ref_logprobs - logprobs (samples come from pi_theta):
-
-    k1 = -d          k2 = d^2 / 2          k3 = exp(d) - d - 1  (>= 0, exact 0 at d = 0)
-
-Aggregation over the *global* batch (all micro-batches and ranks); each micro-batch returns
-its share, sum(...) / normalizer, so that accumulating micro-batches gives the full-batch
-gradient exactly:
+KL estimators are in `grpo.algo.kl`. Aggregation over the *global* batch (all micro-batches
+and ranks); each micro-batch returns its share, sum(...) / normalizer, so that accumulating
+micro-batches gives the full-batch gradient exactly:
 
     token_mean               sum_{i,t} loss_t / (number of completion tokens)        (DAPO)
     seq_mean_token_mean      sum_i (sum_t loss_t / len_i) / (number of completions)  (GRPO)
     seq_mean_token_sum_norm  sum_{i,t} loss_t / (number of completions * T_max)    (Dr. GRPO)
+
+Masked positions never reach the arithmetic: every input is replaced by 0 there (torch.where,
+not a multiplication) before the policy loss sees it, and sums select, so a NaN or inf at a
+padded position cannot poison the loss or its gradient.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
+
+from grpo.algo import policy_losses
+from grpo.algo.kl import kl_penalty
+from grpo.algo.registry import KL_ESTIMATORS, POLICY_LOSSES
+from grpo.errors import GrpoError
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 
 @dataclass(frozen=True)
 class LossSettings:
-    """The subset of `grpo.config.LossConfig` the loss reads (duck-typed: either works)."""
+    """The fields of `grpo.config.LossConfig` the loss reads (duck-typed: either works)."""
 
+    policy_loss: str = "clip"
+    policy_loss_kwargs: dict = field(default_factory=dict)
     beta: float = 0.0
     kl_estimator: str = "k3"
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
     dual_clip: float | None = None
-    importance_level: str = "token"
     aggregation: str = "token_mean"
-
-
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3"):
-    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (same shape)."""
-    d = ref_logprobs - logprobs
-    if estimator == "k1":
-        return -d
-    if estimator == "k2":
-        return 0.5 * d.square()
-    if estimator == "k3":
-        return torch.exp(d) - d - 1.0
-    raise ValueError(f"kl_estimator must be k1, k2 or k3, got {estimator!r}")
+    entropy_coef: float = 0.0
+    tis_cap: float | None = None
+    log_ratio_clamp: float | None = 20.0
+    kl_clamp: float | None = 10.0
 
 
 def loss_normalizer(completion_mask: torch.Tensor, aggregation: str, max_new_tokens: int) -> float:
@@ -73,14 +70,31 @@ def loss_normalizer(completion_mask: torch.Tensor, aggregation: str, max_new_tok
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, aggregation: str, normalizer: float):
-    """sum of masked per-token `values` (B, T_c) under `aggregation`, divided by normalizer."""
-    mask = mask.to(values.dtype)
+    """Sum of the masked per-token `values` (B, T_c) under `aggregation`, divided by normalizer.
+    Masked positions are selected away, never multiplied (a NaN there does not spread)."""
+    mask = mask.bool()
+    kept = torch.where(mask, values, torch.zeros((), dtype=values.dtype))
     if aggregation == "seq_mean_token_mean":
-        per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+        per_seq = kept.sum(-1) / mask.sum(-1).to(values.dtype).clamp(min=1)  # (B,)
         return per_seq.sum() / normalizer
     if aggregation in ("token_mean", "seq_mean_token_sum_norm"):
-        return (values * mask).sum() / normalizer
+        return kept.sum() / normalizer
     raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+
+
+def reduce_stat(name: str, values: torch.Tensor, mask: torch.Tensor) -> float:
+    """A per-token stat over the counted tokens: the max for names ending in ``_max``, the min
+    for ``_min``, else the mean."""
+    kept = values.detach().float()[mask]
+    if name.endswith("_max"):
+        return float(kept.max()) if kept.numel() else -math.inf
+    if name.endswith("_min"):
+        return float(kept.min()) if kept.numel() else math.inf
+    return float(kept.sum() / max(kept.numel(), 1))
+
+
+def _zero_masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def policy_loss(
@@ -93,74 +107,124 @@ def policy_loss(
     normalizer: float | None = None,
     max_new_tokens: int | None = None,
     entropy: torch.Tensor | None = None,
+    behaviour_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The clipped GRPO loss of one (micro-)batch and its statistics.
+    """The loss of one (micro-)batch under the configured policy loss, and its statistics.
 
     Args:
         logprobs: (B, T_c) log pi_theta of the sampled tokens (requires grad).
-        old_logprobs: (B, T_c) log pi_old, from the sampler (no grad).
-        ref_logprobs: (B, T_c) log pi_ref; None when cfg.beta == 0 (given with beta == 0, the
-            KL is measured for the stats but stays out of the loss).
-        advantages: (B,) one advantage per completion.
-        completion_mask: (B, T_c) bool, True = token counts (truncated rows already removed
-            when mask_truncated_completions is on).
+        old_logprobs: (B, T_c) log pi_old (no grad): the sampler's, or the trainer's recompute.
+        ref_logprobs: (B, T_c) log pi_ref, or None. With cfg.beta > 0 the KL enters the loss;
+            with beta == 0 it is only measured for the stats.
+        advantages: (B, T_c) token advantages, or (B,) one per completion (broadcast).
+        completion_mask: (B, T_c) bool, True = the token counts.
         cfg: a `LossConfig` / `LossSettings`.
         normalizer: the aggregation's denominator over the global batch; default: this batch's
             own (`loss_normalizer`), i.e. the batch is the whole batch.
         max_new_tokens: T_max for seq_mean_token_sum_norm (default: T_c).
-        entropy: (B, T_c) per-token entropy for the stats, if computed.
+        entropy: (B, T_c) per-token entropy: differentiable when cfg.entropy_coef > 0 (the
+            bonus), else for the stats only.
+        behaviour_logprobs: (B, T_c) the sampler's log-probs when `old_logprobs` are the
+            trainer's recompute; with cfg.tis_cap the policy loss is weighted by
+            min(exp(old_logprobs - behaviour_logprobs), tis_cap) (truncated IS).
 
     Returns:
-        loss (scalar, differentiable) and a dict of float stats over this batch's tokens:
-        policy_loss, kl, clip_frac_low, clip_frac_high, ratio_mean, ratio_max, [entropy].
+        loss (scalar, differentiable) and float stats over this batch's counted tokens:
+        policy_loss (this batch's share of the aggregated policy term), tokens, kl (when
+        ref_logprobs are given), entropy (when given), tis_weight_mean (with tis_cap), and whatever the policy loss returns (clip_frac_*, ratio_mean, ...).
+
+    Raises:
+        GrpoError: the policy loss returned the wrong shape, or a non-finite value at a counted
+            token from finite inputs.
     """
     mask = completion_mask.bool()  # (B, T_c)
-    fmask = mask.to(logprobs.dtype)
     if normalizer is None:
         normalizer = loss_normalizer(mask, cfg.aggregation, max_new_tokens or mask.shape[1])
     normalizer = max(float(normalizer), 1.0)
-
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand(mask.shape)
+    logprobs = _zero_masked(logprobs, mask)
+    old_logprobs = _zero_masked(old_logprobs.to(logprobs.dtype), mask)
+    advantages = _zero_masked(advantages.to(logprobs.dtype), mask)
     log_ratio = logprobs - old_logprobs  # (B, T_c)
-    if cfg.importance_level == "sequence":  # GSPO: one ratio per row, length-normalized
-        seq = (log_ratio * fmask).sum(-1, keepdim=True) / fmask.sum(-1, keepdim=True).clamp(min=1)
-        log_ratio = seq.expand_as(logprobs)  # (B, T_c), gradient flows to every token
-    elif cfg.importance_level != "token":
-        raise ValueError(f"importance_level must be token or sequence, got {cfg.importance_level}")
-    ratio = torch.exp(log_ratio)  # (B, T_c)
+    if cfg.log_ratio_clamp is not None:  # exp() stays finite; values inside are untouched
+        log_ratio = torch.clamp(log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
 
-    A = advantages.to(logprobs.dtype)[:, None]  # (B, 1)
-    clipped = torch.clamp(ratio, 1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high)
-    surrogate = torch.minimum(ratio * A, clipped * A)  # (B, T_c)
-    if cfg.dual_clip is not None:  # bound the loss of very unlikely negative-advantage tokens
-        surrogate = torch.where(A < 0, torch.maximum(surrogate, cfg.dual_clip * A), surrogate)
-    per_token = -surrogate
+    inputs = {
+        "logprobs": logprobs,
+        "old_logprobs": old_logprobs,
+        "log_ratio": log_ratio,
+        "advantages": advantages,
+        "mask": mask,
+        "epsilon_low": cfg.epsilon_low,
+        "epsilon_high": cfg.epsilon_high,
+        "dual_clip": cfg.dual_clip,
+        **(cfg.policy_loss_kwargs or {}),
+    }
+    out = POLICY_LOSSES.call(cfg.policy_loss, inputs)
+    pg, loss_stats = out if isinstance(out, tuple) else (out, {})
+    _check_output(cfg.policy_loss, pg, mask, logprobs, old_logprobs, advantages)
+
+    stats: dict[str, float] = {}
+    if cfg.tis_cap is not None and behaviour_logprobs is not None:
+        # pi_old (trainer numerics) / pi_sampler, truncated: corrects the sampler's mismatch
+        d = _zero_masked(old_logprobs - behaviour_logprobs.to(logprobs.dtype), mask)
+        w = torch.exp(torch.clamp(d, max=math.log(cfg.tis_cap)))  # (B, T_c) min(ratio, cap)
+        pg = pg * w.detach()
+        stats["tis_weight_mean"] = reduce_stat("tis_weight_mean", w, mask)
+    per_token = pg
     kl = None
     if cfg.beta > 0:
         if ref_logprobs is None:
             raise ValueError("beta > 0 needs ref_logprobs")
-        kl = kl_penalty(logprobs, ref_logprobs, cfg.kl_estimator)
+        ref = _zero_masked(ref_logprobs.to(logprobs.dtype), mask)
+        kl = kl_penalty(logprobs, ref, cfg.kl_estimator, cfg.log_ratio_clamp, cfg.kl_clamp)
         per_token = per_token + cfg.beta * kl
     elif ref_logprobs is not None:  # measured for the logs only: not part of the loss
         with torch.no_grad():
-            kl = kl_penalty(logprobs, ref_logprobs, cfg.kl_estimator)
+            ref = _zero_masked(ref_logprobs.to(logprobs.dtype), mask)
+            kl = kl_penalty(logprobs, ref, cfg.kl_estimator, cfg.log_ratio_clamp, cfg.kl_clamp)
+    if entropy is not None:
+        entropy = _zero_masked(entropy.to(logprobs.dtype), mask)
+        if cfg.entropy_coef:
+            per_token = per_token - cfg.entropy_coef * entropy
 
     loss = aggregate(per_token, mask, cfg.aggregation, normalizer)
 
     with torch.no_grad():
-        n = fmask.sum().clamp(min=1)
-        low = ((ratio < 1.0 - cfg.epsilon_low) & (A < 0) & mask).sum() / n
-        high = ((ratio > 1.0 + cfg.epsilon_high) & (A > 0) & mask).sum() / n
-        stats = {
-            "policy_loss": float(aggregate(-surrogate, mask, cfg.aggregation, normalizer)),
-            "kl": float((kl * fmask).sum() / n) if kl is not None else 0.0,
-            "clip_frac_low": float(low),
-            "clip_frac_high": float(high),
-            "ratio_mean": float((ratio * fmask).sum() / n),
-            "ratio_max": float(ratio.masked_fill(~mask, float("-inf")).max())
-            if mask.any()
-            else 1.0,
-            "tokens": float(fmask.sum()),
-        }
+        stats["policy_loss"] = float(aggregate(pg, mask, cfg.aggregation, normalizer))
+        if kl is not None:  # no reference, no KL: never a fake 0
+            stats["kl"] = reduce_stat("kl", kl, mask)
         if entropy is not None:
-            stats["entropy"] = float((entropy * fmask).sum() / n)
+            stats["entropy"] = reduce_stat("entropy", entropy, mask)
+        for name, values in loss_stats.items():
+            stats[name] = reduce_stat(name, values.expand(mask.shape), mask)
+        stats["tokens"] = float(mask.sum())
     return loss, stats
+
+
+def _check_output(name, pg, mask, *inputs) -> None:
+    """One clear line when a registered policy loss returns garbage."""
+    label = f"policy loss {name!r}"
+    if not isinstance(pg, torch.Tensor):
+        raise GrpoError(f"{label} returned {type(pg).__name__}, expected a (B, T_c) tensor")
+    if pg.shape != mask.shape:
+        raise GrpoError(f"{label} returned shape {tuple(pg.shape)}, expected {tuple(mask.shape)}")
+    bad = ~torch.isfinite(pg.detach()) & mask
+    if bad.any():
+        inputs_finite = all(bool(torch.isfinite(x.detach()[mask]).all()) for x in inputs)
+        if inputs_finite:  # the function's fault, not a diverged model's
+            row = int(bad.any(-1).nonzero()[0])
+            raise GrpoError(f"{label} returned a non-finite value at row {row} from finite inputs")
+
+
+def check_policy_loss(cfg) -> None:
+    """Fail early (before a run writes anything) on unknown names or parameters."""
+    POLICY_LOSSES.check_params(cfg.policy_loss, cfg.policy_loss_kwargs or {},
+                               set(policy_losses.INPUTS))  # fmt: skip
+    KL_ESTIMATORS.check_params(cfg.kl_estimator, {}, {"logprobs", "ref_logprobs"})
+
+
+# kept importable from here (older code and docs)
+__all__ = ["AGGREGATIONS", "LossSettings", "aggregate", "kl_penalty", "loss_normalizer",
+           "policy_loss", "reduce_stat"]  # fmt: skip

@@ -1,7 +1,10 @@
-"""The GRPO loop: rollout -> rewards -> advantages -> ref log-probs -> mu updates -> log -> save.
+"""The GRPO loop: rollout + rewards -> ref log-probs -> advantages -> [old log-probs] -> mu
+updates -> log -> save.
 
-Each phase is one function over plain values; `train_grpo` only sequences them. Shapes:
-P prompts per step, G completions per prompt, B = P*G rows, T_c completion tokens.
+Each phase is one function over plain values; `train_grpo` only sequences them. Reference
+log-probs come before advantages so that an estimator can put the KL into the reward
+(REINFORCE++). Shapes: P prompts per step, G completions per prompt, B = P*G rows, T_c
+completion tokens.
 """
 
 from __future__ import annotations
@@ -15,16 +18,19 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from grpo.algo.advantages import group_advantages, zero_std_groups
+from grpo.algo.advantages import check_estimator, compute_advantages, zero_std_groups
+from grpo.algo.kl import kl_penalty
 from grpo.algo.logprobs import CompletionLogprobs
-from grpo.algo.losses import loss_normalizer, policy_loss
+from grpo.algo.losses import check_policy_loss, loss_normalizer, policy_loss
 from grpo.config import Config
 from grpo.distributed import (
     SINGLE,
     all_gather_cat,
     all_reduce_max,
+    all_reduce_max_dict,
     all_reduce_mean_dict,
     all_reduce_sum,
+    all_reduce_sum_dict,
     device_for,
     init_distributed,
     no_sync,
@@ -56,13 +62,15 @@ class Batch:
 
     rollout: Rollout
     rows: list[dict]  # B dataset rows (each prompt's row repeated G times)
-    rewards: torch.Tensor  # (B,)
+    rewards: torch.Tensor  # (B,) total reward of each completion (its token rewards summed)
     per_fn: dict[str, torch.Tensor]  # name -> (B,)
-    advantages: torch.Tensor  # (B,)
     loss_mask: torch.Tensor  # (B, T_c) bool: completion_mask, minus truncated rows if asked
     texts: list[str]
     frac_zero_std: float
+    token_rewards: torch.Tensor | None = None  # (B, T_c); None: `rewards` on the last token
+    advantages: torch.Tensor | None = None  # (B, T_c) (or (B,), broadcast), from advantage_phase
     ref_logprobs: torch.Tensor | None = None  # (B, T_c)
+    old_logprobs: torch.Tensor | None = None  # (B, T_c) trainer recompute; None: the sampler's
 
 
 def derive_seed(*parts: int) -> int:
@@ -101,7 +109,7 @@ def select_rows(r: Rollout, idx: torch.Tensor) -> Rollout:
 def rollout_phase(
     cfg: Config, policy, sampler, rows, state, reward_fns, step: int, dist=SINGLE
 ) -> Batch:
-    """Sample G completions for P prompts, score them, compute advantages.
+    """Sample G completions for P prompts and score them (advantages come later).
 
     With loss.dynamic_sampling, groups whose rewards are all equal (no signal) are dropped and
     new prompts sampled in up to loss.max_sampling_rounds rounds; if still short, dropped
@@ -160,12 +168,6 @@ def rollout_phase(
     rollout = _cat_rollouts([k[0] for k in kept], policy.tokenizer.pad_token_id)
     rewards = torch.cat([k[2] for k in kept])
     per_fn = {name: torch.cat([k[3][name] for k in kept]) for name in kept[0][3]}
-    batch_std = None
-    if cfg.loss.advantage_scale == "batch":  # std over the global batch (all ranks)
-        batch_std = all_gather_cat(rewards, dist).std()
-    advantages = group_advantages(
-        rewards, G, cfg.loss.advantage_scale, cfg.loss.advantage_eps, batch_std=batch_std
-    )
     loss_mask = rollout.completion_mask.clone()
     if cfg.loss.mask_truncated_completions:
         loss_mask &= rollout.finished[:, None]
@@ -174,11 +176,53 @@ def rollout_phase(
         rows=[r for k in kept for r in k[1]],
         rewards=rewards,
         per_fn=per_fn,
-        advantages=advantages.to(rollout.ids.device),
         loss_mask=loss_mask,
         texts=[t for k in kept for t in k[4]],
         frac_zero_std=frac_zero,
+        token_rewards=outcome_token_rewards(rewards, rollout.completion_mask),
     )
+
+
+def outcome_token_rewards(rewards: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) sequence rewards -> (B, T_c) token rewards: each on its row's last completion token."""
+    B, T = completion_mask.shape
+    out = torch.zeros(B, T, dtype=torch.float32, device=completion_mask.device)
+    if T == 0:
+        return out
+    last = (completion_mask.long().sum(-1) - 1).clamp(min=0)  # (B,)
+    return out.scatter(1, last[:, None], rewards.float().to(out.device)[:, None])
+
+
+def advantage_phase(cfg: Config, batch: Batch, dist=SINGLE, step: int | None = None) -> None:
+    """batch.advantages (B, T_c) from the configured estimator over the *global* batch.
+
+    Token rewards (minus loss.kl_in_reward * KL_t when set) of every rank are gathered, padded
+    to the longest completion, so that batch statistics (batch_std, reinforce_pp, ...) are those
+    of the combined batch; each rank keeps its own rows.
+    """
+    r = batch.rollout
+    mask = r.completion_mask
+    device = r.ids.device
+    if batch.token_rewards is None:
+        batch.token_rewards = outcome_token_rewards(batch.rewards, mask)
+    token_rewards = batch.token_rewards.to(device)
+    if cfg.loss.kl_in_reward > 0:  # REINFORCE++: KL(pi_old || ref) per token in the reward
+        kl = kl_penalty(r.logprobs, batch.ref_logprobs, cfg.loss.kl_estimator,
+                        cfg.loss.log_ratio_clamp, cfg.loss.kl_clamp)  # fmt: skip
+        token_rewards = token_rewards - cfg.loss.kl_in_reward * torch.where(mask, kl, 0.0)
+    B, T = mask.shape
+    T_max = int(all_reduce_max(T, dist, device))
+    pad = (0, T_max - T)
+    all_rewards = all_gather_cat(torch.nn.functional.pad(token_rewards.float(), pad), dist)
+    all_mask = all_gather_cat(torch.nn.functional.pad(mask.float(), pad), dist).bool()
+    try:
+        adv = compute_advantages(
+            cfg.loss.advantage, all_rewards, all_mask, group_size=cfg.rollout.group_size,
+            eps=cfg.loss.advantage_eps, gamma=cfg.loss.gamma, params=cfg.loss.advantage_kwargs,
+        )  # fmt: skip
+    except GrpoError as e:
+        raise GrpoError(f"step {step}: {e}" if step is not None else str(e)) from None
+    batch.advantages = adv[dist.rank * B : (dist.rank + 1) * B, :T].to(device)  # (B, T_c)
 
 
 def _cat_rollouts(pieces: list[Rollout], pad_id: int) -> Rollout:
@@ -216,7 +260,8 @@ def micro_batches(B: int, size: int):
         yield slice(start, min(B, start + size))
 
 
-def _logprobs(cfg: Config, scorer, batch: Batch, sl: slice, entropy: bool = False):
+def _logprobs(cfg: Config, scorer, batch: Batch, sl: slice, entropy: bool = False,
+              entropy_grad: bool = False):  # fmt: skip
     """(micro-batch) completion log-probs through `scorer` (a CompletionLogprobs, maybe DDP)."""
     r = batch.rollout
     device = r.ids.device
@@ -228,19 +273,20 @@ def _logprobs(cfg: Config, scorer, batch: Batch, sl: slice, entropy: bool = Fals
             batch.loss_mask[sl],
             cfg.rollout.temperature or 1.0,  # greedy rollouts are scored at T = 1
             return_entropy=entropy,
+            entropy_grad=entropy_grad,
         )
 
 
-@torch.no_grad()
 def kl_measured(cfg: Config, step: int | None) -> bool:
-    """Whether the update that makes `step` (1-based) measures KL to the reference: every
-    step with loss.beta > 0, else every log.kl_every-th step (never when it is 0)."""
-    if cfg.loss.beta > 0:
+    """Whether the step (1-based) computes reference log-probs: every step when the loss or
+    the reward uses the KL, else every log.kl_every-th step (never when it is 0)."""
+    if cfg.loss.needs_reference:
         return True
     every = cfg.log.kl_every
     return bool(every) and step is not None and step % every == 0
 
 
+@torch.no_grad()
 def reference_phase(cfg: Config, policy, batch: Batch, step: int | None = None) -> None:
     """ref log-probs (B, T_c): the base model via disabled LoRA, or the frozen copy; only on
     the steps that need them (`kl_measured`)."""
@@ -258,14 +304,63 @@ def reference_phase(cfg: Config, policy, batch: Batch, step: int | None = None) 
     batch.ref_logprobs = torch.cat(parts)
 
 
+@torch.no_grad()
+def old_logprobs_phase(cfg: Config, policy, batch: Batch) -> None:
+    """With loss.tis_cap: pi_old as the trainer computes it (no grad, the sampler's eval mode),
+    so the loss can weight by min(pi_old_trainer / pi_sampler, cap) (truncated IS)."""
+    if cfg.loss.tis_cap is None:
+        return
+    mb = cfg.train.micro_batch_size or cfg.train.batch_size
+    B = batch.rollout.ids.shape[0]
+    scorer = CompletionLogprobs(policy.model)
+    batch.old_logprobs = torch.cat([_logprobs(cfg, scorer, batch, sl)
+                                    for sl in micro_batches(B, mb)])  # fmt: skip
+
+
+class StatSums:
+    """Token-weighted sums of a loss's float stats over micro-batches, passes and ranks, so that
+    ``train/<name>`` is the mean over all counted tokens (max / min for ``_max`` / ``_min``)."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.extremes: dict[str, float] = {}
+        self.tokens = 0.0
+
+    def add(self, stats: dict[str, float]) -> None:
+        w = stats["tokens"]
+        self.tokens += w
+        for k, v in stats.items():
+            if k in ("tokens", "policy_loss"):
+                continue
+            if k.endswith("_max") or k.endswith("_min"):
+                pick = max if k.endswith("_max") else min
+                self.extremes[k] = pick(self.extremes.get(k, v), v)
+            else:
+                self.sums[k] = self.sums.get(k, 0.0) + v * w
+
+    def reduce(self, dist, device) -> dict[str, float]:
+        sums = all_reduce_sum_dict({**self.sums, "__tokens": self.tokens}, dist, device)
+        n = max(sums.pop("__tokens"), 1.0)
+        out = {f"train/{k}": v / n for k, v in sums.items()}
+        maxes = {k: v for k, v in self.extremes.items() if k.endswith("_max")}
+        mins = {k: -v for k, v in self.extremes.items() if k.endswith("_min")}
+        both = all_reduce_max_dict({**maxes, **mins}, dist, device)  # min = -max(-x)
+        for k, v in both.items():
+            v = -v if k.endswith("_min") else v
+            out[f"train/{k}"] = v if math.isfinite(v) else float("nan")  # no counted token
+        return out
+
+
 def update_phase(
-    cfg: Config, policy, batch: Batch, optimizer, scheduler, params, scorer=None, dist=SINGLE
-) -> dict:
+    cfg: Config, policy, batch: Batch, optimizer, scheduler, params, scorer=None, dist=SINGLE,
+    step: int | None = None,
+) -> dict:  # fmt: skip
     """mu passes over the batch; each pass is one optimizer step over all micro-batches.
 
     Under DDP the aggregation's normalizer is summed over ranks and each rank's loss is
     multiplied by the world size (DDP averages gradients), so the update equals the
     single-process update on the combined batch; gradients sync on the last micro-batch only.
+    Stats are whatever the policy loss returns, token-weighted over the global batch.
     """
     model = policy.model
     scorer = scorer if scorer is not None else CompletionLogprobs(model)
@@ -275,34 +370,38 @@ def update_phase(
     norm = loss_normalizer(batch.loss_mask, cfg.loss.aggregation, cfg.rollout.max_new_tokens)
     norm = all_reduce_sum(norm, dist, batch.rollout.ids.device)
     slices = list(micro_batches(B, mb))
-    sums: dict[str, float] = {}
-    ratio_max, losses, grad_norms, skipped = 0.0, [], [], 0
+    sampler_logprobs = batch.rollout.logprobs
+    old = batch.old_logprobs if batch.old_logprobs is not None else sampler_logprobs
+    sums = StatSums()
+    policy_share, losses, grad_norms, skipped = 0.0, [], [], 0
     for _ in range(cfg.loss.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for i, sl in enumerate(slices):
             ref = batch.ref_logprobs[sl] if batch.ref_logprobs is not None else None
             with no_sync(scorer, skip=i < len(slices) - 1):
-                logprobs, entropy = _logprobs(cfg, scorer, batch, sl, entropy=True)
-                loss, st = policy_loss(
-                    logprobs,
-                    batch.rollout.logprobs[sl],
-                    ref,
-                    batch.advantages[sl],
-                    batch.loss_mask[sl],
-                    cfg.loss,
-                    normalizer=norm,
-                    max_new_tokens=cfg.rollout.max_new_tokens,
-                    entropy=entropy,
+                logprobs, entropy = _logprobs(
+                    cfg, scorer, batch, sl, entropy=True, entropy_grad=cfg.loss.entropy_coef > 0
                 )
+                try:
+                    loss, st = policy_loss(
+                        logprobs,
+                        old[sl],
+                        ref,
+                        batch.advantages[sl],
+                        batch.loss_mask[sl],
+                        cfg.loss,
+                        normalizer=norm,
+                        max_new_tokens=cfg.rollout.max_new_tokens,
+                        entropy=entropy,
+                        behaviour_logprobs=sampler_logprobs[sl],
+                    )
+                except GrpoError as e:
+                    raise GrpoError(f"step {step}: {e}" if step is not None else str(e)) from None
                 (loss * dist.world_size).backward()  # DDP averages; we want the sum
             total += loss.item()
-            w = st["tokens"]
-            for k in ("kl", "clip_frac_low", "clip_frac_high", "ratio_mean", "entropy"):
-                sums[k] = sums.get(k, 0.0) + st.get(k, 0.0) * w
-            sums["tokens"] = sums.get("tokens", 0.0) + w
-            sums["policy_loss"] = sums.get("policy_loss", 0.0) + st["policy_loss"]
-            ratio_max = max(ratio_max, st["ratio_max"])
+            policy_share += st["policy_loss"]
+            sums.add(st)
         max_norm = cfg.optim.max_grad_norm or math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         finite = math.isfinite(grad_norm) and math.isfinite(total)
@@ -317,31 +416,24 @@ def update_phase(
         losses.append(total)
         grad_norms.append(grad_norm)
     model.eval()
-    mu, n = max(len(losses), 1), max(sums.get("tokens", 0.0), 1.0)
-    out = {f"train/{k}": sums.get(k, 0.0) / n for k in ("clip_frac_low", "clip_frac_high")}
-    if batch.ref_logprobs is not None:  # a step without a reference has no KL to report
-        out["train/kl"] = sums.get("kl", 0.0) / n
+    device = batch.rollout.ids.device
+    mu = max(len(losses), 1)
+    out = sums.reduce(dist, device)
+    # every rank's loss is its share of the global loss: sum the shares over ranks
+    shares = all_reduce_sum_dict({"loss": sum(losses), "policy_loss": policy_share}, dist, device)
     out.update(
         {
-            "train/loss": sum(losses) / mu,
-            "train/policy_loss": sums.get("policy_loss", 0.0) / mu,
-            "train/ratio_mean": sums.get("ratio_mean", 0.0) / n,
-            "train/ratio_max": ratio_max,
-            "train/entropy": sums.get("entropy", 0.0) / n,
+            "train/loss": shares["loss"] / mu,
+            "train/policy_loss": shares["policy_loss"] / mu,
             "train/grad_norm": sum(grad_norms) / mu if grad_norms else float("nan"),
-            "train/nonfinite_skipped": skipped,
+            "train/nonfinite_skipped": skipped,  # the same on every rank
             "train/lr": scheduler.get_last_lr()[0],
         }
     )
-    if dist.enabled:  # every rank's loss is its share of the global loss: sum them
-        device = batch.rollout.ids.device
-        keys = ("train/loss", "train/policy_loss", "train/ratio_max", "train/nonfinite_skipped")
-        shares = {k: out.pop(k) for k in keys}
-        out = all_reduce_mean_dict(out, dist, device)
-        out["train/loss"] = all_reduce_sum(shares["train/loss"], dist, device)
-        out["train/policy_loss"] = all_reduce_sum(shares["train/policy_loss"], dist, device)
-        out["train/ratio_max"] = all_reduce_max(shares["train/ratio_max"], dist, device)
-        out["train/nonfinite_skipped"] = shares["train/nonfinite_skipped"]  # same on all ranks
+    if dist.enabled:  # grad norms are of the synced gradients, equal on all ranks
+        out["train/grad_norm"] = all_reduce_mean_dict(
+            {"g": out["train/grad_norm"]}, dist, device
+        )["g"]
     return out
 
 
@@ -387,7 +479,9 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
     device = device_for(dist, resolve_device(cfg.model.device))
     seed_everything(cfg.train.seed)
     ckpt = resume_checkpoint(cfg, resume)
-    policy = build_policy(cfg, device, need_ref=cfg.loss.beta > 0 or cfg.log.kl_every > 0)
+    check_estimator(cfg.loss.advantage, cfg.loss.advantage_kwargs)  # before anything is written
+    check_policy_loss(cfg.loss)
+    policy = build_policy(cfg, device, need_ref=cfg.loss.needs_reference or cfg.log.kl_every > 0)
     rows = load_rows(cfg, cfg.data.split, cfg.data.max_samples, "rl", policy.tokenizer)
     eval_rows = None
     if cfg.data.eval_samples and dist.is_main:
@@ -421,9 +515,15 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
         batch = rollout_phase(cfg, policy, sampler, rows, state, reward_fns, state.step, dist)
         t1 = time.perf_counter()
         reference_phase(cfg, policy, batch, state.step + 1)
+        advantage_phase(cfg, batch, dist, state.step + 1)
+        old_logprobs_phase(cfg, policy, batch)
         t2 = time.perf_counter()
         metrics = all_reduce_mean_dict(rollout_metrics(batch, G), dist, device)
-        metrics.update(update_phase(cfg, policy, batch, optimizer, scheduler, params, scorer, dist))
+        metrics.update(
+            update_phase(
+                cfg, policy, batch, optimizer, scheduler, params, scorer, dist, state.step + 1
+            )
+        )
         t3 = time.perf_counter()
         state.step += 1
         tokens = all_reduce_sum(int(batch.rollout.completion_mask.sum()), dist, device)

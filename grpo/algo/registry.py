@@ -1,0 +1,152 @@
+"""Name -> function registries for the algorithm's plug-in points, and keyword binding.
+
+A variant is one function plus one decorator:
+
+    @register_advantage("my_adv")
+    def my_adv(scores, mask, *, group_size, eps): ...
+
+Configs select it by name (``loss.advantage: my_adv``) or by ``package.module:function``
+(imported on first use, no registration needed). A registered function declares the inputs it
+wants by parameter name; `call` passes only those (unless it takes ``**kwargs``), so adding an
+input later never breaks an existing variant. The inputs each registry offers are listed in
+`grpo.algo.advantages`, `grpo.algo.policy_losses` and `grpo.algo.kl`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from grpo.errors import GrpoError
+
+
+class Registry:
+    """Functions of one kind (e.g. "advantage estimator") by name."""
+
+    def __init__(self, kind: str, config_key: str):
+        self.kind = kind  # for messages: "advantage estimator"
+        self.config_key = config_key  # for messages: "loss.advantage"
+        self._fns: dict[str, Callable[..., Any]] = {}
+
+    def register(self, name: str, *, overwrite: bool = False):
+        """Decorator: make the function available as `name`."""
+        if not isinstance(name, str) or not name or ":" in name:
+            raise GrpoError(f"{self.kind} name must be a non-empty string without ':', got {name!r}")
+
+        def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+            if not callable(fn):
+                raise GrpoError(f"{self.kind} {name!r}: expected a function, got {type(fn)}")
+            if name in self._fns and not overwrite and self._fns[name] is not fn:
+                raise GrpoError(
+                    f"{self.kind} {name!r} is already registered; pass overwrite=True to replace it"
+                )
+            self._fns[name] = fn
+            return fn
+
+        return deco
+
+    def names(self) -> list[str]:
+        return sorted(self._fns)
+
+    def get(self, spec: str | Callable[..., Any]) -> Callable[..., Any]:
+        """The function for a registered name, a ``package.module:function`` path or a callable."""
+        if callable(spec):
+            return spec
+        if not isinstance(spec, str):
+            raise GrpoError(f"{self.config_key}: expected a name, got {spec!r}")
+        if spec in self._fns:
+            return self._fns[spec]
+        if ":" in spec:
+            return _import(spec, self.config_key)
+        raise GrpoError(
+            f"{self.config_key}: unknown {self.kind} {spec!r}; registered: "
+            f"{', '.join(self.names())} (or a 'package.module:function' path)"
+        )
+
+    def check_params(self, spec: str, params: Mapping[str, Any], offered: set[str]) -> None:
+        """Fail now, naming the key, if `params` holds a name the function does not accept or
+        if the function needs an argument that neither the registry nor `params` provides."""
+        fn = self.get(spec)
+        sig = _signature(fn)
+        if sig is None:
+            return
+        accepts_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+        names = [n for n, p in sig.parameters.items() if p.kind not in (p.VAR_POSITIONAL,
+                                                                         p.VAR_KEYWORD)]  # fmt: skip
+        if not accepts_any:
+            for key in params:
+                if key not in names:
+                    raise GrpoError(
+                        f"{self.config_key}_kwargs: {key!r} is not a parameter of {self.kind} "
+                        f"{spec!r} (parameters: {', '.join(names) or 'none'})"
+                    )
+        for n, p in sig.parameters.items():
+            missing = p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+            if missing and n not in offered and n not in params:
+                raise GrpoError(
+                    f"{self.config_key}: {self.kind} {spec!r} needs argument {n!r}, which is not "
+                    f"an input ({', '.join(sorted(offered))}); set it in {self.config_key}_kwargs"
+                )
+
+    def call(self, spec: str | Callable[..., Any], inputs: Mapping[str, Any]) -> Any:
+        """Call the function with the subset of `inputs` its signature names."""
+        fn = self.get(spec)
+        sig = _signature(fn)
+        if sig is None or any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+            return fn(**inputs)
+        return fn(**{k: v for k, v in inputs.items() if k in sig.parameters})
+
+
+def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature: pass everything
+        return None
+
+
+def _import(path: str, config_key: str) -> Callable[..., Any]:
+    """The callable at ``package.module:function``."""
+    module_name, _, attr = path.rpartition(":")
+    if not module_name or not attr:
+        raise GrpoError(f"{config_key}: {path!r}: expected 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise GrpoError(
+            f"{config_key}: cannot import module {module_name!r} of {path!r}: "
+            f"{type(e).__name__}: {e}"
+        ) from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise GrpoError(f"{config_key}: module {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise GrpoError(f"{config_key}: {path!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+ADVANTAGES = Registry("advantage estimator", "loss.advantage")
+POLICY_LOSSES = Registry("policy loss", "loss.policy_loss")
+KL_ESTIMATORS = Registry("KL estimator", "loss.kl_estimator")
+
+
+def register_advantage(name: str, *, overwrite: bool = False):
+    """Decorator: an advantage estimator selectable as ``loss.advantage: name``.
+
+    The function returns (B, T_c) advantages (see `grpo.algo.advantages` for its inputs)."""
+    return ADVANTAGES.register(name, overwrite=overwrite)
+
+
+def register_policy_loss(name: str, *, overwrite: bool = False):
+    """Decorator: a policy loss selectable as ``loss.policy_loss: name``.
+
+    The function returns (B, T_c) per-token losses, optionally with a dict of (B, T_c)
+    per-token stats (see `grpo.algo.policy_losses` for its inputs)."""
+    return POLICY_LOSSES.register(name, overwrite=overwrite)
+
+
+def register_kl(name: str, *, overwrite: bool = False):
+    """Decorator: a KL estimator ``fn(logprobs, ref_logprobs) -> (B, T_c)`` selectable as
+    ``loss.kl_estimator: name``."""
+    return KL_ESTIMATORS.register(name, overwrite=overwrite)
