@@ -167,7 +167,7 @@ class LossConfig:
         _check(self.advantage_eps > 0, "loss.advantage_eps", "must be > 0")
         _check(self.num_iterations >= 1, "loss.num_iterations", "must be >= 1")
         _check(self.max_sampling_rounds >= 1, "loss.max_sampling_rounds", "must be >= 1")
-        _check(self.kl_in_reward >= 0, "loss.kl_in_reward", f"must be >= 0, got {self.kl_in_reward}")
+        _check(self.kl_in_reward >= 0, "loss.kl_in_reward", f"must be >= 0: {self.kl_in_reward}")
         _check(0 < self.gamma <= 1, "loss.gamma", f"must be in (0, 1], got {self.gamma}")
         _check(self.entropy_coef >= 0, "loss.entropy_coef", "must be >= 0")
         if self.tis_cap is not None:

@@ -131,7 +131,8 @@ def policy_loss(
     Returns:
         loss (scalar, differentiable) and float stats over this batch's counted tokens:
         policy_loss (this batch's share of the aggregated policy term), tokens, kl (when
-        ref_logprobs are given), entropy (when given), tis_weight_mean (with tis_cap), and whatever the policy loss returns (clip_frac_*, ratio_mean, ...).
+        ref_logprobs are given), entropy (when given), tis_weight_mean (with tis_cap), and
+        whatever the policy loss returns (clip_frac_*, ratio_mean, ...).
 
     Raises:
         GrpoError: the policy loss returned the wrong shape, or a non-finite value at a counted

@@ -33,7 +33,7 @@ class Registry:
     def register(self, name: str, *, overwrite: bool = False):
         """Decorator: make the function available as `name`."""
         if not isinstance(name, str) or not name or ":" in name:
-            raise GrpoError(f"{self.kind} name must be a non-empty string without ':', got {name!r}")
+            raise GrpoError(f"{self.kind} name must be a non-empty string without ':': {name!r}")
 
         def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
             if not callable(fn):
@@ -73,8 +73,8 @@ class Registry:
         if sig is None:
             return
         accepts_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
-        names = [n for n, p in sig.parameters.items() if p.kind not in (p.VAR_POSITIONAL,
-                                                                         p.VAR_KEYWORD)]  # fmt: skip
+        variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        names = [n for n, p in sig.parameters.items() if p.kind not in variadic]
         if not accepts_any:
             for key in params:
                 if key not in names:
