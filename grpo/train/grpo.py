@@ -431,9 +431,9 @@ def update_phase(
         }
     )
     if dist.enabled:  # grad norms are of the synced gradients, equal on all ranks
-        out["train/grad_norm"] = all_reduce_mean_dict(
-            {"g": out["train/grad_norm"]}, dist, device
-        )["g"]
+        out["train/grad_norm"] = all_reduce_mean_dict({"g": out["train/grad_norm"]}, dist, device)[
+            "g"
+        ]
     return out
 
 
