@@ -51,7 +51,7 @@ def _masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float) -> torc
     return (values - x.mean()) / (x.std() + eps)
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", claims=("shift_invariant", "group_zero_sum"))
 def grpo(scores: torch.Tensor, mask: torch.Tensor, *, group_size: int, eps: float):
     """GRPO (Shao et al. 2024): (r_i - mean_g) / (std_g + eps), unbiased std of the group."""
     r = _groups(scores, group_size)
@@ -59,14 +59,14 @@ def grpo(scores: torch.Tensor, mask: torch.Tensor, *, group_size: int, eps: floa
     return broadcast(a.view(-1), mask)
 
 
-@register_advantage("dr_grpo")
+@register_advantage("dr_grpo", claims=("shift_invariant", "group_zero_sum"))
 def dr_grpo(scores: torch.Tensor, mask: torch.Tensor, *, group_size: int):
     """Dr. GRPO (Liu et al. 2025): r_i - mean_g, no division by the std."""
     r = _groups(scores, group_size)
     return broadcast((r - r.mean(dim=1, keepdim=True)).view(-1), mask)
 
 
-@register_advantage("batch_std")
+@register_advantage("batch_std", claims=("shift_invariant", "group_zero_sum"))
 def batch_std(scores: torch.Tensor, mask: torch.Tensor, *, group_size: int, eps: float):
     """(r_i - mean_g) / (std_batch + eps): group baseline, the whole batch's std (unbiased)."""
     r = _groups(scores, group_size)
@@ -74,7 +74,7 @@ def batch_std(scores: torch.Tensor, mask: torch.Tensor, *, group_size: int, eps:
     return broadcast((centered / (scores.float().std() + eps)).view(-1), mask)
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", claims=("shift_invariant", "group_zero_sum"))
 def rloo(scores: torch.Tensor, mask: torch.Tensor, *, group_size: int):
     """RLOO (Ahmadian et al. 2024): r_i - mean of the other G - 1 rewards of its group
     = G / (G - 1) * (r_i - mean_g)."""
@@ -86,7 +86,7 @@ def rloo(scores: torch.Tensor, mask: torch.Tensor, *, group_size: int):
     return broadcast((r - baseline).view(-1), mask)
 
 
-@register_advantage("opo")
+@register_advantage("opo", claims=("shift_invariant",))
 def opo(scores: torch.Tensor, mask: torch.Tensor, *, group_size: int):
     """OPO (Hao et al. 2025): r_i - b_g with the length-weighted baseline
     b_g = sum_j L_j r_j / sum_j L_j (L = completion length), optimal for the sequence
@@ -108,14 +108,14 @@ def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: f
     return torch.where(mask, out, 0.0)
 
 
-@register_advantage("reinforce_pp")
+@register_advantage("reinforce_pp", claims=("shift_invariant",))
 def reinforce_pp(token_rewards: torch.Tensor, mask: torch.Tensor, *, eps: float, gamma: float):
     """REINFORCE++ (Hu 2025): discounted returns of the token rewards (which carry the KL
     penalty when loss.kl_in_reward > 0), whitened over all completion tokens of the batch."""
     return _masked_whiten(discounted_returns(token_rewards, mask, gamma), mask, eps)
 
 
-@register_advantage("reinforce_pp_baseline")
+@register_advantage("reinforce_pp_baseline", claims=("shift_invariant",))
 def reinforce_pp_baseline(
     scores: torch.Tensor, mask: torch.Tensor, *, group_size: int, eps: float
 ) -> torch.Tensor:

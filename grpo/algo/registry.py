@@ -29,9 +29,13 @@ class Registry:
         self.kind = kind  # for messages: "advantage estimator"
         self.config_key = config_key  # for messages: "loss.advantage"
         self._fns: dict[str, Callable[..., Any]] = {}
+        self._claims: dict[str, frozenset[str]] = {}
 
-    def register(self, name: str, *, overwrite: bool = False):
-        """Decorator: make the function available as `name`."""
+    def register(self, name: str, *, overwrite: bool = False, claims: tuple[str, ...] = ()):
+        """Decorator: make the function available as `name`.
+
+        `claims` are properties the conformance suite (tests/test_algo_conformance.py) then
+        checks for this entry, e.g. "shift_invariant" or "group_zero_sum" for estimators."""
         if not isinstance(name, str) or not name or ":" in name:
             raise GrpoError(f"{self.kind} name must be a non-empty string without ':': {name!r}")
 
@@ -43,12 +47,17 @@ class Registry:
                     f"{self.kind} {name!r} is already registered; pass overwrite=True to replace it"
                 )
             self._fns[name] = fn
+            self._claims[name] = frozenset(claims)
             return fn
 
         return deco
 
     def names(self) -> list[str]:
         return sorted(self._fns)
+
+    def claims(self, name: str) -> frozenset[str]:
+        """The properties `name` was registered with."""
+        return self._claims.get(name, frozenset())
 
     def get(self, spec: str | Callable[..., Any]) -> Callable[..., Any]:
         """The function for a registered name, a ``package.module:function`` path or a callable."""
@@ -131,11 +140,14 @@ POLICY_LOSSES = Registry("policy loss", "loss.policy_loss")
 KL_ESTIMATORS = Registry("KL estimator", "loss.kl_estimator")
 
 
-def register_advantage(name: str, *, overwrite: bool = False):
+def register_advantage(name: str, *, overwrite: bool = False, claims: tuple[str, ...] = ()):
     """Decorator: an advantage estimator selectable as ``loss.advantage: name``.
 
-    The function returns (B, T_c) advantages (see `grpo.algo.advantages` for its inputs)."""
-    return ADVANTAGES.register(name, overwrite=overwrite)
+    The function returns (B, T_c) advantages (see `grpo.algo.advantages` for its inputs).
+    claims: properties the conformance suite checks: "shift_invariant" (adding a constant to
+    every reward changes nothing), "group_zero_sum" (each group's per-row advantages sum to 0).
+    """
+    return ADVANTAGES.register(name, overwrite=overwrite, claims=claims)
 
 
 def register_policy_loss(name: str, *, overwrite: bool = False):

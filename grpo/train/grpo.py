@@ -210,19 +210,26 @@ def advantage_phase(cfg: Config, batch: Batch, dist=SINGLE, step: int | None = N
         kl = kl_penalty(r.logprobs, batch.ref_logprobs, cfg.loss.kl_estimator,
                         cfg.loss.log_ratio_clamp, cfg.loss.kl_clamp)  # fmt: skip
         token_rewards = token_rewards - cfg.loss.kl_in_reward * torch.where(mask, kl, 0.0)
+    try:
+        batch.advantages = global_advantages(cfg, token_rewards, mask, dist)
+    except GrpoError as e:
+        raise GrpoError(f"step {step}: {e}" if step is not None else str(e)) from None
+
+
+def global_advantages(cfg: Config, token_rewards, mask, dist=SINGLE) -> torch.Tensor:
+    """This rank's (B, T_c) rows of the estimator run on all ranks' rows (rank order), each
+    rank's tensors padded to the longest T_c (padding is masked out)."""
     B, T = mask.shape
+    device = token_rewards.device
     T_max = int(all_reduce_max(T, dist, device))
     pad = (0, T_max - T)
     all_rewards = all_gather_cat(torch.nn.functional.pad(token_rewards.float(), pad), dist)
     all_mask = all_gather_cat(torch.nn.functional.pad(mask.float(), pad), dist).bool()
-    try:
-        adv = compute_advantages(
-            cfg.loss.advantage, all_rewards, all_mask, group_size=cfg.rollout.group_size,
-            eps=cfg.loss.advantage_eps, gamma=cfg.loss.gamma, params=cfg.loss.advantage_kwargs,
-        )  # fmt: skip
-    except GrpoError as e:
-        raise GrpoError(f"step {step}: {e}" if step is not None else str(e)) from None
-    batch.advantages = adv[dist.rank * B : (dist.rank + 1) * B, :T].to(device)  # (B, T_c)
+    adv = compute_advantages(
+        cfg.loss.advantage, all_rewards, all_mask, group_size=cfg.rollout.group_size,
+        eps=cfg.loss.advantage_eps, gamma=cfg.loss.gamma, params=cfg.loss.advantage_kwargs,
+    )  # fmt: skip
+    return adv[dist.rank * B : (dist.rank + 1) * B, :T]  # (B, T_c)
 
 
 def _cat_rollouts(pieces: list[Rollout], pad_id: int) -> Rollout:
