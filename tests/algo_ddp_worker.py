@@ -57,8 +57,8 @@ def main(out_path: str) -> None:
     mine = {k: v[rows, :width] for k, v in x.items()}
     result: dict = {"advantages": {}, "grads": {}, "losses": {}, "stats": {}}
     for name in ADVANTAGES.names():
-        cfg = load_config(base={"model": {"path": "unused"}},
-                          overrides=[f"loss.advantage={name}", f"rollout.group_size={G}"])  # fmt: skip
+        overrides = [f"loss.advantage={name}", f"rollout.group_size={G}"]
+        cfg = load_config(base={"model": {"path": "unused"}}, overrides=overrides)
         adv = global_advantages(cfg, mine["token_rewards"], mine["mask"], dist)
         parts = gather_objects(torch.nn.functional.pad(adv, (0, T - width)).tolist(), dist)
         result["advantages"][name] = [row for part in parts for row in part]
