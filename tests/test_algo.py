@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from grpo.algo.advantages import group_advantages, zero_std_groups
+from grpo.algo.advantages import compute_advantages, group_advantages, zero_std_groups
 from grpo.algo.losses import (
     AGGREGATIONS,
     LossSettings,
@@ -170,3 +170,179 @@ def test_micro_batches_sum_to_full_batch(aggregation):
     (g_parts,) = torch.autograd.grad(sum(parts), logp)
     assert sum(parts).item() == pytest.approx(full.item(), abs=1e-6)
     torch.testing.assert_close(g_parts, g_full, rtol=0, atol=1e-7)
+
+
+# ------------------------------------------------------------- registered variants, by hand
+
+
+def adv(name, rewards, lengths, G, **kw):
+    """compute_advantages on outcome rewards placed on each row's last token."""
+    lengths = torch.tensor(lengths)
+    T = int(lengths.max())
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    tr = torch.zeros(len(rewards), T)
+    tr[torch.arange(len(rewards)), lengths - 1] = torch.tensor(rewards)
+    return compute_advantages(name, tr, mask, group_size=G, **kw), mask
+
+
+def test_sequence_estimators_hand_computed():
+    r, lens = [1.0, 0.0, 1.0, 1.0], [1, 2, 2, 1]
+    a, mask = adv("grpo", r, lens, 2, eps=EPS)
+    s = 0.5 / (math.sqrt(0.5) + EPS)  # as in test_group_advantages_hand_computed
+    assert a[0, 0] == pytest.approx(s) and (a[1] == torch.tensor([-s, -s])).all()
+    assert (a[~mask] == 0).all() and (a[2:] == 0).all()
+    a, _ = adv("dr_grpo", r, lens, 2)  # centered: 0.5, -0.5, 0, 0
+    assert a[:, 0].tolist() == [0.5, -0.5, 0.0, 0.0]
+    a, _ = adv("batch_std", r, lens, 2, eps=EPS)  # batch std of (1, 0, 1, 1) = 0.5
+    assert a[0, 0] == pytest.approx(0.5 / (0.5 + EPS))
+    # rloo, G = 3, r = (1, 0, 0): baselines 0, 0.5, 0.5 -> A = 1, -0.5, -0.5
+    a, _ = adv("rloo", [1.0, 0.0, 0.0], [1, 1, 1], 3)
+    torch.testing.assert_close(a[:, 0], torch.tensor([1.0, -0.5, -0.5]))
+    # opo, G = 2, lengths (1, 3), r = (1, 0): b = (1*1 + 3*0) / 4 = 0.25 -> 0.75, -0.25
+    a, _ = adv("opo", [1.0, 0.0], [1, 3], 2)
+    torch.testing.assert_close(a[:, 0], torch.tensor([0.75, -0.25]))
+    assert (a[1] == -0.25).all()
+
+
+def test_reinforce_pp_hand_computed():
+    # row 0: token rewards (0, 1), row 1: one token, reward 0; gamma 0.5:
+    # returns (0 + 0.5 * 1, 1) and (0): values 0.5, 1, 0 -> mean 0.5, unbiased std 0.5
+    tr = torch.tensor([[0.0, 1.0], [0.0, 0.0]])
+    mask = torch.tensor([[True, True], [True, False]])
+    a = compute_advantages("reinforce_pp", tr, mask, group_size=2, eps=EPS, gamma=0.5)
+    d = 0.5 + EPS
+    torch.testing.assert_close(a, torch.tensor([[0.0, 0.5 / d], [-0.5 / d, 0.0]]))
+    # baseline variant, G = 2, r = (1, 0), lengths (1, 2): centered 0.5 | -0.5 -0.5
+    # token mean -1/6 -> 2/3, -1/3, -1/3; unbiased std sqrt((4/9 + 1/9 + 1/9) / 2) = 1/sqrt(3)
+    a, _ = adv("reinforce_pp_baseline", [1.0, 0.0], [1, 2], 2, eps=EPS)
+    d = 1 / math.sqrt(3) + EPS
+    torch.testing.assert_close(a, torch.tensor([[2 / 3 / d, 0.0], [-1 / 3 / d, -1 / 3 / d]]))
+
+
+def test_estimator_errors_name_the_function():
+    from grpo.algo import register_advantage
+    from grpo.errors import GrpoError
+
+    @register_advantage("test_wrong_shape", overwrite=True)
+    def wrong(scores):
+        return scores[:1]
+
+    @register_advantage("test_nan", overwrite=True)
+    def nan(scores, mask):
+        return torch.full(mask.shape, float("nan"))
+
+    with pytest.raises(GrpoError, match=r"'test_wrong_shape' returned shape \(1,\)"):
+        adv("test_wrong_shape", [1.0, 0.0], [1, 2], 2)
+    with pytest.raises(GrpoError, match=r"'test_nan' returned a non-finite advantage at row 0"):
+        adv("test_nan", [1.0, 0.0], [1, 2], 2)
+    with pytest.raises(GrpoError, match=r"unknown advantage estimator 'nope'; registered: .*grpo"):
+        adv("nope", [1.0, 0.0], [1, 2], 2)
+
+
+def one_tok(logprobs, A, old=None, **kw):
+    lp = torch.tensor([logprobs], requires_grad=True)
+    old = torch.zeros_like(lp) if old is None else torch.tensor([old])
+    loss, st = policy_loss(lp, old, None, torch.tensor([A]), torch.ones(lp.shape, dtype=bool),
+                           LossSettings(**kw))  # fmt: skip
+    (grad,) = torch.autograd.grad(loss, lp)
+    return loss.item(), grad[0].tolist(), st
+
+
+def test_cispo_hand_computed():
+    # ratio 1.5, A = 1, eps_high 0.2: weight sg(min(1.5, 1.2)) = 1.2, loss = -1.2 * ln 1.5,
+    # gradient -1.2 (the clipped token still learns, at a bounded rate)
+    loss, grad, st = one_tok([math.log(1.5)], 1.0, policy_loss="cispo")
+    assert loss == pytest.approx(-1.2 * math.log(1.5)) and grad == pytest.approx([-1.2])
+    assert st["clip_frac"] == 1.0
+    # ratio 0.5: no lower bound by default (weight 0.5), 0.8 with clip_low
+    _, grad, _ = one_tok([math.log(0.5)], 1.0, policy_loss="cispo")
+    assert grad == pytest.approx([-0.5])
+    _, grad, _ = one_tok([math.log(0.5)], 1.0, policy_loss="cispo",
+                         policy_loss_kwargs={"clip_low": True})  # fmt: skip
+    assert grad == pytest.approx([-0.8])
+
+
+def test_gmpo_hand_computed():
+    # log-ratios (0.5, -0.1), A = +1: the upper side clips 0.5 -> 0.2; geometric mean
+    # exp((0.2 - 0.1) / 2) = e^0.05; loss -e^0.05 on both tokens; only the unclipped token
+    # has a gradient: d/dlp_2 of -exp(mean) = -e^0.05 / 2, token_mean over 2 -> same value
+    loss, grad, st = one_tok([0.5, -0.1], 1.0, policy_loss="gmpo")
+    assert loss == pytest.approx(-math.exp(0.05))
+    assert grad == pytest.approx([0.0, -math.exp(0.05) / 2])
+    assert st["clip_frac_high"] == 0.5
+    # A = -1: the lower side clips -0.5 -> -0.2, the upper is free: exp((0.3 - 0.2) / 2)
+    loss, _, st = one_tok([0.3, -0.5], -1.0, policy_loss="gmpo")
+    assert loss == pytest.approx(math.exp(0.05)) and st["clip_frac_low"] == 0.5
+
+
+def test_sapo_hand_computed():
+    # on-policy (ratio 1): gate sigmoid(0) * 4 / tau = 2 / tau, and d gate / d ratio = 1
+    loss, grad, _ = one_tok([0.0], 1.0, policy_loss="sapo")
+    assert loss == pytest.approx(-2.0) and grad == pytest.approx([-1.0])
+    loss, grad, _ = one_tok([0.0], -1.0, policy_loss="sapo")  # tau_neg 1.05
+    assert loss == pytest.approx(2 / 1.05) and grad == pytest.approx([1.0])
+    # ratio e: gate = sigmoid(e - 1) * 4; its slope sigmoid' * 4 = 4 s (1 - s), times e
+    s = 1 / (1 + math.exp(-(math.e - 1)))
+    loss, grad, _ = one_tok([1.0], 1.0, policy_loss="sapo")
+    assert loss == pytest.approx(-4 * s) and grad == pytest.approx([-4 * s * (1 - s) * math.e])
+
+
+def test_gspo_token_equals_gspo_for_row_constant_advantages():
+    # log-ratios ln 1.5, ln 2/3: sequence ratio 1, loss -A; gradient A-weighted per token
+    lr = [math.log(1.5), math.log(2 / 3)]
+    a = one_tok(lr, 1.0, policy_loss="gspo", aggregation="seq_mean_token_mean")
+    b = one_tok(lr, 1.0, policy_loss="gspo_token", aggregation="seq_mean_token_mean")
+    assert a[0] == pytest.approx(-1.0) and b[0] == pytest.approx(-1.0)
+    assert a[1] == pytest.approx([-0.5, -0.5]) and b[1] == pytest.approx([-0.5, -0.5])
+
+
+def test_entropy_bonus_and_truncated_is():
+    lp = torch.zeros(1, 2, requires_grad=True)
+    H = torch.tensor([[2.0, 4.0]], requires_grad=True)
+    mask = torch.ones(1, 2, dtype=bool)
+    cfg = LossSettings(entropy_coef=0.1)
+    # on-policy, A = 1: pg = -1 per token; bonus -0.1 * H: loss = -1 - 0.1 * 3 = -1.3
+    loss, st = policy_loss(lp, lp.detach(), None, torch.ones(1), mask, cfg, entropy=H)
+    assert loss.item() == pytest.approx(-1.3) and st["entropy"] == pytest.approx(3.0)
+    (g,) = torch.autograd.grad(loss, H)
+    assert g[0].tolist() == pytest.approx([-0.05, -0.05])
+    # TIS: pi_old_trainer / pi_sampler = 3 and 0.5, cap 2 -> weights 2 and 0.5 on pg = -1
+    cfg = LossSettings(tis_cap=2.0)
+    sampler = torch.tensor([[-math.log(3.0), math.log(2.0)]])
+    loss, st = policy_loss(lp, lp.detach(), None, torch.ones(1), mask, cfg,
+                           behaviour_logprobs=sampler)  # fmt: skip
+    assert loss.item() == pytest.approx(-(2.0 + 0.5) / 2)
+    assert st["tis_weight_mean"] == pytest.approx(1.25)
+
+
+def test_clamps_keep_the_loss_finite():
+    # log-ratio 100 at A = -1: rho = e^100 overflows float32; the default clamp (20) bounds it
+    loss, grad, _ = one_tok([100.0], -1.0)
+    assert loss == pytest.approx(math.exp(20), rel=1e-5) and grad == [0.0]
+    loss, _, _ = one_tok([100.0], -1.0, log_ratio_clamp=None)
+    assert math.isinf(loss)
+    # k3 at d = ref - logp = 30: d clamped to 20, the estimate to 10
+    kl = kl_penalty(torch.zeros(1), torch.full((1,), 30.0), "k3", 20.0, 10.0)
+    assert kl.item() == 10.0
+    assert kl_penalty(torch.zeros(1), torch.full((1,), 3.0), "k3", 20.0, None).item() == (
+        pytest.approx(math.exp(3) - 4)
+    )
+
+
+def test_policy_loss_errors_name_the_function():
+    from grpo.algo import register_policy_loss
+    from grpo.errors import GrpoError
+
+    @register_policy_loss("test_bad_loss", overwrite=True)
+    def bad(log_ratio):
+        return log_ratio.sum()
+
+    with pytest.raises(GrpoError, match=r"policy loss 'test_bad_loss' returned shape \(\)"):
+        one_tok([0.0], 1.0, policy_loss="test_bad_loss")
+
+    @register_policy_loss("test_inf_loss", overwrite=True)
+    def inf(log_ratio):
+        return log_ratio + float("inf")
+
+    with pytest.raises(GrpoError, match=r"'test_inf_loss' returned a non-finite value at row 0"):
+        one_tok([0.0], 1.0, policy_loss="test_inf_loss")

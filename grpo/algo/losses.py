@@ -164,7 +164,8 @@ def policy_loss(
     }
     out = POLICY_LOSSES.call(cfg.policy_loss, inputs)
     pg, loss_stats = out if isinstance(out, tuple) else (out, {})
-    _check_output(cfg.policy_loss, pg, mask, logprobs, old_logprobs, advantages)
+    _check_output(cfg.policy_loss, pg, mask, cfg.log_ratio_clamp is not None,
+                  logprobs, old_logprobs, advantages)  # fmt: skip
 
     stats: dict[str, float] = {}
     if cfg.tis_cap is not None and behaviour_logprobs is not None:
@@ -204,15 +205,17 @@ def policy_loss(
     return loss, stats
 
 
-def _check_output(name, pg, mask, *inputs) -> None:
-    """One clear line when a registered policy loss returns garbage."""
+def _check_output(name, pg, mask, bounded: bool, *inputs) -> None:
+    """One clear line when a registered policy loss returns garbage: the wrong shape, or a
+    non-finite value from finite inputs and a bounded log-ratio (unbounded ratios can overflow
+    legitimately; the trainer then skips the update as non-finite)."""
     label = f"policy loss {name!r}"
     if not isinstance(pg, torch.Tensor):
         raise GrpoError(f"{label} returned {type(pg).__name__}, expected a (B, T_c) tensor")
     if pg.shape != mask.shape:
         raise GrpoError(f"{label} returned shape {tuple(pg.shape)}, expected {tuple(mask.shape)}")
     bad = ~torch.isfinite(pg.detach()) & mask
-    if bad.any():
+    if bad.any() and bounded:
         inputs_finite = all(bool(torch.isfinite(x.detach()[mask]).all()) for x in inputs)
         if inputs_finite:  # the function's fault, not a diverged model's
             row = int(bad.any(-1).nonzero()[0])

@@ -151,10 +151,9 @@ def gmpo(
     ratio = torch.exp(row_mean(lr, mask))  # (B, 1) geometric-mean ratio
     A = row_mean(advantages, mask)  # (B, 1)
     with torch.no_grad():
-        hit = clamped != log_ratio
         stats = {
-            "clip_frac_high": (hit & (advantages > 0)).float(),
-            "clip_frac_low": (hit & (advantages < 0)).float(),
+            "clip_frac_high": ((log_ratio > epsilon_high) & (advantages > 0)).float(),
+            "clip_frac_low": ((log_ratio < -epsilon_low) & (advantages < 0)).float(),
             **_ratio_stats(ratio.expand_as(log_ratio)),
         }
     return (-A * ratio).expand_as(log_ratio), stats
