@@ -1,7 +1,10 @@
 """Call reward functions on a batch and check what they return.
 
-A reward function that raises, returns the wrong number of values, or returns a value that is
-not a finite float is a `GrpoError` naming the function and, where there is one, the row.
+A reward function returns one value per completion: a float (the sequence reward), or, for
+process rewards, a list of floats with one value per completion token (the trainer passes
+``completion_lengths`` and ``completion_ids`` columns to align them). A function that raises,
+returns the wrong number of values, or a value that is not a finite float is a `GrpoError`
+naming the function and, where there is one, the row.
 """
 
 from __future__ import annotations
@@ -22,18 +25,24 @@ def reward_name(fn: RewardFn) -> str:
 
 
 def call_reward(
-    name: str, fn: RewardFn, completions: list[str], columns: dict[str, Any]
-) -> list[float]:
-    """Call one reward function and check it returned one finite float per completion.
+    name: str,
+    fn: RewardFn,
+    completions: list[str],
+    columns: dict[str, Any],
+    token_lengths: Sequence[int] | None = None,
+) -> list[float | list[float]]:
+    """Call one reward function and check it returned one finite value per completion.
 
     Args:
         name: the name used in error messages.
-        fn: ``fn(completions, **columns) -> list[float]``.
+        fn: ``fn(completions, **columns) -> list[float]`` (or per-token lists).
         completions: B completion texts.
         columns: per-row columns (lists of length B) and any extra keyword arguments.
+        token_lengths: B completion lengths in tokens; when given, a row's value may be a list
+            of that many floats (token-level rewards). Without it only floats are accepted.
 
     Returns:
-        B floats.
+        B floats (or per-token lists of floats).
 
     Raises:
         GrpoError: naming `name` and the first bad row.
@@ -52,8 +61,13 @@ def call_reward(
         raise _error(name, f"returned {type(values).__name__}, expected a list of floats")
     if len(values) != len(completions):
         raise _error(name, f"returned {len(values)} values for {len(completions)} completions")
-    out = []
+    out: list[float | list[float]] = []
     for row, value in enumerate(values):
+        if isinstance(value, torch.Tensor) and value.dim() == 1:
+            value = value.tolist()
+        if isinstance(value, (list, tuple)):
+            out.append(_token_values(name, value, row, completions, token_lengths))
+            continue
         try:
             value = float(value)
         except (TypeError, ValueError):
@@ -73,6 +87,7 @@ def compute_rewards(
     fns_with_weights: Sequence[tuple[RewardFn, float]],
     completions: list[str],
     columns: dict[str, Any],
+    token_width: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The weighted reward r = sum_k w_k * reward_k(completions, **columns), and each part.
 
@@ -80,17 +95,24 @@ def compute_rewards(
         fns_with_weights: (reward function, weight) pairs, e.g. from `build_rewards`.
         completions: B completion texts.
         columns: per-row dataset columns (``ground_truth``, ...) and ``completion_lengths``.
+        token_width: T_c; when given (with ``completion_lengths``), functions may return
+            per-token lists and the total is token-level.
 
     Returns:
-        total: (B,) float32, the weighted sum.
-        per_fn: name -> (B,) float32 unweighted rewards; a repeated name gets ``_2``, ``_3``...
+        total: (B,) float32, the weighted sum; or (B, T_c) when some function returned
+            per-token values: those at their tokens, sequence rewards on the row's last token.
+        per_fn: name -> (B,) float32 unweighted rewards (per-token ones summed over the row);
+            a repeated name gets ``_2``, ``_3``...
 
     Raises:
         GrpoError: a function raised, returned the wrong length, or a non-finite value.
     """
     if not fns_with_weights:
         raise GrpoError("no reward functions given: configure at least one reward")
-    total = torch.zeros(len(completions), dtype=torch.float64)  # (B,)
+    B = len(completions)
+    lengths = columns.get("completion_lengths") if token_width is not None else None
+    total = torch.zeros(B, dtype=torch.float64)  # (B,)
+    tokens = None  # (B, T_c) float64 per-token parts, once a function returns them
     per_fn: dict[str, torch.Tensor] = {}
     for fn, weight in fns_with_weights:
         name = base = reward_name(fn)
@@ -98,10 +120,46 @@ def compute_rewards(
         while name in per_fn:
             k += 1
             name = f"{base}_{k}"
-        values = torch.tensor(call_reward(name, fn, completions, columns), dtype=torch.float64)
-        per_fn[name] = values.float()  # (B,)
-        total += float(weight) * values
-    return total.float(), per_fn
+        values = call_reward(name, fn, completions, columns, lengths)
+        row_sums = []
+        for row, v in enumerate(values):
+            if isinstance(v, list):
+                if tokens is None:
+                    tokens = torch.zeros(B, token_width, dtype=torch.float64)
+                tokens[row, : len(v)] += float(weight) * torch.tensor(v, dtype=torch.float64)
+                row_sums.append(sum(v))
+            else:
+                total[row] += float(weight) * v
+                row_sums.append(v)
+        per_fn[name] = torch.tensor(row_sums, dtype=torch.float64).float()  # (B,)
+    if tokens is None:
+        return total.float(), per_fn
+    last = (torch.tensor(lengths) - 1).clamp(min=0)  # (B,) sequence rewards' token
+    tokens[torch.arange(B), last] += total
+    return tokens.float(), per_fn
+
+
+def _token_values(name, value, row, completions, token_lengths) -> list[float]:
+    """A row's per-token reward list, checked: one finite float per completion token."""
+    if token_lengths is None:
+        raise _error(name, f"returned a list at row {row}; per-token rewards need the trainer "
+                           "(expected one float per completion)")  # fmt: skip
+    if len(value) != int(token_lengths[row]):
+        raise _error(
+            name,
+            f"returned {len(value)} per-token values at row {row} for a completion of "
+            f"{int(token_lengths[row])} tokens",
+        )
+    out = []
+    for v in value:
+        try:
+            v = float(v)
+        except (TypeError, ValueError):
+            v = math.nan
+        if not math.isfinite(v):
+            raise _error(name, f"returned a non-finite per-token value at row {row}")
+        out.append(v)
+    return out
 
 
 def _first_failing_row(fn: RewardFn, completions: list[str], columns: dict[str, Any]) -> int | None:

@@ -120,7 +120,7 @@ def rollout_phase(
     """
     G = cfg.rollout.group_size
     P = cfg.train.batch_size // G
-    kept: list[tuple] = []  # (rollout piece, rows, rewards, per_fn, texts)
+    kept: list[tuple] = []  # (rollout piece, rows, rewards, per_fn, texts, token rewards)
     spare: list[tuple] = []
     frac_zero = None
     rounds = cfg.loss.max_sampling_rounds if cfg.loss.dynamic_sampling else 1
@@ -148,8 +148,16 @@ def rollout_phase(
         brows = [rows[i] for i in idx for _ in range(G)]
         texts = rollout.decode(policy.tokenizer, skip_special_tokens=True)
         columns = {k: [r[k] for r in brows] for k in brows[0] if k != "prompt_ids"}
-        columns["completion_lengths"] = rollout.completion_lens.tolist()
-        total, per_fn = compute_rewards(reward_fns, texts, columns)
+        lengths = rollout.completion_lens.tolist()
+        columns["completion_lengths"] = lengths
+        columns["completion_ids"] = [ids[:n] for ids, n in zip(rollout.completion_ids.tolist(),
+                                                              lengths)]  # fmt: skip
+        T_c = rollout.completion_ids.shape[1]
+        total, per_fn = compute_rewards(reward_fns, texts, columns, token_width=T_c)
+        if total.dim() == 1:  # (B,) sequence rewards -> on each row's last token
+            tok = outcome_token_rewards(total, rollout.completion_mask)
+        else:  # (B, T_c) some rewards per token
+            tok, total = total, total.sum(-1)
         zero = zero_std_groups(total, G)  # (P_round,)
         frac_zero = float(zero.float().mean()) if frac_zero is None else frac_zero
         for p in range(len(idx)):
@@ -160,6 +168,7 @@ def rollout_phase(
                 total[sl],
                 {k: v[sl] for k, v in per_fn.items()},
                 texts[sl],
+                tok[sl],
             )
             (spare if cfg.loss.dynamic_sampling and zero[p] else kept).append(piece)
         if all_reduce_sum(float(len(kept) < P), dist) == 0:
@@ -168,6 +177,10 @@ def rollout_phase(
     rollout = _cat_rollouts([k[0] for k in kept], policy.tokenizer.pad_token_id)
     rewards = torch.cat([k[2] for k in kept])
     per_fn = {name: torch.cat([k[3][name] for k in kept]) for name in kept[0][3]}
+    T_c = rollout.completion_ids.shape[1]
+    token_rewards = torch.cat(
+        [torch.nn.functional.pad(k[5], (0, T_c - k[5].shape[1])) for k in kept]
+    )  # (B, T_c)
     loss_mask = rollout.completion_mask.clone()
     if cfg.loss.mask_truncated_completions:
         loss_mask &= rollout.finished[:, None]
@@ -179,7 +192,7 @@ def rollout_phase(
         loss_mask=loss_mask,
         texts=[t for k in kept for t in k[4]],
         frac_zero_std=frac_zero,
-        token_rewards=outcome_token_rewards(rewards, rollout.completion_mask),
+        token_rewards=token_rewards,
     )
 
 
