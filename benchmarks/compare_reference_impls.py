@@ -323,6 +323,7 @@ def compact(x: torch.Tensor, mask: torch.Tensor):
 
 
 def uncompact(y: torch.Tensor, mask: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Inverse of `compact`: y (B, T) back to the original positions; `mask` is the original."""
     return torch.where(mask, torch.zeros_like(y).scatter(1, idx, y), 0.0)
 
 
@@ -333,7 +334,7 @@ def ours_rpp_verl_aligned(rewards, mask, gamma: float) -> torch.Tensor:
 
     rc, mc, idx = compact(rewards, mask)
     eps = whiten_eps(discounted_returns(rc, mc, gamma), mc)
-    return uncompact(ours_adv("reinforce_pp", rc, mc, eps=eps, gamma=gamma), mc, idx)
+    return uncompact(ours_adv("reinforce_pp", rc, mc, eps=eps, gamma=gamma), mask, idx)
 
 
 def ours_rppb_verl_aligned(rewards, mask) -> torch.Tensor:
@@ -355,20 +356,26 @@ def _jsonable(x):
 
 
 def run_cases(cases, fn: Callable, aligned: Callable | None = None) -> dict:
-    """fn(case) -> (ours, theirs) or (ours_loss, theirs_loss, ours_grad, theirs_grad);
-    aligned(case) -> the same, with the convention difference removed."""
+    """fn(*case) -> (ours, theirs) or (ours_loss, ours_grad, theirs_loss, theirs_grad);
+    aligned(*case) -> the same, with the convention difference removed."""
+
+    def split(res):  # -> (ours, theirs, ours_grad, theirs_grad or None)
+        return (res[0], res[1], None, None) if len(res) == 2 else (res[0], res[2], res[1], res[3])
+
+    def worst_of(res) -> float:
+        o, t, og, tg = split(res)
+        return max(diff(o, t), diff(og, tg) if og is not None else 0.0)
+
     out, worst, worst_aligned = {}, 0.0, None
     for case in cases:
-        res = fn(*case)
+        o, t, og, tg = split(fn(*case))
         name = "/".join(case)
-        rec = {"ours": _jsonable(res[0]), "theirs": _jsonable(res[1]),
-               "max_abs_diff": diff(res[0], res[1])}  # fmt: skip
-        if len(res) == 4:
-            rec["grad_max_abs_diff"] = diff(res[2], res[3])
+        rec = {"ours": _jsonable(o), "theirs": _jsonable(t), "max_abs_diff": diff(o, t)}
+        if og is not None:
+            rec["grad_max_abs_diff"] = diff(og, tg)
         d = max(rec["max_abs_diff"], rec.get("grad_max_abs_diff", 0.0))
         if aligned is not None:
-            al = aligned(*case)
-            rec["aligned_diff"] = max(diff(al[0], al[1]), diff(al[2], al[3]) if len(al) == 4 else 0.0)
+            rec["aligned_diff"] = worst_of(aligned(*case))
             worst_aligned = max(worst_aligned or 0.0, rec["aligned_diff"])
         rec["diff"] = d
         out[name] = rec
@@ -571,7 +578,7 @@ def compare_kl() -> None:
         kv = ca.kl_penalty(b, ref, verl_est)
         ko.sum().backward()
         kv.sum().backward()
-        return ko.detach(), kv.detach(), a.grad, b.grad
+        return ko.detach(), a.grad, kv.detach(), b.grad
 
     kl_at = where_in(ca.kl_penalty_forward, 'if kl_penalty in ("low_var_kl", "k3"):')
     cases = [("normal",), ("extreme",)]

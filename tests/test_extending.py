@@ -42,10 +42,11 @@ def my_pkg(tmp_path):
 
 def test_extending_example_runs_end_to_end(my_pkg, shared_tiny_model):
     r = train(my_pkg, shared_tiny_model, "train.output_dir=run", "train.max_steps=2",
-              "loss.advantage=my_pkg.my_mod:my_adv",
-              "loss.policy_loss=my_pkg.my_mod:my_loss", "loss.policy_loss_kwargs={cap: 1.5}")  # fmt: skip
+              "loss.advantage=my_pkg.my_mod:my_adv", "loss.policy_loss=my_pkg.my_mod:my_loss",
+              "loss.policy_loss_kwargs={cap: 1.5}")  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = [json.loads(line) for line in (my_pkg / "run" / "metrics.jsonl").read_text().splitlines()]
+    lines = (my_pkg / "run" / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
     assert len(rows) == 2
     for row in rows:
         assert 0 < row["train/weight_mean"] <= row["train/weight_max"] <= 1.5
@@ -55,7 +56,8 @@ def test_extending_example_runs_end_to_end(my_pkg, shared_tiny_model):
 
 def test_bad_kwarg_fails_before_anything_is_written(my_pkg, shared_tiny_model):
     r = train(my_pkg, shared_tiny_model, "train.output_dir=run",
-              "loss.policy_loss=my_pkg.my_mod:my_loss", "loss.policy_loss_kwargs={kap: 1.5}")  # fmt: skip
+              "loss.policy_loss=my_pkg.my_mod:my_loss",
+              "loss.policy_loss_kwargs={kap: 1.5}")  # fmt: skip
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "grpo train: error: loss.policy_loss_kwargs: 'kap' is not a parameter of policy loss "
