@@ -21,7 +21,7 @@ from grpo.rewards import build_rewards
 from grpo.rollout import Sampler
 from grpo.tiny import make_tiny_model
 from grpo.train.common import build_policy, load_rows
-from grpo.train.grpo import reference_phase, rollout_phase, update_phase
+from grpo.train.grpo import advantage_phase, reference_phase, rollout_phase, update_phase
 from grpo.train.optim import build_optimizer, build_scheduler
 from grpo.train.state import TrainState
 
@@ -56,6 +56,8 @@ def bench_case(model_dir: Path, size: str, lora: bool, args) -> dict:
         return rollout_phase(cfg, policy, sampler, rows, state, rewards, step[0])
 
     batch = rollout()
+    reference_phase(cfg, policy, batch)
+    advantage_phase(cfg, batch)
     t_roll = measure(rollout, warmup=1, repeats=args.repeats, device=device)
     ref = lambda: reference_phase(cfg, policy, batch)  # noqa: E731
     t_ref = measure(ref, repeats=args.repeats, device=device)
