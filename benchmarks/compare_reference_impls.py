@@ -11,7 +11,8 @@ evaluated from the formula read at the cited lines, and the script checks those 
 Run with a Python that has verl and trl (this repo's own env stays free of them):
 
     python -m venv /tmp/cmpenv --system-site-packages
-    /tmp/cmpenv/bin/pip install --no-deps verl==0.9.1 trl==1.16.0 tensordict==0.15.3 pyvers codetiming
+    /tmp/cmpenv/bin/pip install --no-deps verl==0.9.1 trl==1.16.0 tensordict==0.15.3 \
+        pyvers codetiming
     /tmp/cmpenv/bin/pip install omegaconf
     /tmp/cmpenv/bin/python -m benchmarks.compare_reference_impls
 
@@ -25,6 +26,7 @@ Writes benchmarks/results/algo_agreement.{json,md}.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import os
@@ -40,6 +42,7 @@ import torch
 
 from benchmarks.harness import write_results
 from grpo.algo import LossSettings, compute_advantages, kl_penalty, policy_loss
+from grpo.algo.advantages import discounted_returns
 from grpo.algo.losses import aggregate
 
 B, G, T = 8, 4, 7
@@ -49,7 +52,6 @@ EPS_LOW, EPS_HIGH = 0.2, 0.28  # asymmetric on purpose (DAPO clip-higher), so lo
 AGG_VERL = {"token_mean": "token-mean", "seq_mean_token_mean": "seq-mean-token-mean",
             "seq_mean_token_sum_norm": "seq-mean-token-sum-norm"}  # fmt: skip
 VERL_FILE = "verl/trainer/ppo/core_algos.py"
-TRL_FILE = "trl/trainer/grpo_trainer.py"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,8 +94,8 @@ def import_trl():
     return grpo_trainer, rloo_trainer, nanstd
 
 
-ca, AlgoConfig, ActorConfig = import_verl_core_algos()
-trl_grpo, trl_rloo, trl_nanstd = import_trl()
+# Filled by main(): the references are imported only when the comparison runs.
+ca = AlgoConfig = ActorConfig = trl_grpo = trl_rloo = trl_nanstd = None
 
 
 def where_in(obj, anchor: str) -> str:
@@ -102,7 +104,8 @@ def where_in(obj, anchor: str) -> str:
     for i, line in enumerate(lines):
         if anchor in line:
             path = inspect.getsourcefile(obj)
-            short = path[path.index("/verl/") + 1 :] if "/verl/" in path else path[path.index("/trl/") + 1 :]
+            top = "/verl/" if "/verl/" in path else "/trl/"
+            short = path[path.index(top) + 1 :]  # verl/trainer/ppo/core_algos.py
             return f"{short}:{obj.__qualname__} L{start + i}"
     raise SystemExit(f"{obj.__qualname__} no longer contains {anchor!r}: re-read the reference")
 
@@ -190,7 +193,7 @@ def ours_adv(name: str, rewards, mask, **kw) -> torch.Tensor:
 
 def trl_group_adv(rewards, mask, scale: str) -> torch.Tensor:
     """TRL GRPOTrainer advantages (sum_then_normalize), evaluated from the formula at
-    grpo_trainer.py:_generate_and_score_completions (see TRL_ADV_AT) with TRL's own `nanstd`:
+    grpo_trainer.py:_generate_and_score_completions (line cited in the row) with TRL's `nanstd`:
     a = r - nanmean_g(r), divided by (nanstd_g(r) or nanstd(r)) + 1e-4 unless scale == 'none'.
     The method itself needs a model, tokenizer and generation, so it is not called."""
     r = rewards.sum(-1)  # (B,) one reward function, weight 1
@@ -206,7 +209,7 @@ def trl_group_adv(rewards, mask, scale: str) -> torch.Tensor:
 
 
 def trl_rloo_adv(rewards, mask) -> torch.Tensor:
-    """TRL RLOOTrainer advantages from the formula at rloo_trainer.py (see TRL_RLOO_AT):
+    """TRL RLOOTrainer advantages from the formula at rloo_trainer.py (line cited in the row):
     baseline = (group sum - r) / (G - 1), normalize_advantages=False (its default)."""
     r = rewards.sum(-1).view(-1, G)
     base = (torch.nansum(r, dim=1, keepdim=True) - r) / (G - 1)
@@ -330,11 +333,15 @@ def uncompact(y: torch.Tensor, mask: torch.Tensor, idx: torch.Tensor) -> torch.T
 def ours_rpp_verl_aligned(rewards, mask, gamma: float) -> torch.Tensor:
     """Ours `reinforce_pp` with both verl conventions adopted: returns discounted per completion
     token (holes skipped, via compaction) and eps inside the sqrt (via whiten_eps)."""
-    from grpo.algo.advantages import discounted_returns
-
     rc, mc, idx = compact(rewards, mask)
     eps = whiten_eps(discounted_returns(rc, mc, gamma), mc)
     return uncompact(ours_adv("reinforce_pp", rc, mc, eps=eps, gamma=gamma), mask, idx)
+
+
+def ours_rpp_eps_aligned(rewards, mask, gamma: float) -> torch.Tensor:
+    """Ours `reinforce_pp` with only verl's whitening eps adopted (discount per position kept)."""
+    eps = whiten_eps(discounted_returns(rewards, mask, gamma), mask)
+    return ours_adv("reinforce_pp", rewards, mask, eps=eps, gamma=gamma)
 
 
 def ours_rppb_verl_aligned(rewards, mask) -> torch.Tensor:
@@ -351,8 +358,12 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max())
 
 
-def _jsonable(x):
-    return x.tolist() if isinstance(x, torch.Tensor) else x
+def _jsonable(x: torch.Tensor):
+    """A scalar as a float; a (B, T) tensor as B strings of 5 significant digits (the exact
+    differences are in the *_max_abs_diff fields)."""
+    if x.dim() == 0:
+        return float(x)
+    return [" ".join(f"{v:.5g}" for v in row) for row in x.tolist()]
 
 
 def run_cases(cases, fn: Callable, aligned: Callable | None = None) -> dict:
@@ -370,30 +381,28 @@ def run_cases(cases, fn: Callable, aligned: Callable | None = None) -> dict:
     for case in cases:
         o, t, og, tg = split(fn(*case))
         name = "/".join(case)
-        rec = {"ours": _jsonable(o), "theirs": _jsonable(t), "max_abs_diff": diff(o, t)}
+        rec = {"ours": _jsonable(o), "theirs": _jsonable(t), "value_max_abs_diff": diff(o, t)}
         if og is not None:
             rec["grad_max_abs_diff"] = diff(og, tg)
-        d = max(rec["max_abs_diff"], rec.get("grad_max_abs_diff", 0.0))
+        d = max(rec["value_max_abs_diff"], rec.get("grad_max_abs_diff", 0.0))
         if aligned is not None:
             rec["aligned_diff"] = worst_of(aligned(*case))
             worst_aligned = max(worst_aligned or 0.0, rec["aligned_diff"])
-        rec["diff"] = d
+        rec["max_abs_diff"] = d
         out[name] = rec
         worst = max(worst, d)
     return {"cases": out, "max_abs_diff": worst, "aligned_diff": worst_aligned}
 
 
 def differing(result: dict) -> str:
-    bad = [k for k, v in result["cases"].items() if v["diff"] > TOL]
+    bad = [k for k, v in result["cases"].items() if v["max_abs_diff"] > TOL]
     return ", ".join(bad) if bad else "none"
 
 
-ROWS: list[dict] = []
-
-
-def record(variant: str, ref: str, result: dict, note: str, setting: str = "") -> None:
+def record(rows: list, variant: str, ref: str, result: dict, note: str, setting: str = ""):
+    """Append one comparison (a table row; its per-case values stay in the JSON)."""
     agree = result["max_abs_diff"] <= TOL
-    ROWS.append({
+    rows.append({
         "variant": variant + (f" ({setting})" if setting else ""),
         "compared_with": ref,
         "max_abs_diff": result["max_abs_diff"],
@@ -405,7 +414,7 @@ def record(variant: str, ref: str, result: dict, note: str, setting: str = "") -
     })  # fmt: skip
 
 
-def compare_advantages() -> None:
+def compare_advantages(record: Callable) -> None:
     fn = ca.compute_grpo_outcome_advantage
     at = where_in(fn, "(id2std[index[i]] + epsilon)")
     record("grpo", f"{at} (norm_adv_by_std_in_grpo=True)",
@@ -422,18 +431,36 @@ def compare_advantages() -> None:
                      lambda m, r: (ours_adv("grpo", *adv_case(m, r), eps=1e-6),
                                    verl_adv("grpo_vectorized", *adv_case(m, r)))),
            "as grpo: eps 1e-4 vs 1e-6 outside the sqrt. Aligned: ours eps=1e-6.")  # fmt: skip
-    record("dr_grpo", f"{at} (norm_adv_by_std_in_grpo=False)",
-           run_cases(ADV_CASES, lambda m, r: (
-               ours_adv("dr_grpo", *adv_case(m, r)),
-               verl_adv("grpo", *adv_case(m, r), norm_adv_by_std_in_grpo=False))), "")
-    record("rloo", where_in(ca.compute_rloo_outcome_advantage, "response_num / (response_num - 1)"),
-           run_cases(ADV_CASES, lambda m, r: (ours_adv("rloo", *adv_case(m, r)),
-                                              verl_adv("rloo", *adv_case(m, r)))),
-           "verl writes G/(G-1) * (r - mean_g); ours r - leave-one-out mean: same value.")
-    record("opo", where_in(ca.compute_opo_outcome_advantage, "(len_tensor * score_tensor).sum()"),
-           run_cases(ADV_CASES, lambda m, r: (ours_adv("opo", *adv_case(m, r)),
-                                              verl_adv("opo", *adv_case(m, r)))),
-           "length = number of completion tokens (mask sum) in both, holes excluded.")
+    record(
+        "dr_grpo",
+        f"{at} (norm_adv_by_std_in_grpo=False)",
+        run_cases(
+            ADV_CASES,
+            lambda m, r: (
+                ours_adv("dr_grpo", *adv_case(m, r)),
+                verl_adv("grpo", *adv_case(m, r), norm_adv_by_std_in_grpo=False),
+            ),
+        ),
+        "",
+    )
+    record(
+        "rloo",
+        where_in(ca.compute_rloo_outcome_advantage, "response_num / (response_num - 1)"),
+        run_cases(
+            ADV_CASES,
+            lambda m, r: (ours_adv("rloo", *adv_case(m, r)), verl_adv("rloo", *adv_case(m, r))),
+        ),
+        "verl writes G/(G-1) * (r - mean_g); ours r - leave-one-out mean: same value.",
+    )
+    record(
+        "opo",
+        where_in(ca.compute_opo_outcome_advantage, "(len_tensor * score_tensor).sum()"),
+        run_cases(
+            ADV_CASES,
+            lambda m, r: (ours_adv("opo", *adv_case(m, r)), verl_adv("opo", *adv_case(m, r))),
+        ),
+        "length = number of completion tokens (mask sum) in both, holes excluded.",
+    )
     rpp = ca.compute_reinforce_plus_plus_outcome_advantage
     rpp_at = where_in(rpp, "verl_F.masked_whiten(returns, response_mask)")
     record("reinforce_pp", f"{rpp_at} (gamma=1)",
@@ -452,11 +479,20 @@ def compare_advantages() -> None:
                verl_adv("reinforce_plus_plus", *adv_case(m, r), gamma=0.9)),
                lambda m, r: (ours_rpp_verl_aligned(*adv_case(m, r), 0.9),
                              verl_adv("reinforce_plus_plus", *adv_case(m, r), gamma=0.9))),
-           "eps as at gamma=1, plus, with holes in the mask: verl carries the running return "
-           "through a masked position undiscounted (discount per completion token), ours "
-           "discounts per position (gamma^(gap) across masked tokens). Right-padded masks: "
-           "identical. Aligned: ours on rows with completion tokens moved to the front, eps "
-           "as at gamma=1.")  # fmt: skip
+           "eps as at gamma=1 only. Masks with holes: both carry the running return across a "
+           "masked position undiscounted (the discount counts completion tokens), so the "
+           "holes cases agree too. Aligned: eps as at gamma=1 (ours on rows with completion "
+           "tokens moved to the front, which must not change ours).")  # fmt: skip
+    record("reinforce_pp", f"{rpp_at} (gamma=0.9)",
+           run_cases(ADV_CASES, lambda m, r: (
+               ours_rpp_eps_aligned(*adv_case(m, r), 0.9),
+               verl_adv("reinforce_plus_plus", *adv_case(m, r), gamma=0.9)),
+               lambda m, r: (ours_rpp_verl_aligned(*adv_case(m, r), 0.9),
+                             verl_adv("reinforce_plus_plus", *adv_case(m, r), gamma=0.9))),
+           "the discount convention alone: ours with verl's whitening eps; agreement on the "
+           "holes cases shows the same per-completion-token discount. Aligned: completion "
+           "tokens moved to the front.",
+           setting="eps aligned, discount not")  # fmt: skip
     rppb = ca.compute_reinforce_plus_plus_baseline_outcome_advantage
     record("reinforce_pp_baseline", where_in(rppb, "verl_F.masked_whiten(scores, response_mask)"),
            run_cases(ADV_CASES, lambda m, r: (
@@ -478,19 +514,26 @@ def compare_advantages() -> None:
                run_cases(ADV_CASES, lambda m, r, s=scale, n=ours_name: (
                    ours_adv(n, *adv_case(m, r)), trl_group_adv(*adv_case(m, r), s))),
                f"{formula}; both eps=1e-4 outside the sqrt, unbiased std.")  # fmt: skip
-    rloo_at = where_in(trl_rloo.RLOOTrainer._generate_and_score_completions,
-                       "baselines = (grouped_sum - grouped_rewards) / (scorable_counts - 1)")
-    record("rloo", f"{rloo_at} (normalize_advantages=False)",
-           run_cases(ADV_CASES, lambda m, r: (ours_adv("rloo", *adv_case(m, r)),
-                                              trl_rloo_adv(*adv_case(m, r)))),
-           "formula read from TRL source, evaluated here.")
+    rloo_at = where_in(
+        trl_rloo.RLOOTrainer._generate_and_score_completions,
+        "baselines = (grouped_sum - grouped_rewards) / (scorable_counts - 1)",
+    )
+    record(
+        "rloo",
+        f"{rloo_at} (normalize_advantages=False)",
+        run_cases(
+            ADV_CASES,
+            lambda m, r: (ours_adv("rloo", *adv_case(m, r)), trl_rloo_adv(*adv_case(m, r))),
+        ),
+        "formula read from TRL source, evaluated here.",
+    )
 
 
 def loss_case(m: str, a: str) -> dict:
     return make_loss_inputs(m, a, SEED + 17)
 
 
-def compare_policy_losses() -> None:
+def compare_policy_losses(record: Callable) -> None:
     van = where_in(ca.compute_policy_loss_vanilla, "pg_losses3 = -advantages * clip_ratio_c")
     for agg in AGG_VERL:
         record("clip", f"{van} (loss_agg_mode={AGG_VERL[agg]})",
@@ -518,11 +561,19 @@ def compare_policy_losses() -> None:
                "gradient through s_i = exp(mean log rho). Same loss and gradient when A is "
                "constant per row (seq cases); with token-level A the gradients differ. Aligned: "
                "ours gspo_token.", setting=agg)  # fmt: skip
-        record("gspo_token", f"{gspo_at} (loss_agg_mode={AGG_VERL[agg]})",
-               run_cases(LOSS_CASES, lambda m, a, g=agg: (
-                   *ours_loss(loss_case(m, a), loss="gspo_token", agg=g),
-                   *verl_loss(loss_case(m, a), mode="gspo", agg=g))),
-               "verl additionally clamps log s_i,t at 10 (not reached here).", setting=agg)
+        record(
+            "gspo_token",
+            f"{gspo_at} (loss_agg_mode={AGG_VERL[agg]})",
+            run_cases(
+                LOSS_CASES,
+                lambda m, a, g=agg: (
+                    *ours_loss(loss_case(m, a), loss="gspo_token", agg=g),
+                    *verl_loss(loss_case(m, a), mode="gspo", agg=g),
+                ),
+            ),
+            "verl additionally clamps log s_i,t at 10 (not reached here).",
+            setting=agg,
+        )
     cis_at = where_in(ca.compute_policy_loss_cispo, "torch.clamp(ratio, 1 - clip_ratio_low")
     for agg in AGG_VERL:
         record("cispo", f"{cis_at} (loss_agg_mode={AGG_VERL[agg]})",
@@ -562,7 +613,7 @@ def compare_policy_losses() -> None:
            setting="token_mean, dual_clip=3")  # fmt: skip
 
 
-def compare_kl() -> None:
+def compare_kl(record: Callable) -> None:
     def kl_inputs(kind: str):
         gen = torch.Generator().manual_seed(SEED + 31)
         lp = -torch.empty(B, T).exponential_(1.0, generator=gen)
@@ -590,12 +641,16 @@ def compare_kl() -> None:
             note = ("ours applies loss.log_ratio_clamp=20 / loss.kl_clamp=10 (LossSettings "
                     "defaults) to every estimator; verl clamps only k3 (low_var_kl). The extreme "
                     "case differs. Aligned: ours with both clamps None.")  # fmt: skip
-        record(f"kl {ours_est}", f"{kl_at.rsplit(' L', 1)[0]} ({verl_est!r})",
-               run_cases(cases, lambda kind, o=ours_est, v=verl_est: run(kind, o, v, True),
-                         aligned), note, setting="log_ratio_clamp=20, kl_clamp=10")
+        record(
+            f"kl {ours_est}",
+            f"{kl_at.rsplit(' L', 1)[0]} ({verl_est!r})",
+            run_cases(cases, lambda kind, o=ours_est, v=verl_est: run(kind, o, v, True), aligned),
+            note,
+            setting="log_ratio_clamp=20, kl_clamp=10",
+        )
 
 
-def compare_trl_losses() -> None:
+def compare_trl_losses(record: Callable) -> None:
     cl = trl_grpo.GRPOTrainer._compute_loss
     line = lambda anchor: where_in(cl, anchor)  # noqa: E731
     grpo_at = line('if self.loss_type in ["grpo", "sapo"]:')
@@ -648,7 +703,7 @@ def compare_trl_losses() -> None:
            setting="seq_mean_token_mean")  # fmt: skip
 
 
-def compare_empty_row_aggregation() -> None:
+def compare_empty_row_aggregation(record: Callable) -> None:
     """Outside the main data (every row there has >= 1 token): which rows a seq-mean counts."""
     gen = torch.Generator().manual_seed(SEED + 5)
     mask = make_mask("right_padded", gen)
@@ -668,16 +723,20 @@ def compare_empty_row_aggregation() -> None:
                          lambda _, g=agg: run(g, B)),
                "extra case with one empty row: ours divides by all B rows, verl's default "
                "(global_batch_size=None) by the rows with >= 1 token. Aligned: verl "
-               "global_batch_size=B (what its trainer passes).")  # fmt: skip
+               "global_batch_size=B, the value trainer/ppo/ray_trainer.py passes "
+               "(ppo_mini_batch_size * rollout.n: all rows).")  # fmt: skip
 
 
 def main() -> None:
+    global ca, AlgoConfig, ActorConfig, trl_grpo, trl_rloo, trl_nanstd
+    ca, AlgoConfig, ActorConfig = import_verl_core_algos()
+    trl_grpo, trl_rloo, trl_nanstd = import_trl()
     torch.manual_seed(SEED)
-    compare_advantages()
-    compare_policy_losses()
-    compare_kl()
-    compare_trl_losses()
-    compare_empty_row_aggregation()
+    rows: list[dict] = []
+    rec = functools.partial(record, rows)
+    for compare in (compare_advantages, compare_policy_losses, compare_kl, compare_trl_losses,
+                    compare_empty_row_aggregation):  # fmt: skip
+        compare(rec)
     os.environ["GIT_OPTIONAL_LOCKS"] = "0"  # env_stamp's `git status` must not touch the index
     meta = {
         "command": "/tmp/cmpenv/bin/python -m benchmarks.compare_reference_impls",
@@ -694,15 +753,18 @@ def main() -> None:
         "diffs": "max_abs_diff = max over cases of the value and (losses, KL) gradient w.r.t. "
                  "logprobs; aligned_diff = the same after removing the stated convention",
     }  # fmt: skip
-    for row in ROWS:
+    for row in rows:
         row["agreement"] = ("agree" if row["agrees"] else "DIFFER") + f" {row['max_abs_diff']:.2g}"
         if row["aligned_diff"] is not None:
             row["aligned"] = f"{row['aligned_diff']:.2g}"
-    write_results("algo_agreement", ROWS,
+    write_results("algo_agreement", rows,
                   ["variant", "compared_with", "agreement", "aligned", "cases_over_tol", "note"],
                   meta=meta)  # fmt: skip
-    bad = [r["variant"] for r in ROWS
-           if not r["agrees"] and (r["aligned_diff"] is None or r["aligned_diff"] > TOL)]
+    bad = [
+        r["variant"]
+        for r in rows
+        if not r["agrees"] and (r["aligned_diff"] is None or r["aligned_diff"] > TOL)
+    ]
     if bad:
         print(f"unexplained differences: {bad}", file=sys.stderr)
         sys.exit(1)

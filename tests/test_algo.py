@@ -7,7 +7,12 @@ import math
 import pytest
 import torch
 
-from grpo.algo.advantages import compute_advantages, group_advantages, zero_std_groups
+from grpo.algo.advantages import (
+    compute_advantages,
+    discounted_returns,
+    group_advantages,
+    zero_std_groups,
+)
 from grpo.algo.losses import (
     AGGREGATIONS,
     LossSettings,
@@ -212,6 +217,11 @@ def test_reinforce_pp_hand_computed():
     a = compute_advantages("reinforce_pp", tr, mask, group_size=2, eps=EPS, gamma=0.5)
     d = 0.5 + EPS
     torch.testing.assert_close(a, torch.tensor([[0.0, 0.5 / d], [-0.5 / d, 0.0]]))
+    # a masked stretch inside a row (tool output) is skipped: counted tokens at 0, 3, reward
+    # 1 at 3, gamma 0.5 -> returns 0.5 and 1, nothing at the masked 1, 2
+    hole = torch.tensor([[True, False, False, True]])
+    R = discounted_returns(torch.tensor([[0.0, 9.0, 9.0, 1.0]]), hole, 0.5)
+    assert R.tolist() == [[0.5, 0.0, 0.0, 1.0]]
     # baseline variant, G = 2, r = (1, 0), lengths (1, 2): centered 0.5 | -0.5 -0.5
     # token mean -1/6 -> 2/3, -1/3, -1/3; unbiased std sqrt((4/9 + 1/9 + 1/9) / 2) = 1/sqrt(3)
     a, _ = adv("reinforce_pp_baseline", [1.0, 0.0], [1, 2], 2, eps=EPS)

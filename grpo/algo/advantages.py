@@ -98,12 +98,17 @@ def opo(scores: torch.Tensor, mask: torch.Tensor, *, group_size: int):
 
 
 def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float):
-    """R_t = sum_{t' >= t} gamma^(t' - t) r_t' over the row's completion tokens; (B, T_c)."""
+    """R_t = sum over the row's later counted tokens t' of gamma^k r_t', k = the number of
+    counted tokens from t to t'; (B, T_c), 0 outside the mask.
+
+    The discount counts the model's own tokens only: a masked stretch inside a row (a tool's
+    output in a multi-turn trajectory) is skipped, neither discounted nor a reset, so earlier
+    turns see the final reward."""
     r = torch.where(mask, token_rewards.float(), 0.0)
     out = torch.zeros_like(r)
     running = torch.zeros_like(r[:, 0])
     for t in range(r.shape[1] - 1, -1, -1):
-        running = r[:, t] + gamma * running
+        running = torch.where(mask[:, t], r[:, t] + gamma * running, running)
         out[:, t] = running
     return torch.where(mask, out, 0.0)
 
