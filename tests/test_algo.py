@@ -356,3 +356,40 @@ def test_policy_loss_errors_name_the_function():
 
     with pytest.raises(GrpoError, match=r"'test_inf_loss' returned a non-finite value at row 0"):
         one_tok([0.0], 1.0, policy_loss="test_inf_loss")
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_default_path_is_bitwise_the_sequence_level_formula(aggregation):
+    """The registries changed nothing for the defaults: grpo advantages on the last token,
+    broadcast, and the clip loss + beta * k3 give bit for bit what the (B,) formulas give."""
+    torch.manual_seed(2)
+    B, T, G = 8, 6, 4
+    lengths = torch.randint(1, T + 1, (B,))
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    rewards = torch.rand(B)
+    tr = torch.zeros(B, T)
+    tr[torch.arange(B), lengths - 1] = rewards
+    a_tok = compute_advantages("grpo", tr, mask, group_size=G, eps=EPS)
+    a_seq = group_advantages(rewards, G, "group", EPS)
+    assert torch.equal(a_tok[mask], a_seq[:, None].expand(B, T)[mask])
+
+    logp = (-torch.rand(B, T) * 2).masked_fill(~mask, 0.0).requires_grad_(True)
+    old = (logp.detach() + 0.2 * torch.randn(B, T)).masked_fill(~mask, 0.0)
+    ref = (logp.detach() + 0.3 * torch.randn(B, T)).masked_fill(~mask, 0.0)
+    cfg = LossSettings(beta=0.04, aggregation=aggregation, epsilon_high=0.28)
+    norm = loss_normalizer(mask, aggregation, T)
+    loss, _ = policy_loss(logp, old, ref, a_tok, mask, cfg, normalizer=norm)
+    (g,) = torch.autograd.grad(loss, logp)
+    # the sequence-level formula, written out: A (B, 1) broadcast, masks multiplied
+    ratio = torch.exp(logp - old)
+    A = a_seq[:, None]
+    surrogate = torch.minimum(ratio * A, torch.clamp(ratio, 0.8, 1.28) * A)
+    d = ref - logp
+    per_token = -surrogate + 0.04 * (torch.exp(d) - d - 1.0)
+    f = mask.float()
+    if aggregation == "seq_mean_token_mean":
+        want = ((per_token * f).sum(-1) / f.sum(-1).clamp(min=1)).sum() / norm
+    else:
+        want = (per_token * f).sum() / norm
+    (g_want,) = torch.autograd.grad(want, logp)
+    assert torch.equal(loss, want) and torch.equal(g, g_want)

@@ -166,6 +166,7 @@ VARIANTS = [
     ["loss.advantage=opo", "loss.policy_loss=gmpo", "loss.aggregation=seq_mean_token_mean"],
     ["loss.advantage=reinforce_pp", "loss.kl_in_reward=0.01", "loss.beta=0", "loss.gamma=0.99"],
     ["loss.advantage=reinforce_pp_baseline", "loss.policy_loss=sapo", "loss.entropy_coef=0.01"],
+    ["loss.advantage=batch_std", "loss.policy_loss=gspo", "loss.dual_clip=3"],
     ["loss.advantage=dr_grpo", "loss.policy_loss=gspo_token", "loss.tis_cap=2",
      "loss.kl_estimator=k2"],
 ]  # fmt: skip
