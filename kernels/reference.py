@@ -145,6 +145,19 @@ def _tile_logits(buf: torch.Tensor, h: torch.Tensor, w: torch.Tensor, temperatur
     return out
 
 
+def _add_onehot(d_h, d_w, g, ids, hidden, weight):
+    """Add the one-hot part of d logits, +g/T at (n, ids[n]), to the fp32 accumulators and cast
+    them to the input dtypes (either may be None when not needed)."""
+    ids = ids.long()
+    if d_h is not None:
+        d_h.add_(g.unsqueeze(1) * weight[ids].to(d_h.dtype))
+        d_h = d_h.to(hidden.dtype)
+    if d_w is not None:
+        d_w.index_add_(0, ids, g.unsqueeze(1) * hidden.to(d_w.dtype))
+        d_w = d_w.to(weight.dtype)
+    return d_h, d_w
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     """Tiled log-probs with an online logsumexp and a backward that never stores the logits.
 
@@ -279,14 +292,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     d_h[n0:n1].addmm_(grad_z, w.to(acc))
                 if need_dw:
                     d_w[v0:v1].addmm_(grad_z.t(), h_acc)
-        # the one-hot part of grad_z: +g/T at (n, ids[n])
-        ids = ids.long()
-        if need_dh:
-            d_h.add_(g.unsqueeze(1) * weight[ids].to(acc))
-            d_h = d_h.to(hidden.dtype)
-        if need_dw:
-            d_w.index_add_(0, ids, g.unsqueeze(1) * hidden.to(acc))
-            d_w = d_w.to(weight.dtype)
+        d_h, d_w = _add_onehot(d_h, d_w, g, ids, hidden, weight)
         return d_h, d_w, None, None, None, None, None, None
 
     @staticmethod
@@ -328,14 +334,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     d_h[n0:n1].addmm_(grad_z, w.to(acc))
                 if need_dw:
                     d_w[v0:v1].addmm_(grad_z.t(), h_acc)
-        # the one-hot part of grad_z: +g/T at (n, ids[n])
-        ids = ids.long()
-        if need_dh:
-            d_h.add_(g.unsqueeze(1) * weight[ids].to(acc))
-            d_h = d_h.to(hidden.dtype)
-        if need_dw:
-            d_w.index_add_(0, ids, g.unsqueeze(1) * hidden.to(acc))
-            d_w = d_w.to(weight.dtype)
+        d_h, d_w = _add_onehot(d_h, d_w, g, ids, hidden, weight)
         return d_h, d_w, None, None, None, None, None, None
 
 

@@ -14,12 +14,12 @@ input later never breaks an existing variant. The inputs each registry offers ar
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from grpo.errors import GrpoError
+from grpo.plugins import import_callable
 
 
 class Registry:
@@ -68,7 +68,7 @@ class Registry:
         if spec in self._fns:
             return self._fns[spec]
         if ":" in spec:
-            return _import(spec, self.config_key)
+            return import_callable(spec, f"{self.config_key}: {spec!r}")
         raise GrpoError(
             f"{self.config_key}: unknown {self.kind} {spec!r}; registered: "
             f"{', '.join(self.names())} (or a 'package.module:function' path)"
@@ -113,26 +113,6 @@ def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
         return inspect.signature(fn)
     except (TypeError, ValueError):  # builtins without a signature: pass everything
         return None
-
-
-def _import(path: str, config_key: str) -> Callable[..., Any]:
-    """The callable at ``package.module:function``."""
-    module_name, _, attr = path.rpartition(":")
-    if not module_name or not attr:
-        raise GrpoError(f"{config_key}: {path!r}: expected 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        raise GrpoError(
-            f"{config_key}: cannot import module {module_name!r} of {path!r}: "
-            f"{type(e).__name__}: {e}"
-        ) from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise GrpoError(f"{config_key}: module {module_name!r} has no attribute {attr!r}")
-    if not callable(fn):
-        raise GrpoError(f"{config_key}: {path!r} is a {type(fn).__name__}, not a function")
-    return fn
 
 
 ADVANTAGES = Registry("advantage estimator", "loss.advantage")

@@ -17,13 +17,13 @@ Reward lists for the trainer (`build_rewards`) add weights: ``{"accuracy": 1.0,
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from grpo.errors import GrpoError
+from grpo.plugins import import_callable
 from grpo.rewards.compute import call_reward, reward_name
 from grpo.rewards.functions import (
     NamedReward,
@@ -183,7 +183,7 @@ def _resolve(target: Any, params: dict[str, Any]) -> NamedReward:
     if target in _builtins():
         return NamedReward(target, _make(target, _builtins()[target], params))
     if ":" in target:
-        fn = _import(target)
+        fn = import_callable(target, f"reward {target!r}")
         name = target.rsplit(":", 1)[1]
         return NamedReward(name, _bind(name, fn, params) if params else fn)
     raise GrpoError(
@@ -217,22 +217,3 @@ def _bind(name: str, fn: RewardFn, params: dict[str, Any]) -> RewardFn:
     except ValueError:  # no signature (a builtin): let the call decide
         pass
     return functools.partial(fn, **params)
-
-
-def _import(path: str) -> Callable[..., Any]:
-    """The callable at ``package.module:function``."""
-    module_name, _, attr = path.rpartition(":")
-    if not module_name or not attr:
-        raise GrpoError(f"reward {path!r}: expected 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        raise GrpoError(
-            f"reward {path!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}"
-        ) from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise GrpoError(f"reward {path!r}: module {module_name!r} has no attribute {attr!r}")
-    if not callable(fn):
-        raise GrpoError(f"reward {path!r}: {attr!r} is a {type(fn).__name__}, not a function")
-    return fn
