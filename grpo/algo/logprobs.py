@@ -65,6 +65,7 @@ def completion_logprobs(
     impl: str = "auto",
     return_entropy: bool = False,
     entropy_grad: bool = False,
+    has_holes: bool = False,
 ):
     """Log-probs of the completion tokens of a prompt+completion batch.
 
@@ -78,17 +79,27 @@ def completion_logprobs(
         impl: kernels implementation.
         return_entropy: also return (B, T_c) per-token entropy (no grad unless `entropy_grad`).
         entropy_grad: differentiable entropy (for loss.entropy_coef > 0).
+        has_holes: the completion region has holes (multi-turn rollouts): each token is then
+            scored from the last real position before it rather than the one next to it.
 
     Returns:
         (B, T_c) float32 log-probs, 0 where completion_mask is False [and the entropy].
     """
     hidden = model(ids, attention_mask=attention_mask, return_hidden=True)  # (B, T, C)
-    h = hidden[:, prompt_width - 1 : -1]  # (B, T_c, C): position t predicts token t + 1
     targets = ids[:, prompt_width:]  # (B, T_c)
     mask = completion_mask.bool()
+    if not has_holes:
+        h = hidden[:, prompt_width - 1 : -1]  # (B, T_c, C): position t predicts token t + 1
+        h_scored = h[mask]  # (N, C)
+    else:
+        # multi-turn: holes between turns; a token is predicted by the last *real* position
+        # before it (the one the sampler's logits came from), not by the hole next to it
+        rows, prev = _previous_real(attention_mask)
+        w = prompt_width
+        h_scored = hidden[rows[:, w:][mask], prev[:, w:][mask]]  # (N, C)
     return_entropy = return_entropy or entropy_grad
     out = head_logprobs(
-        model.lm_head, h[mask], targets[mask], temperature, impl, return_entropy, entropy_grad
+        model.lm_head, h_scored, targets[mask], temperature, impl, return_entropy, entropy_grad
     )  # (N,) for the N counted tokens only
     logprobs, entropy = out if return_entropy else (out, None)
     full = torch.zeros(mask.shape, dtype=torch.float32, device=ids.device)
@@ -100,6 +111,17 @@ def completion_logprobs(
     return full, ent.masked_scatter(mask, entropy)
 
 
+def _previous_real(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index pair (rows, cols) (B, T) of the last real position strictly before each position
+    (0 where there is none), for gathering hidden states across holes."""
+    B, T = attention_mask.shape
+    cols = torch.arange(T, device=attention_mask.device).expand(B, T)
+    last_real = torch.where(attention_mask.bool(), cols, -1).cummax(dim=1).values  # (B, T)
+    prev = torch.cat([last_real.new_full((B, 1), -1), last_real[:, :-1]], dim=1).clamp(min=0)
+    rows = torch.arange(B, device=attention_mask.device)[:, None].expand(B, T)
+    return rows, prev
+
+
 class CompletionLogprobs(torch.nn.Module):
     """`completion_logprobs` as a module, so that DDP wraps the whole computation (decoder and
     lm_head) in one forward and syncs every trainable parameter's gradient."""
@@ -109,8 +131,8 @@ class CompletionLogprobs(torch.nn.Module):
         self.model = model
 
     def forward(self, ids, attention_mask, prompt_width, completion_mask, temperature=1.0,
-                return_entropy=False, entropy_grad=False):  # fmt: skip
+                return_entropy=False, entropy_grad=False, has_holes=False):  # fmt: skip
         return completion_logprobs(
             self.model, ids, attention_mask, prompt_width, completion_mask, temperature,
-            return_entropy=return_entropy, entropy_grad=entropy_grad,
+            return_entropy=return_entropy, entropy_grad=entropy_grad, has_holes=has_holes,
         )  # fmt: skip

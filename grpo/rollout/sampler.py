@@ -1,13 +1,17 @@
 """Rollouts: prefill each prompt once, copy its KV rows G times, decode all P*G rows together.
 
+Single turn (`Sampler.sample`) and multi-turn (`Sampler.sample_turns`: after each model turn an
+`observe` callback returns the environment's observation as token ids, which are prefilled
+into the same KV cache; earlier turns are never re-tokenized or re-run).
+
 Shapes: P prompts, G completions per prompt (group), B = P*G rows, T_p the padded prompt width,
 T_c completion tokens, V vocab. Row b belongs to prompt b // G (a group's rows are adjacent).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +37,16 @@ class Rollout:
             drawn from before truncation: log_softmax(logits / temperature) (temperature 1 when
             greedy); top-k / top-p / min-p are not reflected. 0 where the mask is False.
         group_size: G.
+
+    Multi-turn rollouts (`Sampler.sample_turns`) also set:
+        loss_mask: (B, T_c) bool, True on model-generated tokens only; `completion_mask` is
+            then True on every real token (model turns and observations) and False on the
+            holes between them (slots a row did not use while others decoded or observed).
+        turn_ids: (B, T_c) long, the turn of each real token (an observation belongs to the
+            turn it answers), -1 on holes.
+        turn_rewards: B lists of per-turn step rewards from the environment.
+        turn_texts: B lists of each model turn's token ids (a final stop id left out).
+        infos: B dicts of counters the environment reported (summed over turns).
     """
 
     ids: torch.Tensor
@@ -44,6 +58,16 @@ class Rollout:
     finished: torch.Tensor
     logprobs: torch.Tensor
     group_size: int
+    loss_mask: torch.Tensor | None = None
+    turn_ids: torch.Tensor | None = None
+    turn_rewards: list[list[float]] | None = None
+    turn_texts: list[list[list[int]]] | None = None
+    infos: list[dict] | None = None
+
+    @property
+    def scored_mask(self) -> torch.Tensor:
+        """(B, T_c) bool: the tokens the policy generated (what the loss and log-probs count)."""
+        return self.completion_mask if self.loss_mask is None else self.loss_mask
 
     @property
     def prompt_ids(self) -> torch.Tensor:
@@ -71,6 +95,11 @@ class Rollout:
         Returns:
             B strings.
         """
+        if self.turn_texts is not None:  # multi-turn: the final model turn's text
+            return [
+                tokenizer.decode(t[-1] if t else [], skip_special_tokens=skip_special_tokens)
+                for t in self.turn_texts
+            ]
         texts = []
         rows = zip(
             self.completion_ids.tolist(), self.completion_lens.tolist(), self.finished.tolist()
@@ -79,6 +108,35 @@ class Rollout:
             keep = n - 1 if stopped else n
             texts.append(tokenizer.decode(ids[:keep], skip_special_tokens=skip_special_tokens))
         return texts
+
+    def transcript(self, tokenizer) -> list[str]:
+        """Each row's whole completion region as text: model turns and observations (holes
+        left out), special tokens kept."""
+        out = []
+        for ids, keep in zip(self.completion_ids.tolist(), self.completion_mask.tolist()):
+            out.append(tokenizer.decode([i for i, k in zip(ids, keep) if k]))
+        return out
+
+
+ObserveFn = Callable[[int, list[int], bool], "Observation"]
+
+
+@dataclass
+class Observation:
+    """What the environment answers to one model turn of one row (see `Sampler.sample_turns`).
+
+    Attributes:
+        ids: token ids to append (the chat template's delta for the observation message and
+            the next assistant header); empty when the trajectory ends.
+        reward: the step reward of this turn.
+        done: the trajectory ends here (no more model turns).
+        info: counters to add up over turns (e.g. tool_calls, invalid_calls).
+    """
+
+    ids: list[int]
+    reward: float = 0.0
+    done: bool = False
+    info: dict = field(default_factory=dict)
 
 
 class Sampler:
@@ -211,6 +269,191 @@ class Sampler:
             logprobs=logprobs,
             group_size=G,
         )
+
+    def sample_turns(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        group_size: int,
+        observe: ObserveFn,
+        max_new_tokens: int,
+        max_turns: int,
+        max_total_tokens: int,
+        stop_ids: Sequence[int],
+        turn_end_ids: Sequence[int] = (),
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int,
+        pad_id: int = 0,
+    ) -> Rollout:
+        """Multi-turn rollouts: model turn, observation, model turn, ... in one KV cache.
+
+        All B rows share one cache slot pointer. A model turn decodes until every live row has
+        ended its turn (a stop id, a turn-end id such as a tool call's closing token, or
+        `max_new_tokens` for this turn); then `observe(row, turn_ids, stopped)` is called for
+        each live row, and the returned ids are prefilled for all rows at once (rows append
+        different lengths, or nothing). Slots a row does not use (it finished its turn early,
+        or its observation is shorter) become holes: masked out of attention, skipped by the
+        rotary positions, exactly as a training forward over the whole sequence sees them. So
+        the sampler's log-prob of every generated token equals a fresh forward's.
+
+        Args:
+            prompts: P token-id lists.
+            group_size: G.
+            observe: (row b, this turn's generated ids, ended on a stop id) -> `Observation`.
+            max_new_tokens: tokens per model turn.
+            max_turns: model turns per trajectory.
+            max_total_tokens: completion-region slots (turns, observations and holes).
+            stop_ids / turn_end_ids: ids that end a turn (a stop id also may end the trajectory:
+                the environment decides through `done`).
+            temperature, top_k, top_p, min_p, seed, pad_id: as in `sample`.
+
+        Returns:
+            a `Rollout` with `loss_mask`, `turn_ids`, `turn_rewards`, `turn_texts`, `infos`;
+            `finished` is True for trajectories the environment ended (not cut by a limit).
+        """
+        model = self.model
+        cfg = model.config
+        prompts = _check_prompts(prompts, cfg.vocab_size)
+        _check_settings(cfg, prompts, group_size, max_total_tokens, temperature, top_k, top_p,
+                        min_p)  # fmt: skip
+        if max_turns < 1 or max_new_tokens < 1:
+            raise GrpoError("max_turns and max_new_tokens must be >= 1")
+        dev = model.device
+        P, G = len(prompts), group_size
+        T_p = max(len(p) for p in prompts)
+        max_len = T_p + max_total_tokens
+        prompt_ids = torch.full((P, T_p), pad_id, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            prompt_ids[i, T_p - len(p) :] = torch.tensor(p, dtype=torch.long)
+        prompt_ids = prompt_ids.to(dev)
+        p_lens = torch.tensor([len(p) for p in prompts], device=dev)
+        kv_mask = torch.zeros(P, max_len, dtype=torch.bool, device=dev)
+        kv_mask[:, :T_p] = torch.arange(T_p, device=dev) >= (T_p - p_lens)[:, None]
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev)
+        ends = torch.tensor(sorted(set(stop_ids) | set(turn_end_ids)), dtype=torch.long,
+                            device=dev)  # fmt: skip
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.inference_mode():
+                logits, cache = self._prefill(prompt_ids, kv_mask, G)
+                out = self._turn_loop(
+                    logits, cache, kv_mask.repeat_interleave(G, dim=0),
+                    p_lens.repeat_interleave(G), T_p, observe, max_new_tokens, max_turns,
+                    lambda lg: next_tokens(lg, gen, temperature, top_k, top_p, min_p),
+                    stops, ends, pad_id,
+                )  # fmt: skip
+        finally:
+            model.train(was_training)
+        tokens, logprobs, exists, scored, turn_ids, finished, extra = out
+        T_c = int(exists.any(0).nonzero().max()) + 1 if exists.any() else 1
+        exists, scored = exists[:, :T_c].clone(), scored[:, :T_c].clone()
+        completion_ids = tokens[:, :T_c].clone().masked_fill(~exists, pad_id)
+        logprobs = logprobs[:, :T_c].clone().masked_fill(~scored, 0.0)
+        cols = torch.arange(T_c, device=dev)
+        lens = torch.where(exists, cols + 1, 0).amax(dim=1)  # (B,) up to the last real token
+        return Rollout(
+            ids=torch.cat([prompt_ids.repeat_interleave(G, dim=0), completion_ids], dim=1),
+            prompt_lens=p_lens.repeat_interleave(G),
+            prompt_width=T_p,
+            completion_ids=completion_ids,
+            completion_mask=exists,
+            completion_lens=lens,
+            finished=finished.clone(),
+            logprobs=logprobs,
+            group_size=G,
+            loss_mask=scored,
+            turn_ids=turn_ids[:, :T_c].clone(),
+            **extra,
+        )
+
+    def _turn_loop(self, logits, cache, kv_mask, pos, T_p, observe, max_new_tokens, max_turns,
+                   draw, stops, ends, pad_id):  # fmt: skip
+        """The multi-turn decode/observe loop (see `sample_turns`). Column c of the completion
+        region is cache slot T_p + c for every row.
+
+        Returns:
+            tokens, logprobs (B, T) and exists, scored (B, T) bool, turn_ids (B, T) long,
+            finished (B,) bool, and the per-row lists (turn_rewards, turn_texts, infos).
+        """
+        B, max_len = kv_mask.shape
+        dev = logits.device
+        T = max_len - T_p
+        tokens = torch.full((B, T), pad_id, dtype=torch.long, device=dev)
+        logprobs = torch.zeros(B, T, device=dev)
+        exists = torch.zeros(B, T, dtype=torch.bool, device=dev)
+        scored = torch.zeros_like(exists)
+        turn_ids = torch.full((B, T), -1, dtype=torch.long, device=dev)
+        kv_mask[:, T_p:] = False  # completion slots open as rows write them
+        live = torch.ones(B, dtype=torch.bool, device=dev)  # trajectory still running
+        finished = torch.zeros(B, dtype=torch.bool, device=dev)
+        rewards: list[list[float]] = [[] for _ in range(B)]
+        texts: list[list[list[int]]] = [[] for _ in range(B)]
+        infos: list[dict] = [{} for _ in range(B)]
+        col = 0
+        for turn in range(max_turns):
+            in_turn, start = live.clone(), col
+            stopped = torch.zeros(B, dtype=torch.bool, device=dev)
+            for _ in range(max_new_tokens):
+                if col >= T:
+                    break
+                tok, lp = draw(logits)  # (B,), (B,)
+                tokens[:, col] = torch.where(in_turn, tok, pad_id)
+                logprobs[:, col] = torch.where(in_turn, lp, 0.0)
+                exists[:, col] = scored[:, col] = in_turn
+                turn_ids[:, col] = torch.where(in_turn, turn, -1)
+                kv_mask[:, T_p + col] = in_turn
+                # write this token's keys/values (the next turn's history) and get the logits of
+                # the next one; rows not in their turn write a masked-out slot
+                logits = self._decode(tok[:, None], pos[:, None], kv_mask, cache)
+                pos += in_turn.long()
+                col += 1
+                ended = in_turn & torch.isin(tok, ends)
+                stopped |= in_turn & torch.isin(tok, stops)
+                in_turn &= ~ended
+                if not bool(in_turn.any()):
+                    break
+            obs: list[list[int]] = [[] for _ in range(B)]
+            for b in live.nonzero().flatten().tolist():
+                ids = tokens[b, start:col][scored[b, start:col]].tolist()
+                if stopped[b]:
+                    ids = ids[:-1]
+                texts[b].append(ids)
+                o = observe(b, ids, bool(stopped[b]))
+                rewards[b].append(float(o.reward))
+                for k, v in o.info.items():
+                    infos[b][k] = infos[b].get(k, 0) + v
+                if o.done or not o.ids:
+                    live[b] = False
+                    finished[b] = True
+                else:
+                    obs[b] = list(o.ids)
+            L = max(len(o) for o in obs)
+            if turn == max_turns - 1 or L == 0 or col + L + 1 > T:
+                break  # the limits cut the live rows here (not finished)
+            chunk = torch.full((B, L), pad_id, dtype=torch.long, device=dev)
+            lens = torch.tensor([len(o) for o in obs], device=dev)  # (B,)
+            for b, o in enumerate(obs):
+                if o:
+                    chunk[b, : len(o)] = torch.tensor(o, device=dev)
+            real = torch.arange(L, device=dev)[None, :] < lens[:, None]  # (B, L)
+            kv_mask[:, T_p + col : T_p + col + L] = real
+            tokens[:, col : col + L] = chunk
+            exists[:, col : col + L] = real
+            turn_ids[:, col : col + L] = torch.where(real, turn, -1)
+            positions = pos[:, None] + torch.arange(L, device=dev)[None, :]  # (B, L)
+            hidden = self.model(chunk, position_ids=positions, attention_mask=kv_mask,
+                                kv_cache=cache, return_hidden=True)  # fmt: skip
+            last = hidden[torch.arange(B, device=dev), (lens - 1).clamp(min=0)]  # (B, C)
+            logits = self.model.lm_head(last).float()  # (B, V) after each row's observation
+            pos += lens
+            col += L
+        extra = {"turn_rewards": rewards, "turn_texts": texts, "infos": infos}
+        return tokens, logprobs, exists, scored, turn_ids, finished, extra
 
     def _prefill(self, prompt_ids: torch.Tensor, kv_mask: torch.Tensor, G: int):
         """Run the P prompts once and copy each one's cache rows G times.
