@@ -70,7 +70,7 @@ def cmd_eval(args) -> int:
     run_eval_command(
         model=args.model, adapter=args.adapter, data=args.data, max_samples=args.max_samples,
         k=args.k, out=args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-        details=args.details, compare=args.compare,
+        details=args.details, compare=args.compare, env=args.env, max_turns=args.max_turns,
     )  # fmt: skip
     return 0
 
@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare", nargs="*", default=[], metavar="NAME=MODEL[+ADAPTER]",
         help="more models to evaluate on the same data, shown side by side",
     )  # fmt: skip
+    p.add_argument("--env", default=None,
+                   help="multi-turn episodes with this environment (e.g. calculator)")  # fmt: skip
+    p.add_argument("--max-turns", type=int, default=4, help="model turns per episode (--env)")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("merge", help="fold a LoRA adapter into its base: an HF checkpoint")

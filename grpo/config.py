@@ -101,6 +101,12 @@ class RewardConfig:
     kwargs: dict = field(default_factory=dict)
 
 
+def default_total_tokens(max_new_tokens: int, max_turns: int, max_obs_tokens: int) -> int:
+    """A trajectory's completion-region budget: every turn at its limit plus an observation
+    (and the template's glue around it, 16 tokens) between each two."""
+    return max_turns * max_new_tokens + (max_turns - 1) * (max_obs_tokens + 16)
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     """Sampling of G completions per prompt."""
@@ -112,9 +118,38 @@ class RolloutConfig:
     top_p: float = 1.0
     min_p: float = 0.0
     compile: bool = False
+    # Multi-turn (agentic) rollouts: an environment answers each model turn (docs/agentic.md).
+    env: str = "single_turn"  # single_turn | calculator | a registered name | package.module:Class
+    env_kwargs: dict = field(default_factory=dict)
+    max_turns: int = 4  # model turns per trajectory (env other than single_turn)
+    max_total_tokens: int | None = None  # completion-region budget; default: see total_tokens
+    max_obs_tokens: int = 64  # most tokens of one observation's content (longer ones are cut)
+    gamma: float = 1.0  # per-turn discount: return = sum_k gamma^k r_k (+ gamma^(K-1) R_final)
+    turn_end_tokens: tuple[str, ...] = ("</tool_call>",)  # also end a turn (if single tokens)
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.env != "single_turn"
+
+    @property
+    def total_tokens(self) -> int:
+        """The completion-region budget of a trajectory: max_total_tokens, or by default every
+        turn at its limit plus an observation between each two."""
+        if self.max_total_tokens is not None:
+            return self.max_total_tokens
+        if not self.multi_turn:
+            return self.max_new_tokens
+        return default_total_tokens(self.max_new_tokens, self.max_turns, self.max_obs_tokens)
 
     def __post_init__(self):
         _check(self.group_size >= 2, "rollout.group_size", f"must be >= 2, got {self.group_size}")
+        _check(self.max_turns >= 1, "rollout.max_turns", f"must be >= 1, got {self.max_turns}")
+        _check(self.max_obs_tokens >= 1, "rollout.max_obs_tokens", "must be >= 1")
+        _check(0 < self.gamma <= 1, "rollout.gamma", f"must be in (0, 1], got {self.gamma}")
+        if self.max_total_tokens is not None:
+            _check(self.max_total_tokens >= self.max_new_tokens, "rollout.max_total_tokens",
+                   f"must be >= rollout.max_new_tokens ({self.max_new_tokens})")  # fmt: skip
+        _check(isinstance(self.env, str) and bool(self.env), "rollout.env", "must be a name")
         _check(self.max_new_tokens > 0, "rollout.max_new_tokens", "must be > 0")
         _check(self.temperature >= 0, "rollout.temperature", "must be >= 0")
         _check(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)")
@@ -286,6 +321,7 @@ class EvalConfig:
     k: int = 1
     temperature: float = 0.8  # for the k samples
     batch_size: int = 32
+    env: str | None = None  # multi-turn evaluation episodes; None: the same as rollout.env
     sft_accuracy_threshold: float = 0.0  # pipeline: stop after SFT below this
 
     def __post_init__(self):

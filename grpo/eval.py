@@ -124,6 +124,12 @@ def evaluate(
     seed: int = 0,
     details: bool = False,
     progress: bool = False,
+    env: str | None = None,
+    env_kwargs: dict | None = None,
+    max_turns: int = 4,
+    max_total_tokens: int | None = None,
+    max_obs_tokens: int = 64,
+    turn_end_tokens: tuple[str, ...] = ("</tool_call>",),
 ) -> EvalResult:
     """Greedy accuracy and, with k > 1, pass@k / mean@k from k samples per prompt.
 
@@ -138,34 +144,41 @@ def evaluate(
         temperature: temperature of the k samples.
         seed: sampling seed.
         details: keep per-sample records (prompt, completion, scores).
+        env: an environment (`rollout.env` names) for multi-turn episodes: the final turn is
+            scored, and turns, tool calls, invalid-call rate and turn-limit rate are reported.
+        env_kwargs, max_turns, max_total_tokens, max_obs_tokens, turn_end_tokens: as the
+            `rollout.*` settings of the same names (max_new_tokens is per turn).
 
     Returns:
         `EvalResult(summary, samples)`.
     """
-    from grpo.rollout import sample
+    from grpo.rollout import Sampler
+    from grpo.rollout.multiturn import env_metrics
 
+    sampler = Sampler(model)
+    generate = _generator(sampler, tokenizer, stop_ids, max_new_tokens, env, env_kwargs,
+                          max_turns, max_total_tokens, max_obs_tokens, turn_end_tokens)  # fmt: skip
     scored, samples, diffs, pass_hits, mean_hits = [], [], [], [], []
-    pad = tokenizer.pad_token_id
+    env_sums: dict[str, float] = {}
     batches = range(0, len(rows), batch_size)
     for start in tqdm(batches, desc="eval", disable=not progress, leave=False):
         chunk = rows[start : start + batch_size]
-        prompts = [r["prompt_ids"] for r in chunk]
-        greedy = sample(
-            model, prompts, group_size=1, max_new_tokens=max_new_tokens, temperature=0.0,
-            stop_ids=stop_ids, seed=seed, pad_id=pad,
-        )  # fmt: skip
+        greedy = generate(chunk, 1, 0.0, seed)
         texts = greedy.decode(tokenizer, skip_special_tokens=True)
+        lengths = greedy.scored_mask.sum(-1).tolist()  # generated tokens (all turns)
+        for key, value in env_metrics(greedy).items():
+            env_sums[key] = env_sums.get(key, 0.0) + value * len(chunk)
         for i, (row, text) in enumerate(zip(chunk, texts)):
-            s = score_completion(text, row["ground_truth"], int(greedy.completion_lens[i]))
+            s = score_completion(text, row["ground_truth"], int(lengths[i]))
             scored.append(s)
             diffs.append(reference_steps(row.get("full_answer", "")))
             if details:
-                samples.append({"question": row.get("question"), "completion": text, **s})
+                record = {"question": row.get("question"), "completion": text, **s}
+                if greedy.turn_texts is not None:
+                    record["transcript"] = greedy.transcript(tokenizer)[i]
+                samples.append(record)
         if k > 1:
-            many = sample(
-                model, prompts, group_size=k, max_new_tokens=max_new_tokens,
-                temperature=temperature, stop_ids=stop_ids, seed=seed + start + 1, pad_id=pad,
-            )  # fmt: skip
+            many = generate(chunk, k, temperature, seed + start + 1)
             ktexts = many.decode(tokenizer, skip_special_tokens=True)
             for i, row in enumerate(chunk):
                 hits = [
@@ -175,10 +188,43 @@ def evaluate(
                 pass_hits.append(any(hits))
                 mean_hits.append(sum(hits) / k)
     summary = summarize(scored, diffs)
+    for key, total in env_sums.items():  # env/turns_mean -> turns_mean, per problem
+        summary[key.split("/", 1)[1]] = total / max(len(rows), 1)
     if k > 1 and rows:
         summary[f"pass@{k}"] = sum(pass_hits) / len(pass_hits)
         summary[f"mean@{k}"] = sum(mean_hits) / len(mean_hits)
     return EvalResult(summary, samples)
+
+
+def _generator(sampler, tokenizer, stop_ids, max_new_tokens, env, env_kwargs, max_turns,
+               max_total_tokens, max_obs_tokens, turn_end_tokens):  # fmt: skip
+    """(rows, group size, temperature, seed) -> Rollout: single turn, or episodes with `env`."""
+    pad = tokenizer.pad_token_id
+    if env is None or env == "single_turn":
+
+        def single(chunk, G, temperature, seed):
+            return sampler.sample([r["prompt_ids"] for r in chunk], group_size=G,
+                                  max_new_tokens=max_new_tokens, temperature=temperature,
+                                  stop_ids=stop_ids, seed=seed, pad_id=pad)  # fmt: skip
+
+        return single
+    from grpo.config import default_total_tokens
+    from grpo.envs import env_factory
+    from grpo.rollout.multiturn import sample_with_env, turn_end_ids
+
+    make_env = env_factory(env, env_kwargs, key="eval.env")
+    ends = turn_end_ids(tokenizer, turn_end_tokens)
+    total = max_total_tokens or default_total_tokens(max_new_tokens, max_turns, max_obs_tokens)
+
+    def episodes(chunk, G, temperature, seed):
+        return sample_with_env(
+            sampler, tokenizer, chunk, make_env, env_name=env, group_size=G,
+            max_new_tokens=max_new_tokens, max_turns=max_turns, max_total_tokens=total,
+            max_obs_tokens=max_obs_tokens, stop_ids=stop_ids, turn_end_ids=ends, seed=seed,
+            pad_id=pad, temperature=temperature,
+        )  # fmt: skip
+
+    return episodes
 
 
 def comparison_table(results: dict[str, dict]) -> str:
@@ -186,6 +232,8 @@ def comparison_table(results: dict[str, dict]) -> str:
     keys = ["accuracy", "format_rate", "avg_length", "avg_steps", "mean_abs_error"]
     extra = sorted({k for s in results.values() for k in s if k.startswith(("pass@", "mean@"))})
     keys += extra
+    env_keys = ("turns_mean", "tool_calls_mean", "invalid_call_rate", "turn_limit_frac")
+    keys += [k for k in env_keys if any(k in s for s in results.values())]
     lines = ["| model | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
     for name, s in results.items():
         vals = [f"{s[k]:.3f}" if isinstance(s.get(k), float) else str(s.get(k, "")) for k in keys]
@@ -220,6 +268,8 @@ def run_eval_command(
     batch_size: int = 32,
     details: bool = False,
     compare: list[str] | None = None,
+    env: str | None = None,
+    max_turns: int = 4,
 ) -> dict:
     """`grpo eval`: evaluate one model (and optionally others) on the same data; print a
     comparison table; write JSON to `out`."""
@@ -235,6 +285,12 @@ def run_eval_command(
 
     if k < 1:
         raise GrpoError(f"--k must be >= 1, got {k}")
+    if max_turns < 1:
+        raise GrpoError(f"--max-turns must be >= 1, got {max_turns}")
+    if env:
+        from grpo.envs import env_factory
+
+        env_factory(env, key="--env")  # an unknown environment fails before any model loads
     specs = {"model": (model, adapter)}
     for item in compare or []:
         name, _, spec = item.partition("=")
@@ -243,7 +299,7 @@ def run_eval_command(
         path, _, ad = spec.partition("+")
         specs[name] = (path, ad or None)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    results, payload = {}, {"data": data, "k": k, "models": {}}
+    results, payload = {}, {"data": data, "k": k, "env": env, "models": {}}
     rows = None
     for name, (path, ad) in specs.items():
         tok = load_tokenizer(path)
@@ -254,7 +310,8 @@ def run_eval_command(
         model_dir = Path(path) if Path(path).is_dir() else None
         res = evaluate(
             net, tok, rows, stop_ids=stop_ids(tok, model_dir), max_new_tokens=max_new_tokens,
-            batch_size=batch_size, k=k, details=details, progress=True,
+            batch_size=batch_size, k=k, details=details, progress=True, env=env,
+            max_turns=max_turns,
         )  # fmt: skip
         results[name] = res.summary
         payload["models"][name] = {"path": path, "adapter": ad, "summary": res.summary}

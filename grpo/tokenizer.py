@@ -123,3 +123,233 @@ def train_bpe_tokenizer(
     if out_dir is not None:
         fast.save_pretrained(str(out_dir))
     return fast
+
+
+# --- Multi-turn rollouts: the chat template's delta for an environment message ---------------
+#
+# The sampler never re-tokenizes earlier turns: after a generated assistant turn it appends the
+# ids of the text the chat template puts between the end of that turn and the start of the next
+# assistant content. That text is found by rendering a dummy conversation
+# [user U, assistant A, *messages] and cutting it right after A (and after the end-of-turn token
+# when the model emitted it); message contents become placeholders, so the cut is cached per
+# template and the real contents are spliced in at each call.
+
+_USER_PH = "GrpoDummyUserQz"
+_ASSISTANT_PH = "GrpoDummyAssistantQz"
+_CONTENT_PH = "GrpoDummyContent{}Qz"  # one per appended message; "Qz" ends the index
+# Content that a template rendering contents verbatim reproduces exactly, but that trim, escape,
+# tojson or indent would change: the cached cut is used only if splicing it in matches a render.
+_PROBE = ' \n  probe "quoted" \\ {{ x }} {% y %} <b>&amp;\ttab\n\n '
+_CACHE_ATTR = "_grpo_chat_delta_cache"
+_RESERVED = ("conversation", "tools", "tokenize", "add_generation_prompt", "continue_final_message")
+
+
+def message_delta(
+    tokenizer,
+    message: dict | list[dict],
+    *,
+    after_stop: bool,
+    tools: list[dict] | None = None,
+    **template_kwargs,
+) -> str:
+    """The chat-template text that follows a generated assistant turn when `message` answers it.
+
+    It runs from the end of the generated turn to where the next assistant turn's content
+    begins: the template's closing glue for the assistant turn (ChatML's "\\n" after
+    `<|im_end|>`), the rendering of `message` and the generation prompt
+    ("<|im_start|>assistant\\n"). With `after_stop=False` the model stopped without emitting the
+    end-of-turn token (e.g. right after `</tool_call>`), so the delta starts with that token's
+    text too ("<|im_end|>\\n<|im_start|>user\\n<tool_response>..." for Qwen).
+
+    Supported: any template that renders the turns before the generated one the same whatever
+    follows, closes assistant turns with an added (special) token, and whose glue after an
+    assistant turn does not depend on that turn's content or tool calls (ChatML / Qwen, Llama 3).
+    Templates that re-render the generated turn itself (Qwen3 dropping `<think>` blocks of turns
+    before the last user message, or adding an empty one to the final turn) are fine: the
+    sampler never re-renders a turn it generated. Several environment messages that answer one
+    turn (one tool message per tool call) must be passed together as a list: templates that
+    group consecutive tool messages into one turn (Qwen's `<tool_response>` blocks) render them
+    correctly only together. Not supported: non-string (multimodal) content, templates that
+    insist the preceding assistant turn carries matching `tool_calls`, and glue that depends on
+    tool calls (Llama 3.1's `<|eom_id|>` after built-in tools).
+
+    Cost: the cut is cached on the tokenizer per (template, roles and other message keys,
+    after_stop, tools, template kwargs); a call then only joins strings. A template that
+    rewrites contents (trim, tojson) is detected once and rendered at every call instead.
+
+    Args:
+        tokenizer: a `transformers` tokenizer with a chat template.
+        message: a non-assistant message {"role": "tool" | "user" | ..., "content": str}, or a
+            list of consecutive ones answering the same assistant turn.
+        after_stop: whether the generated turn ended with the template's end-of-turn token.
+        tools: the tool schemas the conversation was rendered with (they may change the
+            template's output, e.g. select a tool-use template).
+        **template_kwargs: passed on to the template (e.g. `enable_thinking=False`).
+
+    Returns:
+        the delta text; tokenize it with `add_special_tokens=False` (see `message_delta_ids`).
+
+    Raises:
+        GrpoError: when rendering `message` changes the turns before the assistant turn
+            (the template is not prefix-preserving for it), or the template cannot render it.
+    """
+    messages = [message] if isinstance(message, dict) else list(message)
+    _check_env_messages(tokenizer, messages, template_kwargs)
+    key = (
+        "delta",
+        tokenizer.get_chat_template(None, tools),
+        _canonical([{k: v for k, v in m.items() if k != "content"} for m in messages]),
+        bool(after_stop),
+        _canonical(tools),
+        _canonical(template_kwargs),
+    )
+    cache = vars(tokenizer).setdefault(_CACHE_ATTR, {})
+    if key not in cache:
+        cache[key] = _delta_segments(tokenizer, messages, after_stop, tools, template_kwargs)
+    segments = cache[key]
+    if segments is None:  # the template rewrites contents: render this very message
+        return _render_delta(tokenizer, messages, after_stop, tools, template_kwargs)
+    out = [segments[0]]
+    for m, seg in zip(messages, segments[1:]):
+        out += [m["content"], seg]
+    return "".join(out)
+
+
+def message_delta_ids(
+    tokenizer,
+    message: dict | list[dict],
+    *,
+    after_stop: bool,
+    tools: list[dict] | None = None,
+    **template_kwargs,
+) -> list[int]:
+    """`message_delta` tokenized with `add_special_tokens=False` (special tokens in the text map
+    to their ids; the delta starts after a special token, so no BPE merge crosses its start)."""
+    text = message_delta(tokenizer, message, after_stop=after_stop, tools=tools, **template_kwargs)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def end_of_turn_text(tokenizer) -> str:
+    """The special token the chat template closes assistant turns with ("<|im_end|>", "<|eot_id|>").
+
+    Found by rendering [user, assistant, user] and taking the longest added token that starts
+    the text right after the assistant content.
+    """
+    key = ("end_of_turn", tokenizer.get_chat_template(None, None))
+    cache = vars(tokenizer).setdefault(_CACHE_ATTR, {})
+    if key not in cache:
+        conv = [
+            {"role": "user", "content": _USER_PH},
+            {"role": "assistant", "content": _ASSISTANT_PH},
+            {"role": "user", "content": _USER_PH},
+        ]
+        text = _render(tokenizer, conv, None, False, {})
+        end = text.find(_ASSISTANT_PH)
+        if end < 0:
+            raise GrpoError(
+                f"the chat template of tokenizer {_name(tokenizer)!r} does not render an "
+                "assistant message's content verbatim"
+            )
+        cache[key] = _end_of_turn_at(tokenizer, text[end + len(_ASSISTANT_PH) :])
+    return cache[key]
+
+
+def _delta_segments(tokenizer, messages, after_stop, tools, kwargs) -> tuple[str, ...] | None:
+    """The delta split around each message's content: len(messages) + 1 literal pieces, or None
+    when the template does not render contents verbatim (checked once with `_PROBE`)."""
+    phs = [_CONTENT_PH.format(i) for i in range(len(messages))]
+    dummy = [{**m, "content": ph} for m, ph in zip(messages, phs)]
+    text = _render_delta(tokenizer, dummy, after_stop, tools, kwargs)
+    segments, rest = [], text
+    for ph in phs:
+        if text.count(ph) != 1 or ph not in rest:
+            return None  # content dropped, repeated or reordered: render at every call
+        head, _, rest = rest.partition(ph)
+        segments.append(head)
+    segments.append(rest)
+    probe = [{**m, "content": _PROBE} for m in messages]
+    spliced = segments[0] + "".join(_PROBE + s for s in segments[1:])
+    if spliced != _render_delta(tokenizer, probe, after_stop, tools, kwargs):
+        return None
+    return tuple(segments)
+
+
+def _render_delta(tokenizer, messages, after_stop, tools, kwargs) -> str:
+    """The delta for these exact messages, cut from one rendering of the dummy conversation."""
+    head = [{"role": "user", "content": _USER_PH}]
+    before = _render(tokenizer, head, tools, False, kwargs)
+    turn = {"role": "assistant", "content": _ASSISTANT_PH}
+    full = _render(tokenizer, [*head, turn, *messages], tools, True, kwargs)
+    if not full.startswith(before):
+        roles = "+".join(m["role"] for m in messages)
+        raise GrpoError(
+            f"the chat template of tokenizer {_name(tokenizer)!r} is not prefix-preserving for a "
+            f"{roles!r} message: appending it changes how the earlier turns render, so the "
+            "sampler's token stream would not match the template"
+        )
+    end = full.find(_ASSISTANT_PH, len(before))
+    if end < 0:
+        raise GrpoError(
+            f"the chat template of tokenizer {_name(tokenizer)!r} does not render an assistant "
+            "message's content verbatim"
+        )
+    end += len(_ASSISTANT_PH)
+    if after_stop:
+        end += len(_end_of_turn_at(tokenizer, full[end:]))
+    return full[end:]
+
+
+def _end_of_turn_at(tokenizer, tail: str) -> str:
+    """The longest added (special) token that `tail` starts with."""
+    matches = [t for t in tokenizer.get_added_vocab() if t and tail.startswith(t)]
+    if not matches:
+        raise GrpoError(
+            f"the chat template of tokenizer {_name(tokenizer)!r} does not close an assistant "
+            f"turn with a special token (it continues with {tail[:40]!r})"
+        )
+    return max(matches, key=len)
+
+
+def _render(tokenizer, messages, tools, add_generation_prompt: bool, kwargs) -> str:
+    """`apply_chat_template(..., tokenize=False)`, its failures as one-line `GrpoError`s."""
+    try:
+        return tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **kwargs,
+        )
+    except Exception as e:
+        roles = ", ".join(m["role"] for m in messages)
+        detail = " ".join(str(e).split())
+        raise GrpoError(
+            f"the chat template of tokenizer {_name(tokenizer)!r} cannot render roles "
+            f"[{roles}]: {type(e).__name__}: {detail}"
+        ) from None
+
+
+def _check_env_messages(tokenizer, messages: list, kwargs: dict) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise GrpoError(f"tokenizer {_name(tokenizer)!r} has no chat template")
+    if not messages:
+        raise GrpoError("message_delta needs at least one message")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            raise GrpoError(f"message {i}: expected a dict with a string 'content', got {m!r}")
+        if m.get("role") in (None, "assistant"):
+            raise GrpoError(
+                f"message {i}: role must be an environment role (tool, user, ...), "
+                f"got {m.get('role')!r}; assistant turns are generated"
+            )
+    bad = sorted(set(kwargs) & set(_RESERVED))
+    if bad:
+        raise GrpoError(f"message_delta sets {bad} itself; do not pass them as template kwargs")
+
+
+def _canonical(obj) -> str:
+    return json.dumps(obj, sort_keys=True, default=repr)
+
+
+def _name(tokenizer) -> str:
+    return getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__

@@ -37,10 +37,12 @@ from grpo.distributed import (
     teardown,
     wrap_ddp,
 )
+from grpo.envs import env_factory
 from grpo.errors import GrpoError
 from grpo.lora import disabled_lora
 from grpo.rewards import build_rewards, compute_rewards
 from grpo.rollout import Rollout, Sampler
+from grpo.rollout.multiturn import env_metrics, sample_with_env, turn_end_ids
 from grpo.train.common import (
     build_policy,
     due,
@@ -93,6 +95,13 @@ def next_prompts(state: TrainState, n_rows: int, count: int, seed: int) -> list[
 
 def select_rows(r: Rollout, idx: torch.Tensor) -> Rollout:
     """The rollout restricted to rows `idx` (whole groups)."""
+    rows = idx.tolist()
+
+    def pick(x):
+        if x is None:
+            return None
+        return x[idx] if isinstance(x, torch.Tensor) else [x[i] for i in rows]
+
     return Rollout(
         ids=r.ids[idx],
         prompt_lens=r.prompt_lens[idx],
@@ -103,11 +112,53 @@ def select_rows(r: Rollout, idx: torch.Tensor) -> Rollout:
         finished=r.finished[idx],
         logprobs=r.logprobs[idx],
         group_size=r.group_size,
+        **{k: pick(getattr(r, k)) for k in MULTI_TURN_FIELDS},
     )
 
 
+MULTI_TURN_FIELDS = ("loss_mask", "turn_ids", "turn_rewards", "turn_texts", "infos")
+
+
+def turn_token_rewards(rewards: torch.Tensor, r: Rollout, gamma: float) -> torch.Tensor:
+    """(B, T_c) token rewards of multi-turn trajectories: each turn's step reward r_k on the
+    last generated token of turn k, scaled by gamma^k, and the trajectory reward R on the last
+    generated token, scaled by gamma^(K-1) (K turns), so a row sums to its discounted return
+    sum_k gamma^k r_k + gamma^(K-1) R. Per-token trajectory rewards (B, T_c) are added as is."""
+    scored = r.scored_mask
+    token = rewards.float().clone() if rewards.dim() == 2 else torch.zeros(scored.shape)
+    token = token.to(scored.device)
+    cols = torch.arange(scored.shape[1], device=scored.device)
+    for b, steps in enumerate(r.turn_rewards):
+        for k, value in enumerate(steps):
+            here = scored[b] & (r.turn_ids[b] == k)
+            if value and here.any():
+                token[b, int(cols[here].max())] += gamma**k * value
+        if rewards.dim() == 1 and scored[b].any():
+            K = max(len(steps), 1)
+            token[b, int(cols[scored[b]].max())] += gamma ** (K - 1) * float(rewards[b])
+    return token
+
+
+def sample_round(cfg: Config, policy, sampler, rows: list[dict], seed: int, make_env=None):
+    """One sampling call: G completions per row (single turn), or G trajectories per row
+    with the configured environment (multi-turn)."""
+    c = cfg.rollout
+    sampling = {"temperature": c.temperature, "top_k": c.top_k, "top_p": c.top_p,
+                "min_p": c.min_p, "seed": seed, "pad_id": policy.tokenizer.pad_token_id,
+                "stop_ids": policy.stop_ids}  # fmt: skip
+    if not c.multi_turn:
+        return sampler.sample([r["prompt_ids"] for r in rows], group_size=c.group_size,
+                              max_new_tokens=c.max_new_tokens, **sampling)  # fmt: skip
+    return sample_with_env(
+        sampler, policy.tokenizer, rows, make_env or env_factory(c.env, c.env_kwargs),
+        env_name=c.env, group_size=c.group_size, max_new_tokens=c.max_new_tokens,
+        max_turns=c.max_turns, max_total_tokens=c.total_tokens, max_obs_tokens=c.max_obs_tokens,
+        turn_end_ids=turn_end_ids(policy.tokenizer, c.turn_end_tokens), **sampling,
+    )  # fmt: skip
+
+
 def rollout_phase(
-    cfg: Config, policy, sampler, rows, state, reward_fns, step: int, dist=SINGLE
+    cfg: Config, policy, sampler, rows, state, reward_fns, step: int, dist=SINGLE, make_env=None
 ) -> Batch:
     """Sample G completions for P prompts and score them (advantages come later).
 
@@ -133,18 +184,8 @@ def rollout_phase(
             if all_reduce_sum(0.0, dist) == 0:
                 break
             continue
-        rollout = sampler.sample(
-            [rows[i]["prompt_ids"] for i in idx],
-            group_size=G,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            temperature=cfg.rollout.temperature,
-            top_k=cfg.rollout.top_k,
-            top_p=cfg.rollout.top_p,
-            min_p=cfg.rollout.min_p,
-            stop_ids=policy.stop_ids,
-            seed=derive_seed(cfg.train.seed, dist.rank, step, round_),
-            pad_id=policy.tokenizer.pad_token_id,
-        )
+        seed = derive_seed(cfg.train.seed, dist.rank, step, round_)
+        rollout = sample_round(cfg, policy, sampler, [rows[i] for i in idx], seed, make_env)
         brows = [rows[i] for i in idx for _ in range(G)]
         texts = rollout.decode(policy.tokenizer, skip_special_tokens=True)
         columns = {k: [r[k] for r in brows] for k in brows[0] if k != "prompt_ids"}
@@ -152,9 +193,15 @@ def rollout_phase(
         columns["completion_lengths"] = lengths
         columns["completion_ids"] = [ids[:n] for ids, n in zip(rollout.completion_ids.tolist(),
                                                               lengths)]  # fmt: skip
+        if rollout.turn_texts is not None:  # multi-turn: what the trajectory did
+            columns["num_turns"] = [len(t) for t in rollout.turn_texts]
+            columns["env_info"] = rollout.infos
         T_c = rollout.completion_ids.shape[1]
         total, per_fn = compute_rewards(reward_fns, texts, columns, token_width=T_c)
-        if total.dim() == 1:  # (B,) sequence rewards -> on each row's last token
+        if rollout.turn_rewards is not None:  # step rewards and the discounted return
+            tok = turn_token_rewards(total, rollout, cfg.rollout.gamma)
+            total = tok.sum(-1)
+        elif total.dim() == 1:  # (B,) sequence rewards -> on each row's last token
             tok = outcome_token_rewards(total, rollout.completion_mask)
         else:  # (B, T_c) some rewards per token
             tok, total = total, total.sum(-1)
@@ -181,7 +228,7 @@ def rollout_phase(
     token_rewards = torch.cat(
         [torch.nn.functional.pad(k[5], (0, T_c - k[5].shape[1])) for k in kept]
     )  # (B, T_c)
-    loss_mask = rollout.completion_mask.clone()
+    loss_mask = rollout.scored_mask.clone()
     if cfg.loss.mask_truncated_completions:
         loss_mask &= rollout.finished[:, None]
     return Batch(
@@ -214,7 +261,7 @@ def advantage_phase(cfg: Config, batch: Batch, dist=SINGLE, step: int | None = N
     of the combined batch; each rank keeps its own rows.
     """
     r = batch.rollout
-    mask = r.completion_mask
+    mask = r.scored_mask  # the policy's own tokens (observations are not actions)
     device = r.ids.device
     if batch.token_rewards is None:
         batch.token_rewards = outcome_token_rewards(batch.rewards, mask)
@@ -256,12 +303,22 @@ def _cat_rollouts(pieces: list[Rollout], pad_id: int) -> Rollout:
         return torch.nn.functional.pad(x, (left, right), value=value)
 
     ids, cids, cmask, lps = [], [], [], []
+    multi = pieces[0].loss_mask is not None
+    lmask, tids = [], []
     for p in pieces:
         dl, dr = T_p - p.prompt_width, T_c - p.completion_ids.shape[1]
         cids.append(pad(p.completion_ids, 0, dr, pad_id))
         ids.append(torch.cat([pad(p.prompt_ids, dl, 0, pad_id), cids[-1]], 1))
         cmask.append(pad(p.completion_mask, 0, dr, False))
         lps.append(pad(p.logprobs, 0, dr, 0.0))
+        if multi:
+            lmask.append(pad(p.loss_mask, 0, dr, False))
+            tids.append(pad(p.turn_ids, 0, dr, -1))
+    extra = {}
+    if multi:
+        extra = {"loss_mask": torch.cat(lmask), "turn_ids": torch.cat(tids)}
+        for k in ("turn_rewards", "turn_texts", "infos"):
+            extra[k] = [x for p in pieces for x in getattr(p, k)]
     return Rollout(
         ids=torch.cat(ids),
         prompt_lens=torch.cat([p.prompt_lens for p in pieces]),
@@ -272,6 +329,7 @@ def _cat_rollouts(pieces: list[Rollout], pad_id: int) -> Rollout:
         finished=torch.cat([p.finished for p in pieces]),
         logprobs=torch.cat(lps),
         group_size=pieces[0].group_size,
+        **extra,
     )
 
 
@@ -294,6 +352,7 @@ def _logprobs(cfg: Config, scorer, batch: Batch, sl: slice, entropy: bool = Fals
             cfg.rollout.temperature or 1.0,  # greedy rollouts are scored at T = 1
             return_entropy=entropy,
             entropy_grad=entropy_grad,
+            has_holes=r.loss_mask is not None,
         )
 
 
@@ -458,7 +517,7 @@ def update_phase(
 
 
 def rollout_metrics(batch: Batch, G: int) -> dict:
-    lens = batch.rollout.completion_lens.float()
+    lens = batch.rollout.scored_mask.sum(-1).float()  # generated tokens (all turns)
     out = {
         "rollout/reward_mean": float(batch.rewards.mean()),
         "rollout/reward_std": float(batch.rewards.std()) if len(batch.rewards) > 1 else 0.0,
@@ -472,7 +531,21 @@ def rollout_metrics(batch: Batch, G: int) -> dict:
         out[f"rewards/{name}"] = float(v.mean())
     if "accuracy" in batch.per_fn:
         out["rollout/accuracy"] = float(batch.per_fn["accuracy"].mean())
+    out.update(env_metrics(batch.rollout))
     return out
+
+
+def eval_env_settings(cfg: Config) -> dict:
+    """`evaluate` keyword arguments for the configured environment (eval.env, else rollout.env);
+    the environment's kwargs and limits are rollout.*'s."""
+    env = cfg.eval.env or cfg.rollout.env
+    if env == "single_turn":
+        return {}
+    r = cfg.rollout
+    same = env == r.env
+    return {"env": env, "env_kwargs": r.env_kwargs if same else {}, "max_turns": r.max_turns,
+            "max_total_tokens": r.max_total_tokens, "max_obs_tokens": r.max_obs_tokens,
+            "turn_end_tokens": r.turn_end_tokens}  # fmt: skip
 
 
 def peak_mem_mib(device: torch.device) -> float:
@@ -501,6 +574,11 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
     ckpt = resume_checkpoint(cfg, resume)
     check_estimator(cfg.loss.advantage, cfg.loss.advantage_kwargs)  # before anything is written
     check_policy_loss(cfg.loss)
+    make_env = (
+        env_factory(cfg.rollout.env, cfg.rollout.env_kwargs) if cfg.rollout.multi_turn else None
+    )
+    if cfg.eval.env:
+        env_factory(cfg.eval.env, key="eval.env")
     policy = build_policy(cfg, device, need_ref=cfg.loss.needs_reference or cfg.log.kl_every > 0)
     rows = load_rows(cfg, cfg.data.split, cfg.data.max_samples, "rl", policy.tokenizer)
     eval_rows = None
@@ -523,7 +601,7 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
         res = evaluate(
             policy.model, policy.tokenizer, eval_rows, stop_ids=policy.stop_ids,
             max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
-            batch_size=cfg.eval.batch_size,
+            batch_size=cfg.eval.batch_size, **eval_env_settings(cfg),
         )  # fmt: skip
         return {f"eval/{k}": v for k, v in res.summary.items() if isinstance(v, (int, float))}
 
@@ -532,7 +610,9 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
     bar = tqdm(total=cfg.train.max_steps, initial=state.step, desc="grpo", disable=not show)
     while state.step < cfg.train.max_steps:
         t0 = time.perf_counter()
-        batch = rollout_phase(cfg, policy, sampler, rows, state, reward_fns, state.step, dist)
+        batch = rollout_phase(
+            cfg, policy, sampler, rows, state, reward_fns, state.step, dist, make_env
+        )
         t1 = time.perf_counter()
         reference_phase(cfg, policy, batch, state.step + 1)
         advantage_phase(cfg, batch, dist, state.step + 1)

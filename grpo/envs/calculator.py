@@ -1,0 +1,416 @@
+"""Calculator tool: a bounded arithmetic evaluator on `ast`, and Qwen3/Hermes tool-call handling.
+
+    calls = parse_tool_calls('<tool_call>\\n{"name": "calculator", '
+                             '"arguments": {"expression": "(12 + 7) * 3 / 4"}}\\n</tool_call>')
+    run_tool_call(calls[0])  # -> ("14.25", True)
+
+The evaluator never runs code: it parses the text with ``ast.parse(mode="eval")``, rejects every
+node that is not a number literal, unary +/-, or one of the binary operators + - * / // % **, and
+then walks the tree with Python's own operators, so results follow Python semantics exactly (an
+int when every operand is an int and the operation is exact, a float otherwise). Every input is
+bounded before any work that could grow: text length, node count, the magnitude of every value,
+and for ``**`` the exponent and the result's magnitude (estimated with log10 before computing),
+so ``9**9**9`` fails at once instead of hanging. Every rejection is a `CalculatorError` with one
+short line.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import operator
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+CALCULATOR_NAME = "calculator"
+
+# The tool schema in the OpenAI / HF chat-template "tools" format (a constant: never mutate it).
+CALCULATOR_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": CALCULATOR_NAME,
+        "description": (
+            "Evaluate an arithmetic expression and return its value. Supports integers and "
+            "decimals, + - * / // % ** and parentheses; no variables or functions."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "expression": {
+                    "type": "string",
+                    "description": "The arithmetic expression, e.g. '(12 + 7) * 3 / 4'.",
+                }
+            },
+            "required": ["expression"],
+        },
+    },
+}
+
+_BINARY_OPS: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+_UNARY_OPS: dict[type[ast.unaryop], Callable[[Any], Any]] = {
+    ast.UAdd: operator.pos,
+    ast.USub: operator.neg,
+}
+_TOOL_CALL_OPEN = "<tool_call>"
+_TOOL_CALL_CLOSE = "</tool_call>"
+_TOOL_CALL_RE = re.compile(
+    re.escape(_TOOL_CALL_OPEN) + r"(.*?)" + re.escape(_TOOL_CALL_CLOSE), re.S
+)
+
+
+class CalculatorError(ValueError):
+    """An expression the calculator rejects; the message is one short line for the model."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One well-formed tool call: the tool's name and its keyword arguments."""
+
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ToolCallError:
+    """A ``<tool_call>`` block that could not be read as a call (a value, not an exception).
+
+    Attributes:
+        message: What was wrong, one line (e.g. ``malformed JSON: Expecting value at 0``).
+        raw: The text inside the block (after ``<tool_call>`` for an unterminated one).
+    """
+
+    message: str
+    raw: str
+
+
+@dataclass(frozen=True)
+class _Limits:
+    max_abs: float
+    max_exponent: int
+    deadline: float | None  # time.monotonic() value; None = no time limit
+
+
+def format_number(x: int | float) -> str:
+    """Render a calculator result for the model.
+
+    Args:
+        x: An int or float (not a bool).
+
+    Returns:
+        An int as is; a float with at most 10 significant digits, trailing zeros trimmed, shown
+        as an integer when it rounds to one below 1e15 (``6.0`` -> ``"6"``, ``1/3`` ->
+        ``"0.3333333333"``, ``1e20`` -> ``"1e+20"``).
+    """
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        raise TypeError(f"format_number expects an int or float, got {type(x).__name__}")
+    if isinstance(x, int):
+        return str(x)
+    if not math.isfinite(x):
+        return str(x)  # "inf", "-inf", "nan"; the evaluator never returns these
+    text = f"{x:.10g}"
+    rounded = float(text)
+    if rounded.is_integer() and abs(rounded) < 1e15:
+        return str(int(rounded))  # also maps "-0" to "0"
+    return text
+
+
+def evaluate_arithmetic(
+    expression: str,
+    *,
+    max_abs: float = 1e15,
+    max_exponent: int = 64,
+    max_length: int = 200,
+    max_nodes: int = 100,
+    timeout_s: float | None = None,
+) -> int | float:
+    """Evaluate an arithmetic expression safely, with Python's semantics and hard bounds.
+
+    Args:
+        expression: Python-syntax arithmetic: int and float literals, unary + and -, binary
+            + - * / // % **, parentheses. Surrounding whitespace is ignored.
+        max_abs: Bound on the magnitude of every literal, intermediate and final value.
+        max_exponent: Bound on ``|exponent|`` for ``**``; the exponent must be integer-valued.
+        max_length: Bound on ``len(expression)``.
+        max_nodes: Bound on the number of expression nodes (literals and operations).
+        timeout_s: Wall-clock budget, checked at every node visit; None for no limit.
+
+    Returns:
+        The value: an int when every operand is an int and every operation is exact (+ - * //
+        % and ** with a non-negative exponent), a float otherwise (``/`` always gives a float).
+
+    Raises:
+        CalculatorError: For anything outside the grammar or the bounds, or a division by zero.
+    """
+    if not (math.isfinite(max_abs) and max_abs > 0):
+        raise ValueError(f"max_abs must be finite and > 0, got {max_abs}")
+    if max_exponent < 0 or max_length < 1 or max_nodes < 1:
+        raise ValueError(
+            f"max_exponent must be >= 0 and max_length, max_nodes >= 1, got "
+            f"{max_exponent}, {max_length}, {max_nodes}"
+        )
+    if timeout_s is not None and timeout_s < 0:
+        raise ValueError(f"timeout_s must be >= 0 or None, got {timeout_s}")
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    if not isinstance(expression, str):
+        raise CalculatorError(f"expression must be a string, got {type(expression).__name__}")
+    if len(expression) > max_length:
+        raise CalculatorError(f"expression longer than {max_length} characters")
+    text = expression.strip()
+    if not text:
+        raise CalculatorError("empty expression")
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError as e:  # includes IndentationError
+        raise CalculatorError(f"malformed expression: {e.msg}") from None
+    except (ValueError, RecursionError, MemoryError) as e:  # e.g. null bytes, absurd nesting
+        raise CalculatorError(f"malformed expression: {type(e).__name__}") from None
+    nodes = [n for n in ast.walk(tree.body) if isinstance(n, ast.expr)]
+    if len(nodes) > max_nodes:
+        raise CalculatorError(f"expression has {len(nodes)} nodes, more than {max_nodes}")
+    for node in nodes:  # reject forbidden syntax before computing anything
+        _check_syntax(node)
+    limits = _Limits(max_abs=max_abs, max_exponent=max_exponent, deadline=deadline)
+    try:
+        return _eval(tree.body, limits)
+    except RecursionError:  # only reachable with a max_nodes far above the default
+        raise CalculatorError("expression nested too deeply") from None
+
+
+def _check_syntax(node: ast.expr) -> None:
+    """Raise CalculatorError unless `node` is a number literal or an allowed operation."""
+    if isinstance(node, ast.Constant):
+        value = node.value
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            shown = repr(value)
+            shown = shown if len(shown) <= 20 else shown[:17] + "..."
+            raise CalculatorError(f"unsupported syntax: {type(value).__name__} {shown}")
+    elif isinstance(node, ast.BinOp):
+        if type(node.op) not in _BINARY_OPS:
+            raise CalculatorError(f"unsupported syntax: operator {type(node.op).__name__}")
+    elif isinstance(node, ast.UnaryOp):
+        if type(node.op) not in _UNARY_OPS:
+            raise CalculatorError(f"unsupported syntax: operator {type(node.op).__name__}")
+    elif isinstance(node, ast.Name):
+        raise CalculatorError(f"unsupported syntax: Name {node.id!r}")
+    elif isinstance(node, ast.Attribute):
+        raise CalculatorError(f"unsupported syntax: Attribute {node.attr!r}")
+    else:
+        raise CalculatorError(f"unsupported syntax: {type(node).__name__}")
+
+
+def _eval(node: ast.expr, limits: _Limits) -> int | float:
+    """Evaluate a syntax-checked node left to right, bounding every value it produces."""
+    if limits.deadline is not None and time.monotonic() >= limits.deadline:
+        raise CalculatorError("time limit exceeded")
+    if isinstance(node, ast.Constant):
+        if abs(node.value) > limits.max_abs:  # also catches 1e999 == inf
+            raise CalculatorError(f"number too large (limit {format_number(limits.max_abs)})")
+        return node.value
+    if isinstance(node, ast.UnaryOp):
+        return _UNARY_OPS[type(node.op)](_eval(node.operand, limits))
+    assert isinstance(node, ast.BinOp)  # guaranteed by _check_syntax
+    left = _eval(node.left, limits)
+    right = _eval(node.right, limits)
+    if isinstance(node.op, ast.Pow):
+        _check_power(left, right, limits)
+    elif isinstance(node.op, ast.Div | ast.FloorDiv | ast.Mod) and right == 0:
+        raise CalculatorError("division by zero")
+    try:
+        result = _BINARY_OPS[type(node.op)](left, right)
+    except OverflowError:  # float overflow the estimates let through; a safety net
+        raise CalculatorError(f"result too large (limit {format_number(limits.max_abs)})") from None
+    # isinstance first: math.isfinite would overflow converting a huge int to float
+    if (isinstance(result, float) and not math.isfinite(result)) or abs(result) > limits.max_abs:
+        raise CalculatorError(f"result too large (limit {format_number(limits.max_abs)})")
+    return result
+
+
+def _check_power(base: int | float, exponent: int | float, limits: _Limits) -> None:
+    """Reject ``base ** exponent`` before computing it unless its magnitude is within bounds."""
+    if isinstance(exponent, float) and not exponent.is_integer():
+        raise CalculatorError(f"exponent {format_number(exponent)} is not an integer")
+    if abs(exponent) > limits.max_exponent:
+        raise CalculatorError(f"exponent {format_number(exponent)} exceeds {limits.max_exponent}")
+    if base == 0:
+        if exponent < 0:
+            raise CalculatorError("division by zero (zero to a negative power)")
+        return
+    # log10|base ** exponent| = exponent * log10|base|; the +1 leaves the borderline cases to
+    # the exact check after computing, which the exponent bound keeps cheap.
+    if exponent * math.log10(abs(base)) > math.log10(limits.max_abs) + 1:
+        raise CalculatorError(f"result too large (limit {format_number(limits.max_abs)})")
+
+
+def parse_tool_calls(text: str) -> list[ToolCall | ToolCallError]:
+    """Find every Qwen3/Hermes ``<tool_call>{json}</tool_call>`` block in a completion.
+
+    Args:
+        text: Model output. Each block holds one JSON object ``{"name": str, "arguments":
+            {...}}``; whitespace and newlines around the JSON are allowed. ``arguments`` may also
+            be a JSON-encoded string of an object, as some models emit, or absent (= ``{}``).
+
+    Returns:
+        One entry per block, in order: a `ToolCall`, or a `ToolCallError` for malformed JSON,
+        a missing or non-string name, or non-object arguments. An unclosed ``<tool_call>`` at
+        the end is ``ToolCallError("unterminated tool call", rest)``. No blocks gives ``[]``.
+    """
+    results: list[ToolCall | ToolCallError] = []
+    end = 0
+    for match in _TOOL_CALL_RE.finditer(text):
+        results.append(_parse_one(match.group(1)))
+        end = match.end()
+    start = text.find(_TOOL_CALL_OPEN, end)
+    if start != -1:
+        results.append(
+            ToolCallError("unterminated tool call", text[start + len(_TOOL_CALL_OPEN) :])
+        )
+    return results
+
+
+def _parse_one(raw: str) -> ToolCall | ToolCallError:
+    """Read the JSON inside one ``<tool_call>`` block."""
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        return ToolCallError(f"malformed JSON: {e.msg} at {e.pos}", raw)
+    except RecursionError:
+        return ToolCallError("malformed JSON: nested too deeply", raw)
+    if not isinstance(obj, dict):
+        return ToolCallError(f"tool call must be a JSON object, got {_json_type(obj)}", raw)
+    if "name" not in obj:
+        return ToolCallError('tool call has no "name"', raw)
+    name = obj["name"]
+    if not isinstance(name, str):
+        return ToolCallError(f'"name" must be a string, got {_json_type(name)}', raw)
+    arguments = obj.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (json.JSONDecodeError, RecursionError):
+            return ToolCallError('"arguments" is a string but not JSON', raw)
+    if not isinstance(arguments, dict):
+        return ToolCallError(f'"arguments" must be an object, got {_json_type(arguments)}', raw)
+    return ToolCall(name=name, arguments=arguments)
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a decoded value's type, for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
+
+def run_tool_call(call: ToolCall | ToolCallError, *, timeout_s: float = 1.0) -> tuple[str, bool]:
+    """Execute one parsed tool call and return the observation to show the model.
+
+    Args:
+        call: An entry of `parse_tool_calls`.
+        timeout_s: Wall-clock budget for the evaluation, checked at every node visit.
+
+    Returns:
+        ``(observation, valid)``: the formatted result and True on success; otherwise a line
+        starting with ``"error: "`` and False (malformed call, unknown tool, bad arguments, or
+        a `CalculatorError`).
+    """
+    if isinstance(call, ToolCallError):
+        return f"error: {call.message}", False
+    if call.name != CALCULATOR_NAME:
+        return f"error: unknown tool {call.name!r}; available: {CALCULATOR_NAME}", False
+    extra = sorted(set(call.arguments) - {"expression"})
+    if extra:
+        names = ", ".join(repr(k) for k in extra)
+        return f"error: unexpected argument {names}; {CALCULATOR_NAME} takes 'expression'", False
+    if "expression" not in call.arguments:
+        return f"error: {CALCULATOR_NAME} needs the argument 'expression'", False
+    expression = call.arguments["expression"]
+    if not isinstance(expression, str):
+        kind = _json_type(expression)
+        return f"error: argument 'expression' must be a string, got {kind}", False
+    try:
+        value = evaluate_arithmetic(expression, timeout_s=timeout_s)
+    except CalculatorError as e:
+        return f"error: {e}", False
+    return format_number(value), True
+
+
+class CalculatorEnv:
+    """The `calculator` environment: the model may call the calculator tool in any turn.
+
+    A turn with tool calls gets one `tool` message back holding each call's result (or its
+    error: malformed JSON, unknown tool, bad arguments, a rejected or slow expression are
+    answered and counted, never raised); a turn without a tool call is the final answer and
+    ends the trajectory (the trajectory's reward functions score it).
+
+    Args:
+        tool_reward: step reward per valid call (the tutorial's "+0.1 per useful tool step").
+        invalid_penalty: subtracted per invalid call.
+        max_calls_per_turn: calls beyond this in one turn are answered with an error.
+        timeout_s: time limit of one evaluation.
+        system_prompt: with a chat template that renders tools, start() returns the messages
+            [system (optional), user question] so the prompt carries the tool schema; without
+            it the row's own prompt is used.
+        use_template_tools: see system_prompt.
+    """
+
+    tools = [CALCULATOR_TOOL]
+
+    def __init__(
+        self,
+        tool_reward: float = 0.0,
+        invalid_penalty: float = 0.0,
+        max_calls_per_turn: int = 4,
+        timeout_s: float = 1.0,
+        system_prompt: str | None = None,
+        use_template_tools: bool = False,
+    ):
+        self.tool_reward = tool_reward
+        self.invalid_penalty = invalid_penalty
+        self.max_calls_per_turn = max_calls_per_turn
+        self.timeout_s = timeout_s
+        self.system_prompt = system_prompt
+        self.use_template_tools = use_template_tools
+
+    def start(self, row: dict) -> list[dict] | None:
+        if not self.use_template_tools:
+            return None
+        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return messages + [{"role": "user", "content": row["question"]}]
+
+    def step(self, text: str, token_ids: list[int]):
+        from grpo.envs.base import Step
+
+        calls = parse_tool_calls(text)
+        if not calls:
+            return Step(done=True)
+        results, valid = [], 0
+        for i, call in enumerate(calls):
+            if i >= self.max_calls_per_turn:
+                results.append(f"error: at most {self.max_calls_per_turn} tool calls per turn")
+                continue
+            out, ok = run_tool_call(call, timeout_s=self.timeout_s)
+            results.append(out)
+            valid += ok
+        invalid = len(calls) - valid
+        reward = self.tool_reward * valid - self.invalid_penalty * invalid
+        info = {"tool_calls": len(calls), "invalid_calls": invalid}
+        return Step(observation="\n".join(results), reward=reward, info=info)
