@@ -235,6 +235,8 @@ def end_of_turn_text(tokenizer) -> str:
     Found by rendering [user, assistant, user] and taking the longest added token that starts
     the text right after the assistant content.
     """
+    if not getattr(tokenizer, "chat_template", None):
+        raise GrpoError(f"tokenizer {_name(tokenizer)!r} has no chat template")
     key = ("end_of_turn", tokenizer.get_chat_template(None, None))
     cache = vars(tokenizer).setdefault(_CACHE_ATTR, {})
     if key not in cache:

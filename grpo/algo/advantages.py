@@ -12,6 +12,9 @@ hands it the *global* batch, all ranks concatenated, so batch statistics are exa
     group_size     int               G
     eps            float             loss.advantage_eps, added to a std before dividing
     gamma          float             loss.gamma, discount per token for returns
+    turn_ids       (B, T_c) long     the turn of each token (multi-turn; all 0 for one turn)
+    turn_gamma     float             rollout.gamma: token rewards of turn k already carry
+                                     turn_gamma^k, so each row sums to its discounted return
 
 plus whatever `loss.advantage_kwargs` holds. It returns (B, T_c) advantages; values outside
 `mask` are ignored (set to 0). Sequence-level estimators broadcast one value per row with
@@ -28,7 +31,8 @@ import torch
 from grpo.algo.registry import ADVANTAGES, register_advantage
 from grpo.errors import GrpoError
 
-INPUTS = ("token_rewards", "scores", "mask", "group_size", "eps", "gamma")
+INPUTS = ("token_rewards", "scores", "mask", "group_size", "eps", "gamma", "turn_ids",
+          "turn_gamma")  # fmt: skip
 
 
 def broadcast(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -131,6 +135,47 @@ def reinforce_pp_baseline(
     return _masked_whiten(centered, mask, eps)
 
 
+@register_advantage("grpo_turn", claims=("shift_invariant",))
+def grpo_turn(
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    turn_ids: torch.Tensor,
+    *,
+    group_size: int,
+    eps: float,
+    turn_gamma: float,
+) -> torch.Tensor:
+    """Group-relative returns-to-go per turn (multi-turn credit): the tokens of turn k get
+    (R_k - mean) / (std + eps), where R_k = sum_{k' >= k} turn_gamma^(k' - k) r_k' is the
+    row's return from turn k on and mean / std are over the rows of its group that reached
+    turn k (unbiased std; a turn only one row reached gets 0). With one turn it is `grpo`."""
+    B = token_rewards.shape[0]
+    r = torch.where(mask, token_rewards.float(), 0.0)
+    rtg = r.flip(1).cumsum(1).flip(1)  # (B, T_c) sum of the row's rewards from t on
+    turns = torch.where(mask, turn_ids, -1)
+    K = int(turns.max()) + 1 if mask.any() else 0
+    R = torch.full((B, max(K, 1)), float("nan"))  # (B, K) return from turn k, NaN: not reached
+    for b in range(B):
+        for k in range(K):
+            at = (turns[b] == k).nonzero()
+            if at.numel():
+                R[b, k] = rtg[b, int(at[0])] / turn_gamma**k  # undo the turn_gamma^k weighting
+    out = torch.zeros_like(r)
+    groups = R.view(-1, group_size, R.shape[1])  # (P, G, K)
+    for p in range(groups.shape[0]):
+        for k in range(K):
+            values = groups[p, :, k]
+            reached = ~torch.isnan(values)
+            if reached.sum() < 2:
+                continue
+            v = values[reached]
+            a = (v - v.mean()) / (v.std() + eps)
+            rows = p * group_size + reached.nonzero().flatten()
+            for row, value in zip(rows.tolist(), a.tolist()):
+                out[row] = torch.where(turns[row] == k, value, out[row])
+    return out
+
+
 def compute_advantages(
     name: str,
     token_rewards: torch.Tensor,
@@ -139,6 +184,8 @@ def compute_advantages(
     group_size: int,
     eps: float = 1e-4,
     gamma: float = 1.0,
+    turn_ids: torch.Tensor | None = None,
+    turn_gamma: float = 1.0,
     params: dict | None = None,
 ) -> torch.Tensor:
     """Run the estimator `name` and check what it returned.
@@ -148,7 +195,8 @@ def compute_advantages(
         token_rewards: (B, T_c) float rewards per completion token.
         mask: (B, T_c) bool, True on completion tokens.
         group_size: G.
-        eps, gamma: as in the module docstring.
+        eps, gamma, turn_gamma: as in the module docstring.
+        turn_ids: (B, T_c) turn of each token (default: all 0, one turn).
         params: extra keyword arguments (``loss.advantage_kwargs``).
 
     Returns:
@@ -167,6 +215,8 @@ def compute_advantages(
         "group_size": group_size,
         "eps": eps,
         "gamma": gamma,
+        "turn_ids": torch.zeros_like(mask, dtype=torch.long) if turn_ids is None else turn_ids,
+        "turn_gamma": turn_gamma,
         **(params or {}),
     }
     out = ADVANTAGES.call(name, inputs)

@@ -271,23 +271,27 @@ def advantage_phase(cfg: Config, batch: Batch, dist=SINGLE, step: int | None = N
                         cfg.loss.log_ratio_clamp, cfg.loss.kl_clamp)  # fmt: skip
         token_rewards = token_rewards - cfg.loss.kl_in_reward * torch.where(mask, kl, 0.0)
     try:
-        batch.advantages = global_advantages(cfg, token_rewards, mask, dist)
+        batch.advantages = global_advantages(cfg, token_rewards, mask, dist, r.turn_ids)
     except GrpoError as e:
         raise GrpoError(f"step {step}: {e}" if step is not None else str(e)) from None
 
 
-def global_advantages(cfg: Config, token_rewards, mask, dist=SINGLE) -> torch.Tensor:
+def global_advantages(cfg: Config, token_rewards, mask, dist=SINGLE, turn_ids=None):
     """This rank's (B, T_c) rows of the estimator run on all ranks' rows (rank order), each
     rank's tensors padded to the longest T_c (padding is masked out)."""
     B, T = mask.shape
     device = token_rewards.device
     T_max = int(all_reduce_max(T, dist, device))
     pad = (0, T_max - T)
+    if turn_ids is None:
+        turn_ids = torch.zeros_like(mask, dtype=torch.long)
     all_rewards = all_gather_cat(torch.nn.functional.pad(token_rewards.float(), pad), dist)
     all_mask = all_gather_cat(torch.nn.functional.pad(mask.float(), pad), dist).bool()
+    all_turns = all_gather_cat(torch.nn.functional.pad(turn_ids, pad, value=-1), dist)
     adv = compute_advantages(
         cfg.loss.advantage, all_rewards, all_mask, group_size=cfg.rollout.group_size,
-        eps=cfg.loss.advantage_eps, gamma=cfg.loss.gamma, params=cfg.loss.advantage_kwargs,
+        eps=cfg.loss.advantage_eps, gamma=cfg.loss.gamma, turn_ids=all_turns,
+        turn_gamma=cfg.rollout.gamma, params=cfg.loss.advantage_kwargs,
     )  # fmt: skip
     return adv[dist.rank * B : (dist.rank + 1) * B, :T]  # (B, T_c)
 
