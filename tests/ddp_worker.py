@@ -22,8 +22,15 @@ from grpo.distributed import init_distributed, teardown, wrap_ddp
 from grpo.lora import apply_lora
 from grpo.models import load_model
 from grpo.rollout import sample
+from grpo.rollout.sampler import Observation, Sampler
 from grpo.train.common import Policy
-from grpo.train.grpo import Batch, select_rows, update_phase
+from grpo.train.grpo import (
+    Batch,
+    advantage_phase,
+    select_rows,
+    turn_token_rewards,
+    update_phase,
+)
 from grpo.train.optim import build_optimizer, build_scheduler
 from grpo.train.sft import sft_update
 
@@ -45,6 +52,34 @@ def fixed_batch(model, rank: int, world: int) -> Batch:
     return Batch(
         rollout=r, rows=[{}] * B, rewards=adv[idx], per_fn={}, advantages=adv[idx],
         loss_mask=r.completion_mask.clone(), texts=[], frac_zero_std=0.0,
+    )  # fmt: skip
+
+
+def multiturn_batch(model, rank: int, world: int) -> Batch:
+    """The same 16 multi-turn trajectories on every rank (fixed seed; rows take 1-3 turns,
+    observations of different lengths); this rank's half, with rank-local advantages."""
+
+    def observe(b, ids, stopped):
+        k = len(turns.setdefault(b, []))
+        turns[b].append(ids)
+        if k >= b % 3:
+            return Observation([], reward=0.0, done=True)
+        return Observation([200 + b, 201, 202][: (b + k) % 3 + 1], reward=0.1 * (b % 4))
+
+    turns: dict = {}
+    r = Sampler(model).sample_turns(
+        [[5, 17, 33, 9], [101, 7], [44, 45, 46], [8]], group_size=4, observe=observe,
+        max_new_tokens=5, max_turns=3, max_total_tokens=30, stop_ids=[3],
+        turn_end_ids=list(range(4, 40)), seed=0, pad_id=0,
+    )  # fmt: skip
+    rewards = torch.randn(16, generator=torch.Generator().manual_seed(0))
+    B = 16 // world
+    idx = torch.arange(rank * B, (rank + 1) * B)
+    r = select_rows(r, idx)
+    return Batch(
+        rollout=r, rows=[{}] * B, rewards=rewards[idx], per_fn={},
+        loss_mask=r.loss_mask.clone(), texts=[], frac_zero_std=0.0,
+        token_rewards=turn_token_rewards(rewards[idx], r, 0.9),
     )  # fmt: skip
 
 
@@ -81,6 +116,23 @@ def main(ckpt: str, out_dir: str) -> None:
         if dist.is_main:
             save_file({n: p.detach() for n, p in model.named_parameters() if p.requires_grad},
                       str(out / f"grpo_{agg}.safetensors"))  # fmt: skip
+    model = copy.deepcopy(base)  # multi-turn: per-turn advantages over both ranks' rows
+    cfg = load_config(
+        base={"model": {"path": ckpt}},
+        overrides=["loss.advantage=grpo_turn", "rollout.gamma=0.9", "loss.beta=0",
+                   "optim.lr=1e-3", "train.batch_size=16", "train.micro_batch_size=4"],
+    )  # fmt: skip
+    policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = build_optimizer(params, cfg.optim)
+    sched = build_scheduler(opt, 10, cfg.optim)
+    scorer = wrap_ddp(CompletionLogprobs(model), dist, torch.device("cpu"))
+    batch = multiturn_batch(model, dist.rank, dist.world_size)
+    advantage_phase(cfg, batch, dist)
+    update_phase(cfg, policy, batch, opt, sched, params, scorer, dist)
+    if dist.is_main:
+        save_file({n: p.detach() for n, p in model.named_parameters() if p.requires_grad},
+                  str(out / "grpo_multiturn.safetensors"))  # fmt: skip
     model = copy.deepcopy(base)
     cfg = load_config(
         base={"model": {"path": ckpt}},

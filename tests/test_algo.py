@@ -393,3 +393,23 @@ def test_default_path_is_bitwise_the_sequence_level_formula(aggregation):
         want = (per_token * f).sum() / norm
     (g_want,) = torch.autograd.grad(want, logp)
     assert torch.equal(loss, want) and torch.equal(g, g_want)
+
+
+def test_grpo_turn_hand_computed():
+    # G = 2. Row 0: turn 0 (cols 0-1, step reward 0.5), an observation (col 2), turn 1
+    # (cols 3-4, final reward 1); row 1: one turn (cols 0-1), final reward 0. turn_gamma 0.5:
+    # the trainer's token rewards carry 0.5^k, so row 0 = (0, 0.5, -, 0, 0.5), row 1 = 0.
+    tr = torch.tensor([[0.0, 0.5, 0.0, 0.0, 0.5], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, False, True, True], [True, True, False, False, False]])
+    turns = torch.tensor([[0, 0, 0, 1, 1], [0, 0, -1, -1, -1]])
+    a = compute_advantages("grpo_turn", tr, mask, group_size=2, eps=EPS, turn_ids=turns,
+                           turn_gamma=0.5)  # fmt: skip
+    # turn 0: returns R_0 = 0.5 + 0.5 * 1 = 1 and 0 -> +-0.5 / (std sqrt(0.5) + eps)
+    s = 0.5 / (math.sqrt(0.5) + EPS)
+    torch.testing.assert_close(a[:, :2], torch.tensor([[s, s], [-s, -s]]))
+    # turn 1: only row 0 reached it -> no group to compare with: 0
+    assert a[0, 3:].tolist() == [0.0, 0.0] and a[0, 2] == 0.0
+    # one turn everywhere: exactly grpo
+    one = compute_advantages("grpo_turn", tr[:, :2], mask[:, :2], group_size=2, eps=EPS)
+    assert torch.equal(one, compute_advantages("grpo", tr[:, :2], mask[:, :2], group_size=2,
+                                               eps=EPS))  # fmt: skip

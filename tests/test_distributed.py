@@ -34,6 +34,7 @@ def test_two_ranks_equal_one_process(tiny_checkpoints, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     cases = sorted(p.name for p in (tmp_path / "single").iterdir())
     assert cases == [
+        "grpo_multiturn.safetensors",
         "grpo_seq_mean_token_mean.safetensors",
         "grpo_seq_mean_token_sum_norm.safetensors",
         "grpo_token_mean.safetensors",
