@@ -45,7 +45,7 @@ def cmd_sft(args) -> int:
 def cmd_demo(args) -> int:
     from grpo.demo import run_demo
 
-    run_demo(args.out, quick=args.quick, seed=args.seed, config=args.config)
+    run_demo(args.out, quick=args.quick, seed=args.seed, config=args.config, task=args.task)
     return 0
 
 
@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--config", default=None, help="the demo config (default: configs/demo_cpu.yaml)"
+    )
+    p.add_argument(
+        "--task",
+        default=None,
+        choices=["math", "tools"],
+        help="math (default) or tools: products with a calculator tool, multi-turn",
     )
     p.set_defaults(func=cmd_demo)
 

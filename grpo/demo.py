@@ -28,8 +28,12 @@ from grpo.config import ConfigError
 from grpo.data import register_dataset
 from grpo.data.minimath import MAX_STEPS, Level, distinct_problems
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+DEFAULT_CONFIG = CONFIGS / "demo_cpu.yaml"
+TASK_CONFIGS = {"math": DEFAULT_CONFIG, "tools": CONFIGS / "demo_tools_cpu.yaml"}
 DATASET = "demo-minimath"  # the name the demo registers its three splits under
+TOOLS_DATASET = "demo-toolmath"  # --task tools: problems (RL and evaluation)
+TOOLS_SFT_DATASET = "demo-toolmath-sft"  # --task tools: one (prompt, completion) per turn
 CONFIG_KEYS = ("demo", "pipeline", "quick")
 
 
@@ -37,6 +41,7 @@ CONFIG_KEYS = ("demo", "pipeline", "quick")
 class DemoSettings:
     """What the demo builds before training (the `demo` section of the config)."""
 
+    task: str = "math"  # math: mini-math word problems; tools: products with a calculator
     model_size: str = "demo"  # a key of grpo.tiny.SIZES
     vocab_size: int = 384
     # The mini-math problems (a `grpo.data.minimath.Level`): steps per problem, the first
@@ -53,10 +58,20 @@ class DemoSettings:
     validation_problems: int = 256  # generated after train's problems: disjoint, for tuning
     test_problems: int = 256  # minimath's test split: disjoint from train by construction
     threads: int = 2  # torch intra-op threads (capped at the machine's cores)
+    # --task tools: the share of hard (two-digit) problems, and of hard training problems
+    # whose SFT trace calls the calculator (the others are worked mentally, correct but a
+    # trick the model cannot learn): GRPO is left to find out which works.
+    hard_frac: float = 0.7
+    tool_frac: float = 0.5
 
     def __post_init__(self):
         from grpo.tiny import SIZES
 
+        if self.task not in TASK_CONFIGS:
+            raise ConfigError(f"demo.task: one of {sorted(TASK_CONFIGS)}, got {self.task!r}")
+        for name in ("hard_frac", "tool_frac"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"demo.{name}: must be in [0, 1]")
         if self.model_size not in SIZES:
             raise ConfigError(f"demo.model_size: one of {sorted(SIZES)}, got {self.model_size!r}")
         positive = ("train_problems", "validation_problems", "test_problems", "threads")
@@ -132,13 +147,42 @@ def register_demo_data(s: DemoSettings) -> dict[str, int]:
     return {name: len(ds) for name, ds in splits.items()}
 
 
-def _pipeline_file(out: Path, pipeline: dict, model_dir: Path, seed: int) -> Path:
+def register_tools_data(s: DemoSettings, tokenizer) -> dict[str, int]:
+    """--task tools: register the problems (`TOOLS_DATASET`: train / validation / test) and the
+    SFT traces (`TOOLS_SFT_DATASET`: one rendered (prompt, completion) pair per assistant turn;
+    its test split is the problems, for SFT's own evaluation)."""
+    from grpo.data.toolmath import sft_pairs, toolmath, trace
+
+    pool = toolmath(s.train_problems + s.validation_problems, s.data_seed, "train", s.hard_frac)
+    train, validation = pool[: s.train_problems], pool[s.train_problems :]
+    test = toolmath(s.test_problems, s.data_seed, "test", s.hard_frac)
+    rng = random.Random(f"grpo-demo-tools|{s.data_seed}")
+    pairs = []
+    for row in train:
+        use_tool = row["kind"] == "hard" and rng.random() < s.tool_frac
+        for pair in sft_pairs(tokenizer, trace(row, use_tool)):  # rows keep their problem
+            pairs.append({"question": row["question"], "answer": row["answer"], **pair})
+    problems = DatasetDict(train=Dataset.from_list(train),
+                           validation=Dataset.from_list(validation),
+                           test=Dataset.from_list(test))  # fmt: skip
+    register_dataset(TOOLS_DATASET, problems, overwrite=True)
+    sft = DatasetDict(train=Dataset.from_list(pairs), test=problems["test"])
+    register_dataset(TOOLS_SFT_DATASET, sft, overwrite=True)
+    return {"train": len(train), "validation": len(validation), "test": len(test),
+            "sft_pairs": len(pairs)}  # fmt: skip
+
+
+def _pipeline_file(
+    out: Path, pipeline: dict, model_dir: Path, seed: int, task: str = "math"
+) -> Path:
     """Write the demo's pipeline config, with its run paths, seed and dataset, to out/."""
     data = json.loads(json.dumps(pipeline))
     base = data.setdefault("base", {})
     base.setdefault("model", {})["path"] = str(model_dir)
     base.setdefault("train", {})["seed"] = seed
-    base.setdefault("data", {})["dataset"] = DATASET
+    base.setdefault("data", {})["dataset"] = DATASET if task == "math" else TOOLS_DATASET
+    if task == "tools":  # SFT reads the traces; GRPO and both evaluations the problems
+        data.setdefault("sft", {}).setdefault("data", {})["dataset"] = TOOLS_SFT_DATASET
     data["output_dir"] = str(out)
     path = out / "pipeline.yaml"
     header = (
@@ -218,6 +262,7 @@ def run_demo(
     quick: bool = False,
     seed: int = 0,
     config: str | Path | None = None,
+    task: str | None = None,
 ) -> dict:
     """Run the demo into `out` and return what it writes to out/results.json.
 
@@ -225,7 +270,9 @@ def run_demo(
         out: the run directory (model/, sft/, grpo/, results.json, metrics.jsonl, curves.png).
         quick: the smoke-test sizes of the config's `quick` section (CI).
         seed: model init, data order and sampling seed (the problems stay the same).
-        config: the demo config (default configs/demo_cpu.yaml).
+        config: the demo config (default: configs/demo_cpu.yaml, or for task "tools"
+            configs/demo_tools_cpu.yaml).
+        task: "math" or "tools" (default: the config's demo.task).
 
     Returns:
         the results: per stage the held-out evaluation and training summary, the accuracy
@@ -245,7 +292,13 @@ def run_demo(
     from grpo.train.grpo import train_grpo
     from grpo.train.sft import train_sft
 
+    if config is None and task is not None:
+        if task not in TASK_CONFIGS:
+            raise ConfigError(f"--task: one of {sorted(TASK_CONFIGS)}, got {task!r}")
+        config = TASK_CONFIGS[task]
     settings, pipeline, overrides = load_demo_config(config, quick)
+    if task is not None and task != settings.task:
+        raise ConfigError(f"--task {task} but the config's demo.task is {settings.task!r}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     _clean(out)
@@ -264,14 +317,30 @@ def run_demo(
 
     try:
         mark = stage("setup", "1/5 tokenizer and model")
+        tools = settings.task == "tools"
+        corpus, specials = None, ()
+        if tools:
+            from grpo.data.toolmath import TOOL_TOKENS, toolmath
+            from grpo.data.toolmath import corpus as tool_corpus
+
+            corpus = tool_corpus(toolmath(2000, settings.data_seed, "train", settings.hard_frac))
+            specials = TOOL_TOKENS
         model_dir = make_tiny_model(
             out / "model",
             size=settings.model_size,
             vocab_size=settings.vocab_size,
             seed=seed,
+            corpus=corpus,
+            extra_special_tokens=specials,
         )
-        sizes = register_demo_data(settings)
-        pcfg = load_pipeline_config(_pipeline_file(out, pipeline, model_dir, seed), overrides)
+        if tools:
+            from grpo.tokenizer import load_tokenizer
+
+            sizes = register_tools_data(settings, load_tokenizer(model_dir))
+        else:
+            sizes = register_demo_data(settings)
+        pipe = _pipeline_file(out, pipeline, model_dir, seed, settings.task)
+        pcfg = load_pipeline_config(pipe, overrides)
         sft_cfg = pcfg.sft
         n_params = sum(p.numel() for p in load_model(model_dir, device="cpu").parameters())
         print(

@@ -305,6 +305,7 @@ def evaluate_config(cfg: Config, spec: TrainedModel, details: bool = False) -> d
 
     from grpo.eval import evaluate, reference_steps
     from grpo.train.common import load_rows
+    from grpo.train.grpo import eval_env_settings
 
     model, tok, stops, dev = load_trained_model(spec, cfg.model.dtype, cfg.model.device)
     rows = load_rows(cfg, cfg.data.eval_split, cfg.eval.max_samples, "rl", tok)
@@ -313,6 +314,7 @@ def evaluate_config(cfg: Config, spec: TrainedModel, details: bool = False) -> d
         max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
         batch_size=cfg.eval.batch_size, k=cfg.eval.k, temperature=cfg.eval.temperature,
         seed=cfg.train.seed, details=True, progress=cfg.train.progress,
+        **eval_env_settings(cfg),
     )  # fmt: skip
     summary = dict(res.summary)
     summary["average_reward"] = average_reward(cfg, rows, res.samples)

@@ -39,6 +39,8 @@ def make_tiny_model(
     seed: int = 0,
     max_position_embeddings: int = 512,
     difficulty: int = 0,
+    corpus: list[str] | None = None,
+    extra_special_tokens: tuple[str, ...] = (),
 ) -> Path:
     """Write a tokenizer + random-init Qwen3-architecture checkpoint to `out_dir`.
 
@@ -49,13 +51,17 @@ def make_tiny_model(
         seed: init seed.
         max_position_embeddings: context length.
         difficulty: mini-math difficulty of the tokenizer corpus.
+        corpus: the tokenizer's training texts instead of mini-math's.
+        extra_special_tokens: tokens the tokenizer keeps whole (e.g. tool-call tags).
 
     Returns:
         out_dir.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_bpe_tokenizer(minimath_corpus(difficulty=difficulty), vocab_size, out_dir=out)
+    texts = corpus if corpus is not None else minimath_corpus(difficulty=difficulty)
+    tok = train_bpe_tokenizer(texts, vocab_size, out_dir=out,
+                              extra_special_tokens=extra_special_tokens)  # fmt: skip
     hidden, layers, heads, kv_heads, inter = SIZES[size]
     cfg = ModelConfig(
         family="qwen3",

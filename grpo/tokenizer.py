@@ -81,6 +81,7 @@ def train_bpe_tokenizer(
     vocab_size: int = 512,
     out_dir: str | Path | None = None,
     split_digits: bool = True,
+    extra_special_tokens: tuple[str, ...] = (),
 ):
     """Train a byte-level BPE tokenizer with ChatML special tokens and chat template.
 
@@ -89,6 +90,7 @@ def train_bpe_tokenizer(
         vocab_size: target vocabulary size (special tokens included).
         out_dir: if given, the tokenizer is saved there (loadable by `load_tokenizer`).
         split_digits: one token per digit, which makes arithmetic far easier to learn.
+        extra_special_tokens: more tokens kept whole (e.g. "<tool_call>", "</tool_call>").
 
     Returns:
         a `transformers.PreTrainedTokenizerFast` with eos `<|im_end|>`, pad `<|endoftext|>`.
@@ -107,7 +109,7 @@ def train_bpe_tokenizer(
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + list(extra_special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -116,7 +118,7 @@ def train_bpe_tokenizer(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
+        additional_special_tokens=["<|im_start|>", *extra_special_tokens],
     )
     fast.chat_template = CHATML_TEMPLATE
     fast.padding_side = "left"

@@ -57,7 +57,8 @@ def format_math_dataset(
         enable_thinking: passed to the chat template when not None (Qwen3).
 
     Returns:
-        a new Dataset in the requested format.
+        a new Dataset in the requested format. SFT rows that already hold rendered
+        ``prompt`` and ``completion`` texts are returned as they are.
 
     Raises:
         GrpoError: unknown format, missing tokenizer / chat template / eos, or a bad row.
@@ -70,6 +71,8 @@ def format_math_dataset(
         raise GrpoError("format_math_dataset needs a tokenizer to render prompts")
     if isinstance(dataset, list):
         dataset = Dataset.from_list(dataset) if dataset else Dataset.from_dict({})
+    if format_type == "sft" and {"prompt", "completion"} <= set(dataset.column_names):
+        return dataset  # already rendered (e.g. one pair per turn of a tool-use trace)
     check_rows(dataset, "dataset")
     eos = getattr(tokenizer, "eos_token", None)
     if format_type == "sft" and not eos:
