@@ -12,6 +12,7 @@ held-out problems and the same decoding (greedy accuracy, pass@k from k samples)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -150,7 +151,7 @@ def register_demo_data(s: DemoSettings) -> dict[str, int]:
 def register_tools_data(s: DemoSettings, tokenizer) -> dict[str, int]:
     """--task tools: register the problems (`TOOLS_DATASET`: train / validation / test) and the
     SFT traces (`TOOLS_SFT_DATASET`: one rendered (prompt, completion) pair per assistant turn;
-    its test split is the problems, for SFT's own evaluation)."""
+    its validation and test splits are the problems', for SFT's own evaluation)."""
     from grpo.data.toolmath import sft_pairs, toolmath, trace
 
     pool = toolmath(s.train_problems + s.validation_problems, s.data_seed, "train", s.hard_frac)
@@ -166,10 +167,12 @@ def register_tools_data(s: DemoSettings, tokenizer) -> dict[str, int]:
                            validation=Dataset.from_list(validation),
                            test=Dataset.from_list(test))  # fmt: skip
     register_dataset(TOOLS_DATASET, problems, overwrite=True)
-    sft = DatasetDict(train=Dataset.from_list(pairs), test=problems["test"])
+    sft = DatasetDict(train=Dataset.from_list(pairs), validation=problems["validation"],
+                      test=problems["test"])  # fmt: skip
     register_dataset(TOOLS_SFT_DATASET, sft, overwrite=True)
     return {"train": len(train), "validation": len(validation), "test": len(test),
-            "sft_pairs": len(pairs)}  # fmt: skip
+            "sft_pairs": len(pairs), "test_hard": sum(r["kind"] == "hard" for r in test),
+            "train_hard": sum(r["kind"] == "hard" for r in train)}  # fmt: skip
 
 
 def _pipeline_file(
@@ -240,6 +243,16 @@ def summary_table(results: dict) -> str:
         )
     delta = 100 * results["accuracy_gain"]
     n = results["eval"]["n"]
+    off = results.get("without_tool") or {}
+    if off:
+        s, g = results["sft"]["eval"], results["grpo"]["eval"]
+        lines.append("")
+        lines.append(
+            f"tool calls per problem {s['tool_calls_mean']:.2f} -> {g['tool_calls_mean']:.2f}; "
+            f"invalid-call rate {s['invalid_call_rate']:.3f} -> {g['invalid_call_rate']:.3f}; "
+            f"greedy accuracy without the tool: SFT {off['sft']['accuracy']:.3f}, "
+            f"GRPO {off['grpo']['accuracy']:.3f}"
+        )
     lines.append("")
     lines.append(
         f"GRPO - SFT: {delta:+.1f} points of greedy accuracy on {n} held-out problems; "
@@ -368,6 +381,15 @@ def run_demo(
         mark = stage("eval_grpo", "5/5 evaluate the GRPO model on the same problems")
         grpo_eval = evaluate_config(grpo_cfg, trained_model(grpo_cfg, grpo_summary["final"]), True)
         _print_eval("GRPO", grpo_eval, grpo_cfg.eval.k)
+        no_tool = {}
+        if tools:  # the same problems with the tool switched off: one turn, nothing executed
+            for name, cfg_, final in (("sft", sft_cfg, sft_summary["final"]),
+                                      ("grpo", grpo_cfg, grpo_summary["final"])):  # fmt: skip
+                off = dataclasses.replace(
+                    cfg_, eval=dataclasses.replace(cfg_.eval, env="single_turn")
+                )
+                no_tool[name] = evaluate_config(off, trained_model(off, final))
+                _print_eval(f"{name.upper()} without the tool", no_tool[name], off.eval.k)
         done(mark)
     finally:
         torch.set_num_threads(threads_before)
@@ -404,6 +426,7 @@ def run_demo(
             "reward_last": grpo_summary.get("rollout/reward_mean"),
         },
         "accuracy_gain": grpo_eval["accuracy"] - sft_eval["accuracy"],
+        "without_tool": no_tool,
         "examples": _examples(sft_samples, grpo_samples),
         "time_s": {k: round(v, 2) for k, v in times.items()},
         "threads": max(1, min(settings.threads, os.cpu_count() or 1)),

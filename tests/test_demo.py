@@ -118,3 +118,26 @@ def test_demo_cli_config_errors_are_one_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
     assert not (tmp_path / "out").exists()  # nothing written before the config is checked
+
+
+def test_tools_demo_quick_writes_every_output(tmp_path, capsys):
+    out = tmp_path / "demo-tools"
+    assert main(["demo", "--task", "tools", "--out", str(out), "--quick"]) == 0
+    printed = capsys.readouterr().out
+    assert "tool calls per problem" in printed and "without the tool" in printed
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["task"] == "tools"
+    for stage in ("sft", "grpo"):
+        e = results[stage]["eval"]
+        for key in ("accuracy", "turns_mean", "tool_calls_mean", "invalid_call_rate"):
+            assert key in e
+        assert 1.0 <= e["turns_mean"] <= 3.0  # episodes with the calculator (max_turns 3)
+        assert "turns_mean" not in results["without_tool"][stage]  # one turn, no tool
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("env/turns_mean" in r for r in records if r["stage"] == "grpo")
+
+
+def test_task_and_config_must_agree(tmp_path, capsys):
+    assert main(["demo", "--task", "tools", "--config", str(DEFAULT_CONFIG),
+                 "--out", str(tmp_path / "o")]) == 2  # fmt: skip
+    assert "--task tools but the config's demo.task is 'math'" in capsys.readouterr().err

@@ -40,7 +40,8 @@ def problem(rng: random.Random, hard: bool) -> dict:
 
 
 def toolmath(n: int, seed: int, split: str = "train", hard_frac: float = 0.7) -> list[dict]:
-    """`n` distinct problems of `split`, a `hard_frac` share of them hard."""
+    """`n` distinct problems of `split`, each drawn hard with probability `hard_frac`. There are
+    only 64 easy products, so in large sets deduplication leaves a larger hard share."""
     if split not in ("train", "test", "validation"):
         raise GrpoError(f"toolmath split must be train, validation or test, got {split!r}")
     rng = random.Random(f"grpo-toolmath|{seed}|{split}")

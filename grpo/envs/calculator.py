@@ -22,6 +22,7 @@ import math
 import operator
 import re
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -171,7 +172,9 @@ def evaluate_arithmetic(
     if not text:
         raise CalculatorError("empty expression")
     try:
-        tree = ast.parse(text, mode="eval")
+        with warnings.catch_warnings():  # "37x" warns (invalid literal) before failing
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(text, mode="eval")
     except SyntaxError as e:  # includes IndentationError
         raise CalculatorError(f"malformed expression: {e.msg}") from None
     except (ValueError, RecursionError, MemoryError) as e:  # e.g. null bytes, absurd nesting
