@@ -203,8 +203,8 @@ def _combined_metrics(out: Path, sft_steps: int, grpo_steps: int, evals: dict) -
     from grpo.metrics import read_metrics
 
     def point(stage: str, step: int, summary: dict) -> dict:
-        keep = ("accuracy", "format_rate", "avg_length")
-        values = {f"eval/{k}": summary[k] for k in keep}
+        keep = ("accuracy", "format_rate", "avg_length", "tool_calls_mean", "invalid_call_rate")
+        values = {f"eval/{k}": summary[k] for k in keep if k in summary}
         values.update({f"eval/{k}": v for k, v in summary.items() if k.startswith("pass@")})
         return {"stage": stage, "step": step, **values}
 

@@ -47,6 +47,15 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         [("rollout/completion_len_mean", "rollouts (mean)"), ("eval/avg_length", "held-out")],
     ),
     ("Entropy", "nats / token", [("train/entropy", "policy entropy")]),
+    (
+        "Tool use",
+        "per trajectory",
+        [
+            ("env/tool_calls_mean", "tool calls (rollouts)"),
+            ("env/invalid_call_rate", "invalid-call rate (rollouts)"),
+            ("eval/tool_calls_mean", "tool calls (held-out)"),
+        ],
+    ),
 ]
 
 
