@@ -96,7 +96,11 @@ def sft_rows(rank: int, world: int) -> list[dict]:
 
 def main(ckpt: str, out_dir: str) -> None:
     dist = init_distributed("cpu")
-    out = Path(out_dir)
+    run_cases(ckpt, Path(out_dir), dist)
+    teardown()  # after run_cases returned: its DDP wrappers are gone (see grpo.distributed)
+
+
+def run_cases(ckpt: str, out: Path, dist) -> None:
     base = load_model(ckpt)
     apply_lora(base, rank=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"], seed=0)
     for agg in AGGREGATIONS:
@@ -147,7 +151,6 @@ def main(ckpt: str, out_dir: str) -> None:
     if dist.is_main:
         save_file({n: p.detach() for n, p in model.named_parameters() if p.requires_grad},
                   str(out / "sft.safetensors"))  # fmt: skip
-    teardown()
 
 
 if __name__ == "__main__":
