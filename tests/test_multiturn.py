@@ -135,3 +135,23 @@ def test_same_seed_same_rollout(tiny_checkpoints):
     a, _ = run(model, seed=5)
     b, _ = run(model, seed=5)
     assert torch.equal(a.ids, b.ids) and torch.equal(a.logprobs, b.logprobs)
+
+
+def test_ended_trajectories_leave_the_batch(tiny_checkpoints):
+    model = load_model(tiny_checkpoints("qwen3"))
+    sampler, sizes = Sampler(model), []
+    decode = sampler._decode
+
+    def counting(tok, *args):
+        sizes.append(tok.shape[0])
+        return decode(tok, *args)
+
+    sampler._decode = counting
+    calls: list = []
+    r = sampler.sample_turns(
+        PROMPTS, group_size=3, observe=fake_env(calls), max_new_tokens=6, max_turns=4,
+        max_total_tokens=48, stop_ids=[STOP], turn_end_ids=TURN_END, temperature=0.0, seed=0,
+    )  # fmt: skip
+    # rows end after 1, 2 or 3 turns: the decode batch shrinks from 6 to 4 to 2
+    assert sizes[0] == 6 and sorted(set(sizes)) == [2, 4, 6]
+    assert [len(t) for t in r.turn_texts] == [1, 2, 3, 1, 2, 3]

@@ -108,6 +108,16 @@ class KVCache:
         else:
             self._pos += T
 
+    def select_rows(self, idx: torch.Tensor) -> KVCache:
+        """A new cache holding only rows `idx` (e.g. the trajectories still running)."""
+        out = KVCache.__new__(KVCache)
+        out.k_layers = [k.index_select(0, idx) for k in self.k_layers]
+        out.v_layers = [v.index_select(0, idx) for v in self.v_layers]
+        out.static = self.static
+        out._pos = self._pos
+        out.pos_tensor = self.pos_tensor.clone() if self.static else None
+        return out
+
     def repeat_rows(self, G: int) -> KVCache:
         """A new cache whose rows are each of this cache's rows repeated G times in a row.
 

@@ -376,6 +376,11 @@ class Sampler:
         """The multi-turn decode/observe loop (see `sample_turns`). Column c of the completion
         region is cache slot T_p + c for every row.
 
+        Rows whose trajectory has ended leave the batch at the next turn boundary (their KV
+        rows are dropped from the cache), so they stop costing decode work; with a compiled
+        decode step the batch keeps its shape instead (no recompiles). `act` maps the cache's
+        rows to trajectory rows; `logits`, `cache`, `kv_mask` and `pos` are the active rows'.
+
         Returns:
             tokens, logprobs (B, T) and exists, scored (B, T) bool, turn_ids (B, T) long,
             finished (B,) bool, and the per-row lists (turn_rewards, turn_texts, infos).
@@ -391,34 +396,35 @@ class Sampler:
         kv_mask[:, T_p:] = False  # completion slots open as rows write them
         live = torch.ones(B, dtype=torch.bool, device=dev)  # trajectory still running
         finished = torch.zeros(B, dtype=torch.bool, device=dev)
+        act = torch.arange(B, device=dev)  # trajectory row of each cache row
         rewards: list[list[float]] = [[] for _ in range(B)]
         texts: list[list[list[int]]] = [[] for _ in range(B)]
         infos: list[dict] = [{} for _ in range(B)]
         col = 0
         for turn in range(max_turns):
-            in_turn, start = live.clone(), col
+            in_turn, start = live[act].clone(), col  # (b,) over the cache's rows
             stopped = torch.zeros(B, dtype=torch.bool, device=dev)
             for _ in range(max_new_tokens):
                 if col >= T:
                     break
-                tok, lp = draw(logits)  # (B,), (B,)
-                tokens[:, col] = torch.where(in_turn, tok, pad_id)
-                logprobs[:, col] = torch.where(in_turn, lp, 0.0)
-                exists[:, col] = scored[:, col] = in_turn
-                turn_ids[:, col] = torch.where(in_turn, turn, -1)
+                tok, lp = draw(logits)  # (b,), (b,)
+                tokens[act, col] = torch.where(in_turn, tok, pad_id)
+                logprobs[act, col] = torch.where(in_turn, lp, 0.0)
+                exists[act, col] = in_turn
+                scored[act, col] = in_turn
+                turn_ids[act, col] = torch.where(in_turn, turn, -1)
                 kv_mask[:, T_p + col] = in_turn
                 # write this token's keys/values (the next turn's history) and get the logits of
                 # the next one; rows not in their turn write a masked-out slot
                 logits = self._decode(tok[:, None], pos[:, None], kv_mask, cache)
                 pos += in_turn.long()
                 col += 1
-                ended = in_turn & torch.isin(tok, ends)
-                stopped |= in_turn & torch.isin(tok, stops)
-                in_turn &= ~ended
+                stopped[act] |= in_turn & torch.isin(tok, stops)
+                in_turn &= ~torch.isin(tok, ends)
                 if not bool(in_turn.any()):
                     break
-            obs: list[list[int]] = [[] for _ in range(B)]
-            for b in live.nonzero().flatten().tolist():
+            obs: dict[int, list[int]] = {}
+            for b in act[live[act]].tolist():
                 ids = tokens[b, start:col][scored[b, start:col]].tolist()
                 if stopped[b]:
                     ids = ids[:-1]
@@ -432,24 +438,31 @@ class Sampler:
                     finished[b] = True
                 else:
                     obs[b] = list(o.ids)
-            L = max(len(o) for o in obs)
+            L = max((len(o) for o in obs.values()), default=0)
             if turn == max_turns - 1 or L == 0 or col + L + 1 > T:
                 break  # the limits cut the live rows here (not finished)
-            chunk = torch.full((B, L), pad_id, dtype=torch.long, device=dev)
-            lens = torch.tensor([len(o) for o in obs], device=dev)  # (B,)
-            for b, o in enumerate(obs):
-                if o:
-                    chunk[b, : len(o)] = torch.tensor(o, device=dev)
-            real = torch.arange(L, device=dev)[None, :] < lens[:, None]  # (B, L)
+            keep = live[act]  # (b,)
+            if not self.compile and not bool(keep.all()):  # ended trajectories leave the batch
+                idx = keep.nonzero().flatten()
+                act, kv_mask, pos = act[idx], kv_mask[idx], pos[idx]
+                cache = cache.select_rows(idx)
+            b_now = act.shape[0]
+            chunk = torch.full((b_now, L), pad_id, dtype=torch.long, device=dev)
+            lens = torch.zeros(b_now, dtype=torch.long, device=dev)
+            for i, b in enumerate(act.tolist()):
+                if b in obs:
+                    chunk[i, : len(obs[b])] = torch.tensor(obs[b], device=dev)
+                    lens[i] = len(obs[b])
+            real = torch.arange(L, device=dev)[None, :] < lens[:, None]  # (b, L)
             kv_mask[:, T_p + col : T_p + col + L] = real
-            tokens[:, col : col + L] = chunk
-            exists[:, col : col + L] = real
-            turn_ids[:, col : col + L] = torch.where(real, turn, -1)
-            positions = pos[:, None] + torch.arange(L, device=dev)[None, :]  # (B, L)
+            tokens[act, col : col + L] = chunk
+            exists[act, col : col + L] = real
+            turn_ids[act, col : col + L] = torch.where(real, turn, -1)
+            positions = pos[:, None] + torch.arange(L, device=dev)[None, :]  # (b, L)
             hidden = self.model(chunk, position_ids=positions, attention_mask=kv_mask,
                                 kv_cache=cache, return_hidden=True)  # fmt: skip
-            last = hidden[torch.arange(B, device=dev), (lens - 1).clamp(min=0)]  # (B, C)
-            logits = self.model.lm_head(last).float()  # (B, V) after each row's observation
+            last = hidden[torch.arange(b_now, device=dev), (lens - 1).clamp(min=0)]  # (b, C)
+            logits = self.model.lm_head(last).float()  # (b, V) after each row's observation
             pos += lens
             col += L
         extra = {"turn_rewards": rewards, "turn_texts": texts, "infos": infos}
