@@ -207,21 +207,10 @@ class Sampler:
         cfg = model.config
         prompts = _check_prompts(prompts, cfg.vocab_size)
         _check_settings(cfg, prompts, group_size, max_new_tokens, temperature, top_k, top_p, min_p)
-        if not 0 <= pad_id < cfg.vocab_size:
-            raise GrpoError(f"pad_id must be in [0, {cfg.vocab_size}), got {pad_id}")
         dev = model.device
-        P, G = len(prompts), group_size
-        T_p = max(len(p) for p in prompts)
-        max_len = T_p + max_new_tokens
-
-        # Left-pad the P prompts; the attention mask spans every cache slot (B, max_len).
-        prompt_ids = torch.full((P, T_p), pad_id, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            prompt_ids[i, T_p - len(p) :] = torch.tensor(p, dtype=torch.long)
-        prompt_ids = prompt_ids.to(dev)
-        prompt_lens = torch.tensor([len(p) for p in prompts], device=dev)  # (P,)
-        kv_mask = torch.zeros(P, max_len, dtype=torch.bool, device=dev)
-        kv_mask[:, :T_p] = torch.arange(T_p, device=dev) >= (T_p - prompt_lens)[:, None]
+        G = group_size
+        prompt_ids, prompt_lens, kv_mask = _left_pad(prompts, pad_id, max_new_tokens, cfg, dev)
+        T_p = prompt_ids.shape[1]
         # Completion slots are open from the start: a query never sees a later slot (the causal
         # mask hides it), so no per-step mask update is needed.
         kv_mask[:, T_p:] = True
@@ -322,16 +311,9 @@ class Sampler:
         if max_turns < 1 or max_new_tokens < 1:
             raise GrpoError("max_turns and max_new_tokens must be >= 1")
         dev = model.device
-        P, G = len(prompts), group_size
-        T_p = max(len(p) for p in prompts)
-        max_len = T_p + max_total_tokens
-        prompt_ids = torch.full((P, T_p), pad_id, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            prompt_ids[i, T_p - len(p) :] = torch.tensor(p, dtype=torch.long)
-        prompt_ids = prompt_ids.to(dev)
-        p_lens = torch.tensor([len(p) for p in prompts], device=dev)
-        kv_mask = torch.zeros(P, max_len, dtype=torch.bool, device=dev)
-        kv_mask[:, :T_p] = torch.arange(T_p, device=dev) >= (T_p - p_lens)[:, None]
+        G = group_size
+        prompt_ids, p_lens, kv_mask = _left_pad(prompts, pad_id, max_total_tokens, cfg, dev)
+        T_p = prompt_ids.shape[1]
         gen = torch.Generator(device=dev).manual_seed(seed)
         stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev)
         ends = torch.tensor(sorted(set(stop_ids) | set(turn_end_ids)), dtype=torch.long,
@@ -578,6 +560,21 @@ def sample(
         seed=seed,
         pad_id=pad_id,
     )
+
+
+def _left_pad(prompts: list[list[int]], pad_id: int, new_slots: int, cfg, dev):
+    """The P prompts left-padded: ids (P, T_p), lengths (P,), and the attention mask over every
+    cache slot (P, T_p + new_slots), True on real prompt tokens only."""
+    if not 0 <= pad_id < cfg.vocab_size:
+        raise GrpoError(f"pad_id must be in [0, {cfg.vocab_size}), got {pad_id}")
+    P, T_p = len(prompts), max(len(p) for p in prompts)
+    prompt_ids = torch.full((P, T_p), pad_id, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        prompt_ids[i, T_p - len(p) :] = torch.tensor(p, dtype=torch.long)
+    prompt_lens = torch.tensor([len(p) for p in prompts], device=dev)  # (P,)
+    kv_mask = torch.zeros(P, T_p + new_slots, dtype=torch.bool, device=dev)
+    kv_mask[:, :T_p] = torch.arange(T_p, device=dev) >= (T_p - prompt_lens)[:, None]
+    return prompt_ids.to(dev), prompt_lens, kv_mask
 
 
 def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
