@@ -291,6 +291,12 @@ class TrainConfig:
     keep_last: int = 2
     max_nonfinite_steps: int = 3  # stop after this many consecutive non-finite updates
     progress: bool = True
+    # GRPO: run each group's prompt once in the training passes (reference, old log-probs,
+    # update) and repeat its keys/values to the group's rows: the full-row forward's numbers
+    # (tests/test_shared_prefix.py) for fewer tokens. on | off | auto (on when every
+    # micro-batch holds whole groups and gradient checkpointing is off). Off by default until
+    # it is benchmarked (issue 17).
+    shared_prefix: Literal["auto", "on", "off"] | bool = "off"  # YAML reads on/off as bools
 
     def __post_init__(self):
         _check(self.max_steps > 0, "train.max_steps", f"must be > 0, got {self.max_steps}")
@@ -310,6 +316,8 @@ class TrainConfig:
             _check(getattr(self, name) >= 0, f"train.{name}", "must be >= 0")
         _check(self.keep_last >= 1, "train.keep_last", "must be >= 1")
         _check(self.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", "must be >= 1")
+        if isinstance(self.shared_prefix, bool):
+            object.__setattr__(self, "shared_prefix", "on" if self.shared_prefix else "off")
 
 
 @dataclass(frozen=True)
@@ -368,6 +376,13 @@ class Config:
     def check_grpo(self) -> Config:
         """The rules only GRPO has (SFT configs need not follow them); returns self."""
         G = self.rollout.group_size
+        mb = self.train.micro_batch_size or self.train.batch_size
+        _check(
+            self.train.shared_prefix != "on" or mb % G == 0,
+            "train.shared_prefix",
+            f"'on' needs micro-batches of whole groups: train.micro_batch_size ({mb}) is not "
+            f"divisible by rollout.group_size ({G})",
+        )
         _check(
             self.train.batch_size % G == 0,
             "train.batch_size",
@@ -375,6 +390,19 @@ class Config:
             f"rollout.group_size ({G})",
         )
         return self
+
+    @property
+    def shared_prefix_groups(self) -> int | None:
+        """G when the training passes share each group's prompt (train.shared_prefix), else
+        None."""
+        G = self.rollout.group_size
+        mb = self.train.micro_batch_size or self.train.batch_size
+        mode = self.train.shared_prefix
+        if mode == "off" or mb % G:
+            return None
+        if mode == "auto" and self.model.gradient_checkpointing:
+            return None  # the KV-cache path does not checkpoint: memory would grow
+        return G
 
 
 # --------------------------------------------------------------------------- loading

@@ -103,12 +103,15 @@ def main(ckpt: str, out_dir: str) -> None:
 def run_cases(ckpt: str, out: Path, dist) -> None:
     base = load_model(ckpt)
     apply_lora(base, rank=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"], seed=0)
-    for agg in AGGREGATIONS:
+    cases = [(agg, "off", f"grpo_{agg}") for agg in AGGREGATIONS]
+    cases.append(("token_mean", "on", "grpo_shared_prefix"))  # each group's prompt run once
+    for agg, shared, name in cases:
         model = copy.deepcopy(base)
         cfg = load_config(
             base={"model": {"path": ckpt}},
             overrides=[f"loss.aggregation={agg}", "loss.beta=0", "optim.lr=1e-3",
-                       "train.batch_size=16", "train.micro_batch_size=4"],
+                       "train.batch_size=16", "train.micro_batch_size=4",
+                       f"train.shared_prefix={shared}"],
         )  # fmt: skip
         policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=True)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -119,7 +122,7 @@ def run_cases(ckpt: str, out: Path, dist) -> None:
         update_phase(cfg, policy, batch, opt, sched, params, scorer, dist)
         if dist.is_main:
             save_file({n: p.detach() for n, p in model.named_parameters() if p.requires_grad},
-                      str(out / f"grpo_{agg}.safetensors"))  # fmt: skip
+                      str(out / f"{name}.safetensors"))  # fmt: skip
     model = copy.deepcopy(base)  # multi-turn: per-turn advantages over both ranks' rows
     cfg = load_config(
         base={"model": {"path": ckpt}},

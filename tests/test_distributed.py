@@ -37,6 +37,7 @@ def test_two_ranks_equal_one_process(tiny_checkpoints, tmp_path):
         "grpo_multiturn.safetensors",
         "grpo_seq_mean_token_mean.safetensors",
         "grpo_seq_mean_token_sum_norm.safetensors",
+        "grpo_shared_prefix.safetensors",
         "grpo_token_mean.safetensors",
         "sft.safetensors",
     ]

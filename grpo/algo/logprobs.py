@@ -66,6 +66,7 @@ def completion_logprobs(
     return_entropy: bool = False,
     entropy_grad: bool = False,
     has_holes: bool = False,
+    group_size: int | None = None,
 ):
     """Log-probs of the completion tokens of a prompt+completion batch.
 
@@ -81,22 +82,29 @@ def completion_logprobs(
         entropy_grad: differentiable entropy (for loss.entropy_coef > 0).
         has_holes: the completion region has holes (multi-turn rollouts): each token is then
             scored from the last real position before it rather than the one next to it.
+        group_size: G when rows b*G .. b*G + G - 1 share one prompt: the prompt then runs once
+            per group (`shared_prefix_hidden`); None runs every row in full.
 
     Returns:
         (B, T_c) float32 log-probs, 0 where completion_mask is False [and the entropy].
     """
-    hidden = model(ids, attention_mask=attention_mask, return_hidden=True)  # (B, T, C)
-    targets = ids[:, prompt_width:]  # (B, T_c)
+    w = prompt_width
+    if group_size is None:
+        hidden = model(ids, attention_mask=attention_mask, return_hidden=True)  # (B, T, C)
+        tail = hidden[:, w - 1 :]  # (B, 1 + T_c, C): positions T_p - 1 ... T - 1
+    else:
+        tail = shared_prefix_hidden(model, ids, attention_mask, w, group_size)
+    targets = ids[:, w:]  # (B, T_c)
     mask = completion_mask.bool()
     if not has_holes:
-        h = hidden[:, prompt_width - 1 : -1]  # (B, T_c, C): position t predicts token t + 1
+        h = tail[:, :-1]  # (B, T_c, C): position t predicts token t + 1
         h_scored = h[mask]  # (N, C)
     else:
         # multi-turn: holes between turns; a token is predicted by the last *real* position
-        # before it (the one the sampler's logits came from), not by the hole next to it
+        # before it (the one the sampler's logits came from), not by the hole next to it; that
+        # is never before the prompt's last position (prompts are left-padded)
         rows, prev = _previous_real(attention_mask)
-        w = prompt_width
-        h_scored = hidden[rows[:, w:][mask], prev[:, w:][mask]]  # (N, C)
+        h_scored = tail[rows[:, w:][mask], prev[:, w:][mask] - (w - 1)]  # (N, C)
     return_entropy = return_entropy or entropy_grad
     out = head_logprobs(
         model.lm_head, h_scored, targets[mask], temperature, impl, return_entropy, entropy_grad
@@ -109,6 +117,70 @@ def completion_logprobs(
     ent = torch.zeros(mask.shape, dtype=torch.float32, device=ids.device)
     entropy = entropy.float() if entropy_grad else entropy.detach().float()
     return full, ent.masked_scatter(mask, entropy)
+
+
+class _RecordKV:
+    """A KV 'cache' for one forward from position 0 that keeps each layer's keys and values
+    (with their autograd history) instead of writing them into a buffer."""
+
+    static = False
+
+    def __init__(self, num_layers: int):
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.pos = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        self.k[layer], self.v[layer] = k, v
+        return k, v
+
+    def advance(self, T: int) -> None:
+        self.pos += T
+
+
+class _PrefixKV:
+    """Per-layer keys and values of a shared prefix (B, H_kv, T_p, D), possibly requiring grad:
+    a forward at positions T_p ... attends over the prefix and its own tokens (concatenated, not
+    written in place, so gradients flow back into the prefix's computation)."""
+
+    static = False
+
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]):
+        self.k, self.v = k, v
+        self.pos = k[0].shape[2]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        return torch.cat([self.k[layer], k], dim=2), torch.cat([self.v[layer], v], dim=2)
+
+    def advance(self, T: int) -> None:
+        self.pos += T
+
+
+def shared_prefix_hidden(model, ids, attention_mask, prompt_width: int, group_size: int):
+    """Hidden states of positions T_p - 1 ... T - 1 with each group's prompt run once.
+
+    The P = B / G prompts (rows 0, G, 2G, ...) run with gradient; their per-layer keys and
+    values are repeated to the group's G rows (`repeat_interleave`, whose backward sums the G
+    rows' gradients into the one prompt computation), and the completions run against them
+    through the decoder's KV-cache path (causal within the completion, full over the prompt,
+    positions from the attention mask), the same attention code the sampler uses.
+
+    Returns:
+        (B, 1 + T_c, C): the prompt's last position (which predicts the first completion token),
+        then every completion position.
+    """
+    B, w, G = ids.shape[0], prompt_width, group_size
+    if B % G:
+        raise ValueError(f"{B} rows do not split into groups of {G}")
+    record = _RecordKV(len(model.layers))
+    prompt_hidden = model(ids[::G, :w], attention_mask=attention_mask[::G, :w], kv_cache=record,
+                          return_hidden=True)  # (P, T_p, C)  # fmt: skip
+    prefix = _PrefixKV([k.repeat_interleave(G, dim=0) for k in record.k],
+                       [v.repeat_interleave(G, dim=0) for v in record.v])  # fmt: skip
+    completion_hidden = model(ids[:, w:], attention_mask=attention_mask, kv_cache=prefix,
+                              return_hidden=True)  # (B, T_c, C)  # fmt: skip
+    last = prompt_hidden[:, -1:].repeat_interleave(G, dim=0)  # (B, 1, C)
+    return torch.cat([last, completion_hidden], dim=1)
 
 
 def _previous_real(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,8 +203,10 @@ class CompletionLogprobs(torch.nn.Module):
         self.model = model
 
     def forward(self, ids, attention_mask, prompt_width, completion_mask, temperature=1.0,
-                return_entropy=False, entropy_grad=False, has_holes=False):  # fmt: skip
+                return_entropy=False, entropy_grad=False, has_holes=False,
+                group_size=None):  # fmt: skip
         return completion_logprobs(
             self.model, ids, attention_mask, prompt_width, completion_mask, temperature,
             return_entropy=return_entropy, entropy_grad=entropy_grad, has_holes=has_holes,
+            group_size=group_size,
         )  # fmt: skip

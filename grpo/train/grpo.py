@@ -357,6 +357,7 @@ def _logprobs(cfg: Config, scorer, batch: Batch, sl: slice, entropy: bool = Fals
             return_entropy=entropy,
             entropy_grad=entropy_grad,
             has_holes=r.loss_mask is not None,
+            group_size=cfg.shared_prefix_groups,
         )
 
 
