@@ -26,7 +26,7 @@ from grpo.train.optim import build_optimizer, build_scheduler
 from grpo.train.state import TrainState
 
 
-def bench_case(model_dir: Path, size: str, lora: bool, args) -> dict:
+def bench_case(model_dir: Path, size: str, lora: bool, args, shared: str = "off") -> dict:
     cfg = load_config(
         base={"model": {"path": str(model_dir), "device": args.device}},
         overrides=[
@@ -38,6 +38,7 @@ def bench_case(model_dir: Path, size: str, lora: bool, args) -> dict:
             f"train.micro_batch_size={args.micro_batch_size}",
             "loss.beta=0.04",
             "data.max_samples=256",
+            f"train.shared_prefix={shared}",
         ],
     )
     device = torch.device(args.device)
@@ -72,6 +73,7 @@ def bench_case(model_dir: Path, size: str, lora: bool, args) -> dict:
     return {
         "size": size,
         "mode": "lora r16" if lora else "full",
+        "shared_prefix": shared,
         "trainable_params": sum(p.numel() for p in params),
         "rollout_ms": round(t_roll.median_ms, 1),
         "ref_logprob_ms": round(t_ref.median_ms, 1),
@@ -94,15 +96,27 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--name", default=None, help="results file stem")
+    p.add_argument("--shared-prefix", default="off",
+                   help="train.shared_prefix settings side by side (e.g. off,on); "
+                        "ref_update_speedup = off's (ref + update) / this one's")  # fmt: skip
     args = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes.split(","):
             model_dir = make_tiny_model(Path(tmp) / size, size=size)
             for lora in (True, False):
-                rows.append(bench_case(model_dir, size, lora, args))
-    cols = ["size", "mode", "trainable_params", "rollout_ms", "ref_logprob_ms", "update_ms",
-            "step_ms", "rollout_frac", "tokens_per_s", "peak_mem_mib", "spread_ms"]  # fmt: skip
+                for shared in args.shared_prefix.split(","):
+                    rows.append(bench_case(model_dir, size, lora, args, shared))
+    for row in rows:  # the shared prefix's saving on the training-side passes
+        off = [r for r in rows if (r["size"], r["mode"], r["shared_prefix"]) ==
+               (row["size"], row["mode"], "off")]  # fmt: skip
+        ref_upd = row["ref_logprob_ms"] + row["update_ms"]
+        row["ref_update_speedup"] = (
+            round((off[0]["ref_logprob_ms"] + off[0]["update_ms"]) / ref_upd, 2) if off else None
+        )
+    cols = ["size", "mode", "shared_prefix", "trainable_params", "rollout_ms", "ref_logprob_ms",
+            "update_ms", "step_ms", "ref_update_speedup", "rollout_frac", "tokens_per_s",
+            "peak_mem_mib", "spread_ms"]  # fmt: skip
     meta = {
         "command": "python -m benchmarks.bench_step " + " ".join(argv or []),
         "shape": f"P={args.prompts} G={args.group_size} T_c<={args.max_new_tokens} "
