@@ -10,6 +10,7 @@ full fine-tuning, on tiny random-init Qwen3 models written by `grpo.tiny.make_ti
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 
@@ -118,7 +119,8 @@ def main(argv=None) -> None:
             "update_ms", "step_ms", "ref_update_speedup", "rollout_frac", "tokens_per_s",
             "peak_mem_mib", "spread_ms"]  # fmt: skip
     meta = {
-        "command": "python -m benchmarks.bench_step " + " ".join(argv or []),
+        "command": "python -m benchmarks.bench_step "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "shape": f"P={args.prompts} G={args.group_size} T_c<={args.max_new_tokens} "
         f"micro={args.micro_batch_size}, beta=0.04 (reference forward included)",
         "note": "rollouts stop at eos, so completion lengths vary with the random weights",
