@@ -23,14 +23,9 @@ from grpo.lora import apply_lora
 from grpo.models import load_model
 from grpo.rollout import sample
 from grpo.rollout.sampler import Observation, Sampler
+from grpo.train.batch import Batch, select_rows, turn_token_rewards
 from grpo.train.common import Policy
-from grpo.train.grpo import (
-    Batch,
-    advantage_phase,
-    select_rows,
-    turn_token_rewards,
-    update_phase,
-)
+from grpo.train.grpo import advantage_phase, update_phase
 from grpo.train.optim import build_optimizer, build_scheduler
 from grpo.train.sft import sft_update
 

@@ -20,14 +20,9 @@ from grpo.config import ConfigError, load_config
 from grpo.models import load_model
 from grpo.rewards import compute_rewards
 from grpo.rollout import sample
+from grpo.train.batch import Batch, outcome_token_rewards
 from grpo.train.common import Policy
-from grpo.train.grpo import (
-    Batch,
-    advantage_phase,
-    old_logprobs_phase,
-    outcome_token_rewards,
-    update_phase,
-)
+from grpo.train.grpo import advantage_phase, old_logprobs_phase, update_phase
 from grpo.train.optim import build_optimizer, build_scheduler
 
 REPO = Path(__file__).resolve().parents[1]

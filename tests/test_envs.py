@@ -15,7 +15,7 @@ import torch
 from grpo.envs import CalculatorEnv, Step, check_step, env_factory
 from grpo.errors import GrpoError
 from grpo.rollout.sampler import Rollout
-from grpo.train.grpo import turn_token_rewards
+from grpo.train.batch import turn_token_rewards
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -17,8 +17,9 @@ from grpo.config import load_config
 from grpo.lora import apply_lora
 from grpo.models import load_model
 from grpo.rollout import sample
+from grpo.train.batch import Batch
 from grpo.train.common import Policy
-from grpo.train.grpo import Batch, update_phase
+from grpo.train.grpo import update_phase
 from grpo.train.optim import build_optimizer, build_scheduler
 
 REPO = Path(__file__).resolve().parents[1]

@@ -80,8 +80,9 @@ def test_update_with_shared_prefix_equals_full_rows(tiny_checkpoints, tmp_path):
     import copy
 
     from grpo.config import load_config
+    from grpo.train.batch import Batch
     from grpo.train.common import Policy
-    from grpo.train.grpo import Batch, advantage_phase, reference_phase, update_phase
+    from grpo.train.grpo import advantage_phase, reference_phase, update_phase
     from grpo.train.optim import build_optimizer, build_scheduler
 
     base = load_model(tiny_checkpoints("qwen3"))

@@ -168,3 +168,11 @@ def save_final(policy: Policy, out_dir: Path, cfg: Config) -> Path:
 def due(step: int, every: int, last: bool) -> bool:
     """True at the last step and every `every` steps (every = 0: only the last)."""
     return last or (every > 0 and step % every == 0)
+
+
+def peak_mem_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB

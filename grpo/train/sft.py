@@ -26,14 +26,15 @@ from grpo.distributed import (
     wrap_ddp,
 )
 from grpo.errors import GrpoError
+from grpo.train.batch import micro_batches, next_prompts
 from grpo.train.common import (
     build_policy,
     due,
     load_rows,
+    peak_mem_mib,
     resolve_device,
     seed_everything,
 )
-from grpo.train.grpo import micro_batches, next_prompts, peak_mem_mib
 from grpo.train.loop import resume_checkpoint, start_run
 
 log = logging.getLogger(__name__)
