@@ -1,4 +1,5 @@
-"""Multi-turn rollouts with an environment: dataset rows -> prompts -> `Sampler.sample_turns`.
+"""Multi-turn rollouts: `sample_turns` (turns and observations in one KV cache) and, with an
+environment, `sample_with_env` (dataset rows -> prompts -> `sample_turns`).
 
 Each of the B = P*G trajectories gets its own environment (a group's G start from the same
 row). After every model turn the environment's observation message is rendered as the chat
@@ -12,12 +13,216 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import torch
+
 from grpo.envs.base import Environment, check_step
 from grpo.errors import GrpoError
-from grpo.rollout.sampler import Observation, Rollout, Sampler
+from grpo.rollout.sampler import (
+    Observation,
+    ObserveFn,
+    Rollout,
+    Sampler,
+    _check_prompts,
+    _check_settings,
+    _left_pad,
+)
+from grpo.rollout.sampling import next_tokens
 from grpo.tokenizer import message_delta_ids
 
 TRUNCATION_MARK = " ...[truncated]"
+
+
+def sample_turns(
+    sampler: Sampler,
+    prompts: Sequence[Sequence[int]],
+    *,
+    group_size: int,
+    observe: ObserveFn,
+    max_new_tokens: int,
+    max_turns: int,
+    max_total_tokens: int,
+    stop_ids: Sequence[int],
+    turn_end_ids: Sequence[int] = (),
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    seed: int,
+    pad_id: int = 0,
+) -> Rollout:
+    """Multi-turn rollouts: model turn, observation, model turn, ... in one KV cache.
+
+    All B rows share one cache slot pointer. A model turn decodes until every live row has
+    ended its turn (a stop id, a turn-end id such as a tool call's closing token, or
+    `max_new_tokens` for this turn); then `observe(row, turn_ids, stopped)` is called for
+    each live row, and the returned ids are prefilled for all rows at once (rows append
+    different lengths, or nothing). Slots a row does not use (it finished its turn early,
+    or its observation is shorter) become holes: masked out of attention, skipped by the
+    rotary positions, exactly as a training forward over the whole sequence sees them. So
+    the sampler's log-prob of every generated token equals a fresh forward's.
+
+    Args:
+        prompts: P token-id lists.
+        group_size: G.
+        observe: (row b, this turn's generated ids, ended on a stop id) -> `Observation`.
+        max_new_tokens: tokens per model turn.
+        max_turns: model turns per trajectory.
+        max_total_tokens: completion-region slots (turns, observations and holes).
+        stop_ids / turn_end_ids: ids that end a turn (a stop id also may end the trajectory:
+            the environment decides through `done`).
+        temperature, top_k, top_p, min_p, seed, pad_id: as in `sample`.
+
+    Returns:
+        a `Rollout` with `loss_mask`, `turn_ids`, `turn_rewards`, `turn_texts`, `infos`;
+        `finished` is True for trajectories the environment ended (not cut by a limit).
+    """
+    model = sampler.model
+    cfg = model.config
+    prompts = _check_prompts(prompts, cfg.vocab_size)
+    _check_settings(cfg, prompts, group_size, max_total_tokens, temperature, top_k, top_p,
+                    min_p)  # fmt: skip
+    if max_turns < 1 or max_new_tokens < 1:
+        raise GrpoError("max_turns and max_new_tokens must be >= 1")
+    dev = model.device
+    G = group_size
+    prompt_ids, p_lens, kv_mask = _left_pad(prompts, pad_id, max_total_tokens, cfg, dev)
+    T_p = prompt_ids.shape[1]
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev)
+    ends = torch.tensor(sorted(set(stop_ids) | set(turn_end_ids)), dtype=torch.long,
+                        device=dev)  # fmt: skip
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            logits, cache = sampler._prefill(prompt_ids, kv_mask, G)
+            out = _turn_loop(sampler,
+                logits, cache, kv_mask.repeat_interleave(G, dim=0),
+                p_lens.repeat_interleave(G), T_p, observe, max_new_tokens, max_turns,
+                lambda lg: next_tokens(lg, gen, temperature, top_k, top_p, min_p),
+                stops, ends, pad_id,
+            )  # fmt: skip
+    finally:
+        model.train(was_training)
+    tokens, logprobs, exists, scored, turn_ids, finished, extra = out
+    T_c = int(exists.any(0).nonzero().max()) + 1 if exists.any() else 1
+    exists, scored = exists[:, :T_c].clone(), scored[:, :T_c].clone()
+    completion_ids = tokens[:, :T_c].clone().masked_fill(~exists, pad_id)
+    logprobs = logprobs[:, :T_c].clone().masked_fill(~scored, 0.0)
+    cols = torch.arange(T_c, device=dev)
+    lens = torch.where(exists, cols + 1, 0).amax(dim=1)  # (B,) up to the last real token
+    return Rollout(
+        ids=torch.cat([prompt_ids.repeat_interleave(G, dim=0), completion_ids], dim=1),
+        prompt_lens=p_lens.repeat_interleave(G),
+        prompt_width=T_p,
+        completion_ids=completion_ids,
+        completion_mask=exists,
+        completion_lens=lens,
+        finished=finished.clone(),
+        logprobs=logprobs,
+        group_size=G,
+        loss_mask=scored,
+        turn_ids=turn_ids[:, :T_c].clone(),
+        **extra,
+    )
+
+
+def _turn_loop(sampler: Sampler, logits, cache, kv_mask, pos, T_p, observe, max_new_tokens,
+               max_turns, draw, stops, ends, pad_id):  # fmt: skip
+    """The multi-turn decode/observe loop (see `sample_turns`). Column c of the completion
+    region is cache slot T_p + c for every row.
+
+    Rows whose trajectory has ended leave the batch at the next turn boundary (their KV
+    rows are dropped from the cache), so they stop costing decode work; with a compiled
+    decode step the batch keeps its shape instead (no recompiles). `act` maps the cache's
+    rows to trajectory rows; `logits`, `cache`, `kv_mask` and `pos` are the active rows'.
+
+    Returns:
+        tokens, logprobs (B, T) and exists, scored (B, T) bool, turn_ids (B, T) long,
+        finished (B,) bool, and the per-row lists (turn_rewards, turn_texts, infos).
+    """
+    B, max_len = kv_mask.shape
+    dev = logits.device
+    T = max_len - T_p
+    tokens = torch.full((B, T), pad_id, dtype=torch.long, device=dev)
+    logprobs = torch.zeros(B, T, device=dev)
+    exists = torch.zeros(B, T, dtype=torch.bool, device=dev)
+    scored = torch.zeros_like(exists)
+    turn_ids = torch.full((B, T), -1, dtype=torch.long, device=dev)
+    kv_mask[:, T_p:] = False  # completion slots open as rows write them
+    live = torch.ones(B, dtype=torch.bool, device=dev)  # trajectory still running
+    finished = torch.zeros(B, dtype=torch.bool, device=dev)
+    act = torch.arange(B, device=dev)  # trajectory row of each cache row
+    rewards: list[list[float]] = [[] for _ in range(B)]
+    texts: list[list[list[int]]] = [[] for _ in range(B)]
+    infos: list[dict] = [{} for _ in range(B)]
+    col = 0
+    for turn in range(max_turns):
+        in_turn, start = live[act].clone(), col  # (b,) over the cache's rows
+        stopped = torch.zeros(B, dtype=torch.bool, device=dev)
+        for _ in range(max_new_tokens):
+            if col >= T:
+                break
+            tok, lp = draw(logits)  # (b,), (b,)
+            tokens[act, col] = torch.where(in_turn, tok, pad_id)
+            logprobs[act, col] = torch.where(in_turn, lp, 0.0)
+            exists[act, col] = in_turn
+            scored[act, col] = in_turn
+            turn_ids[act, col] = torch.where(in_turn, turn, -1)
+            kv_mask[:, T_p + col] = in_turn
+            # write this token's keys/values (the next turn's history) and get the logits of
+            # the next one; rows not in their turn write a masked-out slot
+            logits = sampler._decode(tok[:, None], pos[:, None], kv_mask, cache)
+            pos += in_turn.long()
+            col += 1
+            stopped[act] |= in_turn & torch.isin(tok, stops)
+            in_turn &= ~torch.isin(tok, ends)
+            if not bool(in_turn.any()):
+                break
+        obs: dict[int, list[int]] = {}
+        for b in act[live[act]].tolist():
+            ids = tokens[b, start:col][scored[b, start:col]].tolist()
+            if stopped[b]:
+                ids = ids[:-1]
+            texts[b].append(ids)
+            o = observe(b, ids, bool(stopped[b]))
+            rewards[b].append(float(o.reward))
+            for k, v in o.info.items():
+                infos[b][k] = infos[b].get(k, 0) + v
+            if o.done or not o.ids:
+                live[b] = False
+                finished[b] = True
+            else:
+                obs[b] = list(o.ids)
+        L = max((len(o) for o in obs.values()), default=0)
+        if turn == max_turns - 1 or L == 0 or col + L + 1 > T:
+            break  # the limits cut the live rows here (not finished)
+        keep = live[act]  # (b,)
+        if not sampler.compile and not bool(keep.all()):  # ended trajectories leave the batch
+            idx = keep.nonzero().flatten()
+            act, kv_mask, pos = act[idx], kv_mask[idx], pos[idx]
+            cache = cache.select_rows(idx)
+        b_now = act.shape[0]
+        chunk = torch.full((b_now, L), pad_id, dtype=torch.long, device=dev)
+        lens = torch.zeros(b_now, dtype=torch.long, device=dev)
+        for i, b in enumerate(act.tolist()):
+            if b in obs:
+                chunk[i, : len(obs[b])] = torch.tensor(obs[b], device=dev)
+                lens[i] = len(obs[b])
+        real = torch.arange(L, device=dev)[None, :] < lens[:, None]  # (b, L)
+        kv_mask[:, T_p + col : T_p + col + L] = real
+        tokens[act, col : col + L] = chunk
+        exists[act, col : col + L] = real
+        turn_ids[act, col : col + L] = torch.where(real, turn, -1)
+        positions = pos[:, None] + torch.arange(L, device=dev)[None, :]  # (b, L)
+        hidden = sampler.model(chunk, position_ids=positions, attention_mask=kv_mask,
+                            kv_cache=cache, return_hidden=True)  # fmt: skip
+        last = hidden[torch.arange(b_now, device=dev), (lens - 1).clamp(min=0)]  # (b, C)
+        logits = sampler.model.lm_head(last).float()  # (b, V) after each row's observation
+        pos += lens
+        col += L
+    extra = {"turn_rewards": rewards, "turn_texts": texts, "infos": infos}
+    return tokens, logprobs, exists, scored, turn_ids, finished, extra
 
 
 def env_prompts(tokenizer, rows: Sequence[dict], envs: Sequence[Environment], G: int):
@@ -105,7 +310,8 @@ def sample_with_env(
         delta = message_delta_ids(tokenizer, message, after_stop=stopped, tools=tools)
         return Observation(delta, step.reward, False, info)
 
-    return sampler.sample_turns(
+    return sample_turns(
+        sampler,
         prompts,
         group_size=G,
         observe=observe,
