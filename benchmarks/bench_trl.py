@@ -1,0 +1,295 @@
+"""Our GRPO step (train.shared_prefix off / on) against TRL's `GRPOTrainer`, side by side.
+
+    OMP_NUM_THREADS=2 /tmp/cmpenv/bin/python -m benchmarks.bench_trl --shapes ci,qwen3-0.6b
+
+Same checkpoint, prompts (minimath rendered by `grpo.train.common.load_rows`), P, G, max new
+tokens, beta, optimizer (AdamW, lr, grad clip 1.0), fp32, no gradient checkpointing, token-mean
+loss (TRL's "dapo"), LoRA (r16, alpha 32, q/k/v/o) or full fine-tuning, and one reward function
+(completion length in characters) for both. TRL runs in a separate venv (trl is not a project
+dependency), transformers `generate` for sampling, no vLLM.
+
+Ours: one step = rollout + reference + advantage + update phases of `grpo.train.grpo` (the
+calls `grpo.train.grpo.train` makes), timed as one call with the harness. TRL: one step =
+`Trainer` step from `on_step_begin` to `on_step_end` (generation, reference log-probs, loss,
+backward, optimizer), timed by a callback after warm-up steps. Both stop rows at eos, so the
+completion lengths of the two differ; each side's mean completion length is reported and
+tokens/s counts each side's own completion tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.harness import _CpuPeak, _percentile, measure, write_results
+from grpo.config import load_config
+from grpo.models import Decoder, ModelConfig, save_pretrained
+from grpo.rewards import build_rewards
+from grpo.rollout import Sampler
+from grpo.tiny import make_tiny_model
+from grpo.train.common import build_policy, load_rows
+from grpo.train.grpo import advantage_phase, reference_phase, rollout_phase, update_phase
+from grpo.train.optim import build_optimizer, build_scheduler
+from grpo.train.state import TrainState
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                 num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                 head_dim=128)  # fmt: skip
+
+
+def length_reward(completions, **kwargs) -> list[float]:
+    """Completion length in characters / 100: cheap, and non-zero advantages for both sides."""
+    return [len(c) / 100 for c in completions]
+
+
+def make_checkpoint(root: Path, shape: str) -> Path:
+    """HF-format checkpoint + the ci tokenizer: `ci` as written by make_tiny_model, or a
+    random-init Qwen3-0.6B-shape model (the tokenizer's ids are < its vocab)."""
+    out = make_tiny_model(root / shape, size="ci")
+    if shape == "ci":
+        return out
+    if shape != "qwen3-0.6b":
+        raise SystemExit(f"--shapes: unknown shape {shape!r} (expected ci or qwen3-0.6b)")
+    hf = json.loads((out / "config.json").read_text())
+    hf.update(QWEN3_06B, model_type="qwen3", tie_word_embeddings=True)
+    model = Decoder(ModelConfig.from_hf(hf))
+    model.init_weights(std=0.02, seed=0)
+    save_pretrained(model, out)
+    del model
+    return out
+
+
+def ours_config(model_dir: Path, lora: bool, args, shared: str = "off"):
+    B = args.prompts * args.group_size
+    return load_config(
+        base={"model": {"path": str(model_dir), "device": "cpu"}},
+        overrides=[
+            f"lora.enabled={str(lora).lower()}",
+            f"lora.targets=[{','.join(LORA_TARGETS)}]",
+            "lora.rank=16",
+            "lora.alpha=32",
+            f"rollout.group_size={args.group_size}",
+            f"rollout.max_new_tokens={args.max_new_tokens}",
+            "rollout.temperature=1.0",
+            f"train.batch_size={B}",
+            f"train.micro_batch_size={B}",  # TRL does the whole batch in one forward
+            "loss.beta=0.04",
+            "loss.aggregation=token_mean",
+            f"optim.lr={args.lr}",
+            "data.max_samples=256",
+            f"train.shared_prefix={shared}",
+        ],
+    )
+
+
+def ours_case(model_dir: Path, shape: str, lora: bool, shared: str, args) -> dict:
+    """Our full step (rollout, reference, advantages, update) timed as one call."""
+    cfg = ours_config(model_dir, lora, args, shared)
+    policy = build_policy(cfg, torch.device("cpu"), need_ref=True)
+    rows = load_rows(cfg, "train", 256, "rl", policy.tokenizer)
+    rewards = build_rewards([length_reward])
+    params = policy.trainable_parameters()
+    opt = build_optimizer(params, cfg.optim)
+    sched = build_scheduler(opt, 1000, cfg.optim)
+    sampler = Sampler(policy.model)
+    state = TrainState()
+    step, tokens, lengths = [0], [], []
+
+    def one_step():
+        step[0] += 1
+        batch = rollout_phase(cfg, policy, sampler, rows, state, rewards, step[0])
+        reference_phase(cfg, policy, batch, step[0])
+        advantage_phase(cfg, batch, step=step[0])
+        update_phase(cfg, policy, batch, opt, sched, params, step=step[0])
+        n = batch.rollout.completion_mask.sum(dim=1)  # (B,)
+        tokens.append(int(n.sum()))
+        lengths.append(float(n.float().mean()))
+
+    t = measure(one_step, warmup=args.warmup, repeats=args.repeats)
+    tokens, lengths = tokens[args.warmup :], lengths[args.warmup :]
+    row = _row(shape, lora, f"ours shared_prefix={shared}", params, t.times_ms, t.peak_mem_mib,
+               tokens, lengths)  # fmt: skip
+    return row
+
+
+def trl_case(model_dir: Path, shape: str, lora: bool, args, tmp: Path) -> dict:
+    """TRL GRPOTrainer on the same checkpoint and prompts, timed per step by a callback."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    cfg = ours_config(model_dir, lora, args)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = load_rows(cfg, "train", 256, "rl", tok)
+    ds = Dataset.from_list([{"prompt": r["prompt"]} for r in rows])  # the same rendered prompts
+    B = args.prompts * args.group_size
+    gcfg = GRPOConfig(
+        output_dir=str(tmp / f"trl_{shape}_{lora}"),
+        per_device_train_batch_size=B,
+        num_generations=args.group_size,
+        max_completion_length=args.max_new_tokens,
+        gradient_accumulation_steps=1,
+        beta=0.04,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        max_grad_norm=1.0,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        loss_type="dapo",  # = our token_mean on one process
+        num_iterations=1,
+        use_vllm=False,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        gradient_checkpointing=False,
+        model_init_kwargs={"dtype": "float32"},
+        max_steps=args.warmup + args.repeats,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    peft_config = None
+    if lora:
+        peft_config = LoraConfig(
+            r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(LORA_TARGETS),
+            task_type="CAUSAL_LM",
+        )  # fmt: skip
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times_ms, self.peaks_mib, self.lengths = [], [], []
+
+        def on_step_begin(self, args_, state, control, **kw):
+            self._mem = _CpuPeak().__enter__()
+            self._t0 = time.perf_counter()
+
+        def on_step_end(self, args_, state, control, **kw):
+            self.times_ms.append((time.perf_counter() - self._t0) * 1e3)
+            self._mem.__exit__(None, None, None)
+            self.peaks_mib.append(self._mem.peak_bytes / 2**20)
+
+        def on_log(self, args_, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                self.lengths.append(float(logs["completions/mean_length"]))
+
+    timer = StepTimer()
+    trainer = GRPOTrainer(
+        model=str(model_dir),
+        reward_funcs=length_reward,
+        args=gcfg,
+        train_dataset=ds,
+        processing_class=tok,
+        peft_config=peft_config,
+        callbacks=[timer],
+    )
+    trainer.train()
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    w = args.warmup
+    lengths = timer.lengths[w:]
+    tokens = [round(x * B) for x in lengths]
+    row = _row(shape, lora, "trl GRPOTrainer", params, timer.times_ms[w:],
+               max(timer.peaks_mib[w:]), tokens, lengths)  # fmt: skip
+    del trainer
+    return row
+
+
+def _row(shape, lora, impl, params, times_ms, peak_mib, tokens, lengths) -> dict:
+    med = statistics.median(times_ms)
+    return {
+        "shape": shape,
+        "mode": "lora r16 qkvo" if lora else "full",
+        "impl": impl,
+        "trainable_params": sum(p.numel() for p in params),
+        "step_s": round(med / 1e3, 3),
+        "p20_s": round(_percentile(times_ms, 20) / 1e3, 3),
+        "p80_s": round(_percentile(times_ms, 80) / 1e3, 3),
+        "mean_completion_len": round(statistics.mean(lengths), 1) if lengths else None,
+        "tokens_per_s": round(sum(tokens) / (sum(times_ms) / 1e3), 1) if tokens else None,
+        "peak_rss_mib": round(peak_mib, 1),
+        "times_s": [round(x / 1e3, 3) for x in times_ms],
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="ci", help="comma list of ci, qwen3-0.6b")
+    p.add_argument("--modes", default="lora,full", help="comma list of lora, full (ci shape)")
+    p.add_argument("--big-modes", default="lora", help="modes for qwen3-0.6b")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--big-prompts", type=int, default=2, help="P for qwen3-0.6b")
+    p.add_argument("--big-group-size", type=int, default=4, help="G for qwen3-0.6b")
+    p.add_argument("--big-max-new-tokens", type=int, default=32, help="T_c for qwen3-0.6b")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--big-repeats", type=int, default=3)
+    p.add_argument("--name", default="step_trl_cpu", help="results file stem")
+    args = p.parse_args(argv)
+    rows, shapes_meta = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for shape in args.shapes.split(","):
+            sargs = argparse.Namespace(**vars(args))
+            modes = args.modes
+            if shape != "ci":
+                sargs.prompts, sargs.group_size = args.big_prompts, args.big_group_size
+                sargs.max_new_tokens, sargs.repeats = args.big_max_new_tokens, args.big_repeats
+                modes = args.big_modes
+            shapes_meta[shape] = (
+                f"P={sargs.prompts} G={sargs.group_size} T_c<={sargs.max_new_tokens} "
+                f"repeats={sargs.repeats} warmup={sargs.warmup}"
+            )
+            model_dir = make_checkpoint(tmp, shape)
+            for mode in modes.split(","):
+                lora = mode == "lora"
+                case = [ours_case(model_dir, shape, lora, s, sargs) for s in ("off", "on")]
+                case.append(trl_case(model_dir, shape, lora, sargs, tmp))
+                off, on, trl = case
+                for r in case:
+                    r["trl_over_ours_off"] = round(trl["step_s"] / off["step_s"], 2)
+                    r["trl_over_ours_on"] = round(trl["step_s"] / on["step_s"], 2)
+                    print(json.dumps({k: v for k, v in r.items() if k != "times_s"}), flush=True)
+                rows.extend(case)
+    import accelerate
+    import peft
+    import transformers
+    import trl
+
+    cols = ["shape", "mode", "impl", "trainable_params", "step_s", "p20_s", "p80_s",
+            "mean_completion_len", "tokens_per_s", "peak_rss_mib", "trl_over_ours_off",
+            "trl_over_ours_on"]  # fmt: skip
+    meta = {
+        "command": "OMP_NUM_THREADS=2 /tmp/cmpenv/bin/python -m benchmarks.bench_trl "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "shapes": shapes_meta,
+        "versions": f"trl {trl.__version__}, transformers {transformers.__version__}, "
+        f"accelerate {accelerate.__version__}, peft {peft.__version__}",
+        "setup": "fp32 CPU, beta=0.04, lr const-ish (ours cosine over 1000 steps, TRL constant), "
+        "AdamW, grad clip 1.0, token-mean loss (TRL dapo), temperature 1, no top-k/p, "
+        "one micro-batch of P*G rows, no gradient checkpointing, reward = len(chars)/100",
+        "timing": "step_s median and p20/p80 over the timed steps after warm-up; ours = "
+        "rollout+reference+advantage+update phases, TRL = on_step_begin..on_step_end",
+        "peak_rss_mib": "RSS the step adds at its peak (harness _CpuPeak), largest over steps",
+        "note": "both stop rows at eos with random weights: completion lengths differ, "
+        "tokens_per_s counts each side's own completion tokens",
+    }
+    write_results(args.name, rows, cols, meta=meta)
+
+
+if __name__ == "__main__":
+    main()
