@@ -296,7 +296,7 @@ class TrainConfig:
     # (tests/test_shared_prefix.py) for fewer tokens. on | off | auto (on when every
     # micro-batch holds whole groups and gradient checkpointing is off). Off by default until
     # it is benchmarked (issue 17).
-    shared_prefix: Literal["auto", "on", "off"] | bool = "off"  # YAML reads on/off as bools
+    shared_prefix: Literal["auto", "on", "off"] = "off"
 
     def __post_init__(self):
         _check(self.max_steps > 0, "train.max_steps", f"must be > 0, got {self.max_steps}")
@@ -316,8 +316,6 @@ class TrainConfig:
             _check(getattr(self, name) >= 0, f"train.{name}", "must be >= 0")
         _check(self.keep_last >= 1, "train.keep_last", "must be >= 1")
         _check(self.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", "must be >= 1")
-        if isinstance(self.shared_prefix, bool):
-            object.__setattr__(self, "shared_prefix", "on" if self.shared_prefix else "off")
 
 
 @dataclass(frozen=True)
@@ -430,6 +428,8 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         raise ConfigError(errors[0] if len(errors) == 1 else f"{name}: invalid value {value!r}")
     if origin is Literal:
         allowed = typing.get_args(tp)
+        if isinstance(value, bool) and {"on", "off"} <= set(allowed):  # YAML 1.1 reads on/off
+            value = "on" if value else "off"  # as booleans: `shared_prefix: on` means "on"
         _check(value in allowed, name, f"must be one of {list(allowed)}, got {value!r}")
         return value
     if origin is tuple:

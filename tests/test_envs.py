@@ -144,3 +144,18 @@ def test_eval_with_calculator_env(shared_tiny_model, tmp_path):
                 "turn_limit_frac"):  # fmt: skip
         assert key in summary
     assert 1.0 <= summary["turns_mean"] <= 2.0
+
+
+@pytest.mark.parametrize("name", __import__("grpo.envs", fromlist=["x"]).available_envs())
+def test_every_registered_env_follows_the_protocol(name):
+    """Every registered environment: fresh per trajectory, start() gives None or messages,
+    step() on a final answer, a tool call and garbage returns a valid Step (never raises)."""
+    make = env_factory(name)
+    a, b = make(), make()
+    assert a is not b and isinstance(a.tools, list)
+    first = a.start({"question": "What is 2 * 3?", "ground_truth": "6", "prompt_ids": [1]})
+    assert first is None or (isinstance(first, list) and all("role" in m for m in first))
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2 * 3"}}</tool_call>'
+    for text in ("Final Answer: 6", call, "<tool_call>{oops", "\x00 \n"):
+        step = check_step(name, a.step(text, [1, 2, 3]))
+        assert step.done or step.observation is not None

@@ -237,14 +237,10 @@ def compute_advantages(
 
 
 def group_advantages(
-    rewards: torch.Tensor,
-    group_size: int,
-    scale: str = "group",
-    eps: float = 1e-4,
-    batch_std: torch.Tensor | None = None,
+    rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4
 ) -> torch.Tensor:
-    """Per-sequence group-relative advantages (B,): the `grpo` / `batch_std` / `dr_grpo`
-    estimators on one value per row.
+    """Per-sequence group-relative advantages (B,): the `grpo` ("group"), `batch_std`
+    ("batch") or `dr_grpo` ("none") estimator on one value per row.
 
     Args:
         rewards: (B,) total reward per completion, B = P*G.
@@ -252,21 +248,18 @@ def group_advantages(
         scale: "group" divides by the group's std (GRPO); "batch" by the std of the whole
             batch; "none" does not divide (Dr. GRPO).
         eps: added to the std.
-        batch_std: with scale="batch", a std to use instead of this batch's (e.g. all ranks').
 
     Returns:
         (B,) float32 advantages.
     """
-    r = _groups(rewards, group_size)
-    centered = r - r.mean(dim=1, keepdim=True)  # (P, G)
-    if scale == "group":
-        centered = centered / (r.std(dim=1, keepdim=True) + eps)
-    elif scale == "batch":
-        std = rewards.float().std() if batch_std is None else batch_std
-        centered = centered / (std + eps)
-    elif scale != "none":
+    names = {"group": "grpo", "batch": "batch_std", "none": "dr_grpo"}
+    if scale not in names:
         raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
-    return centered.view(-1)
+    mask = torch.ones(rewards.shape[0], 1, dtype=torch.bool, device=rewards.device)
+    fn = ADVANTAGES.get(names[scale])
+    out = ADVANTAGES.call(fn, {"scores": rewards.float(), "mask": mask,
+                               "group_size": group_size, "eps": eps})  # fmt: skip
+    return out[:, 0]
 
 
 def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

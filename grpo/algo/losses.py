@@ -85,12 +85,12 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, aggregation: str, normal
 def reduce_stat(name: str, values: torch.Tensor, mask: torch.Tensor) -> float:
     """A per-token stat over the counted tokens: the max for names ending in ``_max``, the min
     for ``_min``, else the mean."""
-    kept = values.detach().float()[mask]
+    values = values.detach().float()
     if name.endswith("_max"):
-        return float(kept.max()) if kept.numel() else -math.inf
+        return float(values.masked_fill(~mask, -math.inf).max()) if values.numel() else -math.inf
     if name.endswith("_min"):
-        return float(kept.min()) if kept.numel() else math.inf
-    return float(kept.sum() / max(kept.numel(), 1))
+        return float(values.masked_fill(~mask, math.inf).min()) if values.numel() else math.inf
+    return float(torch.where(mask, values, 0.0).sum() / mask.sum().clamp(min=1))
 
 
 def _zero_masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -164,8 +164,7 @@ def policy_loss(
     }
     out = POLICY_LOSSES.call(cfg.policy_loss, inputs)
     pg, loss_stats = out if isinstance(out, tuple) else (out, {})
-    _check_output(cfg.policy_loss, pg, mask, cfg.log_ratio_clamp is not None,
-                  logprobs, old_logprobs, advantages)  # fmt: skip
+    _check_shape(cfg.policy_loss, pg, mask)
 
     stats: dict[str, float] = {}
     if cfg.tis_cap is not None and behaviour_logprobs is not None:
@@ -195,6 +194,8 @@ def policy_loss(
 
     with torch.no_grad():
         stats["policy_loss"] = float(aggregate(pg, mask, cfg.aggregation, normalizer))
+        if not math.isfinite(stats["policy_loss"]) and cfg.log_ratio_clamp is not None:
+            _blame(cfg.policy_loss, pg, mask, logprobs, old_logprobs, advantages)
         if kl is not None:  # no reference, no KL: never a fake 0
             stats["kl"] = reduce_stat("kl", kl, mask)
         if entropy is not None:
@@ -205,21 +206,27 @@ def policy_loss(
     return loss, stats
 
 
-def _check_output(name, pg, mask, bounded: bool, *inputs) -> None:
-    """One clear line when a registered policy loss returns garbage: the wrong shape, or a
-    non-finite value from finite inputs and a bounded log-ratio (unbounded ratios can overflow
-    legitimately; the trainer then skips the update as non-finite)."""
+def _check_shape(name, pg, mask) -> None:
+    """One clear line when a registered policy loss returns something other than (B, T_c)."""
     label = f"policy loss {name!r}"
     if not isinstance(pg, torch.Tensor):
         raise GrpoError(f"{label} returned {type(pg).__name__}, expected a (B, T_c) tensor")
     if pg.shape != mask.shape:
         raise GrpoError(f"{label} returned shape {tuple(pg.shape)}, expected {tuple(mask.shape)}")
+
+
+def _blame(name, pg, mask, *inputs) -> None:
+    """Called only when the policy term came out non-finite (no cost on the normal path): name
+    the loss when its inputs were finite at the counted tokens (with the log-ratio clamped, a
+    built-in loss is then finite; a diverged model's non-finite inputs are the trainer's to
+    skip, not an error)."""
     bad = ~torch.isfinite(pg.detach()) & mask
-    if bad.any() and bounded:
-        inputs_finite = all(bool(torch.isfinite(x.detach()[mask]).all()) for x in inputs)
-        if inputs_finite:  # the function's fault, not a diverged model's
-            row = int(bad.any(-1).nonzero()[0])
-            raise GrpoError(f"{label} returned a non-finite value at row {row} from finite inputs")
+    inputs_finite = all(bool(torch.isfinite(x.detach()[mask]).all()) for x in inputs)
+    if bad.any() and inputs_finite:
+        row = int(bad.any(-1).nonzero()[0])
+        raise GrpoError(
+            f"policy loss {name!r} returned a non-finite value at row {row} from finite inputs"
+        )
 
 
 def check_policy_loss(cfg) -> None:
