@@ -20,6 +20,7 @@ from benchmarks.harness import measure, write_results
 from grpo.config import load_config
 from grpo.rewards import build_rewards
 from grpo.rollout import Sampler
+from grpo.rollout.sampler import resolve_compile
 from grpo.tiny import make_tiny_model
 from grpo.train.common import build_policy, load_rows
 from grpo.train.grpo import advantage_phase, reference_phase, rollout_phase, update_phase
@@ -27,7 +28,9 @@ from grpo.train.optim import build_optimizer, build_scheduler
 from grpo.train.state import TrainState
 
 
-def bench_case(model_dir: Path, size: str, lora: bool, args, shared: str = "off") -> dict:
+def build_case(model_dir: Path, lora: bool, args, shared: str = "off") -> dict:
+    """Policy, optimizer, sampler and one rolled-out batch (with reference log-probs and
+    advantages) for the bench's settings; `rollout` samples a fresh batch."""
     cfg = load_config(
         base={"model": {"path": str(model_dir), "device": args.device}},
         overrides=[
@@ -49,7 +52,8 @@ def bench_case(model_dir: Path, size: str, lora: bool, args, shared: str = "off"
     params = policy.trainable_parameters()
     opt = build_optimizer(params, cfg.optim)
     sched = build_scheduler(opt, 1000, cfg.optim)
-    sampler = Sampler(policy.model)
+    sampler = Sampler(policy.model, compile=resolve_compile(cfg.rollout.compile, device),
+                      fallback=True)  # what `grpo train` builds (rollout.compile: auto)
     state = TrainState()
     step = [0]
 
@@ -60,6 +64,15 @@ def bench_case(model_dir: Path, size: str, lora: bool, args, shared: str = "off"
     batch = rollout()
     reference_phase(cfg, policy, batch)
     advantage_phase(cfg, batch)
+    return dict(cfg=cfg, policy=policy, rows=rows, params=params, opt=opt, sched=sched,
+                sampler=sampler, rollout=rollout, batch=batch)  # fmt: skip
+
+
+def bench_case(model_dir: Path, size: str, lora: bool, args, shared: str = "off") -> dict:
+    case = build_case(model_dir, lora, args, shared)
+    cfg, policy, batch, rollout = case["cfg"], case["policy"], case["batch"], case["rollout"]
+    opt, sched, params = case["opt"], case["sched"], case["params"]
+    device = torch.device(args.device)
     t_roll = measure(rollout, warmup=1, repeats=args.repeats, device=device)
     ref = lambda: reference_phase(cfg, policy, batch)  # noqa: E731
     t_ref = measure(ref, repeats=args.repeats, device=device)

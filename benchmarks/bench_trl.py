@@ -28,11 +28,18 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import _CpuPeak, _percentile, measure, write_results
+from benchmarks.harness import (
+    _CpuPeak,
+    _percentile,
+    matmul_ceiling_tflops,
+    measure,
+    write_results,
+)
 from grpo.config import load_config
 from grpo.models import Decoder, ModelConfig, save_pretrained
 from grpo.rewards import build_rewards
 from grpo.rollout import Sampler
+from grpo.rollout.sampler import resolve_compile
 from grpo.tiny import make_tiny_model
 from grpo.train.common import build_policy, load_rows
 from grpo.train.grpo import advantage_phase, reference_phase, rollout_phase, update_phase
@@ -99,9 +106,10 @@ def ours_case(model_dir: Path, shape: str, lora: bool, shared: str, args) -> dic
     params = policy.trainable_parameters()
     opt = build_optimizer(params, cfg.optim)
     sched = build_scheduler(opt, 1000, cfg.optim)
-    sampler = Sampler(policy.model)
+    sampler = Sampler(policy.model, compile=resolve_compile(cfg.rollout.compile, "cpu"),
+                      fallback=True)  # what `grpo train` builds (rollout.compile: auto)
     state = TrainState()
-    step, tokens, lengths = [0], [], []
+    step, tokens, lengths, prompt_tokens = [0], [], [], []
 
     def one_step():
         step[0] += 1
@@ -112,12 +120,76 @@ def ours_case(model_dir: Path, shape: str, lora: bool, shared: str, args) -> dic
         n = batch.rollout.completion_mask.sum(dim=1)  # (B,)
         tokens.append(int(n.sum()))
         lengths.append(float(n.float().mean()))
+        prompt_tokens.append(int(batch.rollout.prompt_lens[:: args.group_size].sum()))
 
     t = measure(one_step, warmup=args.warmup, repeats=args.repeats)
-    tokens, lengths = tokens[args.warmup :], lengths[args.warmup :]
+    w = args.warmup
+    tokens, lengths, prompt_tokens = tokens[w:], lengths[w:], prompt_tokens[w:]
     row = _row(shape, lora, f"ours shared_prefix={shared}", params, t.times_ms, t.peak_mem_mib,
                tokens, lengths)  # fmt: skip
+    # the physical floor: the FLOPs of the tokens a step must compute (each prompt once)
+    flops = statistics.mean(
+        step_flops(policy.model.config, pt, ct, args.prompts, lora)
+        for pt, ct in zip(prompt_tokens, tokens)
+    )
+    row["floor_s"] = round(flops / (args.tflops * 1e12), 3)
+    row["prompt_tokens"] = round(statistics.mean(prompt_tokens), 1)
     return row
+
+
+def step_flops(mc, prompt_tokens: int, completion_tokens: int, P: int, lora: bool) -> float:
+    """FLOPs a GRPO step cannot avoid: every prompt token once (sampler prefill, reference
+    forward, policy forward + backward) and every completion token in each of those passes;
+    the lm_head only where a token is predicted. 2 FLOPs per weight per token forward; the
+    backward is 2x the forward with full fine-tuning (activation + weight gradients) and 1x
+    with LoRA (activation gradients; the adapters' own are negligible); attention's score and
+    value products over the average context are included.
+
+    Args:
+        mc: the model's `ModelConfig`.
+        prompt_tokens: real prompt tokens of the step's P prompts (each counted once).
+        completion_tokens: generated tokens of the step's B rows.
+        P: prompts (the sampler's prefill predicts one token per prompt).
+        lora: LoRA (frozen base) or full fine-tuning.
+    """
+    C, L, I = mc.hidden_size, mc.num_hidden_layers, mc.intermediate_size
+    q, kv = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
+    body = L * (C * q + 2 * C * kv + q * C + 3 * C * I)  # weights a token multiplies
+    ctx = prompt_tokens / P + completion_tokens / (2 * P)  # mean attended length, roughly
+    per_token = 2 * body + 4 * L * q * ctx
+    head = 2 * C * mc.vocab_size  # lm_head per predicted token
+    tokens = prompt_tokens + completion_tokens
+    forward = tokens * per_token + completion_tokens * head  # one training-side forward
+    rollout = tokens * per_token + (completion_tokens + P) * head
+    backward = (1 if lora else 2) * forward
+    return rollout + forward + forward + backward  # sampler, reference, update fwd + bwd
+
+
+def check_agreement(model_dir: Path, args) -> float:
+    """Before timing: our decoder and transformers (which TRL runs) give the same completion
+    log-probs on the benchmark's checkpoint and a sampled batch; returns the max |diff|."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo.algo.logprobs import completion_logprobs
+    from grpo.models import load_model
+    from grpo.rollout import sample
+
+    ours = load_model(model_dir)
+    r = sample(ours, [[5, 17, 33, 9, 12], [101, 7, 8]], group_size=2, max_new_tokens=8,
+               temperature=1.0, stop_ids=[], seed=0)  # fmt: skip
+    with torch.no_grad():
+        lp = completion_logprobs(ours, r.ids, r.attention_mask(), r.prompt_width,
+                                 r.completion_mask)  # fmt: skip
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        mask = r.attention_mask()
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        logits = hf(input_ids=r.ids, attention_mask=mask.long(), position_ids=pos).logits
+        logp = torch.log_softmax(logits[:, r.prompt_width - 1 : -1].float(), -1)
+        ref = logp.gather(-1, r.ids[:, r.prompt_width :, None])[..., 0]
+    diff = float((lp - ref)[r.completion_mask].abs().max())
+    if diff > 1e-4:
+        raise SystemExit(f"our decoder and transformers disagree on {model_dir}: {diff:.2e}")
+    return diff
 
 
 def trl_case(model_dir: Path, shape: str, lora: bool, args, tmp: Path) -> dict:
@@ -240,7 +312,9 @@ def main(argv=None) -> None:
     p.add_argument("--big-repeats", type=int, default=3)
     p.add_argument("--name", default="step_trl_cpu", help="results file stem")
     args = p.parse_args(argv)
-    rows, shapes_meta = [], {}
+    args.tflops = matmul_ceiling_tflops("cpu", torch.float32)  # the floor's denominator
+    print(f"measured fp32 matmul rate: {args.tflops * 1e3:.1f} GFLOP/s", flush=True)
+    rows, shapes_meta, agreement = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for shape in args.shapes.split(","):
@@ -255,14 +329,17 @@ def main(argv=None) -> None:
                 f"repeats={sargs.repeats} warmup={sargs.warmup}"
             )
             model_dir = make_checkpoint(tmp, shape)
+            agreement[shape] = check_agreement(model_dir, sargs)
             for mode in modes.split(","):
                 lora = mode == "lora"
                 case = [ours_case(model_dir, shape, lora, s, sargs) for s in ("off", "on")]
                 case.append(trl_case(model_dir, shape, lora, sargs, tmp))
                 off, on, trl = case
+                trl["floor_s"] = on["floor_s"]  # the same tokens must be computed
                 for r in case:
                     r["trl_over_ours_off"] = round(trl["step_s"] / off["step_s"], 2)
                     r["trl_over_ours_on"] = round(trl["step_s"] / on["step_s"], 2)
+                    r["step_over_floor"] = round(r["step_s"] / r["floor_s"], 1)
                     print(json.dumps({k: v for k, v in r.items() if k != "times_s"}), flush=True)
                 rows.extend(case)
     import accelerate
@@ -272,7 +349,7 @@ def main(argv=None) -> None:
 
     cols = ["shape", "mode", "impl", "trainable_params", "step_s", "p20_s", "p80_s",
             "mean_completion_len", "tokens_per_s", "peak_rss_mib", "trl_over_ours_off",
-            "trl_over_ours_on"]  # fmt: skip
+            "trl_over_ours_on", "floor_s", "step_over_floor"]  # fmt: skip
     meta = {
         "command": "OMP_NUM_THREADS=2 /tmp/cmpenv/bin/python -m benchmarks.bench_trl "
         + " ".join(sys.argv[1:] if argv is None else argv),
@@ -287,6 +364,11 @@ def main(argv=None) -> None:
         "peak_rss_mib": "RSS the step adds at its peak (harness _CpuPeak), largest over steps",
         "note": "both stop rows at eos with random weights: completion lengths differ, "
         "tokens_per_s counts each side's own completion tokens",
+        "agreement": "max |our completion log-prob - transformers'| on the checkpoint before "
+        "timing: " + ", ".join(f"{k} {v:.1e}" for k, v in agreement.items()),
+        "floor": f"floor_s = step_flops (benchmarks/bench_trl.py: every prompt token once, "
+        f"completion tokens in sampler, reference, policy fwd + bwd) / the measured fp32 "
+        f"matmul rate {args.tflops * 1e3:.1f} GFLOP/s (2048^3 product)",
     }
     write_results(args.name, rows, cols, meta=meta)
 

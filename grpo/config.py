@@ -117,7 +117,10 @@ class RolloutConfig:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
-    compile: bool = False
+    # Compile the sampler's decode step (torch.compile, static shapes): on | off | auto (on
+    # where inductor works: CUDA, or a C++ compiler on CPU; falls back to eager if compiling
+    # fails; GRPO_COMPILE=0 in the environment turns auto off). docs/sampler.md.
+    compile: Literal["auto", "on", "off"] = "auto"
     # Multi-turn (agentic) rollouts: an environment answers each model turn (docs/agentic.md).
     env: str = "single_turn"  # single_turn | calculator | a registered name | package.module:Class
     env_kwargs: dict = field(default_factory=dict)
@@ -294,9 +297,11 @@ class TrainConfig:
     # GRPO: run each group's prompt once in the training passes (reference, old log-probs,
     # update) and repeat its keys/values to the group's rows: the full-row forward's numbers
     # (tests/test_shared_prefix.py) for fewer tokens. on | off | auto (on when every
-    # micro-batch holds whole groups and gradient checkpointing is off). Off by default until
-    # it is benchmarked (issue 17).
-    shared_prefix: Literal["auto", "on", "off"] = "off"
+    # micro-batch holds whole groups and gradient checkpointing is off). docs/benchmarks.md.
+    shared_prefix: Literal["auto", "on", "off"] = "auto"
+    # The start-up check that the run's estimated memory fits (grpo/train/preflight.py); true
+    # skips it, e.g. when the estimate is too pessimistic for short prompts (docs/safety.md).
+    skip_memory_check: bool = False
 
     def __post_init__(self):
         _check(self.max_steps > 0, "train.max_steps", f"must be > 0, got {self.max_steps}")

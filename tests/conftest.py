@@ -10,6 +10,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# rollout.compile: auto would compile each test run's decode step (seconds of C++ per shape);
+# the compiled path has its own tests (tests/test_sampler.py), which ask for it explicitly.
+os.environ.setdefault("GRPO_COMPILE", "0")
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

@@ -234,9 +234,47 @@ def check_compiled_matches_eager(model, compile_options):
     compiled = sampler.sample(prompts, **kw)
     assert torch.equal(compiled.ids, eager.ids)
     assert (compiled.logprobs - eager.logprobs).abs().max().item() <= 1e-5
-    with torch._dynamo.config.patch(error_on_recompile=True):  # same shapes: no recompile
+    wider = make_prompts((9, 4), seed=1)  # another prompt width, same cache-length bucket
+    with torch._dynamo.config.patch(error_on_recompile=True):  # no recompile for either
         again = sampler.sample(prompts, **{**kw, "seed": 6})
+        other = sampler.sample(wider, **kw)
     assert again.ids.shape == compiled.ids.shape
+    assert torch.equal(other.ids, Sampler(model).sample(wider, **kw).ids)
+
+
+def test_resolve_compile_auto_follows_the_machine(monkeypatch, tmp_path):
+    from grpo.rollout.sampler import compile_supported, resolve_compile
+
+    assert resolve_compile("on", "cpu") and resolve_compile(True, "cpu")
+    assert not resolve_compile("off", "cpu") and not resolve_compile(False, "cpu")
+    monkeypatch.setenv("GRPO_COMPILE", "0")
+    assert not resolve_compile("auto", "cpu")
+    monkeypatch.delenv("GRPO_COMPILE")
+    assert resolve_compile("auto", "cpu") == compile_supported("cpu")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no compiler on the PATH: auto stays eager
+    monkeypatch.delenv("CXX", raising=False)
+    assert not compile_supported("cpu") and not resolve_compile("auto", "cpu")
+    with pytest.raises(GrpoError, match="auto, on or off"):
+        resolve_compile("yes", "cpu")
+
+
+def test_compile_failure_falls_back_to_eager_only_when_asked(qwen3, caplog):
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("no C++ compiler")
+
+    kw = dict(group_size=2, max_new_tokens=5, temperature=1.0, stop_ids=[], seed=3)
+    prompts = make_prompts((6, 2))
+    eager = Sampler(qwen3).sample(prompts, **kw)
+    sampler = Sampler(qwen3, compile=True, compile_options={"backend": broken_backend},
+                      fallback=True)  # fmt: skip
+    with caplog.at_level("WARNING", logger="grpo.rollout.sampler"):
+        out = sampler.sample(prompts, **kw)
+    assert torch.equal(out.ids, eager.ids)
+    assert (out.logprobs - eager.logprobs).abs().max().item() <= 1e-6
+    assert sum("decoding eagerly" in r.getMessage() for r in caplog.records) == 1
+    strict = Sampler(qwen3, compile=True, compile_options={"backend": broken_backend})
+    with pytest.raises(Exception, match="no C\\+\\+ compiler"):
+        strict.sample(prompts, **kw)
 
 
 def test_compiled_decode_step_traces_as_one_static_graph(qwen3):

@@ -125,3 +125,57 @@ def test_on_needs_whole_groups_per_micro_batch(tmp_path):
         "train.shared_prefix=auto", "train.batch_size=8", "train.micro_batch_size=2",
         "rollout.group_size=4"])  # fmt: skip
     assert auto.shared_prefix_groups is None  # auto falls back to full rows
+
+
+def test_defaults_share_the_prefix_and_compile_where_supported(tmp_path):
+    from grpo.config import load_config
+
+    cfg = load_config(base={"model": {"path": str(tmp_path)}}, overrides=[
+        "train.batch_size=8", "rollout.group_size=4"])  # fmt: skip
+    assert cfg.train.shared_prefix == "auto" and cfg.shared_prefix_groups == 4
+    assert cfg.rollout.compile == "auto"
+    ckpt = load_config(base={"model": {"path": str(tmp_path), "gradient_checkpointing": True}},
+                       overrides=["train.batch_size=8", "rollout.group_size=4"])  # fmt: skip
+    assert ckpt.shared_prefix_groups is None  # the KV-cache path does not checkpoint
+    as_bool = load_config(base={"model": {"path": str(tmp_path)}},
+                          overrides=["rollout.compile=true", "train.shared_prefix=false"])
+    assert as_bool.rollout.compile == "on" and as_bool.train.shared_prefix == "off"
+
+
+@pytest.mark.parametrize("turns", ["single", "multi"])
+@pytest.mark.parametrize("shared", ["on", "off"])
+def test_micro_batches_run_only_their_own_columns(tiny_checkpoints, tmp_path, turns, shared):
+    """Each micro-batch (here one group) is trimmed to the columns its rows use; the trainer's
+    log-probs equal a full-width forward's."""
+    from grpo.config import load_config
+    from grpo.train.batch import Batch, column_bounds
+    from grpo.train.grpo import _micro_batches, reference_phase
+
+    model = load_model(tiny_checkpoints("qwen3"))
+    r = rollout(model, G=3) if turns == "single" else multiturn(model, G=3)
+    B, T = r.ids.shape
+    attn = r.attention_mask()
+    bounds = column_bounds(attn, [slice(i, i + 3) for i in range(0, B, 3)], r.prompt_width)
+    for i, (lo, hi) in enumerate(bounds):  # hand-checked: first and last real column
+        real = attn[3 * i : 3 * i + 3].any(0).nonzero().flatten()
+        assert (lo, hi) == (int(real[0]), max(int(real[-1]) + 1, r.prompt_width + 1))
+    assert any(lo > 0 or hi < T for lo, hi in bounds)  # some micro-batch is trimmed
+    cfg = load_config(base={"model": {"path": str(tmp_path)}}, overrides=[
+        "rollout.group_size=3", f"train.batch_size={B}", "train.micro_batch_size=3",
+        f"train.shared_prefix={shared}", "loss.beta=0.1", "rollout.temperature=0.7"])  # fmt: skip
+    assert [c for _, c in _micro_batches(cfg, _batch(r, Batch))] == bounds
+    batch = _batch(r, Batch)
+    policy = type("P", (), {"model": model, "ref_model": None})()
+    reference_phase(cfg, policy, batch, 1)
+    with torch.no_grad():
+        full = completion_logprobs(model, r.ids, attn, r.prompt_width, r.scored_mask, 0.7,
+                                   has_holes=turns == "multi")  # fmt: skip
+    assert batch.ref_logprobs.shape == full.shape
+    assert (batch.ref_logprobs - full).abs().max().item() <= 1e-5
+
+
+def _batch(r, Batch):
+    B = r.ids.shape[0]
+    return Batch(rollout=r, rows=[{}] * B, rewards=torch.zeros(B), per_fn={},
+                 advantages=torch.zeros_like(r.logprobs), loss_mask=r.scored_mask.clone(),
+                 texts=[], frac_zero_std=0.0)  # fmt: skip

@@ -85,7 +85,8 @@ def sample_turns(
         raise GrpoError("max_turns and max_new_tokens must be >= 1")
     dev = model.device
     G = group_size
-    prompt_ids, p_lens, kv_mask = _left_pad(prompts, pad_id, max_total_tokens, cfg, dev)
+    prompt_ids, p_lens, kv_mask = _left_pad(prompts, pad_id, max_total_tokens, cfg, dev,
+                                            sampler.slot_multiple)  # fmt: skip
     T_p = prompt_ids.shape[1]
     gen = torch.Generator(device=dev).manual_seed(seed)
     stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev)
@@ -100,7 +101,7 @@ def sample_turns(
                 logits, cache, kv_mask.repeat_interleave(G, dim=0),
                 p_lens.repeat_interleave(G), T_p, observe, max_new_tokens, max_turns,
                 lambda lg: next_tokens(lg, gen, temperature, top_k, top_p, min_p),
-                stops, ends, pad_id,
+                stops, ends, pad_id, max_total_tokens,
             )  # fmt: skip
     finally:
         model.train(was_training)
@@ -128,9 +129,10 @@ def sample_turns(
 
 
 def _turn_loop(sampler: Sampler, logits, cache, kv_mask, pos, T_p, observe, max_new_tokens,
-               max_turns, draw, stops, ends, pad_id):  # fmt: skip
+               max_turns, draw, stops, ends, pad_id, total):  # fmt: skip
     """The multi-turn decode/observe loop (see `sample_turns`). Column c of the completion
-    region is cache slot T_p + c for every row.
+    region is cache slot T_p + c for every row; it has `total` columns (the cache may have
+    more slots: a compiled sampler rounds its length up).
 
     Rows whose trajectory has ended leave the batch at the next turn boundary (their KV
     rows are dropped from the cache), so they stop costing decode work; with a compiled
@@ -141,9 +143,9 @@ def _turn_loop(sampler: Sampler, logits, cache, kv_mask, pos, T_p, observe, max_
         tokens, logprobs (B, T) and exists, scored (B, T) bool, turn_ids (B, T) long,
         finished (B,) bool, and the per-row lists (turn_rewards, turn_texts, infos).
     """
-    B, max_len = kv_mask.shape
+    B = kv_mask.shape[0]
     dev = logits.device
-    T = max_len - T_p
+    T = total
     tokens = torch.full((B, T), pad_id, dtype=torch.long, device=dev)
     logprobs = torch.zeros(B, T, device=dev)
     exists = torch.zeros(B, T, dtype=torch.bool, device=dev)

@@ -10,6 +10,9 @@ T_c completion tokens, V vocab. Row b belongs to prompt b // G (a group's rows a
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -18,6 +21,32 @@ import torch
 from grpo.errors import GrpoError
 from grpo.models.kv_cache import KVCache
 from grpo.rollout.sampling import next_tokens
+
+log = logging.getLogger(__name__)
+
+# A compiled decode step's cache length is rounded up to a multiple of this, so a run whose
+# prompt widths vary compiles a few shapes, not one per batch.
+SLOT_MULTIPLE = 64
+
+
+def compile_supported(device: torch.device | str) -> bool:
+    """Whether inductor can build a decode step here: Triton on CUDA, a C++ compiler on CPU."""
+    if torch.device(device).type == "cuda":
+        return True
+    return any(shutil.which(c) for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c)
+
+
+def resolve_compile(mode: str | bool, device: torch.device | str) -> bool:
+    """`rollout.compile` -> whether to compile: on / off as given; auto = where supported
+    (`compile_supported`), unless the environment variable GRPO_COMPILE=0 turns auto off (the
+    test suite does: each new shape costs seconds of C++ compilation)."""
+    if mode in (True, "on"):
+        return True
+    if mode in (False, "off"):
+        return False
+    if mode != "auto":
+        raise GrpoError(f"compile must be auto, on or off, got {mode!r}")
+    return os.environ.get("GRPO_COMPILE", "") != "0" and compile_supported(device)
 
 
 @dataclass
@@ -143,8 +172,9 @@ class Sampler:
     """Turns prompts into a `Rollout` with one model; holds its (optionally compiled) decode step.
 
     Build it once and call `sample` many times: with `compile=True` the decode step is
-    `torch.compile`d once, here, with static shapes (the KV cache is then a static one), and
-    reused while shapes stay the same (new P, G or lengths recompile).
+    `torch.compile`d once, here, with static shapes (the KV cache is then a static one, its
+    length rounded up to a multiple of SLOT_MULTIPLE), and reused while shapes stay the same
+    (a new row count or cache length recompiles).
 
     Args:
         model: a `Decoder` (or anything with its forward signature, `config` and `lm_head`).
@@ -154,6 +184,8 @@ class Sampler:
             "aot_eager"} in tests) over the defaults dynamic=False, fullgraph=True.
         sync_every: check "all rows done?" on the host every this many steps (the only host
             sync of the loop); at most sync_every - 1 steps run after the last row stops.
+        fallback: if compiling fails (no working compiler, an unsupported op), warn once and
+            decode eagerly instead of raising (`rollout.compile: auto` uses it).
     """
 
     def __init__(
@@ -163,17 +195,35 @@ class Sampler:
         compile: bool = False,
         compile_options: dict | None = None,
         sync_every: int = 4,
+        fallback: bool = False,
     ):
         if sync_every < 1:
             raise GrpoError(f"sync_every must be >= 1, got {sync_every}")
         self.model = model
         self.compile = compile
         self.sync_every = sync_every
+        self.fallback = fallback
+        self.slot_multiple = SLOT_MULTIPLE if compile else 1
         if compile:
             options = {"dynamic": False, "fullgraph": True, **(compile_options or {})}
-            self._decode = torch.compile(self._decode_step, **options)
+            self._compiled = torch.compile(self._decode_step, **options)
+            self._decode = self._decode_compiled
         else:
             self._decode = self._decode_step
+
+    def _decode_compiled(self, tokens, position_ids, attention_mask, cache):
+        """The compiled step; with `fallback`, a failure to compile switches to eager for good
+        (the static cache works eagerly too)."""
+        if not self.fallback:
+            return self._compiled(tokens, position_ids, attention_mask, cache)
+        try:
+            return self._compiled(tokens, position_ids, attention_mask, cache)
+        except Exception as e:  # inductor raises many types; any of them means "cannot compile"
+            log.warning("compiling the decode step failed (%s: %s); decoding eagerly "
+                        "(set rollout.compile: off to skip the attempt)", type(e).__name__,
+                        str(e).splitlines()[0] if str(e) else "")  # fmt: skip
+            self._decode = self._decode_step
+            return self._decode_step(tokens, position_ids, attention_mask, cache)
 
     def _decode_step(
         self,
@@ -209,7 +259,8 @@ class Sampler:
         _check_settings(cfg, prompts, group_size, max_new_tokens, temperature, top_k, top_p, min_p)
         dev = model.device
         G = group_size
-        prompt_ids, prompt_lens, kv_mask = _left_pad(prompts, pad_id, max_new_tokens, cfg, dev)
+        prompt_ids, prompt_lens, kv_mask = _left_pad(prompts, pad_id, max_new_tokens, cfg, dev,
+                                                     self.slot_multiple)  # fmt: skip
         T_p = prompt_ids.shape[1]
         # Completion slots are open from the start: a query never sees a later slot (the causal
         # mask hides it), so no per-step mask update is needed.
@@ -377,9 +428,11 @@ def sample(
     )
 
 
-def _left_pad(prompts: list[list[int]], pad_id: int, new_slots: int, cfg, dev):
+def _left_pad(prompts: list[list[int]], pad_id: int, new_slots: int, cfg, dev,
+              slot_multiple: int = 1):  # fmt: skip
     """The P prompts left-padded: ids (P, T_p), lengths (P,), and the attention mask over every
-    cache slot (P, T_p + new_slots), True on real prompt tokens only."""
+    cache slot (P, S), True on real prompt tokens only; S = T_p + new_slots rounded up to a
+    multiple of `slot_multiple` (a compiled decode step sees few distinct cache lengths)."""
     if not 0 <= pad_id < cfg.vocab_size:
         raise GrpoError(f"pad_id must be in [0, {cfg.vocab_size}), got {pad_id}")
     P, T_p = len(prompts), max(len(p) for p in prompts)
@@ -387,7 +440,8 @@ def _left_pad(prompts: list[list[int]], pad_id: int, new_slots: int, cfg, dev):
     for i, p in enumerate(prompts):
         prompt_ids[i, T_p - len(p) :] = torch.tensor(p, dtype=torch.long)
     prompt_lens = torch.tensor([len(p) for p in prompts], device=dev)  # (P,)
-    kv_mask = torch.zeros(P, T_p + new_slots, dtype=torch.bool, device=dev)
+    S = -(-(T_p + new_slots) // slot_multiple) * slot_multiple  # slots past the last one
+    kv_mask = torch.zeros(P, S, dtype=torch.bool, device=dev)  # written stay hidden (causal)
     kv_mask[:, :T_p] = torch.arange(T_p, device=dev) >= (T_p - prompt_lens)[:, None]
     return prompt_ids.to(dev), prompt_lens, kv_mask
 

@@ -148,3 +148,30 @@ def cat_rollouts(pieces: list[Rollout], pad_id: int) -> Rollout:
 def micro_batches(B: int, size: int):
     for start in range(0, B, size):
         yield slice(start, min(B, start + size))
+
+
+def column_bounds(attention_mask: torch.Tensor, slices: list[slice], prompt_width: int):
+    """For each micro-batch, the column range [lo, hi) that holds all of its rows' real tokens:
+    a training forward over ids[:, lo:hi] gives the same log-probs as over all columns (the
+    columns left of lo are padding in every row, so rotary positions do not move; the ones at
+    and right of hi are later than every scored token, which causal attention never sees).
+    Micro-batches of short prompts and completions then cost only their own length.
+
+    Args:
+        attention_mask: (B, T_p + T_c) bool, True = real token.
+        slices: the micro-batches (row slices).
+        prompt_width: T_p.
+
+    Returns:
+        [(lo, hi)] per slice, lo <= T_p - 1 (the prompt's last column predicts the first
+        completion token) and hi >= T_p + 1; one host sync for all of them.
+    """
+    T = attention_mask.shape[1]
+    cols = torch.arange(T, device=attention_mask.device)
+    ends = []
+    for sl in slices:
+        real = attention_mask[sl].any(dim=0)  # (T,)
+        ends += [torch.where(real, cols, T).min(), torch.where(real, cols, -1).max()]
+    flat = torch.stack(ends).tolist() if ends else []
+    return [(min(flat[2 * i], prompt_width - 1), max(flat[2 * i + 1] + 1, prompt_width + 1))
+            for i in range(len(slices))]  # fmt: skip

@@ -41,9 +41,11 @@ from grpo.lora import disabled_lora
 from grpo.rewards import build_rewards, compute_rewards
 from grpo.rollout import Sampler
 from grpo.rollout.multiturn import env_metrics, sample_with_env, turn_end_ids
+from grpo.rollout.sampler import resolve_compile
 from grpo.train.batch import (
     Batch,
     cat_rollouts,
+    column_bounds,
     derive_seed,
     micro_batches,
     next_prompts,
@@ -211,23 +213,39 @@ def global_advantages(cfg: Config, token_rewards, mask, dist=SINGLE, turn_ids=No
     return adv[dist.rank * B : (dist.rank + 1) * B, :T]  # (B, T_c)
 
 
-def _logprobs(cfg: Config, scorer, batch: Batch, sl: slice, entropy: bool = False,
-              entropy_grad: bool = False):  # fmt: skip
-    """(micro-batch) completion log-probs through `scorer` (a CompletionLogprobs, maybe DDP)."""
+def _logprobs(cfg: Config, scorer, batch: Batch, sl: slice, cols: tuple[int, int],
+              entropy: bool = False, entropy_grad: bool = False):  # fmt: skip
+    """(micro-batch) completion log-probs (mb, T_c) through `scorer` (a CompletionLogprobs, maybe
+    DDP), computed over the columns [lo, hi) = `cols` that hold its real tokens
+    (`column_bounds`), zero-padded back to T_c."""
     r = batch.rollout
+    lo, hi = cols
+    T_p, T_c = r.prompt_width, r.ids.shape[1] - r.prompt_width
     device = r.ids.device
     with torch.autocast(device.type, torch.bfloat16, enabled=cfg.model.autocast_bf16):
-        return scorer(
-            r.ids[sl],
-            r.attention_mask()[sl],
-            r.prompt_width,
-            batch.loss_mask[sl],
+        out = scorer(
+            r.ids[sl, lo:hi],
+            r.attention_mask()[sl, lo:hi],
+            T_p - lo,
+            batch.loss_mask[sl, : hi - T_p],
             cfg.rollout.temperature or 1.0,  # greedy rollouts are scored at T = 1
             return_entropy=entropy,
             entropy_grad=entropy_grad,
             has_holes=r.loss_mask is not None,
             group_size=cfg.shared_prefix_groups,
         )
+    pad = (0, T_c - (hi - T_p))  # the trimmed columns hold no scored token: 0 there
+    if entropy:
+        return tuple(torch.nn.functional.pad(t, pad) for t in out)
+    return torch.nn.functional.pad(out, pad)
+
+
+def _micro_batches(cfg: Config, batch: Batch):
+    """The micro-batch slices of the batch and each one's column range (`column_bounds`)."""
+    mb = cfg.train.micro_batch_size or cfg.train.batch_size
+    r = batch.rollout
+    slices = list(micro_batches(r.ids.shape[0], mb))
+    return list(zip(slices, column_bounds(r.attention_mask(), slices, r.prompt_width)))
 
 
 def kl_measured(cfg: Config, step: int | None) -> bool:
@@ -245,15 +263,14 @@ def reference_phase(cfg: Config, policy, batch: Batch, step: int | None = None) 
     the steps that need them (`kl_measured`)."""
     if not kl_measured(cfg, step):
         return
-    mb = cfg.train.micro_batch_size or cfg.train.batch_size
-    B = batch.rollout.ids.shape[0]
+    parts = _micro_batches(cfg, batch)
     if policy.ref_model is not None:
         ref = CompletionLogprobs(policy.ref_model)
-        parts = [_logprobs(cfg, ref, batch, sl) for sl in micro_batches(B, mb)]
+        parts = [_logprobs(cfg, ref, batch, sl, cols) for sl, cols in parts]
     else:
         with disabled_lora(policy.model):
             ref = CompletionLogprobs(policy.model)
-            parts = [_logprobs(cfg, ref, batch, sl) for sl in micro_batches(B, mb)]
+            parts = [_logprobs(cfg, ref, batch, sl, cols) for sl, cols in parts]
     batch.ref_logprobs = torch.cat(parts)
 
 
@@ -263,11 +280,9 @@ def old_logprobs_phase(cfg: Config, policy, batch: Batch) -> None:
     so the loss can weight by min(pi_old_trainer / pi_sampler, cap) (truncated IS)."""
     if cfg.loss.tis_cap is None:
         return
-    mb = cfg.train.micro_batch_size or cfg.train.batch_size
-    B = batch.rollout.ids.shape[0]
     scorer = CompletionLogprobs(policy.model)
-    batch.old_logprobs = torch.cat([_logprobs(cfg, scorer, batch, sl)
-                                    for sl in micro_batches(B, mb)])  # fmt: skip
+    batch.old_logprobs = torch.cat([_logprobs(cfg, scorer, batch, sl, cols)
+                                    for sl, cols in _micro_batches(cfg, batch)])  # fmt: skip
 
 
 class StatSums:
@@ -318,11 +333,9 @@ def update_phase(
     model = policy.model
     scorer = scorer if scorer is not None else CompletionLogprobs(model)
     model.train()
-    B = batch.rollout.ids.shape[0]
-    mb = cfg.train.micro_batch_size or cfg.train.batch_size
     norm = loss_normalizer(batch.loss_mask, cfg.loss.aggregation, cfg.rollout.max_new_tokens)
     norm = all_reduce_sum(norm, dist, batch.rollout.ids.device)
-    slices = list(micro_batches(B, mb))
+    slices = _micro_batches(cfg, batch)
     sampler_logprobs = batch.rollout.logprobs
     old = batch.old_logprobs if batch.old_logprobs is not None else sampler_logprobs
     sums = StatSums()
@@ -330,12 +343,11 @@ def update_phase(
     for _ in range(cfg.loss.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
-        for i, sl in enumerate(slices):
+        for i, (sl, cols) in enumerate(slices):
             ref = batch.ref_logprobs[sl] if batch.ref_logprobs is not None else None
             with no_sync(scorer, skip=i < len(slices) - 1):
-                logprobs, entropy = _logprobs(
-                    cfg, scorer, batch, sl, entropy=True, entropy_grad=cfg.loss.entropy_coef > 0
-                )
+                logprobs, entropy = _logprobs(cfg, scorer, batch, sl, cols, entropy=True,
+                                              entropy_grad=cfg.loss.entropy_coef > 0)  # fmt: skip
                 try:
                     loss, st = policy_loss(
                         logprobs,
@@ -458,7 +470,8 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
     run = start_run(cfg, policy, dist, cfg.train.max_steps * cfg.loss.num_iterations, ckpt, resume)
     state, optimizer, scheduler, params = run.state, run.optimizer, run.scheduler, run.params
     policy.model.eval()
-    sampler = Sampler(policy.model, compile=cfg.rollout.compile)
+    sampler = Sampler(policy.model, compile=resolve_compile(cfg.rollout.compile, device),
+                      fallback=cfg.rollout.compile == "auto")  # fmt: skip
     scorer = wrap_ddp(CompletionLogprobs(policy.model), dist, device)
     G = cfg.rollout.group_size
     bad_steps = 0  # consecutive updates skipped as non-finite
