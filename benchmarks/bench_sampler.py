@@ -2,16 +2,23 @@
 
     python -m benchmarks.bench_sampler --compile tiny        # the recorded run (docs/sampler.md)
     python -m benchmarks.bench_sampler --cases tiny --rounds 3 --out-dir /tmp/bench   # quick
+    python -m benchmarks.bench_sampler --cases qwen3-0.6b --device cuda --batches 4x8,16x8 \
+        --hf-caches dynamic --warmup 1 --rounds 5 --name sampler_gpu_eager   # gpu_check.sh
 
 Both sides sample P=4 prompts x G=8 completions of a 128-token prompt, 64 new tokens each,
-temperature 1 with no top-k / top-p, float32, from the same random-weight checkpoint (built with
+temperature 1 with no top-k / top-p, float32 on the CPU (`--device`, `--dtype`, and `--batches
+PxG,...` for several batch sizes in one run), from the same random-weight checkpoint (built with
 `transformers` into a temp dir; ours loads it through `grpo.models.load_model`). The stop id is
 the vocab size, which no row can sample, so every row produces exactly 64 tokens on both sides.
 `generate` runs with do_sample=True, num_return_sequences=G (it expands the prompts before its
 prefill; we prefill each prompt once and copy its KV rows G times), with a dynamic and/or a
 static cache (`impl` says which).
 
-Before timing, greedy decoding of both is checked to give the same tokens (column `greedy_ok`).
+Before timing, greedy decoding of each of our samplers and of `generate` (dynamic cache) is
+checked to give the same tokens on the timed batch's B rows (`greedy_match`: the mean over rows
+of the fraction of `--check-tokens` steps before the first differing token; `greedy_ok`: all
+equal). On CUDA, `generate` with a static cache compiles its forward itself (transformers'
+auto-compile), so there `hf generate (static cache)` is transformers' compiled path.
 Each call is timed on its own with `benchmarks.harness.measure`, the implementations
 interleaved round by round so that a busy machine slows them alike. Columns:
 
@@ -23,6 +30,9 @@ interleaved round by round so that a busy machine slows them alike. Columns:
 - `cpu_ms`: process CPU time of the 64-token call (all threads).
 - `x_hf_dyn`, `x_hf_static`: our tok_per_s over generate's with that cache; `x_cpu` the
   CPU-time ratio against the dynamic cache (stable when other jobs share the cores).
+
+Results are written after each batch size, so a run stopped by a timeout keeps the batches
+that finished.
 
 Threads: the tiny case runs on one thread (at its shapes an op takes microseconds and OpenMP
 fork/join on more threads costs more than it saves), the 0.6B shape on all of torch's threads.
@@ -74,37 +84,55 @@ CASES = {
     ),
 }
 COLUMNS = [
-    "case", "impl", "threads", "tok_per_s", "ms_per_step", "prefill_ms", "total_ms", "p20_ms",
-    "p80_ms", "peak_mib", "cpu_ms", "x_hf_dyn", "x_hf_static", "x_cpu", "target", "greedy_ok",
+    "case", "batch", "impl", "threads", "tok_per_s", "ms_per_step", "prefill_ms", "total_ms",
+    "p20_ms", "p80_ms", "peak_mib", "cpu_ms", "x_hf_dyn", "x_hf_static", "x_cpu", "target",
+    "greedy_match", "greedy_ok",
 ]  # fmt: skip
 HF_DYNAMIC, HF_STATIC = "hf generate (dynamic cache)", "hf generate (static cache)"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_models(case: str, out_dir: str):
-    """A random-init Qwen3 checkpoint of `case` saved to `out_dir`; (hf_model, our_model)."""
+def build_models(
+    case: str, out_dir: str, device: str = "cpu", dtype: torch.dtype = torch.float32, **config
+):
+    """A random-init Qwen3 checkpoint of `case` saved to `out_dir` (float32, then cast);
+    (hf_model, our_model) on `device` in `dtype`.
+
+    Args:
+        case: a key of CASES (the architecture).
+        out_dir: where the checkpoint is written (ours loads it from there).
+        device, dtype: where and in what both models run.
+        **config: Qwen3Config overrides (e.g. initializer_range).
+    """
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from grpo.models import load_model
 
     cfg = Qwen3Config(
-        **CASES[case]["config"],
-        max_position_embeddings=40960,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        eos_token_id=1,
-        pad_token_id=0,
+        **{
+            **CASES[case]["config"],
+            "max_position_embeddings": 40960,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+            "eos_token_id": 1,
+            "pad_token_id": 0,
+            **config,
+        }
     )
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     hf.save_pretrained(out_dir)
-    return hf, load_model(out_dir)
+    hf = hf.to(device=device, dtype=dtype)
+    return hf, load_model(out_dir, dtype=dtype, device=device)
 
 
 def hf_generate(hf, input_ids, *, group_size, max_new_tokens, cache, eos, do_sample=True):
     """`generate` on (P, T_p) unpadded prompts -> (P*G, T_p + max_new_tokens) ids."""
     kwargs = dict(cache_implementation="static") if cache == "static" else {}
     sampling = dict(temperature=1.0, top_k=0, top_p=1.0) if do_sample else {}
+    if not do_sample and group_size > 1:  # greedy generate takes one sequence per input row
+        input_ids, group_size = input_ids.repeat_interleave(group_size, dim=0), 1
     return hf.generate(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),
@@ -118,18 +146,26 @@ def hf_generate(hf, input_ids, *, group_size, max_new_tokens, cache, eos, do_sam
     )
 
 
-def greedy_ok(hf, sampler, input_ids, tokens: int) -> bool:
-    """Same greedy tokens from both for `tokens` steps (the correctness check before timing)."""
+def prefix_agreement(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean over rows of the fraction of steps before the first differing token: 1.0 when the
+    (B, N) token arrays are equal, lower the earlier rows diverge."""
+    same = (a == b).int().cumprod(dim=1)  # (B, N): 1 until the first difference
+    return float(same.sum()) / same.numel()
+
+
+def greedy_agreement(hf, sampler, input_ids, group_size: int, tokens: int) -> float:
+    """`prefix_agreement` of our greedy tokens and `generate`'s (dynamic cache) on the same
+    B = P*G rows as the timed calls (so a compiled sampler checks the graph it is timed with)."""
     never = hf.config.vocab_size
     ours = sampler.sample(
-        input_ids.tolist(), group_size=1, max_new_tokens=tokens, temperature=0,
+        input_ids.tolist(), group_size=group_size, max_new_tokens=tokens, temperature=0,
         stop_ids=[never], seed=0,
     )  # fmt: skip
     theirs = hf_generate(
-        hf, input_ids, group_size=1, max_new_tokens=tokens, cache="dynamic", eos=never,
+        hf, input_ids, group_size=group_size, max_new_tokens=tokens, cache="dynamic", eos=never,
         do_sample=False,
     )  # fmt: skip
-    return torch.equal(ours.completion_ids, theirs[:, input_ids.shape[1] :])
+    return prefix_agreement(ours.completion_ids, theirs[:, input_ids.shape[1] :])
 
 
 def with_cpu_time(fn, out: list):
@@ -144,61 +180,73 @@ def with_cpu_time(fn, out: list):
     return timed
 
 
-def run_case(case: str, args, default_threads: int) -> list[dict]:
-    """Build the checkpoint, check greedy parity, time every implementation; one row each."""
+def run_case(case: str, args, default_threads: int):
+    """Build the checkpoint once; for each batch size check greedy parity and time every
+    implementation. Yields each batch's rows (one per implementation) as soon as it is done."""
     from grpo.rollout import Sampler
 
     spec = CASES[case]
     threads = args.threads or spec["threads"] or default_threads
     torch.set_num_threads(threads)
-    P, G, T_p, N = args.prompts, args.group_size, args.prompt_len, args.new_tokens
-    B = P * G
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    T_p, N = args.prompt_len, args.new_tokens
     with tempfile.TemporaryDirectory() as tmp:
-        hf, ours = build_models(case, tmp)
+        hf, ours = build_models(case, tmp, device=args.device, dtype=dtype)
     never = ours.config.vocab_size  # an id no row can sample: both sides run all N steps
-    gen = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(2, never, (P, T_p), generator=gen)  # (P, T_p)
-    prompts = input_ids.tolist()
-
-    samplers = {"ours": Sampler(ours)}
+    samplers = {} if args.no_eager else {"ours": Sampler(ours)}
     if case in args.compile:
         samplers["ours+compile"] = Sampler(ours, compile=True)
-    check = greedy_ok(hf, samplers["ours"], input_ids, args.check_tokens)
-
-    def ours_fn(sampler, n):
-        def fn():
-            r = sampler.sample(
-                prompts, group_size=G, max_new_tokens=n, temperature=1.0, stop_ids=[never], seed=0
-            )
-            assert r.completion_ids.shape == (B, n)
-            return r
-
-        return fn
-
-    def hf_fn(cache, n):
-        def fn():
-            out = hf_generate(hf, input_ids, group_size=G, max_new_tokens=n, cache=cache, eos=never)
-            assert out.shape == (B, T_p + n)
-            return out
-
-        return fn
-
-    fns = {name: (ours_fn(s, N), ours_fn(s, 1)) for name, s in samplers.items()}
-    for cache in (args.hf_caches or spec["hf_caches"]).split(","):
-        fns[f"hf generate ({cache} cache)"] = (hf_fn(cache, N), hf_fn(cache, 1))
     warmup = spec["warmup"] if args.warmup is None else args.warmup
     rounds = args.rounds or spec["rounds"]
-    for full, first in fns.values():  # warm-up (and compile) outside the timed rounds
-        for _ in range(warmup):
-            full(), first()
-    runs = {name: {"full": [], "first": [], "peak": [], "cpu": []} for name in fns}
-    for _ in range(rounds):
-        for name, (full, first) in fns.items():
-            t_full = measure(with_cpu_time(full, runs[name]["cpu"]), warmup=0, repeats=1)
-            runs[name]["full"].append(t_full.median_ms)
-            runs[name]["peak"].append(t_full.peak_mem_mib)
-            runs[name]["first"].append(measure(first, warmup=0, repeats=1).median_ms)
+    for P, G in args.batches:
+        B = P * G
+        gen = torch.Generator().manual_seed(0)
+        input_ids = torch.randint(2, never, (P, T_p), generator=gen).to(device)  # (P, T_p)
+        prompts = input_ids.tolist()
+        checks = {
+            name: greedy_agreement(hf, s, input_ids, G, args.check_tokens)
+            for name, s in samplers.items()
+        }
 
+        def ours_fn(sampler, n, G=G, B=B, prompts=prompts):
+            def fn():
+                r = sampler.sample(prompts, group_size=G, max_new_tokens=n, temperature=1.0,
+                                   stop_ids=[never], seed=0)  # fmt: skip
+                assert r.completion_ids.shape == (B, n)
+                return r
+
+            return fn
+
+        def hf_fn(cache, n, G=G, B=B, input_ids=input_ids):
+            def fn():
+                out = hf_generate(hf, input_ids, group_size=G, max_new_tokens=n, cache=cache,
+                                  eos=never)  # fmt: skip
+                assert out.shape == (B, T_p + n)
+                return out
+
+            return fn
+
+        fns = {name: (ours_fn(s, N), ours_fn(s, 1)) for name, s in samplers.items()}
+        for cache in (args.hf_caches or spec["hf_caches"]).split(","):
+            if cache:
+                fns[f"hf generate ({cache} cache)"] = (hf_fn(cache, N), hf_fn(cache, 1))
+        for full, first in fns.values():  # warm-up (and compile) outside the timed rounds
+            for _ in range(warmup):
+                full(), first()
+        runs = {name: {"full": [], "first": [], "peak": [], "cpu": []} for name in fns}
+        for _ in range(rounds):
+            for name, (full, first) in fns.items():
+                t_full = measure(with_cpu_time(full, runs[name]["cpu"]), warmup=0, repeats=1,
+                                 device=device)  # fmt: skip
+                runs[name]["full"].append(t_full.median_ms)
+                runs[name]["peak"].append(t_full.peak_mem_mib)
+                t_first = measure(first, warmup=0, repeats=1, device=device)
+                runs[name]["first"].append(t_first.median_ms)
+        yield batch_rows(case, f"{P}x{G}", B, N, threads, spec, runs, checks, rounds, warmup)
+
+
+def batch_rows(case, batch, B, N, threads, spec, runs, checks, rounds, warmup) -> list[dict]:
+    """One row per implementation of one batch size, with the ratios against `generate`."""
     rows = []
     for name, run in runs.items():
         total, prefill = statistics.median(run["full"]), statistics.median(run["first"])
@@ -206,6 +254,7 @@ def run_case(case: str, args, default_threads: int) -> list[dict]:
         rows.append(
             {
                 "case": case,
+                "batch": batch,
                 "impl": name,
                 "threads": threads,
                 "tok_per_s": B * N / (total / 1e3),
@@ -216,7 +265,8 @@ def run_case(case: str, args, default_threads: int) -> list[dict]:
                 "p80_ms": q[3] if q else total,
                 "peak_mib": max(run["peak"]),
                 "cpu_ms": statistics.median(run["cpu"]),
-                "greedy_ok": check if name.startswith("ours") else None,
+                "greedy_match": checks.get(name),
+                "greedy_ok": checks[name] == 1.0 if name in checks else None,
                 "rounds": rounds,
                 "warmup": warmup,
                 "runs_ms": run,
@@ -235,15 +285,39 @@ def run_case(case: str, args, default_threads: int) -> list[dict]:
     return rows
 
 
+def parse_batches(text: str) -> list[tuple[int, int]]:
+    """Parse `--batches`: "4x8,16x8" -> [(4, 8), (16, 8)] (P x G); raises ValueError."""
+    out = []
+    for item in text.split(","):
+        p, _, g = item.partition("x")
+        P, G = int(p), int(g)
+        if P < 1 or G < 1:
+            raise ValueError(item)
+        out.append((P, G))
+    return out
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default="tiny,qwen3-0.6b", help=f"of {list(CASES)}")
     parser.add_argument("--prompts", type=int, default=4, help="P")
     parser.add_argument("--group-size", type=int, default=8, help="G")
+    parser.add_argument("--batches", default="",
+                        help="PxG,PxG,... batch sizes in one run (default: --prompts x "
+                             "--group-size)")  # fmt: skip
     parser.add_argument("--prompt-len", type=int, default=128, help="T_p")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--hf-caches", default="", help="dynamic,static (default: per case)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    parser.add_argument(
+        "--hf-caches", default="", help="dynamic,static (default: per case; 'none' for no generate)"
+    )
     parser.add_argument("--compile", default="", help="cases that also time compile=True")
+    parser.add_argument(
+        "--no-eager",
+        action="store_true",
+        help="leave out our eager sampler (time only --compile's)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: per case)")
     parser.add_argument("--warmup", type=int, default=None, help="default: per case")
     parser.add_argument("--rounds", type=int, default=None, help="default: per case")
@@ -256,22 +330,39 @@ def main(argv: list[str]) -> None:
         if case not in CASES:
             parser.error(f"unknown case {case!r}; valid: {list(CASES)}")
     args.compile = [c for c in args.compile.split(",") if c]
+    try:
+        args.batches = (parse_batches(args.batches) if args.batches
+                        else [(args.prompts, args.group_size)])  # fmt: skip
+    except ValueError as e:
+        parser.error(f"--batches: expected PxG,... with positive integers, got {e}")
+    if args.hf_caches == "none":
+        args.hf_caches = ","
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be >= 2 (ms_per_step subtracts the 1-token call)")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False here")
 
     import transformers
 
     transformers.logging.set_verbosity_error()
     default_threads = torch.get_num_threads()
-    rows = [row for case in cases for row in run_case(case, args, default_threads)]
+    batches = ",".join(f"{p}x{g}" for p, g in args.batches)
     meta = {
         "command": " ".join(["python -m benchmarks.bench_sampler", *argv]),
-        "setup": f"P={args.prompts} x G={args.group_size}, prompt {args.prompt_len} tokens, "
-        f"{args.new_tokens} new tokens, float32, temperature 1, no top-k/top-p; "
+        "setup": f"P x G = {batches}, prompt {args.prompt_len} tokens, {args.new_tokens} new "
+        f"tokens, {args.dtype} on {args.device}, temperature 1, no top-k/top-p; "
         "implementations interleaved round by round (rounds/warmup per row in the JSON)",
         "ms_per_step": "(t(N tokens) - t(1 token)) / (N - 1): prefill excluded",
         "x_hf_dyn / x_hf_static": "our tok_per_s over generate's with a dynamic / static cache",
         "x_cpu": "hf generate (dynamic cache) cpu_ms / our cpu_ms",
+        "greedy_match": f"greedy tokens vs generate over {args.check_tokens} steps on the "
+        "timed B rows: mean fraction of steps before the first difference (1 = identical)",
     }
-    write_results(args.name, rows, COLUMNS, out_dir=args.out_dir, meta=meta)
+    rows: list[dict] = []
+    for case in cases:
+        for batch in run_case(case, args, default_threads):
+            rows.extend(batch)  # written after every batch: a timeout keeps what finished
+            write_results(args.name, rows, COLUMNS, out_dir=args.out_dir, meta=meta)
 
 
 if __name__ == "__main__":

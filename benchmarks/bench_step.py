@@ -2,9 +2,13 @@
 
     python -m benchmarks.bench_step                 # tiny models on CPU
     python -m benchmarks.bench_step --sizes demo --repeats 5
+    python -m benchmarks.bench_step --sizes qwen3-0.6b --device cuda --out-dir DIR  # gpu_check.sh
 
 Each phase of `grpo.train.grpo` is timed on its own with the shared harness, for LoRA and
-full fine-tuning, on tiny random-init Qwen3 models written by `grpo.tiny.make_tiny_model`.
+full fine-tuning, on tiny random-init Qwen3 models written by `grpo.tiny.make_tiny_model`, or
+(`qwen3-0.6b`) a random-init model of Qwen3-0.6B's shape with the same tokenizer
+(`benchmarks.bench_trl.make_checkpoint`). Results are written after each case, so a run stopped
+by a timeout keeps the cases that finished.
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_trl import make_checkpoint
 from benchmarks.harness import measure, write_results
 from grpo.config import load_config
 from grpo.rewards import build_rewards
 from grpo.rollout import Sampler
 from grpo.rollout.sampler import resolve_compile
-from grpo.tiny import make_tiny_model
+from grpo.tiny import SIZES, make_tiny_model
 from grpo.train.common import build_policy, load_rows
 from grpo.train.grpo import advantage_phase, reference_phase, rollout_phase, update_phase
 from grpo.train.optim import build_optimizer, build_scheduler
@@ -43,6 +48,7 @@ def build_case(model_dir: Path, lora: bool, args, shared: str = "off") -> dict:
             "loss.beta=0.04",
             "data.max_samples=256",
             f"train.shared_prefix={shared}",
+            f"rollout.compile={getattr(args, 'rollout_compile', 'auto')}",
         ],
     )
     device = torch.device(args.device)
@@ -52,8 +58,9 @@ def build_case(model_dir: Path, lora: bool, args, shared: str = "off") -> dict:
     params = policy.trainable_parameters()
     opt = build_optimizer(params, cfg.optim)
     sched = build_scheduler(opt, 1000, cfg.optim)
-    sampler = Sampler(policy.model, compile=resolve_compile(cfg.rollout.compile, device),
-                      fallback=True)  # what `grpo train` builds (rollout.compile: auto)
+    sampler = Sampler(
+        policy.model, compile=resolve_compile(cfg.rollout.compile, device), fallback=True
+    )  # what `grpo train` builds (rollout.compile: auto)
     state = TrainState()
     step = [0]
 
@@ -102,7 +109,8 @@ def bench_case(model_dir: Path, size: str, lora: bool, args, shared: str = "off"
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="ci,demo", help="comma list of grpo.tiny.SIZES keys")
+    p.add_argument("--sizes", default="ci,demo",
+                   help="comma list of grpo.tiny.SIZES keys or qwen3-0.6b")  # fmt: skip
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -110,24 +118,21 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--name", default=None, help="results file stem")
+    p.add_argument("--out-dir", default=None, help="results folder (default benchmarks/results)")
+    p.add_argument(
+        "--rollout-compile",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="rollout.compile (auto: compiled decode step where inductor works)",
+    )
     p.add_argument("--shared-prefix", default="off",
                    help="train.shared_prefix settings side by side (e.g. off,on); "
                         "ref_update_speedup = off's (ref + update) / this one's")  # fmt: skip
     args = p.parse_args(argv)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for size in args.sizes.split(","):
-            model_dir = make_tiny_model(Path(tmp) / size, size=size)
-            for lora in (True, False):
-                for shared in args.shared_prefix.split(","):
-                    rows.append(bench_case(model_dir, size, lora, args, shared))
-    for row in rows:  # the shared prefix's saving on the training-side passes
-        off = [r for r in rows if (r["size"], r["mode"], r["shared_prefix"]) ==
-               (row["size"], row["mode"], "off")]  # fmt: skip
-        ref_upd = row["ref_logprob_ms"] + row["update_ms"]
-        row["ref_update_speedup"] = (
-            round((off[0]["ref_logprob_ms"] + off[0]["update_ms"]) / ref_upd, 2) if off else None
-        )
+    sizes = args.sizes.split(",")
+    for size in sizes:
+        if size not in SIZES and size != "qwen3-0.6b":
+            p.error(f"--sizes: unknown {size!r}; valid: {[*SIZES, 'qwen3-0.6b']}")
     cols = ["size", "mode", "shared_prefix", "trainable_params", "rollout_ms", "ref_logprob_ms",
             "update_ms", "step_ms", "ref_update_speedup", "rollout_frac", "tokens_per_s",
             "peak_mem_mib", "spread_ms"]  # fmt: skip
@@ -137,8 +142,33 @@ def main(argv=None) -> None:
         "shape": f"P={args.prompts} G={args.group_size} T_c<={args.max_new_tokens} "
         f"micro={args.micro_batch_size}, beta=0.04 (reference forward included)",
         "note": "rollouts stop at eos, so completion lengths vary with the random weights",
+        "rollout.compile": args.rollout_compile,
     }
-    write_results(args.name or f"step_{args.device}", rows, cols, meta=meta)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in sizes:
+            if size == "qwen3-0.6b":
+                model_dir = make_checkpoint(Path(tmp), size)
+            else:
+                model_dir = make_tiny_model(Path(tmp) / size, size=size)
+            for lora in (True, False):
+                for shared in args.shared_prefix.split(","):
+                    rows.append(bench_case(model_dir, size, lora, args, shared))
+                    add_speedups(rows)  # written after every case: a timeout keeps the rest
+                    write_results(args.name or f"step_{args.device}", rows, cols,
+                                  out_dir=args.out_dir, meta=meta)  # fmt: skip
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """ref_update_speedup: the shared prefix's saving on the training-side passes, against the
+    same size and mode with shared_prefix off (None until that row exists)."""
+    for row in rows:
+        off = [r for r in rows if (r["size"], r["mode"], r["shared_prefix"]) ==
+               (row["size"], row["mode"], "off")]  # fmt: skip
+        ref_upd = row["ref_logprob_ms"] + row["update_ms"]
+        row["ref_update_speedup"] = (
+            round((off[0]["ref_logprob_ms"] + off[0]["update_ms"]) / ref_upd, 2) if off else None
+        )
 
 
 if __name__ == "__main__":

@@ -106,8 +106,9 @@ def ours_case(model_dir: Path, shape: str, lora: bool, shared: str, args) -> dic
     params = policy.trainable_parameters()
     opt = build_optimizer(params, cfg.optim)
     sched = build_scheduler(opt, 1000, cfg.optim)
-    sampler = Sampler(policy.model, compile=resolve_compile(cfg.rollout.compile, "cpu"),
-                      fallback=True)  # what `grpo train` builds (rollout.compile: auto)
+    sampler = Sampler(
+        policy.model, compile=resolve_compile(cfg.rollout.compile, "cpu"), fallback=True
+    )  # what `grpo train` builds (rollout.compile: auto)
     state = TrainState()
     step, tokens, lengths, prompt_tokens = [0], [], [], []
 

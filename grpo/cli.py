@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from grpo.errors import GrpoError
@@ -28,7 +29,8 @@ def cmd_train(args) -> int:
     from grpo.config import load_config
     from grpo.train.grpo import train_grpo
 
-    summary = train_grpo(load_config(args.config, args.overrides), resume=args.resume)
+    cfg = load_config(args.config, args.overrides)
+    summary = train_grpo(cfg, resume=args.resume, overwrite=args.overwrite)
     print(f"done: {summary['step']} steps; weights in {summary['final']}")
     return 0
 
@@ -37,7 +39,8 @@ def cmd_sft(args) -> int:
     from grpo.config import load_config
     from grpo.train.sft import train_sft
 
-    summary = train_sft(load_config(args.config, args.overrides), resume=args.resume)
+    cfg = load_config(args.config, args.overrides)
+    summary = train_sft(cfg, resume=args.resume, overwrite=args.overwrite)
     print(f"done: {summary['step']} steps; weights in {summary['final']}")
     return 0
 
@@ -59,7 +62,9 @@ def cmd_plot(args) -> int:
 def cmd_merge(args) -> int:
     from grpo.lora import merge_command
 
-    out = merge_command(args.model, args.adapter, args.out, dtype=args.dtype)
+    out = merge_command(
+        args.model, args.adapter, args.out, dtype=args.dtype, overwrite=args.overwrite
+    )
     print(f"wrote merged checkpoint to {out}")
     return 0
 
@@ -71,6 +76,7 @@ def cmd_eval(args) -> int:
         model=args.model, adapter=args.adapter, data=args.data, max_samples=args.max_samples,
         k=args.k, out=args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
         details=args.details, compare=args.compare, env=args.env, max_turns=args.max_turns,
+        skip_memory_check=args.skip_memory_check,
     )  # fmt: skip
     return 0
 
@@ -83,6 +89,12 @@ def cmd_tiny_model(args) -> int:
     out = make_tiny_model(args.out, size=args.size, seed=args.seed)
     print(f"wrote a tiny random-init Qwen3 ({args.size}) and its tokenizer to {out}")
     return 0
+
+
+OVERWRITE_HELP = (
+    "start afresh in a train.output_dir that holds an earlier run (its checkpoints, final "
+    "weights, metrics and configs are removed once every input is checked)"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,11 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sft", help="supervised fine-tuning on worked solutions")
     _add_config_args(p)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(func=cmd_sft)
 
     p = sub.add_parser("train", help="GRPO training")
     _add_config_args(p)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="accuracy, pass@k, lengths, format, errors of a model")
@@ -142,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env", default=None,
                    help="multi-turn episodes with this environment (e.g. calculator)")  # fmt: skip
     p.add_argument("--max-turns", type=int, default=4, help="model turns per episode (--env)")
+    p.add_argument("--skip-memory-check", action="store_true",
+                   help="skip the start-up memory estimate (docs/safety.md)")  # fmt: skip
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("merge", help="fold a LoRA adapter into its base: an HF checkpoint")
@@ -149,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", required=True, help="PEFT-format adapter directory")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: base)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the contents of a non-empty --out")  # fmt: skip
     p.set_defaults(func=cmd_merge)
 
     from grpo import pipeline, serve, sweep
@@ -177,8 +195,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     except GrpoError as e:
         message = " ".join(str(e).split())  # always one line
-        print(f"grpo {args.command}: error: {message}", file=sys.stderr)
-        return 2
+        if getattr(e, "rank", 0) == 0:  # under torchrun an interrupt is reported by rank 0
+            prefix = getattr(e, "cli_prefix", "error: ")
+            print(f"grpo {args.command}: {prefix}{message}", file=sys.stderr)
+        if type(e).__name__ == "CollectiveError":  # the process group is broken: exiting
+            sys.stderr.flush()  # normally could hang or abort in its threads' destructors
+            os._exit(getattr(e, "exit_code", 2))
+        return getattr(e, "exit_code", 2)  # 2; 128 + N when signal N stopped training
     except KeyboardInterrupt:
         print(f"grpo {args.command}: interrupted", file=sys.stderr)
         return 130

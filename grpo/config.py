@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Any, Literal
 import yaml
 
 from grpo.errors import GrpoError
+from grpo.io import read_text, write_text
 
 
 class ConfigError(GrpoError):
@@ -99,6 +101,22 @@ class RewardConfig:
     name: str = "accuracy"  # registered name or package.module:function
     weight: float = 1.0
     kwargs: dict = field(default_factory=dict)
+    # Most seconds one call may take; longer fails the step naming the function. The call then
+    # runs in a worker thread, abandoned (still running) on a timeout. null: no limit.
+    timeout_s: float | None = None
+
+    def __post_init__(self):
+        if self.timeout_s is not None:
+            ok = math.isfinite(self.timeout_s) and self.timeout_s > 0
+            _check(ok, "rewards[].timeout_s", f"must be > 0 (seconds) or null: {self.timeout_s}")
+
+    @property
+    def spec(self) -> dict:
+        """What `grpo.rewards.build_rewards` takes: name, weight, kwargs and timeout_s."""
+        spec = {"name": self.name, "weight": self.weight, **self.kwargs}
+        if self.timeout_s is not None:
+            spec["timeout_s"] = self.timeout_s
+        return spec
 
 
 def default_total_tokens(max_new_tokens: int, max_turns: int, max_obs_tokens: int) -> int:
@@ -181,6 +199,10 @@ class LossConfig:
     dual_clip: float | None = None  # c > 1: bound -A*rho at -c*A for A < 0
     entropy_coef: float = 0.0  # > 0: subtract entropy_coef * H_t from the loss (a bonus)
     tis_cap: float | None = None  # truncated IS: weight by min(pi_old_trainer / pi_sampler, cap)
+    # pi_old of the ratio: the sampler's log-probs (free), or a no-grad trainer forward before
+    # the update (verl's default; exact under bf16 autocast or sampler/trainer kernel mismatch).
+    # tis_cap implies recompute. docs/algorithm.md "On-policy numerics".
+    old_logprobs: Literal["sampler", "recompute"] = "sampler"
     log_ratio_clamp: float | None = 20.0  # |log ratio| and |ref - logp| bound (exp stays finite)
     kl_clamp: float | None = 10.0  # |KL_t| bound (verl's low_var_kl)
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = (
@@ -265,8 +287,17 @@ class OptimConfig:
     max_grad_norm: float | None = 1.0
 
     def __post_init__(self):
+        # finite first: inf passes `> 0` and would make every update non-finite
+        for name in ("lr", "weight_decay", "eps", "max_grad_norm", "betas"):
+            values = getattr(self, name)
+            for v in values if isinstance(values, tuple) else (values,):
+                ok = v is None or math.isfinite(v)
+                _check(ok, f"optim.{name}", f"must be a finite number, got {values}")
         _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
         _check(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        _check(self.eps > 0, "optim.eps", f"must be > 0, got {self.eps}")
+        ok = all(0 <= b < 1 for b in self.betas)
+        _check(ok, "optim.betas", f"must both be in [0, 1), got {list(self.betas)}")
         _check(0 <= self.warmup_ratio < 1, "optim.warmup_ratio", "must be in [0, 1)")
         _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
         if self.max_grad_norm is not None:
@@ -293,6 +324,9 @@ class TrainConfig:
     sample_every: int = 0  # print a sample completion every N steps (0 = never)
     keep_last: int = 2
     max_nonfinite_steps: int = 3  # stop after this many consecutive non-finite updates
+    # torchrun jobs: a collective that waits longer than this fails the job, each rank printing
+    # one line naming itself, the phase and the step (docs/distributed.md)
+    dist_timeout_s: float = 600.0
     progress: bool = True
     # GRPO: run each group's prompt once in the training passes (reference, old log-probs,
     # update) and repeat its keys/values to the group's rows: the full-row forward's numbers
@@ -321,6 +355,7 @@ class TrainConfig:
             _check(getattr(self, name) >= 0, f"train.{name}", "must be >= 0")
         _check(self.keep_last >= 1, "train.keep_last", "must be >= 1")
         _check(self.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", "must be >= 1")
+        _check(self.dist_timeout_s > 0, "train.dist_timeout_s", "must be > 0 (seconds)")
 
 
 @dataclass(frozen=True)
@@ -380,6 +415,12 @@ class Config:
         """The rules only GRPO has (SFT configs need not follow them); returns self."""
         G = self.rollout.group_size
         mb = self.train.micro_batch_size or self.train.batch_size
+        _check(
+            not (self.lora.enabled and self.lora.dropout > 0),
+            "lora.dropout",
+            f"must be 0 for GRPO (got {self.lora.dropout}): the sampler runs without dropout, so "
+            "the trainer's first-pass ratio to it would not be 1 (SFT may use dropout)",
+        )
         _check(
             self.train.shared_prefix != "on" or mb % G == 0,
             "train.shared_prefix",
@@ -467,6 +508,8 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
                 pass
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         _check(ok, name, f"expected a number, got {value!r}")
+        # .inf / .nan would pass or dodge the range checks and surface mid-run
+        _check(math.isfinite(value), name, f"must be a finite number, got {value!r}")
         return float(value)
     if tp is str:
         _check(isinstance(value, str), name, f"expected a string, got {value!r}")
@@ -563,7 +606,7 @@ def load_config(
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            loaded = yaml.safe_load(p.read_text()) or {}
+            loaded = yaml.safe_load(read_text(p, "a YAML config")) or {}
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -598,5 +641,5 @@ def save_config(cfg: Config, path: str | Path) -> Path:
     """Write the resolved config as YAML (beside a run's outputs)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    write_text(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     return path

@@ -28,6 +28,7 @@ from datasets import Dataset, DatasetDict
 from grpo.config import ConfigError
 from grpo.data import register_dataset
 from grpo.data.minimath import MAX_STEPS, Level, distinct_problems
+from grpo.io import read_text
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_CONFIG = CONFIGS / "demo_cpu.yaml"
@@ -103,7 +104,7 @@ def load_demo_config(
     p = Path(path) if path is not None else DEFAULT_CONFIG
     if not p.is_file():
         raise ConfigError(f"demo config {str(p)!r} does not exist")
-    data = yaml.safe_load(p.read_text()) or {}
+    data = yaml.safe_load(read_text(p, "a YAML demo config")) or {}
     unknown = sorted(set(data) - set(CONFIG_KEYS)) if isinstance(data, dict) else ["<top>"]
     if unknown:
         raise ConfigError(f"{p}: unknown key {unknown[0]!r}; valid keys: {', '.join(CONFIG_KEYS)}")

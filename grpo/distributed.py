@@ -4,6 +4,11 @@
 gloo on CPU, NCCL on CUDA with one device per local rank, and a process-group timeout so a
 dead peer fails the job instead of hanging it. Without torchrun it is a single process and
 every collective below is a no-op.
+
+One rule makes every collective valid under every backend: its tensor lives on the rank's
+device, `Dist.device` (NCCL only moves CUDA tensors, gloo CPU ones). The helpers below build
+their tensors there themselves and take no device argument, so a call site cannot get it
+wrong; `all_gather_cat` checks the tensor it is given.
 """
 
 from __future__ import annotations
@@ -13,21 +18,25 @@ import datetime
 import gc
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as td
+
+from grpo.errors import GrpoError
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Dist:
-    """Where this process sits in the job."""
+    """Where this process sits in the job; `device` is where its collectives' tensors live."""
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    device: torch.device = torch.device("cpu")
 
     @property
     def enabled(self) -> bool:
@@ -41,23 +50,32 @@ class Dist:
 SINGLE = Dist()
 
 
+def backend_for(device_type: str) -> str:
+    """The process-group backend for ranks on `device_type`: NCCL for CUDA, gloo for CPU."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
 def init_distributed(device_type: str = "cpu", timeout_s: float = 600.0) -> Dist:
     """Join the torchrun job described by the environment (or return SINGLE).
 
     Args:
         device_type: "cuda" (NCCL, device = LOCAL_RANK) or "cpu" (gloo).
-        timeout_s: collectives that wait longer than this fail the job.
+        timeout_s: collectives that wait longer than this fail the job (`train.dist_timeout_s`).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return SINGLE
-    dist = Dist(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
+    dist = Dist(rank, world, local_rank, device)
     if td.is_initialized():
         return dist
-    backend = "nccl" if device_type == "cuda" else "gloo"
+    backend = backend_for(device_type)
+    kwargs = {}
     if device_type == "cuda":
-        torch.cuda.set_device(dist.local_rank)
-    td.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device  # NCCL binds the rank's device up front (no guessing)
+    td.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     log.debug("rank %d/%d joined (%s)", dist.rank, world, backend)
     return dist
 
@@ -67,71 +85,120 @@ def teardown() -> None:
 
     Unreachable DDP wrappers are collected first: a DDP reducer still alive when the group is
     destroyed can abort the process at interpreter exit ("terminate called without an active
-    exception", SIGABRT after the work is done; seen with gloo in about 1 run of 3)."""
+    exception", SIGABRT after the work is done; seen with gloo in about 1 run of 3). After a
+    `CollectiveError` the group is left alone: destroying a broken group can hang."""
+    if isinstance(sys.exc_info()[1], CollectiveError):
+        return
     if td.is_available() and td.is_initialized():
         gc.collect()
         td.destroy_process_group()
 
 
+class CollectiveError(GrpoError):
+    """A collective failed or timed out: a peer died, hung or the network broke. The CLI prints
+    the one line and leaves at once (the process group is unusable)."""
+
+
+@dataclass
+class Where:
+    """What this rank is doing (set by the training loop), for the report of a failure."""
+
+    phase: str = "start-up"
+    step: int = 0
+
+
+_PEER_FAILURE = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe",
+                 "nccl", "gloo", "processgroup")  # fmt: skip
+
+
+@contextlib.contextmanager
+def failures_named(dist: Dist, where: Where, timeout_s: float):
+    """Turn a failed or timed-out collective into one line naming this rank, the phase and the
+    step (`CollectiveError`); everything else passes through unchanged."""
+    try:
+        yield
+    except GrpoError:
+        raise
+    except RuntimeError as e:  # DistError (backend, network, store) derives from RuntimeError
+        text = str(e)
+        peer = isinstance(e, getattr(td, "DistError", ())) or any(
+            s in text.lower() for s in _PEER_FAILURE
+        )
+        if not dist.enabled or not peer:
+            raise
+        first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+        raise CollectiveError(
+            f"rank {dist.rank} of {dist.world_size}: a collective failed in the {where.phase} "
+            f"phase of step {where.step} (train.dist_timeout_s={timeout_s:g}): {first[:200]}. "
+            "Another rank died or hung: its own line says why"
+        ) from None
+
+
 def device_for(dist: Dist, device: torch.device) -> torch.device:
-    """One CUDA device per local rank; CPU stays CPU."""
+    """One CUDA device per local rank (`Dist.device`); CPU stays CPU."""
     if device.type == "cuda" and dist.enabled:
-        return torch.device("cuda", dist.local_rank)
+        return dist.device
     return device
 
 
-def all_reduce_sum(value: float, dist: Dist, device: torch.device | str = "cpu") -> float:
+def _reduce(values: list[float], dist: Dist, op) -> list[float]:
+    """All-reduce float64 values through a tensor on the rank's device (valid on every
+    backend); one device-to-host copy back."""
+    t = torch.tensor(values, dtype=torch.float64, device=dist.device)
+    td.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def all_reduce_sum(value: float, dist: Dist) -> float:
     """The sum of a float over all ranks."""
     if not dist.enabled:
         return float(value)
-    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    td.all_reduce(t)
-    return float(t.item())
+    return _reduce([float(value)], dist, td.ReduceOp.SUM)[0]
 
 
-def all_reduce_max(value: float, dist: Dist, device: torch.device | str = "cpu") -> float:
+def all_reduce_max(value: float, dist: Dist) -> float:
     """The max of a float over all ranks."""
     if not dist.enabled:
         return float(value)
-    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    td.all_reduce(t, op=td.ReduceOp.MAX)
-    return float(t.item())
+    return _reduce([float(value)], dist, td.ReduceOp.MAX)[0]
 
 
-def all_reduce_mean_dict(values: dict[str, float], dist: Dist, device="cpu") -> dict[str, float]:
+def all_reduce_mean_dict(values: dict[str, float], dist: Dist) -> dict[str, float]:
     """Each float averaged over ranks (for logging; every rank must pass the same keys)."""
     if not dist.enabled or not values:
         return values
     keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
-    td.all_reduce(t)
-    return {k: float(v) / dist.world_size for k, v in zip(keys, t.tolist())}
+    sums = _reduce([float(values[k]) for k in keys], dist, td.ReduceOp.SUM)
+    return {k: v / dist.world_size for k, v in zip(keys, sums)}
 
 
-def all_reduce_sum_dict(values: dict[str, float], dist: Dist, device="cpu") -> dict[str, float]:
+def all_reduce_sum_dict(values: dict[str, float], dist: Dist) -> dict[str, float]:
     """Each float summed over ranks (every rank must pass the same keys)."""
     if not dist.enabled or not values:
         return dict(values)
     keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
-    td.all_reduce(t)
-    return dict(zip(keys, t.tolist()))
+    return dict(zip(keys, _reduce([float(values[k]) for k in keys], dist, td.ReduceOp.SUM)))
 
 
-def all_reduce_max_dict(values: dict[str, float], dist: Dist, device="cpu") -> dict[str, float]:
+def all_reduce_max_dict(values: dict[str, float], dist: Dist) -> dict[str, float]:
     """Each float's max over ranks (every rank must pass the same keys)."""
     if not dist.enabled or not values:
         return dict(values)
     keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
-    td.all_reduce(t, op=td.ReduceOp.MAX)
-    return dict(zip(keys, t.tolist()))
+    return dict(zip(keys, _reduce([float(values[k]) for k in keys], dist, td.ReduceOp.MAX)))
 
 
 def all_gather_cat(x: torch.Tensor, dist: Dist) -> torch.Tensor:
-    """Concatenate an equally-shaped tensor from every rank along dim 0 (rank order)."""
+    """Concatenate an equally-shaped tensor from every rank along dim 0 (rank order).
+
+    Raises:
+        ValueError: `x` is not on the rank's device (NCCL would reject a CPU tensor).
+    """
     if not dist.enabled:
         return x
+    if x.device != dist.device:
+        raise ValueError(f"all_gather_cat: tensor on {x.device}, the rank's device is "
+                         f"{dist.device}")  # fmt: skip
     parts = [torch.empty_like(x) for _ in range(dist.world_size)]
     td.all_gather(parts, x.contiguous())
     return torch.cat(parts)
@@ -147,8 +214,9 @@ def gather_objects(obj, dist: Dist) -> list:
 
 
 def barrier(dist: Dist) -> None:
+    """Wait for every rank (an all-reduce on the rank's device: valid on every backend)."""
     if dist.enabled:
-        td.barrier()
+        _reduce([0.0], dist, td.ReduceOp.SUM)
 
 
 def wrap_ddp(module: torch.nn.Module, dist: Dist, device: torch.device) -> torch.nn.Module:

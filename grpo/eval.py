@@ -270,21 +270,26 @@ def run_eval_command(
     compare: list[str] | None = None,
     env: str | None = None,
     max_turns: int = 4,
+    skip_memory_check: bool = False,
 ) -> dict:
     """`grpo eval`: evaluate one model (and optionally others) on the same data; print a
-    comparison table; write JSON to `out`."""
-    import json
+    comparison table; write JSON to `out`. Sizes, contexts and memory are checked before any
+    model loads (grpo/train/preflight.py; `skip_memory_check` skips the memory part)."""
     from pathlib import Path
 
     import torch
 
     from grpo.errors import GrpoError
+    from grpo.io import check_output_file, write_json
     from grpo.lora import load_adapter
     from grpo.models import load_model
     from grpo.tokenizer import load_tokenizer, stop_ids
+    from grpo.train.preflight import check_eval_rows, eval_command_budget, preflight_eval
 
     if k < 1:
         raise GrpoError(f"--k must be >= 1, got {k}")
+    if out:
+        check_output_file(out, "--out")  # a directory or an impossible path fails before any work
     if max_turns < 1:
         raise GrpoError(f"--max-turns must be >= 1, got {max_turns}")
     if env:
@@ -298,12 +303,18 @@ def run_eval_command(
             raise GrpoError(f"--compare {item!r} must look like NAME=MODEL or NAME=MODEL+ADAPTER")
         path, _, ad = spec.partition("+")
         specs[name] = (path, ad or None)
+    configs = preflight_eval([path for path, _ in specs.values()], data=data,
+                             max_new_tokens=max_new_tokens, batch_size=batch_size,
+                             max_samples=max_samples, env=env, max_turns=max_turns)  # fmt: skip
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results, payload = {}, {"data": data, "k": k, "env": env, "models": {}}
     rows = None
     for name, (path, ad) in specs.items():
         tok = load_tokenizer(path)
-        rows = rows if rows is not None else _eval_rows(data, max_samples, tok)
+        if rows is None:  # prompts fit every model's context; the memory fits: before any load
+            rows = _eval_rows(data, max_samples, tok)
+            check_eval_rows(rows, configs, eval_command_budget(max_new_tokens, env, max_turns),
+                            batch_size * k, torch.device(device), skip_memory_check)  # fmt: skip
         net = load_model(path, device=device)
         if ad:
             load_adapter(net, ad)
@@ -322,5 +333,5 @@ def run_eval_command(
         print(f"{name}: errors {s.get('errors')}, by difficulty {s.get('by_difficulty')}")
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(payload, indent=2) + "\n")
+        write_json(out, payload)
     return payload

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from grpo.io import open_text, read_text, write_text
+
 log = logging.getLogger(__name__)
 
 # (metric, short label, format) shown on the stdout line when present.
@@ -57,9 +59,7 @@ class MetricLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.is_file():
             keep = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-            tmp.replace(self.path)
+            write_text(self.path, "".join(json.dumps(r) + "\n" for r in keep), atomic=True)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -73,7 +73,7 @@ class MetricLogger:
         if not self.enabled:
             return
         clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
-        with self.path.open("a") as f:
+        with open_text(self.path, "a") as f:
             f.write(json.dumps({"step": step, **clean}) + "\n")
         if stdout:
             parts = [f"step {step}"]
@@ -99,7 +99,7 @@ class MetricLogger:
 def read_metrics(path: str | Path) -> list[dict]:
     """All records of a metrics.jsonl (a torn last line, from a kill, is skipped)."""
     rows = []
-    for line in Path(path).read_text().splitlines():
+    for line in read_text(path, "metrics records, one JSON object a line").splitlines():
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:

@@ -40,6 +40,7 @@ import yaml
 
 from grpo.config import Config, ConfigError, load_config
 from grpo.errors import GrpoError
+from grpo.io import read_text
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def _read_yaml(path: Path, what: str) -> dict:
     if not path.is_file():
         raise ConfigError(f"{what}: config file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(read_text(path, "a YAML pipeline config")) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{what}: {str(path)!r} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
@@ -287,7 +288,7 @@ def average_reward(cfg: Config, rows: list[dict], samples: list[dict]) -> float:
 
     if not samples:
         return 0.0
-    fns = build_rewards([{"name": r.name, "weight": r.weight, **r.kwargs} for r in cfg.rewards])
+    fns = build_rewards([r.spec for r in cfg.rewards])
     columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt_ids"}
     columns["completion_lengths"] = [s["n_tokens"] for s in samples]
     total, _ = compute_rewards(fns, [s["completion"] for s in samples], columns)
@@ -368,8 +369,32 @@ def _check_single_process() -> None:
         )
 
 
-def run_pipeline(pcfg: PipelineConfig) -> dict:
+def preflight_pipeline(pcfg: PipelineConfig) -> dict:
+    """Both stages' preflight checks (grpo/train/preflight.py: contexts, LoRA, data sizes,
+    memory; the evaluation stages included) and the output directory, before anything is
+    written or loaded; an error names the stage.
+
+    Returns:
+        stage name ("sft", "grpo") -> the checkpoint's `ModelConfig`.
+    """
+    from grpo.train.preflight import PreflightError, check_output_dir, preflight
+
+    check_output_dir(pcfg.output_dir, "output_dir")
+    configs = {}
+    for name, cfg in (("sft", pcfg.sft), ("grpo", pcfg.grpo)):
+        try:
+            configs[name] = preflight(cfg, name, pipeline=True)
+        except PreflightError as e:
+            raise PreflightError(f"{name}: {e}") from None
+    return configs
+
+
+def run_pipeline(pcfg: PipelineConfig, overwrite: bool = False) -> dict:
     """Run the stages in order, rewriting OUTPUT_DIR/training_results.json after each.
+
+    `overwrite`: the training stages start afresh over an earlier pipeline's runs (else a
+    stage whose directory holds one is refused). SIGTERM / SIGINT during a training stage
+    saves its checkpoint and records the stage and the pipeline as "interrupted".
 
     Returns:
         the results dict; `status` is "completed", or "stopped" (SFT accuracy under the
@@ -380,9 +405,12 @@ def run_pipeline(pcfg: PipelineConfig) -> dict:
     from grpo.tokenizer import load_tokenizer
     from grpo.train.common import load_rows
     from grpo.train.grpo import train_grpo
-    from grpo.train.sft import train_sft
+    from grpo.train.preflight import check_prompt_room
+    from grpo.train.rundir import TrainingInterrupted
+    from grpo.train.sft import tokenize_sft, train_sft
 
     _check_single_process()
+    model_configs = preflight_pipeline(pcfg)  # both stages' checks, before anything is written
     out = pcfg.output_dir
     out.mkdir(parents=True, exist_ok=True)
     path = out / RESULTS_FILE
@@ -408,7 +436,7 @@ def run_pipeline(pcfg: PipelineConfig) -> dict:
         try:
             value = fn(entry)
         except BaseException as e:
-            interrupted = isinstance(e, KeyboardInterrupt)
+            interrupted = isinstance(e, (KeyboardInterrupt, TrainingInterrupted))
             msg = str(e) if isinstance(e, GrpoError) else f"{type(e).__name__}: {e}"
             entry.update(status="interrupted" if interrupted else "failed", error=msg)
             entry["seconds"] = round(time.perf_counter() - t0, 3)
@@ -440,12 +468,17 @@ def run_pipeline(pcfg: PipelineConfig) -> dict:
             "eval_size": len(evals),
             "max_prompt_tokens": max(len(r["prompt_ids"]) for r in rows),
         }
-        if pcfg.grpo.data != sft_cfg.data:  # GRPO trains on other data: check it too
-            g = pcfg.grpo
+        g = pcfg.grpo
+        grpo_rows, grpo_evals = rows, evals
+        if g.data != sft_cfg.data:  # GRPO trains on other data: check it too
+            grpo_rows = load_rows(g, g.data.split, g.data.max_samples, "rl", tok)
+            grpo_evals = load_rows(g, g.data.eval_split, g.eval.max_samples, "rl", tok)
             metrics["grpo_dataset"] = g.data.dataset
-            metrics["grpo_dataset_size"] = len(
-                load_rows(g, g.data.split, g.data.max_samples, "rl", tok)
-            )
+            metrics["grpo_dataset_size"] = len(grpo_rows)
+        # every prompt fits each stage's context with its budgets (before any training)
+        sft_rows = tokenize_sft([dict(r) for r in rows], tok, sft_cfg.rollout.max_new_tokens)
+        check_prompt_room(sft_cfg, model_configs["sft"], "sft", sft_rows, evals, pipeline=True)
+        check_prompt_room(g, model_configs["grpo"], "grpo", grpo_rows, grpo_evals, pipeline=True)
         entry["metrics"] = metrics
 
     def evaluation(cfg: Config, spec: TrainedModel) -> Callable[[dict], dict]:
@@ -459,7 +492,7 @@ def run_pipeline(pcfg: PipelineConfig) -> dict:
     def training(train_fn: Callable, cfg: Config) -> Callable[[dict], dict]:
         def run(entry: dict) -> dict:
             entry["paths"] = {"output_dir": cfg.train.output_dir}
-            summary = train_fn(cfg)
+            summary = train_fn(cfg, overwrite=True) if overwrite else train_fn(cfg)
             entry["paths"], entry["metrics"] = _split_summary(summary)
             return summary
 
@@ -509,7 +542,8 @@ def cmd_pipeline(args) -> int:
     """`grpo pipeline --config C [overrides]`: exit 0 completed, 1 stopped at the threshold."""
     import sys
 
-    results = run_pipeline(load_pipeline_config(args.config, args.overrides))
+    pcfg = load_pipeline_config(args.config, args.overrides)
+    results = run_pipeline(pcfg, overwrite=args.overwrite)
     path = Path(results["output_dir"]) / RESULTS_FILE
     if results["status"] == "stopped":
         print(f"grpo pipeline: {results['message']}", file=sys.stderr)
@@ -531,4 +565,6 @@ def add_parser(subparsers) -> None:
         nargs="*",
         help="output_dir=DIR, sft.optim.lr=1e-4, grpo.loss.beta=0.0, model.path=X (both stages)",
     )
+    p.add_argument("--overwrite", action="store_true",
+                   help="rerun the training stages over an earlier pipeline's runs")  # fmt: skip
     p.set_defaults(func=cmd_pipeline)

@@ -10,9 +10,14 @@ The space YAML maps dotted config keys to the values to try:
     lora.rank: {low: 4, high: 32, type: int}         # ... or integers
 
 Trial i trains in OUT/trial_XXX (its train.output_dir) and writes OUT/trial_XXX/trial.json when
-it finishes; a rerun skips finished trials (same parameters) and reruns failed or interrupted
-ones. All trials, sorted by the metric, go to stdout and OUT/sweep_results.json / sweep_table.md.
-`--method optuna` (TPE) needs the optional `optuna` package, imported only then.
+it finishes. OUT must be new or empty; `--resume` continues the sweep in it: finished trials are
+kept, failed (grid / random) and interrupted ones run again. All trials, sorted by the metric, go
+to stdout and OUT/sweep_results.json / sweep_table.md.
+
+`--method optuna` (the optional `optuna` package, imported only then): TPE draws each trial from
+the trials so far; the study lives in OUT/optuna.db (sqlite), so a killed sweep resumes; the
+trainer reports the metric at every step where it has one (eval/* every train.eval_every
+steps) and the median pruner stops a trial that trails the finished ones at the same step.
 """
 
 from __future__ import annotations
@@ -32,11 +37,16 @@ import yaml
 
 from grpo.config import ConfigError, load_config
 from grpo.errors import GrpoError
+from grpo.io import read_json, read_text, write_json, write_text
 
 log = logging.getLogger(__name__)
 
 METHODS = ("grid", "random", "optuna")
+PRUNERS = ("median", "none")
+FINISHED = ("done", "pruned", "failed")  # a trial's record statuses
 TRIAL_FILE = "trial.json"
+STUDY_DB = "optuna.db"  # optuna's sqlite storage, in the sweep directory
+STUDY_NAME = "grpo-sweep"
 
 
 @dataclass(frozen=True)
@@ -65,7 +75,7 @@ def load_space(path: str | Path) -> Space:
     if not p.is_file():
         raise GrpoError(f"--space: file {str(p)!r} does not exist")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.safe_load(read_text(p, "a YAML search space"))
     except yaml.YAMLError as e:
         raise GrpoError(f"--space: {str(p)!r} is not valid YAML: {e}") from None
     if not isinstance(data, dict) or not data:
@@ -106,13 +116,23 @@ def _range(key: str, spec: dict) -> Range:
     return Range(low, high, log_scale, kind == "int")
 
 
-def grid_trials(space: Space) -> list[dict]:
-    """Every combination, in the space's key order (the last key varies fastest)."""
+# A sweep is a sequence of training runs: more trials than this is a typo, not a plan.
+MAX_TRIALS = 10_000
+
+
+def grid_trials(space: Space, limit: int | None = None) -> list[dict]:
+    """The first `limit` combinations (all by default), in the space's key order (the last key
+    varies fastest); the grid's size is checked before any combination is built."""
     for key, values in space.items():
         if isinstance(values, Range):
             raise GrpoError(f"space {key}: --method grid needs a list of values, not a range")
+    size = math.prod(len(v) for v in space.values())
+    if (limit or size) > MAX_TRIALS:
+        raise GrpoError(f"the grid has {size} combinations; at most {MAX_TRIALS} trials run in "
+                        "one sweep (pass --trials N to run the first N)")  # fmt: skip
     keys = list(space)
-    return [dict(zip(keys, combo)) for combo in itertools.product(*space.values())]
+    combos = itertools.islice(itertools.product(*space.values()), limit)
+    return [dict(zip(keys, combo)) for combo in combos]
 
 
 def random_trials(space: Space, n: int, seed: int) -> list[dict]:
@@ -150,12 +170,42 @@ class SweepSetup:
             raise GrpoError(f"trial {params}: {e}") from None
 
 
-def run_trial(setup: SweepSetup, index: int, params: dict) -> dict:
-    """Train one trial in OUT/trial_XXX (or return its record if it already finished)."""
+class _Pruned(Exception):
+    """Raised from a trial's step callback when optuna's pruner stops it."""
+
+    def __init__(self, step: int, value: float, metrics: dict):
+        super().__init__(f"pruned at step {step}")
+        self.step, self.value, self.metrics = step, value, metrics
+
+
+def _numbers(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+
+
+def _read_record(path: Path) -> dict:
+    record = read_json(path, "a sweep trial record (trial.json)")
+    if not isinstance(record, dict):
+        raise GrpoError(f"{path}: holds a {type(record).__name__}; expected an object")
+    return record
+
+
+def run_trial(setup: SweepSetup, index: int, params: dict, on_step=None) -> dict:
+    """Train one trial in OUT/trial_XXX (or return its record if it already finished).
+
+    Args:
+        setup: what every trial shares.
+        index: the trial's number (its directory name).
+        params: dotted key -> value for this trial.
+        on_step: passed to the trainer (called with (step, metrics)); optuna's pruning hook.
+
+    Returns:
+        the trial's record (also written to OUT/trial_XXX/trial.json): status done, pruned
+        or failed, the metric, the final (or, pruned, the last) numeric metrics, seconds.
+    """
     trial_dir = setup.out_dir / f"trial_{index:03d}"
     record_path = trial_dir / TRIAL_FILE
     if record_path.is_file():
-        record = json.loads(record_path.read_text())
+        record = _read_record(record_path)
         if record.get("params") != json.loads(json.dumps(params)):
             raise GrpoError(
                 f"{trial_dir} was run with other parameters ({record.get('params')}); "
@@ -171,39 +221,51 @@ def run_trial(setup: SweepSetup, index: int, params: dict) -> dict:
     log.info("trial %03d: %s", index, params)
     record: dict[str, Any] = {"trial": index, "name": trial_dir.name, "params": params}
     t0 = time.perf_counter()
+    from grpo.train.rundir import TrainingInterrupted
+
     try:
         if setup.trainer == "sft":
             from grpo.train.sft import train_sft
 
-            summary = train_sft(cfg)
+            summary = train_sft(cfg, on_step=on_step)
         else:
             from grpo.train.grpo import train_grpo
 
-            summary = train_grpo(cfg)
+            summary = train_grpo(cfg, on_step=on_step)
+    except (KeyboardInterrupt, TrainingInterrupted) as e:  # the sweep stops; a rerun redoes it
+        record.update(status="interrupted", error=f"{type(e).__name__}: {e}")
+        record["seconds"] = round(time.perf_counter() - t0, 3)
+        write_json(record_path, record)
+        raise
+    except _Pruned as e:
+        log.info("trial %03d pruned at step %d (%s = %.4g)", index, e.step, setup.metric, e.value)
+        record.update(status="pruned", metric=e.value, metrics=e.metrics, pruned_at=e.step)
     except Exception as e:  # one bad trial (e.g. a diverging lr) does not end the sweep
         log.warning("trial %03d failed: %s", index, e)
         log.debug("trial %03d failed", index, exc_info=True)
         record.update(status="failed", error=f"{type(e).__name__}: {e}")
     else:
-        metrics = {k: v for k, v in summary.items() if isinstance(v, (int, float))}
+        metrics = _numbers(summary)
         record.update(status="done", metric=metrics.get(setup.metric), metrics=metrics)
         record["output_dir"], record["final"] = summary["output_dir"], summary["final"]
     record["seconds"] = round(time.perf_counter() - t0, 3)
-    record_path.write_text(json.dumps(record, indent=2) + "\n")
+    write_json(record_path, record)
     return record
 
 
 def _sort_key(record: dict, mode: str):
+    """done (by the metric) < done without the metric < pruned (by its last value) < failed."""
     value = record.get("metric")
-    if record.get("status") != "done":
-        return (2, 0.0)
+    status = record.get("status")
+    if status not in ("done", "pruned"):
+        return (3, 0.0)
     if not isinstance(value, (int, float)) or math.isnan(value):
-        return (1, 0.0)
-    return (0, -value if mode == "max" else value)
+        return (1 if status == "done" else 3, 0.0)
+    return (0 if status == "done" else 2, -value if mode == "max" else value)
 
 
 def sweep_table(records: list[dict], keys: list[str], metric: str, mode: str) -> str:
-    """A Markdown table of the trials, best first."""
+    """A Markdown table of the trials, best first (a pruned trial shows its last value)."""
     head = ["rank", "trial", *keys, metric, "status", "seconds"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     ordered = sorted(records, key=lambda r: _sort_key(r, mode))
@@ -224,6 +286,23 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _check_out_dir(out: Path, method: str, resume: bool) -> None:
+    """Without --resume the sweep directory must be new or empty; with it, it must hold a
+    sweep of the same kind (optuna's study database, or grid / random trial directories)."""
+    existing = out.is_dir() and any(out.iterdir())
+    if out.exists() and not out.is_dir():
+        raise GrpoError(f"--out {out} exists and is not a directory")
+    if existing and not resume:
+        raise GrpoError(
+            f"--out {out} holds a sweep already; pass --resume to continue it, or use a new --out"
+        )
+    if resume and not existing:
+        raise GrpoError(f"--resume: no sweep in {out}")
+    if resume and (method == "optuna") != (out / STUDY_DB).is_file():
+        kind = "an optuna" if (out / STUDY_DB).is_file() else "a grid / random"
+        raise GrpoError(f"--resume: {out} holds {kind} sweep, not --method {method}")
+
+
 def run_sweep(
     config: str,
     space: Space,
@@ -235,21 +314,33 @@ def run_sweep(
     overrides: list[str] | None = None,
     trainer: str = "grpo",
     seed: int = 0,
+    resume: bool = False,
+    pruner: str = "median",
+    prune_startup: int = 3,
+    prune_warmup: int = 0,
 ) -> list[dict]:
-    """Run (or resume) a sweep; returns one record per trial, in trial order.
+    """Run (or, with `resume`, continue) a sweep; returns one record per trial, in trial order.
 
     Args:
         config: the training config every trial starts from.
         space: from `load_space`.
         method: grid (all combinations, or the first `trials`), random (`trials` draws,
-            default 10), optuna (TPE, `trials` default 10).
+            default 10), optuna (TPE, `trials` default 10; a study in OUT/optuna.db).
         trials: number of trials (see `method`).
-        metric: a key of the trainer's final metrics (e.g. eval/accuracy, train/loss).
+        metric: a key of the trainer's metrics (e.g. eval/accuracy, train/loss).
         mode: max or min: which end of the metric is best.
-        out_dir: the sweep directory (trial_XXX subdirectories).
+        out_dir: the sweep directory (trial_XXX subdirectories); must be new or empty unless
+            `resume`.
         overrides: dotted overrides applied to every trial before its parameters.
         trainer: grpo or sft.
         seed: seeds random and optuna sampling.
+        resume: continue the sweep in `out_dir`: finished trials are kept, interrupted ones
+            run again with their parameters.
+        pruner: optuna only: median (stop a trial whose best `metric` so far is worse than the
+            median of finished trials at the same step; needs the metric during training, e.g.
+            eval/* with train.eval_every) or none.
+        prune_startup: no pruning until this many trials have finished.
+        prune_warmup: no pruning before this step of a trial.
     """
     if method not in METHODS:
         raise GrpoError(f"--method must be one of {list(METHODS)}, got {method!r}")
@@ -257,20 +348,27 @@ def run_sweep(
         raise GrpoError(f"--mode must be max or min, got {mode!r}")
     if trainer not in ("grpo", "sft"):
         raise GrpoError(f"--trainer must be grpo or sft, got {trainer!r}")
-    if trials is not None and trials < 1:
-        raise GrpoError(f"--trials must be >= 1, got {trials}")
+    if trials is not None and not 1 <= trials <= MAX_TRIALS:
+        raise GrpoError(f"--trials must be in [1, {MAX_TRIALS}], got {trials}")
+    if pruner not in PRUNERS:
+        raise GrpoError(f"--pruner must be one of {list(PRUNERS)}, got {pruner!r}")
+    if prune_startup < 0 or prune_warmup < 0:
+        raise GrpoError("--prune-startup and --prune-warmup must be >= 0")
     out = Path(out_dir)
     setup = SweepSetup(config, tuple(overrides or []), out, metric, mode, trainer)
     keys = list(space)
     if method == "grid":
-        plan = grid_trials(space)[:trials]
+        plan = grid_trials(space, trials)
     elif method == "random":
         plan = random_trials(space, trials or 10, seed)
-    else:
+    else:  # optuna draws as it goes: check the space's first values (ranges: their low end)
         plan = None
-    if plan is not None:
-        for i, params in enumerate(plan):  # every trial's config is valid before any runs
-            setup.trial_config(params, out / f"trial_{i:03d}")
+        _import_optuna()
+        first = {k: v.low if isinstance(v, Range) else v[0] for k, v in space.items()}
+        setup.trial_config(first, out / "trial_000")
+    for i, params in enumerate(plan or []):  # every trial's config is valid before any runs
+        setup.trial_config(params, out / f"trial_{i:03d}")
+    _check_out_dir(out, method, resume)
     out.mkdir(parents=True, exist_ok=True)
     records: list[dict] = []
 
@@ -278,30 +376,34 @@ def run_sweep(
         summary = {"config": config, "method": method, "metric": metric, "mode": mode,
                    "space": {k: v if isinstance(v, list) else vars(v) for k, v in space.items()},
                    "trials": records}  # fmt: skip
-        (out / "sweep_results.json").write_text(json.dumps(summary, indent=2) + "\n")
-        (out / "sweep_table.md").write_text(sweep_table(records, keys, metric, mode) + "\n")
+        write_json(out / "sweep_results.json", summary)
+        write_text(out / "sweep_table.md", sweep_table(records, keys, metric, mode) + "\n")
 
     if plan is None:
-        _run_optuna(setup, space, trials or 10, seed, records, save)
+        opts = {"pruner": pruner, "startup": prune_startup, "warmup": prune_warmup}
+        _run_optuna(setup, space, trials or 10, seed, records, save, opts)
     else:
         for i, params in enumerate(plan):
             records.append(run_trial(setup, i, params))
             save()
     done = [r for r in records if r.get("status") == "done"]
     if not done:
-        raise GrpoError(f"every trial failed; see the errors in {out}/trial_*/{TRIAL_FILE}")
+        raise GrpoError(f"every trial failed or was pruned; see {out}/trial_*/{TRIAL_FILE}")
     if all(r.get("metric") is None for r in done):
         have = sorted(done[0].get("metrics", {}))
         raise GrpoError(f"--metric {metric!r} is not in the trials' metrics; have: {have}")
     return records
 
 
-def _run_optuna(setup: SweepSetup, space: Space, n: int, seed: int, records: list, save) -> None:
-    """TPE over the space with optuna's ask/tell API; finished trials are told, not rerun."""
+def _import_optuna():
     try:
         import optuna
     except ImportError:
         raise GrpoError("--method optuna needs the optuna package (pip install optuna)") from None
+    return optuna
+
+
+def _distributions(optuna, space: Space) -> dict:
     dists = {}
     for key, v in space.items():
         if isinstance(v, Range) and v.integer:
@@ -310,31 +412,109 @@ def _run_optuna(setup: SweepSetup, space: Space, n: int, seed: int, records: lis
             dists[key] = optuna.distributions.FloatDistribution(v.low, v.high, log=v.log)
         else:
             dists[key] = optuna.distributions.CategoricalDistribution(v)
-    direction = "maximize" if setup.mode == "max" else "minimize"
-    study = optuna.create_study(direction=direction, sampler=optuna.samplers.TPESampler(seed=seed))
-    for i in range(n):
-        path = setup.out_dir / f"trial_{i:03d}" / TRIAL_FILE
-        old = json.loads(path.read_text()) if path.is_file() else None
-        if old and old.get("status") == "done":
-            old["metric"] = old.get("metrics", {}).get(setup.metric)
-        if old and old.get("status") == "done" and old.get("metric") is not None:
-            study.add_trial(
-                optuna.trial.create_trial(params=old["params"], distributions=dists,
-                                          value=old["metric"])
-            )  # fmt: skip
-            records.append(old)
-            save()
+    return dists
+
+
+def _open_study(optuna, setup: SweepSetup, dists: dict, seed: int, opts: dict):
+    """Create, or load and check, the study in OUT/optuna.db (sqlite: a killed sweep's
+    finished trials, intermediate values and pending retries survive)."""
+    fingerprint = {"metric": setup.metric, "mode": setup.mode, "seed": seed,
+                   "space": {k: optuna.distributions.distribution_to_json(d)
+                             for k, d in dists.items()}}  # fmt: skip
+    storage = f"sqlite:///{(setup.out_dir / STUDY_DB).resolve()}"
+    exists = (setup.out_dir / STUDY_DB).is_file()
+    if opts["pruner"] == "median":
+        pruner = optuna.pruners.MedianPruner(opts["startup"], opts["warmup"])
+    else:
+        pruner = optuna.pruners.NopPruner()
+    try:
+        study = optuna.create_study(
+            storage=storage, study_name=STUDY_NAME, load_if_exists=True, pruner=pruner,
+            direction="maximize" if setup.mode == "max" else "minimize",
+        )  # fmt: skip
+    except Exception as e:  # not sqlite, or not optuna's schema
+        raise GrpoError(f"{setup.out_dir / STUDY_DB}: cannot be opened as a study: {e}") from None
+    # A resumed study seeds its sampler past the draws it has made, so it does not repeat them.
+    study.sampler = optuna.samplers.TPESampler(seed=seed + len(study.get_trials(deepcopy=False)))
+    if not exists:
+        study.set_user_attr("sweep", fingerprint)
+    elif study.user_attrs.get("sweep") != fingerprint:
+        raise GrpoError(
+            f"--resume: {setup.out_dir} was swept with another metric, mode, seed or space "
+            f"({study.user_attrs.get('sweep')}); use a new --out"
+        )
+    return study
+
+
+def _run_optuna(setup: SweepSetup, space: Space, n: int, seed: int, records: list, save,
+                opts: dict) -> None:  # fmt: skip
+    """TPE over the space with optuna's ask/tell API, the study stored in OUT/optuna.db, the
+    trainer reporting `setup.metric` at every step so that the pruner can stop a bad trial.
+
+    Resuming: a trial that was running when the sweep died is told FAIL (or, if its record
+    was written before the death, told that outcome), then run again with the same parameters
+    as a new trial whose user attribute `retry_of` names it; such interrupted trials neither
+    count toward `n` nor appear in the table.
+    """
+    optuna = _import_optuna()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    states = optuna.trial.TrialState
+    dists = _distributions(optuna, space)
+    study = _open_study(optuna, setup, dists, seed, opts)
+
+    def record_path(number: int) -> Path:
+        return setup.out_dir / f"trial_{number:03d}" / TRIAL_FILE
+
+    def tell(number: int, record: dict) -> None:
+        if record.get("status") == "done" and record.get("metric") is not None:
+            study.tell(number, record["metric"])
+        elif record.get("status") == "pruned":
+            study.tell(number, state=states.PRUNED)
+        else:  # failed, or finished without the metric
+            study.tell(number, state=states.FAIL)
+
+    for t in study.get_trials(deepcopy=False, states=(states.RUNNING,)):
+        path = record_path(t.number)
+        old = _read_record(path) if path.is_file() else None
+        if old and old.get("params") == t.params and old.get("status") in FINISHED:
+            tell(t.number, old)  # it finished; the sweep died before telling the study
             continue
-        if old:  # failed or without a metric: its record goes, a new draw takes its place
-            path.unlink()
+        log.info("trial %03d was interrupted: running its parameters again", t.number)
+        study.tell(t.number, state=states.FAIL)
+        study.enqueue_trial(t.params, user_attrs={"retry_of": t.number})
+        shutil.rmtree(path.parent, ignore_errors=True)
+
+    def counted() -> list:
+        trials = study.get_trials(deepcopy=False)
+        retried = {t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs}
+        return [t for t in trials if t.state != states.WAITING and t.number not in retried]
+
+    for t in counted():
+        path = record_path(t.number)
+        if path.is_file():
+            records.append(_read_record(path))
+    if records:
+        save()
+    while len(counted()) < n:
         trial = study.ask(dists)
-        record = run_trial(setup, i, trial.params)
+        record = run_trial(setup, trial.number, trial.params, on_step=_reporter(trial, setup))
         records.append(record)
         save()
-        if record.get("status") == "done" and record.get("metric") is not None:
-            study.tell(trial, record["metric"])
-        else:
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        tell(trial.number, record)
+
+
+def _reporter(trial, setup: SweepSetup):
+    """The trainer's step callback: report `setup.metric` when present, stop when pruned."""
+
+    def on_step(step: int, metrics: dict) -> None:
+        value = metrics.get(setup.metric)
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            return
+        trial.report(float(value), step)
+        if trial.should_prune():
+            raise _Pruned(step, float(value), _numbers(metrics))
+
+    return on_step
 
 
 # --------------------------------------------------------------------------- CLI
@@ -348,6 +528,8 @@ def cmd_sweep(args) -> int:
     records = run_sweep(
         args.config, space, method=args.method, trials=args.trials, metric=args.metric,
         mode=mode, out_dir=out, overrides=args.overrides, trainer=args.trainer, seed=args.seed,
+        resume=args.resume, pruner=args.pruner, prune_startup=args.prune_startup,
+        prune_warmup=args.prune_warmup,
     )  # fmt: skip
     print(sweep_table(records, list(space), args.metric, mode))
     best = sorted(records, key=lambda r: _sort_key(r, mode))[0]
@@ -363,11 +545,20 @@ def add_parser(subparsers) -> None:
     p.add_argument("--space", required=True, help="YAML: dotted key -> [values] or {low, high}")
     p.add_argument("--method", default="grid", choices=METHODS)
     p.add_argument("--trials", type=int, default=None, help="trials (random/optuna default 10)")
-    p.add_argument("--metric", default="eval/accuracy", help="final metric to sort by")
+    p.add_argument("--metric", default="eval/accuracy",
+                   help="metric to sort by (optuna: to optimize and prune on)")  # fmt: skip
     p.add_argument("--mode", choices=("max", "min"), default=None,
                    help="best end of the metric (default: min for losses, else max)")  # fmt: skip
     p.add_argument("--out", default=None, help="sweep directory (default runs/sweep-CONFIG)")
     p.add_argument("--trainer", default="grpo", choices=("grpo", "sft"))
     p.add_argument("--seed", type=int, default=0, help="seed of random / optuna sampling")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the sweep in --out (finished trials are kept)")  # fmt: skip
+    p.add_argument("--pruner", default="median", choices=PRUNERS,
+                   help="optuna: stop a trial whose metric trails the median")  # fmt: skip
+    p.add_argument("--prune-startup", type=int, default=3,
+                   help="optuna: trials that finish before any is pruned (default 3)")  # fmt: skip
+    p.add_argument("--prune-warmup", type=int, default=0,
+                   help="optuna: steps of a trial before it may be pruned (default 0)")  # fmt: skip
     p.add_argument("overrides", nargs="*", help="dotted overrides for every trial")
     p.set_defaults(func=cmd_sweep)

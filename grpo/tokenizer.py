@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from grpo.errors import GrpoError
+from grpo.io import read_json, read_text
 
 # ChatML, as the Qwen families use it; `enable_thinking=False` closes an empty think block
 # the way Qwen3's template does.
@@ -34,11 +35,27 @@ def load_tokenizer(path_or_id: str | Path):
     try:
         tok = AutoTokenizer.from_pretrained(str(path_or_id), trust_remote_code=False)
     except Exception as e:
+        _check_tokenizer_files(Path(path_or_id))  # a broken file is named, if it is one
         raise GrpoError(f"could not load a tokenizer from {str(path_or_id)!r}: {e}") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     return tok
+
+
+_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+               "added_tokens.json", "vocab.json")  # fmt: skip
+
+
+def _check_tokenizer_files(path: Path) -> None:
+    """After a failed load: raise a FileError naming the first unreadable tokenizer file."""
+    if not path.is_dir():
+        return
+    for name in _JSON_FILES:
+        if (path / name).is_file():
+            read_json(path / name, f"a tokenizer file ({name})")
+    if (path / "merges.txt").is_file():
+        read_text(path / "merges.txt", "BPE merges (UTF-8 text)")
 
 
 def render_prompt(
@@ -69,7 +86,8 @@ def stop_ids(tokenizer, model_dir: str | Path | None = None) -> list[int]:
     if model_dir is not None:
         gen = Path(model_dir) / "generation_config.json"
         if gen.is_file():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
+            config = read_json(gen, "a generation_config.json object")
+            eos = config.get("eos_token_id") if isinstance(config, dict) else None
             ids.update([eos] if isinstance(eos, int) else (eos or []))
     if not ids:
         raise GrpoError("the tokenizer has no eos token and no generation_config eos_token_id")

@@ -193,7 +193,7 @@ TRAIN = {
     "use_lora": P("bool", False),
     "lora_rank": P("int", 16, _positive),
     "lora_alpha": P("float", 32, _positive),
-    "lora_dropout": P("float", 0.05, _unit),
+    "lora_dropout": P("float", None, _unit),  # default: 0.05 for SFT, 0 for GRPO (must be)
     "lora_target_modules": P("list", ["q_proj", "k_proj", "v_proj", "o_proj"]),
     "num_generations": P("int", 4, lambda v: None if v >= 2 else f"must be >= 2, got {v}"),
     "max_new_tokens": P("int", None, _positive),
@@ -496,7 +496,8 @@ class RLTrainingTool:
         )
         d["lora"] = {
             "enabled": p["use_lora"], "rank": p["lora_rank"], "alpha": float(p["lora_alpha"]),
-            "dropout": p["lora_dropout"], "targets": p["lora_target_modules"],
+            "dropout": (0.05 if sft else 0.0) if p["lora_dropout"] is None else p["lora_dropout"],
+            "targets": p["lora_target_modules"],
         }  # fmt: skip
         d["data"].update(split=p["split"], max_samples=p["max_samples"], eval_samples=eval_samples)
         d["rewards"] = [] if sft else self._rewards(p, dataset)
@@ -678,5 +679,7 @@ def _logged(path: Path, key: str) -> list[float]:
     """Every logged value of `key` in a metrics.jsonl."""
     if not path.is_file():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    from grpo.metrics import read_metrics
+
+    rows = read_metrics(path)  # one line naming the file if unreadable; a torn tail skipped
     return [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))]

@@ -76,7 +76,7 @@ def main(out_path: str) -> None:
         result["losses"][name] = all_reduce_sum(float(loss), dist)
         sums = StatSums()
         sums.add(st)
-        result["stats"][name] = sums.reduce(dist, "cpu")
+        result["stats"][name] = sums.reduce(dist)
     if dist.is_main:
         with open(out_path, "w") as f:
             json.dump(result, f)

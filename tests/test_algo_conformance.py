@@ -310,4 +310,4 @@ def _single(st):
 
     sums = StatSums()
     sums.add(st)
-    return sums.reduce(SINGLE, "cpu")
+    return sums.reduce(SINGLE)

@@ -90,3 +90,102 @@ def test_failing_rank_fails_the_job(tiny_model_dir, tmp_path):
     )  # fmt: skip
     assert r.returncode != 0
     assert "boom on rank 1" in r.stderr
+
+
+class _Recorded(Exception):
+    """Raised by the fake collectives once they have seen the tensor (a meta tensor has no
+    data to reduce)."""
+
+
+def test_every_collective_puts_its_tensor_on_the_rank_device(monkeypatch):
+    """NCCL moves only CUDA tensors: every helper must build its tensor on Dist.device, never
+    on the CPU by default. A meta device stands in for the rank's GPU: a helper that built its
+    tensor anywhere else (the old `device="cpu"` default) fails here, on a CPU-only machine."""
+    import torch
+    import torch.distributed as td
+
+    from grpo import distributed as D
+
+    seen = []
+
+    def fake(t, *args, **kwargs):
+        tensors = t if isinstance(t, list) else [t]
+        seen.extend(x.device for x in tensors)
+        raise _Recorded
+
+    monkeypatch.setattr(td, "all_reduce", fake)
+    monkeypatch.setattr(td, "all_gather", lambda parts, x: fake([x, *parts]))
+    rank = D.Dist(rank=0, world_size=2, local_rank=0, device=torch.device("meta"))
+    calls = [
+        lambda: D.all_reduce_sum(1.0, rank),
+        lambda: D.all_reduce_max(1.0, rank),
+        lambda: D.all_reduce_mean_dict({"a": 1.0}, rank),
+        lambda: D.all_reduce_sum_dict({"a": 1.0}, rank),
+        lambda: D.all_reduce_max_dict({"a": 1.0}, rank),
+        lambda: D.barrier(rank),
+        lambda: D.all_gather_cat(torch.zeros(2, 3, device="meta"), rank),
+    ]
+    for call in calls:
+        with pytest.raises(_Recorded):
+            call()
+    assert len(seen) >= len(calls) and all(d.type == "meta" for d in seen), seen
+    with pytest.raises(ValueError, match="tensor on cpu, the rank's device is meta"):
+        D.all_gather_cat(torch.zeros(2), rank)  # a caller's tensor on the wrong device
+
+
+def test_cuda_ranks_join_nccl_bound_to_their_local_device(monkeypatch):
+    import torch
+    import torch.distributed as td
+
+    from grpo import distributed as D
+
+    calls = {}
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(td, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("set_device", d))
+    monkeypatch.setattr(td, "init_process_group",
+                        lambda backend, **kw: calls.update(backend=backend, **kw))  # fmt: skip
+    dist = D.init_distributed("cuda", timeout_s=42)
+    assert (dist.rank, dist.world_size, dist.local_rank) == (3, 4, 1)
+    assert dist.device == torch.device("cuda", 1) == calls["set_device"] == calls["device_id"]
+    assert calls["backend"] == "nccl" and calls["timeout"].total_seconds() == 42
+    assert D.device_for(dist, torch.device("cuda")) == torch.device("cuda", 1)
+    calls.clear()
+    cpu = D.init_distributed("cpu", timeout_s=5)
+    assert calls["backend"] == "gloo" and "device_id" not in calls
+    assert cpu.device == torch.device("cpu")
+
+
+def test_hung_rank_times_out_with_one_line_naming_rank_phase_and_step(tiny_model_dir, tmp_path):
+    """Rank 1 hangs in its reward function; rank 0 waits in the rollout phase's collective for
+    train.dist_timeout_s, then prints one line naming itself, the phase and the step, and the
+    job exits non-zero (long before a default 600 s timeout)."""
+    import time
+
+    (tmp_path / "hang_reward.py").write_text(
+        "import os, time\n"
+        "def reward(completions, **columns):\n"
+        "    if os.environ.get('RANK') == '1':\n"
+        "        time.sleep(15)\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    cfg = str(REPO / "configs" / "tiny_ci.yaml")
+    start = time.monotonic()
+    r = run(
+        [*TORCHRUN, "-m", "grpo", "train", "--config", cfg, f"model.path={tiny_model_dir}",
+         "train.output_dir=out", "train.progress=false", "train.dist_timeout_s=4",
+         "rewards=[{name: 'hang_reward:reward'}]"],
+        cwd=tmp_path,
+        timeout=240,
+        env={"PYTHONPATH": str(tmp_path)},
+    )  # fmt: skip
+    elapsed = time.monotonic() - start
+    assert r.returncode != 0
+    lines = [x for x in r.stderr.splitlines() if "a collective failed" in x]
+    assert any(
+        x.startswith("grpo train: error: rank 0 of 2: a collective failed in the rollout phase "
+                     "of step 1 (train.dist_timeout_s=4)") for x in lines
+    ), r.stderr[-3000:]  # fmt: skip
+    assert elapsed < 120, elapsed

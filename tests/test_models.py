@@ -168,3 +168,21 @@ def test_gradient_checkpointing_same_grads():
     model(ids).logsumexp(-1).sum().backward()
     for a, p in zip(g1, model.parameters()):
         torch.testing.assert_close(a, p.grad, rtol=0, atol=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers_on_cuda(tiny_checkpoints, family):
+    # The CPU parity batch (left padding, odd V) on the GPU: attention, RoPE and the masks run
+    # CUDA kernels on both sides; float32 (TF32 off, torch's default) stays within 1e-5.
+    path = tiny_checkpoints(family, vocab_size=257)
+    ours, ref = load_model(path, device="cuda"), hf_model(path).cuda()
+    ids, mask = (t.cuda() for t in left_padded_batch(257))
+    with torch.no_grad():
+        got = ours(ids, attention_mask=mask)
+        want = ref(input_ids=ids, attention_mask=mask.long()).logits
+        got1, want1 = ours(ids[:1]), ref(input_ids=ids[:1]).logits
+    assert got.is_cuda and got.dtype == torch.float32 and got.shape == (3, 17, 257)
+    assert (got - want)[mask].abs().max().item() <= 1e-5
+    assert (got1 - want1).abs().max().item() <= 1e-5

@@ -159,7 +159,7 @@ def test_failing_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
     def no_space(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(st, "save_file", no_space)
+    monkeypatch.setattr(st, "save_safetensors", no_space)
     with pytest.raises(GrpoError, match="could not write checkpoint .*No space left on device"):
         save_checkpoint(tmp_path, TrainState(step=2), model, opt, sched, {})
     assert latest_checkpoint(tmp_path).name == "step_000001"
@@ -245,7 +245,7 @@ def bad_inputs(model_dir, tmp_path_factory):
 
 def tree_digest(path: Path) -> str:
     h = hashlib.sha256()
-    for p in sorted((path / "checkpoints").rglob("*")):
+    for p in sorted(path.rglob("*")):
         h.update(str(p.relative_to(path)).encode())
         if p.is_file():
             h.update(p.read_bytes())
@@ -254,6 +254,7 @@ def tree_digest(path: Path) -> str:
 
 def matrix(d: Path, m: Path):
     """(name, extra CLI args, expected message fragment) for `grpo train --config tiny_ci`."""
+    fresh = f"train.output_dir={d}/started"
     return [
         ("unknown key", ["optim.lrr=1"], "unknown config key 'optim.lrr'; valid keys of optim"),
         ("wrong type", ["train.max_steps=abc"], "train.max_steps: expected an integer"),
@@ -275,9 +276,11 @@ def matrix(d: Path, m: Path):
         ("prompt too long", ["data.max_prompt_len=4"], "data.max_prompt_len 4"),
         ("unknown reward", ["rewards=[{name: acuracy}]"], "acuracy"),
         ("reward import", ["rewards=[{name: 'no_such_mod:fn'}]"], "no_such_mod"),
-        ("reward raises", ["rewards=[{name: 'rewards_mod:raises'}]"], "kaboom"),
-        ("reward length", ["rewards=[{name: 'rewards_mod:short'}]"], "short"),
-        ("reward nan", ["rewards=[{name: 'rewards_mod:nan'}]"], "nan"),
+        # rewards fail inside the first step, after the run has started: in a directory of
+        # their own (with --overwrite, the existing run would have been replaced by then)
+        ("reward raises", ["rewards=[{name: 'rewards_mod:raises'}]", fresh], "kaboom"),
+        ("reward length", ["rewards=[{name: 'rewards_mod:short'}]", fresh], "short"),
+        ("reward nan", ["rewards=[{name: 'rewards_mod:nan'}]", fresh], "nan"),
         ("adapter misfit", [f"lora.adapter={d}/wide_adapter"], "shape (4, 192), expected (4, 64)"),
         ("no checkpoint", ["train.output_dir=" + str(d / "fresh"), "--resume"], "no checkpoint"),
     ]
@@ -291,7 +294,9 @@ def test_bad_input_matrix(model_dir, bad_inputs, capsys, monkeypatch):
             "train.progress=false", "data.eval_samples=0"]  # fmt: skip
     results = []
     for name, extra, expect in matrix(d, model_dir):
-        code = cli.main(base + extra)
+        # --overwrite gets past the refusal of a used directory (tests/test_rundir.py) to the
+        # case's own check, which fails before anything, clearing included, is written
+        code = cli.main(base + extra + ([] if "--resume" in extra else ["--overwrite"]))
         err = capsys.readouterr().err.strip()
         results.append(name)
         assert code == 2, (name, err)
@@ -317,3 +322,90 @@ def test_bad_input_through_a_real_process(model_dir, tmp_path):
     assert r.stderr.strip().splitlines() == [
         "grpo train: error: rollout.group_size: must be >= 2, got 1"
     ]
+
+
+# ----------------------------------------------------------------- grpo merge: inputs and output
+
+
+def files_digest(root: Path) -> str:
+    """Every path and file content under `root` (what must not change)."""
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        h.update(str(p.relative_to(root)).encode())
+        if p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture
+def merge_inputs(model_dir, tmp_path):
+    """root/base (a model), root/adapter (a LoRA adapter for it), root/old (an earlier output
+    with a stale file) and root/notes.txt (a file)."""
+    from grpo.lora import apply_lora, save_adapter
+    from grpo.models import load_model
+
+    shutil.copytree(model_dir, tmp_path / "base")
+    model = load_model(tmp_path / "base")
+    apply_lora(model, rank=4, alpha=8, targets=["q_proj", "v_proj"], seed=1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_b" in name:
+                p.normal_(0, 0.1)  # a merge that changes the weights
+    save_adapter(model, tmp_path / "adapter")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "stale.bin").write_bytes(b"from an earlier merge")
+    (tmp_path / "notes.txt").write_text("not a directory")
+    return tmp_path
+
+
+def merge_argv(root: Path, out: Path, *extra: str) -> list[str]:
+    return ["merge", "--model", str(root / "base"), "--adapter", str(root / "adapter"),
+            "--out", str(out), *extra]  # fmt: skip
+
+
+MERGE_REFUSALS = [
+    ("out is the model", "base", [], "is the --model directory"),
+    ("out inside the model", "base/merged", ["--overwrite"], "is inside the --model directory"),
+    ("out is the adapter", "adapter", ["--overwrite"], "is the --adapter directory"),
+    ("out inside the adapter", "adapter/sub", [], "is inside the --adapter directory"),
+    ("out contains the inputs", ".", ["--overwrite"], "contains the --model directory"),
+    ("non-empty out", "old", [], "is not empty (1 entries); pass --overwrite"),
+    ("out is a file", "notes.txt", ["--overwrite"], "exists and is not a directory"),
+]
+
+
+@pytest.mark.parametrize("name, out, extra, expect", MERGE_REFUSALS, ids=[c[0] for c in
+                         MERGE_REFUSALS])  # fmt: skip
+def test_merge_refuses_outputs_that_would_destroy_something(merge_inputs, capsys, name, out,
+                                                           extra, expect):  # fmt: skip
+    root = merge_inputs
+    before = files_digest(root)
+    code = cli.main(merge_argv(root, root / out, *extra))
+    err = capsys.readouterr().err.strip()
+    assert code == 2, (name, err)
+    assert len(err.splitlines()) == 1 and err.startswith("grpo merge: error: --out "), err
+    assert expect in err, (name, err)
+    assert files_digest(root) == before, f"{name}: something on disk changed"
+
+
+def test_merge_overwrite_replaces_the_contents(merge_inputs, capsys):
+    from grpo.models import load_model
+
+    root = merge_inputs
+    inputs = files_digest(root / "base"), files_digest(root / "adapter")
+    (root / "empty").mkdir()
+    assert cli.main(merge_argv(root, root / "empty")) == 0  # an empty directory needs no flag
+    assert cli.main(merge_argv(root, root / "old", "--overwrite")) == 0
+    capsys.readouterr()
+    assert not (root / "old" / "stale.bin").exists()  # cleared, not mixed
+    assert sorted(p.name for p in (root / "old").iterdir()) == sorted(
+        p.name for p in (root / "empty").iterdir()
+    )
+    assert not list(root.glob(".*merge-tmp*"))  # no temporary left beside it
+    a, b = load_model(root / "old"), load_model(root / "empty")
+    base = load_model(root / "base")
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+    q_proj = a.layers[0].self_attn.q_proj.weight
+    assert not torch.equal(q_proj, base.layers[0].self_attn.q_proj.weight)  # merged in
+    assert (files_digest(root / "base"), files_digest(root / "adapter")) == inputs

@@ -12,6 +12,7 @@ import torch
 from grpo.data.formats import sft_solution, split_solution
 from grpo.errors import GrpoError
 from grpo.rewards import (
+    NamedReward,
     build_rewards,
     compare_answers,
     compute_rewards,
@@ -359,3 +360,285 @@ def test_compute_rewards_errors_name_function_and_row():
         compute_rewards(build_rewards("accuracy"), completions, {})
     with pytest.raises(GrpoError, match="no reward functions"):
         compute_rewards([], completions, columns)
+
+
+# ---------------------------------------------------------------- isolation (issue 20, item 3)
+
+
+def test_each_reward_gets_its_own_copy_of_the_inputs():
+    """A reward that rewrites its inputs (here: the ground truth to whatever each completion
+    says, which made a random model score accuracy 1.0) changes nothing for the next reward
+    or the caller."""
+
+    def cheat(completions, ground_truth, completion_ids, **_):
+        for i, c in enumerate(completions):
+            ground_truth[i] = extract_answer(c)  # every answer "right"
+            completion_ids[i].append(99)
+        completions.clear()
+        return [0.0] * len(ground_truth)
+
+    completions = ["Final Answer: 1", "Final Answer: 7", "Final Answer: 3"]
+    columns = {"ground_truth": ["1", "2", "3"], "completion_ids": [[5], [6, 7], [8]]}
+    before = (list(completions), json.loads(json.dumps(columns)))
+    accuracy = get_reward("accuracy")
+    _, parts = compute_rewards([(cheat, 1.0), (accuracy, 1.0)], completions, columns)
+    assert parts["accuracy"].tolist() == [1.0, 0.0, 1.0]  # the true ground truth
+    assert (completions, columns) == before  # the caller's objects are untouched
+    # the same inside `combined`
+    combined = get_reward({"name": "combined", "weights": {cheat: 1.0, "accuracy": 1.0}})
+    total, _ = compute_rewards([(combined, 1.0)], completions, columns)
+    assert total.tolist() == [1.0, 0.0, 1.0] and (completions, columns) == before
+
+
+def test_exit_and_interrupt_inside_a_reward_are_errors_naming_it():
+    import sys
+
+    columns = {"ground_truth": ["1", "2"]}
+
+    def quits(completions, **_):
+        if "bad" in completions:
+            sys.exit(0)
+        return [0.0] * len(completions)
+
+    with pytest.raises(GrpoError, match=r"'quits' raised SystemExit at row 1 \(completion 'bad'\)"
+                                        r": sys.exit\(0\)"):  # fmt: skip
+        compute_rewards([(quits, 1.0)], ["ok", "bad"], columns)
+
+    def interrupts(completions, **_):
+        raise KeyboardInterrupt
+
+    with pytest.raises(GrpoError, match="'interrupts' raised KeyboardInterrupt: raised by the "
+                                        "function itself, not a Ctrl-C"):  # fmt: skip
+        compute_rewards([(interrupts, 1.0)], ["a", "b"], columns)
+    # in a worker thread (timeout_s) too
+    timed = get_reward({"name": interrupts, "timeout_s": 5})
+    with pytest.raises(GrpoError, match="'interrupts' raised KeyboardInterrupt"):
+        compute_rewards([(timed, 1.0)], ["a", "b"], columns)
+    combined = get_reward({"name": "combined", "weights": {quits: 1.0}})
+    with pytest.raises(GrpoError, match="'combined/quits' raised SystemExit"):
+        compute_rewards([(combined, 1.0)], ["bad", "bad"], columns)
+
+
+def test_a_real_ctrl_c_during_a_reward_still_interrupts():
+    import os
+    import signal
+    import threading
+    import time
+
+    handler = signal.getsignal(signal.SIGINT)
+
+    def user_presses_ctrl_c(completions, **_):
+        signal.raise_signal(signal.SIGINT)  # as a terminal's Ctrl-C: SIGINT to the process
+        return [0.0] * len(completions)
+
+    with pytest.raises(KeyboardInterrupt):
+        compute_rewards([(user_presses_ctrl_c, 1.0)], ["a"], {})
+    assert signal.getsignal(signal.SIGINT) is handler  # restored
+
+    # while the main thread waits for a reward running under a timeout
+    release = threading.Event()
+
+    def slow(completions, **_):
+        release.wait(10)
+        return [0.0] * len(completions)
+
+    # kill(), not raise_signal(): a terminal's SIGINT goes to the process (the main thread),
+    # raise_signal() to the calling thread only
+    timer = threading.Timer(0.2, os.kill, args=(os.getpid(), signal.SIGINT))
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            compute_rewards([(get_reward({"name": slow, "timeout_s": 10}), 1.0)], ["a"], {})
+    finally:
+        release.set()
+        timer.join()
+    assert time.monotonic() - t0 < 5
+    assert signal.getsignal(signal.SIGINT) is handler
+
+
+def test_timeout_fails_the_call_with_one_line_naming_the_function():
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def hangs(completions, **_):
+        release.wait(30)
+        return [0.0] * len(completions)
+
+    pairs = build_rewards([{"name": hangs, "weight": 1.0, "timeout_s": 0.3}])
+    assert pairs[0][0].timeout_s == 0.3
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(GrpoError) as info:
+            compute_rewards(pairs, ["a", "b"], {})
+    finally:
+        release.set()
+    assert time.monotonic() - t0 < 2.0
+    assert str(info.value) == (
+        "reward function 'hangs' did not return within its timeout_s=0.3 s "
+        "(rewards[].timeout_s); it was left running in a background thread"
+    )
+
+    # a function that returns in time is unaffected, per-token values included, and the worker
+    # computes in the caller's grad mode
+    def process(completions, completion_ids, **_):
+        assert not torch.is_grad_enabled()
+        return [[0.5] * len(ids) for ids in completion_ids]
+
+    timed = build_rewards([{"name": process, "timeout_s": 5}, "format"])
+    columns = {"completion_lengths": [2, 1], "completion_ids": [[3, 4], [5]]}
+    with torch.no_grad():
+        total, _ = compute_rewards(timed, ["Final Answer: 1", "x"], columns, token_width=3)
+    torch.testing.assert_close(total, torch.tensor([[0.5, 1.5, 0.0], [0.5, 0.0, 0.0]]))
+    for bad in (0, -1, float("inf"), "5"):
+        with pytest.raises(GrpoError, match="timeout_s of 'accuracy' must be a number of seconds"):
+            build_rewards([{"name": "accuracy", "timeout_s": bad}])
+
+
+def test_timeout_in_the_config_is_validated_and_reaches_the_reward():
+    from grpo.config import ConfigError, load_config
+
+    cfg = load_config(None, ["model.path=m", "rewards=[{name: format, timeout_s: 2.5}]"])
+    ((fn, weight),) = build_rewards([r.spec for r in cfg.rewards])
+    assert (fn.name, fn.timeout_s, weight) == ("format", 2.5, 1.0)
+    assert cfg.rewards[0].spec == {"name": "format", "weight": 1.0, "timeout_s": 2.5}
+    assert load_config(None, ["model.path=m"]).rewards[0].spec == {"name": "accuracy",
+                                                                    "weight": 1.0}  # fmt: skip
+    for value in ("0", "-1", ".inf"):
+        with pytest.raises(ConfigError, match=r"rewards\[0?\]\.timeout_s"):
+            load_config(None, ["model.path=m", f"rewards=[{{name: format, timeout_s: {value}}}]"])
+
+
+def test_wrong_return_types_are_errors_naming_the_function():
+    import numpy as np
+
+    columns = {"ground_truth": ["1", "2"]}
+    cases = [
+        (lambda c, **_: {"a": 1.0, "b": 0.0}, "returned dict, expected a list of floats"),
+        (lambda c, **_: "1.0", "returned str, expected a list of floats"),
+        (lambda c, **_: (x for x in [1.0, 1.0]), "returned generator, expected a list"),
+        (lambda c, **_: ["1.0", 0.0], "returned '1.0' at row 0 .*expected a finite float"),
+        (lambda c, **_: [1.0, [0.1, "x"]], "returned a list at row 1"),
+        (lambda c, **_: [object(), 1.0], "returned <object object .*expected a finite float"),
+    ]
+    for fn, message in cases:
+        with pytest.raises(GrpoError, match=message):
+            compute_rewards([(NamedReward("typed", fn), 1.0)], ["a", "b"], columns)
+    # numpy arrays and tensors are lists of floats
+    total, _ = compute_rewards([(lambda c, **_: np.array([0.25, 1.0]), 1.0),
+                                (lambda c, **_: torch.tensor([1.0, 0.0]), 2.0)],
+                               ["a", "b"], columns)  # fmt: skip
+    assert total.tolist() == [2.25, 1.0]
+
+
+def test_the_row_by_row_retry_is_bounded(monkeypatch):
+    import threading
+    import time
+
+    from grpo.rewards import compute as reward_compute
+
+    calls = []
+
+    def fails_on_batches(completions, **_):
+        calls.append(len(completions))
+        raise ValueError("batch-level problem")
+
+    monkeypatch.setattr(reward_compute, "RETRY_ROWS", 5)
+    with pytest.raises(GrpoError, match="'fails_on_batches' raised ValueError: batch-level"):
+        compute_rewards([(fails_on_batches, 1.0)], ["x"] * 1000, {})
+    assert calls == [1000] + [1] * 5  # the batch, then at most RETRY_ROWS rows alone
+
+    # a function that hangs when retried alone: the error still comes back in bounded time
+    release = threading.Event()
+
+    def hangs_alone(completions, **_):
+        if len(completions) > 1:
+            raise ValueError("bad batch")
+        release.wait(30)
+        return [0.0]
+
+    monkeypatch.setattr(reward_compute, "RETRY_SECONDS", 0.3)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(GrpoError, match="'hangs_alone' raised ValueError: bad batch"):
+            compute_rewards([(hangs_alone, 1.0)], ["x"] * 10, {})
+    finally:
+        release.set()
+    assert time.monotonic() - t0 < 2.0
+
+
+# ---------------------------------------------------------------- through the commands
+
+REWARDS_ISO = """
+import sys, threading
+RELEASE = threading.Event()
+def quits(completions, **columns):
+    sys.exit(0)
+def interrupts(completions, **columns):
+    raise KeyboardInterrupt
+def hangs(completions, **columns):
+    RELEASE.wait(60)
+    return [0.0] * len(completions)
+"""
+TINY_CI = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_ci.yaml")
+PIPELINE_TINY = str(Path(__file__).resolve().parents[1] / "configs" / "pipeline_tiny.yaml")
+
+
+@pytest.fixture
+def iso_module(tmp_path, monkeypatch):
+    import sys
+
+    (tmp_path / "rewards_iso.py").write_text(REWARDS_ISO)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    module = sys.modules.pop("rewards_iso", None)
+    if module is not None:
+        module.RELEASE.set()  # lets an abandoned worker thread finish
+
+
+def _one_line_error(code, capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_train_exits_2_when_a_reward_exits_interrupts_or_times_out(
+    shared_tiny_model, iso_module, capsys
+):
+    from grpo import cli
+
+    base = ["train", "--config", TINY_CI, f"model.path={shared_tiny_model}",
+            f"train.output_dir={iso_module}/run", "train.progress=false", "data.eval_samples=0",
+            "train.max_steps=1", "data.max_samples=8", "rollout.max_new_tokens=4"]  # fmt: skip
+    err = _one_line_error(cli.main([*base, "rewards=[{name: 'rewards_iso:quits'}]"]), capsys)
+    assert err.startswith("grpo train: error: reward function 'quits' raised SystemExit")
+    err = _one_line_error(cli.main([*base, "rewards=[{name: 'rewards_iso:interrupts'}]"]), capsys)
+    assert "reward function 'interrupts' raised KeyboardInterrupt" in err
+    spec = "rewards=[{name: 'rewards_iso:hangs', timeout_s: 0.5}]"
+    err = _one_line_error(cli.main([*base, spec]), capsys)
+    assert err == ("grpo train: error: reward function 'hangs' did not return within its "
+                   "timeout_s=0.5 s (rewards[].timeout_s); it was left running in a background "
+                   "thread")  # fmt: skip
+
+
+def test_pipeline_and_sweep_exit_2_when_a_reward_exits(shared_tiny_model, iso_module, capsys):
+    from grpo import cli
+
+    quits = "rewards=[{name: 'rewards_iso:quits'}]"
+    code = cli.main(["pipeline", "--config", PIPELINE_TINY, f"model.path={shared_tiny_model}",
+                     f"output_dir={iso_module}/pipe", "evaluate_base=true", "eval.max_samples=2",
+                     quits])  # fmt: skip
+    err = _one_line_error(code, capsys)
+    assert "stage 'base_eval' failed: reward function 'quits' raised SystemExit" in err
+    (iso_module / "space.yaml").write_text("optim.lr: [0.001]\n")
+    code = cli.main(["sweep", "--config", TINY_CI, "--space", str(iso_module / "space.yaml"),
+                     "--out", str(iso_module / "sweep"), f"model.path={shared_tiny_model}",
+                     "train.progress=false", "data.eval_samples=0", "train.max_steps=1",
+                     "data.max_samples=8", "rollout.max_new_tokens=4", quits])  # fmt: skip
+    err = _one_line_error(code, capsys)
+    assert "every trial failed" in err
+    trial = json.loads((iso_module / "sweep" / "trial_000" / "trial.json").read_text())
+    assert "reward function 'quits' raised SystemExit" in trial["error"]

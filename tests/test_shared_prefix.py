@@ -137,8 +137,10 @@ def test_defaults_share_the_prefix_and_compile_where_supported(tmp_path):
     ckpt = load_config(base={"model": {"path": str(tmp_path), "gradient_checkpointing": True}},
                        overrides=["train.batch_size=8", "rollout.group_size=4"])  # fmt: skip
     assert ckpt.shared_prefix_groups is None  # the KV-cache path does not checkpoint
-    as_bool = load_config(base={"model": {"path": str(tmp_path)}},
-                          overrides=["rollout.compile=true", "train.shared_prefix=false"])
+    as_bool = load_config(
+        base={"model": {"path": str(tmp_path)}},
+        overrides=["rollout.compile=true", "train.shared_prefix=false"],
+    )
     assert as_bool.rollout.compile == "on" and as_bool.train.shared_prefix == "off"
 
 

@@ -1,14 +1,16 @@
 """Load GSM8K-style data ({question, answer} rows) from the hub or from local files.
 
 ``source`` is a hub id (``openai/gsm8k``, config ``main``, through `datasets.load_dataset`) or a
-local path: a ``.jsonl`` / ``.json`` / ``.parquet`` file, or a directory holding
-``{split}.jsonl``, ``{split}.parquet`` or shards ``{split}-*.parquet`` (also under ``main/`` or
-``data/``, the hub's layouts). Local files are read in memory and never touch the network or the
-`datasets` cache. Splits take slices like ``train[:1000]``, ``test[100:200]``, ``train[:10%]``.
+local path: a ``.jsonl`` / ``.json`` / ``.csv`` / ``.parquet`` file, or a directory holding
+``{split}.jsonl``, ``{split}.csv``, ``{split}.parquet`` or shards ``{split}-*.parquet`` (also under
+``main/`` or ``data/``, the hub's layouts). Local files are read in memory and never touch the
+network or the `datasets` cache. Text files are UTF-8; a leading byte-order mark is dropped.
+Splits take slices like ``train[:1000]``, ``test[100:200]``, ``train[:10%]``.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 from collections.abc import Sequence
@@ -18,11 +20,12 @@ from typing import Any
 from datasets import Dataset, concatenate_datasets
 
 from grpo.errors import GrpoError
+from grpo.io import open_text, read_text
 
 HUB_CONFIGS = {"openai/gsm8k": "main", "gsm8k": "main"}
 REQUIRED_COLUMNS = ("question", "answer")
 _SPLIT_RE = re.compile(r"^(?P<name>[\w.-]+)(?:\[(?P<start>-?\d*%?):(?P<stop>-?\d*%?)\])?$")
-_LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+_LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 
 
 def load_gsm8k(
@@ -137,6 +140,7 @@ def _split_files(directory: Path, split: str) -> list[Path]:
         for pattern in (
             f"{split}.jsonl",
             f"{split}.json",
+            f"{split}.csv",
             f"{split}.parquet",
             f"{split}-*.parquet",
         ):
@@ -145,15 +149,17 @@ def _split_files(directory: Path, split: str) -> list[Path]:
                 return found
     raise GrpoError(
         f"{directory}: no file for split {split!r} (looked for {split}.jsonl, {split}.json, "
-        f"{split}.parquet, {split}-*.parquet, also under main/ and data/)"
+        f"{split}.csv, {split}.parquet, {split}-*.parquet, also under main/ and data/)"
     )
 
 
 def _read_file(path: Path) -> Dataset:
-    """A .jsonl/.json or .parquet file as an in-memory Dataset."""
+    """A .jsonl/.json, .csv or .parquet file as an in-memory Dataset."""
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
         return _read_json(path)
+    if suffix == ".csv":
+        return _read_csv(path)
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -161,12 +167,14 @@ def _read_file(path: Path) -> Dataset:
             return Dataset(pq.read_table(path))
         except Exception as e:
             raise GrpoError(f"{path}: cannot read parquet: {e}") from None
-    raise GrpoError(f"{path}: unsupported file type {suffix!r} (expected .jsonl, .json, .parquet)")
+    raise GrpoError(
+        f"{path}: unsupported file type {suffix!r} (expected .jsonl, .json, .csv, .parquet)"
+    )
 
 
 def _read_json(path: Path) -> Dataset:
     """JSON lines (or a JSON list of objects), checking every row has question and answer."""
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path, "UTF-8 JSON lines with question and answer")
     rows: list[Any]
     if text.lstrip().startswith("["):
         try:
@@ -190,6 +198,25 @@ def _read_json(path: Path) -> Dataset:
             value = row.get(column)
             if not isinstance(value, str) or not value.strip():
                 raise GrpoError(f"{path}: row {i} has no {column!r} (got {value!r})")
+    if not rows:
+        raise GrpoError(f"{path}: no rows")
+    return Dataset.from_list(rows)
+
+
+def _read_csv(path: Path) -> Dataset:
+    """A CSV file whose header row names the columns (question and answer among them)."""
+    rows = []
+    with open_text(path, expected="UTF-8 CSV with a header row") as f:
+        reader = csv.DictReader(f)
+        try:
+            for row in reader:
+                if None in row:  # DictReader's key for fields beyond the header
+                    raise GrpoError(
+                        f"{path}: line {reader.line_num} has more fields than the header"
+                    )
+                rows.append(row)
+        except csv.Error as e:
+            raise GrpoError(f"{path}: line {reader.line_num} is not valid CSV: {e}") from None
     if not rows:
         raise GrpoError(f"{path}: no rows")
     return Dataset.from_list(rows)

@@ -8,15 +8,15 @@ Layout, as PEFT writes and reads it: `adapter_model.safetensors` with keys
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from grpo.errors import GrpoError
+from grpo.io import load_safetensors, read_json, save_safetensors, write_text, writing
 from grpo.lora.layers import (
     LoRALinear,
     _hf_path,
@@ -108,8 +108,8 @@ def save_adapter(
     }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    save_safetensors(tensors, out / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    write_text(out / ADAPTER_CONFIG, json.dumps(config, indent=2) + "\n")
     return out
 
 
@@ -118,10 +118,9 @@ def read_adapter_config(adapter_dir: str | Path) -> dict:
     path = Path(adapter_dir) / ADAPTER_CONFIG
     if not path.is_file():
         raise GrpoError(f"no {ADAPTER_CONFIG} in adapter directory {adapter_dir}")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise GrpoError(f"{path} is not valid JSON: {e}") from None
+    cfg = read_json(path, "a PEFT adapter_config.json")
+    if not isinstance(cfg, dict):
+        raise GrpoError(f"{path}: holds a {type(cfg).__name__}; expected an object")
     if cfg.get("peft_type") != "LORA":
         raise GrpoError(f"{path}: peft_type {cfg.get('peft_type')!r} is not supported (only LORA)")
     for key in ("r", "lora_alpha", "target_modules"):
@@ -179,10 +178,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path) -> list[str]:
             )
         if m.merged:
             raise GrpoError(f"load_adapter: LoRA at {path} is merged; call unmerge_lora first")
-    try:
-        tensors = load_file(str(weights))
-    except SafetensorError as e:
-        raise GrpoError(f"{weights} is not a valid safetensors file: {e}") from None
+    tensors = load_safetensors(weights)
     todo = {(p, w) for p in mods for w in ("A", "B")}
     for key, t in tensors.items():
         path, which = _parse_peft_key(key)
@@ -224,33 +220,89 @@ def _parse_peft_key(key: str) -> tuple[str, str]:
     return our_name(module + ".weight")[: -len(".weight")], which
 
 
+def check_merge_output(out_dir: str | Path, inputs: dict[str, Path], overwrite: bool) -> Path:
+    """Refuse an output that would damage an input or an earlier result, before any work.
+
+    The output may not be an input directory, lie inside one, or contain one (replacing it
+    would delete that input, --overwrite or not). An existing non-empty output directory needs
+    `overwrite`; an existing file is never replaced.
+
+    Args:
+        out_dir: the output directory.
+        inputs: flag -> input directory, e.g. {"--model": ..., "--adapter": ...}.
+        overwrite: replace a non-empty output directory's contents.
+
+    Returns:
+        `out_dir` as a Path.
+    """
+    out = Path(out_dir)
+    target = out.resolve()
+    for flag, path in inputs.items():
+        src = Path(path).resolve()
+        if target == src:
+            relation = "is"
+        elif src in target.parents:
+            relation = "is inside"
+        elif target in src.parents:
+            relation = "contains"
+        else:
+            continue
+        raise GrpoError(f"--out {out} {relation} the {flag} directory {path}; write elsewhere")
+    if out.exists() and not out.is_dir():
+        raise GrpoError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        n = sum(1 for _ in out.iterdir())
+        raise GrpoError(
+            f"--out {out} is not empty ({n} entries); pass --overwrite to replace its contents"
+        )
+    return out
+
+
 def merge_command(
-    model_path: str | Path, adapter_dir: str | Path, out_dir: str | Path, dtype: str | None = None
+    model_path: str | Path,
+    adapter_dir: str | Path,
+    out_dir: str | Path,
+    dtype: str | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """`grpo merge`: base checkpoint + adapter -> a plain HF checkpoint `transformers` loads.
 
     Merges in float32 and saves in `dtype` (default: the base checkpoint's dtype). Tokenizer
-    and generation-config files of the model directory are copied along.
+    and generation-config files of the model directory are copied along. The checkpoint is
+    written beside `out_dir` first and moved into place when complete, so a failure (a full
+    disk) leaves an existing `out_dir` as it was.
 
     Args:
         model_path: base model directory or hub id.
         adapter_dir: PEFT-format adapter directory.
-        out_dir: output directory (created).
+        out_dir: output directory; see `check_merge_output` for what is refused.
         dtype: "float32" / "bfloat16" / "float16" or None.
+        overwrite: replace the contents of a non-empty `out_dir`.
 
     Returns:
         `out_dir` as a Path.
     """
     model_dir = resolve_model_dir(model_path)
+    out = check_merge_output(
+        out_dir, {"--model": model_dir, "--adapter": Path(adapter_dir)}, overwrite
+    )
+    model = load_model(model_dir, dtype=torch.float32)  # checks config.json and the weights
     if dtype is None:
-        hf_cfg = json.loads((model_dir / "config.json").read_text())
+        hf_cfg = read_json(model_dir / "config.json", "a Hugging Face config.json")
         dtype = hf_cfg.get("dtype") or hf_cfg.get("torch_dtype") or "float32"
     save_dtype = parse_dtype(dtype)
-    model = load_model(model_dir, dtype=torch.float32)
     load_adapter(model, adapter_dir)
     unwrap_lora(model)
-    out = save_pretrained(model, out_dir, dtype=save_dtype)
-    for name in _TOKENIZER_FILES:
-        if (model_dir / name).is_file():
-            shutil.copy2(model_dir / name, out / name)
+    tmp = out.parent / f".{out.name}.merge-tmp-{os.getpid()}"
+    try:
+        save_pretrained(model, tmp, dtype=save_dtype)
+        for name in _TOKENIZER_FILES:
+            if (model_dir / name).is_file():
+                with writing(tmp / name):
+                    shutil.copy2(model_dir / name, tmp / name)
+        if out.exists():
+            shutil.rmtree(out)  # checked above: empty, or --overwrite
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from grpo.errors import GrpoError
+from grpo.io import read_json
 
 # HF `architectures[0]` / `model_type` -> our family name.
 SUPPORTED_ARCHITECTURES = {
@@ -16,6 +16,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_REQUIRED_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -63,16 +66,17 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, config: str | Path | dict) -> ModelConfig:
         """Build from a HF `config.json` (path, directory, or parsed dict)."""
+        where = "config"
         if not isinstance(config, dict):
             path = Path(config)
             if path.is_dir():
                 path = path / "config.json"
             if not path.is_file():
                 raise GrpoError(f"no config.json at {path}")
-            try:
-                config = json.loads(path.read_text())
-            except json.JSONDecodeError as e:
-                raise GrpoError(f"{path} is not valid JSON: {e}") from None
+            where = str(path)
+            config = read_json(path, "a Hugging Face config.json")
+            if not isinstance(config, dict):
+                raise GrpoError(f"{path}: holds a {type(config).__name__}; expected an object")
         archs = config.get("architectures") or []
         family = None
         for arch in archs:
@@ -86,6 +90,13 @@ class ModelConfig:
             raise GrpoError(
                 f"unsupported architecture {name!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
+        for key in _REQUIRED_FIELDS:
+            value = config.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise GrpoError(
+                    f"{where}: field {key!r} must be a positive integer, got {value!r} "
+                    "(a Hugging Face config.json)"
+                )
         hidden = config["hidden_size"]
         heads = config["num_attention_heads"]
         # transformers >= 5 writes `rope_parameters` (theta + scaling); older files have

@@ -118,12 +118,24 @@ class KVCache:
         out.pos_tensor = self.pos_tensor.clone() if self.static else None
         return out
 
-    def repeat_rows(self, G: int) -> KVCache:
-        """A new cache whose rows are each of this cache's rows repeated G times in a row.
+    def repeat_rows(self, G: int, out: KVCache | None = None) -> KVCache:
+        """A cache whose rows are each of this cache's rows repeated G times in a row.
 
         Row b of this cache becomes rows b*G .. b*G + G - 1: a prompt prefilled once serves
-        its whole group.
+        its whole group. With `out` (a cache of rows * G rows and the same length), the rows
+        are copied into its buffers in place and `out` is returned: a compiled decode step
+        (CUDA graphs) keeps seeing the same tensors call after call.
         """
+        if out is not None:
+            if (out.rows, out.max_len, out.static) != (self.rows * G, self.max_len, self.static):
+                raise ValueError("repeat_rows: `out` has the wrong shape")
+            for src, dst in zip(self.k_layers + self.v_layers, out.k_layers + out.v_layers):
+                P = src.shape[0]
+                dst.view(P, G, *src.shape[1:]).copy_(src[:, None])  # row b -> b*G .. b*G+G-1
+            if self.static:
+                out.pos_tensor.copy_(self.pos_tensor)
+            out._pos = self._pos
+            return out
         out = KVCache.__new__(KVCache)
         out.k_layers = [k.repeat_interleave(G, dim=0) for k in self.k_layers]  # (B*G, H_kv, S, D)
         out.v_layers = [v.repeat_interleave(G, dim=0) for v in self.v_layers]

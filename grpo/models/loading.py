@@ -11,10 +11,9 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from grpo.errors import GrpoError
+from grpo.io import read_json, safetensors_file, save_safetensors, write_text
 from grpo.models.config import ModelConfig
 from grpo.models.decoder import Decoder, rope_inv_freq
 
@@ -67,7 +66,10 @@ def resolve_model_dir(path_or_id: str | Path) -> Path:
 def _weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        data = read_json(index, "a safetensors index with a weight_map")
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict):
+            raise GrpoError(f"{index}: no 'weight_map' object; expected a safetensors index")
         return [model_dir / f for f in sorted(set(weight_map.values()))]
     single = model_dir / "model.safetensors"
     if single.is_file():
@@ -108,18 +110,18 @@ def load_model(
     params = dict(model.named_parameters())  # tied weights appear once, as embed_tokens
     loaded: set[str] = set()
     for file in _weight_files(model_dir):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with safetensors_file(file) as f:
             for key in f.keys():
                 name = our_name(key)
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue
                 if name not in params:
-                    raise GrpoError(f"{file.name}: unexpected tensor {key!r} for a {cfg.family}")
+                    raise GrpoError(f"{file}: unexpected tensor {key!r} for a {cfg.family}")
                 t = f.get_tensor(key)
                 if t.shape != params[name].shape:
                     raise GrpoError(
-                        f"{file.name}: {key} has shape {tuple(t.shape)}, "
-                        f"expected {tuple(params[name].shape)}"
+                        f"{file}: {key} has shape {tuple(t.shape)}, expected "
+                        f"{tuple(params[name].shape)} (from {model_dir / 'config.json'})"
                     )
                 with torch.no_grad():
                     params[name].copy_(t)
@@ -142,6 +144,6 @@ def save_pretrained(model: Decoder, out_dir: str | Path, dtype: torch.dtype | No
             t = t.to(dtype)
         tensors[hf_name(name)] = t.contiguous().cpu()
         cfg["torch_dtype"] = str(t.dtype).removeprefix("torch.")
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    save_safetensors(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    write_text(out / "config.json", json.dumps(cfg, indent=2) + "\n")
     return out

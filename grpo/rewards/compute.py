@@ -1,22 +1,46 @@
-"""Call reward functions on a batch and check what they return.
+"""Call reward functions on a batch, isolated from each other, and check what they return.
 
 A reward function returns one value per completion: a float (the sequence reward), or, for
 process rewards, a list of floats with one value per completion token (the trainer passes
-``completion_lengths`` and ``completion_ids`` columns to align them). A function that raises,
-returns the wrong number of values, or a value that is not a finite float is a `GrpoError`
-naming the function and, where there is one, the row.
+``completion_lengths`` and ``completion_ids`` columns to align them).
+
+Isolation: every call gets its own deep copy of the completions and columns, so a function that
+mutates its inputs cannot change what the next function (or the trainer) sees. A function that
+raises, calls ``sys.exit`` (SystemExit), raises KeyboardInterrupt itself, returns the wrong
+number of values, or a value that is not a finite float is a `GrpoError` naming the function
+and, where one can be found, the row. A real Ctrl-C still interrupts: in the main thread a
+SIGINT that arrives during the call is told apart from a KeyboardInterrupt raised by the
+function's own code, and only the latter becomes an error; elsewhere (a worker thread never
+receives signals) every KeyboardInterrupt is the function's.
+
+Timeout (``timeout_s``, default off): the call runs in a daemon worker thread and the caller
+waits at most that long; a function still running then is a `GrpoError` naming it and the
+limit. Python cannot stop a thread, so the worker is abandoned and keeps running until the
+function returns on its own (being a daemon it does not keep the process alive). Thread-local
+state does not follow the call into the worker except torch's grad mode, which is copied.
 """
 
 from __future__ import annotations
 
+import copy
 import math
-from collections.abc import Sequence
+import signal
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from grpo.errors import GrpoError
 from grpo.rewards.functions import RewardFn
+
+# After a batch call fails, rows are retried one at a time to name the failing row; that retry
+# is bounded in rows and in wall time (each retry call runs in a worker thread under the time
+# left) so that a slow or hanging function cannot multiply the wait for the error.
+RETRY_ROWS = 64
+RETRY_SECONDS = 5.0
 
 
 def reward_name(fn: RewardFn) -> str:
@@ -30,8 +54,9 @@ def call_reward(
     completions: list[str],
     columns: dict[str, Any],
     token_lengths: Sequence[int] | None = None,
+    timeout_s: float | None = None,
 ) -> list[float | list[float]]:
-    """Call one reward function and check it returned one finite value per completion.
+    """Call one reward function on its own copy of the inputs and check what it returned.
 
     Args:
         name: the name used in error messages.
@@ -40,46 +65,52 @@ def call_reward(
         columns: per-row columns (lists of length B) and any extra keyword arguments.
         token_lengths: B completion lengths in tokens; when given, a row's value may be a list
             of that many floats (token-level rewards). Without it only floats are accepted.
+        timeout_s: fail when the call takes longer than this many seconds (None: no limit).
 
     Returns:
         B floats (or per-token lists of floats).
 
     Raises:
-        GrpoError: naming `name` and the first bad row.
+        GrpoError: naming `name` (and the first bad row): the function raised, exited, timed
+            out, or returned the wrong type, length or a non-finite value.
+        KeyboardInterrupt: a real Ctrl-C (SIGINT) during the call.
     """
     try:
-        values = fn(completions, **columns)
-    except Exception as e:
+        values = _guarded_call(fn, completions, columns, timeout_s)
+    except _Timeout:
+        raise _error(
+            name,
+            f"did not return within its timeout_s={timeout_s:g} s (rewards[].timeout_s); it "
+            "was left running in a background thread",
+        ) from None
+    except KeyboardInterrupt:  # a real Ctrl-C: the run stops as it would anywhere else
+        raise
+    except BaseException as e:  # SystemExit too: a reward must not end the process
         if getattr(e, "reward_name", None):  # already checked and named (a nested reward)
             raise
-        row = _first_failing_row(fn, completions, columns)
+        row = _first_failing_row(fn, completions, columns, timeout_s)
         where = "" if row is None else f" at row {row} ({_preview(completions[row])})"
-        raise _error(name, f"raised {type(e).__name__}{where}: {e}") from e
-    if isinstance(values, torch.Tensor):
-        values = values.tolist()
-    if not isinstance(values, Sequence) or isinstance(values, str):
+        what, detail = _describe(e)
+        raise _error(name, f"{what}{where}{detail}") from e
+    values = _as_list(values)
+    if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
         raise _error(name, f"returned {type(values).__name__}, expected a list of floats")
     if len(values) != len(completions):
         raise _error(name, f"returned {len(values)} values for {len(completions)} completions")
     out: list[float | list[float]] = []
     for row, value in enumerate(values):
-        if isinstance(value, torch.Tensor) and value.dim() == 1:
-            value = value.tolist()
+        value = _as_list(value)
         if isinstance(value, (list, tuple)):
             out.append(_token_values(name, value, row, completions, token_lengths))
             continue
-        try:
-            value = float(value)
-        except (TypeError, ValueError):
-            value = None
-        if value is None or not math.isfinite(value):
-            shown = values[row] if value is None else value
+        number = _finite_float(value)
+        if number is None:
             raise _error(
                 name,
-                f"returned {shown!r} at row {row} ({_preview(completions[row])}); "
+                f"returned {value!r} at row {row} ({_preview(completions[row])}); "
                 "expected a finite float",
             )
-        out.append(value)
+        out.append(number)
     return out
 
 
@@ -90,6 +121,9 @@ def compute_rewards(
     token_width: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The weighted reward r = sum_k w_k * reward_k(completions, **columns), and each part.
+
+    Each function is called on its own copy of `completions` and `columns` (see `call_reward`),
+    under its ``timeout_s`` when it has one (a `NamedReward` from a spec with ``timeout_s``).
 
     Args:
         fns_with_weights: (reward function, weight) pairs, e.g. from `build_rewards`.
@@ -105,7 +139,8 @@ def compute_rewards(
             a repeated name gets ``_2``, ``_3``...
 
     Raises:
-        GrpoError: a function raised, returned the wrong length, or a non-finite value.
+        GrpoError: a function raised, exited, timed out, returned the wrong type or length, or
+            a non-finite value.
     """
     if not fns_with_weights:
         raise GrpoError("no reward functions given: configure at least one reward")
@@ -120,7 +155,8 @@ def compute_rewards(
         while name in per_fn:
             k += 1
             name = f"{base}_{k}"
-        values = call_reward(name, fn, completions, columns, lengths)
+        timeout_s = getattr(fn, "timeout_s", None)
+        values = call_reward(name, fn, completions, columns, lengths, timeout_s=timeout_s)
         row_sums = []
         for row, v in enumerate(values):
             if isinstance(v, list):
@@ -139,6 +175,146 @@ def compute_rewards(
     return tokens.float(), per_fn
 
 
+# --------------------------------------------------------------------------- the guarded call
+
+
+class _Timeout(Exception):
+    """The call did not return within its timeout (the worker thread is abandoned)."""
+
+
+class _OwnInterrupt(Exception):
+    """A KeyboardInterrupt the reward function raised itself (no SIGINT arrived)."""
+
+
+def _guarded_call(
+    fn: RewardFn, completions: list[str], columns: dict[str, Any], timeout_s: float | None
+) -> Any:
+    """`fn` on fresh copies of the inputs, in this thread or (with `timeout_s`) a worker.
+
+    Raises:
+        KeyboardInterrupt: only for a real SIGINT during the call.
+        _OwnInterrupt: the function raised KeyboardInterrupt itself.
+        _Timeout: still running after `timeout_s` seconds.
+        BaseException: whatever else the function raised (SystemExit included).
+    """
+    completions, columns = list(completions), _fresh(columns)
+    with _sigint_watch() as interrupted:
+        try:
+            if timeout_s is None:
+                return fn(completions, **columns)
+            return _call_in_worker(fn, completions, columns, timeout_s)
+        except KeyboardInterrupt as e:
+            if interrupted():
+                raise
+            raise _OwnInterrupt() from e
+
+
+def _call_in_worker(
+    fn: RewardFn, completions: list[str], columns: dict[str, Any], timeout_s: float
+) -> Any:
+    """`fn` in a daemon thread, waited for at most `timeout_s` seconds (then abandoned)."""
+    box: dict[str, Any] = {}
+    grad = torch.is_grad_enabled()  # thread-local: copied so the worker computes like the caller
+
+    def work() -> None:
+        try:
+            with torch.set_grad_enabled(grad):
+                box["value"] = fn(completions, **columns)
+        except BaseException as e:  # handed to the caller, which names it
+            box["error"] = e
+
+    worker = threading.Thread(target=work, name=f"reward-{reward_name(fn)}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)  # a Ctrl-C interrupts this wait in the main thread
+    if worker.is_alive():
+        raise _Timeout()
+    if "error" in box:
+        error = box["error"]
+        if isinstance(error, KeyboardInterrupt):  # signals never reach a worker thread
+            raise _OwnInterrupt() from error
+        raise error
+    return box["value"]
+
+
+@contextmanager
+def _sigint_watch() -> Iterator[Any]:
+    """Yields a function telling whether a SIGINT arrived inside the block.
+
+    In the main thread (the only one Python delivers signals to) the SIGINT handler is wrapped
+    for the duration: it records the signal, then does what the previous handler did. Elsewhere,
+    or when the handler was not installed from Python, nothing is wrapped and the answer is
+    always False (no Ctrl-C can surface as a KeyboardInterrupt there).
+    """
+    hit = [False]
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.getsignal(signal.SIGINT)
+    if previous is None:
+        yield lambda: hit[0]
+        return
+
+    def handler(signum, frame):
+        hit[0] = True
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:  # the default action: end the process
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield lambda: hit[0]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _fresh(columns: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of the columns; a value that cannot be copied (a lock, a model handle) is
+    passed as it is."""
+    try:
+        return copy.deepcopy(columns)
+    except Exception:
+        out = {}
+        for key, value in columns.items():
+            try:
+                out[key] = copy.deepcopy(value)
+            except Exception:
+                out[key] = value
+        return out
+
+
+def _describe(e: BaseException) -> tuple[str, str]:
+    """(what the function did, detail) for an error message; the row goes between them."""
+    if isinstance(e, SystemExit):
+        return "raised SystemExit", f": sys.exit({e.code!r}) inside a reward; return the values"
+    if isinstance(e, _OwnInterrupt):
+        return "raised KeyboardInterrupt", ": raised by the function itself, not a Ctrl-C"
+    return f"raised {type(e).__name__}", f": {e}"
+
+
+# --------------------------------------------------------------------------- value checks
+
+
+def _as_list(value: Any) -> Any:
+    """A tensor or numpy array of one or more dimensions as a (nested) list; else as it is."""
+    is_array = isinstance(value, torch.Tensor) or type(value).__module__ == "numpy"
+    if is_array and getattr(value, "ndim", 0) >= 1:
+        return value.tolist()
+    return value
+
+
+def _finite_float(value: Any) -> float | None:
+    """`value` as a finite float; None for anything else (strings included: a number written
+    as text is a bug in the function, not a reward)."""
+    if isinstance(value, (str, bytes)):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
 def _token_values(name, value, row, completions, token_lengths) -> list[float]:
     """A row's per-token reward list, checked: one finite float per completion token."""
     if token_lengths is None:
@@ -152,29 +328,41 @@ def _token_values(name, value, row, completions, token_lengths) -> list[float]:
         )
     out = []
     for v in value:
-        try:
-            v = float(v)
-        except (TypeError, ValueError):
-            v = math.nan
-        if not math.isfinite(v):
-            raise _error(name, f"returned a non-finite per-token value at row {row}")
-        out.append(v)
+        number = _finite_float(v)
+        if number is None:
+            raise _error(name, f"returned a non-finite per-token value {v!r} at row {row}")
+        out.append(number)
     return out
 
 
-def _first_failing_row(fn: RewardFn, completions: list[str], columns: dict[str, Any]) -> int | None:
-    """The first row on which `fn`, called on that row alone, raises; None when no row or
-    every row does (the problem is then the batch, e.g. a missing column, not a row)."""
+def _first_failing_row(
+    fn: RewardFn, completions: list[str], columns: dict[str, Any], timeout_s: float | None
+) -> int | None:
+    """The first row on which `fn`, called on that row alone, fails; None when no row or every
+    tried row does (the problem is then the batch, e.g. a missing column, not a row).
+
+    Bounded: at most RETRY_ROWS rows and RETRY_SECONDS of wall time in all, every call under
+    the time left (and `timeout_s`), so a slow or hanging function cannot stall the error.
+    """
     n = len(completions)
     if n < 2:
         return 0 if n == 1 else None
     first_fail, any_pass = None, False
-    for row in range(n):
+    deadline = time.monotonic() + RETRY_SECONDS
+    for row in range(min(n, RETRY_ROWS)):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
         one = {k: v[row : row + 1] if _is_per_row(v, n) else v for k, v in columns.items()}
+        limit = left if timeout_s is None else min(left, timeout_s)
         try:
-            fn(completions[row : row + 1], **one)
+            _guarded_call(fn, completions[row : row + 1], one, limit)
             any_pass = True
-        except Exception:
+        except KeyboardInterrupt:
+            raise
+        except _Timeout:
+            break
+        except BaseException:
             first_fail = row if first_fail is None else first_fail
         if first_fail is not None and any_pass:
             return first_fail

@@ -35,10 +35,12 @@ RewardFn = Callable[..., list[float]]
 
 @dataclass(frozen=True)
 class NamedReward:
-    """A reward function with the name it is logged under (``rewards/<name>``)."""
+    """A reward function with the name it is logged under (``rewards/<name>``) and, optionally,
+    the most seconds one call may take (``timeout_s``; see `grpo.rewards.compute`)."""
 
     name: str
     fn: RewardFn
+    timeout_s: float | None = None
 
     def __call__(self, completions: list[str], **columns: Any) -> list[float]:
         return self.fn(completions, **columns)

@@ -8,7 +8,7 @@ A spec is one of:
 - a ``"package.module:function"`` path to such a callable;
 - a dict ``{"name": <one of the above>, **kwargs}`` with parameters for the factory
   (``{"name": "length_penalty", "target": 100}``) or, for a plain function, keyword
-  arguments bound to it.
+  arguments bound to it; ``"timeout_s": seconds`` (not passed on) limits each call.
 
 Reward lists for the trainer (`build_rewards`) add weights: ``{"accuracy": 1.0,
 "length_penalty": {"weight": 0.5, "target": 100}}`` or ``[{"name": "accuracy", "weight": 1.0}]``.
@@ -16,6 +16,7 @@ Reward lists for the trainer (`build_rewards`) add weights: ``{"accuracy": 1.0,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -87,7 +88,11 @@ def get_reward(spec: RewardSpec) -> NamedReward:
             raise GrpoError(f"reward spec {dict(spec)!r} has no 'name'")
         target = params.pop("name")
         params.update(params.pop("kwargs", None) or {})
-        return _resolve(target, params)
+        timeout_s = params.pop("timeout_s", None)
+        reward = _resolve(target, params)
+        if timeout_s is None:
+            return reward
+        return dataclasses.replace(reward, timeout_s=_check_timeout(reward.name, timeout_s))
     return _resolve(spec, {})
 
 
@@ -151,11 +156,22 @@ def make_combined(weights: Any) -> RewardFn:
     def combined(completions: list[str], **columns: Any) -> list[float]:
         total = [0.0] * len(completions)
         for fn, weight in parts:
-            values = call_reward(f"combined/{reward_name(fn)}", fn, completions, columns)
+            name = f"combined/{reward_name(fn)}"
+            timeout_s = getattr(fn, "timeout_s", None)
+            values = call_reward(name, fn, completions, columns, timeout_s=timeout_s)
             total = [t + weight * v for t, v in zip(total, values)]
         return total
 
     return combined
+
+
+def _check_timeout(name: str, value: Any) -> float:
+    """A reward's timeout_s: a finite number of seconds > 0."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value <= 0:
+        raise GrpoError(f"rewards: timeout_s of {name!r} must be a number of seconds > 0 (or "
+                        f"null for no limit), got {value!r}")  # fmt: skip
+    return float(value)
 
 
 def _builtins() -> dict[str, Callable[..., RewardFn]]:

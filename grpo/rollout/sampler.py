@@ -204,8 +204,13 @@ class Sampler:
         self.sync_every = sync_every
         self.fallback = fallback
         self.slot_multiple = SLOT_MULTIPLE if compile else 1
+        self._cache: KVCache | None = None  # the compiled step's decode cache, reused
+        self._cuda = model.device.type == "cuda"
         if compile:
-            options = {"dynamic": False, "fullgraph": True, **(compile_options or {})}
+            options = {"dynamic": False, "fullgraph": True}
+            if self._cuda:  # CUDA graphs: one replay per step instead of ~10 launches per layer
+                options["mode"] = "reduce-overhead"
+            options.update(compile_options or {})
             self._compiled = torch.compile(self._decode_step, **options)
             self._decode = self._decode_compiled
         else:
@@ -214,6 +219,8 @@ class Sampler:
     def _decode_compiled(self, tokens, position_ids, attention_mask, cache):
         """The compiled step; with `fallback`, a failure to compile switches to eager for good
         (the static cache works eagerly too)."""
+        if self._cuda:  # a new step: the previous replay's outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         if not self.fallback:
             return self._compiled(tokens, position_ids, attention_mask, cache)
         try:
@@ -333,7 +340,21 @@ class Sampler:
         cache = KVCache.for_model(model, rows=P, max_len=max_len, static=self.compile)
         hidden = model(prompt_ids, attention_mask=kv_mask, kv_cache=cache, return_hidden=True)
         logits = model.lm_head(hidden[:, -1]).float()  # (P, V): the last position only
-        return logits.repeat_interleave(G, dim=0), cache.repeat_rows(G)
+        out = self._decode_cache(P * G, max_len) if self.compile else None
+        return logits.repeat_interleave(G, dim=0), cache.repeat_rows(G, out=out)
+
+    def _decode_cache(self, rows: int, max_len: int) -> KVCache:
+        """The compiled step's B-row cache, kept across calls while its shape holds: the same
+        tensors every call (marked static on CUDA, so CUDA graphs replay in place). Nothing
+        stale survives: `repeat_rows(out=...)` overwrites every slot with the prefill's."""
+        c = self._cache
+        if c is None or (c.rows, c.max_len) != (rows, max_len):
+            c = KVCache.for_model(self.model, rows=rows, max_len=max_len, static=True)
+            if self._cuda:
+                for t in [*c.k_layers, *c.v_layers, c.pos_tensor]:
+                    torch._dynamo.mark_static_address(t)
+            self._cache = c
+        return c
 
     def _decode_loop(self, logits, cache, kv_mask, prompt_lens, max_new_tokens, draw, stops):
         """Sample from `logits` (B, V), feed the tokens back, repeat; all rows in one batch.

@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from grpo.config import Config, save_config
+from grpo.config import Config
 from grpo.data import format_math_dataset, get_dataset
 from grpo.errors import GrpoError
+from grpo.io import writing
 from grpo.lora import apply_lora, load_adapter, lora_modules, save_adapter, unwrap_lora
 from grpo.models import Decoder, load_model, save_pretrained
 from grpo.tokenizer import load_tokenizer, stop_ids
@@ -140,15 +141,6 @@ def load_rows(cfg: Config, split: str, max_samples: int | None, format_type: str
     return rows
 
 
-def prepare_run_dir(cfg: Config, resume: bool, rank0: bool = True) -> Path:
-    """Create the run directory and write the resolved config beside the outputs."""
-    out = Path(cfg.train.output_dir)
-    if rank0:
-        out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out / ("config.resume.yaml" if resume else "config.yaml"))
-    return out
-
-
 def save_final(policy: Policy, out_dir: Path, cfg: Config) -> Path:
     """Write the trained weights: a PEFT-format adapter for LoRA, a full HF checkpoint else,
     plus the tokenizer, into out_dir/final."""
@@ -159,7 +151,8 @@ def save_final(policy: Policy, out_dir: Path, cfg: Config) -> Path:
         save_adapter(policy.model, tmp, base_model_name_or_path=str(cfg.model.path))
     else:
         save_pretrained(policy.model, tmp)
-    policy.tokenizer.save_pretrained(str(tmp))
+    with writing(tmp):  # transformers raises a bare OSError on a full disk
+        policy.tokenizer.save_pretrained(str(tmp))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     return final

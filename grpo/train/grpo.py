@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -23,6 +24,7 @@ from grpo.algo.losses import check_policy_loss, loss_normalizer, policy_loss
 from grpo.config import Config
 from grpo.distributed import (
     SINGLE,
+    Where,
     all_gather_cat,
     all_reduce_max,
     all_reduce_max_dict,
@@ -30,6 +32,7 @@ from grpo.distributed import (
     all_reduce_sum,
     all_reduce_sum_dict,
     device_for,
+    failures_named,
     init_distributed,
     no_sync,
     teardown,
@@ -61,7 +64,8 @@ from grpo.train.common import (
     resolve_device,
     seed_everything,
 )
-from grpo.train.loop import resume_checkpoint, start_run
+from grpo.train.loop import RunDir, run_directory, start_run
+from grpo.train.preflight import check_prompt_room, preflight
 
 log = logging.getLogger(__name__)
 
@@ -73,15 +77,19 @@ def sample_round(cfg: Config, policy, sampler, rows: list[dict], seed: int, make
     sampling = {"temperature": c.temperature, "top_k": c.top_k, "top_p": c.top_p,
                 "min_p": c.min_p, "seed": seed, "pad_id": policy.tokenizer.pad_token_id,
                 "stop_ids": policy.stop_ids}  # fmt: skip
-    if not c.multi_turn:
-        return sampler.sample([r["prompt_ids"] for r in rows], group_size=c.group_size,
-                              max_new_tokens=c.max_new_tokens, **sampling)  # fmt: skip
-    return sample_with_env(
-        sampler, policy.tokenizer, rows, make_env or env_factory(c.env, c.env_kwargs),
-        env_name=c.env, group_size=c.group_size, max_new_tokens=c.max_new_tokens,
-        max_turns=c.max_turns, max_total_tokens=c.total_tokens, max_obs_tokens=c.max_obs_tokens,
-        turn_end_ids=turn_end_ids(policy.tokenizer, c.turn_end_tokens), **sampling,
-    )  # fmt: skip
+    # the sampler runs under the trainer's autocast, so its log-probs are the same numbers
+    device_type = policy.model.device.type
+    with torch.autocast(device_type, torch.bfloat16, enabled=cfg.model.autocast_bf16):
+        if not c.multi_turn:
+            return sampler.sample([r["prompt_ids"] for r in rows], group_size=c.group_size,
+                                  max_new_tokens=c.max_new_tokens, **sampling)  # fmt: skip
+        return sample_with_env(
+            sampler, policy.tokenizer, rows, make_env or env_factory(c.env, c.env_kwargs),
+            env_name=c.env, group_size=c.group_size, max_new_tokens=c.max_new_tokens,
+            max_turns=c.max_turns, max_total_tokens=c.total_tokens,
+            max_obs_tokens=c.max_obs_tokens,
+            turn_end_ids=turn_end_ids(policy.tokenizer, c.turn_end_tokens), **sampling,
+        )  # fmt: skip
 
 
 def rollout_phase(
@@ -197,8 +205,7 @@ def global_advantages(cfg: Config, token_rewards, mask, dist=SINGLE, turn_ids=No
     """This rank's (B, T_c) rows of the estimator run on all ranks' rows (rank order), each
     rank's tensors padded to the longest T_c (padding is masked out)."""
     B, T = mask.shape
-    device = token_rewards.device
-    T_max = int(all_reduce_max(T, dist, device))
+    T_max = int(all_reduce_max(T, dist))
     pad = (0, T_max - T)
     if turn_ids is None:
         turn_ids = torch.zeros_like(mask, dtype=torch.long)
@@ -276,9 +283,10 @@ def reference_phase(cfg: Config, policy, batch: Batch, step: int | None = None) 
 
 @torch.no_grad()
 def old_logprobs_phase(cfg: Config, policy, batch: Batch) -> None:
-    """With loss.tis_cap: pi_old as the trainer computes it (no grad, the sampler's eval mode),
-    so the loss can weight by min(pi_old_trainer / pi_sampler, cap) (truncated IS)."""
-    if cfg.loss.tis_cap is None:
+    """With loss.old_logprobs: recompute (or loss.tis_cap): pi_old as the trainer computes it
+    (no grad, the sampler's eval mode), for the ratio (and the truncated-IS weight
+    min(pi_old_trainer / pi_sampler, cap))."""
+    if cfg.loss.old_logprobs != "recompute" and cfg.loss.tis_cap is None:
         return
     scorer = CompletionLogprobs(policy.model)
     batch.old_logprobs = torch.cat([_logprobs(cfg, scorer, batch, sl, cols)
@@ -306,13 +314,13 @@ class StatSums:
             else:
                 self.sums[k] = self.sums.get(k, 0.0) + v * w
 
-    def reduce(self, dist, device) -> dict[str, float]:
-        sums = all_reduce_sum_dict({**self.sums, "__tokens": self.tokens}, dist, device)
+    def reduce(self, dist) -> dict[str, float]:
+        sums = all_reduce_sum_dict({**self.sums, "__tokens": self.tokens}, dist)
         n = max(sums.pop("__tokens"), 1.0)
         out = {f"train/{k}": v / n for k, v in sums.items()}
         maxes = {k: v for k, v in self.extremes.items() if k.endswith("_max")}
         mins = {k: -v for k, v in self.extremes.items() if k.endswith("_min")}
-        both = all_reduce_max_dict({**maxes, **mins}, dist, device)  # min = -max(-x)
+        both = all_reduce_max_dict({**maxes, **mins}, dist)  # min = -max(-x)
         for k, v in both.items():
             v = -v if k.endswith("_min") else v
             out[f"train/{k}"] = v if math.isfinite(v) else float("nan")  # no counted token
@@ -328,19 +336,23 @@ def update_phase(
     Under DDP the aggregation's normalizer is summed over ranks and each rank's loss is
     multiplied by the world size (DDP averages gradients), so the update equals the
     single-process update on the combined batch; gradients sync on the last micro-batch only.
-    Stats are whatever the policy loss returns, token-weighted over the global batch.
+    Stats are whatever the policy loss returns, token-weighted over the global batch, and the
+    on-policy check: the first pass's log-probs (the policy that sampled, trainer numerics)
+    against the sampler's, as rollout/logprob_diff_max, rollout/logprob_diff_mean and
+    rollout/first_pass_ratio_mean (exp of the difference; 1 when they agree).
     """
     model = policy.model
     scorer = scorer if scorer is not None else CompletionLogprobs(model)
     model.train()
     norm = loss_normalizer(batch.loss_mask, cfg.loss.aggregation, cfg.rollout.max_new_tokens)
-    norm = all_reduce_sum(norm, dist, batch.rollout.ids.device)
+    norm = all_reduce_sum(norm, dist)
     slices = _micro_batches(cfg, batch)
     sampler_logprobs = batch.rollout.logprobs
     old = batch.old_logprobs if batch.old_logprobs is not None else sampler_logprobs
     sums = StatSums()
     policy_share, losses, grad_norms, skipped = 0.0, [], [], 0
-    for _ in range(cfg.loss.num_iterations):
+    on_policy = torch.zeros(4, dtype=torch.float64, device=sampler_logprobs.device)
+    for it in range(cfg.loss.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for i, (sl, cols) in enumerate(slices):
@@ -364,13 +376,17 @@ def update_phase(
                 except GrpoError as e:
                     raise GrpoError(f"step {step}: {e}" if step is not None else str(e)) from None
                 (loss * dist.world_size).backward()  # DDP averages; we want the sum
+            if it == 0:  # no host sync: summed here, read once after the loop
+                part = _on_policy_sums(logprobs, sampler_logprobs[sl], batch.loss_mask[sl])
+                on_policy[:3] += part[:3]
+                on_policy[3] = torch.maximum(on_policy[3], part[3])
             total += loss.item()
             policy_share += st["policy_loss"]
             sums.add(st)
         max_norm = cfg.optim.max_grad_norm or math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         finite = math.isfinite(grad_norm) and math.isfinite(total)
-        if all_reduce_sum(float(not finite), dist, batch.rollout.ids.device):
+        if all_reduce_sum(float(not finite), dist):
             # A non-finite loss or gradient on any rank: skip this update everywhere.
             log.warning("non-finite loss (%s) or grad norm (%s): update skipped", total, grad_norm)
             optimizer.zero_grad(set_to_none=True)
@@ -381,11 +397,14 @@ def update_phase(
         losses.append(total)
         grad_norms.append(grad_norm)
     model.eval()
-    device = batch.rollout.ids.device
     mu = max(len(losses), 1)
-    out = sums.reduce(dist, device)
+    out = sums.reduce(dist)
+    diff_sum, ratio_sum, n_tokens, diff_max = on_policy.tolist()
     # every rank's loss is its share of the global loss: sum the shares over ranks
-    shares = all_reduce_sum_dict({"loss": sum(losses), "policy_loss": policy_share}, dist, device)
+    sums_local = {"loss": sum(losses), "policy_loss": policy_share, "diff": diff_sum,
+                  "ratio": ratio_sum, "n": n_tokens}  # fmt: skip
+    shares = all_reduce_sum_dict(sums_local, dist)
+    n_tokens = max(shares["n"], 1.0)
     out.update(
         {
             "train/loss": shares["loss"] / mu,
@@ -393,13 +412,23 @@ def update_phase(
             "train/grad_norm": sum(grad_norms) / mu if grad_norms else float("nan"),
             "train/nonfinite_skipped": skipped,  # the same on every rank
             "train/lr": scheduler.get_last_lr()[0],
+            "rollout/logprob_diff_max": all_reduce_max(diff_max, dist),
+            "rollout/logprob_diff_mean": shares["diff"] / n_tokens,
+            "rollout/first_pass_ratio_mean": shares["ratio"] / n_tokens,
         }
     )
     if dist.enabled:  # grad norms are of the synced gradients, equal on all ranks
-        out["train/grad_norm"] = all_reduce_mean_dict({"g": out["train/grad_norm"]}, dist, device)[
-            "g"
-        ]
+        out["train/grad_norm"] = all_reduce_mean_dict({"g": out["train/grad_norm"]}, dist)["g"]
     return out
+
+
+def _on_policy_sums(logprobs, sampler_logprobs, mask) -> torch.Tensor:
+    """(4,) float64: sum |logprobs - sampler's|, sum exp(logprobs - sampler's), counted tokens,
+    max |difference| over the counted tokens of a micro-batch."""
+    with torch.no_grad():
+        d = torch.where(mask, logprobs.detach().double() - sampler_logprobs.double(), 0.0)
+        ratio = torch.where(mask, torch.exp(d), 0.0)
+        return torch.stack([d.abs().sum(), ratio.sum(), mask.sum().double(), d.abs().max()])
 
 
 def rollout_metrics(batch: Batch, G: int) -> dict:
@@ -434,22 +463,44 @@ def eval_env_settings(cfg: Config) -> dict:
             "turn_end_tokens": r.turn_end_tokens}  # fmt: skip
 
 
-def train_grpo(cfg: Config, resume: bool = False) -> dict:
-    """Run GRPO as configured (one process, or one rank of a torchrun job)."""
+def train_grpo(
+    cfg: Config,
+    resume: bool = False,
+    on_step: Callable[[int, dict], None] | None = None,
+    overwrite: bool = False,
+) -> dict:
+    """Run GRPO as configured (one process, or one rank of a torchrun job).
+
+    Args:
+        cfg: the run config.
+        resume: continue from the run directory's newest valid checkpoint (refused if the
+            config changes the model, LoRA shape, group size or data).
+        on_step: called on the main rank after every step, once its metrics are logged, with
+            (step, metrics); eval/* metrics are present on evaluation steps. An exception it
+            raises ends the run (e.g. a sweep pruning a trial).
+        overwrite: start afresh in a directory holding an earlier run, whose outputs are
+            removed once every input is checked (without it such a start is refused).
+
+    Returns:
+        the run's summary: output_dir, final, step and the last step's metrics.
+    """
     cfg.check_grpo()
-    dist = init_distributed(resolve_device(cfg.model.device).type)
+    dist = init_distributed(resolve_device(cfg.model.device).type, cfg.train.dist_timeout_s)
+    where = Where()  # the phase and step a failed collective is reported at
     try:
-        return _train(cfg, resume, dist)
+        with failures_named(dist, where, cfg.train.dist_timeout_s):
+            with run_directory(cfg, "train", resume, overwrite, dist) as rundir:
+                return _train(cfg, rundir, dist, on_step, where)
     finally:
         teardown()
 
 
-def _train(cfg: Config, resume: bool, dist) -> dict:
+def _train(cfg: Config, rundir: RunDir, dist, on_step=None, where: Where | None = None) -> dict:
     from grpo.eval import evaluate
 
     device = device_for(dist, resolve_device(cfg.model.device))
+    mc = preflight(cfg, "grpo", device, world_size=dist.world_size)  # before any load or write
     seed_everything(cfg.train.seed)
-    ckpt = resume_checkpoint(cfg, resume)
     check_estimator(cfg.loss.advantage, cfg.loss.advantage_kwargs)  # before anything is written
     check_policy_loss(cfg.loss)
     make_env = (
@@ -463,11 +514,10 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
     if cfg.data.eval_samples and dist.is_main:
         n_eval = cfg.data.eval_samples
         eval_rows = load_rows(cfg, cfg.data.eval_split, n_eval, "rl", policy.tokenizer)
-    reward_fns = build_rewards(
-        [{"name": r.name, "weight": r.weight, **r.kwargs} for r in cfg.rewards]
-    )
+    check_prompt_room(cfg, mc, "grpo", rows, eval_rows)
+    reward_fns = build_rewards([r.spec for r in cfg.rewards])
     # Only now, with model, data and rewards checked, does the run directory get written.
-    run = start_run(cfg, policy, dist, cfg.train.max_steps * cfg.loss.num_iterations, ckpt, resume)
+    run = start_run(cfg, policy, dist, cfg.train.max_steps * cfg.loss.num_iterations, rundir)
     state, optimizer, scheduler, params = run.state, run.optimizer, run.scheduler, run.params
     policy.model.eval()
     sampler = Sampler(policy.model, compile=resolve_compile(cfg.rollout.compile, device),
@@ -487,17 +537,21 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
     metrics: dict = {}
     show = cfg.train.progress and dist.is_main
     bar = tqdm(total=cfg.train.max_steps, initial=state.step, desc="grpo", disable=not show)
+    where = where or Where()
     while state.step < cfg.train.max_steps:
         t0 = time.perf_counter()
+        where.step, where.phase = state.step + 1, "rollout"
         batch = rollout_phase(
             cfg, policy, sampler, rows, state, reward_fns, state.step, dist, make_env
         )
         t1 = time.perf_counter()
+        where.phase = "reference / advantage"
         reference_phase(cfg, policy, batch, state.step + 1)
         advantage_phase(cfg, batch, dist, state.step + 1)
         old_logprobs_phase(cfg, policy, batch)
         t2 = time.perf_counter()
-        metrics = all_reduce_mean_dict(rollout_metrics(batch, G), dist, device)
+        where.phase = "update"
+        metrics = all_reduce_mean_dict(rollout_metrics(batch, G), dist)
         metrics.update(
             update_phase(
                 cfg, policy, batch, optimizer, scheduler, params, scorer, dist, state.step + 1
@@ -505,7 +559,7 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
         )
         t3 = time.perf_counter()
         state.step += 1
-        tokens = all_reduce_sum(int(batch.rollout.completion_mask.sum()), dist, device)
+        tokens = all_reduce_sum(int(batch.rollout.completion_mask.sum()), dist)
         metrics.update(
             {
                 "perf/step_s": t3 - t0,
@@ -519,10 +573,13 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
         skipped = int(metrics["train/nonfinite_skipped"])
         bad_steps = bad_steps + skipped if skipped else 0
         last = state.step == cfg.train.max_steps
+        where.phase = "evaluation / logging"
         if eval_rows and due(state.step, cfg.train.eval_every, last):
             metrics.update(run_eval())
         if state.step % cfg.train.log_every == 0 or last:
             run.logger.log(state.step, metrics)
+        if on_step is not None and dist.is_main:
+            on_step(state.step, metrics)
         if dist.is_main and cfg.train.sample_every and state.step % cfg.train.sample_every == 0:
             tqdm.write(f"[sample] reward {float(batch.rewards[0]):.2f}: {batch.texts[0]!r}")
         if bad_steps >= cfg.train.max_nonfinite_steps:
@@ -531,6 +588,7 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
                 f"{state.step}); stopped. Lower optim.lr or check the rewards; resume from the "
                 "last checkpoint with --resume"
             )
+        where.phase = "checkpoint"
         run.end_step(policy, dist, last)
         bar.update(1)
     bar.close()

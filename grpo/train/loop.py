@@ -1,41 +1,27 @@
-"""The run lifecycle the SFT and GRPO loops share: resume lookup, optimizer and schedule,
-restored state, run directory and metric logger at the start; checkpoints during; final
-weights at the end. The loops keep only what differs (their batches and their updates)."""
+"""The run lifecycle the SFT and GRPO loops share: optimizer and schedule, restored state,
+the claimed run directory (grpo/train/rundir.py) and metric logger at the start; checkpoints
+and the agreed stop on SIGTERM / SIGINT at each step boundary; final weights at the end. The
+loops keep only what differs (their batches and their updates)."""
 
 from __future__ import annotations
 
 import logging
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from grpo.config import Config, config_to_dict
-from grpo.distributed import barrier, gather_objects
-from grpo.errors import GrpoError
+from grpo.distributed import all_reduce_max, barrier, gather_objects
 from grpo.metrics import MetricLogger
-from grpo.train.common import Policy, due, prepare_run_dir, save_final
+from grpo.train.common import Policy, due, save_final
 from grpo.train.optim import build_optimizer, build_scheduler
-from grpo.train.state import (
-    TrainState,
-    latest_checkpoint,
-    load_checkpoint,
-    rng_state,
-    save_checkpoint,
-)
+from grpo.train.rundir import RunDir, TrainingInterrupted, run_directory
+from grpo.train.state import TrainState, load_checkpoint, rng_state, save_checkpoint
+
+__all__ = ["Run", "RunDir", "run_directory", "start_run"]
 
 log = logging.getLogger(__name__)
-
-
-def resume_checkpoint(cfg: Config, resume: bool) -> Path | None:
-    """The checkpoint `--resume` continues from (None without --resume); checked before any
-    model is built so that a missing one fails at once."""
-    if not resume:
-        return None
-    out_dir = Path(cfg.train.output_dir)
-    ckpt = latest_checkpoint(out_dir)
-    if ckpt is None:
-        raise GrpoError(f"--resume: no checkpoint in {out_dir / 'checkpoints'}")
-    return ckpt
 
 
 @dataclass
@@ -49,11 +35,18 @@ class Run:
     scheduler: Any
     state: TrainState
     logger: MetricLogger
+    rundir: RunDir
 
     def end_step(self, policy: Policy, dist, last: bool) -> None:
-        """Checkpoint when due (every rank's RNG state, rank 0 writes), then wait for all."""
+        """Checkpoint when due (every rank's RNG state, rank 0 writes), then wait for all.
+
+        After SIGTERM / SIGINT on any rank (the flag's max over ranks, so every rank stops at
+        this same step): checkpoint now, then raise TrainingInterrupted saying how to resume.
+        """
         cfg = self.cfg
-        if due(self.state.step, cfg.train.save_every, last):
+        signum = int(all_reduce_max(self.rundir.stop.signum, dist))
+        stop = signum > 0 and not last  # at the last step the run simply finishes
+        if due(self.state.step, cfg.train.save_every, last) or stop:
             rngs = gather_objects(rng_state(), dist)
             if dist.is_main:
                 save_checkpoint(
@@ -61,6 +54,15 @@ class Run:
                     config_to_dict(cfg), cfg.train.keep_last, rng_states=rngs,
                 )  # fmt: skip
         barrier(dist)  # nobody runs ahead of a checkpoint or an evaluation
+        if stop:
+            self.logger.close()
+            ckpt = self.out_dir / "checkpoints" / f"step_{self.state.step:06d}"
+            raise TrainingInterrupted(
+                f"interrupted by {signal.Signals(signum).name} at step {self.state.step}: "
+                f"checkpoint saved in {ckpt}; resume with: {self.rundir.resume_command(dist)}",
+                signum,
+                dist.rank,
+            )
 
     def finish(self, policy: Policy, dist, metrics: dict) -> dict:
         """Close the logger, write out_dir/final, and return the run's summary."""
@@ -77,21 +79,21 @@ class Run:
         }
 
 
-def start_run(
-    cfg: Config, policy: Policy, dist, total_steps: int, ckpt: Path | None, resume: bool
-) -> Run:
-    """Optimizer and schedule over `total_steps` updates, the state restored from `ckpt`,
-    then (inputs all checked by now) the run directory and the metric logger."""
+def start_run(cfg: Config, policy: Policy, dist, total_steps: int, rundir: RunDir) -> Run:
+    """Optimizer and schedule over `total_steps` updates, the state restored from the
+    checkpoint `rundir` resumes, then (inputs all checked by now) the run directory claimed
+    (lock, overwrite, config; see `RunDir.claim`) and the metric logger."""
     params = policy.trainable_parameters()
     optimizer = build_optimizer(params, cfg.optim)
     scheduler = build_scheduler(optimizer, total_steps, cfg.optim)
     state = TrainState()
-    if ckpt is not None:
+    if rundir.checkpoint is not None:
+        ckpt = rundir.checkpoint
         state = load_checkpoint(ckpt, policy.model, optimizer, scheduler, rank=dist.rank)
         log.info("resumed from %s (step %d)", ckpt, state.step)
-    out_dir = prepare_run_dir(cfg, resume, rank0=dist.is_main)
+    rundir.claim(cfg, dist)
     logger = MetricLogger(
-        out_dir, dist.is_main, cfg.log.tensorboard, cfg.log.wandb, cfg.log.wandb_project,
-        config_to_dict(cfg), resume_step=state.step if resume else None,
+        rundir.path, dist.is_main, cfg.log.tensorboard, cfg.log.wandb, cfg.log.wandb_project,
+        config_to_dict(cfg), resume_step=state.step if rundir.resume else None,
     )  # fmt: skip
-    return Run(cfg, out_dir, params, optimizer, scheduler, state, logger)
+    return Run(cfg, rundir.path, params, optimizer, scheduler, state, logger, rundir)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -18,8 +19,10 @@ from tqdm.auto import tqdm
 from grpo.algo.logprobs import CompletionLogprobs
 from grpo.config import Config
 from grpo.distributed import (
+    Where,
     all_reduce_sum,
     device_for,
+    failures_named,
     init_distributed,
     no_sync,
     teardown,
@@ -35,7 +38,8 @@ from grpo.train.common import (
     resolve_device,
     seed_everything,
 )
-from grpo.train.loop import resume_checkpoint, start_run
+from grpo.train.loop import RunDir, run_directory, start_run
+from grpo.train.preflight import check_prompt_room, preflight
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +104,7 @@ def sft_update(cfg: Config, policy, scorer, batch_rows, optimizer, scheduler, pa
     """
     device = policy.device
     local = float(sum(len(r["completion_ids"]) for r in batch_rows))
-    norm = all_reduce_sum(local, dist, device)  # completion tokens of the global batch
+    norm = all_reduce_sum(local, dist)  # completion tokens of the global batch
     policy.model.train()
     optimizer.zero_grad(set_to_none=True)
     total, tokens = 0.0, 0
@@ -114,7 +118,7 @@ def sft_update(cfg: Config, policy, scorer, batch_rows, optimizer, scheduler, pa
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm or np.inf))
     policy.model.eval()
     finite = math.isfinite(total) and math.isfinite(grad_norm)
-    if all_reduce_sum(float(not finite), dist, device):  # skip the update on every rank
+    if all_reduce_sum(float(not finite), dist):  # skip the update on every rank
         log.warning("non-finite loss (%s) or grad norm (%s): update skipped", total, grad_norm)
         optimizer.zero_grad(set_to_none=True)
         return total, tokens, grad_norm
@@ -129,21 +133,42 @@ def total_sft_steps(cfg: Config, n_rows: int) -> int:
     return max(1, math.ceil(cfg.train.epochs * n_rows / cfg.train.batch_size))
 
 
-def train_sft(cfg: Config, resume: bool = False) -> dict:
-    """Run SFT as configured (one process, or one rank of a torchrun job)."""
-    dist = init_distributed(resolve_device(cfg.model.device).type)
+def train_sft(
+    cfg: Config,
+    resume: bool = False,
+    on_step: Callable[[int, dict], None] | None = None,
+    overwrite: bool = False,
+) -> dict:
+    """Run SFT as configured (one process, or one rank of a torchrun job).
+
+    Args:
+        cfg: the run config.
+        resume: continue from the run directory's newest valid checkpoint (refused if the
+            config changes the model, LoRA shape, group size or data).
+        on_step: called on the main rank after every step with (step, metrics), as in
+            `train_grpo`; an exception it raises ends the run.
+        overwrite: start afresh in a directory holding an earlier run, whose outputs are
+            removed once every input is checked (without it such a start is refused).
+
+    Returns:
+        the run's summary: output_dir, final, step and the last step's metrics.
+    """
+    dist = init_distributed(resolve_device(cfg.model.device).type, cfg.train.dist_timeout_s)
+    where = Where()  # the phase and step a failed collective is reported at
     try:
-        return _train(cfg, resume, dist)
+        with failures_named(dist, where, cfg.train.dist_timeout_s):
+            with run_directory(cfg, "sft", resume, overwrite, dist) as rundir:
+                return _train(cfg, rundir, dist, on_step, where)
     finally:
         teardown()
 
 
-def _train(cfg: Config, resume: bool, dist) -> dict:
+def _train(cfg: Config, rundir: RunDir, dist, on_step=None, where: Where | None = None) -> dict:
     from grpo.eval import evaluate
 
     device = device_for(dist, resolve_device(cfg.model.device))
+    mc = preflight(cfg, "sft", device, world_size=dist.world_size)  # before any load or write
     seed_everything(cfg.train.seed)
-    ckpt = resume_checkpoint(cfg, resume)
     policy = build_policy(cfg, device, need_ref=False)
     tok = policy.tokenizer
     rows = load_rows(cfg, cfg.data.split, cfg.data.max_samples, "sft", tok)
@@ -151,8 +176,9 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
     eval_rows = None
     if cfg.data.eval_samples and dist.is_main:
         eval_rows = load_rows(cfg, cfg.data.eval_split, cfg.data.eval_samples, "rl", tok)
+    check_prompt_room(cfg, mc, "sft", rows, eval_rows)
     steps = total_sft_steps(cfg, len(rows) // dist.world_size)
-    run = start_run(cfg, policy, dist, steps, ckpt, resume)  # inputs checked: now write outputs
+    run = start_run(cfg, policy, dist, steps, rundir)  # inputs checked: now write outputs
     state, optimizer, scheduler, params = run.state, run.optimizer, run.scheduler, run.params
     scorer = wrap_ddp(CompletionLogprobs(policy.model), dist, device)
     B = cfg.train.batch_size
@@ -160,8 +186,10 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
     metrics: dict = {}
     show = cfg.train.progress and dist.is_main
     bar = tqdm(total=steps, initial=state.step, desc="sft", disable=not show)
+    where = where or Where()
     while state.step < steps:
         t0 = time.perf_counter()
+        where.step, where.phase = state.step + 1, "update"
         # every rank walks the same global order and takes its own slice of the global batch
         idx = next_prompts(state, len(rows), B * dist.world_size, cfg.train.seed)
         batch_rows = [rows[i] for i in idx[dist.rank * B : (dist.rank + 1) * B]]
@@ -178,16 +206,17 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
             )
         dt = time.perf_counter() - t0
         metrics = {
-            "train/loss": all_reduce_sum(total, dist, device),
+            "train/loss": all_reduce_sum(total, dist),
             "train/grad_norm": grad_norm,
             "train/nonfinite_skipped": int(bad_steps > 0),
             "train/lr": scheduler.get_last_lr()[0],
             "train/epoch": state.epoch + state.data_index / len(rows),
             "perf/step_s": dt,
-            "perf/tokens_per_s": all_reduce_sum(tokens, dist, device) / max(dt, 1e-9),
+            "perf/tokens_per_s": all_reduce_sum(tokens, dist) / max(dt, 1e-9),
             "perf/peak_mem_mib": peak_mem_mib(device),
         }
         last = state.step == steps
+        where.phase = "evaluation / checkpoint"
         if eval_rows and due(state.step, cfg.train.eval_every, last):
             res = evaluate(
                 policy.model, tok, eval_rows, stop_ids=policy.stop_ids,
@@ -199,6 +228,8 @@ def _train(cfg: Config, resume: bool, dist) -> dict:
             run.logger.log(
                 state.step, {k: v for k, v in metrics.items() if not isinstance(v, dict)}
             )
+        if on_step is not None and dist.is_main:
+            on_step(state.step, metrics)
         run.end_step(policy, dist, last)
         bar.update(1)
     bar.close()

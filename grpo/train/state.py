@@ -1,24 +1,50 @@
 """TrainState and checkpoints: trainable weights, optimizer, scheduler, RNGs, data position.
 
 A checkpoint is a directory `checkpoints/step_NNNNNN/` written first as a temporary
-directory, fsynced, then renamed into place; `checkpoints/latest` names the newest one and is
-replaced atomically. Nothing is unpickled on load (safetensors, JSON, `weights_only=True`).
+directory `.tmp-step_NNNNNN-HOST-PID` (only its own process, or any process once that one is
+gone, removes it), with a `manifest.json` of its file sizes, fsynced, then renamed into place;
+`checkpoints/latest` names the newest one and is replaced atomically. Checkpoints are ordered
+by the step number in their name; resume takes the newest that verifies (every file complete
+and readable), skipping broken newer ones with a warning. Nothing is unpickled on load
+(safetensors, JSON, `weights_only=True`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
+import re
 import shutil
+import socket
+import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 
 from grpo.errors import GrpoError
+from grpo.io import (
+    FileError,
+    load_safetensors,
+    read_json,
+    safetensors_file,
+    save_safetensors,
+    torch_load,
+    torch_save,
+    write_text,
+)
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FILES = (
+    "trainable.safetensors", "optimizer.pt", "scheduler.pt", "state.json", "config.json",
+)  # fmt: skip
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+# .tmp-step_NNNNNN-HOST-PID (older saves: .tmp-step_NNNNNN-PID); a host name may hold dashes
+_TMP_DIR = re.compile(r"^\.tmp-step_\d+-(?:(?P<host>.+)-)?(?P<pid>\d+)$")
 
 
 @dataclass
@@ -94,44 +120,175 @@ def save_checkpoint(
     root = Path(run_dir) / "checkpoints"
     name = f"step_{state.step:06d}"
     final = root / name
-    tmp = root / f".tmp-{name}-{os.getpid()}"
+    tmp = root / f".tmp-{name}-{this_host()}-{os.getpid()}"
     try:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp-*"):  # left by a run killed inside a save
-            shutil.rmtree(stale, ignore_errors=True)
+        for stale in root.glob(".tmp-*"):  # ours, or left by a process killed inside a save
+            if _tmp_is_removable(stale.name):
+                shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
-        save_file(trainable_state_dict(model), str(tmp / "trainable.safetensors"))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        (tmp / "state.json").write_text(
-            json.dumps({"train_state": asdict(state), "rng": rng_states or [rng_state()]})
+        save_safetensors(trainable_state_dict(model), tmp / "trainable.safetensors")
+        torch_save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
+        write_text(
+            tmp / "state.json",
+            json.dumps({"train_state": asdict(state), "rng": rng_states or [rng_state()]}),
         )
-        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        write_text(tmp / "config.json", json.dumps(config, indent=1))
+        sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+        write_text(tmp / "manifest.json", json.dumps({"sizes": sizes}))  # written last
         _fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         pointer = root / f".latest-{os.getpid()}"
-        pointer.write_text(name + "\n")
+        write_text(pointer, name + "\n")
         with open(pointer, "rb") as f:
             os.fsync(f.fileno())
         os.replace(pointer, root / "latest")
-    except OSError as e:
+    except (OSError, FileError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise GrpoError(f"could not write checkpoint {final}: {e.strerror or e}") from None
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
-    for old in steps[:-keep_last]:
+        why = getattr(e, "strerror", None) or e
+        raise GrpoError(f"could not write checkpoint {final}: {why}") from None
+    # Keep the newest K by step number (not by name: step_1000000 sorts before step_999999).
+    # Steps above this one belong to a timeline a resume abandoned; the save of that step
+    # replaces them.
+    older = [p for step, p in list_checkpoints(run_dir) if step <= state.step]
+    for old in older[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every `checkpoints/step_N` in the run, by step number."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def verify_checkpoint(path: str | Path) -> str | None:
+    """Why the checkpoint cannot be resumed from, or None when it is complete: every file
+    present at the size its manifest recorded, the JSON parsed and of this step, the
+    safetensors header covering its file, the torch files whole zip archives. Reads no tensor.
+    """
+    path = Path(path)
+    missing = [n for n in CHECKPOINT_FILES if not (path / n).is_file()]
+    if missing:
+        return f"{', '.join(missing)} missing"
+    try:
+        if (path / "manifest.json").is_file():  # absent in checkpoints of older versions
+            sizes = read_json(path / "manifest.json", "a checkpoint manifest").get("sizes", {})
+            for name, size in sizes.items():
+                f = path / name
+                actual = f.stat().st_size if f.is_file() else None
+                if actual != size:
+                    return f"{name} has {actual} bytes, its manifest says {size} (truncated?)"
+        meta = read_json(path / "state.json", "a checkpoint's state.json")
+        step = meta["train_state"]["step"]
+        if not isinstance(meta["rng"], list) or not meta["rng"]:
+            return "state.json holds no RNG states"
+        m = _STEP_DIR.match(path.name)
+        if m and step != int(m.group(1)):
+            return f"state.json is of step {step}"
+        read_json(path / "config.json", "a checkpoint's config.json")
+        with safetensors_file(path / "trainable.safetensors") as f:
+            f.keys()
+    except GrpoError as e:
+        return str(e)
+    except (KeyError, TypeError, AttributeError):
+        return "state.json lacks train_state.step or rng"
+    for name in ("optimizer.pt", "scheduler.pt"):
+        try:
+            zipfile.ZipFile(path / name).close()  # torch.save's format; truncation breaks it
+        except (zipfile.BadZipFile, OSError) as e:
+            return f"{name} is not a complete torch file ({e})"
+    return None
+
+
+def find_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint that verifies, and the newer ones skipped with their reasons.
+
+    The `latest` pointer is not trusted over the directories: a run killed between renaming
+    a checkpoint into place and updating `latest` still resumes from that checkpoint.
+    """
+    skipped = []
+    for _, path in reversed(list_checkpoints(run_dir)):
+        why = verify_checkpoint(path)
+        if why is None:
+            return path, skipped
+        skipped.append((path, why))
+    return None, skipped
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The checkpoint `latest` names, or None when the run has none."""
-    pointer = Path(run_dir) / "checkpoints" / "latest"
-    if not pointer.is_file():
+    """The newest valid checkpoint (None when the run has none); each newer, broken one is
+    named in a warning."""
+    path, skipped = find_checkpoint(run_dir)
+    for bad, why in skipped:
+        log.warning("checkpoint %s skipped: %s", bad, why)
+    return path
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def this_host() -> str:
+    return socket.gethostname()
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields 3.. of /proc/PID/stat (state first), or None where there is no /proc entry."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
         return None
-    path = pointer.parent / pointer.read_text().strip()
-    return path if (path / "state.json").is_file() else None
+    return text[text.rindex(")") + 2 :].split()  # the command name may hold spaces
+
+
+def process_start(pid: int) -> int | None:
+    """When the process started (clock ticks since boot; Linux), to tell it from a later
+    process given the same pid; None where unknown."""
+    fields = _proc_stat(pid)
+    return int(fields[19]) if fields and len(fields) > 19 else None  # stat field 22
+
+
+def process_alive(pid: int, host: str | None = None, start: int | None = None) -> bool:
+    """Whether process `pid` of `host` (started at `start`, see `process_start`) still runs.
+    A process of another host counts as alive: it cannot be checked from here."""
+    if host is not None and host != this_host():
+        return True
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: it exists
+    fields = _proc_stat(pid)
+    if fields is None:
+        return True
+    if fields[0] == "Z":  # exited, not yet reaped
+        return False
+    return start is None or process_start(pid) == start
+
+
+def _tmp_is_removable(name: str) -> bool:
+    """A temporary checkpoint directory may go if this process wrote it, or its writer is
+    gone; another live process's is left alone."""
+    m = _TMP_DIR.match(name)
+    if m is None:
+        return False
+    pid, host = int(m.group("pid")), m.group("host")
+    if pid == os.getpid() and host in (None, this_host()):
+        return True
+    return not process_alive(pid, host)
 
 
 def load_checkpoint(
@@ -141,8 +298,8 @@ def load_checkpoint(
     TrainState."""
     path = Path(path)
     try:
-        weights = load_file(str(path / "trainable.safetensors"))
-        meta = json.loads((path / "state.json").read_text())
+        weights = load_safetensors(path / "trainable.safetensors")
+        meta = read_json(path / "state.json", "a checkpoint's state.json")
     except (OSError, json.JSONDecodeError) as e:
         raise GrpoError(f"checkpoint {path} is unreadable: {e}") from None
     params = dict(model.named_parameters())
@@ -152,9 +309,9 @@ def load_checkpoint(
         with torch.no_grad():
             params[name].copy_(t)
     if optimizer is not None:
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        optimizer.load_state_dict(torch_load(path / "optimizer.pt", "an optimizer state"))
     if scheduler is not None:
-        scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+        scheduler.load_state_dict(torch_load(path / "scheduler.pt", "a scheduler state"))
     rngs = meta["rng"]
     if rank >= len(rngs):
         raise GrpoError(

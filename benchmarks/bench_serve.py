@@ -1,0 +1,254 @@
+"""`grpo serve` under load: 16 concurrent clients, batched vs one request at a time.
+
+    python -m benchmarks.bench_serve                                   # the recorded run
+    python -m benchmarks.bench_serve --cases tiny --rounds 2 --out-dir /tmp/bench   # quick
+
+One process serves, another one is the clients. The server is the real one (FastAPI app,
+uvicorn on 127.0.0.1, `grpo.serving.Engine`) twice over the same random-init model
+(`bench_sampler.CASES` shapes, `Decoder.init_weights(seed=0)`, float32, the tiny BPE
+tokenizer): `batched` (up to --max-batch-rows rows per sampler call, a 5 ms batching window)
+and `sequential` (max_batch_rows=1: one request per sampler call, what the server did before
+batching). Each of `clients` threads sends `requests` POST /v1/completions back to back on its
+own keep-alive connection: a prompt of `prompt_len` random token ids, `max_tokens` new tokens,
+greedy (temperature 0), so both servers do the same work and must give the same answers.
+
+Before timing, every request of a round is sent to both servers and their completions must be
+equal (`greedy_equal`: equal / total; batched rows are left-padded, which may flip an arg-max
+near a tie in the last bits). Then `rounds` timed rounds, the two servers alternating (the
+order rotates each round) so that a busy machine slows them alike. Columns:
+
+- `tok_per_s`: completion tokens of a round / its wall time (first send to last answer),
+  median over rounds; `req_per_s` the same for requests; `wall_s` the median round.
+- `p50_ms` / `p95_ms`: latency of single requests (send to answer), pooled over rounds.
+- `rows_per_call`: requests per sampler call (the batch size the server reached).
+- `speedup`: batched tok_per_s / sequential tok_per_s of the same case; `target` the goal.
+
+Threads: the tiny case runs the model on one torch thread (at its shapes an op takes
+microseconds and OpenMP fork/join on more threads costs more than it saves), the 0.6B shape
+on torch's default threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import http.client
+import json
+import multiprocessing
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+from benchmarks.harness import _percentile, write_results
+
+# per-case defaults (flags override): lengths in tokens, requests per client, timed rounds,
+# torch threads (0 = torch's default), the throughput goal (batched / sequential)
+CASES = {
+    "tiny": dict(prompt_len=32, max_tokens=32, requests=4, rounds=5, threads=1, target=3.0),
+    "qwen3-0.6b": dict(prompt_len=16, max_tokens=16, requests=1, rounds=2, threads=0,
+                       target=None),
+}  # fmt: skip
+COLUMNS = [
+    "case", "mode", "clients", "requests", "max_tokens", "threads", "tok_per_s", "req_per_s",
+    "wall_s", "p50_ms", "p95_ms", "rows_per_call", "speedup", "target", "greedy_equal",
+]  # fmt: skip
+NAME = "bench"
+
+
+# -- the clients (their own process) ---------------------------------------------------------
+
+
+def client_round(url: str, bodies: list[list[dict]]) -> dict:
+    """One round: a thread per client sends its bodies back to back on one connection.
+
+    Returns:
+        {"wall_s", "latencies_s": [...], "tokens", "texts": one list per client}.
+    """
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    start = threading.Barrier(len(bodies) + 1)
+    out = [None] * len(bodies)
+
+    def client(i: int) -> None:
+        conn = http.client.HTTPConnection(host, int(port), timeout=600)
+        conn.connect()
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        start.wait()
+        lat, tokens, texts = [], 0, []
+        for body in bodies[i]:
+            t0 = time.perf_counter()
+            conn.request("POST", "/v1/completions", json.dumps(body),
+                         {"Content-Type": "application/json"})  # fmt: skip
+            resp = conn.getresponse()
+            data = json.loads(resp.read())
+            lat.append(time.perf_counter() - t0)
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {data}")
+            tokens += data["usage"]["completion_tokens"]
+            texts.append((data["choices"][0]["text"], data["usage"]["completion_tokens"]))
+        conn.close()
+        out[i] = (lat, tokens, texts)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if any(o is None for o in out):
+        raise RuntimeError("a client failed (see its traceback above)")
+    return {
+        "wall_s": wall,
+        "latencies_s": [x for lat, _, _ in out for x in lat],
+        "tokens": sum(n for _, n, _ in out),
+        "texts": [texts for _, _, texts in out],
+    }
+
+
+# -- the servers (this process) ----------------------------------------------------------------
+
+
+def build_tokenizer(out_dir: str):
+    """The tiny BPE tokenizer of `grpo.tiny` (prompts are token ids; it decodes the answers)."""
+    from grpo.tiny import minimath_corpus
+    from grpo.tokenizer import load_tokenizer, train_bpe_tokenizer
+
+    train_bpe_tokenizer(minimath_corpus(), 384, out_dir=out_dir)
+    return load_tokenizer(out_dir)
+
+
+def start_server(model, tok, max_batch_rows: int, max_queue: int):
+    """The real app + engine on a free 127.0.0.1 port, uvicorn in a thread; (url, engine, stop)."""
+    import uvicorn
+
+    from grpo.serving import Engine, Service
+    from grpo.serving.app import build_app
+
+    engine = Engine(model, tok, [tok.eos_token_id], max_queue=max_queue,
+                    max_batch_rows=max_batch_rows, batch_window_ms=5.0)  # fmt: skip
+    service = Service(engine, tok, NAME, max_tokens_limit=1024)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(2048)
+    server = uvicorn.Server(uvicorn.Config(build_app(service), lifespan="on", log_config=None,
+                                           log_level="warning", access_log=False))  # fmt: skip
+    engine.start()
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+
+    def stop():
+        server.should_exit = True
+        thread.join(60)
+        engine.close(0.0)
+        sock.close()
+
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", engine, stop
+
+
+def run_case(case: str, args, pool, tok) -> list[dict]:
+    from benchmarks.bench_multiturn import build_model
+
+    spec = CASES[case]
+    threads = args.threads or spec["threads"] or args.default_threads
+    torch.set_num_threads(threads)
+    C = args.clients
+    R = args.requests or spec["requests"]
+    T_p = args.prompt_len or spec["prompt_len"]
+    N = args.max_tokens or spec["max_tokens"]
+    rounds = args.rounds or spec["rounds"]
+    model = build_model(case)
+    V = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    bodies = [[{"model": NAME, "prompt": torch.randint(3, V, (T_p,), generator=gen).tolist(),
+                "max_tokens": N, "temperature": 0} for _ in range(R)]
+              for _ in range(C)]  # fmt: skip
+    servers = {
+        "batched": start_server(model, tok, args.max_batch_rows, max_queue=C * R),
+        "sequential": start_server(model, tok, 1, max_queue=C * R),
+    }
+    try:
+        # correctness before timing (and the warm-up): both give the same completions
+        answers = {m: pool.submit(client_round, url, bodies).result() for m, (url, _, _) in
+                   servers.items()}  # fmt: skip
+        got = [t for client in answers["batched"]["texts"] for t in client]
+        want = [t for client in answers["sequential"]["texts"] for t in client]
+        equal = f"{sum(a == b for a, b in zip(got, want))}/{len(want)}"
+        runs = {m: [] for m in servers}
+        calls = {m: -servers[m][1].calls for m in servers}
+        names = list(servers)
+        for r in range(rounds):
+            for m in names[r % 2 :] + names[: r % 2]:
+                runs[m].append(pool.submit(client_round, servers[m][0], bodies).result())
+                print(f"{case} round {r} {m}: {runs[m][-1]['wall_s']:.2f} s", flush=True)
+        for m in servers:
+            calls[m] += servers[m][1].calls
+    finally:
+        for _, _, stop in servers.values():
+            stop()
+    rows = []
+    for m, rs in runs.items():
+        lat = [x * 1e3 for run in rs for x in run["latencies_s"]]
+        rows.append({
+            "case": case, "mode": m, "clients": C, "requests": C * R, "max_tokens": N,
+            "prompt_len": T_p, "threads": threads,
+            "tok_per_s": statistics.median(run["tokens"] / run["wall_s"] for run in rs),
+            "req_per_s": statistics.median(C * R / run["wall_s"] for run in rs),
+            "wall_s": statistics.median(run["wall_s"] for run in rs),
+            "p50_ms": _percentile(lat, 50), "p95_ms": _percentile(lat, 95),
+            "rows_per_call": C * R * rounds / calls[m],
+            "greedy_equal": equal, "rounds": rounds,
+            "walls_s": [run["wall_s"] for run in rs],
+        })  # fmt: skip
+    batched, sequential = rows
+    batched["speedup"] = batched["tok_per_s"] / sequential["tok_per_s"]
+    batched["target"] = spec["target"]
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", default="tiny,qwen3-0.6b", help=f"of {list(CASES)}")
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=0, help="per client (default: per case)")
+    parser.add_argument("--prompt-len", type=int, default=0, help="default: per case")
+    parser.add_argument("--max-tokens", type=int, default=0, help="default: per case")
+    parser.add_argument("--rounds", type=int, default=0, help="default: per case")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: per case)")
+    parser.add_argument("--max-batch-rows", type=int, default=32)
+    parser.add_argument("--name", default="serve_cpu")
+    parser.add_argument("--out-dir", default=None, help="default: benchmarks/results/")
+    args = parser.parse_args(argv)
+    cases = [c for c in args.cases.split(",") if c]
+    for case in cases:
+        if case not in CASES:
+            parser.error(f"unknown case {case!r}; valid: {list(CASES)}")
+    args.default_threads = torch.get_num_threads()
+    spawn = multiprocessing.get_context("spawn")  # the clients: no torch threads, own GIL
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool,
+    ):
+        tok = build_tokenizer(tmp)
+        rows = [row for case in cases for row in run_case(case, args, pool, tok)]
+    meta = {
+        "command": " ".join(["python -m benchmarks.bench_serve", *argv]),
+        "setup": f"{args.clients} concurrent clients (one process), each sending its requests "
+        "back to back: POST /v1/completions, random token-id prompts, greedy, float32 "
+        "random-init models; servers in another process on 127.0.0.1 (uvicorn + FastAPI)",
+        "batched": f"max_batch_rows={args.max_batch_rows}, batch window 5 ms",
+        "sequential": "max_batch_rows=1: one request per sampler call (the pre-batching server)",
+        "speedup": "batched tok_per_s / sequential tok_per_s",
+    }
+    write_results(args.name, rows, COLUMNS, out_dir=args.out_dir, meta=meta)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,226 @@
+"""The FastAPI application of `grpo serve`: routes, OpenAI response shapes, server-sent events.
+
+Bodies are parsed by `Service` (protocol.py) into `Job`s that the `Engine` runs on its own
+thread; its events come back to the event loop through `call_soon_threadsafe`.
+"""
+
+# No `from __future__ import annotations` here: FastAPI reads the routes' annotations at
+# definition time, and `Request` is imported inside `build_app` (fastapi is optional).
+import asyncio
+import json
+import time
+import uuid
+
+from grpo.serving.engine import Job, Unavailable
+from grpo.serving.protocol import RequestError, Service
+
+ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
+               413: "invalid_request_error", 503: "server_busy"}  # fmt: skip
+
+
+def _usage(job: Job) -> dict:
+    completion = sum(c.tokens for c in job.result)
+    return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": job.prompt_tokens + completion}  # fmt: skip
+
+
+def _sse(payload) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def _call_soon(loop, fn, *args) -> None:
+    """Run `fn(*args)` on `loop` from the engine's thread (dropped once the loop is gone)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop has closed: nobody waits for the answer any more
+        pass
+
+
+def build_app(service: Service, on_startup=None):
+    """The FastAPI application over `service`.
+
+    Args:
+        service: parses requests and holds the engine.
+        on_startup: called once the application has started (before the first request).
+
+    Returns:
+        a `fastapi.FastAPI`.
+    """
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    def error(status: int, message: str, field: str | None, openai: bool, headers=None):
+        """OpenAI's error shape on /v1 routes; {"error", "field"} on /generate (its contract)."""
+        if openai:
+            code = "model_not_found" if status == 404 and field == "model" else None
+            kind = ERROR_TYPES.get(status, "server_error")
+            body = {"error": {"message": message, "type": kind, "param": field, "code": code}}
+        else:
+            body = {"error": message} if field is None else {"error": message, "field": field}
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    def refused(e: Exception, openai: bool):
+        if isinstance(e, Unavailable):
+            return error(503, str(e), None, openai, headers={"Retry-After": "1"})
+        field = e.field if e.status != 413 else None
+        return error(e.status, str(e), field, openai)
+
+    async def read_body(request: Request) -> bytes:
+        """The body, refused (413) once over the limit, whatever Content-Length claims."""
+        limit = service.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise RequestError("body", f"{length} bytes; the limit is {limit}", status=413)
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise RequestError("body", f"over the limit of {limit} bytes", status=413)
+        return body
+
+    async def run(job: Job) -> Job:
+        """Submit `job` (raises `Unavailable`) and wait until it is done."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def notify(event):
+            if event[0] == "done":
+                _call_soon(loop, lambda: done.done() or done.set_result(None))
+
+        job.notify = notify
+        service.engine.submit(job)
+        await done
+        return job
+
+    @asynccontextmanager
+    async def lifespan(app):
+        if on_startup is not None:
+            on_startup()
+        yield
+
+    app = FastAPI(title="grpo serve", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)  # fmt: skip
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        path = request.url.path
+        if exc.status_code == 404:
+            message = (f"no route {path!r}; the routes are POST /v1/chat/completions, "
+                       "/v1/completions, /generate and GET /v1/models, /health")  # fmt: skip
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {path}; use {exc.headers['Allow']}"
+        else:
+            message = str(exc.detail)
+        return error(exc.status_code, message, None, path.startswith("/v1"), exc.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        # a bug: JSON like every other answer (Starlette still logs the traceback)
+        message = f"internal error: {type(exc).__name__}: {exc}"
+        return error(500, message, None, request.url.path.startswith("/v1"))
+
+    @app.get("/health")
+    async def health():
+        e = service.engine
+        status = "ok" if e.accepting else "shutting_down"
+        return {"status": status, "model": service.name, "queued": e.queued,
+                "running": len(e.running), "in_flight": e.queued + len(e.running),
+                "batches": e.calls}  # fmt: skip
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": service.name, "object": "model", "created": service.created,
+                "owned_by": "grpo", "max_model_len": service.engine.context}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        try:
+            job, req = service.generate_job(await read_body(request))
+            await run(job)
+        except (RequestError, Unavailable) as e:
+            return refused(e, openai=False)
+        if job.error:
+            return error(*job.error, None, False)
+        c = job.result[0]
+        return {"text": c.text, "tokens": c.tokens, "logprob": c.logprob,
+                "finish_reason": c.finish_reason, "seed": req.seed}  # fmt: skip
+
+    async def openai_route(request: Request, chat: bool):
+        try:
+            job, include_usage = service.openai_job(await read_body(request), chat)
+            head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+                    "object": "chat.completion" if chat else "text_completion",
+                    "created": int(time.time()), "model": service.name}  # fmt: skip
+            if job.stream:
+                return streaming(job, head, chat, include_usage)
+            await run(job)
+        except (RequestError, Unavailable) as e:
+            return refused(e, openai=True)
+        if job.error:
+            return error(*job.error, None, True)
+        if chat:
+            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": None, "finish_reason": c.finish_reason}
+                       for c in job.result]  # fmt: skip
+        else:
+            choices = [{"index": c.index, "text": c.text, "logprobs": None,
+                        "finish_reason": c.finish_reason} for c in job.result]  # fmt: skip
+        return {**head, "choices": choices, "usage": _usage(job)}
+
+    def streaming(job: Job, head: dict, chat: bool, include_usage: bool):
+        """Submit `job` now (a 503 comes before any byte is sent), then its events as SSE:
+        per choice the role (chat), text deltas, a finish_reason; usage if asked; [DONE]."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        job.notify = lambda event: _call_soon(loop, events.put_nowait, event)
+        service.engine.submit(job)
+        if chat:
+            head = {**head, "object": "chat.completion.chunk"}
+
+        def chunk(index: int, delta: dict, reason: str | None = None) -> str:
+            if chat:
+                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": index, "text": delta.get("content", ""), "logprobs": None,
+                          "finish_reason": reason}  # fmt: skip
+            return _sse({**head, "choices": [choice]})
+
+        async def body():
+            finished = False
+            try:
+                if chat:
+                    for i in range(job.rows):
+                        yield chunk(i, {"role": "assistant", "content": ""})
+                while (event := await events.get())[0] == "delta":
+                    yield chunk(event[1], {"content": event[2]})
+                if job.error:  # after the 200: an error event, as OpenAI's API sends one
+                    status, message = job.error
+                    yield _sse({"error": {"message": message, "type": "server_error",
+                                          "param": None, "code": status}})  # fmt: skip
+                else:
+                    for c in job.result:
+                        yield chunk(c.index, {}, c.finish_reason)
+                    if include_usage:
+                        yield _sse({**head, "choices": [], "usage": _usage(job)})
+                yield _sse("[DONE]")
+                finished = True
+            finally:
+                if not finished:  # the client went away: its rows stop at the next step
+                    job.cancelled = True
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await openai_route(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await openai_route(request, chat=False)
+
+    return app

@@ -1,0 +1,455 @@
+"""The run directory contract (docs/safety.md): one run at a time per directory (a lock file
+naming pid, host and start time; a stale one is taken over with a warning); a fresh run only in
+an unused directory unless `overwrite`; resume only from the newest valid checkpoint and only
+with a compatible config; nothing written to the directory before every input is checked. Also
+the run's signals: SIGTERM / SIGINT stop training at the next step boundary, after a checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import json
+import logging
+import os
+import shlex
+import shutil
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from grpo.config import Config, config_to_dict, save_config
+from grpo.distributed import Dist, gather_objects
+from grpo.errors import GrpoError
+from grpo.io import read_json
+from grpo.train.state import (
+    find_checkpoint,
+    list_checkpoints,
+    process_alive,
+    process_start,
+    this_host,
+)
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = "run.lock"
+# What a run writes into its directory: `overwrite` removes these and nothing else (a user's
+# own files beside them stay).
+RUN_OUTPUTS = (
+    "checkpoints", "final", ".final.tmp", "metrics.jsonl", "metrics.jsonl.tmp", "config.yaml",
+    "config.resume.yaml", "tensorboard", "wandb", "curves.png",
+)  # fmt: skip
+# Keys of `resume_conflicts` that name files or directories: compared as paths.
+_PATH_KEYS = {"model.path", "model.tokenizer", "model.adapter", "lora.adapter", "data.source"}
+
+
+class TrainingInterrupted(GrpoError):
+    """SIGTERM / SIGINT stopped training at a step boundary after saving a checkpoint.
+
+    The CLI prints the message (how to resume) once, on rank 0, and exits 128 + the signal
+    number (143 for SIGTERM, 130 for SIGINT)."""
+
+    cli_prefix = ""  # the CLI line reads "grpo train: interrupted by ...", not "error: ..."
+
+    def __init__(self, message: str, signum: int, rank: int = 0):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+        self.rank = rank
+
+
+# --------------------------------------------------------------------------- the lock
+
+
+def read_lock(path: Path) -> dict | None:
+    """The lock's record (pid, host, started, proc_start, token); {} when unreadable, None
+    when there is no lock."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return {}
+    try:
+        info = json.loads(text)
+    except json.JSONDecodeError:
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def lock_is_live(info: dict, path: Path) -> bool:
+    """Whether the process holding the lock may still run. A process of another host counts as
+    alive (it cannot be checked from here); an unreadable lock counts as live for a minute
+    (it may be being written), then as stale."""
+    if not isinstance(info.get("pid"), int):
+        try:
+            return time.time() - path.stat().st_mtime < 60
+        except OSError:
+            return False
+    return process_alive(info["pid"], info.get("host"), info.get("proc_start"))
+
+
+def _holder(info: dict) -> str:
+    if not isinstance(info.get("pid"), int):
+        return "an unreadable lock"
+    return f"pid {info['pid']} on {info.get('host')}, started {info.get('started')}"
+
+
+def _in_use(run_dir: Path, info: dict) -> GrpoError:
+    return GrpoError(
+        f"{run_dir} is in use by another run ({_holder(info)}); wait for it to end, or delete "
+        f"{run_dir / LOCK_FILE} if that process is gone"
+    )
+
+
+@contextlib.contextmanager
+def _exclusive(directory: Path) -> Iterator[None]:
+    """Serialize lock checks on this host (flock on the directory; a no-op where unsupported),
+    so that two processes cannot both find a lock stale and both take it."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _create_exclusive(path: Path, text: str) -> None:
+    """Create `path` holding `text`; FileExistsError if it exists. A hard link of a complete
+    temporary file, so a reader sees the whole record or no file."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    tmp.write_text(text)
+    try:
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise
+        except OSError:  # a filesystem without hard links: O_EXCL (briefly empty to readers)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@dataclass
+class RunLock:
+    """This process's hold on a run directory (rank 0's, under torchrun)."""
+
+    path: Path
+    token: str  # tells our lock from one a later run took over after we were presumed dead
+
+    @classmethod
+    def acquire(cls, run_dir: Path) -> RunLock:
+        """Take `run_dir`'s lock; refuse (GrpoError) while a live process holds it, take over
+        (with a warning) one whose process is gone."""
+        path = run_dir / LOCK_FILE
+        token = uuid.uuid4().hex
+        record = {
+            "pid": os.getpid(),
+            "host": this_host(),
+            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "proc_start": process_start(os.getpid()),
+            "token": token,
+        }
+        with _exclusive(run_dir):
+            held = read_lock(path)
+            if held is not None:
+                if lock_is_live(held, path):
+                    raise _in_use(run_dir, held)
+                log.warning("%s: taking over the stale lock of %s (that process is gone)",
+                            run_dir, _holder(held))  # fmt: skip
+                path.unlink(missing_ok=True)
+            try:
+                _create_exclusive(path, json.dumps(record))
+            except FileExistsError:  # another host took it between our check and our link
+                raise _in_use(run_dir, read_lock(path) or {}) from None
+        return cls(path, token)
+
+    def release(self) -> None:
+        """Remove the lock if it is still ours."""
+        held = read_lock(self.path)
+        if held and held.get("token") == self.token:
+            self.path.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- directory state
+
+
+def earlier_run(run_dir: Path) -> str | None:
+    """What in `run_dir` belongs to an earlier run, in words, or None when a fresh run may
+    start there (a missing or empty directory, or one with only a config of a failed start)."""
+    parts = []
+    if (run_dir / "final").exists():
+        parts.append("a finished run (final/)")
+    steps = list_checkpoints(run_dir)
+    if steps:
+        parts.append(f"checkpoints up to step {steps[-1][0]}")
+    if not parts and (run_dir / "metrics.jsonl").exists():
+        parts.append("the metrics.jsonl of an earlier run")
+    return " and ".join(parts) or None
+
+
+def clear_run_outputs(run_dir: Path) -> list[str]:
+    """Remove what a run writes (RUN_OUTPUTS) from `run_dir`; returns the names removed."""
+    removed = []
+    for name in RUN_OUTPUTS:
+        p = run_dir / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
+        else:
+            continue
+        removed.append(name)
+    return removed
+
+
+_MISSING = object()
+
+
+def _get(d: dict, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return _MISSING
+        d = d[part]
+    return d
+
+
+def _same(key: str, old, new) -> bool:
+    if isinstance(old, (list, tuple)) and isinstance(new, (list, tuple)):
+        return list(old) == list(new)
+    if key in _PATH_KEYS and isinstance(old, str) and isinstance(new, str) and old != new:
+        a, b = Path(old), Path(new)  # one directory spelled two ways is the same model
+        return a.exists() and b.exists() and a.resolve() == b.resolve()
+    return old == new
+
+
+def resume_conflicts(saved: dict, new: dict, kind: str) -> list[str]:
+    """The incompatible changes between a checkpoint's config and a resumed run's, each as
+    "key (old -> new)": the model (path, tokenizer, merged adapter), the LoRA shape (enabled,
+    rank, alpha, targets, starting adapter), the group size (GRPO) and the dataset (name,
+    split, size, and the source / generator settings that pick its rows).
+
+    Args:
+        saved: the checkpoint's config.json; keys it lacks (an older format) are not compared.
+        new: `config_to_dict` of the resumed run's config.
+        kind: "train" (GRPO) or "sft".
+    """
+    keys = ["model.path", "model.tokenizer", "model.adapter", "lora.enabled"]
+    if _get(saved, "lora.enabled") is not False and _get(new, "lora.enabled"):
+        keys += ["lora.rank", "lora.alpha", "lora.targets", "lora.adapter"]
+    if kind == "train":
+        keys.append("rollout.group_size")
+    keys += ["data.dataset", "data.split", "data.max_samples"]
+    dataset = _get(new, "data.dataset")
+    if dataset == "minimath":
+        keys += ["data.difficulty", "data.seed"]
+    elif dataset == "gsm8k":
+        keys.append("data.source")
+    out = []
+    for key in keys:
+        old, now = _get(saved, key), _get(new, key)
+        if old is not _MISSING and not _same(key, old, now):
+            out.append(f"{key} ({old!r} -> {now!r})")
+    return out
+
+
+def check_run_dir(cfg: Config, kind: str, resume: bool, overwrite: bool) -> Path | None:
+    """The read-only checks of a start in cfg.train.output_dir (nothing is written).
+
+    Returns:
+        the checkpoint to resume from (None for a fresh run). Raises GrpoError (one line) when
+        the directory is locked by a live run; when a fresh run (neither resume nor overwrite)
+        would mix with an earlier run's checkpoints, final weights or metrics; when resume finds
+        no valid checkpoint, or a config that changes what the checkpoint trained.
+    """
+    run_dir = Path(cfg.train.output_dir)
+    if resume and overwrite:
+        raise GrpoError("--resume and --overwrite exclude each other: continue the run, or "
+                        "replace it")  # fmt: skip
+    held = read_lock(run_dir / LOCK_FILE)
+    if held is not None and lock_is_live(held, run_dir / LOCK_FILE):
+        raise _in_use(run_dir, held)
+    if not resume:
+        used = earlier_run(run_dir)
+        if used and not overwrite:
+            how = "continue it with --resume, replace" if list_checkpoints(run_dir) else "replace"
+            raise GrpoError(f"train.output_dir {run_dir} holds {used}; {how} it with "
+                            "--overwrite, or choose another train.output_dir")  # fmt: skip
+        return None
+    ckpt, skipped = find_checkpoint(run_dir)
+    for path, why in skipped:
+        log.warning("checkpoint %s skipped: %s", path, why)
+    if ckpt is None:
+        if skipped:
+            path, why = skipped[0]
+            raise GrpoError(f"--resume: no valid checkpoint in {run_dir / 'checkpoints'} "
+                            f"(newest {path.name}: {why})")  # fmt: skip
+        raise GrpoError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
+    if skipped:
+        log.warning("resuming from %s instead of the newer, broken %s", ckpt.name,
+                    ", ".join(p.name for p, _ in skipped))  # fmt: skip
+    saved = read_json(ckpt / "config.json", "the run config a checkpoint was saved with")
+    conflicts = resume_conflicts(saved if isinstance(saved, dict) else {}, config_to_dict(cfg),
+                                 kind)  # fmt: skip
+    if conflicts:
+        raise GrpoError(
+            f"--resume: the config changes {', '.join(conflicts)} from checkpoint {ckpt}; a "
+            "resumed run keeps its model, LoRA shape, group size and data (start afresh with "
+            "--overwrite or another train.output_dir)"
+        )
+    return ckpt
+
+
+# --------------------------------------------------------------------------- signals
+
+
+class StopSignal:
+    """SIGTERM / SIGINT during training: remembered, acted on at the next step boundary (a
+    checkpoint, then TrainingInterrupted). A second signal stops at once (KeyboardInterrupt).
+    Handlers can only be set from the main thread; elsewhere signals keep their handlers."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum = 0
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for s in self.SIGNALS:
+            self._previous[s] = signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum:
+            self.restore()
+            raise KeyboardInterrupt
+        self.signum = signum
+        # os.write, not logging: a signal handler may run while logging holds its lock
+        os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step (a checkpoint "
+                    "is saved); send it again to stop at once\n".encode())  # fmt: skip
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
+
+
+# --------------------------------------------------------------------------- one start
+
+
+@dataclass
+class RunDir:
+    """One start of a run in `path`: what it resumes from and, once claimed, its lock and
+    signal handlers (released by `close`)."""
+
+    path: Path
+    kind: str  # "train" (GRPO) | "sft": the `grpo` command that resumes it
+    resume: bool
+    overwrite: bool
+    checkpoint: Path | None  # what a resumed run restores (verified by rank 0)
+    stop: StopSignal = field(default_factory=StopSignal)
+    lock: RunLock | None = None
+
+    @property
+    def config_file(self) -> Path:
+        return self.path / ("config.resume.yaml" if self.resume else "config.yaml")
+
+    def claim(self, cfg: Config, dist: Dist) -> None:
+        """With every input checked: take the lock, check the directory again under it (a run
+        may have started or ended meanwhile), clear an earlier run (overwrite), write the
+        config, and catch SIGTERM / SIGINT. Rank 0 writes; every rank learns its verdict."""
+        error = None
+        if dist.is_main:
+            try:
+                self._claim(cfg)
+            except GrpoError as e:
+                error = e
+        verdict = gather_objects(None if error is None else str(error), dist)[0]
+        if error is not None:
+            raise error
+        if verdict is not None:
+            raise GrpoError(verdict)
+        self.stop.install()
+
+    def _claim(self, cfg: Config) -> None:
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self.lock = RunLock.acquire(self.path)
+        except OSError as e:
+            raise GrpoError(f"train.output_dir {self.path}: {e.strerror or e}") from None
+        try:
+            if not self.resume:
+                used = earlier_run(self.path)
+                if used and not self.overwrite:
+                    raise GrpoError(
+                        f"train.output_dir {self.path} holds {used} (written since this start "
+                        "was checked); continue it with --resume or replace it with --overwrite"
+                    )
+                removed = clear_run_outputs(self.path) if self.overwrite else []
+                if removed:
+                    log.warning("--overwrite: removed the earlier run's %s from %s",
+                                ", ".join(removed), self.path)  # fmt: skip
+            save_config(cfg, self.config_file)
+        except OSError as e:
+            self.close()
+            raise GrpoError(f"train.output_dir {self.path}: {e.strerror or e} "
+                            f"({e.filename})") from None  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
+
+    def resume_command(self, dist: Dist) -> str:
+        """The command that continues this run (its resolved config, --resume)."""
+        cmd = f"grpo {self.kind} --config {shlex.quote(str(self.config_file))} --resume"
+        if not dist.enabled:
+            return cmd
+        if os.environ.get("LOCAL_WORLD_SIZE") == str(dist.world_size):  # one node
+            return f"torchrun --standalone --nproc_per_node={dist.world_size} -m {cmd}"
+        return f"torchrun <the same options> -m {cmd}"
+
+    def close(self) -> None:
+        """Give the signals their handlers back and release the lock."""
+        self.stop.restore()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+@contextlib.contextmanager
+def run_directory(
+    cfg: Config, kind: str, resume: bool, overwrite: bool, dist: Dist
+) -> Iterator[RunDir]:
+    """Check a start in cfg.train.output_dir (read-only, before any model is loaded); the
+    block trains; on leaving it, however it ends, the lock and signal handlers are released.
+
+    Args:
+        kind: "train" (GRPO) or "sft".
+        resume: continue from the newest valid checkpoint (refused on incompatible config).
+        overwrite: start afresh in a used directory; its earlier run's outputs are removed
+            only when the run is claimed, after every input has been checked.
+        dist: rank 0 checks; every rank gets its verdict and the checkpoint.
+    """
+    error, ckpt = None, None
+    if dist.is_main:
+        try:
+            ckpt = check_run_dir(cfg, kind, resume, overwrite)
+        except GrpoError as e:
+            error = e
+    message, ckpt = gather_objects((None if error is None else str(error), ckpt), dist)[0]
+    if error is not None:
+        raise error
+    if message is not None:
+        raise GrpoError(message)
+    rundir = RunDir(Path(cfg.train.output_dir), kind, resume, overwrite, ckpt)
+    try:
+        yield rundir
+    finally:
+        rundir.close()

@@ -1,0 +1,112 @@
+"""On-policy numerics: the first update pass measures its log-probs against the sampler's
+every step (rollout/logprob_diff_*, rollout/first_pass_ratio_mean), loss.old_logprobs
+recomputes pi_old, the sampler runs under the trainer's autocast, and LoRA dropout is refused
+for GRPO (it would make the first-pass ratio differ from 1 silently)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from grpo.config import ConfigError, load_config
+from grpo.models import load_model
+from grpo.rollout import Sampler, sample
+from grpo.train.batch import Batch
+from grpo.train.common import Policy
+from grpo.train.grpo import old_logprobs_phase, sample_round, update_phase
+from grpo.train.optim import build_optimizer, build_scheduler
+
+PROMPTS = [[5, 17, 33, 9], [101, 7]]
+
+
+def make_cfg(tmp_path, *overrides):
+    base = {"model": {"path": str(tmp_path)}, "train": {"batch_size": 8}}
+    return load_config(base=base, overrides=["rollout.group_size=4", *overrides])
+
+
+def make_batch(r):
+    B = r.ids.shape[0]
+    adv = torch.randn(B, generator=torch.Generator().manual_seed(0))
+    return Batch(rollout=r, rows=[{}] * B, rewards=adv.clone(), per_fn={}, advantages=adv,
+                 loss_mask=r.completion_mask.clone(), texts=[], frac_zero_std=0.0)  # fmt: skip
+
+
+def update(tmp_path, model, batch, *overrides):
+    cfg = make_cfg(tmp_path, "loss.beta=0", *overrides)
+    policy = Policy(model, None, [3], None, tmp_path, lora=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = build_optimizer(params, cfg.optim)
+    return update_phase(cfg, policy, batch, opt, build_scheduler(opt, 10, cfg.optim), params)
+
+
+def test_first_pass_agrees_with_the_sampler_and_the_check_sees_a_mismatch(tiny_checkpoints,
+                                                                         tmp_path):  # fmt: skip
+    base = load_model(tiny_checkpoints("qwen3"))
+    r = sample(base, PROMPTS, group_size=4, max_new_tokens=10, temperature=1.0, stop_ids=[3],
+               seed=0, pad_id=0)  # fmt: skip
+    stats = update(tmp_path, copy.deepcopy(base), make_batch(r))
+    assert stats["rollout/logprob_diff_max"] <= 1e-5  # float32, no dropout: the same numbers
+    assert stats["rollout/logprob_diff_mean"] <= stats["rollout/logprob_diff_max"]
+    assert abs(stats["rollout/first_pass_ratio_mean"] - 1) <= 1e-5
+
+    # the sampler's log-prob of one token off by 0.25: max diff 0.25, and the ratio mean moves
+    # by (exp(-0.25) - 1) / n_tokens (hand-computed; the other tokens' ratios are 1 +- 1e-5)
+    bad = copy.deepcopy(r)
+    bad.logprobs[1, 2] += 0.25
+    n = int(r.completion_mask.sum())
+    stats = update(tmp_path, copy.deepcopy(base), make_batch(bad))
+    assert stats["rollout/logprob_diff_max"] == pytest.approx(0.25, abs=1e-5)
+    assert stats["rollout/first_pass_ratio_mean"] == pytest.approx(
+        1 + (math.exp(-0.25) - 1) / n, abs=1e-5
+    )
+
+
+def test_old_logprobs_recompute_is_the_trainer_forward(tiny_checkpoints, tmp_path):
+    model = load_model(tiny_checkpoints("qwen3"))
+    r = sample(model, PROMPTS, group_size=4, max_new_tokens=10, temperature=0.7, stop_ids=[3],
+               seed=1, pad_id=0)  # fmt: skip
+    policy = Policy(model, None, [3], None, tmp_path, lora=False)
+    batch = make_batch(r)
+    old_logprobs_phase(make_cfg(tmp_path, "rollout.temperature=0.7"), policy, batch)
+    assert batch.old_logprobs is None  # sampler (the default): nothing recomputed
+    cfg = make_cfg(tmp_path, "rollout.temperature=0.7", "loss.old_logprobs=recompute")
+    old_logprobs_phase(cfg, policy, batch)
+    m = r.completion_mask
+    assert batch.old_logprobs.shape == r.logprobs.shape
+    assert (batch.old_logprobs - r.logprobs)[m].abs().max().item() <= 1e-5
+    assert (batch.old_logprobs[~m] == 0).all()
+
+
+def test_sampler_runs_under_the_trainers_autocast(tiny_checkpoints, tmp_path):
+    """With model.autocast_bf16 the trainer's forward is bf16 autocast; the sampler now is too,
+    so the first-pass difference is bf16 rounding between two kernels (KV cache vs full
+    sequence), well below the gap a float32 sampler leaves."""
+    model = load_model(tiny_checkpoints("qwen3"))
+    policy = Policy(model, None, [3], None, tmp_path, lora=False)
+
+    class Tok:
+        pad_token_id = 0
+
+    policy.tokenizer = Tok()
+    cfg = make_cfg(tmp_path, "model.autocast_bf16=true", "rollout.max_new_tokens=12")
+    rows = [{"prompt_ids": p} for p in PROMPTS]
+    matched = sample_round(cfg, policy, Sampler(model), rows, seed=3)
+    fp32 = sample(model, PROMPTS, group_size=4, max_new_tokens=12, temperature=1.0,
+                  stop_ids=[3], seed=3, pad_id=0)  # fmt: skip
+    assert not torch.equal(matched.logprobs, fp32.logprobs)  # autocast did reach the sampler
+    diffs = {}
+    for name, r in (("matched", matched), ("fp32", fp32)):
+        stats = update(tmp_path, copy.deepcopy(model), make_batch(r), "model.autocast_bf16=true",
+                       "rollout.max_new_tokens=12")  # fmt: skip
+        diffs[name] = stats["rollout/logprob_diff_mean"]
+    assert diffs["matched"] < diffs["fp32"], diffs
+
+
+def test_grpo_refuses_lora_dropout(tmp_path):
+    cfg = make_cfg(tmp_path, "lora.enabled=true", "lora.dropout=0.05")
+    with pytest.raises(ConfigError, match="lora.dropout: must be 0 for GRPO"):
+        cfg.check_grpo()
+    make_cfg(tmp_path, "lora.enabled=true", "lora.dropout=0").check_grpo()
