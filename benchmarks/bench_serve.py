@@ -4,7 +4,7 @@
     python -m benchmarks.bench_serve --cases tiny --rounds 2 --out-dir /tmp/bench   # quick
 
 One process serves, another one is the clients. The server is the real one (FastAPI app,
-uvicorn on 127.0.0.1, `grpo.serving.Engine`) twice over the same random-init model
+uvicorn on 127.0.0.1, `grpo.apps.serving.Engine`) twice over the same random-init model
 (`bench_sampler.CASES` shapes, `Decoder.init_weights(seed=0)`, float32, the tiny BPE
 tokenizer): `batched` (up to --max-batch-rows rows per sampler call, a 5 ms batching window)
 and `sequential` (max_batch_rows=1: one request per sampler call, what the server did before
@@ -127,8 +127,8 @@ def start_server(model, tok, max_batch_rows: int, max_queue: int):
     """The real app + engine on a free 127.0.0.1 port, uvicorn in a thread; (url, engine, stop)."""
     import uvicorn
 
-    from grpo.serving import Engine, Service
-    from grpo.serving.app import build_app
+    from grpo.apps.serving import Engine, Service
+    from grpo.apps.serving.app import build_app
 
     engine = Engine(model, tok, [tok.eos_token_id], max_queue=max_queue,
                     max_batch_rows=max_batch_rows, batch_window_ms=5.0)  # fmt: skip

@@ -20,14 +20,15 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_trl import make_checkpoint
+from benchmarks.bench_trl import DATA, make_checkpoint
 from benchmarks.harness import measure, write_results
 from grpo.config import load_config
+from grpo.loading import load_rows
 from grpo.rewards import build_rewards
 from grpo.rollout import Sampler
 from grpo.rollout.sampler import resolve_compile
 from grpo.tiny import SIZES, make_tiny_model
-from grpo.train.common import build_policy, load_rows
+from grpo.train.common import build_policy
 from grpo.train.grpo import advantage_phase, reference_phase, rollout_phase, update_phase
 from grpo.train.optim import build_optimizer, build_scheduler
 from grpo.train.state import TrainState
@@ -48,12 +49,13 @@ def build_case(model_dir: Path, lora: bool, args, shared: str = "off") -> dict:
             "loss.beta=0.04",
             "data.max_samples=256",
             f"train.shared_prefix={shared}",
+            *DATA[args.data],
             f"rollout.compile={getattr(args, 'rollout_compile', 'auto')}",
         ],
     )
     device = torch.device(args.device)
     policy = build_policy(cfg, device, need_ref=True)
-    rows = load_rows(cfg, "train", 256, "rl", policy.tokenizer)
+    rows = load_rows(cfg.data, "train", 256, "rl", policy.tokenizer)
     rewards = build_rewards([{"name": "accuracy"}])
     params = policy.trainable_parameters()
     opt = build_optimizer(params, cfg.optim)
@@ -95,6 +97,7 @@ def bench_case(model_dir: Path, size: str, lora: bool, args, shared: str = "off"
         "size": size,
         "mode": "lora r16" if lora else "full",
         "shared_prefix": shared,
+        "prompt_len": round(float(batch.rollout.prompt_lens.float().mean()), 1),
         "trainable_params": sum(p.numel() for p in params),
         "rollout_ms": round(t_roll.median_ms, 1),
         "ref_logprob_ms": round(t_ref.median_ms, 1),
@@ -115,6 +118,8 @@ def main(argv=None) -> None:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--micro-batch-size", type=int, default=16)
+    p.add_argument("--data", choices=sorted(DATA), default="minimath",
+                   help="prompt source (gsm8k: ~200-token prompts)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--name", default=None, help="results file stem")
@@ -133,14 +138,15 @@ def main(argv=None) -> None:
     for size in sizes:
         if size not in SIZES and size != "qwen3-0.6b":
             p.error(f"--sizes: unknown {size!r}; valid: {[*SIZES, 'qwen3-0.6b']}")
-    cols = ["size", "mode", "shared_prefix", "trainable_params", "rollout_ms", "ref_logprob_ms",
-            "update_ms", "step_ms", "ref_update_speedup", "rollout_frac", "tokens_per_s",
-            "peak_mem_mib", "spread_ms"]  # fmt: skip
+    cols = ["size", "mode", "shared_prefix", "prompt_len", "trainable_params", "rollout_ms",
+            "ref_logprob_ms", "update_ms", "step_ms", "ref_update_speedup", "rollout_frac",
+            "tokens_per_s", "peak_mem_mib", "spread_ms"]  # fmt: skip
     meta = {
         "command": "python -m benchmarks.bench_step "
         + " ".join(sys.argv[1:] if argv is None else argv),
         "shape": f"P={args.prompts} G={args.group_size} T_c<={args.max_new_tokens} "
-        f"micro={args.micro_batch_size}, beta=0.04 (reference forward included)",
+        f"micro={args.micro_batch_size}, beta=0.04 (reference forward included), "
+        f"prompts: {args.data}",
         "note": "rollouts stop at eos, so completion lengths vary with the random weights",
         "rollout.compile": args.rollout_compile,
     }

@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=2 /tmp/cmpenv/bin/python -m benchmarks.bench_trl --shapes ci,qwen3-0.6b
 
-Same checkpoint, prompts (minimath rendered by `grpo.train.common.load_rows`), P, G, max new
+Same checkpoint, prompts (minimath rendered by `grpo.loading.load_rows`), P, G, max new
 tokens, beta, optimizer (AdamW, lr, grad clip 1.0), fp32, no gradient checkpointing, token-mean
 loss (TRL's "dapo"), LoRA (r16, alpha 32, q/k/v/o) or full fine-tuning, and one reward function
 (completion length in characters) for both. TRL runs in a separate venv (trl is not a project
@@ -36,12 +36,13 @@ from benchmarks.harness import (
     write_results,
 )
 from grpo.config import load_config
+from grpo.loading import load_rows
 from grpo.models import Decoder, ModelConfig, save_pretrained
 from grpo.rewards import build_rewards
 from grpo.rollout import Sampler
 from grpo.rollout.sampler import resolve_compile
 from grpo.tiny import make_tiny_model
-from grpo.train.common import build_policy, load_rows
+from grpo.train.common import build_policy
 from grpo.train.grpo import advantage_phase, reference_phase, rollout_phase, update_phase
 from grpo.train.optim import build_optimizer, build_scheduler
 from grpo.train.state import TrainState
@@ -50,6 +51,15 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                  head_dim=128)  # fmt: skip
+
+
+# Prompts: mini-math (~57 tokens with the tiny tokenizer) or real GSM8K questions (~200 tokens,
+# 85-358: the prompt lengths the shared prefix is for), from the repo's shared data directory.
+GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+DATA = {
+    "minimath": [],
+    "gsm8k": ["data.dataset=gsm8k", f"data.source={GSM8K_DIR}", "data.max_prompt_len=440"],
+}
 
 
 def length_reward(completions, **kwargs) -> list[float]:
@@ -93,6 +103,7 @@ def ours_config(model_dir: Path, lora: bool, args, shared: str = "off"):
             f"optim.lr={args.lr}",
             "data.max_samples=256",
             f"train.shared_prefix={shared}",
+            *DATA[args.data],
         ],
     )
 
@@ -101,7 +112,7 @@ def ours_case(model_dir: Path, shape: str, lora: bool, shared: str, args) -> dic
     """Our full step (rollout, reference, advantages, update) timed as one call."""
     cfg = ours_config(model_dir, lora, args, shared)
     policy = build_policy(cfg, torch.device("cpu"), need_ref=True)
-    rows = load_rows(cfg, "train", 256, "rl", policy.tokenizer)
+    rows = load_rows(cfg.data, "train", 256, "rl", policy.tokenizer)
     rewards = build_rewards([length_reward])
     params = policy.trainable_parameters()
     opt = build_optimizer(params, cfg.optim)
@@ -110,7 +121,7 @@ def ours_case(model_dir: Path, shape: str, lora: bool, shared: str, args) -> dic
         policy.model, compile=resolve_compile(cfg.rollout.compile, "cpu"), fallback=True
     )  # what `grpo train` builds (rollout.compile: auto)
     state = TrainState()
-    step, tokens, lengths, prompt_tokens = [0], [], [], []
+    step, tokens, lengths, prompt_tokens, steps = [0], [], [], [], []
 
     def one_step():
         step[0] += 1
@@ -122,23 +133,31 @@ def ours_case(model_dir: Path, shape: str, lora: bool, shared: str, args) -> dic
         tokens.append(int(n.sum()))
         lengths.append(float(n.float().mean()))
         prompt_tokens.append(int(batch.rollout.prompt_lens[:: args.group_size].sum()))
+        steps.append(int(n.max()))  # decode steps the sampler ran
 
     t = measure(one_step, warmup=args.warmup, repeats=args.repeats)
     w = args.warmup
-    tokens, lengths, prompt_tokens = tokens[w:], lengths[w:], prompt_tokens[w:]
+    tokens, lengths, prompt_tokens, steps = tokens[w:], lengths[w:], prompt_tokens[w:], steps[w:]
     row = _row(shape, lora, f"ours shared_prefix={shared}", params, t.times_ms, t.peak_mem_mib,
                tokens, lengths)  # fmt: skip
-    # the physical floor: the FLOPs of the tokens a step must compute (each prompt once)
-    flops = statistics.mean(
-        step_flops(policy.model.config, pt, ct, args.prompts, lora)
-        for pt, ct in zip(prompt_tokens, tokens)
-    )
-    row["floor_s"] = round(flops / (args.tflops * 1e12), 3)
+    # the physical floor: the FLOPs of the tokens a step must compute (each prompt once) at
+    # the measured matmul rate, except that each decode step must also read every weight
+    # once (memory-bound at small batch): max(its FLOPs / rate, weight bytes / bandwidth)
+    mc, rate = policy.model.config, args.tflops * 1e12
+    weight_bytes = sum(p.numel() * p.element_size() for p in policy.model.parameters())
+    floors = []
+    for pt, ct, n in zip(prompt_tokens, tokens, steps):
+        compute = step_flops(mc, pt, ct, args.prompts, lora) / rate
+        decode_compute = step_flops(mc, 0, ct, args.prompts, lora, rollout_only=True) / rate
+        decode_memory = n * weight_bytes / (args.bandwidth_gbs * 1e9)
+        floors.append(compute + max(0.0, decode_memory - decode_compute))
+    row["floor_s"] = round(statistics.mean(floors), 3)
     row["prompt_tokens"] = round(statistics.mean(prompt_tokens), 1)
     return row
 
 
-def step_flops(mc, prompt_tokens: int, completion_tokens: int, P: int, lora: bool) -> float:
+def step_flops(mc, prompt_tokens: int, completion_tokens: int, P: int, lora: bool,
+               rollout_only: bool = False) -> float:  # fmt: skip
     """FLOPs a GRPO step cannot avoid: every prompt token once (sampler prefill, reference
     forward, policy forward + backward) and every completion token in each of those passes;
     the lm_head only where a token is predicted. 2 FLOPs per weight per token forward; the
@@ -152,6 +171,7 @@ def step_flops(mc, prompt_tokens: int, completion_tokens: int, P: int, lora: boo
         completion_tokens: generated tokens of the step's B rows.
         P: prompts (the sampler's prefill predicts one token per prompt).
         lora: LoRA (frozen base) or full fine-tuning.
+        rollout_only: the sampler's share only.
     """
     C, L, I = mc.hidden_size, mc.num_hidden_layers, mc.intermediate_size
     q, kv = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
@@ -162,8 +182,18 @@ def step_flops(mc, prompt_tokens: int, completion_tokens: int, P: int, lora: boo
     tokens = prompt_tokens + completion_tokens
     forward = tokens * per_token + completion_tokens * head  # one training-side forward
     rollout = tokens * per_token + (completion_tokens + P) * head
+    if rollout_only:
+        return rollout
     backward = (1 if lora else 2) * forward
     return rollout + forward + forward + backward  # sampler, reference, update fwd + bwd
+
+
+def memory_bandwidth_gbs(size_mib: int = 1024) -> float:
+    """Measured memory bandwidth (GB/s): bytes read + written by a large tensor copy."""
+    src = torch.ones(size_mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    t = measure(lambda: dst.copy_(src), warmup=1, repeats=5)
+    return 2 * src.numel() * 4 / (t.median_ms * 1e-3) / 1e9
 
 
 def check_agreement(model_dir: Path, args) -> float:
@@ -202,7 +232,7 @@ def trl_case(model_dir: Path, shape: str, lora: bool, args, tmp: Path) -> dict:
 
     cfg = ours_config(model_dir, lora, args)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    rows = load_rows(cfg, "train", 256, "rl", tok)
+    rows = load_rows(cfg.data, "train", 256, "rl", tok)
     ds = Dataset.from_list([{"prompt": r["prompt"]} for r in rows])  # the same rendered prompts
     B = args.prompts * args.group_size
     gcfg = GRPOConfig(
@@ -308,13 +338,17 @@ def main(argv=None) -> None:
     p.add_argument("--big-group-size", type=int, default=4, help="G for qwen3-0.6b")
     p.add_argument("--big-max-new-tokens", type=int, default=32, help="T_c for qwen3-0.6b")
     p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--data", choices=sorted(DATA), default="minimath",
+                   help="prompt source (gsm8k: ~200-token prompts)")  # fmt: skip
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--big-repeats", type=int, default=3)
     p.add_argument("--name", default="step_trl_cpu", help="results file stem")
     args = p.parse_args(argv)
-    args.tflops = matmul_ceiling_tflops("cpu", torch.float32)  # the floor's denominator
-    print(f"measured fp32 matmul rate: {args.tflops * 1e3:.1f} GFLOP/s", flush=True)
+    args.tflops = matmul_ceiling_tflops("cpu", torch.float32)  # the floor's denominators
+    args.bandwidth_gbs = memory_bandwidth_gbs()
+    print(f"measured fp32 matmul rate: {args.tflops * 1e3:.1f} GFLOP/s, memory "
+          f"{args.bandwidth_gbs:.1f} GB/s", flush=True)  # fmt: skip
     rows, shapes_meta, agreement = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -355,6 +389,7 @@ def main(argv=None) -> None:
         "command": "OMP_NUM_THREADS=2 /tmp/cmpenv/bin/python -m benchmarks.bench_trl "
         + " ".join(sys.argv[1:] if argv is None else argv),
         "shapes": shapes_meta,
+        "prompts": args.data,
         "versions": f"trl {trl.__version__}, transformers {transformers.__version__}, "
         f"accelerate {accelerate.__version__}, peft {peft.__version__}",
         "setup": "fp32 CPU, beta=0.04, lr const-ish (ours cosine over 1000 steps, TRL constant), "
@@ -369,7 +404,8 @@ def main(argv=None) -> None:
         "timing: " + ", ".join(f"{k} {v:.1e}" for k, v in agreement.items()),
         "floor": f"floor_s = step_flops (benchmarks/bench_trl.py: every prompt token once, "
         f"completion tokens in sampler, reference, policy fwd + bwd) / the measured fp32 "
-        f"matmul rate {args.tflops * 1e3:.1f} GFLOP/s (2048^3 product)",
+        f"matmul rate {args.tflops * 1e3:.1f} GFLOP/s (2048^3 product); each decode step at "
+        f"least reads all weights once: {args.bandwidth_gbs:.1f} GB/s measured (1 GiB copy)",
     }
     write_results(args.name, rows, cols, meta=meta)
 

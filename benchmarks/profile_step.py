@@ -11,6 +11,7 @@ autograd bookkeeping and the optimizer, so a slow phase points at its cause.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 
@@ -46,6 +47,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--micro-batch-size", type=int, default=16)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--data", choices=("minimath", "gsm8k"), default="minimath")
     args = p.parse_args(argv)
     args.device = "cpu"
     mode = "lora" if args.lora else "full"
@@ -72,9 +74,10 @@ def main(argv=None) -> None:
     env = env_stamp()
     text = (
         f"# {name}\n\n`python -m benchmarks.profile_step "
-        f"{' '.join(argv) if argv else ' '.join(__import__('sys').argv[1:])}`\n\n"
+        f"{' '.join(argv) if argv else ' '.join(sys.argv[1:])}`\n\n"
         f"P={args.prompts} G={args.group_size} T_c<={args.max_new_tokens} "
-        f"micro={args.micro_batch_size}; {env.get('cpu', '')}, torch {torch.__version__}, "
+        f"micro={args.micro_batch_size}, prompts {args.data}; {env.get('cpu', '')}, "
+        f"torch {torch.__version__}, "
         f"git {env.get('git_sha', '')}\n\nTotal self CPU time {total:.0f} ms "
         f"(profiler overhead included).\n\n{md}\n"
     )

@@ -1,6 +1,6 @@
 """`python -m grpo` is the `grpo` command."""
 
-from grpo.cli import main
+from grpo.apps.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,7 +1,9 @@
 """Evaluation of math reasoning: accuracy, pass@k, lengths, steps, format, error categories.
 
 Scoring is pure (`score_completion`, `summarize`) and tested on hand-made completions;
-`evaluate` batches prompts through our sampler (greedy, plus k samples for pass@k).
+`evaluate` batches prompts through our sampler (greedy, plus k samples for pass@k);
+`evaluate_config` evaluates a trained model as a run config says (the pipeline, demo and tool);
+`run_eval_command` is `grpo eval`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
+from grpo.config import Config, DataConfig
+from grpo.errors import GrpoError
+from grpo.loading import TrainedModel, load_rows, load_trained_model, resolve_device
 from grpo.rewards import compare_answers, count_steps, extract_answer, has_final_answer
 from grpo.rewards.extract import parse_number
 
@@ -241,20 +246,75 @@ def comparison_table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def _eval_rows(data: str, max_samples: int | None, tokenizer) -> list[dict]:
-    """RL-format rows with prompt ids from `NAME[:SPLIT]` or a local file / directory."""
-    from pathlib import Path
+def eval_env_settings(cfg: Config) -> dict:
+    """`evaluate` keyword arguments for the configured environment (eval.env, else rollout.env);
+    the environment's kwargs and limits are rollout.*'s."""
+    env = cfg.eval.env or cfg.rollout.env
+    if env == "single_turn":
+        return {}
+    r = cfg.rollout
+    same = env == r.env
+    return {"env": env, "env_kwargs": r.env_kwargs if same else {}, "max_turns": r.max_turns,
+            "max_total_tokens": r.max_total_tokens, "max_obs_tokens": r.max_obs_tokens,
+            "turn_end_tokens": r.turn_end_tokens}  # fmt: skip
 
-    from grpo.data import format_math_dataset, get_dataset
+
+def average_reward(cfg: Config, rows: list[dict], samples: list[dict]) -> float:
+    """Mean weighted reward (cfg.rewards) of evaluation completions."""
+    from grpo.rewards import build_rewards, compute_rewards
+
+    if not samples:
+        return 0.0
+    fns = build_rewards([r.spec for r in cfg.rewards])
+    columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt_ids"}
+    columns["completion_lengths"] = [s["n_tokens"] for s in samples]
+    total, _ = compute_rewards(fns, [s["completion"] for s in samples], columns)
+    return float(total.mean())
+
+
+def evaluate_config(cfg: Config, spec: TrainedModel, details: bool = False) -> dict:
+    """Evaluate `spec` on `eval.max_samples` rows of `data.eval_split` as `cfg` says, the rows
+    rendered with `spec`'s own tokenizer.
+
+    Returns:
+        the `evaluate` summary plus `average_reward` (cfg.rewards on the greedy completions),
+        and `samples` (with ground truths) when `details`.
+    """
+    import torch
+
+    model, tok, stops, dev = load_trained_model(spec, cfg.model.dtype, cfg.model.device)
+    rows = load_rows(cfg.data, cfg.data.eval_split, cfg.eval.max_samples, "rl", tok)
+    res = evaluate(
+        model, tok, rows, stop_ids=stops,
+        max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+        batch_size=cfg.eval.batch_size, k=cfg.eval.k, temperature=cfg.eval.temperature,
+        seed=cfg.train.seed, details=True, progress=cfg.train.progress,
+        **eval_env_settings(cfg),
+    )  # fmt: skip
+    summary = dict(res.summary)
+    summary["average_reward"] = average_reward(cfg, rows, res.samples)
+    if details:
+        for sample, row in zip(res.samples, rows):
+            sample["ground_truth"] = row["ground_truth"]
+            sample["ground_truth_steps"] = reference_steps(row.get("full_answer", ""))
+        summary["samples"] = res.samples
+    del model
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return summary
+
+
+def eval_data(data: str, max_prompt_len: int = DataConfig.max_prompt_len) -> tuple[DataConfig, str]:
+    """`grpo eval --data NAME[:SPLIT]` (or a local file / directory) -> (data settings, split)."""
+    from pathlib import Path
 
     name, split = data, "test"
     if ":" in data and not Path(data).exists():
         name, split = data.rsplit(":", 1)
-    ds = get_dataset(name, split=split, max_samples=max_samples)
-    rows = format_math_dataset(ds, "rl", tokenizer=tokenizer).to_list()
-    for row in rows:
-        row["prompt_ids"] = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-    return rows
+    try:
+        return DataConfig(dataset=name, max_prompt_len=max_prompt_len), split
+    except GrpoError as e:
+        raise GrpoError(str(e).replace("data.max_prompt_len", "--max-prompt-len")) from None
 
 
 def run_eval_command(
@@ -271,19 +331,16 @@ def run_eval_command(
     env: str | None = None,
     max_turns: int = 4,
     skip_memory_check: bool = False,
+    max_prompt_len: int = DataConfig.max_prompt_len,
 ) -> dict:
-    """`grpo eval`: evaluate one model (and optionally others) on the same data; print a
-    comparison table; write JSON to `out`. Sizes, contexts and memory are checked before any
-    model loads (grpo/train/preflight.py; `skip_memory_check` skips the memory part)."""
+    """`grpo eval`: evaluate one model (and optionally others) on the same problems; print a
+    comparison table; write JSON to `out`. Each model reads the problems rendered by its own
+    tokenizer. Sizes, contexts and memory are checked before any model loads
+    (grpo/train/preflight.py; `skip_memory_check` skips the memory part)."""
     from pathlib import Path
 
-    import torch
-
-    from grpo.errors import GrpoError
     from grpo.io import check_output_file, write_json
-    from grpo.lora import load_adapter
-    from grpo.models import load_model
-    from grpo.tokenizer import load_tokenizer, stop_ids
+    from grpo.tokenizer import load_tokenizer
     from grpo.train.preflight import check_eval_rows, eval_command_budget, preflight_eval
 
     if k < 1:
@@ -292,40 +349,47 @@ def run_eval_command(
         check_output_file(out, "--out")  # a directory or an impossible path fails before any work
     if max_turns < 1:
         raise GrpoError(f"--max-turns must be >= 1, got {max_turns}")
+    data_cfg, split = eval_data(data, max_prompt_len)
     if env:
         from grpo.envs import env_factory
 
         env_factory(env, key="--env")  # an unknown environment fails before any model loads
-    specs = {"model": (model, adapter)}
+    specs = {"model": TrainedModel(model, (adapter,) if adapter else ())}
     for item in compare or []:
         name, _, spec = item.partition("=")
         if not spec:
             raise GrpoError(f"--compare {item!r} must look like NAME=MODEL or NAME=MODEL+ADAPTER")
         path, _, ad = spec.partition("+")
-        specs[name] = (path, ad or None)
-    configs = preflight_eval([path for path, _ in specs.values()], data=data,
+        specs[name] = TrainedModel(path, (ad,) if ad else ())
+    configs = preflight_eval([s.path for s in specs.values()], data=data,
                              max_new_tokens=max_new_tokens, batch_size=batch_size,
                              max_samples=max_samples, env=env, max_turns=max_turns)  # fmt: skip
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device("auto")
+    budget = eval_command_budget(max_new_tokens, env, max_turns)
+    # Every model's prompts, rendered by its own tokenizer, fit its context and its memory
+    # estimate fits the device: all checked before any model loads.
+    rows_of: dict[str, list[dict]] = {}
+    by_tokenizer: dict[str, list[dict]] = {}
+    for (name, spec), mc in zip(specs.items(), configs):
+        if spec.tokenizer_path not in by_tokenizer:
+            tok = load_tokenizer(spec.tokenizer_path)
+            by_tokenizer[spec.tokenizer_path] = load_rows(
+                data_cfg, split, max_samples, "rl", tok, limit_name="--max-prompt-len"
+            )
+        rows_of[name] = by_tokenizer[spec.tokenizer_path]
+        check_eval_rows(rows_of[name], [mc], budget, batch_size * k, device, skip_memory_check)
     results, payload = {}, {"data": data, "k": k, "env": env, "models": {}}
-    rows = None
-    for name, (path, ad) in specs.items():
-        tok = load_tokenizer(path)
-        if rows is None:  # prompts fit every model's context; the memory fits: before any load
-            rows = _eval_rows(data, max_samples, tok)
-            check_eval_rows(rows, configs, eval_command_budget(max_new_tokens, env, max_turns),
-                            batch_size * k, torch.device(device), skip_memory_check)  # fmt: skip
-        net = load_model(path, device=device)
-        if ad:
-            load_adapter(net, ad)
-        model_dir = Path(path) if Path(path).is_dir() else None
+    for name, spec in specs.items():
+        net, tok, stops, _ = load_trained_model(spec, device=device)
         res = evaluate(
-            net, tok, rows, stop_ids=stop_ids(tok, model_dir), max_new_tokens=max_new_tokens,
+            net, tok, rows_of[name], stop_ids=stops, max_new_tokens=max_new_tokens,
             batch_size=batch_size, k=k, details=details, progress=True, env=env,
             max_turns=max_turns,
         )  # fmt: skip
+        del net
         results[name] = res.summary
-        payload["models"][name] = {"path": path, "adapter": ad, "summary": res.summary}
+        ad = spec.adapters[0] if spec.adapters else None
+        payload["models"][name] = {"path": spec.path, "adapter": ad, "summary": res.summary}
         if details:
             payload["models"][name]["samples"] = res.samples
     print(comparison_table(results))

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from grpo.cli import main
+from grpo.apps.cli import main
+from grpo.apps.demo import DEFAULT_CONFIG, load_demo_config
+from grpo.apps.plot import plot_run
 from grpo.config import ConfigError
-from grpo.demo import DEFAULT_CONFIG, load_demo_config
 from grpo.errors import GrpoError
-from grpo.plot import plot_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -92,7 +92,7 @@ def test_plot_run_errors_name_the_problem(tmp_path):
 
 
 def test_demo_config_is_valid_and_strict(tmp_path):
-    from grpo.pipeline import load_pipeline_config
+    from grpo.apps.pipeline import load_pipeline_config
 
     for quick in (False, True):
         settings, pipeline, overrides = load_demo_config(DEFAULT_CONFIG, quick=quick)

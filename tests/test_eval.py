@@ -92,3 +92,54 @@ def test_evaluate_runs_through_the_sampler(tiny_checkpoints, tiny_tokenizer):
     assert s["n"] == 2 and 0 <= s["accuracy"] <= s["pass@3"] <= 1
     assert 1 <= s["avg_length"] <= 8
     assert len(res.samples) == 2 and "completion" in res.samples[0]
+
+
+def test_eval_compare_gives_each_model_prompts_from_its_own_tokenizer(
+    shared_tiny_model, tiny_checkpoints, tiny_tokenizer, tmp_path, monkeypatch
+):
+    # `grpo eval --compare` once tokenized the problems with the first model's tokenizer and fed
+    # those ids to every model; here the two tokenizers differ (a BPE of 384 tokens trained on
+    # mini-math vs one of 300 on other text), so each model must get its own ids.
+    import shutil
+
+    import grpo.eval
+    from grpo.config import DataConfig
+    from grpo.eval import run_eval_command
+    from grpo.loading import load_rows
+    from grpo.tokenizer import load_tokenizer
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_checkpoints("qwen3", vocab_size=len(tiny_tokenizer)), other)
+    tiny_tokenizer.save_pretrained(str(other))
+    calls = []
+    real = grpo.eval.evaluate
+
+    def spy(model, tokenizer, rows, **kw):
+        calls.append(rows)
+        return real(model, tokenizer, rows, **kw)
+
+    monkeypatch.setattr(grpo.eval, "evaluate", spy)
+    payload = run_eval_command(str(shared_tiny_model), "minimath:test", max_samples=3,
+                               max_new_tokens=2, batch_size=4,
+                               compare=[f"other={other}"])  # fmt: skip
+    assert [m["summary"]["n"] for m in payload["models"].values()] == [3, 3]
+    expected = [
+        load_rows(DataConfig(), "test", 3, "rl", load_tokenizer(path))
+        for path in (shared_tiny_model, other)
+    ]
+    for rows, want in zip(calls, expected, strict=True):
+        assert [r["question"] for r in rows] == [r["question"] for r in expected[0]]
+        assert [r["prompt_ids"] for r in rows] == [r["prompt_ids"] for r in want]
+    assert calls[0][0]["prompt_ids"] != calls[1][0]["prompt_ids"]  # the tokenizers do differ
+
+
+def test_eval_command_honours_max_prompt_len(shared_tiny_model, capsys):
+    from grpo.apps import cli
+
+    argv = ["eval", "--model", str(shared_tiny_model), "--max-samples", "2"]
+    assert cli.main([*argv, "--max-prompt-len", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "prompt of row 0 of 'minimath' (test)" in err and "> --max-prompt-len 8" in err
+    assert cli.main([*argv, "--max-prompt-len", "0"]) == 2
+    assert "--max-prompt-len: must be > 0" in capsys.readouterr().err

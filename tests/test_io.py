@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo import cli
+from grpo.apps import cli
 from grpo.data.gsm8k import load_gsm8k
 from grpo.errors import GrpoError
 from grpo.io import FileError, read_json, read_text, torch_load
@@ -198,9 +198,9 @@ def test_non_utf8_data_is_one_line_naming_file_and_line(tmp_path, shared_tiny_mo
 
 
 def test_metrics_config_tokenizer_and_sweep_files(tmp_path, model_copy):
+    from grpo.apps.sweep import run_sweep
     from grpo.config import load_config
     from grpo.metrics import read_metrics
-    from grpo.sweep import run_sweep
     from grpo.tokenizer import load_tokenizer
 
     metrics = tmp_path / "metrics.jsonl"

@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpo.config import ConfigError, load_config
-from grpo.errors import GrpoError
-from grpo.pipeline import (
+from grpo.apps.pipeline import (
     RESULTS_FILE,
     PipelineError,
     add_parser,
     grpo_config_from_sft,
     load_pipeline_config,
-    resolve_trained,
     run_pipeline,
 )
+from grpo.config import ConfigError, load_config
+from grpo.errors import GrpoError
+from grpo.loading import resolve_trained
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -150,10 +150,11 @@ def _fake_sft(cfg, resume=False):
 
 
 def test_sft_threshold_stops_before_grpo(shared_tiny_model, tmp_path, monkeypatch, capsys):
-    import grpo.pipeline as pipeline
+    import grpo.apps.pipeline as pipeline
 
     monkeypatch.setattr("grpo.train.sft.train_sft", _fake_sft)
-    monkeypatch.setattr(pipeline, "evaluate_config", lambda cfg, spec: {"n": 2, "accuracy": 0.25})
+    monkeypatch.setattr(pipeline, "evaluate_config",
+                        lambda cfg, spec, details: {"n": 2, "accuracy": 0.25})  # fmt: skip
     args = cli(["pipeline", "--config", str(CONFIGS / "pipeline_tiny.yaml"),
                 f"model.path={shared_tiny_model}", f"output_dir={tmp_path}",
                 "sft.eval.sft_accuracy_threshold=0.5"])  # fmt: skip

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo import cli
+from grpo.apps import cli
 from grpo.config import ConfigError, OptimConfig, load_config
 from grpo.errors import GrpoError
 from grpo.lora import apply_lora
@@ -36,8 +36,7 @@ def no_model_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the preflight failed")
 
-    monkeypatch.setattr("grpo.train.common.load_model", refuse)
-    monkeypatch.setattr("grpo.models.load_model", refuse)
+    monkeypatch.setattr("grpo.models.load_model", refuse)  # what grpo.loading calls
 
 
 def one_line(code: int, capsys) -> str:

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo import cli
+from grpo.apps import cli
 from grpo.errors import GrpoError
 from grpo.tiny import make_tiny_model
 from grpo.train.state import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint

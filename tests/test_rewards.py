@@ -608,7 +608,7 @@ def _one_line_error(code, capsys) -> str:
 def test_train_exits_2_when_a_reward_exits_interrupts_or_times_out(
     shared_tiny_model, iso_module, capsys
 ):
-    from grpo import cli
+    from grpo.apps import cli
 
     base = ["train", "--config", TINY_CI, f"model.path={shared_tiny_model}",
             f"train.output_dir={iso_module}/run", "train.progress=false", "data.eval_samples=0",
@@ -625,7 +625,7 @@ def test_train_exits_2_when_a_reward_exits_interrupts_or_times_out(
 
 
 def test_pipeline_and_sweep_exit_2_when_a_reward_exits(shared_tiny_model, iso_module, capsys):
-    from grpo import cli
+    from grpo.apps import cli
 
     quits = "rewards=[{name: 'rewards_iso:quits'}]"
     code = cli.main(["pipeline", "--config", PIPELINE_TINY, f"model.path={shared_tiny_model}",

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo import cli
+from grpo.apps import cli
 from grpo.errors import GrpoError
 from grpo.train.rundir import LOCK_FILE, TrainingInterrupted, resume_conflicts
 from grpo.train.state import (
@@ -408,8 +408,8 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(shared_tiny_model
 
 
 def test_pipeline_and_sweep_record_interrupted(shared_tiny_model, tmp_path, monkeypatch):
-    from grpo.pipeline import RESULTS_FILE, load_pipeline_config, run_pipeline
-    from grpo.sweep import load_space, run_sweep
+    from grpo.apps.pipeline import RESULTS_FILE, load_pipeline_config, run_pipeline
+    from grpo.apps.sweep import load_space, run_sweep
 
     calls = []
 

@@ -251,6 +251,8 @@ def test_resolve_compile_auto_follows_the_machine(monkeypatch, tmp_path):
     assert not resolve_compile("auto", "cpu")
     monkeypatch.delenv("GRPO_COMPILE")
     assert resolve_compile("auto", "cpu") == compile_supported("cpu")
+    assert not resolve_compile("auto", "cpu", multi_turn=True)  # eager: compaction, no recompiles
+    assert resolve_compile("on", "cpu", multi_turn=True)
     monkeypatch.setenv("PATH", str(tmp_path))  # no compiler on the PATH: auto stays eager
     monkeypatch.delenv("CXX", raising=False)
     assert not compile_supported("cpu") and not resolve_compile("auto", "cpu")

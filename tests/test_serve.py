@@ -20,9 +20,9 @@ import time
 import openai
 import pytest
 
+from grpo.apps.serve import add_parser
+from grpo.apps.serving import Engine, Job, RequestError, SamplingParams, Unavailable, parse_request
 from grpo.rollout import sample
-from grpo.serve import add_parser
-from grpo.serving import Engine, Job, RequestError, SamplingParams, Unavailable, parse_request
 
 NAME = "tiny"  # --served-model-name
 
@@ -478,7 +478,7 @@ def check_stream_finished(out: dict) -> None:
 def test_sigint_lets_the_running_request_finish(shared_tiny_model, caplog):
     """The server in the main thread (where uvicorn takes the signals): SIGINT while a
     streamed request runs; the stream still ends normally and cmd_serve returns 0."""
-    caplog.set_level(logging.INFO, logger="grpo.serve")
+    caplog.set_level(logging.INFO, logger="grpo.apps.serve")
     parser = argparse.ArgumentParser(prog="grpo")
     add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["serve", "--model", str(shared_tiny_model), "--port", "0",

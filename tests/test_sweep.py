@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from grpo.apps.sweep import Range, add_parser, grid_trials, load_space, random_trials, run_sweep
 from grpo.errors import GrpoError
-from grpo.sweep import Range, add_parser, grid_trials, load_space, random_trials, run_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny_ci.yaml")
@@ -168,7 +168,7 @@ def logged(run: Path, key: str) -> dict[int, float]:
 def test_optuna_sweep_prunes_trailing_trials(shared_tiny_model, tmp_path, capsys):
     import optuna  # the test extra has it
 
-    from grpo import cli
+    from grpo.apps import cli
 
     space = write_space(tmp_path / "space.yaml", {"eval.max_new_tokens": [2, 8]})
     steps = 3
@@ -225,9 +225,9 @@ def test_optuna_sweep_resumes_after_interruptions(shared_tiny_model, tmp_path, m
                                                    capsys):  # fmt: skip
     import optuna
 
-    import grpo.sweep as sweep_mod
+    import grpo.apps.sweep as sweep_mod
     import grpo.train.grpo as g
-    from grpo import cli
+    from grpo.apps import cli
 
     space = write_space(tmp_path / "space.yaml", {"eval.max_new_tokens": [2, 4, 8]})
     argv = optuna_argv(tmp_path, shared_tiny_model, space, 2, "--trials", "3", "--pruner", "none")
@@ -310,7 +310,7 @@ def test_optuna_sweep_resumes_after_interruptions(shared_tiny_model, tmp_path, m
 
 
 def test_huge_spaces_are_refused_before_anything_is_built(tmp_path):
-    from grpo.sweep import MAX_TRIALS
+    from grpo.apps.sweep import MAX_TRIALS
 
     space = {f"k{i}": list(range(10)) for i in range(8)}  # 10^8 combinations
     with pytest.raises(GrpoError, match="the grid has 100000000 combinations; at most 10000"):

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from datasets import Dataset
 
-from grpo.tool import RLTrainingTool
+from grpo.apps.tool import RLTrainingTool
 
 
 @pytest.fixture(scope="module")

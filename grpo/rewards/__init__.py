@@ -26,6 +26,7 @@ from grpo.rewards.registry import (
     get_reward,
     make_combined,
     register_reward,
+    reward_defaults,
 )
 
 __all__ = [
@@ -47,5 +48,6 @@ __all__ = [
     "make_step",
     "parse_number",
     "register_reward",
+    "reward_defaults",
     "reward_name",
 ]

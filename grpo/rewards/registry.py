@@ -96,6 +96,24 @@ def get_reward(spec: RewardSpec) -> NamedReward:
     return _resolve(spec, {})
 
 
+def reward_defaults(name: str) -> dict[str, Any]:
+    """The parameters a built-in (or registered factory) reward `name` uses when a spec leaves
+    them out, read from its factory's signature: ``reward_defaults("step")`` ->
+    ``{"beta": 0.1, "cap": None, "tolerance": 1e-6}``. Empty for plain functions."""
+    if name in _REGISTERED:
+        fn, is_factory = _REGISTERED[name]
+        factory = fn if is_factory else None
+    else:
+        factory = _builtins().get(name)
+    if factory is None:
+        return {}
+    return {
+        k: p.default
+        for k, p in inspect.signature(factory).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+
+
 def build_rewards(spec: Any) -> list[tuple[NamedReward, float]]:
     """(reward, weight) pairs from a config value, ready for `compute_rewards`.
 

@@ -36,16 +36,21 @@ def compile_supported(device: torch.device | str) -> bool:
     return any(shutil.which(c) for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c)
 
 
-def resolve_compile(mode: str | bool, device: torch.device | str) -> bool:
+def resolve_compile(mode: str | bool, device: torch.device | str, multi_turn: bool = False) -> bool:
     """`rollout.compile` -> whether to compile: on / off as given; auto = where supported
-    (`compile_supported`), unless the environment variable GRPO_COMPILE=0 turns auto off (the
-    test suite does: each new shape costs seconds of C++ compilation)."""
+    (`compile_supported`), for single-turn rollouts, unless the environment variable
+    GRPO_COMPILE=0 turns auto off (the test suite does: each new shape costs seconds of C++
+    compilation). Multi-turn rollouts stay eager under auto: eagerly, ended trajectories leave
+    the batch at each turn boundary, and the varying observation lengths would cost recompiles
+    (the tools demo's GRPO stage took 94 s compiled vs 50 s eager)."""
     if mode in (True, "on"):
         return True
     if mode in (False, "off"):
         return False
     if mode != "auto":
         raise GrpoError(f"compile must be auto, on or off, got {mode!r}")
+    if multi_turn:
+        return False
     return os.environ.get("GRPO_COMPILE", "") != "0" and compile_supported(device)
 
 

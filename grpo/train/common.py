@@ -1,5 +1,5 @@
-"""What the SFT and GRPO loops share: device, policy (model + LoRA + tokenizer), data rows,
-the run directory, and saving the final weights."""
+"""What the SFT and GRPO loops share: seeding, the policy (model + LoRA + tokenizer +
+reference), saving the final weights. Loading models and rows is `grpo.loading`'s."""
 
 from __future__ import annotations
 
@@ -14,28 +14,13 @@ import numpy as np
 import torch
 
 from grpo.config import Config
-from grpo.data import format_math_dataset, get_dataset
 from grpo.errors import GrpoError
 from grpo.io import writing
-from grpo.lora import apply_lora, load_adapter, lora_modules, save_adapter, unwrap_lora
-from grpo.models import Decoder, load_model, save_pretrained
-from grpo.tokenizer import load_tokenizer, stop_ids
+from grpo.loading import config_model, load_trained_model
+from grpo.lora import apply_lora, load_adapter, lora_modules, save_adapter
+from grpo.models import Decoder, save_pretrained
 
 log = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise GrpoError(
-            f"model.device: {name!r} is not a device (auto, cpu, cuda, cuda:N)"
-        ) from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise GrpoError(f"model.device is {name!r} but CUDA is not available")
-    return dev
 
 
 def seed_everything(seed: int) -> None:
@@ -73,12 +58,8 @@ def build_policy(cfg: Config, device: torch.device, need_ref: bool, adapter: str
             `disabled_lora`; full fine-tuning gets a frozen deep copy.
         adapter: start from this LoRA adapter directory (overrides cfg.lora.adapter).
     """
-    model_dir = Path(cfg.model.path)
-    model = load_model(cfg.model.path, dtype=cfg.model.dtype, device=device)
-    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
-    if cfg.model.adapter:  # e.g. the SFT adapter: folded in, so it is also the reference
-        load_adapter(model, cfg.model.adapter)
-        unwrap_lora(model)
+    # model.adapter (e.g. SFT's) is folded in, so it is also the reference policy
+    model, tokenizer, ids, _ = load_trained_model(config_model(cfg), cfg.model.dtype, device)
     adapter = adapter or cfg.lora.adapter
     if cfg.lora.enabled:
         if adapter:
@@ -106,39 +87,7 @@ def build_policy(cfg: Config, device: torch.device, need_ref: bool, adapter: str
         ref = copy.deepcopy(model).eval()
         for p in ref.parameters():
             p.requires_grad_(False)
-    ids = stop_ids(tokenizer, model_dir if model_dir.is_dir() else None)
-    return Policy(model, tokenizer, ids, ref, model_dir, cfg.lora.enabled)
-
-
-def load_rows(cfg: Config, split: str, max_samples: int | None, format_type: str, tokenizer):
-    """Dataset rows of `split` in the SFT or RL format, with the prompt's token ids added.
-
-    A prompt longer than data.max_prompt_len fails, naming its row and length.
-    """
-    kwargs = {}
-    if cfg.data.dataset == "minimath":
-        kwargs = {"seed": cfg.data.seed, "difficulty": cfg.data.difficulty}
-    elif cfg.data.dataset == "gsm8k" and cfg.data.source:
-        kwargs = {"source": cfg.data.source}
-    ds = get_dataset(cfg.data.dataset, split=split, max_samples=max_samples, **kwargs)
-    if len(ds) == 0:
-        raise GrpoError(f"data: dataset {cfg.data.dataset!r} split {split!r} has no rows")
-    ds = format_math_dataset(
-        ds,
-        format_type,
-        tokenizer=tokenizer,
-        system_prompt=cfg.data.system_prompt,
-        enable_thinking=cfg.data.enable_thinking,
-    )
-    rows = ds.to_list()
-    for i, row in enumerate(rows):
-        row["prompt_ids"] = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-        if len(row["prompt_ids"]) > cfg.data.max_prompt_len:
-            raise GrpoError(
-                f"data: prompt of row {i} of {cfg.data.dataset!r} ({split}) has "
-                f"{len(row['prompt_ids'])} tokens > data.max_prompt_len {cfg.data.max_prompt_len}"
-            )
-    return rows
+    return Policy(model, tokenizer, ids, ref, Path(cfg.model.path), cfg.lora.enabled)
 
 
 def save_final(policy: Policy, out_dir: Path, cfg: Config) -> Path:

@@ -40,6 +40,8 @@ from grpo.distributed import (
 )
 from grpo.envs import env_factory
 from grpo.errors import GrpoError
+from grpo.eval import eval_env_settings, evaluate
+from grpo.loading import load_rows, resolve_device
 from grpo.lora import disabled_lora
 from grpo.rewards import build_rewards, compute_rewards
 from grpo.rollout import Sampler
@@ -59,9 +61,7 @@ from grpo.train.batch import (
 from grpo.train.common import (
     build_policy,
     due,
-    load_rows,
     peak_mem_mib,
-    resolve_device,
     seed_everything,
 )
 from grpo.train.loop import RunDir, run_directory, start_run
@@ -450,19 +450,6 @@ def rollout_metrics(batch: Batch, G: int) -> dict:
     return out
 
 
-def eval_env_settings(cfg: Config) -> dict:
-    """`evaluate` keyword arguments for the configured environment (eval.env, else rollout.env);
-    the environment's kwargs and limits are rollout.*'s."""
-    env = cfg.eval.env or cfg.rollout.env
-    if env == "single_turn":
-        return {}
-    r = cfg.rollout
-    same = env == r.env
-    return {"env": env, "env_kwargs": r.env_kwargs if same else {}, "max_turns": r.max_turns,
-            "max_total_tokens": r.max_total_tokens, "max_obs_tokens": r.max_obs_tokens,
-            "turn_end_tokens": r.turn_end_tokens}  # fmt: skip
-
-
 def train_grpo(
     cfg: Config,
     resume: bool = False,
@@ -496,8 +483,6 @@ def train_grpo(
 
 
 def _train(cfg: Config, rundir: RunDir, dist, on_step=None, where: Where | None = None) -> dict:
-    from grpo.eval import evaluate
-
     device = device_for(dist, resolve_device(cfg.model.device))
     mc = preflight(cfg, "grpo", device, world_size=dist.world_size)  # before any load or write
     seed_everything(cfg.train.seed)
@@ -509,19 +494,19 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step=None, where: Where | None 
     if cfg.eval.env:
         env_factory(cfg.eval.env, key="eval.env")
     policy = build_policy(cfg, device, need_ref=cfg.loss.needs_reference or cfg.log.kl_every > 0)
-    rows = load_rows(cfg, cfg.data.split, cfg.data.max_samples, "rl", policy.tokenizer)
+    rows = load_rows(cfg.data, cfg.data.split, cfg.data.max_samples, "rl", policy.tokenizer)
     eval_rows = None
     if cfg.data.eval_samples and dist.is_main:
         n_eval = cfg.data.eval_samples
-        eval_rows = load_rows(cfg, cfg.data.eval_split, n_eval, "rl", policy.tokenizer)
+        eval_rows = load_rows(cfg.data, cfg.data.eval_split, n_eval, "rl", policy.tokenizer)
     check_prompt_room(cfg, mc, "grpo", rows, eval_rows)
     reward_fns = build_rewards([r.spec for r in cfg.rewards])
     # Only now, with model, data and rewards checked, does the run directory get written.
     run = start_run(cfg, policy, dist, cfg.train.max_steps * cfg.loss.num_iterations, rundir)
     state, optimizer, scheduler, params = run.state, run.optimizer, run.scheduler, run.params
     policy.model.eval()
-    sampler = Sampler(policy.model, compile=resolve_compile(cfg.rollout.compile, device),
-                      fallback=cfg.rollout.compile == "auto")  # fmt: skip
+    compile_ = resolve_compile(cfg.rollout.compile, device, cfg.rollout.multi_turn)
+    sampler = Sampler(policy.model, compile=compile_, fallback=cfg.rollout.compile == "auto")
     scorer = wrap_ddp(CompletionLogprobs(policy.model), dist, device)
     G = cfg.rollout.group_size
     bad_steps = 0  # consecutive updates skipped as non-finite

@@ -504,7 +504,7 @@ def _memory_fields(cfg: Config) -> dict[str, str]:
 
 
 def _resolve(name: str) -> torch.device:
-    from grpo.train.common import resolve_device
+    from grpo.loading import resolve_device
 
     return resolve_device(name)
 

@@ -29,13 +29,12 @@ from grpo.distributed import (
     wrap_ddp,
 )
 from grpo.errors import GrpoError
+from grpo.loading import load_rows, resolve_device
 from grpo.train.batch import micro_batches, next_prompts
 from grpo.train.common import (
     build_policy,
     due,
-    load_rows,
     peak_mem_mib,
-    resolve_device,
     seed_everything,
 )
 from grpo.train.loop import RunDir, run_directory, start_run
@@ -171,11 +170,11 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step=None, where: Where | None 
     seed_everything(cfg.train.seed)
     policy = build_policy(cfg, device, need_ref=False)
     tok = policy.tokenizer
-    rows = load_rows(cfg, cfg.data.split, cfg.data.max_samples, "sft", tok)
+    rows = load_rows(cfg.data, cfg.data.split, cfg.data.max_samples, "sft", tok)
     rows = tokenize_sft(rows, tok, cfg.rollout.max_new_tokens)
     eval_rows = None
     if cfg.data.eval_samples and dist.is_main:
-        eval_rows = load_rows(cfg, cfg.data.eval_split, cfg.data.eval_samples, "rl", tok)
+        eval_rows = load_rows(cfg.data, cfg.data.eval_split, cfg.data.eval_samples, "rl", tok)
     check_prompt_room(cfg, mc, "sft", rows, eval_rows)
     steps = total_sft_steps(cfg, len(rows) // dist.world_size)
     run = start_run(cfg, policy, dist, steps, rundir)  # inputs checked: now write outputs

@@ -16,8 +16,12 @@ Actions and their keys (the tutorial's names; each is translated to our `Config`
 - ``evaluate``: model_path, max_samples, use_lora, metrics, k, return_details -> accuracy,
   average_reward, num_samples, ...
 
-Every answer is a JSON string with ``"status": "success"`` or ``"error"``; an error's message
-starts with the parameter it is about, never a traceback. `register_dataset` and
+Each action's parameters are a declarative table of `P` (kind, default, check, and the config
+field the value sets), so an action is: check the parameters, map them onto a `Config` (plus
+what follows from several of them, e.g. batch sizes from batch_size x num_generations), call
+the core (`train_sft` / `train_grpo`, `load_rows`, `evaluate_config`). A default of None is the
+core's default. Every answer is a JSON string with ``"status": "success"`` or ``"error"``;
+an error's message starts with the parameter it is about, never a traceback. `register_dataset` and
 `register_reward_function` name data and rewards for later calls; a reward registered under a
 dataset's name is the default reward of training on that dataset.
 """
@@ -33,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo.errors import GrpoError
+from grpo.loading import TrainedModel, resolve_device, resolve_trained
 
 log = logging.getLogger(__name__)
 
@@ -81,13 +86,20 @@ class ToolError(GrpoError):
 
 @dataclass(frozen=True)
 class P:
-    """One parameter: its kind, default, and a check returning a problem (or None)."""
+    """One parameter: its kind, default, a check returning a problem (or None), and the config
+    fields its value sets (`to`, dotted). A default of None leaves those fields at the core's
+    defaults (`grpo.config`); only the tutorial's own defaults are spelled out here."""
 
     kind: str  # str | int | float | bool | list | dict | callable | rows
     default: Any = None
     check: Callable[[Any], str | None] | None = None
     required: bool = False
     nullable: bool = False  # an explicit None stays None (e.g. max_samples: all rows)
+    to: str | tuple[str, ...] = ()
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return (self.to,) if isinstance(self.to, str) else self.to
 
 
 def _positive(v):
@@ -162,55 +174,73 @@ def parse_params(params: dict, spec: dict[str, P], aliases: dict[str, str]) -> d
     return values
 
 
+def config_sections(values: dict, spec: dict[str, P]) -> dict:
+    """The config mapping that parsed parameters set through their `to` fields, e.g.
+    {"lora": {"rank": 8}, "loss": {"epsilon_low": 0.2, "epsilon_high": 0.2}}; a value of None
+    (unless the parameter is nullable) leaves its fields to the core's defaults."""
+    out: dict = {}
+    for name, param in spec.items():
+        value = values[name]
+        if value is None and not param.nullable:
+            continue
+        for dotted in param.fields:
+            section, key = dotted.split(".")
+            out.setdefault(section, {})[key] = value
+    return out
+
+
+# The tutorial's parameters; `to` is the config field each sets. The rest (batch sizes, group
+# size, the per-algorithm defaults, epochs vs steps) follow from several of them: `_train`.
 COMMON = {
     "model_name": P("str", "Qwen/Qwen3-0.6B"),
     "dataset": P("str", "gsm8k"),
     "custom_dataset": P("rows"),
-    "system_prompt": P("str"),
-    "enable_thinking": P("bool"),
-    "max_prompt_len": P("int", 512, _positive),
-    "device": P("str", "auto"),
-    "dtype": P("str", "float32", _choice("float32", "bfloat16", "float16")),
-    "seed": P("int", 0),
-    "progress": P("bool", True),
+    "system_prompt": P("str", to="data.system_prompt"),
+    "enable_thinking": P("bool", to="data.enable_thinking"),
+    "max_prompt_len": P("int", None, _positive, to="data.max_prompt_len"),
+    "device": P("str", to="model.device"),
+    "dtype": P("str", None, _choice("float32", "bfloat16", "float16"), to="model.dtype"),
+    "seed": P("int", to="train.seed"),
+    "progress": P("bool", to="train.progress"),
 }
 REWARD = {"reward_type": P("str"), "reward_config": P("dict", {}), "custom_reward": P("callable")}
 TRAIN = {
     **COMMON, **REWARD,
     "algorithm": P("str", None, _choice("sft", "grpo"), required=True),
-    "output_dir": P("str", required=True),
-    "split": P("str", "train"),
-    "max_samples": P("int", None, _positive),
+    "output_dir": P("str", required=True, to="train.output_dir"),
+    "split": P("str", to="data.split"),
+    "max_samples": P("int", None, _positive, to="data.max_samples"),
     "num_epochs": P("float", 3, _positive),
     "max_steps": P("int", None, _positive),
     "batch_size": P("int", None, _positive),
     "gradient_accumulation_steps": P("int", 1, _positive),
     "learning_rate": P("float", None, _positive),
-    "warmup_ratio": P("float", 0.1, _unit),
-    "weight_decay": P("float", 0.01, _non_negative),
-    "max_grad_norm": P("float", 1.0, _positive),
+    "warmup_ratio": P("float", 0.1, _unit, to="optim.warmup_ratio"),
+    "weight_decay": P("float", 0.01, _non_negative, to="optim.weight_decay"),
+    "max_grad_norm": P("float", None, _positive, to="optim.max_grad_norm"),
     "optimizer": P("str", "adamw", _choice("adamw")),
-    "use_lora": P("bool", False),
-    "lora_rank": P("int", 16, _positive),
-    "lora_alpha": P("float", 32, _positive),
+    "use_lora": P("bool", False, to="lora.enabled"),
+    "lora_rank": P("int", None, _positive, to="lora.rank"),
+    "lora_alpha": P("float", None, _positive, to="lora.alpha"),
     "lora_dropout": P("float", None, _unit),  # default: 0.05 for SFT, 0 for GRPO (must be)
-    "lora_target_modules": P("list", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "lora_target_modules": P("list", None, to="lora.targets"),
     "num_generations": P("int", 4, lambda v: None if v >= 2 else f"must be >= 2, got {v}"),
     "max_new_tokens": P("int", None, _positive),
-    "temperature": P("float", 0.8, _non_negative),
-    "top_p": P("float", 1.0, lambda v: None if 0 < v <= 1 else f"must be in (0, 1], got {v}"),
-    "top_k": P("int", 0, _non_negative),
-    "kl_coef": P("float", 0.05, _non_negative),
-    "clip_range": P("float", 0.2, _open_unit),
-    "save_steps": P("int", 0, _non_negative),
-    "logging_steps": P("int", 10, _positive),
-    "eval_steps": P("int", 0, _non_negative),
+    "temperature": P("float", 0.8, _non_negative, to="rollout.temperature"),
+    "top_p": P("float", None, lambda v: None if 0 < v <= 1 else f"must be in (0, 1], got {v}",
+               to="rollout.top_p"),
+    "top_k": P("int", None, _non_negative, to="rollout.top_k"),
+    "kl_coef": P("float", 0.05, _non_negative, to="loss.beta"),
+    "clip_range": P("float", None, _open_unit, to=("loss.epsilon_low", "loss.epsilon_high")),
+    "save_steps": P("int", None, _non_negative, to="train.save_every"),
+    "logging_steps": P("int", 10, _positive, to="train.log_every"),
+    "eval_steps": P("int", None, _non_negative, to="train.eval_every"),
     "eval_samples": P("int", None, _non_negative),
-    "gradient_checkpointing": P("bool", False),
-    "bf16": P("bool", False),
-    "use_wandb": P("bool", False),
-    "use_tensorboard": P("bool", False),
-    "wandb_project": P("str", "grpo"),
+    "gradient_checkpointing": P("bool", to="model.gradient_checkpointing"),
+    "bf16": P("bool", to="model.autocast_bf16"),
+    "use_wandb": P("bool", to="log.wandb"),
+    "use_tensorboard": P("bool", to="log.tensorboard"),
+    "wandb_project": P("str", to="log.wandb_project"),
     "config_overrides": P("list", []),
     "resume": P("bool", False),
 }  # fmt: skip
@@ -224,14 +254,14 @@ LOAD = {
 EVALUATE = {
     **COMMON, **REWARD,
     "model_path": P("str", required=True),
-    "split": P("str", "test"),
-    "max_samples": P("int", 100, _positive, nullable=True),
+    "split": P("str", "test", to="data.eval_split"),
+    "max_samples": P("int", 100, _positive, nullable=True, to="eval.max_samples"),
     "use_lora": P("bool"),
     "metrics": P("list", list(EVAL_METRICS)),
-    "k": P("int", 1, _positive),
-    "temperature": P("float", 0.8, _non_negative),
-    "max_new_tokens": P("int", 256, _positive),
-    "batch_size": P("int", 16, _positive),
+    "k": P("int", 1, _positive, to="eval.k"),
+    "temperature": P("float", None, _non_negative, to="eval.temperature"),
+    "max_new_tokens": P("int", 256, _positive, to="eval.max_new_tokens"),
+    "batch_size": P("int", 16, _positive, to="eval.batch_size"),
     "return_details": P("bool", False),
 }  # fmt: skip
 CREATE_REWARD = {
@@ -331,21 +361,21 @@ def reward_specs(reward_type: str, config: dict, parameter: str = "reward_config
 
 def describe_reward(spec: dict) -> str:
     """One line saying what a reward spec computes."""
-    from grpo.rewards import get_reward
+    from grpo.rewards import get_reward, reward_defaults
 
-    kw = spec.get("kwargs", {})
     name = spec["name"]
+    kw = {**reward_defaults(name), **spec.get("kwargs", {})}  # the core's defaults, not copies
     if name == "accuracy":
         return "accuracy: 1.0 when the extracted final answer equals the ground truth, else 0.0"
     if name == "length_penalty":
-        alpha, target = kw.get("alpha", 0.001), kw.get("target", 200)
+        alpha, target = kw["alpha"], kw["target"]
         return (
             f"length penalty: for a correct answer 1 - {alpha} * max(0, length - {target}) "
             "(length in tokens when training), 0.0 for a wrong one"
         )
     if name == "step":
         cap = f" (at most {kw['cap']} steps)" if kw.get("cap") is not None else ""
-        return f"step reward: accuracy + {kw.get('beta', 0.1)} per reasoning step{cap}"
+        return f"step reward: accuracy + {kw['beta']} per reasoning step{cap}"
     if name == "format":
         return "format: 1.0 when the completion ends with 'Final Answer: <answer>', else 0.0"
     doc = (getattr(get_reward(name).fn, "__doc__", None) or "").strip().splitlines()
@@ -449,28 +479,19 @@ class RLTrainingTool:
             return [{"name": dataset, "weight": 1.0, "kwargs": dict(p["reward_config"])}]
         return reward_specs(p["reward_type"] or "accuracy", p["reward_config"])
 
-    def _base_config(self, p: dict, dataset: str) -> dict:
-        from grpo.pipeline import resolve_trained
-
-        spec = resolve_trained(p["model_name"])
-        if len(spec.adapters) > 1:
+    def _config(self, p: dict, spec: dict[str, P], model: TrainedModel, dataset: str) -> dict:
+        """The config mapping of an action: its parameters' fields, the model and the data."""
+        if len(model.adapters) > 1:
             raise ToolError(
                 "model_name",
-                f"{p['model_name']!r} stacks {len(spec.adapters)} adapters; fold them into one "
+                f"{p['model_name']!r} stacks {len(model.adapters)} adapters; fold them into one "
                 "checkpoint with `grpo merge` first",
             )
-        return {
-            "model": {
-                "path": spec.path, "tokenizer": spec.tokenizer,
-                "adapter": spec.adapters[0] if spec.adapters else None,
-                "device": p["device"], "dtype": p["dtype"],
-            },
-            "data": {
-                "dataset": dataset, "system_prompt": p["system_prompt"],
-                "enable_thinking": p["enable_thinking"], "max_prompt_len": p["max_prompt_len"],
-            },
-            "train": {"seed": p["seed"], "progress": p["progress"]},
-        }  # fmt: skip
+        d = {"model": {}, "data": {}, "train": {}, **config_sections(p, spec)}
+        d["model"].update(path=model.path, tokenizer=model.tokenizer,
+                          adapter=model.adapters[0] if model.adapters else None)  # fmt: skip
+        d["data"]["dataset"] = dataset
+        return d
 
     def _train(self, p: dict) -> dict:
         from grpo.config import ConfigError, load_config
@@ -479,7 +500,8 @@ class RLTrainingTool:
         sft = p["algorithm"] == "sft"
         out_dir = Path(p["output_dir"])
         dataset = self._dataset_name(p, out_dir)
-        d = self._base_config(p, dataset)
+        d = self._config(p, TRAIN, resolve_trained(p["model_name"]), dataset)
+        # what follows from several parameters (or from the algorithm) rather than one field
         per_step = p["batch_size"] or (4 if sft else 2)  # SFT: examples; GRPO: prompts
         G = 2 if sft else p["num_generations"]
         rows = per_step if sft else per_step * G  # rows of one micro-batch
@@ -491,38 +513,19 @@ class RLTrainingTool:
         eval_samples = p["eval_samples"]
         if eval_samples is None:
             eval_samples = 64 if p["eval_steps"] else 0
-        d["model"].update(
-            gradient_checkpointing=p["gradient_checkpointing"], autocast_bf16=p["bf16"]
+        dropout = (0.05 if sft else 0.0) if p["lora_dropout"] is None else p["lora_dropout"]
+        d.setdefault("lora", {})["dropout"] = dropout
+        d["data"]["eval_samples"] = eval_samples
+        d.setdefault("rollout", {}).update(
+            group_size=G, max_new_tokens=p["max_new_tokens"] or (512 if sft else 256)
         )
-        d["lora"] = {
-            "enabled": p["use_lora"], "rank": p["lora_rank"], "alpha": float(p["lora_alpha"]),
-            "dropout": (0.05 if sft else 0.0) if p["lora_dropout"] is None else p["lora_dropout"],
-            "targets": p["lora_target_modules"],
-        }  # fmt: skip
-        d["data"].update(split=p["split"], max_samples=p["max_samples"], eval_samples=eval_samples)
-        d["rewards"] = [] if sft else self._rewards(p, dataset)
-        d["rollout"] = {
-            "group_size": G, "temperature": p["temperature"], "top_p": p["top_p"],
-            "top_k": p["top_k"], "max_new_tokens": p["max_new_tokens"] or (512 if sft else 256),
-        }  # fmt: skip
-        eps = p["clip_range"]
-        d["loss"] = {"beta": p["kl_coef"], "epsilon_low": eps, "epsilon_high": eps}
-        d["optim"] = {
-            "lr": p["learning_rate"] or (2e-5 if sft else 1e-5), "weight_decay": p["weight_decay"],
-            "warmup_ratio": p["warmup_ratio"], "max_grad_norm": p["max_grad_norm"],
-        }  # fmt: skip
+        d.setdefault("optim", {})["lr"] = p["learning_rate"] or (2e-5 if sft else 1e-5)
         d["train"].update(
-            output_dir=str(out_dir), batch_size=rows * gas, micro_batch_size=rows,
-            log_every=p["logging_steps"], save_every=p["save_steps"], eval_every=p["eval_steps"],
-            max_steps=p["max_steps"] or 1,
+            batch_size=rows * gas, micro_batch_size=rows, max_steps=p["max_steps"] or 1,
             epochs=None if (p["max_steps"] or not sft) else float(p["num_epochs"]),
         )  # fmt: skip
-        d["log"] = {
-            "tensorboard": p["use_tensorboard"], "wandb": p["use_wandb"],
-            "wandb_project": p["wandb_project"],
-        }  # fmt: skip
-        if sft:
-            del d["rewards"]
+        if not sft:
+            d["rewards"] = self._rewards(p, dataset)
         try:
             cfg = load_config(None, p["config_overrides"], base=d)
         except ConfigError as e:
@@ -556,22 +559,20 @@ class RLTrainingTool:
         return result
 
     def _load_dataset(self, p: dict) -> dict:
-        from grpo.data import format_math_dataset, get_dataset
-        from grpo.pipeline import resolve_trained
+        from grpo.config import DataConfig
+        from grpo.loading import load_rows
         from grpo.tokenizer import load_tokenizer
 
         dataset = self._dataset_name(p, None)
-        spec = resolve_trained(p["model_name"])
-        tok = load_tokenizer(spec.tokenizer or spec.path)
-        ds = get_dataset(dataset, split=p["split"], max_samples=p["max_samples"])
-        ds = format_math_dataset(
-            ds, p["format"], tokenizer=tok, system_prompt=p["system_prompt"],
-            enable_thinking=p["enable_thinking"],
-        )  # fmt: skip
+        data = DataConfig(dataset=dataset, **config_sections(p, LOAD).get("data", {}))
+        tok = load_tokenizer(resolve_trained(p["model_name"]).tokenizer_path)
+        rows = load_rows(data, p["split"], p["max_samples"], p["format"], tok)
+        keys = [k for k in rows[0] if k != "prompt_ids"]
         return {
             "dataset": dataset, "format": p["format"], "split": p["split"],
-            "dataset_size": len(ds), "sample_keys": ds.column_names,
-            "sample": ds[0] if len(ds) else None,
+            "dataset_size": len(rows), "sample_keys": keys,
+            "sample": {k: rows[0][k] for k in keys},
+            "max_prompt_tokens": max(len(r["prompt_ids"]) for r in rows),
         }  # fmt: skip
 
     def _create_reward(self, p: dict) -> dict:
@@ -609,8 +610,7 @@ class RLTrainingTool:
 
     def _evaluate(self, p: dict) -> dict:
         from grpo.config import load_config
-        from grpo.pipeline import TrainedModel, evaluate_config, resolve_trained
-        from grpo.train.common import resolve_device
+        from grpo.eval import evaluate_config
 
         unknown = [m for m in p["metrics"] if m not in EVAL_METRICS]
         if unknown:
@@ -621,16 +621,11 @@ class RLTrainingTool:
         if p["use_lora"] and not spec.adapters:
             raise ToolError("use_lora", f"{p['model_path']!r} holds no LoRA adapter")
         dataset = self._dataset_name(p, None)
-        d = self._base_config({**p, "model_name": spec.path}, dataset)
-        d["model"].update(tokenizer=spec.tokenizer, adapter=None)
-        d["data"].update(eval_split=p["split"], eval_samples=0)
+        d = self._config(p, EVALUATE, TrainedModel(spec.path, (), spec.tokenizer), dataset)
+        d["data"]["eval_samples"] = 0
         d["rewards"] = self._rewards(p, dataset)
-        d["eval"] = {
-            "max_samples": p["max_samples"], "max_new_tokens": p["max_new_tokens"],
-            "k": p["k"], "temperature": p["temperature"], "batch_size": p["batch_size"],
-        }  # fmt: skip
         cfg = load_config(None, base=d)
-        s = evaluate_config(cfg, TrainedModel(spec.path, spec.adapters, spec.tokenizer), True)
+        s = evaluate_config(cfg, spec, details=True)
         samples = s.pop("samples")
         result = {
             "model_path": p["model_path"], "base_model": spec.path,
@@ -660,19 +655,12 @@ CREATE_REWARD_META = ("reward_type", "reward_config")
 
 def _count_rows(cfg) -> int:
     """Rows of the training split that the trainer will see (as `load_rows` selects them)."""
-    from grpo.data import get_dataset
+    from grpo.loading import dataset_rows
 
-    kwargs = {}
-    if cfg.data.dataset == "minimath":
-        kwargs = {"seed": cfg.data.seed, "difficulty": cfg.data.difficulty}
-    elif cfg.data.dataset == "gsm8k" and cfg.data.source:
-        kwargs = {"source": cfg.data.source}
-    ds = get_dataset(
-        cfg.data.dataset, split=cfg.data.split, max_samples=cfg.data.max_samples, **kwargs
-    )
-    if len(ds) == 0:
+    n = len(dataset_rows(cfg.data, cfg.data.split, cfg.data.max_samples))
+    if n == 0:
         raise ToolError("dataset", f"{cfg.data.dataset!r} split {cfg.data.split!r} has no rows")
-    return len(ds)
+    return n
 
 
 def _logged(path: Path, key: str) -> list[float]:

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from grpo.apps.serving.text import Detokenizer, find_stop, held_back
 from grpo.errors import GrpoError
 from grpo.rollout import Sampler
-from grpo.serving.text import Detokenizer, find_stop, held_back
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ import math
 import time
 from dataclasses import dataclass
 
+from grpo.apps.serving.engine import Engine, Job, SamplingParams
 from grpo.errors import GrpoError
-from grpo.serving.engine import Engine, Job, SamplingParams
 
 MAX_BODY_BYTES = 1 << 20
 FIELDS = ("text", "max_tokens", "temperature", "top_p", "top_k", "seed", "raw")

@@ -1,7 +1,8 @@
 """`grpo demo`: the offline end-to-end run, on a CPU, from nothing to a model that GRPO improved.
 
     tokenizer (BPE on mini-math text) + tiny Qwen3 from random init
-      -> SFT on worked solutions -> evaluate -> GRPO from the SFT model -> evaluate
+      -> `run_pipeline`: SFT on worked solutions -> evaluate -> GRPO from the SFT model
+         -> evaluate (training_results.json)
       -> results.json, metrics.jsonl, curves.png and a short table
 
 Settings live in `configs/demo_cpu.yaml` (a `demo` section for what is built before training,
@@ -28,9 +29,10 @@ from datasets import Dataset, DatasetDict
 from grpo.config import ConfigError
 from grpo.data import register_dataset
 from grpo.data.minimath import MAX_STEPS, Level, distinct_problems
+from grpo.errors import GrpoError
 from grpo.io import read_text
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CONFIG = CONFIGS / "demo_cpu.yaml"
 TASK_CONFIGS = {"math": DEFAULT_CONFIG, "tools": CONFIGS / "demo_tools_cpu.yaml"}
 DATASET = "demo-minimath"  # the name the demo registers its three splits under
@@ -267,8 +269,17 @@ def _clean(out: Path) -> None:
     """Remove what an earlier demo wrote to `out` (and nothing else)."""
     for name in ("model", "sft", "grpo"):
         shutil.rmtree(out / name, ignore_errors=True)
-    for name in ("pipeline.yaml", "metrics.jsonl", "results.json", "curves.png"):
+    written = ("pipeline.yaml", "training_results.json", "metrics.jsonl", "results.json")
+    for name in (*written, "curves.png"):
         (out / name).unlink(missing_ok=True)
+
+
+STAGE_TITLES = {  # the pipeline's stages as the demo announces them
+    "sft": "2/5 SFT on worked solutions",
+    "sft_eval": "3/5 evaluate the SFT model on the held-out problems",
+    "grpo": "4/5 GRPO from the SFT model",
+    "grpo_eval": "5/5 evaluate the GRPO model on the same problems",
+}
 
 
 def run_demo(
@@ -279,6 +290,11 @@ def run_demo(
     task: str | None = None,
 ) -> dict:
     """Run the demo into `out` and return what it writes to out/results.json.
+
+    The demo builds a tokenizer, a tiny model and its problems, then runs its config's
+    `pipeline` section through `run_pipeline` (SFT -> evaluate -> GRPO -> evaluate, with the
+    pipeline's checks and out/training_results.json), and adds what is its own: for --task
+    tools the same problems without the tool, the combined metrics, curves and the table.
 
     Args:
         out: the run directory (model/, sft/, grpo/, results.json, metrics.jsonl, curves.png).
@@ -294,17 +310,12 @@ def run_demo(
     """
     import torch
 
+    from grpo.apps.pipeline import grpo_config_from_sft, load_pipeline_config, run_pipeline
+    from grpo.apps.plot import plot_run
+    from grpo.eval import evaluate_config
+    from grpo.loading import trained_model
     from grpo.models import load_model
-    from grpo.pipeline import (
-        evaluate_config,
-        grpo_config_from_sft,
-        load_pipeline_config,
-        trained_model,
-    )
-    from grpo.plot import plot_run
     from grpo.tiny import make_tiny_model
-    from grpo.train.grpo import train_grpo
-    from grpo.train.sft import train_sft
 
     if config is None and task is not None:
         if task not in TASK_CONFIGS:
@@ -318,19 +329,14 @@ def run_demo(
     _clean(out)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(max(1, min(settings.threads, os.cpu_count() or 1)))
-    times: dict[str, float] = {}
     t_start, cpu_start = time.perf_counter(), time.process_time()
 
-    def stage(name: str, title: str):
-        print(f"\n== {title}", flush=True)
-        return name, time.perf_counter()
-
-    def done(mark) -> None:
-        name, t0 = mark
-        times[name] = time.perf_counter() - t0
+    def announce(stage: str) -> None:
+        if stage in STAGE_TITLES:
+            print(f"\n== {STAGE_TITLES[stage]}", flush=True)
 
     try:
-        mark = stage("setup", "1/5 tokenizer and model")
+        print("\n== 1/5 tokenizer and model", flush=True)
         tools = settings.task == "tools"
         corpus, specials = None, ()
         if tools:
@@ -353,52 +359,49 @@ def run_demo(
             sizes = register_tools_data(settings, load_tokenizer(model_dir))
         else:
             sizes = register_demo_data(settings)
-        pipe = _pipeline_file(out, pipeline, model_dir, seed, settings.task)
-        pcfg = load_pipeline_config(pipe, overrides)
-        sft_cfg = pcfg.sft
+        pcfg = load_pipeline_config(
+            _pipeline_file(out, pipeline, model_dir, seed, settings.task), overrides
+        )
         n_params = sum(p.numel() for p in load_model(model_dir, device="cpu").parameters())
         print(
             f"model: {settings.model_size} ({n_params / 1e6:.2f}M parameters) in {model_dir}; "
             f"problems: {sizes}",
             flush=True,
         )
-        done(mark)
+        setup_s = time.perf_counter() - t_start
 
-        mark = stage("sft", "2/5 SFT on worked solutions")
-        sft_summary = train_sft(sft_cfg)
-        done(mark)
-
-        mark = stage("eval_sft", "3/5 evaluate the SFT model on the held-out problems")
-        sft_model = trained_model(sft_cfg, sft_summary["final"])
-        sft_eval = evaluate_config(sft_cfg, sft_model, details=True)
+        piped = run_pipeline(pcfg, details=True, on_stage=announce)
+        if piped["status"] != "completed":  # the SFT accuracy threshold stopped it
+            raise GrpoError(f"demo: {piped['message']}")
+        stages = piped["stages"]
+        sft_cfg = pcfg.sft
+        grpo_cfg = grpo_config_from_sft(pcfg.grpo, sft_cfg, stages["sft"]["paths"]["final"])
+        sft_eval, grpo_eval = stages["sft_eval"]["metrics"], stages["grpo_eval"]["metrics"]
         _print_eval("SFT", sft_eval, sft_cfg.eval.k)
-        done(mark)
-
-        mark = stage("grpo", "4/5 GRPO from the SFT model")
-        grpo_cfg = grpo_config_from_sft(pcfg.grpo, sft_cfg, sft_summary["final"])
-        grpo_summary = train_grpo(grpo_cfg)
-        done(mark)
-
-        mark = stage("eval_grpo", "5/5 evaluate the GRPO model on the same problems")
-        grpo_eval = evaluate_config(grpo_cfg, trained_model(grpo_cfg, grpo_summary["final"]), True)
         _print_eval("GRPO", grpo_eval, grpo_cfg.eval.k)
+        t_no_tool = time.perf_counter()
         no_tool = {}
         if tools:  # the same problems with the tool switched off: one turn, nothing executed
-            for name, cfg_, final in (("sft", sft_cfg, sft_summary["final"]),
-                                      ("grpo", grpo_cfg, grpo_summary["final"])):  # fmt: skip
+            for name, cfg_ in (("sft", sft_cfg), ("grpo", grpo_cfg)):
                 off = dataclasses.replace(
                     cfg_, eval=dataclasses.replace(cfg_.eval, env="single_turn")
                 )
+                final = stages[name]["paths"]["final"]
                 no_tool[name] = evaluate_config(off, trained_model(off, final))
                 _print_eval(f"{name.upper()} without the tool", no_tool[name], off.eval.k)
-        done(mark)
+        no_tool_s = time.perf_counter() - t_no_tool
     finally:
         torch.set_num_threads(threads_before)
-    times["total"] = time.perf_counter() - t_start
-    times["cpu"] = time.process_time() - cpu_start  # all threads; wall is noisy on busy machines
-
-    sft_samples = sft_eval.pop("samples")
-    grpo_samples = grpo_eval.pop("samples")
+    times = {
+        "setup": setup_s + stages["prepare_data"]["seconds"],
+        "sft": stages["sft"]["seconds"],
+        "eval_sft": stages["sft_eval"]["seconds"],
+        "grpo": stages["grpo"]["seconds"],
+        "eval_grpo": stages["grpo_eval"]["seconds"] + no_tool_s,
+        "total": time.perf_counter() - t_start,
+        "cpu": time.process_time() - cpu_start,  # all threads; wall is noisy on busy machines
+    }
+    sft_summary, grpo_summary = stages["sft"]["metrics"], stages["grpo"]["metrics"]
     evals = {"sft": sft_eval, "grpo": grpo_eval}
     metrics = _combined_metrics(out, sft_summary["step"], grpo_summary["step"], evals)
     curves = plot_run(out)
@@ -428,13 +431,14 @@ def run_demo(
         },
         "accuracy_gain": grpo_eval["accuracy"] - sft_eval["accuracy"],
         "without_tool": no_tool,
-        "examples": _examples(sft_samples, grpo_samples),
+        "examples": _examples(piped["samples"]["sft"], piped["samples"]["grpo"]),
         "time_s": {k: round(v, 2) for k, v in times.items()},
         "threads": max(1, min(settings.threads, os.cpu_count() or 1)),
         "paths": {
             "model": str(model_dir),
-            "sft": str(sft_summary["final"]),
-            "grpo": str(grpo_summary["final"]),
+            "sft": str(stages["sft"]["paths"]["final"]),
+            "grpo": str(stages["grpo"]["paths"]["final"]),
+            "pipeline": str(out / "training_results.json"),
             "metrics": str(metrics),
             "curves": str(curves),
         },

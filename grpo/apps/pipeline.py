@@ -19,8 +19,8 @@ SFT evaluation stops the pipeline when accuracy < the SFT config's
 `eval.sft_accuracy_threshold`. The evaluation stages use `eval.max_samples` rows of
 `data.eval_split` and also report `average_reward` under the stage's rewards.
 
-Also here, because the tool and the server share them: `resolve_trained` (a run / final /
-adapter directory -> base model + adapters) and `load_trained_model` / `evaluate_config`.
+The stages are core calls: `grpo.loading.load_rows` (prepare_data), `train_sft` /
+`train_grpo`, and `grpo.eval.evaluate_config` on `grpo.loading.trained_model` (evaluations).
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ import yaml
 
 from grpo.config import Config, ConfigError, load_config
 from grpo.errors import GrpoError
+from grpo.eval import comparison_table, evaluate_config
 from grpo.io import read_text
+from grpo.loading import TrainedModel, config_model, load_rows, trained_model
 
 log = logging.getLogger(__name__)
 
@@ -221,115 +223,6 @@ def grpo_config_from_sft(grpo: Config, sft: Config, sft_final: str | Path) -> Co
     return dataclasses.replace(grpo, model=model)
 
 
-# --------------------------------------------------------------------------- trained models
-
-
-@dataclass(frozen=True)
-class TrainedModel:
-    """A model as stored on disk: a base checkpoint plus LoRA adapters to fold in, in order."""
-
-    path: str
-    adapters: tuple[str, ...] = ()
-    tokenizer: str | None = None  # default: path
-
-
-def trained_model(cfg: Config, final: str | Path) -> TrainedModel:
-    """What a finished run of `cfg` (weights in `final`) is: base + adapters, or a checkpoint."""
-    if cfg.lora.enabled:
-        pre = (cfg.model.adapter,) if cfg.model.adapter else ()
-        return TrainedModel(cfg.model.path, (*pre, str(final)), cfg.model.tokenizer)
-    return TrainedModel(str(final), (), str(final))
-
-
-def resolve_trained(path: str | Path) -> TrainedModel:
-    """A run directory, its `final/`, an adapter directory, or a plain checkpoint / hub id.
-
-    A run directory (with config.yaml and final/) resolves through its config, so an adapter
-    trained on top of a merged one brings both; a bare adapter directory uses the base named
-    in its adapter_config.json.
-    """
-    p = Path(path)
-    if (p / "final").is_dir() and (p / "config.yaml").is_file():
-        cfg = load_config(p / "config.yaml")
-        return trained_model(cfg, p / "final")
-    if p.name == "final" and (p.parent / "config.yaml").is_file():
-        return resolve_trained(p.parent)
-    if (p / "adapter_config.json").is_file():
-        from grpo.lora import read_adapter_config
-
-        base = read_adapter_config(p).get("base_model_name_or_path")
-        if not base:
-            raise GrpoError(f"{p}: adapter_config.json names no base_model_name_or_path")
-        tok = str(p) if (p / "tokenizer_config.json").is_file() else None
-        return TrainedModel(str(base), (str(p),), tok)
-    return TrainedModel(str(path))
-
-
-def load_trained_model(spec: TrainedModel, dtype: str = "float32", device: str = "auto"):
-    """Load `spec` with its adapters folded in; returns (model, tokenizer, stop_ids, device)."""
-    from grpo.lora import load_adapter, unwrap_lora
-    from grpo.models import load_model
-    from grpo.tokenizer import load_tokenizer, stop_ids
-    from grpo.train.common import resolve_device
-
-    dev = resolve_device(device)
-    model = load_model(spec.path, dtype=dtype, device=dev)
-    for adapter in spec.adapters:
-        load_adapter(model, adapter)
-        unwrap_lora(model)
-    tok = load_tokenizer(spec.tokenizer or spec.path)
-    model_dir = Path(spec.path) if Path(spec.path).is_dir() else None
-    return model.eval(), tok, stop_ids(tok, model_dir), dev
-
-
-def average_reward(cfg: Config, rows: list[dict], samples: list[dict]) -> float:
-    """Mean weighted reward (cfg.rewards) of evaluation completions."""
-    from grpo.rewards import build_rewards, compute_rewards
-
-    if not samples:
-        return 0.0
-    fns = build_rewards([r.spec for r in cfg.rewards])
-    columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt_ids"}
-    columns["completion_lengths"] = [s["n_tokens"] for s in samples]
-    total, _ = compute_rewards(fns, [s["completion"] for s in samples], columns)
-    return float(total.mean())
-
-
-def evaluate_config(cfg: Config, spec: TrainedModel, details: bool = False) -> dict:
-    """Evaluate `spec` on `eval.max_samples` rows of `data.eval_split` as `cfg` says.
-
-    Returns:
-        the `grpo.eval.evaluate` summary plus `average_reward` (cfg.rewards on the greedy
-        completions), and `samples` when `details`.
-    """
-    import torch
-
-    from grpo.eval import evaluate, reference_steps
-    from grpo.train.common import load_rows
-    from grpo.train.grpo import eval_env_settings
-
-    model, tok, stops, dev = load_trained_model(spec, cfg.model.dtype, cfg.model.device)
-    rows = load_rows(cfg, cfg.data.eval_split, cfg.eval.max_samples, "rl", tok)
-    res = evaluate(
-        model, tok, rows, stop_ids=stops,
-        max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
-        batch_size=cfg.eval.batch_size, k=cfg.eval.k, temperature=cfg.eval.temperature,
-        seed=cfg.train.seed, details=True, progress=cfg.train.progress,
-        **eval_env_settings(cfg),
-    )  # fmt: skip
-    summary = dict(res.summary)
-    summary["average_reward"] = average_reward(cfg, rows, res.samples)
-    if details:
-        for sample, row in zip(res.samples, rows):
-            sample["ground_truth"] = row["ground_truth"]
-            sample["ground_truth_steps"] = reference_steps(row.get("full_answer", ""))
-        summary["samples"] = res.samples
-    del model
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-    return summary
-
-
 # --------------------------------------------------------------------------- running
 
 
@@ -389,21 +282,29 @@ def preflight_pipeline(pcfg: PipelineConfig) -> dict:
     return configs
 
 
-def run_pipeline(pcfg: PipelineConfig, overwrite: bool = False) -> dict:
+def run_pipeline(
+    pcfg: PipelineConfig,
+    overwrite: bool = False,
+    details: bool = False,
+    on_stage: Callable[[str], None] | None = None,
+) -> dict:
     """Run the stages in order, rewriting OUTPUT_DIR/training_results.json after each.
 
-    `overwrite`: the training stages start afresh over an earlier pipeline's runs (else a
-    stage whose directory holds one is refused). SIGTERM / SIGINT during a training stage
-    saves its checkpoint and records the stage and the pipeline as "interrupted".
+    Args:
+        pcfg: the pipeline (`load_pipeline_config`).
+        overwrite: the training stages start afresh over an earlier pipeline's runs (else a
+            stage whose directory holds one is refused). SIGTERM / SIGINT during a training
+            stage saves its checkpoint and records the stage and the pipeline as "interrupted".
+        details: keep every evaluation's per-problem records (completion, scores, ground
+            truth): returned under `samples[stage]`, not written to the file.
+        on_stage: called with each stage's name as it starts (e.g. to print a banner).
 
     Returns:
         the results dict; `status` is "completed", or "stopped" (SFT accuracy under the
         threshold; `message` says so). A failing stage raises `PipelineError` naming it, after
         recording it (status "failed", `failed_stage`, the stage's `error`) in the file.
     """
-    from grpo.eval import comparison_table
     from grpo.tokenizer import load_tokenizer
-    from grpo.train.common import load_rows
     from grpo.train.grpo import train_grpo
     from grpo.train.preflight import check_prompt_room
     from grpo.train.rundir import TrainingInterrupted
@@ -429,6 +330,8 @@ def run_pipeline(pcfg: PipelineConfig, overwrite: bool = False) -> dict:
 
     def stage(name: str, fn: Callable[[dict], Any]) -> Any:
         log.info("pipeline: stage %s", name)
+        if on_stage is not None:
+            on_stage(name)
         entry: dict[str, Any] = {"status": "running", "started": _now()}
         results["stages"][name] = entry
         save()
@@ -456,9 +359,10 @@ def run_pipeline(pcfg: PipelineConfig, overwrite: bool = False) -> dict:
     sft_cfg = pcfg.sft
 
     def prepare(entry: dict) -> None:
-        tok = load_tokenizer(sft_cfg.model.tokenizer or sft_cfg.model.path)
-        rows = load_rows(sft_cfg, sft_cfg.data.split, sft_cfg.data.max_samples, "sft", tok)
-        evals = load_rows(sft_cfg, sft_cfg.data.eval_split, sft_cfg.eval.max_samples, "rl", tok)
+        tok = load_tokenizer(config_model(sft_cfg).tokenizer_path)
+        data = sft_cfg.data
+        rows = load_rows(data, data.split, data.max_samples, "sft", tok)
+        evals = load_rows(data, data.eval_split, sft_cfg.eval.max_samples, "rl", tok)
         metrics = {
             "dataset": sft_cfg.data.dataset,
             "split": sft_cfg.data.split,
@@ -471,8 +375,8 @@ def run_pipeline(pcfg: PipelineConfig, overwrite: bool = False) -> dict:
         g = pcfg.grpo
         grpo_rows, grpo_evals = rows, evals
         if g.data != sft_cfg.data:  # GRPO trains on other data: check it too
-            grpo_rows = load_rows(g, g.data.split, g.data.max_samples, "rl", tok)
-            grpo_evals = load_rows(g, g.data.eval_split, g.eval.max_samples, "rl", tok)
+            grpo_rows = load_rows(g.data, g.data.split, g.data.max_samples, "rl", tok)
+            grpo_evals = load_rows(g.data, g.data.eval_split, g.eval.max_samples, "rl", tok)
             metrics["grpo_dataset"] = g.data.dataset
             metrics["grpo_dataset_size"] = len(grpo_rows)
         # every prompt fits each stage's context with its budgets (before any training)
@@ -481,10 +385,14 @@ def run_pipeline(pcfg: PipelineConfig, overwrite: bool = False) -> dict:
         check_prompt_room(g, model_configs["grpo"], "grpo", grpo_rows, grpo_evals, pipeline=True)
         entry["metrics"] = metrics
 
-    def evaluation(cfg: Config, spec: TrainedModel) -> Callable[[dict], dict]:
+    samples: dict[str, list[dict]] = {}  # details: model name -> per-problem records
+
+    def evaluation(name: str, cfg: Config, spec: TrainedModel) -> Callable[[dict], dict]:
         def run(entry: dict) -> dict:
             entry["paths"] = {"model": spec.path, "adapters": list(spec.adapters)}
-            entry["metrics"] = evaluate_config(cfg, spec)
+            entry["metrics"] = evaluate_config(cfg, spec, details=details)
+            if details:
+                samples[name] = entry["metrics"].pop("samples")
             return entry["metrics"]
 
         return run
@@ -501,12 +409,10 @@ def run_pipeline(pcfg: PipelineConfig, overwrite: bool = False) -> dict:
     compare: dict[str, dict] = {}
     stage("prepare_data", prepare)
     if pcfg.evaluate_base:
-        pre = (sft_cfg.model.adapter,) if sft_cfg.model.adapter else ()
-        base = TrainedModel(sft_cfg.model.path, pre, sft_cfg.model.tokenizer)
-        compare["base"] = stage("base_eval", evaluation(sft_cfg, base))
+        compare["base"] = stage("base_eval", evaluation("base", sft_cfg, config_model(sft_cfg)))
     sft_summary = stage("sft", training(train_sft, sft_cfg))
     sft_model = trained_model(sft_cfg, sft_summary["final"])
-    compare["sft"] = stage("sft_eval", evaluation(sft_cfg, sft_model))
+    compare["sft"] = stage("sft_eval", evaluation("sft", sft_cfg, sft_model))
     threshold = sft_cfg.eval.sft_accuracy_threshold
     accuracy = compare["sft"].get("accuracy", 0.0)
     if accuracy < threshold:
@@ -520,11 +426,11 @@ def run_pipeline(pcfg: PipelineConfig, overwrite: bool = False) -> dict:
             ),
         )
         save()
-        return results
+        return {**results, "samples": samples} if details else results
     grpo_cfg = grpo_config_from_sft(pcfg.grpo, sft_cfg, sft_summary["final"])
     grpo_summary = stage("grpo", training(train_grpo, grpo_cfg))
     grpo_model = trained_model(grpo_cfg, grpo_summary["final"])
-    compare["grpo"] = stage("grpo_eval", evaluation(grpo_cfg, grpo_model))
+    compare["grpo"] = stage("grpo_eval", evaluation("grpo", grpo_cfg, grpo_model))
     results["summary"] = {
         name: {k: s.get(k) for k in ("accuracy", "average_reward", "format_rate", "avg_length")}
         for name, s in compare.items()
@@ -532,7 +438,7 @@ def run_pipeline(pcfg: PipelineConfig, overwrite: bool = False) -> dict:
     results["table"] = comparison_table(compare)
     results.update(status="completed", finished=_now())
     save()
-    return results
+    return {**results, "samples": samples} if details else results
 
 
 # --------------------------------------------------------------------------- CLI

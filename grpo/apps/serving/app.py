@@ -11,8 +11,8 @@ import json
 import time
 import uuid
 
-from grpo.serving.engine import Job, Unavailable
-from grpo.serving.protocol import RequestError, Service
+from grpo.apps.serving.engine import Job, Unavailable
+from grpo.apps.serving.protocol import RequestError, Service
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
                413: "invalid_request_error", 503: "server_busy"}  # fmt: skip

@@ -11,7 +11,7 @@ original POST /generate {text, max_tokens, temperature, top_p, top_k, seed, raw}
 {text, tokens, logprob, finish_reason, seed}. This module is the process: the socket (taken
 before the model loads), uvicorn, and shutdown: on SIGINT / SIGTERM new requests get 503,
 queued and running ones finish for up to --shutdown-timeout seconds (then 503), exit 0 with
-no traceback. `grpo.serving` holds the parts (engine, request parsing, app);
+no traceback. `grpo.apps.serving` holds the parts (engine, request parsing, app);
 docs/serving.md the guarantees.
 """
 
@@ -23,9 +23,9 @@ import signal
 import socket
 from dataclasses import dataclass
 
+from grpo.apps.serving.engine import Engine
+from grpo.apps.serving.protocol import MAX_BODY_BYTES, Service
 from grpo.errors import GrpoError
-from grpo.serving.engine import Engine
-from grpo.serving.protocol import MAX_BODY_BYTES, Service
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def _listen(host: str, port: int) -> socket.socket:
 def load_engine(model: str, adapter: str | None = None, dtype: str = "float32",
                 device: str = "auto", **kw):  # fmt: skip
     """(Engine, tokenizer) over a checkpoint (or a run / adapter directory) plus an adapter."""
-    from grpo.pipeline import TrainedModel, load_trained_model, resolve_trained
+    from grpo.loading import TrainedModel, load_trained_model, resolve_trained
 
     spec = resolve_trained(model)
     if adapter:
@@ -144,7 +144,7 @@ def cmd_serve(args) -> int:
         if args.on_ready is not None:  # tests and embedders get the handle (to shut down)
             args.on_ready(holder["running"])
 
-    from grpo.serving.app import build_app
+    from grpo.apps.serving.app import build_app
 
     app = build_app(service, on_startup)
     config = uvicorn.Config(app, lifespan="on", log_config=None, log_level="warning",

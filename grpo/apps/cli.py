@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from grpo.config import DataConfig
 from grpo.errors import GrpoError
 
 
@@ -46,14 +47,14 @@ def cmd_sft(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from grpo.demo import run_demo
+    from grpo.apps.demo import run_demo
 
     run_demo(args.out, quick=args.quick, seed=args.seed, config=args.config, task=args.task)
     return 0
 
 
 def cmd_plot(args) -> int:
-    from grpo.plot import plot_run
+    from grpo.apps.plot import plot_run
 
     print(f"wrote {plot_run(args.run_dir)}")
     return 0
@@ -76,7 +77,7 @@ def cmd_eval(args) -> int:
         model=args.model, adapter=args.adapter, data=args.data, max_samples=args.max_samples,
         k=args.k, out=args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
         details=args.details, compare=args.compare, env=args.env, max_turns=args.max_turns,
-        skip_memory_check=args.skip_memory_check,
+        skip_memory_check=args.skip_memory_check, max_prompt_len=args.max_prompt_len,
     )  # fmt: skip
     return 0
 
@@ -144,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", help="a LoRA adapter directory to apply")
     p.add_argument("--data", default="minimath:test", help="NAME[:SPLIT] or a .jsonl/.parquet")
     p.add_argument("--max-samples", type=int, default=None)
+    p.add_argument("--max-prompt-len", type=int, default=DataConfig.max_prompt_len,
+                   help="longest prompt in tokens (longer ones fail, naming the row)")  # fmt: skip
     p.add_argument("--k", type=int, default=1, help="samples per prompt for pass@k")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=32)
@@ -169,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace the contents of a non-empty --out")  # fmt: skip
     p.set_defaults(func=cmd_merge)
 
-    from grpo import pipeline, serve, sweep
+    from grpo.apps import pipeline, serve, sweep
 
     pipeline.add_parser(sub)
     sweep.add_parser(sub)

@@ -1,0 +1,94 @@
+"""The two layers: the core (`grpo.*` outside `grpo/apps/`) never imports the applications
+(`grpo.apps`: CLI, pipeline, sweep, serve, tool, demo, plot), and the entry points reach them."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GRPO = REPO / "grpo"
+APPS = GRPO / "apps"
+# `python -m grpo` is the CLI's launcher, not part of the core
+LAUNCHERS = {GRPO / "__main__.py"}
+
+
+def core_files() -> list[Path]:
+    files = sorted(p for p in GRPO.rglob("*.py") if APPS not in p.parents and p not in LAUNCHERS)
+    assert len(files) > 40, files  # the scan does see the core
+    return files
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(source: str, module: str, is_package: bool = False) -> list[tuple[int, str]]:
+    """(line, module) for every import in `source` (the text of `module`), lazy ones inside
+    functions included; `from X import y` yields X and X.y (y may be a submodule), relative
+    imports resolved."""
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    out = []
+    for node in ast.walk(ast.parse(source, module)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package[: len(package) - node.level + 1], *filter(None, [base])])
+            out.append((node.lineno, base))
+            out += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return out
+
+
+def is_app(module: str) -> bool:
+    return module == "grpo.apps" or module.startswith("grpo.apps.")
+
+
+def test_imported_modules_sees_every_spelling():
+    src = ("import grpo.apps.cli\nfrom grpo import apps\nfrom grpo.apps.serving import Engine\n"
+           "def f():\n    from ..apps import tool\n    from . import batch\n")  # fmt: skip
+    found = [m for _, m in imported_modules(src, "grpo.train.probe")]
+    assert [m for m in found if is_app(m)] == [
+        "grpo.apps.cli", "grpo.apps", "grpo.apps.serving", "grpo.apps.serving.Engine",
+        "grpo.apps", "grpo.apps.tool",
+    ]  # fmt: skip
+    assert "grpo.train.batch" in found
+
+
+def test_the_core_never_imports_the_apps():
+    bad = [
+        f"{path.relative_to(REPO)}:{line} imports {module}"
+        for path in core_files()
+        for line, module in imported_modules(
+            path.read_text(), module_name(path), path.name == "__init__.py"
+        )
+        if is_app(module)
+    ]
+    assert not bad, bad
+
+
+def test_importing_every_core_module_loads_no_app():
+    modules = [module_name(p) for p in core_files()]
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}:\n"
+        "    importlib.import_module(m)\n"
+        "print(sorted(m for m in sys.modules if m == 'grpo.apps' or m.startswith('grpo.apps.')))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_entry_points_reach_the_cli():
+    import grpo.__main__
+    from grpo.apps import cli
+
+    scripts = (REPO / "pyproject.toml").read_text().split("[project.scripts]", 1)[1]
+    assert re.match(r'\s*grpo = "grpo\.apps\.cli:main"\n', scripts), scripts[:80]
+    assert grpo.__main__.main is cli.main
