@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -99,3 +100,13 @@ def shared_tiny_model(tmp_path_factory):
     if not (path / "generation_config.json").is_file():  # written last
         make_tiny_model(path, size="ci")
     return path
+
+
+def tree_digest(path: Path) -> str:
+    """Every name and every byte under `path` (what a refused command must not change)."""
+    h = hashlib.sha256()
+    for p in sorted(path.rglob("*")):
+        h.update(str(p.relative_to(path)).encode())
+        if p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()

@@ -3,7 +3,6 @@ bad-input matrix through the CLI (one line, non-zero exit, no traceback, nothing
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tree_digest
 from safetensors.torch import load_file
 
 from grpo.apps import cli
@@ -243,15 +243,6 @@ def bad_inputs(model_dir, tmp_path_factory):
     return d
 
 
-def tree_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted(path.rglob("*")):
-        h.update(str(p.relative_to(path)).encode())
-        if p.is_file():
-            h.update(p.read_bytes())
-    return h.hexdigest()
-
-
 def matrix(d: Path, m: Path):
     """(name, extra CLI args, expected message fragment) for `grpo train --config tiny_ci`."""
     fresh = f"train.output_dir={d}/started"
@@ -327,16 +318,6 @@ def test_bad_input_through_a_real_process(model_dir, tmp_path):
 # ----------------------------------------------------------------- grpo merge: inputs and output
 
 
-def files_digest(root: Path) -> str:
-    """Every path and file content under `root` (what must not change)."""
-    h = hashlib.sha256()
-    for p in sorted(root.rglob("*")):
-        h.update(str(p.relative_to(root)).encode())
-        if p.is_file():
-            h.update(p.read_bytes())
-    return h.hexdigest()
-
-
 @pytest.fixture
 def merge_inputs(model_dir, tmp_path):
     """root/base (a model), root/adapter (a LoRA adapter for it), root/old (an earlier output
@@ -379,20 +360,20 @@ MERGE_REFUSALS = [
 def test_merge_refuses_outputs_that_would_destroy_something(merge_inputs, capsys, name, out,
                                                            extra, expect):  # fmt: skip
     root = merge_inputs
-    before = files_digest(root)
+    before = tree_digest(root)
     code = cli.main(merge_argv(root, root / out, *extra))
     err = capsys.readouterr().err.strip()
     assert code == 2, (name, err)
     assert len(err.splitlines()) == 1 and err.startswith("grpo merge: error: --out "), err
     assert expect in err, (name, err)
-    assert files_digest(root) == before, f"{name}: something on disk changed"
+    assert tree_digest(root) == before, f"{name}: something on disk changed"
 
 
 def test_merge_overwrite_replaces_the_contents(merge_inputs, capsys):
     from grpo.models import load_model
 
     root = merge_inputs
-    inputs = files_digest(root / "base"), files_digest(root / "adapter")
+    inputs = tree_digest(root / "base"), tree_digest(root / "adapter")
     (root / "empty").mkdir()
     assert cli.main(merge_argv(root, root / "empty")) == 0  # an empty directory needs no flag
     assert cli.main(merge_argv(root, root / "old", "--overwrite")) == 0
@@ -408,4 +389,4 @@ def test_merge_overwrite_replaces_the_contents(merge_inputs, capsys):
         assert torch.equal(p, q), name
     q_proj = a.layers[0].self_attn.q_proj.weight
     assert not torch.equal(q_proj, base.layers[0].self_attn.q_proj.weight)  # merged in
-    assert (files_digest(root / "base"), files_digest(root / "adapter")) == inputs
+    assert (tree_digest(root / "base"), tree_digest(root / "adapter")) == inputs

@@ -5,7 +5,6 @@ and an exact resume; every refusal is one line, exit 2, and leaves the directory
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shlex
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tree_digest
 from safetensors.torch import load_file
 
 from grpo.apps import cli
@@ -53,16 +53,6 @@ def length(completions, **_):
             time.sleep(0.01)
     return [len(c) / 50 for c in completions]
 """
-
-
-def tree_digest(path: Path) -> str:
-    """Every name and every byte under `path`."""
-    h = hashlib.sha256()
-    for p in sorted(path.rglob("*")):
-        h.update(str(p.relative_to(path)).encode())
-        if p.is_file():
-            h.update(p.read_bytes())
-    return h.hexdigest()
 
 
 def one_line(code: int, capsys) -> str:
