@@ -517,6 +517,16 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
     raise ConfigError(f"{name}: unsupported type {_type_name(tp)}")
 
 
+def build_settings(cls, data: dict, prefix: str = ""):
+    """A frozen settings dataclass `cls` from an untrusted mapping: unknown keys, wrong types
+    and failed checks (`__post_init__`) are one `ConfigError` line naming the dotted field
+    (`prefix.key`) and what was expected. The loader of every config section; applications
+    use it for their own settings (e.g. the demo's `demo:` section)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    return _build(cls, data, prefix)
+
+
 def _build(cls, data: dict, prefix: str = ""):
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}

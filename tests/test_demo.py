@@ -4,6 +4,7 @@ metrics."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -108,6 +109,19 @@ def test_demo_config_is_valid_and_strict(tmp_path):
     bad.write_text("demo: {model_sise: demo}\npipeline: {}\n")
     with pytest.raises(ConfigError, match="model_sise"):
         load_demo_config(bad)
+    # the demo's settings go through the config's one builder: types by field, dotted names
+    for text, message in (
+        ("demo: {threads: two}", "demo.threads: expected an integer, got 'two'"),
+        ("demo: {task: chess}", "demo.task: must be one of ['math', 'tools'], got 'chess'"),
+        ("demo: {hard_frac: .nan}", "demo.hard_frac: must be a finite number"),
+        (
+            "demo: {}\nquick: {demo: {vocab_size: 1.5}}",
+            "quick.demo.vocab_size: expected an integer",
+        ),
+    ):
+        bad.write_text(text + "\npipeline: {}\n")
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_demo_config(bad, quick="quick" in text)
 
 
 def test_demo_cli_config_errors_are_one_line(tmp_path, capsys):

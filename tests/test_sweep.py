@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -113,8 +114,20 @@ def test_space_validation(tmp_path):
         load_space(
             write_space(tmp_path / "b.yaml", {"optim.lr": {"low": 0, "high": 1, "log": True}})
         )
-    with pytest.raises(GrpoError, match="unknown field 'hi'"):
+    with pytest.raises(
+        GrpoError, match="'hi'; valid keys of space loss.beta: high, log, low, type"
+    ):
         load_space(write_space(tmp_path / "c.yaml", {"loss.beta": {"low": 0, "hi": 1}}))
+    # ranges go through the config's one builder: types named by field
+    for spec, message in (
+        ({"low": "a", "high": 1}, "space loss.beta.low: expected a number, got 'a'"),
+        ({"low": 0, "high": 1, "type": "bool"}, "space loss.beta.type: must be one of"),
+        ({"low": 0, "high": 1, "log": "yes"}, "space loss.beta.log: expected true/false"),
+        ({"low": 0}, "space loss.beta.high: is required"),
+        ({"low": 2, "high": 1}, "space loss.beta: low 2.0 > high 1.0"),
+    ):
+        with pytest.raises(GrpoError, match=re.escape(message)):
+            load_space(write_space(tmp_path / "d.yaml", {"loss.beta": spec}))
     with pytest.raises(GrpoError, match="does not exist"):
         load_space(tmp_path / "missing.yaml")
     with pytest.raises(GrpoError, match="grid needs a list"):

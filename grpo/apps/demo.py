@@ -19,14 +19,14 @@ import os
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from datasets import Dataset, DatasetDict
 
-from grpo.config import ConfigError
+from grpo.config import ConfigError, build_settings
 from grpo.data import register_dataset
 from grpo.data.minimath import MAX_STEPS, Level, distinct_problems
 from grpo.errors import GrpoError
@@ -45,7 +45,8 @@ CONFIG_KEYS = ("demo", "pipeline", "quick")
 class DemoSettings:
     """What the demo builds before training (the `demo` section of the config)."""
 
-    task: str = "math"  # math: mini-math word problems; tools: products with a calculator
+    task: Literal["math", "tools"] = "math"  # math: mini-math word problems; tools: products
+    # with a calculator (TASK_CONFIGS)
     model_size: str = "demo"  # a key of grpo.tiny.SIZES
     vocab_size: int = 384
     # The mini-math problems (a `grpo.data.minimath.Level`): steps per problem, the first
@@ -68,11 +69,9 @@ class DemoSettings:
     hard_frac: float = 0.7
     tool_frac: float = 0.5
 
-    def __post_init__(self):
+    def __post_init__(self):  # types are checked by `build_settings`; ranges here
         from grpo.tiny import SIZES
 
-        if self.task not in TASK_CONFIGS:
-            raise ConfigError(f"demo.task: one of {sorted(TASK_CONFIGS)}, got {self.task!r}")
         for name in ("hard_frac", "tool_frac"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ConfigError(f"demo.{name}: must be in [0, 1]")
@@ -81,7 +80,7 @@ class DemoSettings:
         positive = ("train_problems", "validation_problems", "test_problems", "threads")
         positive += ("min_steps", "max_steps", "start_max", "add_max", "factor_max", "value_max")
         for name in positive:
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+            if getattr(self, name) < 1:
                 raise ConfigError(f"demo.{name}: must be a positive integer")
         if not 1 <= self.min_steps <= self.max_steps <= MAX_STEPS:
             raise ConfigError(f"demo.min_steps/max_steps: need 1 <= min <= max <= {MAX_STEPS}")
@@ -110,21 +109,15 @@ def load_demo_config(
     unknown = sorted(set(data) - set(CONFIG_KEYS)) if isinstance(data, dict) else ["<top>"]
     if unknown:
         raise ConfigError(f"{p}: unknown key {unknown[0]!r}; valid keys: {', '.join(CONFIG_KEYS)}")
-    values = _checked(data.get("demo") or {}, "demo")
+    values = dict(data.get("demo") or {})
+    build_settings(DemoSettings, values, "demo")  # the file's own section must be valid alone
     overrides: list[str] = []
     if quick:
         q = data.get("quick") or {}
-        values.update(_checked(q.get("demo") or {}, "quick.demo"))
+        values.update(q.get("demo") or {})
         overrides = [str(o) for o in q.get("overrides") or []]
-    return DemoSettings(**values), dict(data.get("pipeline") or {}), overrides
-
-
-def _checked(values: dict, where: str) -> dict:
-    names = {f.name for f in fields(DemoSettings)}
-    unknown = sorted(set(values) - names)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; valid keys: {sorted(names)}")
-    return dict(values)
+    where = "quick.demo" if quick else "demo"
+    return build_settings(DemoSettings, values, where), dict(data.get("pipeline") or {}), overrides
 
 
 def demo_problems(n: int, seed: int, split: str, level: Level) -> Dataset:

@@ -31,11 +31,11 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
-from grpo.config import ConfigError, load_config
+from grpo.config import ConfigError, build_settings, load_config
 from grpo.errors import GrpoError
 from grpo.io import read_json, read_text, write_json, write_text
 
@@ -95,25 +95,27 @@ def load_space(path: str | Path) -> Space:
     return space
 
 
+@dataclass(frozen=True)
+class RangeSpec:
+    """A range as written in the space file (`{low, high, log, type}`), parsed and type-checked
+    by the config's one builder (`grpo.config.build_settings`)."""
+
+    low: float
+    high: float
+    log: bool = False
+    type: Literal["float", "int"] = "float"
+
+
 def _range(key: str, spec: dict) -> Range:
-    extra = sorted(set(spec) - {"low", "high", "log", "type"})
-    if extra:
-        raise GrpoError(f"space {key}: unknown field {extra[0]!r} (low, high, log, type)")
     try:
-        low, high = float(spec["low"]), float(spec["high"])
-    except (KeyError, TypeError, ValueError):
-        raise GrpoError(f"space {key}: needs numeric low and high, got {spec!r}") from None
-    kind = spec.get("type", "float")
-    if kind not in ("float", "int"):
-        raise GrpoError(f"space {key}: type must be float or int, got {kind!r}")
-    log_scale = spec.get("log", False)
-    if not isinstance(log_scale, bool):
-        raise GrpoError(f"space {key}: log must be true or false")
-    if not low <= high:
-        raise GrpoError(f"space {key}: low {low} > high {high}")
-    if log_scale and low <= 0:
-        raise GrpoError(f"space {key}: a log range needs low > 0, got {low}")
-    return Range(low, high, log_scale, kind == "int")
+        r = build_settings(RangeSpec, spec, f"space {key}")
+    except ConfigError as e:
+        raise GrpoError(str(e)) from None
+    if not r.low <= r.high:
+        raise GrpoError(f"space {key}: low {r.low} > high {r.high}")
+    if r.log and r.low <= 0:
+        raise GrpoError(f"space {key}: a log range needs low > 0, got {r.low}")
+    return Range(r.low, r.high, r.log, r.type == "int")
 
 
 # A sweep is a sequence of training runs: more trials than this is a typo, not a plan.
