@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -63,11 +64,25 @@ def test_gsm8k_configs_load_with_the_tutorial_settings():
 def test_pipeline_config_errors_name_the_stage_and_field(tmp_path):
     bad = tmp_path / "p.yaml"
     bad.write_text(yaml.safe_dump({"output_dir": "o", "sft": {}, "grpo": {}, "extra": 1}))
-    with pytest.raises(ConfigError, match="unknown pipeline key 'extra'"):
+    with pytest.raises(ConfigError, match="unknown config key 'extra'; valid keys: base, evaluate"):
         load_pipeline_config(bad)
     bad.write_text(yaml.safe_dump({"output_dir": "o", "sft": {"model": {"path": "m"}}}))
-    with pytest.raises(ConfigError, match="'grpo' is required"):
+    with pytest.raises(ConfigError, match="grpo: is required"):
         load_pipeline_config(bad)
+    # the top level and file stages go through the config's one builder: types by field
+    for doc, message in (
+        ({"output_dir": 3, "sft": {}, "grpo": {}}, "output_dir: expected a string, got 3"),
+        ({"output_dir": "o", "sft": {}, "grpo": {}, "evaluate_base": "yes"},
+         "evaluate_base: expected true/false"),
+        ({"output_dir": "o", "sft": [], "grpo": {}}, "sft: expected a mapping, got []"),
+        ({"output_dir": "o", "sft": {"config": "a.yaml", "x": 1}, "grpo": {}},
+         "unknown config key sft.'x'; valid keys of sft: config, overrides"),
+        ({"output_dir": "o", "sft": {"config": "a.yaml", "overrides": [1]}, "grpo": {}},
+         "sft.overrides[0]: expected a string, got 1"),
+    ):  # fmt: skip
+        bad.write_text(yaml.safe_dump(doc))
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_pipeline_config(bad)
     good = CONFIGS / "pipeline_tiny.yaml"
     with pytest.raises(ConfigError, match=r"^sft: optim.lr"):
         load_pipeline_config(good, ["sft.optim.lr=-1"])

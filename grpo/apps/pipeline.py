@@ -38,7 +38,7 @@ from typing import Any
 
 import yaml
 
-from grpo.config import Config, ConfigError, load_config
+from grpo.config import Config, ConfigError, build_settings, load_config
 from grpo.errors import GrpoError
 from grpo.eval import comparison_table, evaluate_config
 from grpo.io import read_text
@@ -47,7 +47,28 @@ from grpo.loading import TrainedModel, config_model, load_rows, trained_model
 log = logging.getLogger(__name__)
 
 RESULTS_FILE = "training_results.json"
-PIPELINE_KEYS = ("output_dir", "base", "sft", "grpo", "evaluate_base")
+
+
+@dataclass(frozen=True)
+class PipelineFile:
+    """The pipeline YAML's top level, parsed by the config's one builder (`build_settings`):
+    the stages are config mappings or {config: FILE, overrides: [...]}, checked below."""
+
+    output_dir: str
+    sft: dict
+    grpo: dict
+    evaluate_base: bool = False
+    base: dict = dataclasses.field(default_factory=dict)  # sections common to both stages
+
+
+@dataclass(frozen=True)
+class StageFile:
+    """A stage given as a file: {config: FILE, overrides: ['section.key=value', ...]}."""
+
+    config: str
+    overrides: tuple[str, ...] = ()
+
+
 STAGES = ("prepare_data", "base_eval", "sft", "sft_eval", "grpo", "grpo_eval")
 
 
@@ -97,21 +118,11 @@ def _read_yaml(path: Path, what: str) -> dict:
 
 def _stage_source(spec: Any, name: str, root: Path) -> tuple[dict, list[str]]:
     """(config dict, overrides) of a stage given inline or as {config: FILE, overrides: [...]}."""
-    if not isinstance(spec, dict):
-        raise ConfigError(
-            f"{name}: expected a config mapping or {{config: FILE, overrides: [...]}}, got {spec!r}"
-        )
     if "config" not in spec:
         return spec, []
-    extra = sorted(set(spec) - {"config", "overrides"})
-    if extra:
-        raise ConfigError(f"{name}: with 'config' only 'overrides' may be given, not {extra[0]!r}")
-    file = Path(str(spec["config"])).expanduser()
-    data = _read_yaml(file if file.is_absolute() else root / file, name)
-    overrides = spec.get("overrides") or []
-    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
-        raise ConfigError(f"{name}.overrides: expected a list of 'section.key=value' strings")
-    return data, list(overrides)
+    stage = build_settings(StageFile, {**spec, "overrides": spec.get("overrides") or []}, name)
+    file = Path(stage.config).expanduser()
+    return _read_yaml(file if file.is_absolute() else root / file, name), list(stage.overrides)
 
 
 def _route_overrides(overrides: list[str]) -> tuple[dict, list[str], list[str]]:
@@ -161,28 +172,14 @@ def load_pipeline_config(path: str | Path, overrides: list[str] | None = None) -
     """
     p = Path(path)
     data = _read_yaml(p, "pipeline")
-    unknown = sorted(set(data) - set(PIPELINE_KEYS))
-    if unknown:
-        raise ConfigError(
-            f"unknown pipeline key {unknown[0]!r}; valid keys: {', '.join(PIPELINE_KEYS)}"
-        )
     top, sft_over, grpo_over = _route_overrides(overrides or [])
     data.update(top)
-    for key in ("sft", "grpo"):
-        if key not in data:
-            raise ConfigError(f"pipeline: {key!r} is required (a config mapping or file)")
-    out = data.get("output_dir")
-    if not isinstance(out, str) or not out:
-        raise ConfigError(f"output_dir: expected a directory path, got {out!r}")
-    evaluate_base = data.get("evaluate_base", False)
-    if not isinstance(evaluate_base, bool):
-        raise ConfigError(f"evaluate_base: expected true/false, got {evaluate_base!r}")
-    base = data.get("base") or {}
-    if not isinstance(base, dict):
-        raise ConfigError(f"base: expected a mapping of config sections, got {base!r}")
-    sft_data, sft_file_over = _stage_source(data["sft"], "sft", p.parent)
-    grpo_data, grpo_file_over = _stage_source(data["grpo"], "grpo", p.parent)
-    out_dir = Path(out)
+    f = build_settings(PipelineFile, {**data, "base": data.get("base") or {}})
+    if not f.output_dir:
+        raise ConfigError("output_dir: expected a directory path, got ''")
+    sft_data, sft_file_over = _stage_source(f.sft, "sft", p.parent)
+    grpo_data, grpo_file_over = _stage_source(f.grpo, "grpo", p.parent)
+    base, evaluate_base, out_dir = f.base, f.evaluate_base, Path(f.output_dir)
     sft = _stage_config(
         "sft", _deep_merge(base, sft_data), sft_file_over + sft_over, out_dir / "sft"
     )
