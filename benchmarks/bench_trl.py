@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_sampler import CASES
 from benchmarks.harness import (
     _CpuPeak,
     _percentile,
@@ -48,9 +49,7 @@ from grpo.train.optim import build_optimizer, build_scheduler
 from grpo.train.state import TrainState
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                 num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                 head_dim=128)  # fmt: skip
+QWEN3_06B = CASES["qwen3-0.6b"]["config"]  # the shape every benchmark here uses
 
 
 # Prompts: mini-math (~57 tokens with the tiny tokenizer) or real GSM8K questions (~200 tokens,

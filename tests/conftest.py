@@ -110,3 +110,15 @@ def tree_digest(path: Path) -> str:
         if p.is_file():
             h.update(p.read_bytes())
     return h.hexdigest()
+
+
+def live_lora(model, targets, std: float = 0.05, seed: int = 0):
+    """LoRA r4 on `targets` with non-zero B (normal(0, std)), so the adapter changes outputs."""
+    from grpo.lora import apply_lora
+
+    apply_lora(model, rank=4, alpha=8, targets=list(targets), seed=seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_b" in name:
+                p.normal_(0, std)
+    return model

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import live_lora
 
 from grpo.algo.logprobs import completion_logprobs
 from grpo.config import load_config
-from grpo.lora import apply_lora
 from grpo.models import load_model
 from grpo.rollout import sample
 from grpo.train.batch import Batch
@@ -47,11 +47,7 @@ def rollout_batch(model, G=4, T=12, seed=0):
 def test_sampler_logprobs_equal_training_recompute(tiny_checkpoints, lora, temperature):
     model = load_model(tiny_checkpoints("qwen3"))
     if lora:
-        apply_lora(model, rank=4, alpha=8, targets=["q_proj", "v_proj", "lm_head"], seed=0)
-        with torch.no_grad():  # non-zero B so the adapter changes the outputs
-            for n, p in model.named_parameters():
-                if "lora_b" in n:
-                    p.normal_(0, 0.05)
+        live_lora(model, ["q_proj", "v_proj", "lm_head"], std=0.05, seed=0)
     r = sample(model, [[5, 17, 33, 9], [101, 7]], group_size=3, max_new_tokens=10,
                temperature=temperature, stop_ids=[3], seed=1, pad_id=0)  # fmt: skip
     model.train()  # the training path: train mode (no dropout configured)

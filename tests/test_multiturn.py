@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import live_lora
 
 from grpo.algo.logprobs import completion_logprobs
-from grpo.lora import apply_lora
 from grpo.models import load_model
 from grpo.rollout import Sampler
 from grpo.rollout.sampler import Observation
@@ -48,11 +48,7 @@ def run(model, temperature=1.0, seed=0, **kw):
 def test_multiturn_logprobs_equal_training_forward(tiny_checkpoints, lora, temperature):
     model = load_model(tiny_checkpoints("qwen3"))
     if lora:
-        apply_lora(model, rank=4, alpha=8, targets=["q_proj", "v_proj", "lm_head"], seed=0)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_b" in n:
-                    p.normal_(0, 0.05)
+        live_lora(model, ["q_proj", "v_proj", "lm_head"], std=0.05, seed=0)
     r, _ = run(model, temperature)
     assert r.loss_mask is not None and (r.loss_mask <= r.completion_mask).all()
     assert (r.completion_mask & ~r.loss_mask).any()  # observations were appended

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tree_digest
+from conftest import live_lora, tree_digest
 from safetensors.torch import load_file
 
 from grpo.apps import cli
@@ -322,16 +322,12 @@ def test_bad_input_through_a_real_process(model_dir, tmp_path):
 def merge_inputs(model_dir, tmp_path):
     """root/base (a model), root/adapter (a LoRA adapter for it), root/old (an earlier output
     with a stale file) and root/notes.txt (a file)."""
-    from grpo.lora import apply_lora, save_adapter
+    from grpo.lora import save_adapter
     from grpo.models import load_model
 
     shutil.copytree(model_dir, tmp_path / "base")
     model = load_model(tmp_path / "base")
-    apply_lora(model, rank=4, alpha=8, targets=["q_proj", "v_proj"], seed=1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_b" in name:
-                p.normal_(0, 0.1)  # a merge that changes the weights
+    live_lora(model, ["q_proj", "v_proj"], std=0.1, seed=1)
     save_adapter(model, tmp_path / "adapter")
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "stale.bin").write_bytes(b"from an earlier merge")

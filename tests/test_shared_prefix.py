@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import live_lora
 
 from grpo.algo.logprobs import completion_logprobs
 from grpo.lora import apply_lora
@@ -47,11 +48,7 @@ def logprobs_and_grads(model, r, shared: bool, holes: bool = False):
 def test_shared_prefix_equals_full_rows(tiny_checkpoints, lora, turns):
     model = load_model(tiny_checkpoints("qwen3"))
     if lora:
-        apply_lora(model, rank=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"], seed=0)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_b" in n:
-                    p.normal_(0, 0.05)
+        live_lora(model, ["q_proj", "v_proj", "down_proj"], std=0.05, seed=0)
     r = rollout(model) if turns == "single" else multiturn(model)
     holes = turns == "multi"
     model.train()

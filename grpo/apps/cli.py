@@ -8,6 +8,7 @@ import os
 import sys
 
 from grpo.config import DataConfig
+from grpo.distributed import CollectiveError
 from grpo.errors import GrpoError
 
 
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(e, "rank", 0) == 0:  # under torchrun an interrupt is reported by rank 0
             prefix = getattr(e, "cli_prefix", "error: ")
             print(f"grpo {args.command}: {prefix}{message}", file=sys.stderr)
-        if type(e).__name__ == "CollectiveError":  # the process group is broken: exiting
+        if isinstance(e, CollectiveError):  # the process group is broken: exiting
             sys.stderr.flush()  # normally could hang or abort in its threads' destructors
             os._exit(getattr(e, "exit_code", 2))
         return getattr(e, "exit_code", 2)  # 2; 128 + N when signal N stopped training

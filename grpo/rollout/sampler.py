@@ -10,6 +10,7 @@ T_c completion tokens, V vocab. Row b belongs to prompt b // G (a group's rows a
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import shutil
@@ -263,8 +264,13 @@ class Sampler:
         stop_ids: Sequence[int],
         seed: int,
         pad_id: int = 0,
+        on_step: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
     ) -> Rollout:
-        """Sample `group_size` completions for each prompt; see `grpo.rollout.sample`."""
+        """Sample `group_size` completions for each prompt; see `grpo.rollout.sample`.
+
+        `on_step(t, tokens) -> tokens` (optional) sees each decode step's (B,) draw and may
+        replace it (a server forcing a stop id on rows past their own limit, or aborting); the
+        log-probs stay those of the drawn tokens."""
         model = self.model
         cfg = model.config
         prompts = _check_prompts(prompts, cfg.vocab_size)
@@ -281,8 +287,11 @@ class Sampler:
         prompt_lens = prompt_lens.repeat_interleave(G)  # (B,): row b <- prompt b // G
         gen = torch.Generator(device=dev).manual_seed(seed)
 
+        steps = itertools.count()
+
         def draw(logits):  # (B, V) -> tokens (B,), logprobs (B,)
-            return next_tokens(logits, gen, temperature, top_k, top_p, min_p)
+            tok, lp = next_tokens(logits, gen, temperature, top_k, top_p, min_p)
+            return (tok if on_step is None else on_step(next(steps), tok)), lp
 
         stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev)
         was_training = model.training

@@ -4,7 +4,7 @@ SFT and GRPO share. Shapes: B = P*G rows (a group's rows adjacent), T_c completi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -28,6 +28,9 @@ class Batch:
     advantages: torch.Tensor | None = None  # (B, T_c) (or (B,), broadcast), from advantage_phase
     ref_logprobs: torch.Tensor | None = None  # (B, T_c)
     old_logprobs: torch.Tensor | None = None  # (B, T_c) trainer recompute; None: the sampler's
+    # micro-batch size -> [(row slice, column range)]: computed once per step, read by every
+    # training-side pass (`grpo.train.grpo._micro_batches`)
+    micro_batch_plan: dict = field(default_factory=dict, init=False, repr=False)
 
 
 def derive_seed(*parts: int) -> int:

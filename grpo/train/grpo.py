@@ -32,10 +32,7 @@ from grpo.distributed import (
     all_reduce_sum,
     all_reduce_sum_dict,
     device_for,
-    failures_named,
-    init_distributed,
     no_sync,
-    teardown,
     wrap_ddp,
 )
 from grpo.envs import env_factory
@@ -64,7 +61,7 @@ from grpo.train.common import (
     peak_mem_mib,
     seed_everything,
 )
-from grpo.train.loop import RunDir, run_directory, start_run
+from grpo.train.loop import RunDir, run_training, start_run
 from grpo.train.preflight import check_prompt_room, preflight
 
 log = logging.getLogger(__name__)
@@ -248,11 +245,15 @@ def _logprobs(cfg: Config, scorer, batch: Batch, sl: slice, cols: tuple[int, int
 
 
 def _micro_batches(cfg: Config, batch: Batch):
-    """The micro-batch slices of the batch and each one's column range (`column_bounds`)."""
+    """The micro-batch slices of the batch and each one's column range (`column_bounds`),
+    computed on the first call of a step and kept on the batch for the other passes."""
     mb = cfg.train.micro_batch_size or cfg.train.batch_size
-    r = batch.rollout
-    slices = list(micro_batches(r.ids.shape[0], mb))
-    return list(zip(slices, column_bounds(r.attention_mask(), slices, r.prompt_width)))
+    if mb not in batch.micro_batch_plan:
+        r = batch.rollout
+        slices = list(micro_batches(r.ids.shape[0], mb))
+        bounds = column_bounds(r.attention_mask(), slices, r.prompt_width)
+        batch.micro_batch_plan[mb] = list(zip(slices, bounds))
+    return batch.micro_batch_plan[mb]
 
 
 def kl_measured(cfg: Config, step: int | None) -> bool:
@@ -472,17 +473,10 @@ def train_grpo(
         the run's summary: output_dir, final, step and the last step's metrics.
     """
     cfg.check_grpo()
-    dist = init_distributed(resolve_device(cfg.model.device).type, cfg.train.dist_timeout_s)
-    where = Where()  # the phase and step a failed collective is reported at
-    try:
-        with failures_named(dist, where, cfg.train.dist_timeout_s):
-            with run_directory(cfg, "train", resume, overwrite, dist) as rundir:
-                return _train(cfg, rundir, dist, on_step, where)
-    finally:
-        teardown()
+    return run_training(cfg, "train", resume, overwrite, _train, on_step)
 
 
-def _train(cfg: Config, rundir: RunDir, dist, on_step=None, where: Where | None = None) -> dict:
+def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
     device = device_for(dist, resolve_device(cfg.model.device))
     mc = preflight(cfg, "grpo", device, world_size=dist.world_size)  # before any load or write
     seed_everything(cfg.train.seed)
@@ -522,7 +516,6 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step=None, where: Where | None 
     metrics: dict = {}
     show = cfg.train.progress and dist.is_main
     bar = tqdm(total=cfg.train.max_steps, initial=state.step, desc="grpo", disable=not show)
-    where = where or Where()
     while state.step < cfg.train.max_steps:
         t0 = time.perf_counter()
         where.step, where.phase = state.step + 1, "rollout"

@@ -12,16 +12,47 @@ from pathlib import Path
 from typing import Any
 
 from grpo.config import Config, config_to_dict
-from grpo.distributed import all_reduce_max, barrier, gather_objects
+from grpo.distributed import (
+    Where,
+    all_reduce_max,
+    barrier,
+    failures_named,
+    gather_objects,
+    init_distributed,
+    teardown,
+)
+from grpo.loading import resolve_device
 from grpo.metrics import MetricLogger
 from grpo.train.common import Policy, due, save_final
 from grpo.train.optim import build_optimizer, build_scheduler
 from grpo.train.rundir import RunDir, TrainingInterrupted, run_directory
 from grpo.train.state import TrainState, load_checkpoint, rng_state, save_checkpoint
 
-__all__ = ["Run", "RunDir", "run_directory", "start_run"]
+__all__ = ["Run", "RunDir", "run_directory", "run_training", "start_run"]
 
 log = logging.getLogger(__name__)
+
+
+def run_training(cfg: Config, kind: str, resume: bool, overwrite: bool, train_fn, on_step):
+    """One process (or torchrun rank) of a training job around `train_fn`: join the job, claim
+    the run directory, report a failed collective as one line naming the rank, phase and step
+    (`failures_named`; `train_fn` keeps the `Where` current), leave the job however it ends.
+
+    Args:
+        cfg: the run config.
+        kind: "train" (GRPO) or "sft", for the run directory.
+        resume, overwrite: see `train_grpo`.
+        train_fn: ``(cfg, rundir, dist, on_step, where) -> summary``.
+        on_step: passed through to `train_fn`.
+    """
+    dist = init_distributed(resolve_device(cfg.model.device).type, cfg.train.dist_timeout_s)
+    where = Where()
+    try:
+        with failures_named(dist, where, cfg.train.dist_timeout_s):
+            with run_directory(cfg, kind, resume, overwrite, dist) as rundir:
+                return train_fn(cfg, rundir, dist, on_step, where)
+    finally:
+        teardown()
 
 
 @dataclass

@@ -22,10 +22,7 @@ from grpo.distributed import (
     Where,
     all_reduce_sum,
     device_for,
-    failures_named,
-    init_distributed,
     no_sync,
-    teardown,
     wrap_ddp,
 )
 from grpo.errors import GrpoError
@@ -37,7 +34,7 @@ from grpo.train.common import (
     peak_mem_mib,
     seed_everything,
 )
-from grpo.train.loop import RunDir, run_directory, start_run
+from grpo.train.loop import RunDir, run_training, start_run
 from grpo.train.preflight import check_prompt_room, preflight
 
 log = logging.getLogger(__name__)
@@ -152,17 +149,10 @@ def train_sft(
     Returns:
         the run's summary: output_dir, final, step and the last step's metrics.
     """
-    dist = init_distributed(resolve_device(cfg.model.device).type, cfg.train.dist_timeout_s)
-    where = Where()  # the phase and step a failed collective is reported at
-    try:
-        with failures_named(dist, where, cfg.train.dist_timeout_s):
-            with run_directory(cfg, "sft", resume, overwrite, dist) as rundir:
-                return _train(cfg, rundir, dist, on_step, where)
-    finally:
-        teardown()
+    return run_training(cfg, "sft", resume, overwrite, _train, on_step)
 
 
-def _train(cfg: Config, rundir: RunDir, dist, on_step=None, where: Where | None = None) -> dict:
+def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
     from grpo.eval import evaluate
 
     device = device_for(dist, resolve_device(cfg.model.device))
@@ -185,7 +175,6 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step=None, where: Where | None 
     metrics: dict = {}
     show = cfg.train.progress and dist.is_main
     bar = tqdm(total=steps, initial=state.step, desc="sft", disable=not show)
-    where = where or Where()
     while state.step < steps:
         t0 = time.perf_counter()
         where.step, where.phase = state.step + 1, "update"

@@ -134,28 +134,6 @@ class Job:
         return sum(len(p) for p in self.prompts)
 
 
-class _HookedSampler(Sampler):
-    """A `Sampler` whose draw of each decode step passes through `on_step(t, tokens) ->
-    tokens` (None = untouched). It wraps the `draw` argument of `Sampler._decode_loop`, so
-    prefill, decoding and the `Rollout` stay the sampler's own."""
-
-    on_step: Callable[[int, torch.Tensor], torch.Tensor] | None = None
-
-    def _decode_loop(self, logits, cache, kv_mask, prompt_lens, max_new_tokens, draw, stops):
-        hook = self.on_step
-        if hook is not None:
-            steps = itertools.count()
-            inner = draw
-
-            def draw(logits):  # (B, V) -> tokens (B,), logprobs (B,)
-                tok, lp = inner(logits)
-                return hook(next(steps), tok), lp
-
-        return super()._decode_loop(
-            logits, cache, kv_mask, prompt_lens, max_new_tokens, draw, stops
-        )
-
-
 @dataclass
 class _Row:
     """Where a batch row goes, and the host-side state of its text."""
@@ -194,7 +172,7 @@ class Engine:
             raise GrpoError(f"batch_window_ms must be >= 0, got {batch_window_ms}")
         if not stop_ids:
             raise GrpoError("stop_ids must name at least one token id")
-        self.sampler = _HookedSampler(model)
+        self.sampler = Sampler(model)
         self.tokenizer = tokenizer
         self.stop_ids = sorted(set(stop_ids))
         self.context = model.config.max_position_embeddings
@@ -384,16 +362,12 @@ class Engine:
         seed = p.seed if p.seed is not None and p.batch_key() is None else next(self._seeds)
         for job in batch:
             job.seed = seed
-        self.sampler.on_step = self._step_hook(rows, max_new)
         self.calls += 1
-        try:
-            rollout = self.sampler.sample(
-                prompts, group_size=G, max_new_tokens=max_new, temperature=p.temperature,
-                top_k=p.top_k, top_p=p.top_p, stop_ids=self.stop_ids, seed=seed,
-                pad_id=self.pad_id,
-            )  # fmt: skip
-        finally:
-            self.sampler.on_step = None
+        rollout = self.sampler.sample(
+            prompts, group_size=G, max_new_tokens=max_new, temperature=p.temperature,
+            top_k=p.top_k, top_p=p.top_p, stop_ids=self.stop_ids, seed=seed,
+            pad_id=self.pad_id, on_step=self._step_hook(rows, max_new),
+        )  # fmt: skip
         return rollout, rows
 
     def _step_hook(self, rows: list[_Row], max_new: int):
