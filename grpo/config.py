@@ -14,6 +14,7 @@ import logging
 import math
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -25,7 +26,23 @@ from grpo.io import read_text, write_text
 
 
 class ConfigError(GrpoError):
-    """A bad configuration value or key; the message names the dotted field."""
+    """A bad configuration value or key; the message names the dotted field (`field`, where
+    known: what `build_settings` and the field checks raise)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+    @property
+    def problem(self) -> str:
+        """The message without its leading ``field: ``."""
+        text, head = str(self), f"{self.field}: "
+        return text[len(head) :] if self.field and text.startswith(head) else text
+
+
+class FieldError(ConfigError):
+    """A field check failed; `field` is relative to the dataclass that checked it, and
+    `build_settings` puts the dotted path of a nested one in front."""
 
 
 def _deprecated(old: str, new: str) -> None:
@@ -34,7 +51,82 @@ def _deprecated(old: str, new: str) -> None:
 
 def _check(cond: bool, name: str, msg: str) -> None:
     if not cond:
-        raise ConfigError(f"{name}: {msg}")
+        raise ConfigError(f"{name}: {msg}", field=name)
+
+
+def brief_repr(value: Any, limit: int = 80) -> str:
+    """repr(value), cut short: an error line never echoes a whole prompt back."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --------------------------------------------------------------------------- field checks
+
+
+def setting(
+    default: Any = dataclasses.MISSING,
+    *,
+    check: Callable[[Any], str | None] | None = None,
+    factory: Any = dataclasses.MISSING,
+    **metadata: Any,
+) -> Any:
+    """A settings field whose value `check(value) -> problem or None` approves; the dataclass
+    runs the checks with `check_fields(self)` in its `__post_init__`. Other metadata (e.g. the
+    config field a tool parameter sets) is kept for whoever reads the field."""
+    return field(default=default, default_factory=factory, metadata={"check": check, **metadata})
+
+
+def check_fields(obj: Any) -> None:
+    """Run each field's `setting(check=...)` on its value (None is "not set" and passes); the
+    first problem raises a `FieldError` naming the field."""
+    for f in dataclasses.fields(obj):
+        check, value = f.metadata.get("check"), getattr(obj, f.name)
+        problem = check(value) if check is not None and value is not None else None
+        if problem:
+            raise FieldError(f"{f.name}: {problem}", field=f.name)
+
+
+def check_value(name: str, value: Any, check: Callable[[Any], str | None]) -> None:
+    """`check` on a plain argument: a `FieldError` naming it."""
+    problem = check(value)
+    if problem:
+        raise FieldError(f"{name}: {problem}", field=name)
+
+
+def between(lo=None, hi=None, *, lo_open: bool = False, hi_open: bool = False):
+    """A check: lo <= value <= hi (< with `*_open`; a bound of None is no bound)."""
+
+    def check(v):
+        if (lo is None or (v > lo if lo_open else v >= lo)) and (
+            hi is None or (v < hi if hi_open else v <= hi)
+        ):
+            return None
+        if hi is None:
+            return f"must be {'>' if lo_open else '>='} {lo}, got {brief_repr(v)}"
+        if lo is None:
+            return f"must be {'<' if hi_open else '<='} {hi}, got {brief_repr(v)}"
+        left, right = "(["[not lo_open], ")]"[not hi_open]
+        return f"must be in {left}{lo}, {hi}{right}, got {brief_repr(v)}"
+
+    return check
+
+
+def one_of(choices):
+    """A check: the value is one of `choices` (names known only at run time; else `Literal`)."""
+    return lambda v: (
+        None if v in choices else f"must be one of {sorted(choices)}, got {brief_repr(v)}"
+    )
+
+
+def only(*allowed):
+    """A check for a value accepted only where it changes nothing (e.g. an OpenAI field)."""
+    return lambda v: None if v in allowed else f"not supported (only {allowed[0]!r})"
+
+
+def non_empty(v) -> str | None:
+    """A check: a string with more than white space, or a list with something in it."""
+    empty = not v.strip() if isinstance(v, str) else len(v) == 0
+    return "must not be empty" if empty else None
 
 
 @dataclass(frozen=True)
@@ -452,35 +544,49 @@ class Config:
 # --------------------------------------------------------------------------- loading
 
 
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+def _expected(tp: Any) -> str:
+    """What a value of annotation `tp` looks like, in words."""
+    words = {str: "a string", int: "an integer", float: "a number", bool: "true/false",
+             dict: "a mapping", tuple: "a list", list: "a list"}  # fmt: skip
+    origin = typing.get_origin(tp) or tp
+    if origin is Literal:
+        return f"one of {list(typing.get_args(tp))}"
+    if dataclasses.is_dataclass(origin):
+        return "a mapping"
+    if origin is Callable:
+        return "a function"
+    return words.get(origin) or getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
 def _coerce(value: Any, tp: Any, name: str) -> Any:
     """Check `value` against the annotation `tp`, converting lists to tuples and ints to floats."""
     origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None and len(args) < len(typing.get_args(tp)):
             return None
         errors = []
         for arg in args:
-            if arg is type(None):
-                continue
             try:
                 return _coerce(value, arg, name)
             except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{name}: invalid value {value!r}")
+                errors.append(e)
+        deeper = [e for e in errors if e.field != name]  # got past an alternative's outer type
+        if len(errors) == 1 or deeper:
+            raise (deeper or errors)[0]
+        expected = " or ".join(_expected(a) for a in args)
+        raise ConfigError(f"{name}: expected {expected}, got {brief_repr(value)}", field=name)
     if origin is Literal:
         allowed = typing.get_args(tp)
         if isinstance(value, bool) and {"on", "off"} <= set(allowed):  # YAML 1.1 reads on/off
             value = "on" if value else "off"  # as booleans: `shared_prefix: on` means "on"
-        _check(value in allowed, name, f"must be one of {list(allowed)}, got {value!r}")
+        _check(value in allowed, name, f"must be one of {list(allowed)}, got {brief_repr(value)}")
         return value
     if origin is tuple:
         args = typing.get_args(tp)
-        _check(isinstance(value, (list, tuple)), name, f"expected a list, got {value!r}")
+        _check(isinstance(value, (list, tuple)), name, f"expected a list, got {brief_repr(value)}")
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_coerce(v, args[0], f"{name}[{i}]") for i, v in enumerate(value))
         _check(len(value) == len(args), name, f"expected {len(args)} values, got {len(value)}")
@@ -488,17 +594,20 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
-        _check(isinstance(value, dict), name, f"expected a mapping, got {value!r}")
+        _check(isinstance(value, dict), name, f"expected a mapping, got {brief_repr(value)}")
         return _build(tp, value, name)
     if tp is dict or origin is dict:
-        _check(isinstance(value, dict), name, f"expected a mapping, got {value!r}")
+        _check(isinstance(value, dict), name, f"expected a mapping, got {brief_repr(value)}")
         return dict(value)
+    if tp is Callable or origin is Callable:
+        _check(callable(value), name, f"expected a function, got {brief_repr(value)}")
+        return value
     if tp is bool:
-        _check(isinstance(value, bool), name, f"expected true/false, got {value!r}")
+        _check(isinstance(value, bool), name, f"expected true/false, got {brief_repr(value)}")
         return value
     if tp is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
-        _check(ok, name, f"expected an integer, got {value!r}")
+        _check(ok, name, f"expected an integer, got {brief_repr(value)}")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads `1e-5` (no dot) as a string
@@ -507,40 +616,57 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
             except ValueError:
                 pass
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        _check(ok, name, f"expected a number, got {value!r}")
+        _check(ok, name, f"expected a number, got {brief_repr(value)}")
+        try:
+            value = float(value)
+        except OverflowError:  # an integer beyond float's range (JSON allows it)
+            raise ConfigError(
+                f"{name}: beyond a float's range: {brief_repr(value)}", field=name
+            ) from None
         # .inf / .nan would pass or dodge the range checks and surface mid-run
-        _check(math.isfinite(value), name, f"must be a finite number, got {value!r}")
-        return float(value)
-    if tp is str:
-        _check(isinstance(value, str), name, f"expected a string, got {value!r}")
+        _check(math.isfinite(value), name, f"must be a finite number, got {brief_repr(value)}")
         return value
-    raise ConfigError(f"{name}: unsupported type {_type_name(tp)}")
+    if tp is str:
+        _check(isinstance(value, str), name, f"expected a string, got {brief_repr(value)}")
+        return value
+    raise ConfigError(f"{name}: unsupported type {_expected(tp)}", field=name)
 
 
-def build_settings(cls, data: dict, prefix: str = ""):
-    """A frozen settings dataclass `cls` from an untrusted mapping: unknown keys, wrong types
-    and failed checks (`__post_init__`) are one `ConfigError` line naming the dotted field
-    (`prefix.key`) and what was expected. The loader of every config section; applications
-    use it for their own settings (e.g. the demo's `demo:` section)."""
+def build_settings(cls, data: dict, prefix: str = "", *, null_is_default: bool = False):
+    """A frozen settings dataclass `cls` from an untrusted mapping (a config section, tool
+    JSON, an HTTP body): unknown keys, wrong types, missing required fields and failed checks
+    (`setting(check=)`, `__post_init__`) are one `ConfigError` line naming the dotted field
+    (`prefix.key`, also in `.field`) and what was expected.
+
+    With `null_is_default`, a null given for a field that cannot hold one means "the default"
+    (what JSON clients send for "not set"); elsewhere null is a value or a type error.
+    """
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {brief_repr(data)}")
+    if null_is_default:
+        hints = typing.get_type_hints(cls)
+        data = {k: v for k, v in data.items() if v is not None or _admits_none(hints.get(k))}
     return _build(cls, data, prefix)
+
+
+def _admits_none(tp: Any) -> bool:
+    return tp is Any or tp is None or type(None) in typing.get_args(tp)
 
 
 def _build(cls, data: dict, prefix: str = ""):
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    where = f"{prefix}." if prefix else ""
+    unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
-        where = f"{prefix}." if prefix else ""
         raise ConfigError(
-            f"unknown config key {where}{unknown[0]!r}; valid keys"
-            f"{' of ' + prefix if prefix else ''}: {', '.join(sorted(fields))}"
+            f"{where}{unknown[0]}: unknown key; valid keys{' of ' + prefix if prefix else ''}: "
+            f"{', '.join(sorted(fields)) or 'none'}",
+            field=f"{where}{unknown[0]}",
         )
     kwargs = {}
     for key, value in data.items():
-        dotted = f"{prefix}.{key}" if prefix else key
-        kwargs[key] = _coerce(value, hints[key], dotted)
+        kwargs[key] = _coerce(value, hints[key], f"{where}{key}")
     required = [
         n
         for n, f in fields.items()
@@ -549,10 +675,13 @@ def _build(cls, data: dict, prefix: str = ""):
         and n not in kwargs
     ]
     if required:
-        where = f"{prefix}." if prefix else ""
-        raise ConfigError(f"{where}{required[0]}: is required")
+        raise ConfigError(f"{where}{required[0]}: is required", field=f"{where}{required[0]}")
     try:
         return cls(**kwargs)
+    except FieldError as e:  # a field check: relative to cls, so put the path in front
+        if not prefix:
+            raise
+        raise FieldError(f"{where}{e}", field=f"{where}{e.field}") from None
     except TypeError as e:  # should not happen after the checks above
         raise ConfigError(f"{prefix or 'config'}: {e}") from None
 
@@ -570,7 +699,8 @@ def _set_dotted(data: dict, dotted: str, value: Any) -> None:
         if key not in names:
             where = f" of {prefix}" if prefix else ""
             raise ConfigError(
-                f"unknown config key {dotted!r}; valid keys{where}: {', '.join(sorted(names))}"
+                f"{dotted}: unknown key; valid keys{where}: {', '.join(sorted(names))}",
+                field=dotted,
             )
         if i == len(parts) - 1:
             node[key] = value

@@ -5,10 +5,27 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import MISSING
+from typing import Any
 
 import pytest
 
-from grpo.config import ConfigError, config_to_dict, load_config, save_config
+from grpo.config import (
+    ConfigError,
+    FieldError,
+    between,
+    build_settings,
+    check_fields,
+    check_value,
+    config_to_dict,
+    load_config,
+    non_empty,
+    one_of,
+    only,
+    save_config,
+    setting,
+)
 
 BASE = """\
 model:
@@ -52,8 +69,8 @@ def test_round_trip(cfg_file, tmp_path):
 @pytest.mark.parametrize(
     "override, pattern",
     [
-        ("optim.lrr=1", r"unknown config key 'optim.lrr'; valid keys of optim: .*\blr\b"),
-        ("optimizer.lr=1", r"unknown config key 'optimizer.lr'; valid keys: .*optim"),
+        ("optim.lrr=1", r"optim.lrr: unknown key; valid keys of optim: .*\blr\b"),
+        ("optimizer.lr=1", r"optimizer.lr: unknown key; valid keys: .*optim"),
         ("optim.lr=-1", r"optim.lr: must be > 0"),
         ("optim.lr=fast", r"optim.lr: expected a number"),
         ("rollout.group_size=1", r"rollout.group_size: must be >= 2"),
@@ -90,7 +107,7 @@ def test_whole_groups_is_a_grpo_rule_only(cfg_file, tmp_path):
 def test_unknown_key_in_file(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("model: {path: m}\ntrain: {max_step: 3}\n")
-    with pytest.raises(ConfigError, match=r"unknown config key train.'max_step'.*max_steps"):
+    with pytest.raises(ConfigError, match=r"train.max_step: unknown key.*max_steps"):
         load_config(p)
 
 
@@ -112,3 +129,76 @@ def test_cli_typo_one_line_nonzero(cfg_file):
     assert len(lines) == 1, r.stderr
     assert "optim.lrr" in lines[0] and "lr, max_grad_norm" in lines[0]
     assert "Traceback" not in r.stderr
+
+
+# -- build_settings: the one reader of untrusted mappings (configs, tool JSON, HTTP bodies) ----
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Inner:
+    share: float = setting(0.5, check=between(0, 1))
+    name: str = setting(MISSING, check=non_empty)
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Outer:
+    count: int = setting(1, check=between(1))
+    limit: int | None = setting(100, check=between(1))  # None is a value: no limit
+    inner: _Inner | None = None
+    parts: tuple[_Inner, ...] = ()
+    label: str | tuple[str, ...] = "a"
+    fn: Callable | None = None
+    anything: Any = None
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+@pytest.mark.parametrize(
+    "data, field, message",
+    [
+        ({"count": 0}, "count", "count: must be >= 1, got 0"),
+        ({"count": True}, "count", "count: expected an integer, got True"),
+        ({"cuont": 2}, "cuont", "cuont: unknown key; valid keys: anything, count, fn, inner,"),
+        ({"inner": {}}, "inner.name", "inner.name: is required"),
+        ({"inner": {"name": " "}}, "inner.name", "inner.name: must not be empty"),
+        ({"inner": {"name": "x", "share": 2}}, "inner.share", "inner.share: must be in [0, 1]"),
+        ({"parts": [{"name": "x"}, {"name": "y", "share": -1}]}, "parts[1].share",
+         "parts[1].share: must be in [0, 1], got -1.0"),
+        ({"parts": [{"name": "x", "nope": 1}]}, "parts[0].nope",
+         "parts[0].nope: unknown key; valid keys of parts[0]: name, share"),
+        ({"label": 5}, "label", "label: expected a string or a list, got 5"),
+        ({"label": ["a", 5]}, "label[1]", "label[1]: expected a string, got 5"),  # the deeper one
+        ({"fn": 5}, "fn", "fn: expected a function, got 5"),
+        ({"inner": {"name": "x", "share": 10**400}}, "inner.share", "inner.share: beyond a float"),
+        ({"count": "x" * 500}, "count", "count: expected an integer, got 'xxxxx"),
+    ],
+)  # fmt: skip
+def test_build_settings_errors_name_the_dotted_field(data, field, message):
+    with pytest.raises(ConfigError) as e:
+        build_settings(_Outer, data)
+    assert e.value.field == field and str(e.value).startswith(message)
+    assert e.value.problem == str(e.value)[len(field) + 2 :]
+    assert len(str(e.value)) < 200  # a long value is cut short, never echoed whole
+
+
+def test_build_settings_values_and_nulls():
+    s = build_settings(_Outer, {"parts": [{"name": "x"}], "label": ["a", "b"], "fn": len})
+    assert s.parts == (_Inner(name="x"),) and s.label == ("a", "b") and s.fn is len
+    assert build_settings(_Outer, {"inner": {"name": "x", "share": 1}}).inner.share == 1.0
+    # a null: a type error by default; with null_is_default the default where the type has no
+    # None, and the value None where it has (limit: None means "no limit")
+    with pytest.raises(ConfigError, match="count: expected an integer, got None"):
+        build_settings(_Outer, {"count": None})
+    s = build_settings(_Outer, {"count": None, "limit": None}, null_is_default=True)
+    assert (s.count, s.limit) == (1, None)
+    # checks run on direct construction too, and check_value on plain arguments
+    with pytest.raises(FieldError, match=r"^count: must be >= 1, got 0$"):
+        _Outer(count=0)
+    with pytest.raises(FieldError, match=r"^rows: must be in \(0, 1\), got 1$"):
+        check_value("rows", 1, between(0, 1, lo_open=True, hi_open=True))
+    assert one_of({"a", "b"})("c") == "must be one of ['a', 'b'], got 'c'"
+    assert only(0)(0.0) is None and only(0)(0.5) == "not supported (only 0)"

@@ -118,6 +118,11 @@ def test_demo_config_is_valid_and_strict(tmp_path):
             "demo: {}\nquick: {demo: {vocab_size: 1.5}}",
             "quick.demo.vocab_size: expected an integer",
         ),
+        ("demo: {hard_frac: 1.5}", "demo.hard_frac: must be in [0, 1], got 1.5"),
+        ("demo: {}\nquick: {demo: {threads: 0}}", "quick.demo.threads: must be >= 1, got 0"),
+        ("demo: {min_steps: 3, max_steps: 2}", "demo.min_steps: must be <= max_steps"),
+        ("demo: {model_size: huge}", "demo.model_size: must be one of"),
+        ("demo: {}\nquick: {overrides: [1]}", "quick.overrides[0]: expected a string, got 1"),
     ):
         bad.write_text(text + "\npipeline: {}\n")
         with pytest.raises(ConfigError, match=re.escape(message)):

@@ -247,7 +247,7 @@ def matrix(d: Path, m: Path):
     """(name, extra CLI args, expected message fragment) for `grpo train --config tiny_ci`."""
     fresh = f"train.output_dir={d}/started"
     return [
-        ("unknown key", ["optim.lrr=1"], "unknown config key 'optim.lrr'; valid keys of optim"),
+        ("unknown key", ["optim.lrr=1"], "optim.lrr: unknown key; valid keys of optim"),
         ("wrong type", ["train.max_steps=abc"], "train.max_steps: expected an integer"),
         ("group size 1", ["rollout.group_size=1"], "rollout.group_size: must be >= 2"),
         ("negative lr", ["optim.lr=-0.1"], "optim.lr: must be > 0"),

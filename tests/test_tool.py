@@ -45,6 +45,11 @@ def test_load_dataset_sft_and_rl(tool, shared_tiny_model):
                       "max_samples": 5, "model_name": str(shared_tiny_model)}))  # fmt: skip
     assert rl["dataset_size"] == 5
     assert {"question", "prompt", "ground_truth", "full_answer"} <= set(rl["sample_keys"])
+    # null is the parameter's default, except where null is a value: max_samples null = all
+    default = ok(tool.run({"action": "load_dataset", "split": None, "format": None}))
+    assert (default["split"], default["format"], default["dataset_size"]) == ("train", "sft", 100)
+    every = ok(tool.run({"action": "load_dataset", "max_samples": None, "split": "test"}))
+    assert every["dataset_size"] > 100
 
 
 def test_create_reward_types(tool):
@@ -208,7 +213,7 @@ def test_registered_dataset_uses_the_reward_of_the_same_name(
          "reward_type"),
         ({"action": "train", "algorithm": "grpo", "output_dir": "o", "reward_type": "combined",
           "reward_config": {"components": [{"weight": 1.0}]}},
-         "reward_config.components[0]"),
+         "reward_config.components[0].type"),
         ({"action": "train", "algorithm": "sft", "output_dir": "o",
           "custom_dataset": [{"prompt": "p", "completion": "c"}]}, "custom_dataset"),
         ({"action": "load_dataset", "format": "csv"}, "format"),
@@ -223,6 +228,19 @@ def test_registered_dataset_uses_the_reward_of_the_same_name(
         ({"action": "evaluate"}, "model_path"),
         ({"action": "evaluate", "model_path": "m", "metrics": ["bogus"]}, "metrics"),
         ({"action": "evaluate", "model_path": "m", "k": 0}, "k"),
+        ({"action": "evaluate", "model_path": "m", "metrics": "accuracy"}, "metrics"),
+        ({"action": "create_reward", "reward_type": "format", "alpha": 1.0}, "alpha"),
+        ({"action": "create_reward", "reward_type": "step", "cap": 1.5}, "cap"),
+        ({"action": "train", "algorithm": "grpo", "output_dir": "o", "custom_reward": 5},
+         "custom_reward"),
+        ({"action": "train", "algorithm": "grpo", "output_dir": "o", "reward_type": "combined",
+          "reward_config": {"components": [{"type": "step", "weight": "x"}]}},
+         "reward_config.components[0].weight"),
+        ({"action": "train", "algorithm": "grpo", "output_dir": "o", "reward_type": "combined",
+          "reward_config": {"components": []}}, "reward_config.components"),
+        ({"action": "train", "algorithm": "grpo", "output_dir": "o", "lora_r": 4,
+          "lora_rank": 4}, "lora_rank"),
+        ({"action": "train", "algorithm": None, "output_dir": "o"}, "algorithm"),
     ],
 )  # fmt: skip
 def test_invalid_parameters_are_json_errors_naming_the_parameter(tool, params, parameter):

@@ -26,11 +26,20 @@ from typing import Any, Literal
 import yaml
 from datasets import Dataset, DatasetDict
 
-from grpo.config import ConfigError, build_settings
+from grpo.config import (
+    ConfigError,
+    FieldError,
+    between,
+    build_settings,
+    check_fields,
+    one_of,
+    setting,
+)
 from grpo.data import register_dataset
 from grpo.data.minimath import MAX_STEPS, Level, distinct_problems
 from grpo.errors import GrpoError
 from grpo.io import read_text
+from grpo.tiny import SIZES
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CONFIG = CONFIGS / "demo_cpu.yaml"
@@ -38,7 +47,10 @@ TASK_CONFIGS = {"math": DEFAULT_CONFIG, "tools": CONFIGS / "demo_tools_cpu.yaml"
 DATASET = "demo-minimath"  # the name the demo registers its three splits under
 TOOLS_DATASET = "demo-toolmath"  # --task tools: problems (RL and evaluation)
 TOOLS_SFT_DATASET = "demo-toolmath-sft"  # --task tools: one (prompt, completion) per turn
-CONFIG_KEYS = ("demo", "pipeline", "quick")
+
+
+POSITIVE = between(1)
+UNIT = between(0, 1)
 
 
 @dataclass(frozen=True)
@@ -47,51 +59,58 @@ class DemoSettings:
 
     task: Literal["math", "tools"] = "math"  # math: mini-math word problems; tools: products
     # with a calculator (TASK_CONFIGS)
-    model_size: str = "demo"  # a key of grpo.tiny.SIZES
+    model_size: str = setting("demo", check=one_of(SIZES))  # a key of grpo.tiny.SIZES
     vocab_size: int = 384
     # The mini-math problems (a `grpo.data.minimath.Level`): steps per problem, the first
     # quantity in [1, start_max], +/- operands in [1, add_max], */÷ operands in
     # [2, factor_max], every value <= value_max.
-    min_steps: int = 1
-    max_steps: int = 1
-    start_max: int = 10
-    add_max: int = 10
-    factor_max: int = 5
-    value_max: int = 50
+    min_steps: int = setting(1, check=between(1, MAX_STEPS))
+    max_steps: int = setting(1, check=between(1, MAX_STEPS))
+    start_max: int = setting(10, check=POSITIVE)
+    add_max: int = setting(10, check=POSITIVE)
+    factor_max: int = setting(5, check=between(2))
+    value_max: int = setting(50, check=between(2))
     data_seed: int = 0  # which problems (the same for every --seed)
-    train_problems: int = 4000
-    validation_problems: int = 256  # generated after train's problems: disjoint, for tuning
-    test_problems: int = 256  # minimath's test split: disjoint from train by construction
-    threads: int = 2  # torch intra-op threads (capped at the machine's cores)
+    train_problems: int = setting(4000, check=POSITIVE)
+    validation_problems: int = setting(256, check=POSITIVE)  # generated after train's
+    # problems: disjoint from them, for tuning
+    test_problems: int = setting(256, check=POSITIVE)  # disjoint from train by construction
+    threads: int = setting(2, check=POSITIVE)  # torch threads (capped at the machine's cores)
     # --task tools: the share of hard (two-digit) problems, and of hard training problems
     # whose SFT trace calls the calculator (the others are worked mentally, correct but a
     # trick the model cannot learn): GRPO is left to find out which works.
-    hard_frac: float = 0.7
-    tool_frac: float = 0.5
+    hard_frac: float = setting(0.7, check=UNIT)
+    tool_frac: float = setting(0.5, check=UNIT)
 
-    def __post_init__(self):  # types are checked by `build_settings`; ranges here
-        from grpo.tiny import SIZES
-
-        for name in ("hard_frac", "tool_frac"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ConfigError(f"demo.{name}: must be in [0, 1]")
-        if self.model_size not in SIZES:
-            raise ConfigError(f"demo.model_size: one of {sorted(SIZES)}, got {self.model_size!r}")
-        positive = ("train_problems", "validation_problems", "test_problems", "threads")
-        positive += ("min_steps", "max_steps", "start_max", "add_max", "factor_max", "value_max")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"demo.{name}: must be a positive integer")
-        if not 1 <= self.min_steps <= self.max_steps <= MAX_STEPS:
-            raise ConfigError(f"demo.min_steps/max_steps: need 1 <= min <= max <= {MAX_STEPS}")
-        if self.factor_max < 2 or self.value_max < max(self.start_max, 2):
-            raise ConfigError("demo.factor_max must be >= 2 and value_max >= start_max")
+    def __post_init__(self):  # types are checked by `build_settings`
+        check_fields(self)
+        if self.min_steps > self.max_steps:
+            raise FieldError("min_steps: must be <= max_steps", field="min_steps")
+        if self.value_max < self.start_max:
+            raise FieldError("value_max: must be >= start_max", field="value_max")
 
     def level(self) -> Level:
         return Level(
             self.min_steps, self.max_steps, self.start_max, self.add_max, self.factor_max,
             self.value_max,
         )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class QuickSection:
+    """The smoke run's changes: demo settings and pipeline overrides."""
+
+    demo: dict = dataclasses.field(default_factory=dict)
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DemoFile:
+    """The demo config file's top level."""
+
+    demo: dict = dataclasses.field(default_factory=dict)
+    pipeline: dict = dataclasses.field(default_factory=dict)
+    quick: QuickSection = QuickSection()
 
 
 def load_demo_config(
@@ -106,18 +125,17 @@ def load_demo_config(
     if not p.is_file():
         raise ConfigError(f"demo config {str(p)!r} does not exist")
     data = yaml.safe_load(read_text(p, "a YAML demo config")) or {}
-    unknown = sorted(set(data) - set(CONFIG_KEYS)) if isinstance(data, dict) else ["<top>"]
-    if unknown:
-        raise ConfigError(f"{p}: unknown key {unknown[0]!r}; valid keys: {', '.join(CONFIG_KEYS)}")
-    values = dict(data.get("demo") or {})
-    build_settings(DemoSettings, values, "demo")  # the file's own section must be valid alone
-    overrides: list[str] = []
+    try:
+        f = build_settings(DemoFile, data)
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}", field=e.field) from None
+    build_settings(DemoSettings, f.demo, "demo")  # the file's own section must be valid alone
+    values, overrides = f.demo, []
     if quick:
-        q = data.get("quick") or {}
-        values.update(q.get("demo") or {})
-        overrides = [str(o) for o in q.get("overrides") or []]
+        values = {**values, **f.quick.demo}
+        overrides = list(f.quick.overrides)
     where = "quick.demo" if quick else "demo"
-    return build_settings(DemoSettings, values, where), dict(data.get("pipeline") or {}), overrides
+    return build_settings(DemoSettings, values, where), f.pipeline, overrides
 
 
 def demo_problems(n: int, seed: int, split: str, level: Level) -> Dataset:

@@ -16,26 +16,31 @@ Actions and their keys (the tutorial's names; each is translated to our `Config`
 - ``evaluate``: model_path, max_samples, use_lora, metrics, k, return_details -> accuracy,
   average_reward, num_samples, ...
 
-Each action's parameters are a declarative table of `P` (kind, default, check, and the config
-field the value sets), so an action is: check the parameters, map them onto a `Config` (plus
-what follows from several of them, e.g. batch sizes from batch_size x num_generations), call
-the core (`train_sft` / `train_grpo`, `load_rows`, `evaluate_config`). A default of None is the
-core's default. Every answer is a JSON string with ``"status": "success"`` or ``"error"``;
-an error's message starts with the parameter it is about, never a traceback. `register_dataset` and
-`register_reward_function` name data and rewards for later calls; a reward registered under a
-dataset's name is the default reward of training on that dataset.
+Each action's parameters are a frozen dataclass (`Train`, `LoadDataset`, `CreateReward`,
+`Evaluate`) read by the config's one builder (`grpo.config.build_settings`: types, unknown and
+required keys, each field's check), whose fields name the config fields they set (`to`); an
+action maps them onto a `Config` (plus what follows from several of them, e.g. batch sizes
+from batch_size x num_generations) and calls the core (`train_sft` / `train_grpo`,
+`load_rows`, `evaluate_config`). A default of None is the core's default. Every answer is a
+JSON string with ``"status": "success"`` or ``"error"``; an error's message starts with the
+parameter it is about, never a traceback. `register_dataset` and `register_reward_function`
+name data and rewards for later calls; a reward registered under a dataset's name is the
+default reward of training on that dataset.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
+import typing
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from grpo.config import ConfigError, between, build_settings, check_fields, non_empty, setting
 from grpo.errors import GrpoError
 from grpo.loading import TrainedModel, resolve_device, resolve_trained
 
@@ -44,16 +49,6 @@ log = logging.getLogger(__name__)
 ACTIONS = ("train", "load_dataset", "create_reward", "evaluate")
 BUILTIN_REWARDS = ("accuracy", "length_penalty", "step", "format", "combined")
 BUILTIN_DATASETS = ("gsm8k", "minimath")
-# tutorial reward parameter -> our factory's parameter, per reward type
-REWARD_PARAMS = {
-    "accuracy": {"tolerance": "tolerance"},
-    "length_penalty": {
-        "max_length": "target", "target_length": "target", "target": "target",
-        "penalty_weight": "alpha", "alpha": "alpha", "floor": "floor", "tolerance": "tolerance",
-    },
-    "step": {"step_bonus": "beta", "beta": "beta", "cap": "cap", "tolerance": "tolerance"},
-    "format": {},
-}  # fmt: skip
 EVAL_METRICS = {
     "accuracy": "accuracy",
     "average_reward": "average_reward",
@@ -82,108 +77,57 @@ class ToolError(GrpoError):
 
 
 # --------------------------------------------------------------------------- parameters
+#
+# Each action's parameters are a frozen dataclass read by the config's one builder
+# (`grpo.config.build_settings`: types, unknown keys and required ones, each field's check),
+# and `to` names the config field(s) a parameter sets. A default of None leaves those fields
+# at the core's defaults (`grpo.config`); only the tutorial's own defaults are spelled out here.
+
+POSITIVE = between(0, lo_open=True)
+NON_NEGATIVE = between(0)
+UNIT = between(0, 1, hi_open=True)
 
 
-@dataclass(frozen=True)
-class P:
-    """One parameter: its kind, default, a check returning a problem (or None), and the config
-    fields its value sets (`to`, dotted). A default of None leaves those fields at the core's
-    defaults (`grpo.config`); only the tutorial's own defaults are spelled out here."""
-
-    kind: str  # str | int | float | bool | list | dict | callable | rows
-    default: Any = None
-    check: Callable[[Any], str | None] | None = None
-    required: bool = False
-    nullable: bool = False  # an explicit None stays None (e.g. max_samples: all rows)
-    to: str | tuple[str, ...] = ()
-
-    @property
-    def fields(self) -> tuple[str, ...]:
-        return (self.to,) if isinstance(self.to, str) else self.to
+def param(default: Any = None, check=None, *, to: str | tuple[str, ...] = (), factory=MISSING):
+    """A parameter: its default, its check, and the config fields (dotted) its value sets."""
+    if factory is not MISSING:
+        default = MISSING
+    return setting(default, check=check, factory=factory, to=(to,) if isinstance(to, str) else to)
 
 
-def _positive(v):
-    return None if v > 0 else f"must be > 0, got {v!r}"
+@dataclass(frozen=True, kw_only=True)
+class Params:
+    """Base of every action's (and reward's) parameters: runs the fields' checks."""
+
+    def __post_init__(self):
+        check_fields(self)
 
 
-def _non_negative(v):
-    return None if v >= 0 else f"must be >= 0, got {v!r}"
-
-
-def _unit(v):
-    return None if 0 <= v < 1 else f"must be in [0, 1), got {v!r}"
-
-
-def _open_unit(v):
-    return None if 0 < v < 1 else f"must be in (0, 1), got {v!r}"
-
-
-def _choice(*allowed):
-    return lambda v: None if v in allowed else f"must be one of {list(allowed)}, got {v!r}"
-
-
-def _kind_ok(kind: str, v: Any) -> bool:
-    if kind == "str":
-        return isinstance(v, str) and v != ""
-    if kind == "int":
-        return isinstance(v, int) and not isinstance(v, bool)
-    if kind == "float":
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    if kind == "bool":
-        return isinstance(v, bool)
-    if kind == "list":
-        return isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)
-    if kind == "dict":
-        return isinstance(v, dict)
-    if kind == "callable":
-        return callable(v)
-    return True  # rows: checked where used
-
-
-KIND_NAMES = {
-    "str": "a non-empty string", "int": "an integer", "float": "a finite number",
-    "bool": "true or false", "list": "a list of strings", "dict": "a mapping",
-    "callable": "a function", "rows": "a dataset",
-}  # fmt: skip
-
-
-def parse_params(params: dict, spec: dict[str, P], aliases: dict[str, str]) -> dict:
-    """Check `params` against `spec`: unknown keys, kinds, ranges; fill defaults."""
-    out: dict = {}
+def parse_params(params: dict, cls: type, aliases: dict[str, str] | None = None) -> Params:
+    """`cls` from a JSON action (aliases renamed): a `ToolError` naming the bad parameter. A
+    null means the parameter's default, except where null is a value (max_samples: all rows)."""
+    named: dict = {}
     for key, value in params.items():
-        name = aliases.get(key, key)
-        if name not in spec:
-            raise ToolError(key, f"unknown parameter; valid: {', '.join(sorted(spec))}")
-        if name in out:
+        name = (aliases or {}).get(key, key)
+        if name in named:
             raise ToolError(key, f"given twice (as {name!r} and an alias)")
-        out[name] = (key, value)
-    values = {}
-    for name, p in spec.items():
-        key, value = out.get(name, (name, None))
-        if value is None:
-            if p.required:
-                raise ToolError(name, "is required")
-            values[name] = None if (p.nullable and name in out) else p.default
-            continue
-        if not _kind_ok(p.kind, value):
-            raise ToolError(key, f"expected {KIND_NAMES[p.kind]}, got {value!r}")
-        problem = p.check(value) if p.check else None
-        if problem:
-            raise ToolError(key, problem)
-        values[name] = list(value) if p.kind == "list" else value
-    return values
+        named[name] = value
+    try:
+        return build_settings(cls, named, null_is_default=True)
+    except ConfigError as e:
+        raise ToolError(e.field or "params", e.problem) from None
 
 
-def config_sections(values: dict, spec: dict[str, P]) -> dict:
-    """The config mapping that parsed parameters set through their `to` fields, e.g.
+def config_sections(p: Params) -> dict:
+    """The config mapping that a parameter set sets through its fields' `to`, e.g.
     {"lora": {"rank": 8}, "loss": {"epsilon_low": 0.2, "epsilon_high": 0.2}}; a value of None
-    (unless the parameter is nullable) leaves its fields to the core's defaults."""
+    leaves its fields to the core's defaults, unless None was given for a non-None default."""
     out: dict = {}
-    for name, param in spec.items():
-        value = values[name]
-        if value is None and not param.nullable:
+    for f in dataclasses.fields(p):
+        value = getattr(p, f.name)
+        if value is None and f.default is None:
             continue
-        for dotted in param.fields:
+        for dotted in f.metadata.get("to", ()):
             section, key = dotted.split(".")
             out.setdefault(section, {})[key] = value
     return out
@@ -191,85 +135,171 @@ def config_sections(values: dict, spec: dict[str, P]) -> dict:
 
 # The tutorial's parameters; `to` is the config field each sets. The rest (batch sizes, group
 # size, the per-algorithm defaults, epochs vs steps) follow from several of them: `_train`.
-COMMON = {
-    "model_name": P("str", "Qwen/Qwen3-0.6B"),
-    "dataset": P("str", "gsm8k"),
-    "custom_dataset": P("rows"),
-    "system_prompt": P("str", to="data.system_prompt"),
-    "enable_thinking": P("bool", to="data.enable_thinking"),
-    "max_prompt_len": P("int", None, _positive, to="data.max_prompt_len"),
-    "device": P("str", to="model.device"),
-    "dtype": P("str", None, _choice("float32", "bfloat16", "float16"), to="model.dtype"),
-    "seed": P("int", to="train.seed"),
-    "progress": P("bool", to="train.progress"),
-}
-REWARD = {"reward_type": P("str"), "reward_config": P("dict", {}), "custom_reward": P("callable")}
-TRAIN = {
-    **COMMON, **REWARD,
-    "algorithm": P("str", None, _choice("sft", "grpo"), required=True),
-    "output_dir": P("str", required=True, to="train.output_dir"),
-    "split": P("str", to="data.split"),
-    "max_samples": P("int", None, _positive, to="data.max_samples"),
-    "num_epochs": P("float", 3, _positive),
-    "max_steps": P("int", None, _positive),
-    "batch_size": P("int", None, _positive),
-    "gradient_accumulation_steps": P("int", 1, _positive),
-    "learning_rate": P("float", None, _positive),
-    "warmup_ratio": P("float", 0.1, _unit, to="optim.warmup_ratio"),
-    "weight_decay": P("float", 0.01, _non_negative, to="optim.weight_decay"),
-    "max_grad_norm": P("float", None, _positive, to="optim.max_grad_norm"),
-    "optimizer": P("str", "adamw", _choice("adamw")),
-    "use_lora": P("bool", False, to="lora.enabled"),
-    "lora_rank": P("int", None, _positive, to="lora.rank"),
-    "lora_alpha": P("float", None, _positive, to="lora.alpha"),
-    "lora_dropout": P("float", None, _unit),  # default: 0.05 for SFT, 0 for GRPO (must be)
-    "lora_target_modules": P("list", None, to="lora.targets"),
-    "num_generations": P("int", 4, lambda v: None if v >= 2 else f"must be >= 2, got {v}"),
-    "max_new_tokens": P("int", None, _positive),
-    "temperature": P("float", 0.8, _non_negative, to="rollout.temperature"),
-    "top_p": P("float", None, lambda v: None if 0 < v <= 1 else f"must be in (0, 1], got {v}",
-               to="rollout.top_p"),
-    "top_k": P("int", None, _non_negative, to="rollout.top_k"),
-    "kl_coef": P("float", 0.05, _non_negative, to="loss.beta"),
-    "clip_range": P("float", None, _open_unit, to=("loss.epsilon_low", "loss.epsilon_high")),
-    "save_steps": P("int", None, _non_negative, to="train.save_every"),
-    "logging_steps": P("int", 10, _positive, to="train.log_every"),
-    "eval_steps": P("int", None, _non_negative, to="train.eval_every"),
-    "eval_samples": P("int", None, _non_negative),
-    "gradient_checkpointing": P("bool", to="model.gradient_checkpointing"),
-    "bf16": P("bool", to="model.autocast_bf16"),
-    "use_wandb": P("bool", to="log.wandb"),
-    "use_tensorboard": P("bool", to="log.tensorboard"),
-    "wandb_project": P("str", to="log.wandb_project"),
-    "config_overrides": P("list", []),
-    "resume": P("bool", False),
-}  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class Common(Params):
+    model_name: str = param("Qwen/Qwen3-0.6B", non_empty)
+    dataset: str = param("gsm8k", non_empty)
+    custom_dataset: Any = None  # a Dataset or a list of rows: `raw_rows`
+    system_prompt: str | None = param(to="data.system_prompt")
+    enable_thinking: bool | None = param(to="data.enable_thinking")
+    max_prompt_len: int | None = param(None, POSITIVE, to="data.max_prompt_len")
+    device: str | None = param(to="model.device")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = param(to="model.dtype")
+    seed: int | None = param(to="train.seed")
+    progress: bool | None = param(to="train.progress")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardChoice(Params):
+    reward_type: str | None = param(None, non_empty)
+    reward_config: dict = param(factory=dict)
+    custom_reward: Callable | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Train(Common, RewardChoice):
+    algorithm: Literal["sft", "grpo"] = param(MISSING)
+    output_dir: str = param(MISSING, non_empty, to="train.output_dir")
+    split: str | None = param(to="data.split")
+    max_samples: int | None = param(None, POSITIVE, to="data.max_samples")
+    num_epochs: float = param(3, POSITIVE)
+    max_steps: int | None = param(None, POSITIVE)
+    batch_size: int | None = param(None, POSITIVE)
+    gradient_accumulation_steps: int = param(1, POSITIVE)
+    learning_rate: float | None = param(None, POSITIVE)
+    warmup_ratio: float = param(0.1, UNIT, to="optim.warmup_ratio")
+    weight_decay: float = param(0.01, NON_NEGATIVE, to="optim.weight_decay")
+    max_grad_norm: float | None = param(None, POSITIVE, to="optim.max_grad_norm")
+    optimizer: Literal["adamw"] = "adamw"
+    use_lora: bool = param(False, to="lora.enabled")
+    lora_rank: int | None = param(None, POSITIVE, to="lora.rank")
+    lora_alpha: float | None = param(None, POSITIVE, to="lora.alpha")
+    lora_dropout: float | None = param(None, UNIT)  # default: 0.05 for SFT, 0 for GRPO (must be)
+    lora_target_modules: tuple[str, ...] | None = param(None, non_empty, to="lora.targets")
+    num_generations: int = param(4, between(2))
+    max_new_tokens: int | None = param(None, POSITIVE)
+    temperature: float = param(0.8, NON_NEGATIVE, to="rollout.temperature")
+    top_p: float | None = param(None, between(0, 1, lo_open=True), to="rollout.top_p")
+    top_k: int | None = param(None, NON_NEGATIVE, to="rollout.top_k")
+    kl_coef: float = param(0.05, NON_NEGATIVE, to="loss.beta")
+    clip_range: float | None = param(
+        None,
+        between(0, 1, lo_open=True, hi_open=True),
+        to=("loss.epsilon_low", "loss.epsilon_high"),
+    )
+    save_steps: int | None = param(None, NON_NEGATIVE, to="train.save_every")
+    logging_steps: int = param(10, POSITIVE, to="train.log_every")
+    eval_steps: int | None = param(None, NON_NEGATIVE, to="train.eval_every")
+    eval_samples: int | None = param(None, NON_NEGATIVE)
+    gradient_checkpointing: bool | None = param(to="model.gradient_checkpointing")
+    bf16: bool | None = param(to="model.autocast_bf16")
+    use_wandb: bool | None = param(to="log.wandb")
+    use_tensorboard: bool | None = param(to="log.tensorboard")
+    wandb_project: str | None = param(to="log.wandb_project")
+    config_overrides: tuple[str, ...] = ()
+    resume: bool = False
+
+
 TRAIN_ALIASES = {"lora_r": "lora_rank", "beta": "kl_coef", "epsilon": "clip_range"}
-LOAD = {
-    **COMMON,
-    "format": P("str", "sft", _choice("sft", "rl")),
-    "split": P("str", "train"),
-    "max_samples": P("int", 100, _positive, nullable=True),
-}
-EVALUATE = {
-    **COMMON, **REWARD,
-    "model_path": P("str", required=True),
-    "split": P("str", "test", to="data.eval_split"),
-    "max_samples": P("int", 100, _positive, nullable=True, to="eval.max_samples"),
-    "use_lora": P("bool"),
-    "metrics": P("list", list(EVAL_METRICS)),
-    "k": P("int", 1, _positive, to="eval.k"),
-    "temperature": P("float", None, _non_negative, to="eval.temperature"),
-    "max_new_tokens": P("int", 256, _positive, to="eval.max_new_tokens"),
-    "batch_size": P("int", 16, _positive, to="eval.batch_size"),
-    "return_details": P("bool", False),
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadDataset(Common):
+    format: Literal["sft", "rl"] = "sft"
+    split: str = param("train", non_empty)
+    max_samples: int | None = param(100, POSITIVE)  # null: every row
+
+
+@dataclass(frozen=True, kw_only=True)
+class Evaluate(Common, RewardChoice):
+    model_path: str = param(MISSING, non_empty)
+    split: str = param("test", non_empty, to="data.eval_split")
+    max_samples: int | None = param(100, POSITIVE, to="eval.max_samples")  # null: every row
+    use_lora: bool | None = None
+    metrics: tuple[str, ...] = param(tuple(EVAL_METRICS), lambda ms: _known_metrics(ms))
+    k: int = param(1, POSITIVE, to="eval.k")
+    temperature: float | None = param(None, NON_NEGATIVE, to="eval.temperature")
+    max_new_tokens: int = param(256, POSITIVE, to="eval.max_new_tokens")
+    batch_size: int = param(16, POSITIVE, to="eval.batch_size")
+    return_details: bool = False
+
+
+# The built-in rewards' parameters (the tutorial's names and ours); `to` is the factory's
+# argument in `grpo.rewards.functions`, whose defaults apply to what is not given.
+
+
+@dataclass(frozen=True, kw_only=True)
+class AccuracyArgs(Params):
+    tolerance: float = param(None, NON_NEGATIVE, to="tolerance")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LengthPenaltyArgs(AccuracyArgs):
+    max_length: float = param(None, NON_NEGATIVE, to="target")
+    target_length: float = param(None, NON_NEGATIVE, to="target")
+    target: float = param(None, NON_NEGATIVE, to="target")
+    penalty_weight: float = param(None, NON_NEGATIVE, to="alpha")
+    alpha: float = param(None, NON_NEGATIVE, to="alpha")
+    floor: float | None = param(None, to="floor")  # null: no floor
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepArgs(AccuracyArgs):
+    step_bonus: float = param(None, NON_NEGATIVE, to="beta")
+    beta: float = param(None, NON_NEGATIVE, to="beta")
+    cap: int | None = param(None, NON_NEGATIVE, to="cap")  # null: no cap
+
+
+@dataclass(frozen=True, kw_only=True)
+class FormatArgs(Params):
+    pass
+
+
+REWARD_ARGS: dict[str, type[Params]] = {
+    "accuracy": AccuracyArgs, "length_penalty": LengthPenaltyArgs, "step": StepArgs,
+    "format": FormatArgs,
 }  # fmt: skip
-CREATE_REWARD = {
-    "reward_type": P("str", required=True),
-    "reward_config": P("dict", {}),
-    **{k: P("float") for m in REWARD_PARAMS.values() for k in m if k != "cap"},
-    "cap": P("int", None, _non_negative),
-}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Combined(Params):
+    components: tuple[dict, ...] = param(MISSING, non_empty)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Component(Params):
+    type: str = param(MISSING, non_empty)
+    weight: float = 1.0
+
+
+def _reward_arg_fields() -> list[tuple]:
+    """Every built-in reward's parameters, for create_reward's top level (tutorial style)."""
+    out: dict[str, tuple] = {}
+    for cls in REWARD_ARGS.values():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            out.setdefault(f.name, (f.name, hints[f.name], param(None, f.metadata["check"])))
+    return list(out.values())
+
+
+CreateReward = dataclasses.make_dataclass(
+    "CreateReward",
+    [("reward_type", str, param(MISSING, non_empty)), ("reward_config", dict, param(factory=dict)),
+     *_reward_arg_fields()],
+    bases=(Params,), frozen=True, kw_only=True,
+)  # fmt: skip
+
+
+def _known_metrics(metrics: tuple[str, ...]) -> str | None:
+    unknown = [m for m in metrics if m not in EVAL_METRICS]
+    return f"unknown metric {unknown[0]!r}; valid: {list(EVAL_METRICS)}" if unknown else None
+
+
+def values_of(p: Params) -> dict:
+    """The fields of a parameter set as a dict (not deep-copied, unlike `asdict`)."""
+    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
 
 
 # --------------------------------------------------------------------------- data and rewards
@@ -321,38 +351,26 @@ def reward_specs(reward_type: str, config: dict, parameter: str = "reward_config
     """
     from grpo.rewards import available_rewards
 
-    if reward_type == "combined":
-        parts = config.get("components")
-        extra = sorted(set(config) - {"components"})
-        if extra or not isinstance(parts, list) or not parts:
-            raise ToolError(f"{parameter}.components", "combined needs a non-empty list")
-        out = []
-        for i, part in enumerate(parts):
-            where = f"{parameter}.components[{i}]"
-            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise ToolError(where, "expected a mapping with a 'type'")
-            part = dict(part)
-            kind, weight = part.pop("type"), part.pop("weight", 1.0)
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-                raise ToolError(f"{where}.weight", f"expected a number, got {weight!r}")
-            (spec,) = reward_specs(kind, part, where)
-            out.append({**spec, "weight": float(weight)})
-        return out
-    if reward_type in REWARD_PARAMS:
-        names = REWARD_PARAMS[reward_type]
-        kwargs = {}
-        for key, value in config.items():
-            where = f"{parameter}.{key}" if parameter else key
-            if key not in names:
-                valid = ", ".join(names) or "none"
-                raise ToolError(where, f"not a parameter of reward {reward_type!r} ({valid})")
-            number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not (value is None and key in ("floor", "cap")) and not (
-                number and math.isfinite(value) and (value >= 0 or key == "floor")
-            ):
-                raise ToolError(where, f"expected a number >= 0, got {value!r}")
-            kwargs[names[key]] = value
-        return [{"name": reward_type, "weight": 1.0, "kwargs": kwargs}]
+    try:
+        if reward_type == "combined":
+            out = []
+            for i, part in enumerate(build_settings(Combined, config, parameter).components):
+                where = f"{parameter}.components[{i}]"
+                head = {k: part[k] for k in ("type", "weight") if k in part}
+                c = build_settings(Component, head, where)
+                rest = {k: v for k, v in part.items() if k not in head}
+                (spec,) = reward_specs(c.type, rest, where)
+                out.append({**spec, "weight": c.weight})
+            return out
+        if reward_type in REWARD_ARGS:
+            args = build_settings(REWARD_ARGS[reward_type], config, parameter)
+            fields = dataclasses.fields(args)
+            kwargs = {
+                f.metadata["to"][0]: getattr(args, f.name) for f in fields if f.name in config
+            }
+            return [{"name": reward_type, "weight": 1.0, "kwargs": kwargs}]
+    except ConfigError as e:
+        raise ToolError(e.field or parameter, e.problem) from None
     if reward_type in available_rewards():  # a registered function or factory
         return [{"name": reward_type, "weight": 1.0, "kwargs": dict(config)}]
     valid = ", ".join(available_rewards())
@@ -430,9 +448,10 @@ class RLTrainingTool:
             action = params.pop("action", "train" if "algorithm" in params else None)
             if action not in ACTIONS:
                 raise ToolError("action", f"must be one of {list(ACTIONS)}, got {action!r}")
-            handler, spec, aliases = self._handlers()[action]
-            given = {**{k: v for k, v in self.defaults.items() if k in spec}, **params}
-            result = handler(parse_params(given, spec, aliases))
+            handler, cls, aliases = self._handlers()[action]
+            names = {f.name for f in dataclasses.fields(cls)}
+            given = {**{k: v for k, v in self.defaults.items() if k in names}, **params}
+            result = handler(parse_params(given, cls, aliases))
             return json.dumps({"status": "success", "action": action, **result}, default=str)
         except ToolError as e:
             return json.dumps({"status": "error", "parameter": e.parameter, "message": str(e)})
@@ -444,19 +463,19 @@ class RLTrainingTool:
 
     def _handlers(self):
         return {
-            "train": (self._train, TRAIN, TRAIN_ALIASES),
-            "load_dataset": (self._load_dataset, LOAD, {}),
-            "create_reward": (self._create_reward, CREATE_REWARD, {}),
-            "evaluate": (self._evaluate, EVALUATE, {}),
+            "train": (self._train, Train, TRAIN_ALIASES),
+            "load_dataset": (self._load_dataset, LoadDataset, {}),
+            "create_reward": (self._create_reward, CreateReward, {}),
+            "evaluate": (self._evaluate, Evaluate, {}),
         }
 
     # ---- actions
 
-    def _dataset_name(self, p: dict, out_dir: Path | None) -> str:
+    def _dataset_name(self, p: Common, out_dir: Path | None) -> str:
         """The dataset a config should name; custom_dataset is written as JSONL (reproducible)."""
-        if p["custom_dataset"] is None:
-            return p["dataset"]
-        rows = raw_rows(p["custom_dataset"], "custom_dataset")
+        if p.custom_dataset is None:
+            return p.dataset
+        rows = raw_rows(p.custom_dataset, "custom_dataset")
         if out_dir is None:
             from grpo.data import register_dataset
 
@@ -467,86 +486,86 @@ class RLTrainingTool:
         path.write_text("".join(json.dumps(r, default=str) + "\n" for r in rows))
         return str(path)
 
-    def _rewards(self, p: dict, dataset: str) -> list[dict]:
+    def _rewards(self, p: RewardChoice, dataset: str) -> list[dict]:
         from grpo.rewards import available_rewards, register_reward
 
-        if p["custom_reward"] is not None:
-            fn = p["custom_reward"]
+        if p.custom_reward is not None:
+            fn = p.custom_reward
             name = f"custom_{getattr(fn, '__name__', 'reward')}".replace(":", "_")
             register_reward(name, fn, overwrite=True)
-            return [{"name": name, "weight": 1.0, "kwargs": dict(p["reward_config"])}]
-        if p["reward_type"] is None and dataset in available_rewards():
-            return [{"name": dataset, "weight": 1.0, "kwargs": dict(p["reward_config"])}]
-        return reward_specs(p["reward_type"] or "accuracy", p["reward_config"])
+            return [{"name": name, "weight": 1.0, "kwargs": dict(p.reward_config)}]
+        if p.reward_type is None and dataset in available_rewards():
+            return [{"name": dataset, "weight": 1.0, "kwargs": dict(p.reward_config)}]
+        return reward_specs(p.reward_type or "accuracy", p.reward_config)
 
-    def _config(self, p: dict, spec: dict[str, P], model: TrainedModel, dataset: str) -> dict:
+    def _config(self, p: Common, model: TrainedModel, dataset: str) -> dict:
         """The config mapping of an action: its parameters' fields, the model and the data."""
         if len(model.adapters) > 1:
             raise ToolError(
                 "model_name",
-                f"{p['model_name']!r} stacks {len(model.adapters)} adapters; fold them into one "
+                f"{p.model_name!r} stacks {len(model.adapters)} adapters; fold them into one "
                 "checkpoint with `grpo merge` first",
             )
-        d = {"model": {}, "data": {}, "train": {}, **config_sections(p, spec)}
+        d = {"model": {}, "data": {}, "train": {}, **config_sections(p)}
         d["model"].update(path=model.path, tokenizer=model.tokenizer,
                           adapter=model.adapters[0] if model.adapters else None)  # fmt: skip
         d["data"]["dataset"] = dataset
         return d
 
-    def _train(self, p: dict) -> dict:
+    def _train(self, p: Train) -> dict:
         from grpo.config import ConfigError, load_config
         from grpo.train.sft import train_sft
 
-        sft = p["algorithm"] == "sft"
-        out_dir = Path(p["output_dir"])
+        sft = p.algorithm == "sft"
+        out_dir = Path(p.output_dir)
         dataset = self._dataset_name(p, out_dir)
-        d = self._config(p, TRAIN, resolve_trained(p["model_name"]), dataset)
+        d = self._config(p, resolve_trained(p.model_name), dataset)
         # what follows from several parameters (or from the algorithm) rather than one field
-        per_step = p["batch_size"] or (4 if sft else 2)  # SFT: examples; GRPO: prompts
-        G = 2 if sft else p["num_generations"]
+        per_step = p.batch_size or (4 if sft else 2)  # SFT: examples; GRPO: prompts
+        G = 2 if sft else p.num_generations
         rows = per_step if sft else per_step * G  # rows of one micro-batch
         if sft:  # Config wants whole groups even for SFT: a group size that divides the batch
             if rows < 2:
                 raise ToolError("batch_size", "SFT needs a batch_size of at least 2")
             G = rows
-        gas = p["gradient_accumulation_steps"]
-        eval_samples = p["eval_samples"]
+        gas = p.gradient_accumulation_steps
+        eval_samples = p.eval_samples
         if eval_samples is None:
-            eval_samples = 64 if p["eval_steps"] else 0
-        dropout = (0.05 if sft else 0.0) if p["lora_dropout"] is None else p["lora_dropout"]
+            eval_samples = 64 if p.eval_steps else 0
+        dropout = (0.05 if sft else 0.0) if p.lora_dropout is None else p.lora_dropout
         d.setdefault("lora", {})["dropout"] = dropout
         d["data"]["eval_samples"] = eval_samples
         d.setdefault("rollout", {}).update(
-            group_size=G, max_new_tokens=p["max_new_tokens"] or (512 if sft else 256)
+            group_size=G, max_new_tokens=p.max_new_tokens or (512 if sft else 256)
         )
-        d.setdefault("optim", {})["lr"] = p["learning_rate"] or (2e-5 if sft else 1e-5)
+        d.setdefault("optim", {})["lr"] = p.learning_rate or (2e-5 if sft else 1e-5)
         d["train"].update(
-            batch_size=rows * gas, micro_batch_size=rows, max_steps=p["max_steps"] or 1,
-            epochs=None if (p["max_steps"] or not sft) else float(p["num_epochs"]),
+            batch_size=rows * gas, micro_batch_size=rows, max_steps=p.max_steps or 1,
+            epochs=None if (p.max_steps or not sft) else float(p.num_epochs),
         )  # fmt: skip
         if not sft:
             d["rewards"] = self._rewards(p, dataset)
         try:
-            cfg = load_config(None, p["config_overrides"], base=d)
+            cfg = load_config(None, p.config_overrides, base=d)
         except ConfigError as e:
-            where = "config_overrides" if p["config_overrides"] else "params"
+            where = "config_overrides" if p.config_overrides else "params"
             raise ToolError(where, str(e)) from None
         n_rows = _count_rows(cfg)
-        if not sft and not p["max_steps"]:  # GRPO has no epochs: steps over the prompts
-            steps = max(1, math.ceil(p["num_epochs"] * n_rows / (per_step * gas)))
-            cfg = load_config(None, [*p["config_overrides"], f"train.max_steps={steps}"], base=d)
+        if not sft and not p.max_steps:  # GRPO has no epochs: steps over the prompts
+            steps = max(1, math.ceil(p.num_epochs * n_rows / (per_step * gas)))
+            cfg = load_config(None, [*p.config_overrides, f"train.max_steps={steps}"], base=d)
         if sft:
-            summary = train_sft(cfg, resume=p["resume"])
+            summary = train_sft(cfg, resume=p.resume)
         else:
             from grpo.train.grpo import train_grpo
 
-            summary = train_grpo(cfg, resume=p["resume"])
+            summary = train_grpo(cfg, resume=p.resume)
         metrics = {k: v for k, v in summary.items() if k not in ("output_dir", "final")}
         result = {
-            "algorithm": p["algorithm"], "model_name": p["model_name"],
+            "algorithm": p.algorithm, "model_name": p.model_name,
             "output_dir": summary["output_dir"], "model_path": summary["final"],
             "config": str(out_dir / "config.yaml"), "dataset": dataset, "num_samples": n_rows,
-            "num_epochs": p["num_epochs"], "steps": summary["step"], "use_lora": p["use_lora"],
+            "num_epochs": p.num_epochs, "steps": summary["step"], "use_lora": p.use_lora,
         }  # fmt: skip
         if sft:
             result["final_loss"] = summary.get("train/loss")
@@ -558,40 +577,39 @@ class RLTrainingTool:
         result["metrics"] = metrics
         return result
 
-    def _load_dataset(self, p: dict) -> dict:
+    def _load_dataset(self, p: LoadDataset) -> dict:
         from grpo.config import DataConfig
         from grpo.loading import load_rows
         from grpo.tokenizer import load_tokenizer
 
         dataset = self._dataset_name(p, None)
-        data = DataConfig(dataset=dataset, **config_sections(p, LOAD).get("data", {}))
-        tok = load_tokenizer(resolve_trained(p["model_name"]).tokenizer_path)
-        rows = load_rows(data, p["split"], p["max_samples"], p["format"], tok)
+        data = DataConfig(dataset=dataset, **config_sections(p).get("data", {}))
+        tok = load_tokenizer(resolve_trained(p.model_name).tokenizer_path)
+        rows = load_rows(data, p.split, p.max_samples, p.format, tok)
         keys = [k for k in rows[0] if k != "prompt_ids"]
         return {
-            "dataset": dataset, "format": p["format"], "split": p["split"],
+            "dataset": dataset, "format": p.format, "split": p.split,
             "dataset_size": len(rows), "sample_keys": keys,
             "sample": {k: rows[0][k] for k in keys},
             "max_prompt_tokens": max(len(r["prompt_ids"]) for r in rows),
         }  # fmt: skip
 
-    def _create_reward(self, p: dict) -> dict:
+    def _create_reward(self, p) -> dict:
         from grpo.rewards import build_rewards, compute_rewards
 
-        given = {k: v for k, v in p.items() if v is not None and k not in CREATE_REWARD_META}
-        kind = p["reward_type"]
-        for key in given:  # top-level parameters (the tutorial's style) must fit the type
-            if key not in REWARD_PARAMS.get(kind, {}):
-                valid = ", ".join(REWARD_PARAMS.get(kind, {})) or "none; use reward_config"
-                raise ToolError(key, f"not a parameter of reward {kind!r} (valid: {valid})")
+        kind = p.reward_type
+        given = {k: v for k, v in values_of(p).items() if v is not None}
+        given = {k: v for k, v in given.items() if k not in ("reward_type", "reward_config")}
+        if given and kind not in REWARD_ARGS:
+            raise ToolError(next(iter(given)), f"{kind!r} takes its parameters in reward_config")
         if given:
             reward_specs(kind, given, parameter="")  # names a bad top-level parameter
-        specs = reward_specs(kind, {**p["reward_config"], **given})
+        specs = reward_specs(kind, {**p.reward_config, **given})
         fns = build_rewards(
             [{"name": s["name"], "weight": s["weight"], **s["kwargs"]} for s in specs]
         )
         out = {
-            "reward_type": p["reward_type"],
+            "reward_type": p.reward_type,
             "description": " + ".join(
                 (f"{s['weight']:g} x " if len(specs) > 1 else "") + describe_reward(s)
                 for s in specs
@@ -599,7 +617,7 @@ class RLTrainingTool:
             "parameters": specs if len(specs) > 1 else specs[0]["kwargs"],
             **given,
         }
-        if all(s["name"] in REWARD_PARAMS for s in specs):  # built-ins: show what they give
+        if all(s["name"] in REWARD_ARGS for s in specs):  # built-ins: show what they give
             texts = [c for c, _ in EXAMPLES]
             total, _ = compute_rewards(fns, texts, {"ground_truth": [t for _, t in EXAMPLES]})
             out["examples"] = [
@@ -608,49 +626,41 @@ class RLTrainingTool:
             ]
         return out
 
-    def _evaluate(self, p: dict) -> dict:
+    def _evaluate(self, p: Evaluate) -> dict:
         from grpo.config import load_config
         from grpo.eval import evaluate_config
 
-        unknown = [m for m in p["metrics"] if m not in EVAL_METRICS]
-        if unknown:
-            raise ToolError(
-                "metrics", f"unknown metric {unknown[0]!r}; valid: {list(EVAL_METRICS)}"
-            )
-        spec = resolve_trained(p["model_path"])
-        if p["use_lora"] and not spec.adapters:
-            raise ToolError("use_lora", f"{p['model_path']!r} holds no LoRA adapter")
+        spec = resolve_trained(p.model_path)
+        if p.use_lora and not spec.adapters:
+            raise ToolError("use_lora", f"{p.model_path!r} holds no LoRA adapter")
         dataset = self._dataset_name(p, None)
-        d = self._config(p, EVALUATE, TrainedModel(spec.path, (), spec.tokenizer), dataset)
+        d = self._config(p, TrainedModel(spec.path, (), spec.tokenizer), dataset)
         d["data"]["eval_samples"] = 0
         d["rewards"] = self._rewards(p, dataset)
         cfg = load_config(None, base=d)
         s = evaluate_config(cfg, spec, details=True)
         samples = s.pop("samples")
         result = {
-            "model_path": p["model_path"], "base_model": spec.path,
-            "adapters": list(spec.adapters), "dataset": dataset, "split": p["split"],
+            "model_path": p.model_path, "base_model": spec.path,
+            "adapters": list(spec.adapters), "dataset": dataset, "split": p.split,
             "num_samples": s["n"], "accuracy": s.get("accuracy", 0.0),
-            "average_reward": s["average_reward"], "k": p["k"],
+            "average_reward": s["average_reward"], "k": p.k,
             "device": resolve_device(cfg.model.device).type,
         }  # fmt: skip
-        k = p["k"]
-        for m in p["metrics"]:
+        k = p.k
+        for m in p.metrics:
             if m == "accuracy_at_k":
                 result[m] = s.get(f"pass@{k}", result["accuracy"])
             elif m == "mean_at_k":
                 result[m] = s.get(f"mean@{k}", result["accuracy"])
             else:
                 result[m] = s.get(EVAL_METRICS[m])
-        if p["return_details"]:
+        if p.return_details:
             for sample in samples:
                 sample["prediction"] = sample["completion"]
             result["details"] = samples
             result["errors"] = [x for x in samples if not x["correct"]]
         return result
-
-
-CREATE_REWARD_META = ("reward_type", "reward_config")
 
 
 def _count_rows(cfg) -> int:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from grpo.apps.serving.text import Detokenizer, find_stop, held_back
+from grpo.config import between, check_value
 from grpo.errors import GrpoError
 from grpo.rollout import Sampler
 
@@ -164,12 +165,9 @@ class Engine:
         self, model, tokenizer, stop_ids: Sequence[int], *, max_queue: int = 64,
         max_batch_rows: int = 32, batch_window_ms: float = 5.0, seed: int = 0,
     ):  # fmt: skip
-        if max_queue < 0:
-            raise GrpoError(f"max_queue must be >= 0, got {max_queue}")
-        if max_batch_rows < 1:
-            raise GrpoError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
-        if batch_window_ms < 0:
-            raise GrpoError(f"batch_window_ms must be >= 0, got {batch_window_ms}")
+        check_value("max_queue", max_queue, between(0))
+        check_value("max_batch_rows", max_batch_rows, between(1))
+        check_value("batch_window_ms", batch_window_ms, between(0))
         if not stop_ids:
             raise GrpoError("stop_ids must name at least one token id")
         self.sampler = Sampler(model)

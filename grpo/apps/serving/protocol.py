@@ -1,36 +1,36 @@
 """Requests of `grpo serve` parsed in one way: JSON bodies of /generate and the OpenAI routes
-checked field by field (a bad one raises `RequestError` naming the field: HTTP 400), prompts
-rendered and encoded, limits and the model's context enforced, `SamplingParams` out."""
+are frozen dataclasses read by the config's one builder (`grpo.config.build_settings`: types,
+unknown and required keys, each field's check; a bad field raises `RequestError` naming it:
+HTTP 400), then prompts are rendered and encoded, the server's limits and the model's context
+enforced, and `SamplingParams` made."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 import time
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
+from typing import Any, Literal
 
 from grpo.apps.serving.engine import Engine, Job, SamplingParams
+from grpo.config import (
+    ConfigError,
+    between,
+    brief_repr,
+    build_settings,
+    check_fields,
+    non_empty,
+    only,
+    setting,
+)
 from grpo.errors import GrpoError
 
 MAX_BODY_BYTES = 1 << 20
-FIELDS = ("text", "max_tokens", "temperature", "top_p", "top_k", "seed", "raw")
-SAMPLING_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
-                   "stream", "stream_options", "user")  # fmt: skip
-CHAT_FIELDS = (*SAMPLING_FIELDS, "messages", "max_completion_tokens")
-COMPLETION_FIELDS = (*SAMPLING_FIELDS, "prompt")
-# OpenAI fields accepted only at a value that changes nothing (some clients always send them)
-NEUTRAL = {
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "logit_bias": (None, {}),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "echo": (False,),
-    "best_of": (None, 1),
-    "suffix": (None,),
-}
-ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOPS = 4
+TEMPERATURE = between(0.0, 2.0)
+TOP_P = between(0.0, 1.0, lo_open=True)
+TOP_K = between(0, 1 << 20)
+SEED = between(0, (1 << 63) - 1)
 
 
 class RequestError(GrpoError):
@@ -42,60 +42,112 @@ class RequestError(GrpoError):
         self.status = status
 
 
-@dataclass(frozen=True)
-class GenerateRequest:
-    """A /generate body: `text` rendered with the chat template unless `raw`."""
+@dataclass(frozen=True, kw_only=True)
+class Body:
+    """Base of the request bodies: runs the fields' checks."""
 
-    text: str
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+    def __post_init__(self):
+        check_fields(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateRequest(Body):
+    """A /generate body: `text` rendered with the chat template unless `raw`; `max_tokens`
+    defaults to min(256, the server's limit)."""
+
+    text: str = setting(MISSING, check=non_empty)
+    max_tokens: int | None = setting(None, check=between(1))
+    temperature: float = setting(1.0, check=TEMPERATURE)
+    top_p: float = setting(1.0, check=TOP_P)
+    top_k: int = setting(0, check=TOP_K)
+    seed: int | None = setting(None, check=SEED)
     raw: bool = False
 
 
-def _show(value, limit: int = 80) -> str:
-    """repr(value), cut short: an error line never echoes a whole prompt back."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def _stops(stop: str | tuple[str, ...]) -> str | None:
+    stops = (stop,) if isinstance(stop, str) else stop
+    if 1 <= len(stops) <= MAX_STOPS and all(stops):
+        return None
+    return f"expected a non-empty string or a list of 1-{MAX_STOPS} of them, got {brief_repr(stop)}"
 
 
-def _is_number(value) -> bool:
-    """A finite JSON number (not a bool; a huge integer is no number either)."""
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, int):
-        return abs(value) <= 1 << 53
-    return isinstance(value, float) and math.isfinite(value)
+@dataclass(frozen=True, kw_only=True)
+class StreamOptions(Body):
+    include_usage: bool = False
 
 
-def _number(data: dict, key: str, default: float, lo: float, hi: float, lo_open=False) -> float:
-    value = data.get(key, default)
-    if value is None:
-        value = default
-    if not _is_number(value):
-        raise RequestError(key, f"expected a number, got {_show(value)}")
-    if value < lo or value > hi or (lo_open and value == lo):
-        bracket = "(" if lo_open else "["
-        raise RequestError(key, f"must be in {bracket}{lo}, {hi}], got {_show(value)}")
-    return float(value)
+@dataclass(frozen=True, kw_only=True)
+class SamplingBody(Body):
+    """What /v1/chat/completions and /v1/completions share. A null is the field's default.
+    The OpenAI fields this server does not implement are accepted only at a value that
+    changes nothing (some clients always send them)."""
+
+    model: str | None = None  # required: checked against the served name (404)
+    max_tokens: int | None = setting(None, check=between(1))
+    temperature: float = setting(1.0, check=TEMPERATURE)
+    top_p: float = setting(1.0, check=TOP_P)
+    top_k: int = setting(0, check=TOP_K)
+    n: int = setting(1, check=between(1))
+    seed: int | None = setting(None, check=SEED)
+    stop: str | tuple[str, ...] | None = setting(None, check=_stops)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float = setting(0.0, check=only(0))
+    frequency_penalty: float = setting(0.0, check=only(0))
+    logit_bias: dict | None = setting(None, check=only({}))
+    logprobs: bool | None = setting(None, check=only(False))
+    top_logprobs: int | None = setting(None, check=only(0))
+    echo: bool = setting(False, check=only(False))
+    best_of: int | None = setting(None, check=only(1))
+    suffix: Any = setting(None, check=only(None))
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return (
+            () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
-def _integer(data: dict, key: str, default: int | None, lo: int, hi: int) -> int | None:
-    value = data.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(key, f"expected an integer, got {_show(value)}")
-    if not lo <= value <= hi:
-        raise RequestError(key, f"must be in [{lo}, {hi}], got {_show(value)}")
-    return value
+@dataclass(frozen=True, kw_only=True)
+class TextPart(Body):
+    type: Literal["text"] = setting(MISSING)
+    text: str = setting(MISSING)
 
 
-def _json_object(body: bytes, fields: tuple[str, ...], neutral: dict | None = None) -> dict:
-    """The body as a JSON object whose keys are all in `fields` (or `neutral` at a neutral
-    value); raises `RequestError` naming the first offending key."""
+@dataclass(frozen=True, kw_only=True)
+class Message(Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"] = setting(MISSING)
+    content: str | tuple[TextPart, ...] = setting(MISSING)
+    name: str | None = None
+
+    def rendered(self) -> dict:
+        """{role, content} for the chat template (developer is OpenAI's newer name for
+        system; text parts joined)."""
+        content = self.content
+        text = content if isinstance(content, str) else "".join(p.text for p in content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChatBody(SamplingBody):
+    messages: tuple[Message, ...] = setting(MISSING, check=non_empty)
+    max_completion_tokens: int | None = setting(None, check=between(1))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompletionBody(SamplingBody):
+    # a string, a list of strings, token ids, or lists of them: checked against the
+    # vocabulary in `Service.prompts`
+    prompt: Any = setting(MISSING)
+
+
+def read_body(body: bytes, cls: type):
+    """The JSON body as `cls`; raises `RequestError` naming the first offending field."""
     try:
         data = json.loads(body)
     except ValueError as e:  # bad JSON, bad UTF-8, an integer of over 4300 digits
@@ -104,113 +156,25 @@ def _json_object(body: bytes, fields: tuple[str, ...], neutral: dict | None = No
         raise RequestError("body", "JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise RequestError("body", f"expected a JSON object, got {type(data).__name__}")
-    neutral = neutral or {}
-    for key in sorted(data):
-        if key in fields:
-            continue
-        if key in neutral:
-            if data[key] not in neutral[key]:
-                raise RequestError(key, f"not supported (only {neutral[key][0]!r})")
-            continue
-        raise RequestError(key, f"unknown field; valid: {', '.join(fields)}")
-    return data
+    try:
+        return build_settings(cls, data, null_is_default=True)
+    except ConfigError as e:
+        raise RequestError(e.field or "body", e.problem) from None
+
+
+def _limit(name: str, value: int, hi: int) -> None:
+    problem = between(1, hi)(value)
+    if problem:
+        raise RequestError(name, problem)
 
 
 def parse_request(body: bytes, max_tokens_limit: int) -> GenerateRequest:
     """Validate a /generate body; raises `RequestError` naming the field."""
-    data = _json_object(body, FIELDS)
-    text = data.get("text")
-    if text is None:
-        raise RequestError("text", "is required")
-    if not isinstance(text, str) or not text.strip():
-        raise RequestError("text", f"expected a non-empty string, got {_show(text)}")
-    raw = data.get("raw", False)
-    if not isinstance(raw, bool):
-        raise RequestError("raw", f"expected true or false, got {_show(raw)}")
-    return GenerateRequest(
-        text=text,
-        max_tokens=_integer(data, "max_tokens", min(256, max_tokens_limit), 1, max_tokens_limit),
-        temperature=_number(data, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(data, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=_integer(data, "top_k", 0, 0, 1 << 20),
-        seed=_integer(data, "seed", None, 0, (1 << 63) - 1),
-        raw=raw,
-    )
-
-
-def _stops(data: dict) -> tuple[str, ...]:
-    stop = data.get("stop")
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if (
-        not isinstance(stops, list)
-        or not 1 <= len(stops) <= MAX_STOPS
-        or not all(isinstance(s, str) and s for s in stops)
-    ):
-        raise RequestError(
-            "stop",
-            f"expected a non-empty string or a list of 1-{MAX_STOPS} of them, got {_show(stop)}",
-        )
-    return tuple(stops)
-
-
-def _flag(data: dict, key: str) -> bool:
-    value = data.get(key, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise RequestError(key, f"expected true or false, got {_show(value)}")
-    return value
-
-
-def _include_usage(data: dict) -> bool:
-    options = data.get("stream_options")
-    if options is None:
-        return False
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise RequestError(
-            "stream_options", f"expected {{include_usage: bool}}, got {_show(options)}"
-        )
-    return _flag(options, "include_usage")
-
-
-def _text_content(content, field: str) -> str:
-    """A message's content: a string, or a list of {"type": "text", "text": ...} parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        for p in content
-    ):
-        return "".join(p["text"] for p in content)
-    raise RequestError(field, f"expected a string or a list of text parts, got {_show(content)}")
-
-
-def _messages(data: dict) -> list[dict]:
-    messages = data.get("messages")
-    if messages is None:
-        raise RequestError("messages", "is required")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages", "expected a non-empty list of {role, content} objects")
-    out = []
-    for i, m in enumerate(messages):
-        name = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise RequestError(name, f"expected a {{role, content}} object, got {_show(m)}")
-        for key in m:
-            if key not in ("role", "content", "name"):
-                raise RequestError(f"{name}.{key}", "not supported; valid: role, content, name")
-        role = m.get("role")
-        if role not in ROLES:
-            raise RequestError(
-                f"{name}.role", f"expected one of {', '.join(ROLES)}, got {_show(role)}"
-            )
-        if "content" not in m:
-            raise RequestError(f"{name}.content", "is required")
-        role = "system" if role == "developer" else role  # OpenAI's newer name for it
-        out.append({"role": role, "content": _text_content(m["content"], f"{name}.content")})
-    return out
+    req = read_body(body, GenerateRequest)
+    if req.max_tokens is None:
+        return dataclasses.replace(req, max_tokens=min(256, max_tokens_limit))
+    _limit("max_tokens", req.max_tokens, max_tokens_limit)
+    return req
 
 
 @dataclass
@@ -246,12 +210,15 @@ class Service:
 
     def openai_job(self, body: bytes, chat: bool) -> tuple[Job, bool]:
         """A /v1/chat/completions (`chat`) or /v1/completions body -> (Job, include_usage)."""
-        data = _json_object(body, CHAT_FIELDS if chat else COMPLETION_FIELDS, NEUTRAL)
-        self.check_model(data)
-        prompts = [self.render_chat(_messages(data))] if chat else self.prompts(data)
+        req = read_body(body, ChatBody if chat else CompletionBody)
+        self.check_model(req.model)
+        if chat:
+            prompts = [self.render_chat([m.rendered() for m in req.messages])]
+        else:
+            prompts = self.prompts(req.prompt)
         # OpenAI's defaults: a chat completion may fill the context, a text completion 16 tokens
-        params = self.params(data, prompts, "messages" if chat else "prompt", None if chat else 16)
-        return Job(prompts, params, stream=_flag(data, "stream")), _include_usage(data)
+        params = self.params(req, prompts, "messages" if chat else "prompt", None if chat else 16)
+        return Job(prompts, params, stream=req.stream), req.include_usage
 
     def generate_job(self, body: bytes) -> tuple[Job, GenerateRequest]:
         """A /generate body -> (Job, the parsed request)."""
@@ -286,16 +253,16 @@ class Service:
             raise RequestError(field, f"the chat template refused them: {e}") from None
         return self.encode(text, field)
 
-    def prompts(self, data: dict) -> list[list[int]]:
+    def prompts(self, prompt: Any) -> list[list[int]]:
         """/v1/completions `prompt`: a string, a list of strings, token ids, or lists of them."""
-        prompt = data.get("prompt")
-        if prompt is None:
-            raise RequestError("prompt", "is required")
         V = self.engine.sampler.model.config.vocab_size
         items = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else prompt
         if not isinstance(items, list) or not items:
-            raise RequestError("prompt", "expected a string, a list of strings, a list of token "
-                               f"ids or a list of such lists, got {_show(prompt)}")  # fmt: skip
+            raise RequestError(
+                "prompt",
+                "expected a string, a list of strings, a list of token ids or a list "
+                f"of such lists, got {brief_repr(prompt)}",
+            )
         out = []
         for i, item in enumerate(items):
             name = "prompt" if len(items) == 1 else f"prompt[{i}]"
@@ -305,13 +272,13 @@ class Service:
                 out.append(list(item))
             else:
                 raise RequestError(name, "expected a non-empty string or a non-empty list of "
-                                   f"token ids in [0, {V}), got {_show(item)}")  # fmt: skip
+                                   f"token ids in [0, {V}), got {brief_repr(item)}")  # fmt: skip
         return out
 
-    def params(self, data: dict, prompts: list[list[int]], field: str, default_max: int | None):
+    def params(self, req: SamplingBody, prompts: list[list[int]], field: str, default_max):
         """SamplingParams of an OpenAI request, checked against the limits and the context."""
-        engine, limit = self.engine, self.max_tokens_limit
-        n = _integer(data, "n", 1, 1, engine.max_batch_rows)
+        engine, limit, n = self.engine, self.max_tokens_limit, req.n
+        _limit("n", n, engine.max_batch_rows)
         if len(prompts) * n > engine.max_batch_rows:
             raise RequestError(field, f"{len(prompts)} prompts x n={n} completions exceed the "
                                f"server's {engine.max_batch_rows} rows per request")  # fmt: skip
@@ -320,33 +287,26 @@ class Service:
         if room < 1:
             raise RequestError(field, f"has {longest} tokens; the model's context is "
                                f"{engine.context}")  # fmt: skip
-        key = "max_completion_tokens" if data.get("max_completion_tokens") is not None else None
-        max_tokens = _integer(data, key or "max_tokens", None, 1, limit)
+        key, max_tokens = "max_tokens", req.max_tokens
+        if getattr(req, "max_completion_tokens", None) is not None:
+            key, max_tokens = "max_completion_tokens", req.max_completion_tokens
+        if max_tokens is not None:
+            _limit(key, max_tokens, limit)
         if max_tokens is None:
             max_tokens = min(limit, room) if default_max is None else min(default_max, limit, room)
         elif longest + max_tokens > engine.context:
-            raise RequestError(field, f"has {longest} tokens; with {key or 'max_tokens'}="
+            raise RequestError(field, f"has {longest} tokens; with {key}="
                                f"{max_tokens} it needs {longest + max_tokens} positions > the "
                                f"model's context of {engine.context}")  # fmt: skip
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=_number(data, "temperature", 1.0, 0.0, 2.0),
-            top_p=_number(data, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-            top_k=_integer(data, "top_k", 0, 0, 1 << 20),
-            n=n,
-            seed=_integer(data, "seed", None, 0, (1 << 63) - 1),
-            stop=_stops(data),
-        )
+        return SamplingParams(max_tokens, req.temperature, req.top_p, req.top_k, n=n,
+                              seed=req.seed, stop=req.stops)  # fmt: skip
 
-    def check_model(self, data: dict) -> None:
-        model = data.get("model")
+    def check_model(self, model: str | None) -> None:
         if model is None:
             raise RequestError("model", f"is required (this server serves {self.name!r})")
-        if not isinstance(model, str):
-            raise RequestError("model", f"expected a string, got {_show(model)}")
         if model != self.name:
-            raise RequestError("model", f"{_show(model)} is not served here; this server serves "
-                               f"{self.name!r} (GET /v1/models)", status=404)  # fmt: skip
+            raise RequestError("model", f"{brief_repr(model)} is not served here; this server "
+                               f"serves {self.name!r} (GET /v1/models)", status=404)  # fmt: skip
 
 
 def _is_ids(x) -> bool:
