@@ -331,7 +331,7 @@ def test_huge_spaces_are_refused_before_anything_is_built(tmp_path):
     first = grid_trials(space, 3)  # the first N only: islice, nothing else is built
     assert first == [{**{f"k{i}": 0 for i in range(7)}, "k7": j} for j in range(3)]
     out = tmp_path / "sweep"
-    with pytest.raises(GrpoError, match=f"--trials must be in \\[1, {MAX_TRIALS}\\]"):
+    with pytest.raises(GrpoError, match=f"--trials: must be in \\[1, {MAX_TRIALS}\\]"):
         run_sweep(str(tmp_path / "missing.yaml"), {"optim.lr": [1e-3]}, method="random",
                   trials=10**7, out_dir=str(out))  # fmt: skip
     assert not out.exists()

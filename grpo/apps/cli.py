@@ -84,10 +84,10 @@ def cmd_eval(args) -> int:
 
 
 def cmd_tiny_model(args) -> int:
+    from grpo.config import check_value, one_of
     from grpo.tiny import SIZES, make_tiny_model
 
-    if args.size not in SIZES:
-        raise GrpoError(f"--size must be one of {sorted(SIZES)}, got {args.size!r}")
+    check_value("--size", args.size, one_of(SIZES))
     out = make_tiny_model(args.out, size=args.size, seed=args.seed)
     print(f"wrote a tiny random-init Qwen3 ({args.size}) and its tokenizer to {out}")
     return 0

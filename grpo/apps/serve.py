@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from grpo.apps.serving.engine import Engine
 from grpo.apps.serving.protocol import MAX_BODY_BYTES, Service
+from grpo.config import between, check_value
 from grpo.errors import GrpoError
 
 log = logging.getLogger(__name__)
@@ -105,14 +106,14 @@ def load_engine(model: str, adapter: str | None = None, dtype: str = "float32",
 
 def cmd_serve(args) -> int:
     """`grpo serve`: load the model, then answer requests until SIGINT / SIGTERM."""
-    minimum = {"--max-queue": (args.max_queue, 0), "--max-batch-rows": (args.max_batch_rows, 1),
-               "--max-tokens-limit": (args.max_tokens_limit, 1),
-               "--max-request-bytes": (args.max_request_bytes, 1),
-               "--batch-window-ms": (args.batch_window_ms, 0),
-               "--shutdown-timeout": (args.shutdown_timeout, 0)}  # fmt: skip
-    for flag, (value, lo) in minimum.items():
-        if not value >= lo:  # (also refuses nan)
-            raise GrpoError(f"{flag} must be >= {lo}, got {value}")
+    for flag, value, lo in (
+        ("--max-queue", args.max_queue, 0), ("--max-batch-rows", args.max_batch_rows, 1),
+        ("--max-tokens-limit", args.max_tokens_limit, 1),
+        ("--max-request-bytes", args.max_request_bytes, 1),
+        ("--batch-window-ms", args.batch_window_ms, 0),
+        ("--shutdown-timeout", args.shutdown_timeout, 0),
+    ):  # fmt: skip
+        check_value(flag, value, between(lo))  # (nan fails too)
     try:
         import fastapi  # noqa: F401
         import uvicorn

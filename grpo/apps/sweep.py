@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import yaml
 
-from grpo.config import ConfigError, build_settings, load_config
+from grpo.config import ConfigError, between, build_settings, check_value, load_config, one_of
 from grpo.errors import GrpoError
 from grpo.io import read_json, read_text, write_json, write_text
 
@@ -344,18 +344,14 @@ def run_sweep(
         prune_startup: no pruning until this many trials have finished.
         prune_warmup: no pruning before this step of a trial.
     """
-    if method not in METHODS:
-        raise GrpoError(f"--method must be one of {list(METHODS)}, got {method!r}")
-    if mode not in ("max", "min"):
-        raise GrpoError(f"--mode must be max or min, got {mode!r}")
-    if trainer not in ("grpo", "sft"):
-        raise GrpoError(f"--trainer must be grpo or sft, got {trainer!r}")
-    if trials is not None and not 1 <= trials <= MAX_TRIALS:
-        raise GrpoError(f"--trials must be in [1, {MAX_TRIALS}], got {trials}")
-    if pruner not in PRUNERS:
-        raise GrpoError(f"--pruner must be one of {list(PRUNERS)}, got {pruner!r}")
-    if prune_startup < 0 or prune_warmup < 0:
-        raise GrpoError("--prune-startup and --prune-warmup must be >= 0")
+    check_value("--method", method, one_of(METHODS))
+    check_value("--mode", mode, one_of(("max", "min")))
+    check_value("--trainer", trainer, one_of(("grpo", "sft")))
+    if trials is not None:
+        check_value("--trials", trials, between(1, MAX_TRIALS))
+    check_value("--pruner", pruner, one_of(PRUNERS))
+    check_value("--prune-startup", prune_startup, between(0))
+    check_value("--prune-warmup", prune_warmup, between(0))
     out = Path(out_dir)
     setup = SweepSetup(config, tuple(overrides or []), out, metric, mode, trainer)
     keys = list(space)
