@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import MISSING
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -202,3 +204,12 @@ def test_build_settings_values_and_nulls():
         check_value("rows", 1, between(0, 1, lo_open=True, hi_open=True))
     assert one_of({"a", "b"})("c") == "must be one of ['a', 'b'], got 'c'"
     assert only(0)(0.0) is None and only(0)(0.5) == "not supported (only 0)"
+
+
+def test_extending_settings_example_runs_as_written(capsys):
+    text = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
+    section = text.split("## Settings of your own application")[1]
+    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(block, "extending.md", "exec", dont_inherit=True), {"__name__": "doc_example"})
+    expected = re.search(r"# (job\.temperature \| .*)", block).group(1)
+    assert capsys.readouterr().out.strip() == expected

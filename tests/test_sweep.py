@@ -115,7 +115,8 @@ def test_space_validation(tmp_path):
             write_space(tmp_path / "b.yaml", {"optim.lr": {"low": 0, "high": 1, "log": True}})
         )
     with pytest.raises(
-        GrpoError, match="space loss.beta.hi: unknown key; valid keys of space loss.beta: high, log, low, type"
+        GrpoError,
+        match="space loss.beta.hi: unknown key; valid keys of space loss.beta: high, log, low",
     ):
         load_space(write_space(tmp_path / "c.yaml", {"loss.beta": {"low": 0, "hi": 1}}))
     # ranges go through the config's one builder: types named by field
