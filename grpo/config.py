@@ -9,6 +9,7 @@ Model architecture is never configured here: it comes from the checkpoint's conf
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -558,6 +559,12 @@ def _expected(tp: Any) -> str:
     return words.get(origin) or getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+def _expect(ok: bool, name: str, what: str, value: Any) -> None:
+    """Raise "name: what, got value" unless ok (the message is built only on failure)."""
+    if not ok:
+        raise ConfigError(f"{name}: {what}, got {brief_repr(value)}", field=name)
+
+
 def _coerce(value: Any, tp: Any, name: str) -> Any:
     """Check `value` against the annotation `tp`, converting lists to tuples and ints to floats."""
     origin = typing.get_origin(tp)
@@ -582,11 +589,11 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         allowed = typing.get_args(tp)
         if isinstance(value, bool) and {"on", "off"} <= set(allowed):  # YAML 1.1 reads on/off
             value = "on" if value else "off"  # as booleans: `shared_prefix: on` means "on"
-        _check(value in allowed, name, f"must be one of {list(allowed)}, got {brief_repr(value)}")
+        _expect(value in allowed, name, f"must be one of {list(allowed)}", value)
         return value
     if origin is tuple:
         args = typing.get_args(tp)
-        _check(isinstance(value, (list, tuple)), name, f"expected a list, got {brief_repr(value)}")
+        _expect(isinstance(value, (list, tuple)), name, "expected a list", value)
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_coerce(v, args[0], f"{name}[{i}]") for i, v in enumerate(value))
         _check(len(value) == len(args), name, f"expected {len(args)} values, got {len(value)}")
@@ -594,20 +601,20 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
-        _check(isinstance(value, dict), name, f"expected a mapping, got {brief_repr(value)}")
+        _expect(isinstance(value, dict), name, "expected a mapping", value)
         return _build(tp, value, name)
     if tp is dict or origin is dict:
-        _check(isinstance(value, dict), name, f"expected a mapping, got {brief_repr(value)}")
+        _expect(isinstance(value, dict), name, "expected a mapping", value)
         return dict(value)
     if tp is Callable or origin is Callable:
-        _check(callable(value), name, f"expected a function, got {brief_repr(value)}")
+        _expect(callable(value), name, "expected a function", value)
         return value
     if tp is bool:
-        _check(isinstance(value, bool), name, f"expected true/false, got {brief_repr(value)}")
+        _expect(isinstance(value, bool), name, "expected true/false", value)
         return value
     if tp is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
-        _check(ok, name, f"expected an integer, got {brief_repr(value)}")
+        _expect(ok, name, "expected an integer", value)
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads `1e-5` (no dot) as a string
@@ -616,7 +623,7 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
             except ValueError:
                 pass
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        _check(ok, name, f"expected a number, got {brief_repr(value)}")
+        _expect(ok, name, "expected a number", value)
         try:
             value = float(value)
         except OverflowError:  # an integer beyond float's range (JSON allows it)
@@ -624,10 +631,10 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
                 f"{name}: beyond a float's range: {brief_repr(value)}", field=name
             ) from None
         # .inf / .nan would pass or dodge the range checks and surface mid-run
-        _check(math.isfinite(value), name, f"must be a finite number, got {brief_repr(value)}")
+        _expect(math.isfinite(value), name, "must be a finite number", value)
         return value
     if tp is str:
-        _check(isinstance(value, str), name, f"expected a string, got {brief_repr(value)}")
+        _expect(isinstance(value, str), name, "expected a string", value)
         return value
     raise ConfigError(f"{name}: unsupported type {_expected(tp)}", field=name)
 
@@ -644,9 +651,16 @@ def build_settings(cls, data: dict, prefix: str = "", *, null_is_default: bool =
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {brief_repr(data)}")
     if null_is_default:
-        hints = typing.get_type_hints(cls)
+        hints = _hints(cls)
         data = {k: v for k, v in data.items() if v is not None or _admits_none(hints.get(k))}
     return _build(cls, data, prefix)
+
+
+@functools.cache
+def _hints(cls) -> dict[str, Any]:
+    """The resolved annotations of a settings class (evaluated once: strings under
+    `from __future__ import annotations`)."""
+    return typing.get_type_hints(cls)
 
 
 def _admits_none(tp: Any) -> bool:
@@ -654,7 +668,7 @@ def _admits_none(tp: Any) -> bool:
 
 
 def _build(cls, data: dict, prefix: str = ""):
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     where = f"{prefix}." if prefix else ""
     unknown = sorted(set(data) - set(fields), key=str)
@@ -705,7 +719,7 @@ def _set_dotted(data: dict, dotted: str, value: Any) -> None:
         if i == len(parts) - 1:
             node[key] = value
             return
-        cls = typing.get_type_hints(cls)[key]
+        cls = _hints(cls)[key]
         child = node.get(key)
         if not isinstance(child, dict):
             child = {}
