@@ -142,10 +142,10 @@ class Common(Params):
     model_name: str = param("Qwen/Qwen3-0.6B", non_empty)
     dataset: str = param("gsm8k", non_empty)
     custom_dataset: Any = None  # a Dataset or a list of rows: `raw_rows`
-    system_prompt: str | None = param(to="data.system_prompt")
+    system_prompt: str | None = param(None, non_empty, to="data.system_prompt")
     enable_thinking: bool | None = param(to="data.enable_thinking")
     max_prompt_len: int | None = param(None, POSITIVE, to="data.max_prompt_len")
-    device: str | None = param(to="model.device")
+    device: str | None = param(None, non_empty, to="model.device")
     dtype: Literal["float32", "bfloat16", "float16"] | None = param(to="model.dtype")
     seed: int | None = param(to="train.seed")
     progress: bool | None = param(to="train.progress")
@@ -162,7 +162,7 @@ class RewardChoice(Params):
 class Train(Common, RewardChoice):
     algorithm: Literal["sft", "grpo"] = param(MISSING)
     output_dir: str = param(MISSING, non_empty, to="train.output_dir")
-    split: str | None = param(to="data.split")
+    split: str | None = param(None, non_empty, to="data.split")
     max_samples: int | None = param(None, POSITIVE, to="data.max_samples")
     num_epochs: float = param(3, POSITIVE)
     max_steps: int | None = param(None, POSITIVE)
@@ -197,7 +197,7 @@ class Train(Common, RewardChoice):
     bf16: bool | None = param(to="model.autocast_bf16")
     use_wandb: bool | None = param(to="log.wandb")
     use_tensorboard: bool | None = param(to="log.tensorboard")
-    wandb_project: str | None = param(to="log.wandb_project")
+    wandb_project: str | None = param(None, non_empty, to="log.wandb_project")
     config_overrides: tuple[str, ...] = ()
     resume: bool = False
 
