@@ -212,13 +212,18 @@ class LoadDataset(Common):
     max_samples: int | None = param(100, POSITIVE)  # null: every row
 
 
+def _known_metrics(metrics: tuple[str, ...]) -> str | None:
+    unknown = [m for m in metrics if m not in EVAL_METRICS]
+    return f"unknown metric {unknown[0]!r}; valid: {list(EVAL_METRICS)}" if unknown else None
+
+
 @dataclass(frozen=True, kw_only=True)
 class Evaluate(Common, RewardChoice):
     model_path: str = param(MISSING, non_empty)
     split: str = param("test", non_empty, to="data.eval_split")
     max_samples: int | None = param(100, POSITIVE, to="eval.max_samples")  # null: every row
     use_lora: bool | None = None
-    metrics: tuple[str, ...] = param(tuple(EVAL_METRICS), lambda ms: _known_metrics(ms))
+    metrics: tuple[str, ...] = param(tuple(EVAL_METRICS), _known_metrics)
     k: int = param(1, POSITIVE, to="eval.k")
     temperature: float | None = param(None, NON_NEGATIVE, to="eval.temperature")
     max_new_tokens: int = param(256, POSITIVE, to="eval.max_new_tokens")
@@ -292,11 +297,6 @@ CreateReward = dataclasses.make_dataclass(
 )  # fmt: skip
 
 
-def _known_metrics(metrics: tuple[str, ...]) -> str | None:
-    unknown = [m for m in metrics if m not in EVAL_METRICS]
-    return f"unknown metric {unknown[0]!r}; valid: {list(EVAL_METRICS)}" if unknown else None
-
-
 def values_of(p: Params) -> dict:
     """The fields of a parameter set as a dict (not deep-copied, unlike `asdict`)."""
     return {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
@@ -358,6 +358,8 @@ def reward_specs(reward_type: str, config: dict, parameter: str = "reward_config
                 where = f"{parameter}.components[{i}]"
                 head = {k: part[k] for k in ("type", "weight") if k in part}
                 c = build_settings(Component, head, where)
+                if c.type == "combined":
+                    raise ToolError(f"{where}.type", "a component cannot be combined itself")
                 rest = {k: v for k, v in part.items() if k not in head}
                 (spec,) = reward_specs(c.type, rest, where)
                 out.append({**spec, "weight": c.weight})
