@@ -72,8 +72,8 @@ def setting(
     **metadata: Any,
 ) -> Any:
     """A settings field whose value `check(value) -> problem or None` approves; the dataclass
-    runs the checks with `check_fields(self)` in its `__post_init__`. Other metadata (e.g. the
-    config field a tool parameter sets) is kept for whoever reads the field."""
+    runs the checks by deriving from `Settings` (or calling `check_fields(self)`). Other
+    metadata (e.g. the config field a tool parameter sets) is kept for whoever reads it."""
     return field(default=default, default_factory=factory, metadata={"check": check, **metadata})
 
 
@@ -82,9 +82,17 @@ def check_fields(obj: Any) -> None:
     first problem raises a `FieldError` naming the field."""
     for f in dataclasses.fields(obj):
         check, value = f.metadata.get("check"), getattr(obj, f.name)
-        problem = check(value) if check is not None and value is not None else None
-        if problem:
-            raise FieldError(f"{f.name}: {problem}", field=f.name)
+        if check is not None and value is not None:
+            check_value(f.name, value, check)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """Base of a settings dataclass whose fields carry checks (`setting(check=...)`): they run
+    on every construction. A subclass with checks across fields extends `__post_init__`."""
+
+    def __post_init__(self):
+        check_fields(self)
 
 
 def check_value(name: str, value: Any, check: Callable[[Any], str | None]) -> None:
@@ -565,8 +573,9 @@ def _expect(ok: bool, name: str, what: str, value: Any) -> None:
         raise ConfigError(f"{name}: {what}, got {brief_repr(value)}", field=name)
 
 
-def _coerce(value: Any, tp: Any, name: str) -> Any:
-    """Check `value` against the annotation `tp`, converting lists to tuples and ints to floats."""
+def _coerce(value: Any, tp: Any, name: str, nulls: bool = False) -> Any:
+    """Check `value` against the annotation `tp`, converting lists to tuples and ints to floats
+    (`nulls`: `build_settings`'s null_is_default, for nested settings)."""
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
@@ -577,7 +586,7 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         errors = []
         for arg in args:
             try:
-                return _coerce(value, arg, name)
+                return _coerce(value, arg, name, nulls)
             except ConfigError as e:
                 errors.append(e)
         deeper = [e for e in errors if e.field != name]  # got past an alternative's outer type
@@ -595,14 +604,15 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         args = typing.get_args(tp)
         _expect(isinstance(value, (list, tuple)), name, "expected a list", value)
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(v, args[0], f"{name}[{i}]") for i, v in enumerate(value))
+            return tuple(_coerce(v, args[0], f"{name}[{i}]", nulls) for i, v in enumerate(value))
         _check(len(value) == len(args), name, f"expected {len(args)} values, got {len(value)}")
-        return tuple(_coerce(v, a, f"{name}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        items = enumerate(zip(value, args))
+        return tuple(_coerce(v, a, f"{name}[{i}]", nulls) for i, (v, a) in items)
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         _expect(isinstance(value, dict), name, "expected a mapping", value)
-        return _build(tp, value, name)
+        return _build(tp, value, name, nulls)
     if tp is dict or origin is dict:
         _expect(isinstance(value, dict), name, "expected a mapping", value)
         return dict(value)
@@ -646,14 +656,12 @@ def build_settings(cls, data: dict, prefix: str = "", *, null_is_default: bool =
     (`prefix.key`, also in `.field`) and what was expected.
 
     With `null_is_default`, a null given for a field that cannot hold one means "the default"
-    (what JSON clients send for "not set"); elsewhere null is a value or a type error.
+    (what JSON clients send for "not set"), at every level; elsewhere null is a value or a
+    type error.
     """
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {brief_repr(data)}")
-    if null_is_default:
-        hints = _hints(cls)
-        data = {k: v for k, v in data.items() if v is not None or _admits_none(hints.get(k))}
-    return _build(cls, data, prefix)
+    return _build(cls, data, prefix, null_is_default)
 
 
 @functools.cache
@@ -664,11 +672,13 @@ def _hints(cls) -> dict[str, Any]:
 
 
 def _admits_none(tp: Any) -> bool:
-    return tp is Any or tp is None or type(None) in typing.get_args(tp)
+    return tp is Any or type(None) in typing.get_args(tp)
 
 
-def _build(cls, data: dict, prefix: str = ""):
+def _build(cls, data: dict, prefix: str = "", nulls: bool = False):
     hints = _hints(cls)
+    if nulls:  # a null for a field that cannot hold one: the default (unknown keys stay)
+        data = {k: v for k, v in data.items() if v is not None or _admits_none(hints.get(k, Any))}
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     where = f"{prefix}." if prefix else ""
     unknown = sorted(set(data) - set(fields), key=str)
@@ -680,7 +690,7 @@ def _build(cls, data: dict, prefix: str = ""):
         )
     kwargs = {}
     for key, value in data.items():
-        kwargs[key] = _coerce(value, hints[key], f"{where}{key}")
+        kwargs[key] = _coerce(value, hints[key], f"{where}{key}", nulls)
     required = [
         n
         for n, f in fields.items()

@@ -197,6 +197,9 @@ def test_build_settings_values_and_nulls():
         build_settings(_Outer, {"count": None})
     s = build_settings(_Outer, {"count": None, "limit": None}, null_is_default=True)
     assert (s.count, s.limit) == (1, None)
+    nested = {"inner": {"name": "x", "share": None}, "parts": [{"name": "y", "share": None}]}
+    s = build_settings(_Outer, nested, null_is_default=True)  # at every level
+    assert s.inner.share == s.parts[0].share == 0.5
     # checks run on direct construction too, and check_value on plain arguments
     with pytest.raises(FieldError, match=r"^count: must be >= 1, got 0$"):
         _Outer(count=0)

@@ -105,6 +105,9 @@ def test_demo_config_is_valid_and_strict(tmp_path):
         assert pcfg.sft.eval == pcfg.grpo.eval  # both evaluations decode the same way
         assert pcfg.sft.data.eval_split == pcfg.grpo.data.eval_split == "test"
     assert load_demo_config(DEFAULT_CONFIG, quick=True)[0].model_size == "ci"
+    empty = tmp_path / "empty.yaml"  # empty sections (YAML nulls) are their defaults
+    empty.write_text("demo:\npipeline:\nquick:\n  overrides:\n")
+    assert load_demo_config(empty, quick=True) == (load_demo_config(empty)[0], {}, [])
     bad = tmp_path / "bad.yaml"
     bad.write_text("demo: {model_sise: demo}\npipeline: {}\n")
     with pytest.raises(ConfigError, match="model_sise"):

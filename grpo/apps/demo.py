@@ -29,9 +29,9 @@ from datasets import Dataset, DatasetDict
 from grpo.config import (
     ConfigError,
     FieldError,
+    Settings,
     between,
     build_settings,
-    check_fields,
     one_of,
     setting,
 )
@@ -49,12 +49,11 @@ TOOLS_DATASET = "demo-toolmath"  # --task tools: problems (RL and evaluation)
 TOOLS_SFT_DATASET = "demo-toolmath-sft"  # --task tools: one (prompt, completion) per turn
 
 
-POSITIVE = between(1)
 UNIT = between(0, 1)
 
 
 @dataclass(frozen=True)
-class DemoSettings:
+class DemoSettings(Settings):
     """What the demo builds before training (the `demo` section of the config)."""
 
     task: Literal["math", "tools"] = "math"  # math: mini-math word problems; tools: products
@@ -66,16 +65,16 @@ class DemoSettings:
     # [2, factor_max], every value <= value_max.
     min_steps: int = setting(1, check=between(1, MAX_STEPS))
     max_steps: int = setting(1, check=between(1, MAX_STEPS))
-    start_max: int = setting(10, check=POSITIVE)
-    add_max: int = setting(10, check=POSITIVE)
+    start_max: int = setting(10, check=between(1))
+    add_max: int = setting(10, check=between(1))
     factor_max: int = setting(5, check=between(2))
     value_max: int = setting(50, check=between(2))
     data_seed: int = 0  # which problems (the same for every --seed)
-    train_problems: int = setting(4000, check=POSITIVE)
-    validation_problems: int = setting(256, check=POSITIVE)  # generated after train's
+    train_problems: int = setting(4000, check=between(1))
+    validation_problems: int = setting(256, check=between(1))  # generated after train's
     # problems: disjoint from them, for tuning
-    test_problems: int = setting(256, check=POSITIVE)  # disjoint from train by construction
-    threads: int = setting(2, check=POSITIVE)  # torch threads (capped at the machine's cores)
+    test_problems: int = setting(256, check=between(1))  # disjoint from train by construction
+    threads: int = setting(2, check=between(1))  # torch threads (capped at the machine's cores)
     # --task tools: the share of hard (two-digit) problems, and of hard training problems
     # whose SFT trace calls the calculator (the others are worked mentally, correct but a
     # trick the model cannot learn): GRPO is left to find out which works.
@@ -83,7 +82,7 @@ class DemoSettings:
     tool_frac: float = setting(0.5, check=UNIT)
 
     def __post_init__(self):  # types are checked by `build_settings`
-        check_fields(self)
+        super().__post_init__()
         if self.min_steps > self.max_steps:
             raise FieldError("min_steps: must be <= max_steps", field="min_steps")
         if self.value_max < self.start_max:
@@ -126,7 +125,7 @@ def load_demo_config(
         raise ConfigError(f"demo config {str(p)!r} does not exist")
     data = yaml.safe_load(read_text(p, "a YAML demo config")) or {}
     try:
-        f = build_settings(DemoFile, data)
+        f = build_settings(DemoFile, data, null_is_default=True)
     except ConfigError as e:
         raise ConfigError(f"{p}: {e}", field=e.field) from None
     build_settings(DemoSettings, f.demo, "demo")  # the file's own section must be valid alone

@@ -40,7 +40,7 @@ from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from grpo.config import ConfigError, between, build_settings, check_fields, non_empty, setting
+from grpo.config import ConfigError, Settings, between, build_settings, non_empty, setting
 from grpo.errors import GrpoError
 from grpo.loading import TrainedModel, resolve_device, resolve_trained
 
@@ -95,12 +95,8 @@ def param(default: Any = None, check=None, *, to: str | tuple[str, ...] = (), fa
     return setting(default, check=check, factory=factory, to=(to,) if isinstance(to, str) else to)
 
 
-@dataclass(frozen=True, kw_only=True)
-class Params:
-    """Base of every action's (and reward's) parameters: runs the fields' checks."""
-
-    def __post_init__(self):
-        check_fields(self)
+class Params(Settings):
+    """Base of every action's (and reward's) parameters."""
 
 
 def parse_params(params: dict, cls: type, aliases: dict[str, str] | None = None) -> Params:

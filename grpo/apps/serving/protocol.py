@@ -15,10 +15,10 @@ from typing import Any, Literal
 from grpo.apps.serving.engine import Engine, Job, SamplingParams
 from grpo.config import (
     ConfigError,
+    Settings,
     between,
     brief_repr,
     build_settings,
-    check_fields,
     non_empty,
     only,
     setting,
@@ -42,12 +42,8 @@ class RequestError(GrpoError):
         self.status = status
 
 
-@dataclass(frozen=True, kw_only=True)
-class Body:
-    """Base of the request bodies: runs the fields' checks."""
-
-    def __post_init__(self):
-        check_fields(self)
+class Body(Settings):
+    """Base of the request bodies."""
 
 
 @dataclass(frozen=True, kw_only=True)
