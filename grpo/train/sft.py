@@ -135,20 +135,9 @@ def train_sft(
     on_step: Callable[[int, dict], None] | None = None,
     overwrite: bool = False,
 ) -> dict:
-    """Run SFT as configured (one process, or one rank of a torchrun job).
-
-    Args:
-        cfg: the run config.
-        resume: continue from the run directory's newest valid checkpoint (refused if the
-            config changes the model, LoRA shape, group size or data).
-        on_step: called on the main rank after every step with (step, metrics), as in
-            `train_grpo`; an exception it raises ends the run.
-        overwrite: start afresh in a directory holding an earlier run, whose outputs are
-            removed once every input is checked (without it such a start is refused).
-
-    Returns:
-        the run's summary: output_dir, final, step and the last step's metrics.
-    """
+    """Run SFT as configured (one process, or one rank of a torchrun job); `resume`,
+    `on_step` and `overwrite` mean what they mean for `train_grpo`, and so does the summary
+    returned (output_dir, final, step and the last step's metrics)."""
     return run_training(cfg, "sft", resume, overwrite, _train, on_step)
 
 
