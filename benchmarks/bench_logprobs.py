@@ -20,7 +20,13 @@ import sys
 
 import torch
 
-from benchmarks.harness import matmul_ceiling_tflops, measure_interleaved, write_results
+from benchmarks.harness import (
+    add_output_args,
+    comma_list,
+    matmul_ceiling_tflops,
+    measure_interleaved,
+    write_results,
+)
 from kernels.reference import chunked_logprobs, naive_logprobs
 
 MODES = {"fwd": 2, "fwd_bwd": 6, "fwd_bwd_frozen": 4}  # counted flops per N*C*V
@@ -175,8 +181,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="extra untimed calls after the check")
     p.add_argument("--repeats", type=int, default=None, help="timed calls (default 10 GPU, 3 CPU)")
     p.add_argument("--quick", action="store_true", help="small shape and few repeats")
-    p.add_argument("--name", default=None, help="results file stem")
-    p.add_argument("--out-dir", default=None, help="results folder (default benchmarks/results)")
+    add_output_args(p, None)
     args = p.parse_args(argv)
     cuda = torch.device(args.device).type == "cuda"
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
@@ -184,14 +189,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     else:
         args.shapes = QUICK_SHAPES if args.quick else (GPU_SHAPES if cuda else CPU_SHAPES)
-    args.impls = [s for s in args.impls.split(",") if s]
-    args.modes = [s for s in args.modes.split(",") if s]
-    for impl in args.impls:
-        if impl not in IMPLS:
-            p.error(f"--impls: unknown {impl!r}; choose from {IMPLS}")
-    for mode in args.modes:
-        if mode not in MODES:
-            p.error(f"--modes: unknown {mode!r}; choose from {tuple(MODES)}")
+    args.impls = comma_list(p, "--impls", args.impls, IMPLS)
+    args.modes = comma_list(p, "--modes", args.modes, MODES)
     if args.warmup is None:
         args.warmup = 2 if cuda else 0
     if args.repeats is None:

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from benchmarks.harness import measure_interleaved, write_results
+from benchmarks.harness import add_output_args, measure_interleaved, write_results
 from grpo.lora import apply_lora, lora_parameters
 from grpo.models import Decoder, ModelConfig
 
@@ -102,8 +102,7 @@ def main(argv=None) -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--repeats", type=int, default=None, help="timed calls per mode (default 8)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    p.add_argument("--name", default=None, help="results file stem (default lora_cpu)")
-    p.add_argument("--out-dir", default=None, help="results folder (default benchmarks/results)")
+    add_output_args(p, None)  # lora_cpu or lora_cpu_quick
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -46,7 +46,7 @@ from functools import partial
 import torch
 
 from benchmarks.bench_sampler import CASES
-from benchmarks.harness import measure_interleaved, write_results
+from benchmarks.harness import add_output_args, comma_list, measure_interleaved, write_results
 from grpo.models import Decoder, ModelConfig
 from grpo.rollout import Sampler
 from grpo.rollout.sampler import Observation
@@ -291,13 +291,9 @@ def main(argv: list[str]) -> None:
         ("threads", "torch threads (0 = torch's default)"),
     ]:  # fmt: skip
         parser.add_argument(f"--{flag}", type=int, default=None, help=f"{doc} (default: per size)")
-    parser.add_argument("--name", default="multiturn_cpu", help="results file stem")
-    parser.add_argument("--out-dir", default=None, help="default: benchmarks/results/")
+    add_output_args(parser, "multiturn_cpu")
     args = parser.parse_args(argv)
-    sizes = [s for s in args.sizes.split(",") if s]
-    for s in sizes:
-        if s not in SIZES:
-            parser.error(f"--sizes: unknown size {s!r}; valid: {list(SIZES)}")
+    sizes = comma_list(parser, "--sizes", args.sizes, SIZES)
     try:
         turns_list = [int(t) for t in args.turns.split(",") if t]
     except ValueError:

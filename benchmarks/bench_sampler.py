@@ -45,7 +45,7 @@ import time
 
 import torch
 
-from benchmarks.harness import measure, write_results
+from benchmarks.harness import add_output_args, comma_list, measure, write_results
 
 # threads 0 = torch's default; target = required tok/s ratio ours / generate (dynamic cache);
 # rounds / warmup: timed / untimed calls per implementation (flags override them)
@@ -322,13 +322,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--warmup", type=int, default=None, help="default: per case")
     parser.add_argument("--rounds", type=int, default=None, help="default: per case")
     parser.add_argument("--check-tokens", type=int, default=16, help="greedy parity steps")
-    parser.add_argument("--name", default="sampler_cpu_float32")
-    parser.add_argument("--out-dir", default=None, help="default: benchmarks/results/")
+    add_output_args(parser, "sampler_cpu_float32")
     args = parser.parse_args(argv)
-    cases = [c for c in args.cases.split(",") if c]
-    for case in cases:
-        if case not in CASES:
-            parser.error(f"unknown case {case!r}; valid: {list(CASES)}")
+    cases = comma_list(parser, "--cases", args.cases, CASES)
     args.compile = [c for c in args.compile.split(",") if c]
     try:
         args.batches = (parse_batches(args.batches) if args.batches

@@ -44,7 +44,7 @@ import time
 
 import torch
 
-from benchmarks.harness import _percentile, write_results
+from benchmarks.harness import _percentile, add_output_args, comma_list, write_results
 
 # per-case defaults (flags override): lengths in tokens, requests per client, timed rounds,
 # torch threads (0 = torch's default), the throughput goal (batched / sequential)
@@ -223,13 +223,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--rounds", type=int, default=0, help="default: per case")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: per case)")
     parser.add_argument("--max-batch-rows", type=int, default=32)
-    parser.add_argument("--name", default="serve_cpu")
-    parser.add_argument("--out-dir", default=None, help="default: benchmarks/results/")
+    add_output_args(parser, "serve_cpu")
     args = parser.parse_args(argv)
-    cases = [c for c in args.cases.split(",") if c]
-    for case in cases:
-        if case not in CASES:
-            parser.error(f"unknown case {case!r}; valid: {list(CASES)}")
+    cases = comma_list(parser, "--cases", args.cases, CASES)
     args.default_threads = torch.get_num_threads()
     spawn = multiprocessing.get_context("spawn")  # the clients: no torch threads, own GIL
     with (

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_trl import DATA, make_checkpoint
-from benchmarks.harness import measure, write_results
+from benchmarks.harness import add_output_args, comma_list, measure, write_results
 from grpo.config import load_config
 from grpo.loading import load_rows
 from grpo.rewards import build_rewards
@@ -122,8 +122,7 @@ def main(argv=None) -> None:
                    help="prompt source (gsm8k: ~200-token prompts)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--name", default=None, help="results file stem")
-    p.add_argument("--out-dir", default=None, help="results folder (default benchmarks/results)")
+    add_output_args(p, None)
     p.add_argument(
         "--rollout-compile",
         default="auto",
@@ -134,10 +133,7 @@ def main(argv=None) -> None:
                    help="train.shared_prefix settings side by side (e.g. off,on); "
                         "ref_update_speedup = off's (ref + update) / this one's")  # fmt: skip
     args = p.parse_args(argv)
-    sizes = args.sizes.split(",")
-    for size in sizes:
-        if size not in SIZES and size != "qwen3-0.6b":
-            p.error(f"--sizes: unknown {size!r}; valid: {[*SIZES, 'qwen3-0.6b']}")
+    sizes = comma_list(p, "--sizes", args.sizes, [*SIZES, "qwen3-0.6b"])
     cols = ["size", "mode", "shared_prefix", "prompt_len", "trainable_params", "rollout_ms",
             "ref_logprob_ms", "update_ms", "step_ms", "ref_update_speedup", "rollout_frac",
             "tokens_per_s", "peak_mem_mib", "spread_ms"]  # fmt: skip

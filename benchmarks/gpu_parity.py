@@ -30,7 +30,7 @@ import tempfile
 import torch
 
 from benchmarks.bench_sampler import CASES, build_models, prefix_agreement
-from benchmarks.harness import write_results
+from benchmarks.harness import add_output_args, comma_list, write_results
 
 COLUMNS = ["size", "dtype", "check", "ours", "hf", "budget", "ok", "ours_mean", "hf_mean", "note"]
 FP32_TOL = {"tiny": 1e-5, "qwen3-0.6b": 1e-4}  # max |log-softmax diff| in float32
@@ -151,13 +151,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dtypes", default="float32,bfloat16", help="float32 always; bfloat16 too?")
     p.add_argument("--seq-len", type=int, default=128, help="T of the logits batch")
     p.add_argument("--new-tokens", type=int, default=32, help="greedy steps")
-    p.add_argument("--name", default="gpu_parity")
-    p.add_argument("--out-dir", default=None, help="default: benchmarks/results/")
+    add_output_args(p, "gpu_parity")
     args = p.parse_args(argv)
-    sizes = [s for s in args.sizes.split(",") if s]
-    for size in sizes:
-        if size not in CASES:
-            p.error(f"--sizes: unknown {size!r}; valid: {list(CASES)}")
+    sizes = comma_list(p, "--sizes", args.sizes, CASES)
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     if not set(args.dtypes) <= {"float32", "bfloat16"}:
         p.error(f"--dtypes: expected float32 and/or bfloat16, got {args.dtypes}")

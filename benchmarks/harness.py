@@ -315,6 +315,25 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def add_output_args(parser, name: str | None) -> None:
+    """`--name` (the results file stem, default `name`) and `--out-dir` (default
+    benchmarks/results/): what `write_results` takes."""
+    default = name or "from the settings"
+    parser.add_argument("--name", default=name, help=f"results file stem (default: {default})")
+    parser.add_argument(
+        "--out-dir", default=None, help="results folder (default benchmarks/results)"
+    )
+
+
+def comma_list(parser, flag: str, text: str, valid) -> list[str]:
+    """The items of a comma list; one that is not in `valid` is a parser error naming `flag`."""
+    items = [s for s in text.split(",") if s]
+    for item in items:
+        if item not in valid:
+            parser.error(f"{flag}: unknown {item!r}; valid: {list(valid)}")
+    return items
+
+
 def write_results(
     name: str,
     rows: Sequence[dict],

@@ -9,6 +9,8 @@ import torch
 from benchmarks import bench_logprobs
 from benchmarks.harness import (
     Timing,
+    add_output_args,
+    comma_list,
     env_stamp,
     markdown_table,
     measure,
@@ -110,3 +112,17 @@ def test_measure_cuda_peak_of_a_200mb_tensor():
     t = measure(lambda: torch.ones(50_000_000, device="cuda"), warmup=1, repeats=3, device="cuda")
     assert 0.99 * MIB_200MB < t.peak_mem_mib < 1.05 * MIB_200MB
     assert t.median_ms > 0
+
+
+def test_benchmark_arguments_name_the_bad_item(capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="bench")
+    add_output_args(parser, "stem")
+    args = parser.parse_args([])
+    assert (args.name, args.out_dir) == ("stem", None)
+    assert comma_list(parser, "--cases", "a,,b", ("a", "b", "c")) == ["a", "b"]
+    with pytest.raises(SystemExit) as e:
+        comma_list(parser, "--cases", "a,x", ("a", "b"))
+    assert e.value.code == 2
+    assert "--cases: unknown 'x'; valid: ['a', 'b']" in capsys.readouterr().err
