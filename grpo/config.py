@@ -432,7 +432,8 @@ class TrainConfig:
     # GRPO: run each group's prompt once in the training passes (reference, old log-probs,
     # update) and repeat its keys/values to the group's rows: the full-row forward's numbers
     # (tests/test_shared_prefix.py) for fewer tokens. on | off | auto (on when every
-    # micro-batch holds whole groups and gradient checkpointing is off). docs/benchmarks.md.
+    # micro-batch holds whole groups). Works with model.gradient_checkpointing: both passes
+    # checkpoint every block (tests/test_attention.py). docs/benchmarks.md.
     shared_prefix: Literal["auto", "on", "off"] = "auto"
     # The start-up check that the run's estimated memory fits (grpo/train/preflight.py); true
     # skips it, e.g. when the estimate is too pessimistic for short prompts (docs/safety.md).
@@ -545,8 +546,6 @@ class Config:
         mode = self.train.shared_prefix
         if mode == "off" or mb % G:
             return None
-        if mode == "auto" and self.model.gradient_checkpointing:
-            return None  # the KV-cache path does not checkpoint: memory would grow
         return G
 
 

@@ -134,6 +134,76 @@ def failures_named(dist: Dist, where: Where, timeout_s: float):
         ) from None
 
 
+class RankFailed(GrpoError):
+    """Another rank failed in work it did alone (`rank_local`); its own line says more."""
+
+    def __init__(self, message: str, failed_ranks: tuple[int, ...] = ()):
+        super().__init__(message)  # args == (message,): pickles like any exception
+        self.failed_ranks = failed_ranks
+
+
+def _error_line(e: BaseException, limit: int = 300) -> str:
+    """An exception as one line: a GrpoError's message, else "Type: first line"."""
+    text = str(e).strip()
+    if isinstance(e, GrpoError):
+        line = " ".join(text.split())
+    else:
+        first = text.splitlines()[0] if text else ""
+        line = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def rank_local(dist: Dist, where: Where):
+    """Around work that some ranks do alone (rank 0's evaluation, logging, `on_step` callback,
+    checkpoint writes): every rank enters, and on leaving all agree, in one small all-reduce,
+    whether the block failed on any rank. Without it a failure on rank 0 alone leaves the
+    others waiting in their next collective for `train.dist_timeout_s`.
+
+    A rank whose block raised re-raises its own error (after telling the others); the others
+    raise `RankFailed`: one line naming the failed rank, the phase, the step and that rank's
+    error. The block must hold no collective: a rank that raised before it would leave the
+    others waiting there. A `CollectiveError` (the group is broken) and BaseExceptions (a
+    second Ctrl-C) pass through at once.
+    """
+    if not dist.enabled:
+        yield
+        return
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except Exception as e:
+        try:
+            _agree(dist, where, e)
+        except Exception:  # the group broke too: the others learn of it from the timeout
+            pass
+        raise
+    _agree(dist, where, None)
+
+
+def _agree(dist: Dist, where: Where, error: BaseException | None) -> None:
+    """Every rank's failure flag in one all-reduce (slot r = rank r failed); on a failure,
+    the failed ranks' error lines in one gather, and `RankFailed` on the ranks that did not
+    fail (a failed rank returns: its caller re-raises its own error)."""
+    flags = [0.0] * dist.world_size
+    flags[dist.rank] = float(error is not None)
+    failed = tuple(r for r, f in enumerate(_reduce(flags, dist, td.ReduceOp.SUM)) if f)
+    if not failed:
+        return
+    lines = gather_objects(None if error is None else _error_line(error), dist)
+    if error is not None:
+        return
+    first = failed[0]
+    phase = f"the {where.phase} phase" + (f" of step {where.step}" if where.step else "")
+    others = f" (ranks {', '.join(map(str, failed))} failed)" if len(failed) > 1 else ""
+    raise RankFailed(
+        f"rank {dist.rank} of {dist.world_size}: stopped because rank {first} failed in "
+        f"{phase}{others}: {lines[first]}",
+        failed,
+    )
+
+
 def device_for(dist: Dist, device: torch.device) -> torch.device:
     """One CUDA device per local rank (`Dist.device`); CPU stays CPU."""
     if device.type == "cuda" and dist.enabled:

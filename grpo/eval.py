@@ -135,6 +135,7 @@ def evaluate(
     max_total_tokens: int | None = None,
     max_obs_tokens: int = 64,
     turn_end_tokens: tuple[str, ...] = ("</tool_call>",),
+    precision=None,
 ) -> EvalResult:
     """Greedy accuracy and, with k > 1, pass@k / mean@k from k samples per prompt.
 
@@ -153,6 +154,8 @@ def evaluate(
             scored, and turns, tool calls, invalid-call rate and turn-limit rate are reported.
         env_kwargs, max_turns, max_total_tokens, max_obs_tokens, turn_end_tokens: as the
             `rollout.*` settings of the same names (max_new_tokens is per turn).
+        precision: the run's `grpo.precision.Precision` (a trainer's evaluation runs in the
+            numerics it trains in); default: compute in the weights' dtype.
 
     Returns:
         `EvalResult(summary, samples)`.
@@ -160,7 +163,7 @@ def evaluate(
     from grpo.rollout import Sampler
     from grpo.rollout.multiturn import env_metrics
 
-    sampler = Sampler(model)
+    sampler = Sampler(model, precision=precision)
     generate = _generator(sampler, tokenizer, stop_ids, max_new_tokens, env, env_kwargs,
                           max_turns, max_total_tokens, max_obs_tokens, turn_end_tokens)  # fmt: skip
     scored, samples, diffs, pass_hits, mean_hits = [], [], [], [], []
@@ -282,6 +285,8 @@ def evaluate_config(cfg: Config, spec: TrainedModel, details: bool = False) -> d
     """
     import torch
 
+    from grpo.precision import Precision
+
     model, tok, stops, dev = load_trained_model(spec, cfg.model.dtype, cfg.model.device)
     rows = load_rows(cfg.data, cfg.data.eval_split, cfg.eval.max_samples, "rl", tok)
     res = evaluate(
@@ -289,7 +294,7 @@ def evaluate_config(cfg: Config, spec: TrainedModel, details: bool = False) -> d
         max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
         batch_size=cfg.eval.batch_size, k=cfg.eval.k, temperature=cfg.eval.temperature,
         seed=cfg.train.seed, details=True, progress=cfg.train.progress,
-        **eval_env_settings(cfg),
+        precision=Precision.from_config(cfg.model, training=False), **eval_env_settings(cfg),
     )  # fmt: skip
     summary = dict(res.summary)
     summary["average_reward"] = average_reward(cfg, rows, res.samples)

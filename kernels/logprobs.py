@@ -30,6 +30,7 @@ two fp32 copies (about 25 GB); here the forward stores 2 * S * N floats of parti
 backward one (N, v_chunk) grad buffer (512 MiB by default) plus an fp32 (N, C) accumulator.
 """
 
+import contextlib
 import functools
 
 import torch
@@ -212,6 +213,14 @@ def _num_splits(n_tok: int, v_total: int, block_n: int, block_v: int, device: to
     return max(1, min(triton.cdiv(4 * sms, n_blocks), triton.cdiv(v_total, block_v)))
 
 
+def _on_device(t: torch.Tensor):
+    """Triton launches on the *current* CUDA device and its stream, not the tensors': make the
+    tensors' device current for the launch (on a rank whose current device is another, the
+    kernel would otherwise run on that device with pointers it cannot use). No-op off CUDA
+    (TRITON_INTERPRET=1 on CPU)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
 def _check_launch(hidden, weight, ids, temperature):
     check_operands(hidden, weight, ids, temperature, require_contiguous=True)
     if hidden.dtype not in _TL_PRECISION:
@@ -258,14 +267,15 @@ def logprobs_forward(
     m, s, target = (torch.empty(splits, n_tok, **f32) for _ in range(3))  # (S, N) each
     zp = torch.empty(splits, n_tok, **f32) if return_entropy else m
     grid = (triton.cdiv(n_tok, cfg["block_n"]) * splits,)
-    _fwd_kernel[grid](
-        hidden, weight, ids, m, s, target, zp,
-        n_tok, v_total, c, v_per_split, float(temperature),
-        hidden.stride(0), weight.stride(0),
-        BLOCK_N=cfg["block_n"], BLOCK_V=cfg["block_v"], BLOCK_C=cfg["block_c"],
-        WITH_ENTROPY=return_entropy, PRECISION=_TL_PRECISION[hidden.dtype],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )  # fmt: skip
+    with _on_device(hidden):
+        _fwd_kernel[grid](
+            hidden, weight, ids, m, s, target, zp,
+            n_tok, v_total, c, v_per_split, float(temperature),
+            hidden.stride(0), weight.stride(0),
+            BLOCK_N=cfg["block_n"], BLOCK_V=cfg["block_v"], BLOCK_C=cfg["block_c"],
+            WITH_ENTROPY=return_entropy, PRECISION=_TL_PRECISION[hidden.dtype],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
     lse = torch.logsumexp(m + torch.log(s), dim=0)  # (N,) merge of the splits
     logprobs = target.sum(dim=0) - lse
     entropy = torch.empty(0, **f32)
@@ -356,14 +366,15 @@ def logprobs_backward(
         v_len = min(v_chunk, v_total - v0)
         grad = grad_buf[:, :v_len]  # (N, v_len), row stride v_chunk
         grid = (triton.cdiv(n_tok, cfg["block_n"]) * triton.cdiv(v_len, bv),)
-        _grad_logits_kernel[grid](
-            hidden, weight, ids, lse, gscale, gent, entropy, grad,
-            n_tok, v0, v_len, c, float(temperature),
-            hidden.stride(0), weight.stride(0), grad.stride(0),
-            BLOCK_N=cfg["block_n"], BLOCK_V=bv, BLOCK_C=cfg["block_c"],
-            WITH_ENTROPY_GRAD=with_entropy, PRECISION=_TL_PRECISION[hidden.dtype],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )  # fmt: skip
+        with _on_device(hidden):
+            _grad_logits_kernel[grid](
+                hidden, weight, ids, lse, gscale, gent, entropy, grad,
+                n_tok, v0, v_len, c, float(temperature),
+                hidden.stride(0), weight.stride(0), grad.stride(0),
+                BLOCK_N=cfg["block_n"], BLOCK_V=bv, BLOCK_C=cfg["block_c"],
+                WITH_ENTROPY_GRAD=with_entropy, PRECISION=_TL_PRECISION[hidden.dtype],
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            )  # fmt: skip
         w_chunk = weight[v0 : v0 + v_len]  # (v_len, C)
         if need_weight_grad:
             torch.mm(grad.t(), hidden, out=d_w[v0 : v0 + v_len])  # (v_len, C), reduces all N

@@ -20,6 +20,7 @@ from grpo.algo.losses import (
     kl_penalty,
     loss_normalizer,
     policy_loss,
+    policy_loss_on_device,
 )
 
 EPS = 1e-4
@@ -356,6 +357,53 @@ def test_policy_loss_errors_name_the_function():
 
     with pytest.raises(GrpoError, match=r"'test_inf_loss' returned a non-finite value at row 0"):
         one_tok([0.0], 1.0, policy_loss="test_inf_loss")
+
+
+def test_policy_loss_on_device_is_policy_loss_without_a_host_read():
+    """The same loss and stats, as detached 0-d tensors (float stats of a registered loss, a
+    Python float too, are accepted), and the row to blame computed on the device: the first
+    row with a non-finite value at a counted token from finite inputs, else -1."""
+    from grpo.algo import register_policy_loss
+    from grpo.errors import GrpoError
+
+    @register_policy_loss("test_stats_and_inf", overwrite=True)
+    def stats_and_inf(log_ratio, advantages):
+        # inf where A = 9 (rows 1 and 2 below); per-token, (B, 1) and Python-float stats
+        pg = -log_ratio.exp() * advantages + torch.where(advantages == 9.0, math.inf, 0.0)
+        return pg, {"w_mean": log_ratio.exp(), "w_max": log_ratio[:, :1], "const_mean": 0.5}
+
+    torch.manual_seed(0)
+    B, T = 4, 5
+    mask = torch.arange(T)[None, :] < torch.tensor([5, 3, 4, 2])[:, None]  # (B, T)
+    lp = (-torch.rand(B, T)).requires_grad_(True)
+    old, ref, behaviour = (lp.detach() + 0.1 * torch.randn(B, T) for _ in range(3))
+    A = torch.tensor([1.0, -0.5, 2.0, 0.3])
+    H = torch.rand(B, T)
+    args = (lp, old, ref, A, mask)
+    cfg = LossSettings(policy_loss="test_stats_and_inf", beta=0.1, tis_cap=1.5)
+    kw = {"entropy": H, "behaviour_logprobs": behaviour}
+    loss, st = policy_loss(*args, cfg, **kw)
+    loss_d, st_d, bad = policy_loss_on_device(*args, cfg, **kw)
+    assert torch.equal(loss, loss_d) and loss_d.requires_grad
+    assert st_d.keys() == st.keys() == {"tis_weight_mean", "policy_loss", "kl", "entropy",
+                                        "w_mean", "w_max", "const_mean", "tokens"}  # fmt: skip
+    for k, v in st_d.items():
+        assert v.dim() == 0 and not v.requires_grad, k
+        assert float(v) == st[k] and isinstance(st[k], float), k
+    assert st["const_mean"] == 0.5 and st["tokens"] == 14.0
+    assert int(bad) == -1
+    # inf at rows 1 and 2 from finite inputs: row 1 is named
+    A_inf = torch.tensor([1.0, 9.0, 9.0, 0.3])
+    assert int(policy_loss_on_device(lp, old, ref, A_inf, mask, cfg)[2]) == 1
+    with pytest.raises(GrpoError, match="returned a non-finite value at row 1 "):
+        policy_loss(lp, old, ref, A_inf, mask, cfg)
+    # a NaN input at a counted token: the trainer's to skip, nobody to blame
+    lp_nan = lp.detach().clone()
+    lp_nan[1, 0] = math.nan
+    assert int(policy_loss_on_device(lp_nan, old, ref, A_inf, mask, cfg)[2]) == -1
+    # ... but a NaN input at a masked token never reaches the loss: row 1 is named again
+    lp_nan[1, 0], lp_nan[1, 4] = lp[1, 0], math.nan
+    assert int(policy_loss_on_device(lp_nan, old, ref, A_inf, mask, cfg)[2]) == 1
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)

@@ -189,3 +189,139 @@ def test_hung_rank_times_out_with_one_line_naming_rank_phase_and_step(tiny_model
                      "of step 1 (train.dist_timeout_s=4)") for x in lines
     ), r.stderr[-3000:]  # fmt: skip
     assert elapsed < 120, elapsed
+
+
+# ------------------------------------------------- a failure in rank-local work (rank_local)
+
+
+def launch_ranks(cmd, cwd: Path, deadline_s: float, env=None, world: int = 2):
+    """`cmd` once per rank as plain processes joined through MASTER_ADDR / MASTER_PORT. No
+    torchrun: nobody stops a rank's peers when it dies (as under srun or mpirun), so a rank left
+    waiting for a peer waits for the whole process-group timeout. Returns [(exit code, stdout,
+    stderr)] per rank, or fails naming the ranks still running at the deadline."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs, files = [], []
+    for rank in range(world):
+        out, err = open(cwd / f"rank{rank}.out", "w+"), open(cwd / f"rank{rank}.err", "w+")
+        files.append((out, err))
+        rank_env = {
+            **os.environ, "OMP_NUM_THREADS": "1", **(env or {}), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+        }  # fmt: skip
+        procs.append(subprocess.Popen(cmd, cwd=cwd, env=rank_env, stdout=out, stderr=err))
+    end = time.monotonic() + deadline_s
+    try:
+        for p in procs:
+            p.wait(timeout=max(end - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+        pass
+    running = [rank for rank, p in enumerate(procs) if p.poll() is None]
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    results = []
+    for p, (out, err) in zip(procs, files):
+        out.seek(0), err.seek(0)
+        results.append((p.returncode, out.read(), err.read()))
+        out.close(), err.close()
+    assert not running, f"ranks {running} still running after {deadline_s} s: {results}"
+    return results
+
+
+RANK_LOCAL_SCRIPT = """
+from grpo.distributed import RankFailed, Where, init_distributed, rank_local, teardown
+
+dist = init_distributed("cpu", timeout_s=300)
+where = Where("evaluation / logging", 3)
+with rank_local(dist, where):  # nobody fails: nothing raised
+    pass
+for failing in ([0], [0, 1]):
+    try:
+        with rank_local(dist, where):
+            if dist.rank in failing:
+                raise ValueError(f"eval rows of rank {dist.rank} are empty\\nsecond line")
+        print("NONE")
+    except ValueError as e:
+        print("OWN", str(e).splitlines()[0])
+    except RankFailed as e:
+        print("PEER", e, e.failed_ranks)
+teardown()
+"""
+
+
+def test_rank_local_failure_reaches_the_other_ranks_at_once(tmp_path):
+    """Rank 0 raises inside a rank-local section, with a 300 s process-group timeout: it
+    re-raises its own error, and rank 1 learns of it in the section's all-reduce and raises
+    RankFailed naming rank 0, the phase, the step and the error, within seconds. When both
+    fail, each keeps its own error."""
+    (tmp_path / "rank_local_job.py").write_text(RANK_LOCAL_SCRIPT)
+    results = launch_ranks([sys.executable, "rank_local_job.py"], tmp_path, deadline_s=60)
+    assert [code for code, _, _ in results] == [0, 0], results
+    assert results[0][1].splitlines() == [
+        "OWN eval rows of rank 0 are empty",
+        "OWN eval rows of rank 0 are empty",
+    ]
+    assert results[1][1].splitlines() == [
+        "PEER rank 1 of 2: stopped because rank 0 failed in the evaluation / logging phase of "
+        "step 3: ValueError: eval rows of rank 0 are empty (0,)",
+        "OWN eval rows of rank 1 are empty",
+    ]
+
+
+ON_STEP_SCRIPT = """
+import sys
+from grpo.config import load_config
+from grpo.errors import GrpoError
+from grpo.train.grpo import train_grpo
+
+def on_step(step, metrics):  # runs on the main rank only
+    raise ValueError(f"on_step refused step {step}")
+
+try:
+    train_grpo(load_config(sys.argv[1], sys.argv[2:]), on_step=on_step)
+except (GrpoError, ValueError) as e:
+    print(f"{type(e).__name__}: {e}")
+    sys.exit(3)
+"""
+
+
+def test_on_step_failing_on_rank_0_stops_every_rank_within_seconds(tiny_model_dir, tmp_path):
+    """The on_step callback (main rank only) raises after step 1, with train.dist_timeout_s=300:
+    rank 1 must not sit in the step's next collective for 300 s but stop at once with one line
+    naming rank 0, the phase, the step and the cause; rank 0 keeps its own error."""
+    (tmp_path / "on_step_job.py").write_text(ON_STEP_SCRIPT)
+    cmd = [sys.executable, "on_step_job.py", str(REPO / "configs" / "tiny_ci.yaml"),
+           f"model.path={tiny_model_dir}", "train.output_dir=out", "train.progress=false",
+           "train.dist_timeout_s=300", "data.eval_samples=0"]  # fmt: skip
+    (code0, out0, err0), (code1, out1, err1) = launch_ranks(cmd, tmp_path, deadline_s=90)
+    last0 = out0.splitlines()[-1] if out0 else ""  # after rank 0's metrics line of step 1
+    assert (code0, last0) == (3, "ValueError: on_step refused step 1"), err0[-3000:]
+    assert (code1, out1) == (3, "RankFailed: rank 1 of 2: stopped because rank 0 failed in the "
+                                "evaluation / logging phase of step 1: ValueError: on_step "
+                                "refused step 1\n"), err1[-3000:]  # fmt: skip
+
+
+def test_bad_eval_split_on_rank_0_fails_every_rank_with_one_line(tiny_model_dir, tmp_path):
+    """Rank 0 alone loads the evaluation rows; a bad eval split fails it at start-up. Through
+    the CLI, with train.dist_timeout_s=300, both ranks exit 2 within seconds, each with one
+    error line: rank 0 the cause, rank 1 that rank 0 failed and why."""
+    cmd = [sys.executable, "-m", "grpo", "train", "--config",
+           str(REPO / "configs" / "tiny_ci.yaml"), f"model.path={tiny_model_dir}",
+           "train.output_dir=out", "train.progress=false", "train.dist_timeout_s=300",
+           "data.eval_split=nope"]  # fmt: skip
+    results = launch_ranks(cmd, tmp_path, deadline_s=60)
+    cause = "dataset 'minimath' has splits train and test, not 'nope'"
+    errors = [[x for x in err.splitlines() if "error:" in x] for _, _, err in results]
+    assert [code for code, _, _ in results] == [2, 2], results
+    assert errors == [
+        [f"grpo train: error: {cause}"],
+        [f"grpo train: error: rank 1 of 2: stopped because rank 0 failed in the start-up "
+         f"phase: {cause}"],
+    ]  # fmt: skip

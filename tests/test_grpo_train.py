@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import json
+import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +103,193 @@ def test_clipping_path_is_live_with_mu_2(tiny_checkpoints, tmp_path):
     )  # fmt: skip
     assert stats["train/clip_frac_low"] + stats["train/clip_frac_high"] > 0
     assert stats["train/ratio_max"] > 1.2
+
+
+# ------------------------------------------------- the step's statistics: read once per step
+
+STEP = ["optim.lr=0.05", "loss.num_iterations=2", "loss.beta=0.04", "loss.tis_cap=2.0",
+        "train.shared_prefix=off"]  # fmt: skip
+
+
+def stat_batch(model):
+    """`rollout_batch` with reference log-probs, so that every stat (kl too) is live."""
+    batch = rollout_batch(model)
+    g = torch.Generator().manual_seed(1)
+    noise = 0.2 * torch.randn(batch.rollout.logprobs.shape, generator=g)
+    batch.ref_logprobs = torch.where(batch.loss_mask, batch.rollout.logprobs + noise, 0.0)
+    return batch
+
+
+def float_accumulation(records, grad_norms, passes):
+    """What update_phase computed when it read every micro-batch's stats as floats (a copy of
+    that code): `records` holds (loss.item(), {name: float}) per micro-batch, pass by pass."""
+    sums, extremes, tokens, share, totals = {}, {}, 0.0, 0.0, []
+    per_pass = len(records) // passes
+    for p in range(passes):
+        total = 0.0
+        for loss, st in records[p * per_pass : (p + 1) * per_pass]:
+            total += loss
+            share += st["policy_loss"]
+            w = st["tokens"]
+            tokens += w
+            for k, v in st.items():
+                if k in ("tokens", "policy_loss"):
+                    continue
+                if k.endswith("_max") or k.endswith("_min"):
+                    pick = max if k.endswith("_max") else min
+                    extremes[k] = pick(extremes.get(k, v), v)
+                else:
+                    sums[k] = sums.get(k, 0.0) + v * w
+        totals.append(total)
+    out = {f"train/{k}": v / max(tokens, 1.0) for k, v in sums.items()}
+    out.update({f"train/{k}": v for k, v in extremes.items()})
+    out["train/loss"] = sum(totals) / passes
+    out["train/policy_loss"] = share / passes
+    out["train/grad_norm"] = sum(grad_norms) / passes
+    return out
+
+
+@pytest.mark.parametrize("micro", [8, 2])
+def test_step_stats_equal_the_per_micro_batch_float_reads(tiny_checkpoints, tmp_path,
+                                                          monkeypatch, micro):  # fmt: skip
+    """The stats summed on the device equal, to 1e-12, the old per-micro-batch float sums of
+    the same step (mu = 2 passes, 1 or 4 micro-batches, kl, entropy, clip and TIS stats)."""
+    import grpo.train.grpo as trainer
+
+    model = load_model(tiny_checkpoints("qwen3"))
+    records, grad_norms = [], []
+    real_loss, real_clip = trainer.policy_loss_on_device, torch.nn.utils.clip_grad_norm_
+
+    def loss_spy(*args, **kwargs):
+        loss, st, bad = real_loss(*args, **kwargs)
+        records.append((loss.item(), {k: float(v) for k, v in st.items()}))
+        return loss, st, bad
+
+    def clip_spy(*args, **kwargs):
+        norm = real_clip(*args, **kwargs)
+        grad_norms.append(float(norm))
+        return norm
+
+    monkeypatch.setattr(trainer, "policy_loss_on_device", loss_spy)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_spy)
+    stats = run_update(tmp_path, model, stat_batch(model), *STEP,
+                       f"train.micro_batch_size={micro}")  # fmt: skip
+    assert len(records) == 2 * (8 // micro) and len(grad_norms) == 2
+    want = float_accumulation(records, grad_norms, passes=2)
+    assert {"train/kl", "train/entropy", "train/tis_weight_mean", "train/ratio_max"} <= set(want)
+    assert stats["train/clip_frac_low"] + stats["train/clip_frac_high"] > 0  # pass 2 moved
+    for k, v in want.items():
+        assert stats[k] == pytest.approx(v, rel=1e-12, abs=0), k
+        assert isinstance(stats[k], float), k
+
+
+def test_stat_sums_of_tensors_equal_those_of_floats():
+    """0-d tensors (float32 stats, int64 tokens), floats, or a mix: the same numbers, NaN
+    handling of max / min included (Python's max(prev, v) keeps prev unless v is larger)."""
+    from grpo.distributed import SINGLE
+    from grpo.train.grpo import StatSums
+
+    g = torch.Generator().manual_seed(0)
+    records = []
+    for i in range(5):
+        x = torch.rand(3, generator=g).tolist()
+        records.append({"kl": x[0], "ratio_max": x[1] if i != 2 else math.nan,
+                        "ratio_min": x[2] if i else math.nan, "policy_loss": -x[0],
+                        "tokens": float(7 + i)})  # fmt: skip
+
+    def as_tensor(k, v):
+        dtype = torch.long if k == "tokens" else torch.float32
+        return torch.tensor(v, dtype=dtype)
+
+    floats = [{k: float(as_tensor(k, v)) for k, v in r.items()} for r in records]
+    tensors = [{k: as_tensor(k, v) for k, v in r.items()} for r in records]
+    mixed = [t if i % 2 else f for i, (f, t) in enumerate(zip(floats, tensors))]
+    results = []
+    for stats in (floats, tensors, mixed):
+        sums = StatSums()
+        for st in stats:
+            sums.add(st)
+        results.append(sums.reduce(SINGLE))
+    want = results[0]
+    assert math.isnan(want["train/ratio_min"])  # the first NaN sticks, a later one does not
+    assert want["train/ratio_max"] == max(r["ratio_max"] for i, r in enumerate(floats) if i != 2)
+    for got in results[1:]:
+        assert got.keys() == want.keys()
+        for k, v in got.items():
+            assert isinstance(v, float), k
+            assert v == want[k] or (math.isnan(v) and math.isnan(want[k])), k
+
+
+HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__")
+
+
+def count_host_reads(monkeypatch):
+    """Counts of the tensor-to-host conversions while `counts["on"]` is set, but for those of
+    the fused log-prob pass (`kernels`: its ids' range check reads the host once per forward,
+    the forward's cost, not the statistics')."""
+    counts = {"on": False, **dict.fromkeys(HOST_READS, 0)}
+    for name in HOST_READS:
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _real=real, _name=name, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            counts[_name] += counts["on"] and f"{os.sep}kernels{os.sep}" not in caller
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return counts
+
+
+def test_update_phase_host_reads_do_not_grow_with_micro_batches(tiny_checkpoints, tmp_path,
+                                                                 monkeypatch):  # fmt: skip
+    """A host read per micro-batch stalls the GPU queue: the step reads its stats once per pass
+    and once after the loop, so 4 micro-batches read the host as often as 1."""
+    import grpo.train.grpo as trainer
+
+    reads = {}
+    for micro in (8, 2):
+        model = load_model(tiny_checkpoints("qwen3"))
+        batch = stat_batch(model)
+        cfg = make_cfg(tmp_path, *STEP, f"train.micro_batch_size={micro}")
+        policy = Policy(model, None, [3], None, tmp_path, lora=False)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = build_optimizer(params, cfg.optim)
+        sched = build_scheduler(opt, 10, cfg.optim)
+        counts = count_host_reads(monkeypatch)
+        counts["on"] = True
+        trainer.update_phase(cfg, policy, batch, opt, sched, params)
+        counts["on"] = False
+        monkeypatch.undo()
+        reads[micro] = {k: counts[k] for k in HOST_READS}
+    assert reads[2] == reads[8], reads
+    assert sum(reads[8].values()) > 0  # the counting works (the step does read, per pass)
+
+
+def test_update_phase_names_the_loss_and_the_batch_row(tiny_checkpoints, tmp_path):
+    """A loss that returns inf from finite inputs is named with the step and its row of the
+    batch, read after the pass (row 5 is in the third micro-batch of 2 rows)."""
+    from grpo.algo import register_policy_loss
+    from grpo.errors import GrpoError
+
+    @register_policy_loss("test_inf_at_sentinel", overwrite=True)
+    def inf_at_sentinel(log_ratio, advantages):
+        return log_ratio + torch.where(advantages == 123.0, math.inf, 0.0)
+
+    model = load_model(tiny_checkpoints("qwen3"))
+    batch = rollout_batch(model)
+    assert batch.loss_mask[5].any()
+    batch.advantages[5] = 123.0
+    cfg = make_cfg(tmp_path, "loss.policy_loss=test_inf_at_sentinel", "loss.beta=0",
+                   "train.micro_batch_size=2")  # fmt: skip
+    policy = Policy(model, None, [3], None, tmp_path, lora=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = build_optimizer(params, cfg.optim)
+    before = [p.detach().clone() for p in params]
+    sched = build_scheduler(opt, 10, cfg.optim)
+    want = r"^step 7: policy loss 'test_inf_at_sentinel' returned a non-finite value at row 5 "
+    with pytest.raises(GrpoError, match=want + "from finite inputs$"):
+        update_phase(cfg, policy, batch, opt, sched, params, step=7)
+    assert all(torch.equal(a, b) for a, b in zip(before, params))  # no update was taken
 
 
 DESIGN_METRICS = [

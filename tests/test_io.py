@@ -148,6 +148,38 @@ def test_torch_load_is_weights_only_and_names_the_file(tmp_path):
         load_checkpoint(ckpt, model)
 
 
+def test_resume_loads_optimizer_state_onto_the_parameters_device(tmp_path, monkeypatch):
+    """Under torchrun each rank must map the optimizer state (saved on rank 0's GPU) onto its own
+    device. A `meta` model stands in for a rank whose parameters live elsewhere than where the
+    state was saved (cpu): torch.load must put the tensors it returns there, weights_only."""
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()  # exp_avg, exp_avg_sq, step: tensors in the saved state
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ckpt = save_checkpoint(tmp_path, TrainState(step=1), model, opt, sched, {})
+    calls = []
+    real_load = torch.load
+
+    def spy(*args, **kwargs):
+        out = real_load(*args, **kwargs)
+        calls.append((Path(args[0]).name, kwargs, out))
+        return out
+
+    monkeypatch.setattr(torch, "load", spy)
+    other = torch.nn.Linear(4, 4, device="meta")
+    other_opt = torch.optim.AdamW(other.parameters())
+    other_sched = torch.optim.lr_scheduler.LambdaLR(other_opt, lambda s: 1.0)
+    assert load_checkpoint(ckpt, other, other_opt, other_sched).step == 1
+    assert [name for name, _, _ in calls] == ["optimizer.pt", "scheduler.pt"]
+    for _, kwargs, _ in calls:
+        assert kwargs["weights_only"] is True
+        assert kwargs.get("map_location") == torch.device("meta"), kwargs
+    state = calls[0][2]["state"]
+    devices = {t.device.type for s in state.values() for t in s.values()}
+    assert devices == {"meta"}, devices
+
+
 # ----------------------------------------------------------------- text: data, metrics, ...
 
 ROWS = [{"question": "Ünïcode 2+2?", "answer": "#### 4"}, {"question": "3*3?", "answer": "#### 9"}]

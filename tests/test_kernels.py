@@ -556,3 +556,24 @@ def test_chunked_and_auto_cuda_bf16_within_error_budget(weight_grad):
     assert kernels.resolve_impl("auto", args[0].device) == "triton"
     fused = run(kernels.fused_logprobs, *args, 0.7, weight_grad)  # impl="auto" -> triton
     assert_error_budget(fused, ref, expected)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_triton_runs_on_the_tensors_device_not_the_current_one():
+    """Triton launches on the current CUDA device: a rank whose tensors live on another GPU than
+    the current one (here the last GPU while cuda:0 is current) must still get correct results,
+    forward and backward (both kernels), on its tensors' device."""
+    from kernels.logprobs import triton_logprobs
+
+    last = torch.device("cuda", torch.cuda.device_count() - 1)
+    args = make_inputs(37, 64, 1003, device=last)
+    coefs = entropy_coefs(37)
+    with torch.cuda.device(0):
+        ours = run(triton_logprobs, *args, 0.7, True)
+        ours_entropy = run_entropy(triton_logprobs, *args[:3], coefs, 0.7, True)
+        assert torch.cuda.current_device() == 0
+    assert all(t.device == last for t in (*ours, *ours_entropy))
+    assert not close_errors(ours, gold(*args, 0.7, True))
+    assert not close_errors(ours_entropy, gold_entropy(*args[:3], coefs, 0.7, True))

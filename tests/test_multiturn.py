@@ -4,13 +4,17 @@ multi-turn sequence (holes and all), for LoRA and full weights, at T 1.0 and 0.7
 
 from __future__ import annotations
 
+import math
+from dataclasses import fields
+
 import pytest
 import torch
 from conftest import live_lora
 
 from grpo.algo.logprobs import completion_logprobs
 from grpo.models import load_model
-from grpo.rollout import Sampler
+from grpo.models.kv_cache import KVCache
+from grpo.rollout import Sampler, multiturn
 from grpo.rollout.sampler import Observation
 
 PROMPTS = [[5, 17, 33, 9], [101, 7]]
@@ -151,3 +155,227 @@ def test_ended_trajectories_leave_the_batch(tiny_checkpoints):
     # rows end after 1, 2 or 3 turns: the decode batch shrinks from 6 to 4 to 2
     assert sizes[0] == 6 and sorted(set(sizes)) == [2, 4, 6]
     assert [len(t) for t in r.turn_texts] == [1, 2, 3, 1, 2, 3]
+
+
+# --- host syncs: "has every row ended its turn?" every sync_every steps, one copy per turn ---
+
+
+def reference_turn_loop(sampler, logits, cache, kv_mask, pos, T_p, observe, max_new_tokens,
+                        max_turns, draw, gen, stops, ends, pad_id, total):  # fmt: skip
+    """The slow twin of `multiturn._turn_loop`: its code before the sparse host syncs. It reads
+    "every row ended its turn?" after every decode step and does the turn's bookkeeping row by
+    row (each `.tolist()` / `bool()` a device->host sync on CUDA); `gen` is unused."""
+    B = kv_mask.shape[0]
+    dev = logits.device
+    T = total
+    tokens = torch.full((B, T), pad_id, dtype=torch.long, device=dev)
+    logprobs = torch.zeros(B, T, device=dev)
+    exists = torch.zeros(B, T, dtype=torch.bool, device=dev)
+    scored = torch.zeros_like(exists)
+    turn_ids = torch.full((B, T), -1, dtype=torch.long, device=dev)
+    kv_mask[:, T_p:] = False
+    live = torch.ones(B, dtype=torch.bool, device=dev)
+    finished = torch.zeros(B, dtype=torch.bool, device=dev)
+    act = torch.arange(B, device=dev)
+    rewards: list[list[float]] = [[] for _ in range(B)]
+    texts: list[list[list[int]]] = [[] for _ in range(B)]
+    infos: list[dict] = [{} for _ in range(B)]
+    col = 0
+    for turn in range(max_turns):
+        in_turn, start = live[act].clone(), col
+        stopped = torch.zeros(B, dtype=torch.bool, device=dev)
+        for _ in range(max_new_tokens):
+            if col >= T:
+                break
+            tok, lp = draw(logits)
+            tokens[act, col] = torch.where(in_turn, tok, pad_id)
+            logprobs[act, col] = torch.where(in_turn, lp, 0.0)
+            exists[act, col] = in_turn
+            scored[act, col] = in_turn
+            turn_ids[act, col] = torch.where(in_turn, turn, -1)
+            kv_mask[:, T_p + col] = in_turn
+            logits = sampler._decode(tok[:, None], pos[:, None], kv_mask, cache)
+            pos += in_turn.long()
+            col += 1
+            stopped[act] |= in_turn & torch.isin(tok, stops)
+            in_turn &= ~torch.isin(tok, ends)
+            if not bool(in_turn.any()):
+                break
+        obs: dict[int, list[int]] = {}
+        for b in act[live[act]].tolist():
+            ids = tokens[b, start:col][scored[b, start:col]].tolist()
+            if stopped[b]:
+                ids = ids[:-1]
+            texts[b].append(ids)
+            o = observe(b, ids, bool(stopped[b]))
+            rewards[b].append(float(o.reward))
+            for k, v in o.info.items():
+                infos[b][k] = infos[b].get(k, 0) + v
+            if o.done or not o.ids:
+                live[b] = False
+                finished[b] = True
+            else:
+                obs[b] = list(o.ids)
+        L = max((len(o) for o in obs.values()), default=0)
+        if turn == max_turns - 1 or L == 0 or col + L + 1 > T:
+            break
+        keep = live[act]
+        if not sampler.compile and not bool(keep.all()):
+            idx = keep.nonzero().flatten()
+            act, kv_mask, pos = act[idx], kv_mask[idx], pos[idx]
+            cache = cache.select_rows(idx)
+        b_now = act.shape[0]
+        chunk = torch.full((b_now, L), pad_id, dtype=torch.long, device=dev)
+        lens = torch.zeros(b_now, dtype=torch.long, device=dev)
+        for i, b in enumerate(act.tolist()):
+            if b in obs:
+                chunk[i, : len(obs[b])] = torch.tensor(obs[b], device=dev)
+                lens[i] = len(obs[b])
+        real = torch.arange(L, device=dev)[None, :] < lens[:, None]
+        kv_mask[:, T_p + col : T_p + col + L] = real
+        tokens[act, col : col + L] = chunk
+        exists[act, col : col + L] = real
+        turn_ids[act, col : col + L] = torch.where(real, turn, -1)
+        positions = pos[:, None] + torch.arange(L, device=dev)[None, :]
+        hidden = sampler.hidden_states(chunk, position_ids=positions, attention_mask=kv_mask,
+                                       kv_cache=cache)  # fmt: skip
+        last = hidden[torch.arange(b_now, device=dev), (lens - 1).clamp(min=0)]
+        logits = sampler.logits(last)
+        pos += lens
+        col += L
+    extra = {"turn_rewards": rewards, "turn_texts": texts, "infos": infos}
+    return tokens, logprobs, exists, scored, turn_ids, finished, extra
+
+
+def varied_env(calls: list):
+    """Observations of 1..9 tokens; a row ends on a stop id (odd rows), on an empty observation
+    (every fifth row-turn) or after 5 turns."""
+
+    def observe(b: int, ids: list[int], stopped: bool) -> Observation:
+        k = sum(1 for c in calls if c[0] == b)
+        calls.append((b, list(ids), stopped))
+        if (stopped and b % 2) or k >= 4:
+            return Observation([], reward=float(len(ids)), done=True)
+        if (b + k) % 5 == 4:
+            return Observation([], reward=0.5)
+        obs = [(7 * b + 3 * k + i) % 250 for i in range((b * k) % 9 + 1)]
+        return Observation(obs, reward=0.2, info={"n": len(ids)})
+
+    return observe
+
+
+def rollout_turns(sampler, env, *, seed, temperature, max_new_tokens, total, turn_end, **kw):
+    calls: list = []
+    r = sampler.sample_turns(
+        [[5, 17, 33, 9], [101, 7], [9] * 7], group_size=3, observe=env(calls),
+        max_new_tokens=max_new_tokens, max_turns=5, max_total_tokens=total, stop_ids=[STOP, 11],
+        turn_end_ids=turn_end, temperature=temperature, seed=seed, **kw,
+    )  # fmt: skip
+    return r, calls
+
+
+def assert_same_rollout(a, b):
+    """Every field of two Rollouts equal, bit for bit (float compared as int32 patterns)."""
+    for f in fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and x.shape == y.shape, f.name
+            if x.is_floating_point():
+                x, y = x.view(torch.int32), y.view(torch.int32)
+            assert torch.equal(x, y), f.name
+        else:
+            assert x == y, f.name
+
+
+# (seed, temperature, sampling filters, max_new_tokens, max_total_tokens): turns cut by the
+# token limit (12, 21) and by max_new_tokens (3, 200), greedy and filtered sampling
+CASES = [
+    (0, 1.0, {}, 6, 48),
+    (1, 0.7, {"top_k": 20}, 9, 40),
+    (2, 0.0, {}, 12, 21),
+    (3, 1.3, {"top_p": 0.9}, 3, 200),
+    (4, 1.0, {"min_p": 0.05}, 10, 60),
+]
+
+
+@pytest.mark.parametrize("sync_every", [1, 3, 100])
+@pytest.mark.parametrize("env", [fake_env, varied_env])
+def test_sparse_syncs_give_the_reference_rollout(tiny_checkpoints, monkeypatch, env, sync_every):
+    """Checking for the turn's end every sync_every steps (and undoing the steps run after the
+    last row ended) gives the rollout of checking after every step, bit for bit."""
+    model = load_model(tiny_checkpoints("qwen3", vocab_size=257))
+    sampler = Sampler(model, sync_every=sync_every)
+    undone = []
+    advance = KVCache.advance
+    monkeypatch.setattr(KVCache, "advance", lambda c, T: (undone.append(T < 0), advance(c, T)))
+    for seed, temperature, filters, mnt, total in CASES:
+        r, calls = rollout_turns(sampler, env, seed=seed, temperature=temperature,
+                                 max_new_tokens=mnt, total=total, turn_end=TURN_END,
+                                 **filters)  # fmt: skip
+        with monkeypatch.context() as m:
+            m.setattr(multiturn, "_turn_loop", reference_turn_loop)
+            want, want_calls = rollout_turns(sampler, env, seed=seed, temperature=temperature,
+                                             max_new_tokens=mnt, total=total, turn_end=TURN_END,
+                                             **filters)  # fmt: skip
+        assert_same_rollout(r, want)
+        assert calls == want_calls
+    assert any(undone) == (sync_every > 1)  # the cases do run (and undo) extra steps
+
+
+def test_sparse_syncs_compiled(tiny_checkpoints, monkeypatch):
+    """The same with a compiled decode step (static cache: all rows stay in the batch)."""
+    model = load_model(tiny_checkpoints("qwen3"))
+    sampler = Sampler(model, compile=True, compile_options={"backend": "aot_eager"}, sync_every=4)
+    for seed, temperature, filters, mnt, total in CASES[:2]:
+        r, calls = rollout_turns(sampler, varied_env, seed=seed, temperature=temperature,
+                                 max_new_tokens=mnt, total=total, turn_end=TURN_END,
+                                 **filters)  # fmt: skip
+        with monkeypatch.context() as m:
+            m.setattr(multiturn, "_turn_loop", reference_turn_loop)
+            want, want_calls = rollout_turns(sampler, varied_env, seed=seed,
+                                             temperature=temperature, max_new_tokens=mnt,
+                                             total=total, turn_end=TURN_END, **filters)  # fmt: skip
+        assert_same_rollout(r, want)
+        assert calls == want_calls
+
+
+SYNCS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")  # device->host
+
+
+def count_syncs(monkeypatch, fn):
+    """fn() and the number of tensor -> Python conversions it made (host syncs on CUDA)."""
+    n = [0]
+    with monkeypatch.context() as m:
+        for name in SYNCS:
+            orig = getattr(torch.Tensor, name)
+
+            def counted(self, *args, _orig=orig):
+                n[0] += 1
+                return _orig(self, *args)
+
+            m.setattr(torch.Tensor, name, counted)
+        out = fn()
+    return out, n[0]
+
+
+@pytest.mark.parametrize("sync_every", [4, 8])
+def test_host_syncs_per_turn_not_per_token(tiny_checkpoints, monkeypatch, sync_every):
+    """Host syncs of a rollout: at most ceil(steps / sync_every) + 1 checks and one copy of
+    the turn's ids per turn (+ 2 for the whole rollout), whatever the row count; the per-step
+    reference makes one per step and several per row."""
+    model = load_model(tiny_checkpoints("qwen3"))
+    sampler = Sampler(model, sync_every=sync_every)
+    kw = dict(seed=1, temperature=1.0, max_new_tokens=24, total=200,
+              turn_end=list(range(4, 12)))  # fmt: skip  # few turn-end ids: long turns
+    (r, _), n = count_syncs(monkeypatch, lambda: rollout_turns(sampler, varied_env, **kw))
+    with monkeypatch.context() as m:
+        m.setattr(multiturn, "_turn_loop", reference_turn_loop)
+        (want, _), n_ref = count_syncs(monkeypatch, lambda: rollout_turns(sampler, varied_env,
+                                                                          **kw))  # fmt: skip
+    assert_same_rollout(r, want)
+    # decode steps of turn k: until its last row ended (or a limit cut it)
+    steps = [int((r.loss_mask & (r.turn_ids == k)).sum(1).max()) for k in range(5)]
+    steps = [s for s in steps if s > 0]
+    assert len(steps) >= 3 and max(steps) > 2 * sync_every  # several turns, some long
+    assert n <= sum(math.ceil(s / sync_every) + 2 for s in steps) + 2, (n, steps)
+    assert n_ref >= sum(steps) + r.ids.shape[0]  # per step, and per row

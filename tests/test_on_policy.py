@@ -1,6 +1,6 @@
 """On-policy numerics: the first update pass measures its log-probs against the sampler's
 every step (rollout/logprob_diff_*, rollout/first_pass_ratio_mean), loss.old_logprobs
-recomputes pi_old, the sampler runs under the trainer's autocast, and LoRA dropout is refused
+recomputes pi_old, the sampler holds the trainer's precision policy, and LoRA dropout is refused
 for GRPO (it would make the first-pass ratio differ from 1 silently)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 
 from grpo.config import ConfigError, load_config
 from grpo.models import load_model
+from grpo.precision import Precision
 from grpo.rollout import Sampler, sample
 from grpo.train.batch import Batch
 from grpo.train.common import Policy
@@ -36,7 +37,8 @@ def make_batch(r):
 
 def update(tmp_path, model, batch, *overrides):
     cfg = make_cfg(tmp_path, "loss.beta=0", *overrides)
-    policy = Policy(model, None, [3], None, tmp_path, lora=False)
+    policy = Policy(model, None, [3], None, tmp_path, lora=False,
+                    precision=Precision.from_config(cfg.model))  # fmt: skip
     params = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(params, cfg.optim)
     return update_phase(cfg, policy, batch, opt, build_scheduler(opt, 10, cfg.optim), params)
@@ -80,20 +82,21 @@ def test_old_logprobs_recompute_is_the_trainer_forward(tiny_checkpoints, tmp_pat
     assert (batch.old_logprobs[~m] == 0).all()
 
 
-def test_sampler_runs_under_the_trainers_autocast(tiny_checkpoints, tmp_path):
-    """With model.autocast_bf16 the trainer's forward is bf16 autocast; the sampler now is too,
-    so the first-pass difference is bf16 rounding between two kernels (KV cache vs full
-    sequence), well below the gap a float32 sampler leaves."""
+def test_sampler_runs_under_the_trainers_precision(tiny_checkpoints, tmp_path):
+    """With model.autocast_bf16 the trainer's forward is bf16 autocast; the sampler holds the
+    same policy (autocast, float32 head), so the first-pass difference is bf16 rounding between
+    two kernels (KV cache vs full sequence), well below the gap a float32 sampler leaves."""
     model = load_model(tiny_checkpoints("qwen3"))
-    policy = Policy(model, None, [3], None, tmp_path, lora=False)
+    cfg = make_cfg(tmp_path, "model.autocast_bf16=true", "rollout.max_new_tokens=12")
+    precision = Precision.from_config(cfg.model)
+    policy = Policy(model, None, [3], None, tmp_path, lora=False, precision=precision)
 
     class Tok:
         pad_token_id = 0
 
     policy.tokenizer = Tok()
-    cfg = make_cfg(tmp_path, "model.autocast_bf16=true", "rollout.max_new_tokens=12")
     rows = [{"prompt_ids": p} for p in PROMPTS]
-    matched = sample_round(cfg, policy, Sampler(model), rows, seed=3)
+    matched = sample_round(cfg, policy, Sampler(model, precision=precision), rows, seed=3)
     fp32 = sample(model, PROMPTS, group_size=4, max_new_tokens=12, temperature=1.0,
                   stop_ids=[3], seed=3, pad_id=0)  # fmt: skip
     assert not torch.equal(matched.logprobs, fp32.logprobs)  # autocast did reach the sampler

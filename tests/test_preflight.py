@@ -94,6 +94,37 @@ def test_memory_estimate_follows_its_formula_and_the_real_sizes():
     assert est_ckpt.training == 4 * 48 * (2 * 64 + 704) * 2 + 2**25
 
 
+def test_memory_estimate_follows_the_precision_policy():
+    """bf16 weights: the frozen base in bf16, float32 master weights for what trains (all of
+    it in full fine-tuning), and a bf16 KV cache under autocast: the real tensors' sizes."""
+    from grpo.precision import Precision
+
+    base = ["model.path=m", "model.dtype=bfloat16", "rollout.max_new_tokens=16",
+            "data.max_prompt_len=32", "data.eval_samples=0", "train.batch_size=8"]  # fmt: skip
+    for lora in (True, False):
+        cfg = load_config(None, [*base, f"lora.enabled={str(lora).lower()}", "lora.rank=8",
+                                 "lora.targets=[q_proj, v_proj]", "loss.beta=0"])  # fmt: skip
+        est = pf.estimate_memory(cfg, TINY, "grpo")
+        model = Decoder(TINY).to(torch.bfloat16)
+        if lora:
+            apply_lora(model, rank=8, alpha=16, targets=["q_proj", "v_proj"])
+        else:
+            model.requires_grad_(True)
+        Precision.from_config(cfg.model).prepare(model)
+        frozen = sum(p.numel() * p.element_size() for p in model.parameters()
+                     if not p.requires_grad)  # fmt: skip
+        trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        if lora:  # weights: the bf16 base; optimizer: float32 adapters, gradients, 2 moments
+            assert est.weights == frozen and est.optimizer == trained * 4
+        else:  # weights: float32 master weights; optimizer: their gradients and 2 moments
+            assert est.weights == trained and est.optimizer == trained * 3 and frozen == 0
+    cfg = load_config(None, [*base, "model.dtype=float32", "model.autocast_bf16=true"])
+    prec = Precision.from_config(cfg.model)
+    cache = KVCache(2, 8, 2, 48, 16, dtype=prec.kv_dtype)  # bf16 under autocast
+    kv = sum(t.numel() * t.element_size() for t in cache.k_layers + cache.v_layers)
+    assert pf.estimate_memory(cfg, TINY, "grpo").rollout == kv + 8 * 256 * 4 * 2
+
+
 def test_memory_check_compares_with_available_memory_and_can_be_skipped(monkeypatch):
     cfg = load_config(None, ["model.path=m", "data.eval_samples=0"])
     est = pf.estimate_memory(cfg, TINY, "grpo")

@@ -184,13 +184,13 @@ def test_nonfinite_updates_are_skipped_then_stop(model_dir, tmp_path, monkeypatc
     import grpo.train.grpo as g
     from grpo.config import load_config
 
-    real = g.policy_loss
+    real = g.policy_loss_on_device
 
     def nan_loss(*a, **k):
-        loss, stats = real(*a, **k)
-        return loss * float("nan"), stats
+        loss, stats, bad_row = real(*a, **k)
+        return loss * float("nan"), stats, bad_row
 
-    monkeypatch.setattr(g, "policy_loss", nan_loss)
+    monkeypatch.setattr(g, "policy_loss_on_device", nan_loss)
     overrides = [f"model.path={model_dir}", f"train.output_dir={tmp_path}/run",
                  "train.progress=false", "data.eval_samples=0", "loss.num_iterations=1",
                  "train.max_nonfinite_steps=2"]  # fmt: skip

@@ -11,6 +11,7 @@ from conftest import live_lora
 from grpo.algo.logprobs import completion_logprobs
 from grpo.lora import apply_lora
 from grpo.models import load_model
+from grpo.precision import Precision
 from grpo.rollout import Sampler, sample
 from grpo.rollout.sampler import Observation
 
@@ -133,7 +134,7 @@ def test_defaults_share_the_prefix_and_compile_where_supported(tmp_path):
     assert cfg.rollout.compile == "auto"
     ckpt = load_config(base={"model": {"path": str(tmp_path), "gradient_checkpointing": True}},
                        overrides=["train.batch_size=8", "rollout.group_size=4"])  # fmt: skip
-    assert ckpt.shared_prefix_groups is None  # the KV-cache path does not checkpoint
+    assert ckpt.shared_prefix_groups == 4  # the shared-prefix passes checkpoint too
     as_bool = load_config(
         base={"model": {"path": str(tmp_path)}},
         overrides=["rollout.compile=true", "train.shared_prefix=false"],
@@ -164,7 +165,7 @@ def test_micro_batches_run_only_their_own_columns(tiny_checkpoints, tmp_path, tu
         f"train.shared_prefix={shared}", "loss.beta=0.1", "rollout.temperature=0.7"])  # fmt: skip
     assert [c for _, c in _micro_batches(cfg, _batch(r, Batch))] == bounds
     batch = _batch(r, Batch)
-    policy = type("P", (), {"model": model, "ref_model": None})()
+    policy = type("P", (), {"model": model, "ref_model": None, "precision": Precision()})()
     reference_phase(cfg, policy, batch, 1)
     with torch.no_grad():
         full = completion_logprobs(model, r.ids, attn, r.prompt_width, r.scored_mask, 0.7,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 import kernels
-from grpo.lora import LoRALinear
+from grpo.precision import Precision, head_operands, no_autocast
 
 
 def head_logprobs(
@@ -22,7 +22,8 @@ def head_logprobs(
     return_entropy: bool = False,
     entropy_grad: bool = False,
 ):
-    """log softmax(lm_head(hidden) / T)[targets] through the fused path.
+    """log softmax(lm_head(hidden) / T)[targets] through the fused path, with float32
+    operands (`grpo.precision.head_operands`: the sampler's logits come from the same ones).
 
     Args:
         lm_head: an `nn.Linear` (no bias) or a `LoRALinear` around one.
@@ -37,22 +38,17 @@ def head_logprobs(
         (N,) float32 log-probs, differentiable in hidden and the trainable head weights
         [and (N,) entropy].
     """
-    weight = lm_head.weight  # (V, C)
-    if isinstance(lm_head, LoRALinear) and not (lm_head.merged or lm_head.disabled):
-        # [h, s * dropout(h) A^T] @ [W, B]^T == h W^T + s * dropout(h) A^T B^T  (LoRA head)
-        lora_h = lm_head.scale * (lm_head.dropout(hidden) @ lm_head.lora_a.t())  # (N, r)
-        hidden = torch.cat([hidden, lora_h.to(hidden.dtype)], dim=-1)  # (N, C + r)
-        weight = torch.cat([weight, lm_head.lora_b.to(weight.dtype)], dim=-1)  # (V, C + r)
-    hidden = hidden.to(weight.dtype).contiguous()
-    return kernels.fused_logprobs(
-        hidden,
-        weight.contiguous(),
-        targets.contiguous(),
-        temperature=temperature,
-        impl=impl,
-        return_entropy=return_entropy or entropy_grad,
-        entropy_grad=entropy_grad,
-    )
+    hidden, weight = head_operands(lm_head, hidden)  # (N, C'), (V, C') float32
+    with no_autocast(hidden.device.type):
+        return kernels.fused_logprobs(
+            hidden.contiguous(),
+            weight.contiguous(),
+            targets.contiguous(),
+            temperature=temperature,
+            impl=impl,
+            return_entropy=return_entropy or entropy_grad,
+            entropy_grad=entropy_grad,
+        )
 
 
 def completion_logprobs(
@@ -121,7 +117,11 @@ def completion_logprobs(
 
 class _RecordKV:
     """A KV 'cache' for one forward from position 0 that keeps each layer's keys and values
-    (with their autograd history) instead of writing them into a buffer."""
+    (with their autograd history) instead of writing them into a buffer.
+
+    Under gradient checkpointing backward recomputes each block, which calls `update` again:
+    the first (forward) tensors are kept, the ones the completion pass attended over; the
+    recomputed copies are not stored, so they do not outlive their block's backward."""
 
     static = False
 
@@ -131,7 +131,8 @@ class _RecordKV:
         self.pos = 0
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        self.k[layer], self.v[layer] = k, v
+        if self.k[layer] is None:
+            self.k[layer], self.v[layer] = k, v
         return k, v
 
     def advance(self, T: int) -> None:
@@ -139,18 +140,26 @@ class _RecordKV:
 
 
 class _PrefixKV:
-    """Per-layer keys and values of a shared prefix (B, H_kv, T_p, D), possibly requiring grad:
-    a forward at positions T_p ... attends over the prefix and its own tokens (concatenated, not
-    written in place, so gradients flow back into the prefix's computation)."""
+    """Per-layer keys and values of P shared prefixes (P, H_kv, T_p, D), possibly requiring
+    grad, each serving G rows: a forward of B = P*G rows at positions T_p ... attends over its
+    row's prefix and its own tokens (concatenated, not written in place, so gradients flow back
+    into the prefix's computation, and a checkpointed block can be recomputed).
+
+    The G-fold copy is made per layer inside `update`, not up front: only the P-row tensors
+    live across the forward (and, under gradient checkpointing, until backward); each layer's
+    (B, H_kv, T_p, D) copy is transient (`repeat_interleave` keeps nothing for backward, and
+    its backward sums the G rows' gradients into the one prompt computation)."""
 
     static = False
 
-    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]):
-        self.k, self.v = k, v
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], group_size: int):
+        self.k, self.v, self.G = k, v, group_size
         self.pos = k[0].shape[2]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        return torch.cat([self.k[layer], k], dim=2), torch.cat([self.v[layer], v], dim=2)
+        k_p = self.k[layer].repeat_interleave(self.G, dim=0)  # (B, H_kv, T_p, D)
+        v_p = self.v[layer].repeat_interleave(self.G, dim=0)
+        return torch.cat([k_p, k], dim=2), torch.cat([v_p, v], dim=2)  # (B, H_kv, T_p + T, D)
 
     def advance(self, T: int) -> None:
         self.pos += T
@@ -165,6 +174,10 @@ def shared_prefix_hidden(model, ids, attention_mask, prompt_width: int, group_si
     through the decoder's KV-cache path (causal within the completion, full over the prompt,
     positions from the attention mask), the same attention code the sampler uses.
 
+    With `model.gradient_checkpointing` on (in training mode) both passes checkpoint every
+    block, as the full-row forward does: what stays from forward to backward is each block's
+    input plus the P prompts' keys and values of every layer (L x 2 x (P, H_kv, T_p, D)).
+
     Returns:
         (B, 1 + T_c, C): the prompt's last position (which predicts the first completion token),
         then every completion position.
@@ -175,8 +188,7 @@ def shared_prefix_hidden(model, ids, attention_mask, prompt_width: int, group_si
     record = _RecordKV(len(model.layers))
     prompt_hidden = model(ids[::G, :w], attention_mask=attention_mask[::G, :w], kv_cache=record,
                           return_hidden=True)  # (P, T_p, C)  # fmt: skip
-    prefix = _PrefixKV([k.repeat_interleave(G, dim=0) for k in record.k],
-                       [v.repeat_interleave(G, dim=0) for v in record.v])  # fmt: skip
+    prefix = _PrefixKV(record.k, record.v, G)  # repeated to the G rows layer by layer
     completion_hidden = model(ids[:, w:], attention_mask=attention_mask, kv_cache=prefix,
                               return_hidden=True)  # (B, T_c, C)  # fmt: skip
     last = prompt_hidden[:, -1:].repeat_interleave(G, dim=0)  # (B, 1, C)
@@ -196,17 +208,20 @@ def _previous_real(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 class CompletionLogprobs(torch.nn.Module):
     """`completion_logprobs` as a module, so that DDP wraps the whole computation (decoder and
-    lm_head) in one forward and syncs every trainable parameter's gradient."""
+    lm_head) in one forward and syncs every trainable parameter's gradient; the decoder runs
+    under the precision policy's autocast (the head is float32 whatever it is)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, precision: Precision | None = None):
         super().__init__()
         self.model = model
+        self.precision = precision or Precision.of_model(model)
 
     def forward(self, ids, attention_mask, prompt_width, completion_mask, temperature=1.0,
                 return_entropy=False, entropy_grad=False, has_holes=False,
                 group_size=None):  # fmt: skip
-        return completion_logprobs(
-            self.model, ids, attention_mask, prompt_width, completion_mask, temperature,
-            return_entropy=return_entropy, entropy_grad=entropy_grad, has_holes=has_holes,
-            group_size=group_size,
-        )  # fmt: skip
+        with self.precision.autocast(ids.device):
+            return completion_logprobs(
+                self.model, ids, attention_mask, prompt_width, completion_mask, temperature,
+                return_entropy=return_entropy, entropy_grad=entropy_grad, has_holes=has_holes,
+                group_size=group_size,
+            )  # fmt: skip

@@ -85,12 +85,19 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, aggregation: str, normal
 def reduce_stat(name: str, values: torch.Tensor, mask: torch.Tensor) -> float:
     """A per-token stat over the counted tokens: the max for names ending in ``_max``, the min
     for ``_min``, else the mean."""
+    return float(_reduce_stat(name, values, mask))
+
+
+def _reduce_stat(name: str, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`reduce_stat` as a 0-d float32 tensor on the values' device (no host sync)."""
     values = values.detach().float()
+    if not values.numel() and (name.endswith("_max") or name.endswith("_min")):
+        return torch.tensor(-math.inf if name.endswith("_max") else math.inf, device=values.device)
     if name.endswith("_max"):
-        return float(values.masked_fill(~mask, -math.inf).max()) if values.numel() else -math.inf
+        return values.masked_fill(~mask, -math.inf).max()
     if name.endswith("_min"):
-        return float(values.masked_fill(~mask, math.inf).min()) if values.numel() else math.inf
-    return float(torch.where(mask, values, 0.0).sum() / mask.sum().clamp(min=1))
+        return values.masked_fill(~mask, math.inf).min()
+    return torch.where(mask, values, 0.0).sum() / mask.sum().clamp(min=1)
 
 
 def _zero_masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -110,6 +117,9 @@ def policy_loss(
     behaviour_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of one (micro-)batch under the configured policy loss, and its statistics.
+
+    Reads the stats to the host (one sync); the trainer's micro-batch loop calls
+    `policy_loss_on_device` instead and reads them once per step.
 
     Args:
         logprobs: (B, T_c) log pi_theta of the sampled tokens (requires grad).
@@ -137,6 +147,40 @@ def policy_loss(
     Raises:
         GrpoError: the policy loss returned the wrong shape, or a non-finite value at a counted
             token from finite inputs.
+    """
+    loss, stats, bad_row = policy_loss_on_device(
+        logprobs, old_logprobs, ref_logprobs, advantages, completion_mask, cfg, normalizer,
+        max_new_tokens, entropy, behaviour_logprobs,
+    )  # fmt: skip
+    row, *values = torch.stack([bad_row.double(), *(v.double() for v in stats.values())]).tolist()
+    check_bad_row(cfg.policy_loss, int(row))
+    return loss, dict(zip(stats, values))
+
+
+def policy_loss_on_device(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    cfg,
+    normalizer: float | None = None,
+    max_new_tokens: int | None = None,
+    entropy: torch.Tensor | None = None,
+    behaviour_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """`policy_loss` without a host sync, for a training step that reads its stats once.
+
+    Args: as `policy_loss`.
+
+    Returns:
+        loss (scalar, differentiable); the same stats as `policy_loss`, each a detached 0-d
+        tensor on the loss's device (float32; ``tokens`` int64); and bad_row, a 0-d int64
+        tensor: the first row where the policy loss returned a non-finite value at a counted
+        token from finite inputs, else -1. Pass it, once on the host, to `check_bad_row`.
+
+    Raises:
+        GrpoError: the policy loss returned the wrong shape.
     """
     mask = completion_mask.bool()  # (B, T_c)
     if normalizer is None:
@@ -166,13 +210,13 @@ def policy_loss(
     pg, loss_stats = out if isinstance(out, tuple) else (out, {})
     _check_shape(cfg.policy_loss, pg, mask)
 
-    stats: dict[str, float] = {}
+    stats: dict[str, torch.Tensor] = {}  # 0-d, detached: read on the host by the caller
     if cfg.tis_cap is not None and behaviour_logprobs is not None:
         # pi_old (trainer numerics) / pi_sampler, truncated: corrects the sampler's mismatch
         d = _zero_masked(old_logprobs - behaviour_logprobs.to(logprobs.dtype), mask)
         w = torch.exp(torch.clamp(d, max=math.log(cfg.tis_cap)))  # (B, T_c) min(ratio, cap)
         pg = pg * w.detach()
-        stats["tis_weight_mean"] = reduce_stat("tis_weight_mean", w, mask)
+        stats["tis_weight_mean"] = _reduce_stat("tis_weight_mean", w, mask)
     per_token = pg
     kl = None
     if cfg.beta > 0:
@@ -193,17 +237,20 @@ def policy_loss(
     loss = aggregate(per_token, mask, cfg.aggregation, normalizer)
 
     with torch.no_grad():
-        stats["policy_loss"] = float(aggregate(pg, mask, cfg.aggregation, normalizer))
-        if not math.isfinite(stats["policy_loss"]) and cfg.log_ratio_clamp is not None:
-            _blame(cfg.policy_loss, pg, mask, logprobs, old_logprobs, advantages)
+        stats["policy_loss"] = aggregate(pg, mask, cfg.aggregation, normalizer)
+        if cfg.log_ratio_clamp is not None:
+            bad_row = _bad_row(pg, mask, logprobs, old_logprobs, advantages)
+        else:  # unclamped, a built-in loss can overflow from finite inputs: not its fault
+            bad_row = torch.tensor(-1, device=mask.device)
         if kl is not None:  # no reference, no KL: never a fake 0
-            stats["kl"] = reduce_stat("kl", kl, mask)
+            stats["kl"] = _reduce_stat("kl", kl, mask)
         if entropy is not None:
-            stats["entropy"] = reduce_stat("entropy", entropy, mask)
-        for name, values in loss_stats.items():
-            stats[name] = reduce_stat(name, values.expand(mask.shape), mask)
-        stats["tokens"] = float(mask.sum())
-    return loss, stats
+            stats["entropy"] = _reduce_stat("entropy", entropy, mask)
+        for name, values in loss_stats.items():  # (B, T_c), or anything that broadcasts
+            values = torch.as_tensor(values, dtype=torch.float32, device=mask.device)
+            stats[name] = _reduce_stat(name, values.expand(mask.shape), mask)
+        stats["tokens"] = mask.sum()
+    return loss, stats, bad_row
 
 
 def _check_shape(name, pg, mask) -> None:
@@ -215,17 +262,28 @@ def _check_shape(name, pg, mask) -> None:
         raise GrpoError(f"{label} returned shape {tuple(pg.shape)}, expected {tuple(mask.shape)}")
 
 
-def _blame(name, pg, mask, *inputs) -> None:
-    """Called only when the policy term came out non-finite (no cost on the normal path): name
-    the loss when its inputs were finite at the counted tokens (with the log-ratio clamped, a
-    built-in loss is then finite; a diverged model's non-finite inputs are the trainer's to
-    skip, not an error)."""
-    bad = ~torch.isfinite(pg.detach()) & mask
-    inputs_finite = all(bool(torch.isfinite(x.detach()[mask]).all()) for x in inputs)
-    if bad.any() and inputs_finite:
-        row = int(bad.any(-1).nonzero()[0])
+def _bad_row(pg, mask, *inputs) -> torch.Tensor:
+    """0-d int64, on the device (no host sync): the first row where `pg` is non-finite at a
+    counted token while every input is finite at the counted tokens, else -1. With the
+    log-ratio clamped a built-in loss is then finite, so the loss is to blame; a diverged
+    model's non-finite inputs are the trainer's to skip, not an error."""
+    bad = (~torch.isfinite(pg.detach()) & mask).any(-1)  # (B,)
+    masked = ~mask
+    inputs_finite = torch.stack([(torch.isfinite(x.detach()) | masked).all() for x in inputs])
+    blame = bad.any() & inputs_finite.all()
+    if not bad.numel():
+        return torch.tensor(-1, device=mask.device)
+    return torch.where(blame, bad.int().argmax(), -1)  # argmax: the first True row
+
+
+def check_bad_row(name: str, row: int, step: int | None = None) -> None:
+    """Raise the one-line error naming policy loss `name` when `row` (from
+    `policy_loss_on_device`, read on the host) is a row, not -1."""
+    if row >= 0:
+        where = f"step {step}: " if step is not None else ""
         raise GrpoError(
-            f"policy loss {name!r} returned a non-finite value at row {row} from finite inputs"
+            f"{where}policy loss {name!r} returned a non-finite value at row {row} from finite "
+            "inputs"
         )
 
 
@@ -237,5 +295,5 @@ def check_policy_loss(cfg) -> None:
 
 
 # kept importable from here (older code and docs)
-__all__ = ["AGGREGATIONS", "LossSettings", "aggregate", "kl_penalty", "loss_normalizer",
-           "policy_loss", "reduce_stat"]  # fmt: skip
+__all__ = ["AGGREGATIONS", "LossSettings", "aggregate", "check_bad_row", "kl_penalty",
+           "loss_normalizer", "policy_loss", "policy_loss_on_device", "reduce_stat"]  # fmt: skip

@@ -93,8 +93,10 @@ class LoRALinear(nn.Module):
             return out.view(*lead, self.out_features)
         t = self.dropout(x2d) @ self.lora_a.t()  # (N, r)
         # Accumulate into the base output in place: no second (N, out) temporary. Legal for
-        # autograd because the base matmul saves its inputs, never its output.
-        out.addmm_(t, self.lora_b.t(), alpha=self.scale)
+        # autograd because the base matmul saves its inputs, never its output. In-place ops are
+        # not autocast: under autocast `out` is 16-bit while B is a float32 master weight, so
+        # the operands take out's dtype (the cast is differentiable; B's gradient is float32).
+        out.addmm_(t.to(out.dtype), self.lora_b.t().to(out.dtype), alpha=self.scale)
         return out.view(*lead, self.out_features)
 
     @torch.no_grad()

@@ -75,6 +75,62 @@ def decode_attention(q, k, v, mask):
     return (scores.softmax(-1).to(v.dtype) @ v).view(B, H, 1, D)
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype attention runs in: autocast's when autocast is on for x's device, else x's.
+
+    Under autocast q, k and v arrive in mixed dtypes (rotary tables are float32, values come
+    out of a 16-bit matmul, the KV cache holds `kv_dtype`); SDPA's autocast would cast them all,
+    and the mask too, once per layer. Casting up front lets the mask be built once, already in
+    this dtype, and decides the kernel below on the dtype the kernel will see.
+    """
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def attention(q, k, v, mask):
+    """Attention of T queries over S keys through SDPA, arranged so that CUDA runs a fused kernel.
+
+    CUDA's fused kernels each rule out part of what the decoder needs: flash attention takes no
+    mask and only 16-bit inputs (grouped-query heads are fine); memory-efficient attention takes
+    any additive mask and float32, but not grouped-query heads (`enable_gqa`). With neither, SDPA
+    falls back to the math kernel, which materialises the (B, H, T, S) scores. So:
+
+    - no mask, 16-bit: `is_causal` with `enable_gqa` (flash; keys/values stay H_kv heads);
+    - otherwise the H_kv key/value heads are repeated to H (one (B, H, S, D) copy each, against
+      (B, H, T, S) scores for the math kernel) and the mask, or `is_causal`, goes to SDPA
+      without `enable_gqa` (memory-efficient attention).
+
+    The CPU's own flash kernel takes a mask and grouped-query heads together, so there a mask
+    goes with `enable_gqa` and no copy (the copies cost 3-5% of a CPU training step); tests run
+    the CUDA arrangement on the CPU through `expand_kv_heads`.
+
+    Args:
+        q: (B, H, T, D); k, v: (B, H_kv, S, D); all three in the dtype attention runs in.
+        mask: (B, 1, T, S) additive in that dtype, or None for plain causal attention (T == S).
+
+    Returns:
+        (B, H, T, D).
+    """
+    H, H_kv = q.shape[1], k.shape[1]
+    if mask is None and q.dtype in (torch.float16, torch.bfloat16):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != H_kv)
+    if H != H_kv and not expand_kv_heads(q.device):
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+        )
+    if H != H_kv:
+        # kv head j serves query heads j*H/H_kv ... (j+1)*H/H_kv - 1, as enable_gqa does
+        k = k.repeat_interleave(H // H_kv, dim=1)  # (B, H, S, D)
+        v = v.repeat_interleave(H // H_kv, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+
+
+def expand_kv_heads(device: torch.device) -> bool:
+    """Whether `attention` repeats grouped key/value heads for a masked or float32 call: where
+    the fused kernels need it (CUDA and others), not on the CPU."""
+    return device.type != "cpu"
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -103,14 +159,18 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, H_kv, S, D), S = pos + T
-        # mask: (B, 1, T, S) additive, 0 = attend, -inf = not. GQA shares each kv head among
-        # H/H_kv query heads.
-        if T == 1 and x.device.type == "cpu":
+        # mask: (B, 1, T, S) additive, 0 = attend, -inf = not; None = causal with T == S.
+        if T == 1 and mask is not None and x.device.type == "cpu":
             y = decode_attention(q, k, v, mask)  # cheaper than SDPA's CPU kernel for 1 query
-        else:
+        elif T == 1 and mask is not None:
+            # CUDA decode step (the compiled one), one query per row: left as it was (mask +
+            # enable_gqa); moving it onto a fused kernel is a separate, measured change.
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, enable_gqa=self.H != self.H_kv
             )
+        else:
+            dtype = compute_dtype(x) if mask is None else mask.dtype
+            y = attention(q.to(dtype), k.to(dtype), v.to(dtype), mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.D))
 
 
@@ -205,30 +265,48 @@ class Decoder(nn.Module):
             start = kv_cache.pos if kv_cache is not None else 0
             S = start + T  # number of key positions attended over
             q_pos = torch.arange(start, S, device=dev)  # (T,)
+        # No padding and no cache offset: plain causal attention, no mask at all (SDPA's
+        # is_causal, which CUDA's flash kernel takes). Decided from the arguments on the host:
+        # a caller passes attention_mask=None when it knows every token is real. Reading the
+        # mask to find out (.all()) would cost a device sync per forward, and a mask with
+        # padding still runs a fused kernel (memory-efficient attention, `attention`).
+        plain_causal = attention_mask is None and (
+            kv_cache is None or (not kv_cache.static and kv_cache.pos == 0)
+        )
         if attention_mask is None:
             attention_mask = torch.ones(B, S, dtype=torch.bool, device=dev)
         attention_mask = attention_mask[:, :S].bool()
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, q_pos]
 
-        # Causal + padding mask (B, 1, T, S). Every query keeps its own key so that rows of
-        # pure padding never see an all-False row (which would make softmax NaN).
-        k_pos = torch.arange(S, device=dev)
-        causal = k_pos[None, :] <= q_pos[:, None]  # (T, S)
-        mask = causal[None] & attention_mask[:, None, :]  # (B, T, S)
-        mask = (mask | (k_pos[None, :] == q_pos[:, None])[None])[:, None]
-
         # Rotary tables, computed once per forward in float32 then cast (B, 1, T, D).
         freqs = position_ids[..., None].float() * self.inv_freq.float()  # (B, T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         x = self.embed_tokens(input_ids)  # (B, T, C)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        # Additive float mask, built once: SDPA would otherwise convert a bool mask per layer.
-        mask = torch.zeros(mask.shape, dtype=x.dtype, device=dev).masked_fill_(~mask, float("-inf"))
+
+        mask = None
+        if not plain_causal:
+            # Causal + padding mask (B, 1, T, S). Every query keeps its own key so that rows of
+            # pure padding never see an all-False row (which would make softmax NaN).
+            k_pos = torch.arange(S, device=dev)
+            keep = (k_pos[None, :] <= q_pos[:, None])[None] & attention_mask[:, None, :]
+            keep = (keep | (k_pos[None, :] == q_pos[:, None])[None])[:, None]  # (B, 1, T, S)
+            # Additive, built once in the dtype attention runs in: SDPA would otherwise convert
+            # a bool mask, or cast a float one, per layer. Rows padded to a multiple of 8
+            # elements (a view of the first S): memory-efficient attention copies a mask
+            # whose strides are not (`preprocess_mask`), per layer and kept for backward.
+            S_8 = -(-S // 8) * 8
+            mask = torch.zeros(B, 1, T, S_8, dtype=compute_dtype(x), device=dev)[..., :S]
+            mask.masked_fill_(~keep, float("-inf"))
 
         for block in self.layers:
-            if self.gradient_checkpointing and self.training and kv_cache is None:
-                x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+            # Checkpointing recomputes a block in backward, so its cache must not write in place
+            # (a `KVCache` would write the same slots again, and later steps overwrite what the
+            # block read). The shared-prefix caches (grpo.algo.logprobs) write nothing: the
+            # recompute reads the same prefix keys/values, held by reference till backward.
+            if self.gradient_checkpointing and self.training and not isinstance(kv_cache, KVCache):
+                x = checkpoint(block, x, cos, sin, mask, kv_cache, use_reentrant=False)
             else:
                 x = block(x, cos, sin, mask, kv_cache)
         if kv_cache is not None:

@@ -45,8 +45,11 @@ class KVCache:
         self.pos_tensor = torch.zeros((), dtype=torch.long, device=device) if static else None
 
     @classmethod
-    def for_model(cls, model, rows: int, max_len: int, static: bool = False) -> KVCache:
-        """A cache sized for `model` (a `Decoder`), on its device and in its dtype."""
+    def for_model(
+        cls, model, rows: int, max_len: int, static: bool = False, dtype: torch.dtype | None = None
+    ) -> KVCache:
+        """A cache sized for `model` (a `Decoder`), on its device; in `dtype` (the precision
+        policy's `kv_dtype`), by default the weights' dtype."""
         cfg = model.config
         p = next(model.parameters())
         return cls(
@@ -55,7 +58,7 @@ class KVCache:
             cfg.num_key_value_heads,
             max_len,
             cfg.head_dim,
-            dtype=p.dtype,
+            dtype=dtype or p.dtype,
             device=p.device,
             static=static,
         )
@@ -80,6 +83,10 @@ class KVCache:
         return self.k_layers[0].shape[0]
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.k_layers[0].dtype
+
+    @property
     def max_len(self) -> int:
         return self.k_layers[0].shape[2]
 
@@ -89,6 +96,9 @@ class KVCache:
         """
         T = k.shape[2]
         k_buf, v_buf = self.k_layers[layer], self.v_layers[layer]  # (B, H_kv, S, D)
+        # Under autocast keys come out of rotary embeddings in float32 and values out of a 16-bit
+        # matmul: both are stored as the attention will read them (the buffers' dtype).
+        k, v = k.to(k_buf.dtype), v.to(v_buf.dtype)
         if self.static:
             idx = self.pos_tensor + torch.arange(T, device=k.device)  # (T,)
             k_buf.index_copy_(2, idx, k)

@@ -100,7 +100,7 @@ def sample_turns(
             out = _turn_loop(sampler,
                 logits, cache, kv_mask.repeat_interleave(G, dim=0),
                 p_lens.repeat_interleave(G), T_p, observe, max_new_tokens, max_turns,
-                lambda lg: next_tokens(lg, gen, temperature, top_k, top_p, min_p),
+                lambda lg: next_tokens(lg, gen, temperature, top_k, top_p, min_p), gen,
                 stops, ends, pad_id, max_total_tokens,
             )  # fmt: skip
     finally:
@@ -129,7 +129,7 @@ def sample_turns(
 
 
 def _turn_loop(sampler: Sampler, logits, cache, kv_mask, pos, T_p, observe, max_new_tokens,
-               max_turns, draw, stops, ends, pad_id, total):  # fmt: skip
+               max_turns, draw, gen, stops, ends, pad_id, total):  # fmt: skip
     """The multi-turn decode/observe loop (see `sample_turns`). Column c of the completion
     region is cache slot T_p + c for every row; it has `total` columns (the cache may have
     more slots: a compiled sampler rounds its length up).
@@ -137,7 +137,15 @@ def _turn_loop(sampler: Sampler, logits, cache, kv_mask, pos, T_p, observe, max_
     Rows whose trajectory has ended leave the batch at the next turn boundary (their KV
     rows are dropped from the cache), so they stop costing decode work; with a compiled
     decode step the batch keeps its shape instead (no recompiles). `act` maps the cache's
-    rows to trajectory rows; `logits`, `cache`, `kv_mask` and `pos` are the active rows'.
+    rows to trajectory rows (`rows` is the same on the host); `logits`, `cache`, `kv_mask`
+    and `pos` are the active rows'.
+
+    Host syncs, as in `Sampler._decode_loop`: "has every row ended its turn?" is read every
+    `sampler.sync_every` decode steps and when a turn hits its limit; the steps run after the
+    last row ended are then undone (their slots were masked out: the column pointer, the
+    cache's write position and the generator go back), so the result is the same, bit for
+    bit, as checking after every step. At each turn boundary the turn's ids go to the host
+    in one copy and the observations come back in one.
 
     Returns:
         tokens, logprobs (B, T) and exists, scored (B, T) bool, turn_ids (B, T) long,
@@ -152,20 +160,25 @@ def _turn_loop(sampler: Sampler, logits, cache, kv_mask, pos, T_p, observe, max_
     scored = torch.zeros_like(exists)
     turn_ids = torch.full((B, T), -1, dtype=torch.long, device=dev)
     kv_mask[:, T_p:] = False  # completion slots open as rows write them
-    live = torch.ones(B, dtype=torch.bool, device=dev)  # trajectory still running
-    finished = torch.zeros(B, dtype=torch.bool, device=dev)
+    live = [True] * B  # trajectory still running (host: read and written between turns)
+    finished = [False] * B
     act = torch.arange(B, device=dev)  # trajectory row of each cache row
+    rows = list(range(B))  # act on the host
+    ready = torch.ones(B, dtype=torch.bool, device=dev)  # (b,) cache rows that take a turn
     rewards: list[list[float]] = [[] for _ in range(B)]
     texts: list[list[list[int]]] = [[] for _ in range(B)]
     infos: list[dict] = [{} for _ in range(B)]
     col = 0
     for turn in range(max_turns):
-        in_turn, start = live[act].clone(), col  # (b,) over the cache's rows
+        in_turn, start = ready, col  # (b,) over the cache's rows
         stopped = torch.zeros(B, dtype=torch.bool, device=dev)
-        for _ in range(max_new_tokens):
-            if col >= T:
-                break
+        # steps after which some row was still in its turn; as rows only leave their turn, the
+        # turn (checked after every step) runs min(alive + 1, steps run) steps
+        alive = torch.zeros((), dtype=torch.long, device=dev)
+        states, checked = [], 0  # generator state after each draw since step `checked`
+        for step in range(1, max_new_tokens + 1):
             tok, lp = draw(logits)  # (b,), (b,)
+            states.append(gen.get_state())
             tokens[act, col] = torch.where(in_turn, tok, pad_id)
             logprobs[act, col] = torch.where(in_turn, lp, 0.0)
             exists[act, col] = in_turn
@@ -179,15 +192,29 @@ def _turn_loop(sampler: Sampler, logits, cache, kv_mask, pos, T_p, observe, max_
             col += 1
             stopped[act] |= in_turn & torch.isin(tok, stops)
             in_turn &= ~torch.isin(tok, ends)
-            if not bool(in_turn.any()):
-                break
+            alive += in_turn.any()
+            limit = step == max_new_tokens or col >= T
+            if not limit and step % sampler.sync_every:
+                continue
+            n_alive = int(alive)  # the host sync: once per sync_every steps, once at a limit
+            if n_alive == step and not limit:
+                states, checked = [], step
+                continue
+            ran = min(n_alive + 1, step)  # the steps a check after every step would have run
+            if ran < step:  # undo the rest: they wrote masked-out slots, nothing else
+                gen.set_state(states[ran - checked - 1])
+                cache.advance(ran - step)
+                col -= step - ran
+            break
         obs: dict[int, list[int]] = {}
-        for b in act[live[act]].tolist():
-            ids = tokens[b, start:col][scored[b, start:col]].tolist()
-            if stopped[b]:
+        for b, (stop, *ids) in zip(rows, _turn_ids(tokens, scored, stopped, act, start, col)):
+            if not live[b]:
+                continue
+            ids = [t for t in ids if t >= 0]
+            if stop:
                 ids = ids[:-1]
             texts[b].append(ids)
-            o = observe(b, ids, bool(stopped[b]))
+            o = observe(b, ids, bool(stop))
             rewards[b].append(float(o.reward))
             for k, v in o.info.items():
                 infos[b][k] = infos[b].get(k, 0) + v
@@ -199,32 +226,53 @@ def _turn_loop(sampler: Sampler, logits, cache, kv_mask, pos, T_p, observe, max_
         L = max((len(o) for o in obs.values()), default=0)
         if turn == max_turns - 1 or L == 0 or col + L + 1 > T:
             break  # the limits cut the live rows here (not finished)
-        keep = live[act]  # (b,)
-        if not sampler.compile and not bool(keep.all()):  # ended trajectories leave the batch
-            idx = keep.nonzero().flatten()
+        keep = [i for i, b in enumerate(rows) if live[b]]
+        drop = not sampler.compile and len(keep) < len(rows)  # ended trajectories leave
+        if drop:
+            rows = [rows[i] for i in keep]
+        b_now = len(rows)
+        obs_ids = [obs.get(b, []) for b in rows]
+        padded = [t for o in obs_ids for t in o + [pad_id] * (L - len(o))]  # (b * L,)
+        idx, lens, chunk = _upload(dev, keep if drop else [], [len(o) for o in obs_ids], padded)
+        chunk = chunk.view(b_now, L)
+        if drop:
             act, kv_mask, pos = act[idx], kv_mask[idx], pos[idx]
             cache = cache.select_rows(idx)
-        b_now = act.shape[0]
-        chunk = torch.full((b_now, L), pad_id, dtype=torch.long, device=dev)
-        lens = torch.zeros(b_now, dtype=torch.long, device=dev)
-        for i, b in enumerate(act.tolist()):
-            if b in obs:
-                chunk[i, : len(obs[b])] = torch.tensor(obs[b], device=dev)
-                lens[i] = len(obs[b])
+        ready = lens > 0  # (b,) the live rows: each got an observation
         real = torch.arange(L, device=dev)[None, :] < lens[:, None]  # (b, L)
         kv_mask[:, T_p + col : T_p + col + L] = real
         tokens[act, col : col + L] = chunk
         exists[act, col : col + L] = real
         turn_ids[act, col : col + L] = torch.where(real, turn, -1)
         positions = pos[:, None] + torch.arange(L, device=dev)[None, :]  # (b, L)
-        hidden = sampler.model(chunk, position_ids=positions, attention_mask=kv_mask,
-                            kv_cache=cache, return_hidden=True)  # fmt: skip
+        hidden = sampler.hidden_states(chunk, position_ids=positions, attention_mask=kv_mask,
+                                       kv_cache=cache)  # (b, L, C)  # fmt: skip
         last = hidden[torch.arange(b_now, device=dev), (lens - 1).clamp(min=0)]  # (b, C)
-        logits = sampler.model.lm_head(last).float()  # (b, V) after each row's observation
+        logits = sampler.logits(last)  # (b, V) after each row's observation
         pos += lens
         col += L
     extra = {"turn_rewards": rewards, "turn_texts": texts, "infos": infos}
+    finished = torch.tensor(finished, dtype=torch.bool, device=dev)
     return tokens, logprobs, exists, scored, turn_ids, finished, extra
+
+
+def _turn_ids(tokens, scored, stopped, act, start: int, col: int) -> list[list[int]]:
+    """One turn of the cache's rows on the host, in one device->host copy: per row
+    [stopped, id, id, ...] over columns [start, col), -1 where the row generated nothing.
+
+    Args:
+        tokens, scored: (B, T) completion ids and the generated-token mask.
+        stopped: (B,) bool, the row ended this turn on a stop id.
+        act: (b,) trajectory row of each cache row.
+    """
+    span = torch.where(scored[:, start:col], tokens[:, start:col], -1)  # (B, col - start)
+    return torch.cat([stopped[:, None].long(), span], dim=1)[act].tolist()  # (b, 1 + ...)
+
+
+def _upload(dev, *parts: list[int]) -> tuple[torch.Tensor, ...]:
+    """Lists of ints -> long tensors on `dev`, in one host->device copy."""
+    flat = torch.tensor([x for p in parts for x in p], dtype=torch.long, device=dev)
+    return flat.split([len(p) for p in parts])
 
 
 def env_prompts(tokenizer, rows: Sequence[dict], envs: Sequence[Environment], G: int):

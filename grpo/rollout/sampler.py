@@ -21,6 +21,7 @@ import torch
 
 from grpo.errors import GrpoError
 from grpo.models.kv_cache import KVCache
+from grpo.precision import Precision, head_logits
 from grpo.rollout.sampling import next_tokens
 
 log = logging.getLogger(__name__)
@@ -192,6 +193,8 @@ class Sampler:
             sync of the loop); at most sync_every - 1 steps run after the last row stops.
         fallback: if compiling fails (no working compiler, an unsupported op), warn once and
             decode eagerly instead of raising (`rollout.compile: auto` uses it).
+        precision: the run's `Precision` (autocast of the forward passes, KV-cache dtype; the
+            head is float32 as in the trainer); default: compute in the weights' dtype.
     """
 
     def __init__(
@@ -202,10 +205,12 @@ class Sampler:
         compile_options: dict | None = None,
         sync_every: int = 4,
         fallback: bool = False,
+        precision: Precision | None = None,
     ):
         if sync_every < 1:
             raise GrpoError(f"sync_every must be >= 1, got {sync_every}")
         self.model = model
+        self.precision = precision or Precision.of_model(model)
         self.compile = compile
         self.sync_every = sync_every
         self.fallback = fallback
@@ -221,6 +226,15 @@ class Sampler:
             self._decode = self._decode_compiled
         else:
             self._decode = self._decode_step
+
+    @property
+    def kept_cache_bytes(self) -> int:
+        """Bytes of the compiled step's decode cache, kept between calls (0 when eager): the
+        same tensors every call, so CUDA graphs replay in place; it stays allocated while the
+        trainer updates (the CUDA-graph pool too). docs/precision.md has the cost at 0.6B."""
+        c = self._cache
+        return 0 if c is None else sum(t.numel() * t.element_size()
+                                       for t in [*c.k_layers, *c.v_layers])  # fmt: skip
 
     def _decode_compiled(self, tokens, position_ids, attention_mask, cache):
         """The compiled step; with `fallback`, a failure to compile switches to eager for good
@@ -246,10 +260,21 @@ class Sampler:
         cache: KVCache,
     ) -> torch.Tensor:
         """One token per row through the model: (B, 1) ids -> (B, V) float32 logits."""
-        logits = self.model(
-            tokens, position_ids=position_ids, attention_mask=attention_mask, kv_cache=cache
-        )  # (B, 1, V)
-        return logits[:, -1].float()
+        with self.precision.autocast(tokens.device):
+            hidden = self.model(tokens, position_ids=position_ids, attention_mask=attention_mask,
+                                kv_cache=cache, return_hidden=True)  # (B, 1, C)  # fmt: skip
+        return self.logits(hidden[:, -1])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., C) final hidden states -> (..., V) float32 logits: the head as the trainer
+        computes it (`grpo.precision.head_logits`), whatever the forward's autocast."""
+        return head_logits(self.model.lm_head, hidden)
+
+    def hidden_states(self, ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        """The model's hidden states (return_hidden) under the precision policy: prefill and
+        multi-turn observation chunks."""
+        with self.precision.autocast(ids.device):
+            return self.model(ids, return_hidden=True, **kwargs)
 
     def sample(
         self,
@@ -351,9 +376,10 @@ class Sampler:
         """
         model = self.model
         P, max_len = kv_mask.shape
-        cache = KVCache.for_model(model, rows=P, max_len=max_len, static=self.compile)
-        hidden = model(prompt_ids, attention_mask=kv_mask, kv_cache=cache, return_hidden=True)
-        logits = model.lm_head(hidden[:, -1]).float()  # (P, V): the last position only
+        cache = KVCache.for_model(model, rows=P, max_len=max_len, static=self.compile,
+                                  dtype=self.precision.kv_dtype)  # fmt: skip
+        hidden = self.hidden_states(prompt_ids, attention_mask=kv_mask, kv_cache=cache)
+        logits = self.logits(hidden[:, -1])  # (P, V): the last position only
         out = self._decode_cache(P * G, max_len) if self.compile else None
         return logits.repeat_interleave(G, dim=0), cache.repeat_rows(G, out=out)
 
@@ -362,8 +388,9 @@ class Sampler:
         tensors every call (marked static on CUDA, so CUDA graphs replay in place). Nothing
         stale survives: `repeat_rows(out=...)` overwrites every slot with the prefill's."""
         c = self._cache
-        if c is None or (c.rows, c.max_len) != (rows, max_len):
-            c = KVCache.for_model(self.model, rows=rows, max_len=max_len, static=True)
+        if c is None or (c.rows, c.max_len, c.dtype) != (rows, max_len, self.precision.kv_dtype):
+            c = KVCache.for_model(self.model, rows=rows, max_len=max_len, static=True,
+                                  dtype=self.precision.kv_dtype)  # fmt: skip
             if self._cuda:
                 for t in [*c.k_layers, *c.v_layers, c.pos_tensor]:
                     torch._dynamo.mark_static_address(t)

@@ -7,7 +7,7 @@ import copy
 import logging
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +19,7 @@ from grpo.io import writing
 from grpo.loading import config_model, load_trained_model
 from grpo.lora import apply_lora, load_adapter, lora_modules, save_adapter
 from grpo.models import Decoder, save_pretrained
+from grpo.precision import Precision
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class Policy:
     ref_model: Decoder | None  # a frozen copy for full fine-tuning with beta > 0
     model_dir: Path
     lora: bool
+    precision: Precision = field(default_factory=Precision)  # the run's dtypes (grpo.precision)
 
     @property
     def device(self) -> torch.device:
@@ -58,6 +60,7 @@ def build_policy(cfg: Config, device: torch.device, need_ref: bool, adapter: str
             `disabled_lora`; full fine-tuning gets a frozen deep copy.
         adapter: start from this LoRA adapter directory (overrides cfg.lora.adapter).
     """
+    precision = Precision.from_config(cfg.model)  # float16 is refused here, before any load
     # model.adapter (e.g. SFT's) is folded in, so it is also the reference policy
     model, tokenizer, ids, _ = load_trained_model(config_model(cfg), cfg.model.dtype, device)
     adapter = adapter or cfg.lora.adapter
@@ -83,11 +86,13 @@ def build_policy(cfg: Config, device: torch.device, need_ref: bool, adapter: str
             p.requires_grad_(True)
     model.gradient_checkpointing = cfg.model.gradient_checkpointing
     ref = None
-    if need_ref and not cfg.lora.enabled:
+    if need_ref and not cfg.lora.enabled:  # frozen: kept in model.dtype
         ref = copy.deepcopy(model).eval()
         for p in ref.parameters():
             p.requires_grad_(False)
-    return Policy(model, tokenizer, ids, ref, Path(cfg.model.path), cfg.lora.enabled)
+    precision.prepare(model)  # trainable weights to float32: the master weights
+    log.info("precision: %s", precision.describe())
+    return Policy(model, tokenizer, ids, ref, Path(cfg.model.path), cfg.lora.enabled, precision)
 
 
 def save_final(policy: Policy, out_dir: Path, cfg: Config) -> Path:
@@ -113,8 +118,39 @@ def due(step: int, every: int, last: bool) -> bool:
 
 
 def peak_mem_mib(device: torch.device) -> float:
+    """Peak memory: on CUDA the allocator's peak since the last `reset_peak_mem` (tensors only:
+    the caching allocator's reserve and the CUDA context are not counted); elsewhere the
+    process's peak resident set so far (it cannot be reset)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def reset_peak_mem(device: torch.device) -> None:
+    """Start a new peak (CUDA; a no-op elsewhere)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+class PhasePeaks:
+    """Peak memory of each phase of a step, as `perf/peak_mem_<phase>_mib` (and the step's
+    maximum as `perf/peak_mem_mib`): the counter restarts at every phase on CUDA."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peaks: dict[str, float] = {}
+
+    def start(self) -> None:
+        self.peaks = {}
+        reset_peak_mem(self.device)
+
+    def end(self, phase: str) -> None:
+        self.peaks[phase] = peak_mem_mib(self.device)
+        reset_peak_mem(self.device)
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"perf/peak_mem_{k}_mib": v for k, v in self.peaks.items()}
+        out["perf/peak_mem_mib"] = max(self.peaks.values(), default=peak_mem_mib(self.device))
+        return out

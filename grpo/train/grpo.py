@@ -20,7 +20,12 @@ from tqdm.auto import tqdm
 from grpo.algo.advantages import check_estimator, compute_advantages, zero_std_groups
 from grpo.algo.kl import kl_penalty
 from grpo.algo.logprobs import CompletionLogprobs
-from grpo.algo.losses import check_policy_loss, loss_normalizer, policy_loss
+from grpo.algo.losses import (
+    check_bad_row,
+    check_policy_loss,
+    loss_normalizer,
+    policy_loss_on_device,
+)
 from grpo.config import Config
 from grpo.distributed import (
     SINGLE,
@@ -33,6 +38,7 @@ from grpo.distributed import (
     all_reduce_sum_dict,
     device_for,
     no_sync,
+    rank_local,
     wrap_ddp,
 )
 from grpo.envs import env_factory
@@ -56,9 +62,9 @@ from grpo.train.batch import (
     turn_token_rewards,
 )
 from grpo.train.common import (
+    PhasePeaks,
     build_policy,
     due,
-    peak_mem_mib,
     seed_everything,
 )
 from grpo.train.loop import RunDir, run_training, start_run
@@ -74,19 +80,17 @@ def sample_round(cfg: Config, policy, sampler, rows: list[dict], seed: int, make
     sampling = {"temperature": c.temperature, "top_k": c.top_k, "top_p": c.top_p,
                 "min_p": c.min_p, "seed": seed, "pad_id": policy.tokenizer.pad_token_id,
                 "stop_ids": policy.stop_ids}  # fmt: skip
-    # the sampler runs under the trainer's autocast, so its log-probs are the same numbers
-    device_type = policy.model.device.type
-    with torch.autocast(device_type, torch.bfloat16, enabled=cfg.model.autocast_bf16):
-        if not c.multi_turn:
-            return sampler.sample([r["prompt_ids"] for r in rows], group_size=c.group_size,
-                                  max_new_tokens=c.max_new_tokens, **sampling)  # fmt: skip
-        return sample_with_env(
-            sampler, policy.tokenizer, rows, make_env or env_factory(c.env, c.env_kwargs),
-            env_name=c.env, group_size=c.group_size, max_new_tokens=c.max_new_tokens,
-            max_turns=c.max_turns, max_total_tokens=c.total_tokens,
-            max_obs_tokens=c.max_obs_tokens,
-            turn_end_ids=turn_end_ids(policy.tokenizer, c.turn_end_tokens), **sampling,
-        )  # fmt: skip
+    # the sampler holds the policy's precision: the trainer's autocast and float32 head
+    if not c.multi_turn:
+        return sampler.sample([r["prompt_ids"] for r in rows], group_size=c.group_size,
+                              max_new_tokens=c.max_new_tokens, **sampling)  # fmt: skip
+    return sample_with_env(
+        sampler, policy.tokenizer, rows, make_env or env_factory(c.env, c.env_kwargs),
+        env_name=c.env, group_size=c.group_size, max_new_tokens=c.max_new_tokens,
+        max_turns=c.max_turns, max_total_tokens=c.total_tokens,
+        max_obs_tokens=c.max_obs_tokens,
+        turn_end_ids=turn_end_ids(policy.tokenizer, c.turn_end_tokens), **sampling,
+    )  # fmt: skip
 
 
 def rollout_phase(
@@ -225,19 +229,17 @@ def _logprobs(cfg: Config, scorer, batch: Batch, sl: slice, cols: tuple[int, int
     r = batch.rollout
     lo, hi = cols
     T_p, T_c = r.prompt_width, r.ids.shape[1] - r.prompt_width
-    device = r.ids.device
-    with torch.autocast(device.type, torch.bfloat16, enabled=cfg.model.autocast_bf16):
-        out = scorer(
-            r.ids[sl, lo:hi],
-            r.attention_mask()[sl, lo:hi],
-            T_p - lo,
-            batch.loss_mask[sl, : hi - T_p],
-            cfg.rollout.temperature or 1.0,  # greedy rollouts are scored at T = 1
-            return_entropy=entropy,
-            entropy_grad=entropy_grad,
-            has_holes=r.loss_mask is not None,
-            group_size=cfg.shared_prefix_groups,
-        )
+    out = scorer(  # autocast as the policy's precision says (CompletionLogprobs)
+        r.ids[sl, lo:hi],
+        r.attention_mask()[sl, lo:hi],
+        T_p - lo,
+        batch.loss_mask[sl, : hi - T_p],
+        cfg.rollout.temperature or 1.0,  # greedy rollouts are scored at T = 1
+        return_entropy=entropy,
+        entropy_grad=entropy_grad,
+        has_holes=r.loss_mask is not None,
+        group_size=cfg.shared_prefix_groups,
+    )
     pad = (0, T_c - (hi - T_p))  # the trimmed columns hold no scored token: 0 there
     if entropy:
         return tuple(torch.nn.functional.pad(t, pad) for t in out)
@@ -273,11 +275,11 @@ def reference_phase(cfg: Config, policy, batch: Batch, step: int | None = None) 
         return
     parts = _micro_batches(cfg, batch)
     if policy.ref_model is not None:
-        ref = CompletionLogprobs(policy.ref_model)
+        ref = CompletionLogprobs(policy.ref_model, policy.precision)
         parts = [_logprobs(cfg, ref, batch, sl, cols) for sl, cols in parts]
     else:
         with disabled_lora(policy.model):
-            ref = CompletionLogprobs(policy.model)
+            ref = CompletionLogprobs(policy.model, policy.precision)
             parts = [_logprobs(cfg, ref, batch, sl, cols) for sl, cols in parts]
     batch.ref_logprobs = torch.cat(parts)
 
@@ -289,43 +291,75 @@ def old_logprobs_phase(cfg: Config, policy, batch: Batch) -> None:
     min(pi_old_trainer / pi_sampler, cap))."""
     if cfg.loss.old_logprobs != "recompute" and cfg.loss.tis_cap is None:
         return
-    scorer = CompletionLogprobs(policy.model)
+    scorer = CompletionLogprobs(policy.model, policy.precision)
     batch.old_logprobs = torch.cat([_logprobs(cfg, scorer, batch, sl, cols)
                                     for sl, cols in _micro_batches(cfg, batch)])  # fmt: skip
 
 
 class StatSums:
-    """Token-weighted sums of a loss's float stats over micro-batches, passes and ranks, so that
-    ``train/<name>`` is the mean over all counted tokens (max / min for ``_max`` / ``_min``)."""
+    """Token-weighted sums of a loss's stats over micro-batches, passes and ranks, so that
+    ``train/<name>`` is the mean over all counted tokens (max / min for ``_max`` / ``_min``).
+
+    A stat is a float or a 0-d tensor. Tensors are summed where they live, in float64 (the same
+    numbers as Python floats would give), and read to the host once, in `reduce`: no host sync
+    per micro-batch.
+    """
 
     def __init__(self):
-        self.sums: dict[str, float] = {}
-        self.extremes: dict[str, float] = {}
-        self.tokens = 0.0
+        self.sums: dict[str, float | torch.Tensor] = {}
+        self.extremes: dict[str, float | torch.Tensor] = {}
+        self.tokens: float | torch.Tensor = 0.0
 
-    def add(self, stats: dict[str, float]) -> None:
-        w = stats["tokens"]
-        self.tokens += w
+    def add(self, stats: dict[str, float | torch.Tensor]) -> None:
+        w = _f64(stats["tokens"])
+        self.tokens = self.tokens + w
         for k, v in stats.items():
             if k in ("tokens", "policy_loss"):
                 continue
+            v = _f64(v)
             if k.endswith("_max") or k.endswith("_min"):
-                pick = max if k.endswith("_max") else min
-                self.extremes[k] = pick(self.extremes.get(k, v), v)
+                self.extremes[k] = _pick(self.extremes.get(k, v), v, k.endswith("_max"))
             else:
                 self.sums[k] = self.sums.get(k, 0.0) + v * w
 
     def reduce(self, dist) -> dict[str, float]:
-        sums = all_reduce_sum_dict({**self.sums, "__tokens": self.tokens}, dist)
+        """The ``train/<name>`` means and extremes over all ranks (one host read, then the
+        all-reduces)."""
+        local = _read_floats({**self.sums, **self.extremes, "__tokens": self.tokens})
+        extremes = {k: local.pop(k) for k in self.extremes}
+        sums = all_reduce_sum_dict(local, dist)
         n = max(sums.pop("__tokens"), 1.0)
         out = {f"train/{k}": v / n for k, v in sums.items()}
-        maxes = {k: v for k, v in self.extremes.items() if k.endswith("_max")}
-        mins = {k: -v for k, v in self.extremes.items() if k.endswith("_min")}
+        maxes = {k: v for k, v in extremes.items() if k.endswith("_max")}
+        mins = {k: -v for k, v in extremes.items() if k.endswith("_min")}
         both = all_reduce_max_dict({**maxes, **mins}, dist)  # min = -max(-x)
         for k, v in both.items():
             v = -v if k.endswith("_min") else v
             out[f"train/{k}"] = v if math.isfinite(v) else float("nan")  # no counted token
         return out
+
+
+def _f64(x: float | torch.Tensor) -> float | torch.Tensor:
+    """A float64 tensor (exact for float32, bfloat16 and integer stats), or the float as is."""
+    return x.detach().double() if isinstance(x, torch.Tensor) else x
+
+
+def _pick(prev, v, larger: bool):
+    """max(prev, v) (min when not `larger`) as Python computes it, on the device for tensors:
+    v only when strictly better, so a NaN neither replaces nor is replaced."""
+    better = v > prev if larger else v < prev
+    if isinstance(better, torch.Tensor):
+        return torch.where(better, v, prev)
+    return v if better else prev
+
+
+def _read_floats(values: dict) -> dict[str, float]:
+    """`values` with its 0-d tensors read to Python floats in one host sync."""
+    keys = [k for k, v in values.items() if isinstance(v, torch.Tensor)]
+    if not keys:
+        return dict(values)
+    read = torch.stack([values[k].double() for k in keys]).tolist()
+    return {**values, **dict(zip(keys, read))}
 
 
 def update_phase(
@@ -343,26 +377,31 @@ def update_phase(
     rollout/first_pass_ratio_mean (exp of the difference; 1 when they agree).
     """
     model = policy.model
-    scorer = scorer if scorer is not None else CompletionLogprobs(model)
+    scorer = scorer if scorer is not None else CompletionLogprobs(model, policy.precision)
     model.train()
     norm = loss_normalizer(batch.loss_mask, cfg.loss.aggregation, cfg.rollout.max_new_tokens)
     norm = all_reduce_sum(norm, dist)
     slices = _micro_batches(cfg, batch)
     sampler_logprobs = batch.rollout.logprobs
     old = batch.old_logprobs if batch.old_logprobs is not None else sampler_logprobs
+    # The stats stay on the device through the micro-batch loop (float64 sums: the numbers
+    # Python floats would give). Host reads: one per pass (its loss, grad norm and blamed row,
+    # for the non-finite check) and two after the loop, none per micro-batch.
+    f64 = {"dtype": torch.float64, "device": sampler_logprobs.device}
     sums = StatSums()
-    policy_share, losses, grad_norms, skipped = 0.0, [], [], 0
-    on_policy = torch.zeros(4, dtype=torch.float64, device=sampler_logprobs.device)
+    policy_share, losses, grad_norms, skipped = torch.zeros((), **f64), [], [], 0
+    on_policy = torch.zeros(4, **f64)
     for it in range(cfg.loss.num_iterations):
         optimizer.zero_grad(set_to_none=True)
-        total = 0.0
+        total = torch.zeros((), **f64)
+        bad_row = torch.tensor(-1, device=sampler_logprobs.device)  # a row the loss is to blame
         for i, (sl, cols) in enumerate(slices):
             ref = batch.ref_logprobs[sl] if batch.ref_logprobs is not None else None
             with no_sync(scorer, skip=i < len(slices) - 1):
                 logprobs, entropy = _logprobs(cfg, scorer, batch, sl, cols, entropy=True,
                                               entropy_grad=cfg.loss.entropy_coef > 0)  # fmt: skip
                 try:
-                    loss, st = policy_loss(
+                    loss, st, bad = policy_loss_on_device(
                         logprobs,
                         old[sl],
                         ref,
@@ -381,11 +420,16 @@ def update_phase(
                 part = _on_policy_sums(logprobs, sampler_logprobs[sl], batch.loss_mask[sl])
                 on_policy[:3] += part[:3]
                 on_policy[3] = torch.maximum(on_policy[3], part[3])
-            total += loss.item()
+            total += loss.detach()
             policy_share += st["policy_loss"]
             sums.add(st)
+            bad_row = torch.where((bad_row < 0) & (bad >= 0), bad + sl.start, bad_row)
         max_norm = cfg.optim.max_grad_norm or math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        # the pass's one host read
+        read = torch.stack([total, grad_norm.to(total), bad_row.to(total)]).tolist()
+        total, grad_norm = read[0], read[1]
+        check_bad_row(cfg.loss.policy_loss, int(read[2]), step)  # a row of this rank's batch
         finite = math.isfinite(grad_norm) and math.isfinite(total)
         if all_reduce_sum(float(not finite), dist):
             # A non-finite loss or gradient on any rank: skip this update everywhere.
@@ -400,7 +444,9 @@ def update_phase(
     model.eval()
     mu = max(len(losses), 1)
     out = sums.reduce(dist)
-    diff_sum, ratio_sum, n_tokens, diff_max = on_policy.tolist()
+    diff_sum, ratio_sum, n_tokens, diff_max, policy_share = torch.cat(
+        [on_policy, policy_share[None]]
+    ).tolist()
     # every rank's loss is its share of the global loss: sum the shares over ranks
     sums_local = {"loss": sum(losses), "policy_loss": policy_share, "diff": diff_sum,
                   "ratio": ratio_sum, "n": n_tokens}  # fmt: skip
@@ -490,26 +536,30 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
     policy = build_policy(cfg, device, need_ref=cfg.loss.needs_reference or cfg.log.kl_every > 0)
     rows = load_rows(cfg.data, cfg.data.split, cfg.data.max_samples, "rl", policy.tokenizer)
     eval_rows = None
-    if cfg.data.eval_samples and dist.is_main:
-        n_eval = cfg.data.eval_samples
-        eval_rows = load_rows(cfg.data, cfg.data.eval_split, n_eval, "rl", policy.tokenizer)
-    check_prompt_room(cfg, mc, "grpo", rows, eval_rows)
+    with rank_local(dist, where):  # rank 0 alone loads them: its failure stops every rank
+        if cfg.data.eval_samples and dist.is_main:
+            n_eval = cfg.data.eval_samples
+            eval_rows = load_rows(cfg.data, cfg.data.eval_split, n_eval, "rl", policy.tokenizer)
+        check_prompt_room(cfg, mc, "grpo", rows, eval_rows)
     reward_fns = build_rewards([r.spec for r in cfg.rewards])
     # Only now, with model, data and rewards checked, does the run directory get written.
     run = start_run(cfg, policy, dist, cfg.train.max_steps * cfg.loss.num_iterations, rundir)
     state, optimizer, scheduler, params = run.state, run.optimizer, run.scheduler, run.params
     policy.model.eval()
     compile_ = resolve_compile(cfg.rollout.compile, device, cfg.rollout.multi_turn)
-    sampler = Sampler(policy.model, compile=compile_, fallback=cfg.rollout.compile == "auto")
-    scorer = wrap_ddp(CompletionLogprobs(policy.model), dist, device)
+    sampler = Sampler(policy.model, compile=compile_, fallback=cfg.rollout.compile == "auto",
+                      precision=policy.precision)  # fmt: skip
+    scorer = wrap_ddp(CompletionLogprobs(policy.model, policy.precision), dist, device)
     G = cfg.rollout.group_size
+    peaks = PhasePeaks(device)
     bad_steps = 0  # consecutive updates skipped as non-finite
 
     def run_eval() -> dict:
         res = evaluate(
             policy.model, policy.tokenizer, eval_rows, stop_ids=policy.stop_ids,
             max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
-            batch_size=cfg.eval.batch_size, **eval_env_settings(cfg),
+            batch_size=cfg.eval.batch_size, precision=policy.precision,
+            **eval_env_settings(cfg),
         )  # fmt: skip
         return {f"eval/{k}": v for k, v in res.summary.items() if isinstance(v, (int, float))}
 
@@ -519,15 +569,18 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
     while state.step < cfg.train.max_steps:
         t0 = time.perf_counter()
         where.step, where.phase = state.step + 1, "rollout"
+        peaks.start()
         batch = rollout_phase(
             cfg, policy, sampler, rows, state, reward_fns, state.step, dist, make_env
         )
         t1 = time.perf_counter()
+        peaks.end("rollout")
         where.phase = "reference / advantage"
         reference_phase(cfg, policy, batch, state.step + 1)
         advantage_phase(cfg, batch, dist, state.step + 1)
         old_logprobs_phase(cfg, policy, batch)
         t2 = time.perf_counter()
+        peaks.end("logprob")
         where.phase = "update"
         metrics = all_reduce_mean_dict(rollout_metrics(batch, G), dist)
         metrics.update(
@@ -536,6 +589,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
             )
         )
         t3 = time.perf_counter()
+        peaks.end("update")
         state.step += 1
         tokens = all_reduce_sum(int(batch.rollout.completion_mask.sum()), dist)
         metrics.update(
@@ -545,19 +599,22 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
                 "perf/logprob_s": t2 - t1,
                 "perf/update_s": t3 - t2,
                 "perf/tokens_per_s": tokens / max(t3 - t0, 1e-9),
-                "perf/peak_mem_mib": peak_mem_mib(device),
+                # the compiled decode step's KV cache, kept through the update (docs/precision.md)
+                "perf/sampler_cache_mib": sampler.kept_cache_bytes / 2**20,
+                **peaks.metrics(),
             }
         )
         skipped = int(metrics["train/nonfinite_skipped"])
         bad_steps = bad_steps + skipped if skipped else 0
         last = state.step == cfg.train.max_steps
         where.phase = "evaluation / logging"
-        if eval_rows and due(state.step, cfg.train.eval_every, last):
-            metrics.update(run_eval())
-        if state.step % cfg.train.log_every == 0 or last:
-            run.logger.log(state.step, metrics)
-        if on_step is not None and dist.is_main:
-            on_step(state.step, metrics)
+        with rank_local(dist, where):  # rank 0's work: its failure stops every rank at once
+            if eval_rows and due(state.step, cfg.train.eval_every, last):
+                metrics.update(run_eval())
+            if state.step % cfg.train.log_every == 0 or last:
+                run.logger.log(state.step, metrics)
+            if on_step is not None and dist.is_main:
+                on_step(state.step, metrics)
         if dist.is_main and cfg.train.sample_every and state.step % cfg.train.sample_every == 0:
             tqdm.write(f"[sample] reward {float(batch.rewards[0]):.2f}: {batch.texts[0]!r}")
         if bad_steps >= cfg.train.max_nonfinite_steps:

@@ -15,10 +15,10 @@ from grpo.config import Config, config_to_dict
 from grpo.distributed import (
     Where,
     all_reduce_max,
-    barrier,
     failures_named,
     gather_objects,
     init_distributed,
+    rank_local,
     teardown,
 )
 from grpo.loading import resolve_device
@@ -77,14 +77,16 @@ class Run:
         cfg = self.cfg
         signum = int(all_reduce_max(self.rundir.stop.signum, dist))
         stop = signum > 0 and not last  # at the last step the run simply finishes
-        if due(self.state.step, cfg.train.save_every, last) or stop:
-            rngs = gather_objects(rng_state(), dist)
-            if dist.is_main:
+        save = due(self.state.step, cfg.train.save_every, last) or stop
+        rngs = gather_objects(rng_state(), dist) if save else None
+        # rank 0 writes; the section's all-reduce is also the barrier (nobody runs ahead of a
+        # checkpoint or an evaluation), and a failed write stops every rank at once
+        with rank_local(dist, Where("checkpoint", self.state.step)):
+            if save and dist.is_main:
                 save_checkpoint(
                     self.out_dir, self.state, policy.model, self.optimizer, self.scheduler,
                     config_to_dict(cfg), cfg.train.keep_last, rng_states=rngs,
                 )  # fmt: skip
-        barrier(dist)  # nobody runs ahead of a checkpoint or an evaluation
         if stop:
             self.logger.close()
             ckpt = self.out_dir / "checkpoints" / f"step_{self.state.step:06d}"
@@ -98,10 +100,10 @@ class Run:
     def finish(self, policy: Policy, dist, metrics: dict) -> dict:
         """Close the logger, write out_dir/final, and return the run's summary."""
         self.logger.close()
-        final = (
-            save_final(policy, self.out_dir, self.cfg) if dist.is_main else self.out_dir / "final"
-        )
-        barrier(dist)
+        final = self.out_dir / "final"
+        with rank_local(dist, Where("final save", self.state.step)):  # rank 0 writes; all wait
+            if dist.is_main:
+                final = save_final(policy, self.out_dir, self.cfg)
         return {
             "output_dir": str(self.out_dir),
             "final": str(final),

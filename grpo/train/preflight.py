@@ -19,20 +19,23 @@ swapped. `preflight` runs them all at the start and fails with one line naming t
 `check_prompt_room` runs once the data is loaded (after the model, still before anything is
 written): every prompt (and SFT completion) plus its budget fits the context.
 
-Memory estimate, in bytes (e = bytes per parameter of model.dtype: 4 float32, 2 bf16/fp16;
-shapes from config.json: L layers, C width, I MLP width, H / H_kv heads of D, V vocabulary):
+Memory estimate, in bytes, by the precision policy (docs/precision.md; e = bytes per element of
+model.dtype: 4 float32, 2 bf16/fp16; k = 2 under autocast (bf16 compute), else e; trainable
+weights are float32 master weights; shapes from config.json: L layers, C width, I MLP width,
+H / H_kv heads of D, V vocabulary):
 
-    weights     N * e                    N: the checkpoint's parameters
+    weights     N * e                    N: the checkpoint's parameters (full fine-tuning: N * 4)
     reference   N * e                    GRPO with full fine-tuning and a KL reference only
-    optimizer   N_t * e * 3 (+ N_t * e)  gradient + AdamW's two moments (+ the LoRA weights);
+    optimizer   N_t * 4 * 3 (+ N_t * 4)  gradient + AdamW's two moments (+ the LoRA weights);
                                          N_t trainable: r * (in + out) per LoRA layer, or N
-    rollout     B * S * 2*L*H_kv*D * e   the sampler's KV cache, B = train.batch_size rows
+    rollout     B * S * 2*L*H_kv*D * k   the sampler's KV cache, B = train.batch_size rows
               + B * V * 4 * 2            (P*G per rank); fp32 logits and probabilities of a step
     training    M * L * A * e            activations kept for backward over M tokens of one
               + 2**23 * 4                micro-batch (train.micro_batch_size rows of S tokens;
                                          a shared prefix counts each group's prompt once),
                                          A = 2C + 2H*D + 2H_kv*D + 3I per token and layer (with
-                                         gradient checkpointing C, plus one layer's A); one
+                                         gradient checkpointing C, plus one layer's A, plus
+                                         2*H_kv*D per shared prompt token and layer); one
                                          32 MiB fp32 tile of the fused log-prob kernel
     evaluation  as rollout with B = eval.batch_size (x eval.k in the pipeline) and S = prompt
                 + the evaluation's budget
@@ -389,12 +392,14 @@ def estimate_memory(
     meta = meta if meta is not None else _meta_decoder(mc)
     e = _ELEMENT_BYTES[cfg.model.dtype]
     n_params = sum(p.numel() for p in meta.parameters())  # a tied head counts once
+    weights = n_params * e
     if cfg.lora.enabled:
         layers = _lora_layers(cfg, meta)
         n_train = sum(cfg.lora.rank * (m.in_features + m.out_features) for m in layers.values())
-        optimizer = n_train * e * 4  # the LoRA weights, their gradients, two AdamW moments
+        optimizer = n_train * 4 * 4  # float32 LoRA weights, their gradients, two AdamW moments
     else:
-        optimizer = n_params * e * 3
+        weights = n_params * 4  # every weight trains: float32 master weights
+        optimizer = n_params * 4 * 3
     full_ref = kind == "grpo" and not cfg.lora.enabled
     needs_ref = cfg.loss.needs_reference or cfg.log.kl_every > 0
     reference = n_params * e if full_ref and needs_ref else 0
@@ -406,8 +411,10 @@ def estimate_memory(
     def prompt(budget: int) -> int:
         return max(1, min(cfg.data.max_prompt_len, ctx - budget))
 
+    kv = 2 if cfg.model.autocast_bf16 else e  # the KV cache holds the compute dtype
+
     def sampling(rows: int, budget: int) -> int:
-        return sampling_bytes(mc, rows, prompt(budget) + budget, e)
+        return sampling_bytes(mc, rows, prompt(budget) + budget, kv)
 
     _, budget = _rollout_budget(cfg, kind)
     rollout = sampling(cfg.train.batch_size, budget) if kind == "grpo" else 0
@@ -419,12 +426,14 @@ def estimate_memory(
     act = 2 if cfg.model.autocast_bf16 else e  # activations are bf16 under autocast
     if cfg.model.gradient_checkpointing:
         activations = tokens * (L * C + per_layer) * act
+        if groups:  # the shared prompt's keys and values stay for the recompute
+            activations += prompt_rows * prompt(budget) * L * 2 * H_kv * D * act
     else:
         activations = tokens * L * per_layer * act
     training = activations + LOGPROB_TILE_BYTES
     evaluation = max((sampling(ev.rows, ev.budget) for ev in evaluations), default=0)
     return MemoryEstimate(
-        weights=n_params * e,
+        weights=weights,
         reference=reference,
         optimizer=optimizer,
         rollout=rollout,

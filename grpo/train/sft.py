@@ -23,6 +23,7 @@ from grpo.distributed import (
     all_reduce_sum,
     device_for,
     no_sync,
+    rank_local,
     wrap_ddp,
 )
 from grpo.errors import GrpoError
@@ -32,6 +33,7 @@ from grpo.train.common import (
     build_policy,
     due,
     peak_mem_mib,
+    reset_peak_mem,
     seed_everything,
 )
 from grpo.train.loop import RunDir, run_training, start_run
@@ -79,14 +81,12 @@ def sft_loss(cfg: Config, scorer, batch: dict, normalizer: float) -> tuple[torch
     Args:
         scorer: a `CompletionLogprobs` (maybe DDP-wrapped) around the model.
     """
-    device = batch["ids"].device
-    with torch.autocast(device.type, torch.bfloat16, enabled=cfg.model.autocast_bf16):
-        logprobs = scorer(
-            batch["ids"],
-            batch["attention_mask"],
-            batch["prompt_width"],
-            batch["completion_mask"],
-        )  # (B, T_c), 0 where masked
+    logprobs = scorer(  # under the policy's autocast (CompletionLogprobs)
+        batch["ids"],
+        batch["attention_mask"],
+        batch["prompt_width"],
+        batch["completion_mask"],
+    )  # (B, T_c), 0 where masked
     return -logprobs.sum() / normalizer, int(batch["completion_mask"].sum())
 
 
@@ -103,15 +103,16 @@ def sft_update(cfg: Config, policy, scorer, batch_rows, optimizer, scheduler, pa
     norm = all_reduce_sum(local, dist)  # completion tokens of the global batch
     policy.model.train()
     optimizer.zero_grad(set_to_none=True)
-    total, tokens = 0.0, 0
+    total, tokens = torch.zeros((), dtype=torch.float64, device=device), 0  # summed on device
     slices = list(micro_batches(len(batch_rows), cfg.train.micro_batch_size or len(batch_rows)))
     for i, sl in enumerate(slices):
         batch = collate(batch_rows[sl], policy.tokenizer.pad_token_id, device)
         with no_sync(scorer, skip=i < len(slices) - 1):
             loss, n = sft_loss(cfg, scorer, batch, norm)
             (loss * dist.world_size).backward()  # DDP averages; we want the sum
-        total, tokens = total + loss.item(), tokens + n
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm or np.inf))
+        total, tokens = total + loss.detach(), tokens + n  # float64: as Python floats sum
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm or np.inf)
+    total, grad_norm = torch.stack([total, grad_norm.to(total)]).tolist()  # the one host read
     policy.model.eval()
     finite = math.isfinite(total) and math.isfinite(grad_norm)
     if all_reduce_sum(float(not finite), dist):  # skip the update on every rank
@@ -152,13 +153,14 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
     rows = load_rows(cfg.data, cfg.data.split, cfg.data.max_samples, "sft", tok)
     rows = tokenize_sft(rows, tok, cfg.rollout.max_new_tokens)
     eval_rows = None
-    if cfg.data.eval_samples and dist.is_main:
-        eval_rows = load_rows(cfg.data, cfg.data.eval_split, cfg.data.eval_samples, "rl", tok)
-    check_prompt_room(cfg, mc, "sft", rows, eval_rows)
+    with rank_local(dist, where):  # rank 0 alone loads them: its failure stops every rank
+        if cfg.data.eval_samples and dist.is_main:
+            eval_rows = load_rows(cfg.data, cfg.data.eval_split, cfg.data.eval_samples, "rl", tok)
+        check_prompt_room(cfg, mc, "sft", rows, eval_rows)
     steps = total_sft_steps(cfg, len(rows) // dist.world_size)
     run = start_run(cfg, policy, dist, steps, rundir)  # inputs checked: now write outputs
     state, optimizer, scheduler, params = run.state, run.optimizer, run.scheduler, run.params
-    scorer = wrap_ddp(CompletionLogprobs(policy.model), dist, device)
+    scorer = wrap_ddp(CompletionLogprobs(policy.model, policy.precision), dist, device)
     B = cfg.train.batch_size
     bad_steps = 0  # consecutive skipped (non-finite) updates
     metrics: dict = {}
@@ -167,6 +169,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
     while state.step < steps:
         t0 = time.perf_counter()
         where.step, where.phase = state.step + 1, "update"
+        reset_peak_mem(device)  # perf/peak_mem_mib: this step's peak
         # every rank walks the same global order and takes its own slice of the global batch
         idx = next_prompts(state, len(rows), B * dist.world_size, cfg.train.seed)
         batch_rows = [rows[i] for i in idx[dist.rank * B : (dist.rank + 1) * B]]
@@ -194,19 +197,20 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
         }
         last = state.step == steps
         where.phase = "evaluation / checkpoint"
-        if eval_rows and due(state.step, cfg.train.eval_every, last):
-            res = evaluate(
-                policy.model, tok, eval_rows, stop_ids=policy.stop_ids,
-                max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
-                batch_size=cfg.eval.batch_size,
-            )  # fmt: skip
-            metrics.update({f"eval/{k}": v for k, v in res.summary.items() if k != "errors"})
-        if state.step % cfg.train.log_every == 0 or last:
-            run.logger.log(
-                state.step, {k: v for k, v in metrics.items() if not isinstance(v, dict)}
-            )
-        if on_step is not None and dist.is_main:
-            on_step(state.step, metrics)
+        with rank_local(dist, where):  # rank 0's work: its failure stops every rank at once
+            if eval_rows and due(state.step, cfg.train.eval_every, last):
+                res = evaluate(
+                    policy.model, tok, eval_rows, stop_ids=policy.stop_ids,
+                    max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+                    batch_size=cfg.eval.batch_size, precision=policy.precision,
+                )  # fmt: skip
+                metrics.update({f"eval/{k}": v for k, v in res.summary.items() if k != "errors"})
+            if state.step % cfg.train.log_every == 0 or last:
+                run.logger.log(
+                    state.step, {k: v for k, v in metrics.items() if not isinstance(v, dict)}
+                )
+            if on_step is not None and dist.is_main:
+                on_step(state.step, metrics)
         run.end_step(policy, dist, last)
         bar.update(1)
     bar.close()

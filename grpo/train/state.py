@@ -308,10 +308,15 @@ def load_checkpoint(
             raise GrpoError(f"checkpoint {path}: tensor {name!r} does not fit this model")
         with torch.no_grad():
             params[name].copy_(t)
+    # Onto this rank's device: saved on rank 0's GPU, the states would otherwise all land on
+    # cuda:0, every rank's copy filling that one device.
+    device = next(iter(params.values())).device if params else torch.device("cpu")
     if optimizer is not None:
-        optimizer.load_state_dict(torch_load(path / "optimizer.pt", "an optimizer state"))
+        state = torch_load(path / "optimizer.pt", "an optimizer state", map_location=device)
+        optimizer.load_state_dict(state)
     if scheduler is not None:
-        scheduler.load_state_dict(torch_load(path / "scheduler.pt", "a scheduler state"))
+        state = torch_load(path / "scheduler.pt", "a scheduler state", map_location=device)
+        scheduler.load_state_dict(state)
     rngs = meta["rng"]
     if rank >= len(rngs):
         raise GrpoError(

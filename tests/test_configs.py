@@ -1,0 +1,187 @@
+"""Every file in configs/ runs as written: one step of each on a tiny model on the CPU, with the
+config's own dtype, autocast, LoRA, gradient checkpointing, shared-prefix and compile settings;
+only the model path, the data source, the sizes and the lengths are overridden. (The demo
+files run in tests/test_demo.py, pipeline_tiny in tests/test_pipeline.py.) CPU autocast is
+bf16, so the tutorial's fp32 + bf16-autocast + LoRA configs meet what they meet on a GPU.
+
+Plus the end-to-end bf16 matrix: one GRPO step under bf16 autocast for each of LoRA on/off x
+compiled decode on/off x shared prefix on/off x single turn / multi-turn tools."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from grpo.config import load_config
+from grpo.models.config import ModelConfig
+from grpo.train.grpo import train_grpo
+from grpo.train.sft import train_sft
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
+# Which test runs each config file; a new file fails here until it is given one.
+RUN_ELSEWHERE = {
+    "demo_cpu.yaml": "tests/test_demo.py::test_demo_quick_writes_every_output",
+    "demo_tools_cpu.yaml": "tests/test_demo.py::test_tools_demo_quick_writes_every_output",
+    "pipeline_tiny.yaml": "tests/test_pipeline.py::test_tiny_pipeline_writes_complete_results",
+}
+RUN_HERE = ("gsm8k_qwen3_0.6b_sft.yaml", "gsm8k_qwen3_0.6b_grpo.yaml", "pipeline_gsm8k.yaml",
+            "tiny_ci.yaml")  # fmt: skip
+# Sizes and lengths only: one step, a few rows, short prompts and completions.
+SMALL = ["train.max_steps=1", "data.max_samples=8", "data.eval_samples=2", "eval.max_samples=2",
+         "eval.max_new_tokens=8", "rollout.max_new_tokens=12",
+         "train.log_every=1", "train.progress=false"]  # fmt: skip
+
+
+def test_every_config_file_is_run_by_a_test():
+    files = {p.name for p in CONFIGS.glob("*.yaml")}
+    assert files == set(RUN_ELSEWHERE) | set(RUN_HERE)
+
+
+def settings(name: str) -> dict:
+    return yaml.safe_load((CONFIGS / name).read_text())
+
+
+def check_metrics(out: Path, steps: int = 1) -> dict:
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in recs if r.get("step") == steps][-1]
+    for k, v in last.items():
+        if isinstance(v, float) and not k.startswith("eval/"):
+            assert math.isfinite(v), (k, v)
+    return last
+
+
+@pytest.fixture(scope="module")
+def gsm8k_sft(shared_tiny_model, tmp_path_factory):
+    """configs/gsm8k_qwen3_0.6b_sft.yaml for one step: fp32 weights, bf16 autocast, LoRA,
+    gradient checkpointing, as written."""
+    out = tmp_path_factory.mktemp("gsm8k_sft") / "run"
+    cfg = load_config(CONFIGS / "gsm8k_qwen3_0.6b_sft.yaml", [
+        f"model.path={shared_tiny_model}", f"data.source={GSM8K}", f"train.output_dir={out}",
+        "train.epochs=null", "train.batch_size=2", *SMALL])  # fmt: skip
+    assert cfg.model.autocast_bf16 and cfg.lora.enabled and cfg.model.gradient_checkpointing
+    assert cfg.model.dtype == settings("gsm8k_qwen3_0.6b_sft.yaml")["model"]["dtype"]
+    summary = train_sft(cfg)
+    return out, summary
+
+
+def test_gsm8k_sft_config_runs(gsm8k_sft):
+    out, summary = gsm8k_sft
+    assert summary["step"] == 1 and (out / "final" / "adapter_model.safetensors").is_file()
+    assert check_metrics(out)["train/grad_norm"] > 0
+
+
+def test_gsm8k_grpo_config_runs_from_the_sft_adapter(gsm8k_sft, shared_tiny_model, tmp_path):
+    """As the tutorial runs it: GRPO from SFT's adapter (merged at load: also the reference)."""
+    sft_out, _ = gsm8k_sft
+    out = tmp_path / "run"
+    cfg = load_config(CONFIGS / "gsm8k_qwen3_0.6b_grpo.yaml", [
+        f"model.path={shared_tiny_model}", f"model.adapter={sft_out / 'final'}",
+        f"data.source={GSM8K}", f"train.output_dir={out}", *SMALL])  # fmt: skip
+    assert cfg.model.autocast_bf16 and cfg.lora.enabled and cfg.model.gradient_checkpointing
+    assert train_grpo(cfg)["step"] == 1
+    m = check_metrics(out)
+    assert m["train/grad_norm"] > 0
+    assert m["rollout/logprob_diff_max"] <= 1e-2  # bf16 budget (tests/test_precision.py)
+
+
+def test_pipeline_gsm8k_config_runs(shared_tiny_model, tmp_path):
+    from tests.test_pipeline import cli
+
+    out = tmp_path / "pipe"
+    args = cli(["pipeline", "--config", str(CONFIGS / "pipeline_gsm8k.yaml"),
+                f"model.path={shared_tiny_model}", f"data.source={GSM8K}", f"output_dir={out}",
+                "sft.train.epochs=null", "sft.train.batch_size=2", "grpo.rollout.max_new_tokens=8",
+                "sft.rollout.max_new_tokens=8",
+                "sft.eval.sft_accuracy_threshold=0",  # a random model: let GRPO run too
+                *[s for s in SMALL if not s.startswith(("rollout.", "train.log", "train.prog"))],
+                ])  # fmt: skip
+    assert args.func(args) == 0
+    results = json.loads((out / "training_results.json").read_text())
+    assert results["status"] == "completed", results
+
+
+def test_tiny_ci_config_runs(shared_tiny_model, tmp_path):
+    out = tmp_path / "run"
+    cfg = load_config(CONFIGS / "tiny_ci.yaml", [
+        f"model.path={shared_tiny_model}", f"train.output_dir={out}", "train.max_steps=1",
+        "train.progress=false"])  # fmt: skip
+    assert train_grpo(cfg)["step"] == 1
+    m = check_metrics(out)
+    phases = [m[f"perf/peak_mem_{k}_mib"] for k in ("rollout", "logprob", "update")]
+    assert min(phases) > 0 and m["perf/peak_mem_mib"] == max(phases)
+
+
+class EchoTool:
+    """Two model turns whatever the (random) model writes: the first gets a tool observation
+    appended to the KV cache, the second ends the episode."""
+
+    tools: list = []
+
+    def __init__(self):
+        self.turns = 0
+
+    def start(self, row):
+        return None  # the row's own prompt
+
+    def step(self, text, token_ids):
+        from grpo.envs import Step
+
+        self.turns += 1
+        if self.turns >= 2:
+            return Step(observation=None, reward=0.5, done=True)
+        return Step(observation="42", reward=0.1, info={"tool_calls": 1})
+
+
+def load_model_config(path) -> ModelConfig:
+    return ModelConfig.from_hf(json.loads((Path(path) / "config.json").read_text()))
+
+
+def aot_eager_sampler(monkeypatch):
+    """rollout.compile=on compiles the decode step through dynamo with the aot_eager backend
+    (the same graph capture, static cache and guards as inductor, without seconds of C++)."""
+    import grpo.train.grpo as g
+    from grpo.rollout import Sampler
+
+    monkeypatch.setattr(g, "Sampler", functools.partial(
+        Sampler, compile_options={"backend": "aot_eager"}))  # fmt: skip
+
+
+@pytest.mark.parametrize("turns", ["single", "tools"])
+@pytest.mark.parametrize("shared_prefix", ["on", "off"])
+@pytest.mark.parametrize("compile_", ["on", "off"])
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_grpo_step_under_bf16_autocast(shared_tiny_model, tmp_path, monkeypatch, lora, compile_,
+                                       shared_prefix, turns):  # fmt: skip
+    import grpo.envs.base
+
+    aot_eager_sampler(monkeypatch)
+    # registered for this test only (the registry is process-wide)
+    monkeypatch.setitem(grpo.envs.base._REGISTERED, "echo_tool_test", EchoTool)
+    tools = ["rollout.env=echo_tool_test", "rollout.max_turns=2", "rollout.max_obs_tokens=8",
+             "eval.env=single_turn"] if turns == "tools" else []  # fmt: skip
+    cfg = load_config(CONFIGS / "tiny_ci.yaml", [
+        f"model.path={shared_tiny_model}", f"train.output_dir={tmp_path / 'run'}",
+        "model.autocast_bf16=true", f"lora.enabled={str(lora).lower()}",
+        f"rollout.compile={compile_}", f"train.shared_prefix={shared_prefix}",
+        "train.max_steps=1", "train.progress=false", "data.eval_samples=0",
+        "rollout.max_new_tokens=8", "data.max_samples=8",
+        "loss.entropy_coef=0.01",  # a gradient even when a random model's rewards are all equal
+        *tools])  # fmt: skip
+    assert train_grpo(cfg)["step"] == 1
+    m = check_metrics(tmp_path / "run")
+    assert m["rollout/logprob_diff_max"] <= 1e-2 and m["train/grad_norm"] > 0
+    # the compiled step's bf16 KV cache, kept through the update: B x L x 2 x H_kv x S x D x 2
+    # bytes, S a multiple of 64 slots; nothing kept by the eager sampler
+    c = load_model_config(shared_tiny_model)
+    per_slot = 8 * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 2
+    slots = m["perf/sampler_cache_mib"] * 2**20 / per_slot
+    assert (slots > 0 and slots % 64 == 0) if compile_ == "on" else slots == 0, slots
+    if turns == "tools":  # every trajectory: turn, observation, turn
+        assert m["env/turns_mean"] == 2 and m["env/tool_calls_mean"] == 1
