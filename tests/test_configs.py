@@ -24,7 +24,9 @@ from grpo.train.sft import train_sft
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
-GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
+# the vendored GSM8K test split (tests/data/gsm8k): the suite never needs the shared data folder
+GSM8K = REPO / "tests" / "data" / "gsm8k"
+GSM8K_SPLIT = ["data.split=test", "data.eval_split=test"]
 # Which test runs each config file; a new file fails here until it is given one.
 RUN_ELSEWHERE = {
     "demo_cpu.yaml": "tests/test_demo.py::test_demo_quick_writes_every_output",
@@ -63,8 +65,8 @@ def gsm8k_sft(shared_tiny_model, tmp_path_factory):
     gradient checkpointing, as written."""
     out = tmp_path_factory.mktemp("gsm8k_sft") / "run"
     cfg = load_config(CONFIGS / "gsm8k_qwen3_0.6b_sft.yaml", [
-        f"model.path={shared_tiny_model}", f"data.source={GSM8K}", f"train.output_dir={out}",
-        "train.epochs=null", "train.batch_size=2", *SMALL])  # fmt: skip
+        f"model.path={shared_tiny_model}", f"data.source={GSM8K}", *GSM8K_SPLIT,
+        f"train.output_dir={out}", "train.epochs=null", "train.batch_size=2", *SMALL])  # fmt: skip
     assert cfg.model.autocast_bf16 and cfg.lora.enabled and cfg.model.gradient_checkpointing
     assert cfg.model.dtype == settings("gsm8k_qwen3_0.6b_sft.yaml")["model"]["dtype"]
     summary = train_sft(cfg)
@@ -83,7 +85,7 @@ def test_gsm8k_grpo_config_runs_from_the_sft_adapter(gsm8k_sft, shared_tiny_mode
     out = tmp_path / "run"
     cfg = load_config(CONFIGS / "gsm8k_qwen3_0.6b_grpo.yaml", [
         f"model.path={shared_tiny_model}", f"model.adapter={sft_out / 'final'}",
-        f"data.source={GSM8K}", f"train.output_dir={out}", *SMALL])  # fmt: skip
+        f"data.source={GSM8K}", *GSM8K_SPLIT, f"train.output_dir={out}", *SMALL])  # fmt: skip
     assert cfg.model.autocast_bf16 and cfg.lora.enabled and cfg.model.gradient_checkpointing
     assert train_grpo(cfg)["step"] == 1
     m = check_metrics(out)
@@ -97,6 +99,7 @@ def test_pipeline_gsm8k_config_runs(shared_tiny_model, tmp_path):
     out = tmp_path / "pipe"
     args = cli(["pipeline", "--config", str(CONFIGS / "pipeline_gsm8k.yaml"),
                 f"model.path={shared_tiny_model}", f"data.source={GSM8K}", f"output_dir={out}",
+                *[f"{stage}.{o}" for stage in ("sft", "grpo") for o in GSM8K_SPLIT],
                 "sft.train.epochs=null", "sft.train.batch_size=2", "grpo.rollout.max_new_tokens=8",
                 "sft.rollout.max_new_tokens=8",
                 "sft.eval.sft_accuracy_threshold=0",  # a random model: let GRPO run too
