@@ -15,7 +15,7 @@ import logging
 import math
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -24,6 +24,7 @@ import yaml
 
 from grpo.errors import GrpoError
 from grpo.io import read_text, write_text
+from grpo.plugins import load_plugins
 
 
 class ConfigError(GrpoError):
@@ -509,6 +510,10 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    # Modules imported before the rest of the config is checked, so the names they register
+    # (advantage, policy loss, KL, reward, environment) are valid in it: `package.module`, or
+    # `package.module:function` (called with no arguments). grpo/plugins.py, docs/extending.md.
+    plugins: tuple[str, ...] = ()
 
     def __post_init__(self):
         _check(len(self.rewards) > 0, "rewards", "needs at least one reward function")
@@ -751,17 +756,26 @@ def parse_overrides(overrides: list[str] | None) -> list[tuple[str, Any]]:
 
 
 def load_config(
-    path: str | Path | None = None, overrides: list[str] | None = None, base: dict | None = None
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    base: dict | None = None,
+    plugins: Sequence[str] = (),
 ) -> Config:
-    """Read a YAML config, apply dotted overrides (values parsed as YAML), validate.
+    """Read a YAML config, apply dotted overrides (values parsed as YAML), import its plugins,
+    validate.
 
     Args:
         path: a YAML file, or None to start from `base` (or defaults).
         overrides: ["optim.lr=1e-5", "lora.targets=[q_proj,v_proj]", ...].
         base: a dict used instead of (or, with a path, under) the file's content.
+        plugins: more plugins (the CLI's `--plugin`), added to the config's `plugins` (kept in
+            the result, so a run's saved config imports them again).
 
     Returns:
-        the frozen `Config`. Raises `ConfigError` naming the dotted field on any problem.
+        the frozen `Config`. Raises `ConfigError` naming the dotted field on any problem
+        (a plugin that fails to import: `plugins[i]: cannot import ...`). The installed
+        entry-point plugins and then the config's `plugins` are imported before anything else
+        is checked (grpo/plugins.py).
     """
     data: dict = json.loads(json.dumps(base)) if base else {}
     if path is not None:
@@ -782,6 +796,12 @@ def load_config(
         data.update(loaded)
     for key, value in parse_overrides(overrides):
         _set_dotted(data, key, value)
+    listed = _coerce(data.get("plugins", []), tuple[str, ...], "plugins")
+    data["plugins"] = [*listed, *(p for p in plugins if p not in listed)]
+    try:  # first: loss, reward and environment names may be theirs
+        load_plugins(data["plugins"])
+    except GrpoError as e:
+        raise ConfigError(str(e)) from None
     return _build(Config, data)
 
 

@@ -151,7 +151,8 @@ def evaluate(
         seed: sampling seed.
         details: keep per-sample records (prompt, completion, scores).
         env: an environment (`rollout.env` names) for multi-turn episodes: the final turn is
-            scored, and turns, tool calls, invalid-call rate and turn-limit rate are reported.
+            scored (math accuracy against `ground_truth`, whatever the environment), and the
+            `env_metrics` (turns, tool calls, limits, ...) are reported per problem.
         env_kwargs, max_turns, max_total_tokens, max_obs_tokens, turn_end_tokens: as the
             `rollout.*` settings of the same names (max_new_tokens is per turn).
         precision: the run's `grpo.precision.Precision` (a trainer's evaluation runs in the
@@ -159,10 +160,17 @@ def evaluate(
 
     Returns:
         `EvalResult(summary, samples)`.
+
+    Raises:
+        GrpoError: a row without `ground_truth` (named).
     """
     from grpo.rollout import Sampler
     from grpo.rollout.multiturn import env_metrics
 
+    unscorable = next((i for i, r in enumerate(rows) if "ground_truth" not in r), None)
+    if unscorable is not None:
+        raise GrpoError(f"evaluation: row {unscorable} has no 'ground_truth' to score its final "
+                        "answer against (evaluation scores math accuracy)")  # fmt: skip
     sampler = Sampler(model, precision=precision)
     generate = _generator(sampler, tokenizer, stop_ids, max_new_tokens, env, env_kwargs,
                           max_turns, max_total_tokens, max_obs_tokens, turn_end_tokens)  # fmt: skip
@@ -174,7 +182,7 @@ def evaluate(
         greedy = generate(chunk, 1, 0.0, seed)
         texts = greedy.decode(tokenizer, skip_special_tokens=True)
         lengths = greedy.scored_mask.sum(-1).tolist()  # generated tokens (all turns)
-        for key, value in env_metrics(greedy).items():
+        for key, value in env_metrics(greedy, max_turns).items():
             env_sums[key] = env_sums.get(key, 0.0) + value * len(chunk)
         for i, (row, text) in enumerate(zip(chunk, texts)):
             s = score_completion(text, row["ground_truth"], int(lengths[i]))
@@ -260,6 +268,52 @@ def eval_env_settings(cfg: Config) -> dict:
     return {"env": env, "env_kwargs": r.env_kwargs if same else {}, "max_turns": r.max_turns,
             "max_total_tokens": r.max_total_tokens, "max_obs_tokens": r.max_obs_tokens,
             "turn_end_tokens": r.turn_end_tokens}  # fmt: skip
+
+
+# Environments whose final turn answers the row's math question by construction, and rewards
+# that score a final answer against ground_truth as `evaluate` does.
+ANSWER_ENVS = ("single_turn", "calculator")
+ANSWER_REWARDS = ("accuracy", "step")
+
+
+def eval_fit_notice(cfg: Config) -> str | None:
+    """One line when a run's evaluation would score what its training does not, else None.
+
+    Evaluation always scores math accuracy: the final turn's answer against each row's
+    `ground_truth` (`score_completion`). It fits the environment it runs (eval.env, by
+    default rollout.env) when that environment's episodes end in such an answer
+    (ANSWER_ENVS) or when a training reward scores that answer (ANSWER_REWARDS, also inside
+    `combined`). Otherwise, say a custom environment trained on its step rewards or a reward
+    of its own, eval/accuracy measures something no reward asks for and can read 0.000
+    throughout: the line says so and how to change it. (Rows always have a ground_truth once
+    loaded; `evaluate` refuses one without.)
+    """
+    env = cfg.eval.env or cfg.rollout.env
+    if env in ANSWER_ENVS:
+        return None
+    names = {n for r in cfg.rewards for n in _reward_names(r.name, r.kwargs)}
+    if names & set(ANSWER_REWARDS):
+        return None
+    source = "eval.env" if cfg.eval.env else "rollout.env's, as eval.env is unset"
+    return (
+        f"eval.env: evaluation episodes run in {env!r} ({source}) and are scored by math "
+        f"accuracy of the final turn against each row's ground_truth (eval/accuracy), which "
+        f"no training reward measures (rewards: {', '.join(r.name for r in cfg.rewards)}); "
+        "add an accuracy reward if the final turn answers the row, set eval.env to an "
+        "environment that does, or set data.eval_samples=0 to skip evaluation"
+    )
+
+
+def _reward_names(name: str, kwargs: dict) -> list[str]:
+    """A reward's name and, for `combined`, its components' names."""
+    if name != "combined":
+        return [name]
+    weights = kwargs.get("weights", {})
+    if isinstance(weights, dict):
+        return [name, *map(str, weights)]
+    if isinstance(weights, (list, tuple)):
+        return [name, *(w.get("name", "") if isinstance(w, dict) else str(w) for w in weights)]
+    return [name]
 
 
 def average_reward(cfg: Config, rows: list[dict], samples: list[dict]) -> float:

@@ -39,6 +39,10 @@ class MetricLogger:
         config: the resolved config dict, given to wandb.
         resume_step: a resumed run drops records after this step (logged by the killed run
             after its last checkpoint, and about to be logged again).
+        header: string fields (``run/<name>``: the estimator, loss, ... a run uses) added to
+            the first record this logger writes, so that each start of a run names its choices
+            in metrics.jsonl without a record of its own (step lists stay 1, 2, ...). Sent to
+            neither stdout nor TensorBoard; wandb has them in its config.
     """
 
     def __init__(
@@ -50,10 +54,12 @@ class MetricLogger:
         wandb_project: str = "grpo",
         config: dict | None = None,
         resume_step: int | None = None,
+        header: dict[str, str] | None = None,
     ):
         self.enabled = enabled
         self.path = Path(out_dir) / "metrics.jsonl"
         self._tb = self._wandb = None
+        self._header = dict(header or {})  # written with the first record, then cleared
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -74,7 +80,8 @@ class MetricLogger:
             return
         clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
         with open_text(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **clean}) + "\n")
+            f.write(json.dumps({"step": step, **self._header, **clean}) + "\n")
+        self._header = {}
         if stdout:
             parts = [f"step {step}"]
             for key, label, fmt in STDOUT_KEYS:

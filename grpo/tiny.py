@@ -1,7 +1,8 @@
 """Tiny offline models: a BPE tokenizer trained on mini-math text and a random-init Qwen3.
 
 Used by `grpo demo`, `grpo tiny-model` and the CI configs, so that everything runs with no
-network and no downloaded weights.
+network and no downloaded weights; `digit_share` is the reward a random-init model can climb
+(configs/quickstart.yaml).
 """
 
 from __future__ import annotations
@@ -85,3 +86,14 @@ def make_tiny_model(
         json.dumps({"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}) + "\n"
     )
     return out
+
+
+def digit_share(completions: list[str], **columns) -> list[float]:
+    """The quickstart's reward (configs/quickstart.yaml): the share of each completion's
+    characters that are digits, in [0, 1] (``"x 12"`` -> 0.5; empty -> 0).
+
+    A dense toy signal, not a skill: a random-init model already writes a digit now and then,
+    so the rewards of a group differ from the first step and GRPO has something to climb
+    (towards all-digit completions). `columns` (the dataset's) are ignored.
+    """
+    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]

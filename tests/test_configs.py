@@ -34,7 +34,7 @@ RUN_ELSEWHERE = {
     "pipeline_tiny.yaml": "tests/test_pipeline.py::test_tiny_pipeline_writes_complete_results",
 }
 RUN_HERE = ("gsm8k_qwen3_0.6b_sft.yaml", "gsm8k_qwen3_0.6b_grpo.yaml", "pipeline_gsm8k.yaml",
-            "tiny_ci.yaml")  # fmt: skip
+            "tiny_ci.yaml", "quickstart.yaml")  # fmt: skip
 # Sizes and lengths only: one step, a few rows, short prompts and completions.
 SMALL = ["train.max_steps=1", "data.max_samples=8", "data.eval_samples=2", "eval.max_samples=2",
          "eval.max_new_tokens=8", "rollout.max_new_tokens=12",
@@ -119,6 +119,29 @@ def test_tiny_ci_config_runs(shared_tiny_model, tmp_path):
     m = check_metrics(out)
     phases = [m[f"perf/peak_mem_{k}_mib"] for k in ("rollout", "logprob", "update")]
     assert min(phases) > 0 and m["perf/peak_mem_mib"] == max(phases)
+
+
+def test_quickstart_config_learns(shared_tiny_model, tmp_path):
+    """configs/quickstart.yaml as written (only the model, the output and the step count
+    overridden): a learning signal from step 1 (rewards differ within groups, a non-zero
+    gradient at a non-zero lr) and a reward mean that climbs within 15 of its 30 steps."""
+    from grpo.train.optim import lr_lambda
+
+    out = tmp_path / "run"
+    cfg = load_config(CONFIGS / "quickstart.yaml", [
+        f"model.path={shared_tiny_model}", f"train.output_dir={out}", "train.max_steps=15",
+        "train.progress=false"])  # fmt: skip
+    assert train_grpo(cfg)["step"] == 15
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    recs = [r for r in recs if "rollout/reward_mean" in r]
+    first = recs[0]
+    assert first["rollout/reward_std"] > 0 and first["rollout/frac_zero_std_groups"] < 1
+    assert first["train/grad_norm"] > 0
+    # 15 steps, W = round(0.1 * 15) = 2: step 1 runs at lr / 2
+    assert first["train/lr"] == pytest.approx(cfg.optim.lr * lr_lambda(0, 15, cfg.optim))
+    assert first["train/lr"] == pytest.approx(cfg.optim.lr / 2)
+    reward = [r["rollout/reward_mean"] for r in recs]
+    assert sum(reward[-3:]) > 3 * sum(reward[:3]), reward
 
 
 class EchoTool:

@@ -1,5 +1,7 @@
 """The two layers: the core (`grpo.*` outside `grpo/apps/`) never imports the applications
-(`grpo.apps`: CLI, pipeline, sweep, serve, tool, demo, plot), and the entry points reach them."""
+(`grpo.apps`: CLI, pipeline, sweep, serve, tool, demo, plot), and the entry points reach them.
+The conformance kit (`grpo/testing/`) is optional, on top of the core: the core never imports
+it (nor pytest), and it imports no app."""
 
 from __future__ import annotations
 
@@ -14,10 +16,15 @@ GRPO = REPO / "grpo"
 APPS = GRPO / "apps"
 # `python -m grpo` is the CLI's launcher, not part of the core
 LAUNCHERS = {GRPO / "__main__.py"}
+KIT = GRPO / "testing"  # the conformance kit: optional, built on the core, not part of it
 
 
 def core_files() -> list[Path]:
-    files = sorted(p for p in GRPO.rglob("*.py") if APPS not in p.parents and p not in LAUNCHERS)
+    files = sorted(
+        p
+        for p in GRPO.rglob("*.py")
+        if APPS not in p.parents and KIT not in p.parents and p not in LAUNCHERS
+    )
     assert len(files) > 40, files  # the scan does see the core
     return files
 
@@ -49,6 +56,10 @@ def is_app(module: str) -> bool:
     return module == "grpo.apps" or module.startswith("grpo.apps.")
 
 
+def is_kit(module: str) -> bool:
+    return module == "grpo.testing" or module.startswith("grpo.testing.")
+
+
 def test_imported_modules_sees_every_spelling():
     src = ("import grpo.apps.cli\nfrom grpo import apps\nfrom grpo.apps.serving import Engine\n"
            "def f():\n    from ..apps import tool\n    from . import batch\n")  # fmt: skip
@@ -72,13 +83,28 @@ def test_the_core_never_imports_the_apps():
     assert not bad, bad
 
 
+def test_the_core_never_imports_the_kit_and_the_kit_no_app():
+    scans = [(core_files(), is_kit), (sorted(KIT.rglob("*.py")), is_app)]
+    bad = [
+        f"{path.relative_to(REPO)}:{line} imports {module}"
+        for files, forbidden in scans
+        for path in files
+        for line, module in imported_modules(
+            path.read_text(), module_name(path), path.name == "__init__.py"
+        )
+        if forbidden(module)
+    ]
+    assert not bad, bad
+
+
 def test_importing_every_core_module_loads_no_app():
     modules = [module_name(p) for p in core_files()]
     code = (
         "import importlib, sys\n"
         f"for m in {modules!r}:\n"
         "    importlib.import_module(m)\n"
-        "print(sorted(m for m in sys.modules if m == 'grpo.apps' or m.startswith('grpo.apps.')))\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[:2] in (['grpo', 'apps'],\n"
+        "             ['grpo', 'testing']) or m.split('.')[0] in ('pytest', '_pytest')))\n"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

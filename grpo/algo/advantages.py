@@ -16,9 +16,11 @@ hands it the *global* batch, all ranks concatenated, so batch statistics are exa
     turn_gamma     float             rollout.gamma: token rewards of turn k already carry
                                      turn_gamma^k, so each row sums to its discounted return
 
-plus whatever `loss.advantage_kwargs` holds. It returns (B, T_c) advantages; values outside
-`mask` are ignored (set to 0). Sequence-level estimators broadcast one value per row with
-`broadcast`.
+plus whatever `loss.advantage_kwargs` holds. It returns (B, T_c) advantages, and only that
+shape; values outside `mask` are ignored (set to 0). Sequence-level estimators broadcast one
+value per row with `broadcast`. A 1-d result is refused, not broadcast: (B,) and (T_c,) are the
+same shape whenever T_c == B, so a per-token vector returned by mistake would pass as per-row
+values on exactly those steps.
 
 eps: GRPO divides by (std + eps) with eps = 1e-4 by default, as TRL does; verl uses 1e-6.
 A group of equal rewards gets advantage exactly 0 (never NaN) either way.
@@ -203,8 +205,8 @@ def compute_advantages(
         (B, T_c) float32 advantages, exactly 0 outside `mask`.
 
     Raises:
-        GrpoError: the estimator returned the wrong shape or a non-finite value on a
-            completion token (named, with the first bad row).
+        GrpoError: the estimator returned anything but a (B, T_c) tensor (a 1-d (B,) too) or a
+            non-finite value on a completion token (named, with the first bad row).
     """
     mask = mask.bool()
     token_rewards = torch.where(mask, token_rewards.float(), 0.0)  # nothing leaks from padding
@@ -223,11 +225,12 @@ def compute_advantages(
     label = f"advantage estimator {name!r}"
     if not isinstance(out, torch.Tensor):
         raise GrpoError(f"{label} returned {type(out).__name__}, expected a (B, T_c) tensor")
-    if out.dim() == 1 and out.shape[0] == mask.shape[0]:  # (B,): one value per row
-        out = broadcast(out.float(), mask)
     if out.shape != mask.shape:
+        # a 1-d result is never broadcast: (B,) cannot be told from (T_c,) when T_c == B
+        hint = "; for one value per row return grpo.algo.broadcast(values, mask)"
         raise GrpoError(
             f"{label} returned shape {tuple(out.shape)}, expected (B, T_c) = {tuple(mask.shape)}"
+            + (hint if out.dim() == 1 else "")
         )
     bad = ~torch.isfinite(out) & mask
     if bad.any():

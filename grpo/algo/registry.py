@@ -34,8 +34,8 @@ class Registry:
     def register(self, name: str, *, overwrite: bool = False, claims: tuple[str, ...] = ()):
         """Decorator: make the function available as `name`.
 
-        `claims` are properties the conformance suite (tests/test_algo_conformance.py) then
-        checks for this entry, e.g. "shift_invariant" or "group_zero_sum" for estimators."""
+        `claims` are properties the conformance kit (`grpo.testing`) then checks for this
+        entry, e.g. "shift_invariant" or "group_zero_sum" for estimators."""
         if not isinstance(name, str) or not name or ":" in name:
             raise GrpoError(f"{self.kind} name must be a non-empty string without ':': {name!r}")
 

@@ -22,16 +22,52 @@ def cmd_config(args) -> int:
 
     from grpo.config import config_to_dict, load_config
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, plugins=args.plugin)
+    check_before_model(cfg, args.trainer)
     print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
     return 0
+
+
+def check_before_model(cfg, trainer: str) -> None:
+    """What `grpo train` (trainer "grpo") or `grpo sft` checks before it loads the model, by the
+    same functions: the GRPO rules, the environments and their kwargs, the reward names and
+    parameters, then the preflight (output directory, token budgets against the context, LoRA
+    shapes, generated-data caps, memory estimate). The preflight reads the checkpoint's
+    config.json, so it runs only when model.path exists on this machine: `grpo config` never
+    downloads. Left to training: the run directory's state (it depends on --resume /
+    --overwrite), the weights, tokenizer and data.
+
+    Raises:
+        GrpoError: one line naming the field.
+    """
+    from pathlib import Path
+
+    if trainer == "grpo":
+        from grpo.envs import env_factory
+        from grpo.rewards import build_rewards
+
+        cfg.check_grpo()
+        if cfg.rollout.multi_turn:
+            env_factory(cfg.rollout.env, cfg.rollout.env_kwargs)
+        if cfg.eval.env:
+            env_factory(cfg.eval.env, key="eval.env")
+        build_rewards([r.spec for r in cfg.rewards])
+    if not Path(cfg.model.path).expanduser().exists():
+        logging.getLogger(__name__).info(
+            "model.path %r is not on this machine: the checks that read its config.json "
+            "(context, LoRA shapes, memory) run when training starts", cfg.model.path,
+        )  # fmt: skip
+        return
+    from grpo.train.preflight import preflight
+
+    preflight(cfg, trainer)
 
 
 def cmd_train(args) -> int:
     from grpo.config import load_config
     from grpo.train.grpo import train_grpo
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, plugins=args.plugin)
     summary = train_grpo(cfg, resume=args.resume, overwrite=args.overwrite)
     print(f"done: {summary['step']} steps; weights in {summary['final']}")
     return 0
@@ -41,7 +77,7 @@ def cmd_sft(args) -> int:
     from grpo.config import load_config
     from grpo.train.sft import train_sft
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, plugins=args.plugin)
     summary = train_sft(cfg, resume=args.resume, overwrite=args.overwrite)
     print(f"done: {summary['step']} steps; weights in {summary['final']}")
     return 0
@@ -125,8 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_plot)
 
-    p = sub.add_parser("config", help="validate a config and print it resolved")
+    p = sub.add_parser(
+        "config", help="check a config as `grpo train` does before loading the model; print it"
+    )
     _add_config_args(p)
+    p.add_argument("--trainer", default="grpo", choices=("grpo", "sft"),
+                   help="check it for `grpo train` (grpo, default) or `grpo sft`")  # fmt: skip
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("sft", help="supervised fine-tuning on worked solutions")
@@ -184,7 +224,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", default="ci", help="ci (L=2, C=64) or demo (L=3, C=192)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_tiny_model)
+
+    for p in sub.choices.values():  # every command, so each torchrun worker gets them too
+        p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                       help="import MODULE (package.module, or package.module:function to "
+                       "call) first: the names it registers become valid (repeatable)")  # fmt: skip
     return parser
+
+
+def print_error(line: str) -> None:
+    """Print `line` on stderr on a line of its own: open progress bars are closed first (each
+    ends its line), so the message is never glued to a bar nor followed by a stale one."""
+    std = sys.modules.get("tqdm.std")  # no bar exists unless tqdm was imported
+    for bar in list(getattr(getattr(std, "tqdm", None), "_instances", ())):
+        try:
+            bar.close()
+        except Exception:  # e.g. its stream closed already: the message matters more
+            pass
+    print(line, file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,18 +253,21 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
     )
     try:
+        from grpo.plugins import load_plugins
+
+        load_plugins(args.plugin, "--plugin")  # before any config is read (and entry points)
         return args.func(args) or 0
     except GrpoError as e:
         message = " ".join(str(e).split())  # always one line
         if getattr(e, "rank", 0) == 0:  # under torchrun an interrupt is reported by rank 0
             prefix = getattr(e, "cli_prefix", "error: ")
-            print(f"grpo {args.command}: {prefix}{message}", file=sys.stderr)
+            print_error(f"grpo {args.command}: {prefix}{message}")
         if isinstance(e, CollectiveError):  # the process group is broken: exiting
             sys.stderr.flush()  # normally could hang or abort in its threads' destructors
             os._exit(getattr(e, "exit_code", 2))
         return getattr(e, "exit_code", 2)  # 2; 128 + N when signal N stopped training
     except KeyboardInterrupt:
-        print(f"grpo {args.command}: interrupted", file=sys.stderr)
+        print_error(f"grpo {args.command}: interrupted")
         return 130
 
 

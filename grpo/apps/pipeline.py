@@ -17,7 +17,8 @@ load, so the SFT model is also GRPO's reference policy); a full fine-tune's fina
 becomes GRPO's `model.path`. GRPO keeps its own model.dtype, device and other settings. The
 SFT evaluation stops the pipeline when accuracy < the SFT config's
 `eval.sft_accuracy_threshold`. The evaluation stages use `eval.max_samples` rows of
-`data.eval_split` and also report `average_reward` under the stage's rewards.
+`data.eval_split` and also report `average_reward` under the stage's rewards. Plugins go in
+`base: {plugins: [...]}` (or a stage's config) or come from `--plugin`: both stages import them.
 
 The stages are core calls: `grpo.loading.load_rows` (prepare_data), `train_sft` /
 `train_grpo`, and `grpo.eval.evaluate_config` on `grpo.loading.trained_model` (evaluations).
@@ -31,7 +32,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,21 +152,26 @@ def _route_overrides(overrides: list[str]) -> tuple[dict, list[str], list[str]]:
     return top, sft, grpo
 
 
-def _stage_config(name: str, data: dict, overrides: list[str], out_dir: Path) -> Config:
+def _stage_config(
+    name: str, data: dict, overrides: list[str], out_dir: Path, plugins: Sequence[str] = ()
+) -> Config:
     try:
-        cfg = load_config(None, overrides, base=data)
+        cfg = load_config(None, overrides, base=data, plugins=plugins)
     except ConfigError as e:
         raise ConfigError(f"{name}: {e}") from None
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=str(out_dir)))
 
 
-def load_pipeline_config(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:
+def load_pipeline_config(
+    path: str | Path, overrides: list[str] | None = None, plugins: Sequence[str] = ()
+) -> PipelineConfig:
     """Read and validate a pipeline YAML (see the module docstring).
 
     Args:
         path: the pipeline YAML.
         overrides: `output_dir=DIR`, `evaluate_base=true`, `sft.optim.lr=1e-4`,
             `grpo.rollout.group_size=8`, or `model.path=X` (no stage prefix: both stages).
+        plugins: plugins (the CLI's `--plugin`) added to both stages' `plugins`.
 
     Returns:
         the `PipelineConfig`; raises `ConfigError` naming the stage and dotted field.
@@ -181,12 +187,12 @@ def load_pipeline_config(path: str | Path, overrides: list[str] | None = None) -
     grpo_data, grpo_file_over = _stage_source(f.grpo, "grpo", p.parent)
     base, evaluate_base, out_dir = f.base, f.evaluate_base, Path(f.output_dir)
     sft = _stage_config(
-        "sft", _deep_merge(base, sft_data), sft_file_over + sft_over, out_dir / "sft"
+        "sft", _deep_merge(base, sft_data), sft_file_over + sft_over, out_dir / "sft", plugins
     )
     # GRPO's model section names SFT's result, whatever a (standalone) GRPO config said
     grpo_dict = _deep_merge(base, grpo_data)
     grpo_dict["model"] = {**(grpo_dict.get("model") or {}), "path": sft.model.path, "adapter": None}
-    grpo = _stage_config("grpo", grpo_dict, grpo_file_over + grpo_over, out_dir / "grpo")
+    grpo = _stage_config("grpo", grpo_dict, grpo_file_over + grpo_over, out_dir / "grpo", plugins)
     try:  # checked now, not after SFT has run
         grpo.check_grpo()
     except ConfigError as e:
@@ -445,7 +451,8 @@ def cmd_pipeline(args) -> int:
     """`grpo pipeline --config C [overrides]`: exit 0 completed, 1 stopped at the threshold."""
     import sys
 
-    pcfg = load_pipeline_config(args.config, args.overrides)
+    plugins = getattr(args, "plugin", ())  # `grpo --plugin` (cli.build_parser adds it)
+    pcfg = load_pipeline_config(args.config, args.overrides, plugins=plugins)
     results = run_pipeline(pcfg, overwrite=args.overwrite)
     path = Path(results["output_dir"]) / RESULTS_FILE
     if results["status"] == "stopped":

@@ -29,6 +29,7 @@ import math
 import random
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -162,12 +163,13 @@ class SweepSetup:
     metric: str
     mode: str  # max | min
     trainer: str  # grpo | sft
+    plugins: tuple[str, ...] = ()  # the CLI's --plugin, added to every trial's config
 
     def trial_config(self, params: dict, trial_dir: Path):
         items = [*self.overrides, *(_override(k, v) for k, v in params.items())]
         items.append(_override("train.output_dir", str(trial_dir)))
         try:
-            return load_config(self.config, items)
+            return load_config(self.config, items, plugins=self.plugins)
         except ConfigError as e:
             raise GrpoError(f"trial {params}: {e}") from None
 
@@ -320,6 +322,7 @@ def run_sweep(
     pruner: str = "median",
     prune_startup: int = 3,
     prune_warmup: int = 0,
+    plugins: Sequence[str] = (),
 ) -> list[dict]:
     """Run (or, with `resume`, continue) a sweep; returns one record per trial, in trial order.
 
@@ -343,6 +346,7 @@ def run_sweep(
             eval/* with train.eval_every) or none.
         prune_startup: no pruning until this many trials have finished.
         prune_warmup: no pruning before this step of a trial.
+        plugins: plugins (the CLI's `--plugin`) added to every trial's config.
     """
     check_value("--method", method, one_of(METHODS))
     check_value("--mode", mode, one_of(("max", "min")))
@@ -353,7 +357,7 @@ def run_sweep(
     check_value("--prune-startup", prune_startup, between(0))
     check_value("--prune-warmup", prune_warmup, between(0))
     out = Path(out_dir)
-    setup = SweepSetup(config, tuple(overrides or []), out, metric, mode, trainer)
+    setup = SweepSetup(config, tuple(overrides or []), out, metric, mode, trainer, tuple(plugins))
     keys = list(space)
     if method == "grid":
         plan = grid_trials(space, trials)
@@ -527,7 +531,7 @@ def cmd_sweep(args) -> int:
         args.config, space, method=args.method, trials=args.trials, metric=args.metric,
         mode=mode, out_dir=out, overrides=args.overrides, trainer=args.trainer, seed=args.seed,
         resume=args.resume, pruner=args.pruner, prune_startup=args.prune_startup,
-        prune_warmup=args.prune_warmup,
+        prune_warmup=args.prune_warmup, plugins=getattr(args, "plugin", ()),
     )  # fmt: skip
     print(sweep_table(records, list(space), args.metric, mode))
     best = sorted(records, key=lambda r: _sort_key(r, mode))[0]

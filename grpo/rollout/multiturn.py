@@ -6,7 +6,9 @@ row). After every model turn the environment's observation message is rendered a
 template's delta (`grpo.tokenizer.message_delta_ids`: the closing glue of the model's turn, the
 message, the next assistant header) and appended token-in, token-out: earlier turns are never
 re-tokenized. Observations longer than `max_obs_tokens` are cut (their content, not the
-template's glue) and counted as env/obs_truncated.
+template's glue) and counted in each trajectory's `obs_truncated` (only observations that
+entered the trajectory: the one answering a turn cut by a limit is never appended).
+`env_metrics` turns a rollout's bookkeeping into the per-step `env/*` metrics.
 """
 
 from __future__ import annotations
@@ -322,13 +324,15 @@ def sample_with_env(
         max_obs_tokens: most tokens of one observation message's content.
 
     Returns:
-        the `Rollout`; `infos` also count obs_truncated.
+        the `Rollout`; `infos` also count obs_truncated: the trajectory's observations that
+        were cut at `max_obs_tokens` among those appended to it (at most its turns - 1).
 
     Raises:
         GrpoError: an environment that raises or returns the wrong type, named in one line.
     """
     G = group_size
     envs = [make_env() for _ in range(len(rows) * G)]
+    cut: list[list[bool]] = [[] for _ in envs]  # per row, per observe call: content was cut
     tools = envs[0].tools or None if envs else None
     try:
         prompts = env_prompts(tokenizer, rows, envs, G)
@@ -347,6 +351,7 @@ def sample_with_env(
             ) from e
         step = check_step(env_name, step)
         info = dict(step.info)
+        cut[b].append(False)
         if step.done or step.observation is None:
             return Observation([], step.reward, True, info)
         message = step.observation
@@ -354,13 +359,13 @@ def sample_with_env(
             message = {"role": "tool", "content": message}
         content_ids = tokenizer(message["content"], add_special_tokens=False)["input_ids"]
         if len(content_ids) > max_obs_tokens:
-            cut = tokenizer.decode(content_ids[:max_obs_tokens], skip_special_tokens=False)
-            message = {**message, "content": cut + TRUNCATION_MARK}
-            info["obs_truncated"] = info.get("obs_truncated", 0) + 1
+            kept = tokenizer.decode(content_ids[:max_obs_tokens], skip_special_tokens=False)
+            message = {**message, "content": kept + TRUNCATION_MARK}
+            cut[b][-1] = True
         delta = message_delta_ids(tokenizer, message, after_stop=stopped, tools=tools)
         return Observation(delta, step.reward, False, info)
 
-    return sample_turns(
+    rollout = sample_turns(
         sampler,
         prompts,
         group_size=G,
@@ -374,6 +379,13 @@ def sample_with_env(
         pad_id=pad_id,
         **sampling,
     )
+    # The observation after turn k entered the trajectory iff turn k + 1 ran: the first
+    # (turns - 1) observe calls of a row. The last one answered a turn the limits cut.
+    for b, info in enumerate(rollout.infos):
+        n = sum(cut[b][: len(rollout.turn_texts[b]) - 1])
+        if n:
+            info["obs_truncated"] = info.get("obs_truncated", 0) + n
+    return rollout
 
 
 def turn_end_ids(tokenizer, tokens: Sequence[str]) -> list[int]:
@@ -390,19 +402,37 @@ def turn_end_ids(tokenizer, tokens: Sequence[str]) -> list[int]:
 COUNTERS = ("tool_calls", "invalid_calls", "obs_truncated")
 
 
-def env_metrics(r: Rollout) -> dict[str, float]:
-    """Per-trajectory means of a multi-turn rollout (empty for a single-turn one): turns, tool
-    calls, the invalid-call rate (over all calls), the fraction cut by a turn or token limit,
-    the counters in COUNTERS, and the summed step reward. The keys are fixed (ranks all-reduce
-    them)."""
+def env_metrics(r: Rollout, max_turns: int) -> dict[str, float]:
+    """The `env/*` metrics of a multi-turn rollout (empty for a single-turn one); the keys are
+    fixed (ranks all-reduce them). Over the B trajectories:
+
+    - turns_mean: model turns per trajectory;
+    - turn_limit_frac: fraction the environment had not ended after `max_turns` turns (cut by
+      rollout.max_turns);
+    - budget_cut_frac: fraction cut with fewer than `max_turns` turns: the completion region
+      (rollout.max_total_tokens) had no room for the next observation and turn;
+    - obs_truncated_mean: observations cut at rollout.max_obs_tokens per trajectory (counting
+      the observations appended to it, at most turns - 1 each);
+    - obs_truncated_rate: cut observations / all appended observations;
+    - tool_calls_mean, invalid_calls_mean (the environment's counters) and invalid_call_rate
+      (invalid / all calls);
+    - step_reward_mean: the environment's step rewards summed over a trajectory.
+
+    A trajectory is cut (`finished` False) by exactly one of the two limits, so turn_limit_frac
+    + budget_cut_frac is the fraction not ended by the environment.
+    """
     if r.turn_texts is None:
         return {}
     B = len(r.turn_texts)
-    keys = COUNTERS
-    totals = {k: sum(float(info.get(k, 0)) for info in r.infos) for k in keys}
+    totals = {k: sum(float(info.get(k, 0)) for info in r.infos) for k in COUNTERS}
+    turns = [len(t) for t in r.turn_texts]
+    cut = (~r.finished).tolist()
+    observations = sum(max(n - 1, 0) for n in turns)  # each turn but the last answered one
     out = {
-        "env/turns_mean": sum(len(t) for t in r.turn_texts) / B,
-        "env/turn_limit_frac": float((~r.finished).float().mean()),
+        "env/turns_mean": sum(turns) / B,
+        "env/turn_limit_frac": sum(c and n >= max_turns for c, n in zip(cut, turns)) / B,
+        "env/budget_cut_frac": sum(c and n < max_turns for c, n in zip(cut, turns)) / B,
+        "env/obs_truncated_rate": totals["obs_truncated"] / max(observations, 1),
         "env/invalid_call_rate": totals["invalid_calls"] / max(totals["tool_calls"], 1.0),
         "env/step_reward_mean": sum(sum(x) for x in r.turn_rewards) / B,
     }

@@ -68,7 +68,7 @@ from grpo.train.common import (
     seed_everything,
 )
 from grpo.train.loop import RunDir, run_training, start_run
-from grpo.train.preflight import check_prompt_room, preflight
+from grpo.train.preflight import check_prompt_room, preflight, start_notices
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +219,47 @@ def global_advantages(cfg: Config, token_rewards, mask, dist=SINGLE, turn_ids=No
         turn_gamma=cfg.rollout.gamma, params=cfg.loss.advantage_kwargs,
     )  # fmt: skip
     return adv[dist.rank * B : (dist.rank + 1) * B, :T]  # (B, T_c)
+
+
+def advantage_stats(advantages: torch.Tensor, mask: torch.Tensor, dist=SINGLE) -> dict:
+    """adv/mean, adv/std (population), adv/min, adv/max and adv/zero_frac (exactly 0: e.g. a
+    group of equal rewards) over the counted tokens of the global batch (`mask`: the loss
+    mask, so what the update weighs); NaN when no token counts.
+
+    Sums and extremes are taken on the device and read in one host sync; across ranks the
+    counts and sums are added and the extremes reduced, so the numbers are those of the
+    combined batch (not a mean of per-rank values).
+
+    Args:
+        advantages: (B, T_c) this rank's advantages.
+        mask: (B, T_c) bool, the counted tokens.
+    """
+    with torch.no_grad():
+        a = advantages.detach().double()
+        inf = torch.tensor(math.inf, dtype=torch.float64, device=a.device)
+        local = torch.stack([
+            mask.sum().double(),
+            torch.where(mask, a, 0.0).sum(),
+            torch.where(mask, a * a, 0.0).sum(),
+            (mask & (a == 0)).sum().double(),
+            torch.where(mask, a, inf).min() if a.numel() else inf,
+            torch.where(mask, -a, inf).min() if a.numel() else inf,  # -max
+        ]).tolist()  # fmt: skip
+    n, s, s2, zeros, lo, neg_hi = local
+    sums = all_reduce_sum_dict({"n": n, "s": s, "s2": s2, "zeros": zeros}, dist)
+    ext = all_reduce_max_dict({"neg_lo": -lo, "hi": -neg_hi}, dist)  # min = -max(-x)
+    n = sums["n"]
+    if n == 0:
+        return dict.fromkeys(("adv/mean", "adv/std", "adv/min", "adv/max", "adv/zero_frac"),
+                             float("nan"))  # fmt: skip
+    mean = sums["s"] / n
+    return {
+        "adv/mean": mean,
+        "adv/std": math.sqrt(max(sums["s2"] / n - mean * mean, 0.0)),
+        "adv/min": -ext["neg_lo"],
+        "adv/max": ext["hi"],
+        "adv/zero_frac": sums["zeros"] / n,
+    }
 
 
 def _logprobs(cfg: Config, scorer, batch: Batch, sl: slice, cols: tuple[int, int],
@@ -390,6 +431,7 @@ def update_phase(
     f64 = {"dtype": torch.float64, "device": sampler_logprobs.device}
     sums = StatSums()
     policy_share, losses, grad_norms, skipped = torch.zeros((), **f64), [], [], 0
+    lr = scheduler.get_last_lr()[0]  # this step's first update's; after it, the next one's
     on_policy = torch.zeros(4, **f64)
     for it in range(cfg.loss.num_iterations):
         optimizer.zero_grad(set_to_none=True)
@@ -458,7 +500,7 @@ def update_phase(
             "train/policy_loss": shares["policy_loss"] / mu,
             "train/grad_norm": sum(grad_norms) / mu if grad_norms else float("nan"),
             "train/nonfinite_skipped": skipped,  # the same on every rank
-            "train/lr": scheduler.get_last_lr()[0],
+            "train/lr": lr,
             "rollout/logprob_diff_max": all_reduce_max(diff_max, dist),
             "rollout/logprob_diff_mean": shares["diff"] / n_tokens,
             "rollout/first_pass_ratio_mean": shares["ratio"] / n_tokens,
@@ -478,7 +520,24 @@ def _on_policy_sums(logprobs, sampler_logprobs, mask) -> torch.Tensor:
         return torch.stack([d.abs().sum(), ratio.sum(), mask.sum().double(), d.abs().max()])
 
 
-def rollout_metrics(batch: Batch, G: int) -> dict:
+def run_header(cfg: Config, precision) -> dict[str, str]:
+    """What a GRPO run computes, by name: logged at the start (rank 0) and written into the
+    first metrics.jsonl record of each start (`MetricLogger(header=...)`). Values are strings,
+    so consumers that read numeric metrics pass over them."""
+    loss = cfg.loss
+    return {
+        "run/advantage": loss.advantage,
+        "run/policy_loss": loss.policy_loss,
+        "run/kl_estimator": loss.kl_estimator,
+        "run/aggregation": loss.aggregation,
+        "run/env": cfg.rollout.env,
+        "run/eval_env": cfg.eval.env or cfg.rollout.env,
+        "run/precision": precision.describe(),
+    }
+
+
+def rollout_metrics(batch: Batch, G: int, max_turns: int = 1) -> dict:
+    """This rank's rollout/*, rewards/* and (multi-turn, `env_metrics`) env/* metrics."""
     lens = batch.rollout.scored_mask.sum(-1).float()  # generated tokens (all turns)
     out = {
         "rollout/reward_mean": float(batch.rewards.mean()),
@@ -493,7 +552,7 @@ def rollout_metrics(batch: Batch, G: int) -> dict:
         out[f"rewards/{name}"] = float(v.mean())
     if "accuracy" in batch.per_fn:
         out["rollout/accuracy"] = float(batch.per_fn["accuracy"].mean())
-    out.update(env_metrics(batch.rollout))
+    out.update(env_metrics(batch.rollout, max_turns))
     return out
 
 
@@ -542,8 +601,12 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
             eval_rows = load_rows(cfg.data, cfg.data.eval_split, n_eval, "rl", policy.tokenizer)
         check_prompt_room(cfg, mc, "grpo", rows, eval_rows)
     reward_fns = build_rewards([r.spec for r in cfg.rewards])
+    if dist.is_main:  # limits that would act silently, said once (grpo config says them too)
+        for line in start_notices(cfg, "grpo", tokenizer=policy.tokenizer):
+            log.warning("%s", line)
     # Only now, with model, data and rewards checked, does the run directory get written.
-    run = start_run(cfg, policy, dist, cfg.train.max_steps * cfg.loss.num_iterations, rundir)
+    run = start_run(cfg, policy, dist, cfg.train.max_steps * cfg.loss.num_iterations, rundir,
+                    header=run_header(cfg, policy.precision))  # fmt: skip
     state, optimizer, scheduler, params = run.state, run.optimizer, run.scheduler, run.params
     policy.model.eval()
     compile_ = resolve_compile(cfg.rollout.compile, device, cfg.rollout.multi_turn)
@@ -578,11 +641,13 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
         where.phase = "reference / advantage"
         reference_phase(cfg, policy, batch, state.step + 1)
         advantage_phase(cfg, batch, dist, state.step + 1)
+        adv_stats = advantage_stats(batch.advantages, batch.loss_mask, dist)
         old_logprobs_phase(cfg, policy, batch)
         t2 = time.perf_counter()
         peaks.end("logprob")
         where.phase = "update"
-        metrics = all_reduce_mean_dict(rollout_metrics(batch, G), dist)
+        metrics = all_reduce_mean_dict(rollout_metrics(batch, G, cfg.rollout.max_turns), dist)
+        metrics.update(adv_stats)
         metrics.update(
             update_phase(
                 cfg, policy, batch, optimizer, scheduler, params, scorer, dist, state.step + 1

@@ -112,10 +112,20 @@ class Run:
         }
 
 
-def start_run(cfg: Config, policy: Policy, dist, total_steps: int, rundir: RunDir) -> Run:
+def start_run(
+    cfg: Config,
+    policy: Policy,
+    dist,
+    total_steps: int,
+    rundir: RunDir,
+    header: dict[str, str] | None = None,
+) -> Run:
     """Optimizer and schedule over `total_steps` updates, the state restored from the
     checkpoint `rundir` resumes, then (inputs all checked by now) the run directory claimed
-    (lock, overwrite, config; see `RunDir.claim`) and the metric logger."""
+    (lock, overwrite, config; see `RunDir.claim`) and the metric logger.
+
+    `header` (the run's choices by name, e.g. `grpo.train.grpo.run_header`) is logged once on
+    rank 0 and written into the first metrics.jsonl record of this start."""
     params = policy.trainable_parameters()
     optimizer = build_optimizer(params, cfg.optim)
     scheduler = build_scheduler(optimizer, total_steps, cfg.optim)
@@ -125,8 +135,10 @@ def start_run(cfg: Config, policy: Policy, dist, total_steps: int, rundir: RunDi
         state = load_checkpoint(ckpt, policy.model, optimizer, scheduler, rank=dist.rank)
         log.info("resumed from %s (step %d)", ckpt, state.step)
     rundir.claim(cfg, dist)
+    if header and dist.is_main:
+        log.info("run: %s", " | ".join(f"{k.split('/', 1)[-1]} {v}" for k, v in header.items()))
     logger = MetricLogger(
         rundir.path, dist.is_main, cfg.log.tensorboard, cfg.log.wandb, cfg.log.wandb_project,
-        config_to_dict(cfg), resume_step=state.step if rundir.resume else None,
+        config_to_dict(cfg), resume_step=state.step if rundir.resume else None, header=header,
     )  # fmt: skip
     return Run(cfg, rundir.path, params, optimizer, scheduler, state, logger, rundir)

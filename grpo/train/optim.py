@@ -24,7 +24,13 @@ def build_optimizer(params, cfg) -> torch.optim.AdamW:
 
 
 def lr_lambda(step: int, total_steps: int, cfg) -> float:
-    """Multiplier of cfg.lr at optimizer step `step` (0-based) of `total_steps`."""
+    """Multiplier of cfg.lr at optimizer step `step` (0-based) of `total_steps`.
+
+    W = round(warmup_ratio * total_steps) warmup steps ramp linearly to 1 starting above 0:
+    step k < W uses (k + 1) / W (W = 4: 0.25, 0.5, 0.75, 1.0), so no update runs at lr 0.
+    Then `constant` holds 1; `cosine` goes from 1 at step W towards min_lr_ratio at step
+    total_steps (which is never taken: the last update, total_steps - 1, is above it).
+    """
     warmup = int(round(cfg.warmup_ratio * total_steps))
     if step < warmup:
         return (step + 1) / warmup
@@ -36,6 +42,11 @@ def lr_lambda(step: int, total_steps: int, cfg) -> float:
 
 
 def build_scheduler(optimizer, total_steps: int, cfg) -> torch.optim.lr_scheduler.LambdaLR:
+    """The `lr_lambda` schedule over `total_steps` optimizer steps (one `scheduler.step()` after
+    each `optimizer.step()`). Before update k (0-based) the optimizer's lr is
+    cfg.lr * lr_lambda(k): read it then (`get_last_lr()`), since after the step it is the
+    next update's lr.
+    """
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_lambda(step, total_steps, cfg)
     )

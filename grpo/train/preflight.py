@@ -19,6 +19,11 @@ swapped. `preflight` runs them all at the start and fails with one line naming t
 `check_prompt_room` runs once the data is loaded (after the model, still before anything is
 written): every prompt (and SFT completion) plus its budget fits the context.
 
+`start_notices` are not refusals but limits that would otherwise act silently, stated in one
+line each before the run starts: a multi-turn budget that cannot fit rollout.max_turns turns
+(`turn_budget_notices`), an evaluation that scores what training does not
+(`grpo.eval.eval_fit_notice`).
+
 Memory estimate, in bytes, by the precision policy (docs/precision.md; e = bytes per element of
 model.dtype: 4 float32, 2 bf16/fp16; k = 2 under autocast (bf16 compute), else e; trainable
 weights are float32 master weights; shapes from config.json: L layers, C width, I MLP width,
@@ -312,6 +317,106 @@ def check_prompt_room(
         budget = eval_budget(cfg, kind == "grpo" or pipeline)
         where = f"{data.dataset!r} ({data.eval_split})"
         check_rows_fit(eval_rows, ctx, budget, "eval.max_new_tokens", where)
+
+
+# --------------------------------------------------------------------------- notices
+
+
+def start_notices(
+    cfg: Config, kind: str = "grpo", *, pipeline: bool = False, tokenizer=None
+) -> list[str]:
+    """The limits and mismatches a run states once before it starts (each one line; nothing
+    is refused): `turn_budget_notices` and `grpo.eval.eval_fit_notice`. `grpo train` logs
+    them as warnings on rank 0 once the tokenizer is loaded; without `tokenizer` the template's
+    glue is the estimate `default_total_tokens` uses (OBS_GLUE_TOKENS), so a config-only check
+    may state fewer.
+
+    Args:
+        cfg: the run's config.
+        kind: "grpo" or "sft" (SFT samples nothing: only a pipeline's evaluation counts).
+        pipeline: the run is a stage of `grpo pipeline`, whose evaluation stages also run.
+        tokenizer: the policy's tokenizer, to measure the template's glue.
+    """
+    from grpo.eval import eval_fit_notice
+
+    out = turn_budget_notices(cfg, kind, pipeline=pipeline, tokenizer=tokenizer)
+    evaluates = (kind == "grpo" and cfg.data.eval_samples > 0) or pipeline
+    fit = eval_fit_notice(cfg) if evaluates else None
+    return out + ([fit] if fit else [])
+
+
+OBS_GLUE_TOKENS = 16  # template tokens per observation that default_total_tokens allows for
+
+
+def observation_overhead(tokenizer=None) -> int:
+    """Most tokens one observation adds to the completion region besides its max_obs_tokens of
+    content: the chat template's glue around a tool message (closing the model's turn, the
+    message header, the next assistant header; the larger of after a stop id or not) plus
+    the mark a cut observation ends with. Without a tokenizer (or a chat template):
+    OBS_GLUE_TOKENS, the estimate of `default_total_tokens`."""
+    if tokenizer is None:
+        return OBS_GLUE_TOKENS
+    from grpo.rollout.multiturn import TRUNCATION_MARK
+    from grpo.tokenizer import message_delta_ids
+
+    try:
+        glue = max(len(message_delta_ids(tokenizer, {"role": "tool", "content": ""},
+                                         after_stop=s)) for s in (True, False))  # fmt: skip
+        mark = len(tokenizer(TRUNCATION_MARK, add_special_tokens=False)["input_ids"])
+    except Exception:  # no chat template: the sampler fails on its own, naming it
+        return OBS_GLUE_TOKENS
+    return glue + mark
+
+
+def guaranteed_turns(max_new_tokens: int, max_turns: int, max_obs_tokens: int, total: int,
+                     overhead: int) -> int:  # fmt: skip
+    """Turns every trajectory gets within `total` completion slots when each turn runs to
+    max_new_tokens and each observation to max_obs_tokens (+ `overhead`): the largest k <=
+    max_turns with k * max_new_tokens + (k - 1) * (max_obs_tokens + overhead) <= total
+    (at least 1: a first turn always runs, cut at `total`)."""
+    k = max_turns
+    while k > 1 and k * max_new_tokens + (k - 1) * (max_obs_tokens + overhead) > total:
+        k -= 1
+    return k
+
+
+def turn_budget_notices(
+    cfg: Config, kind: str = "grpo", *, pipeline: bool = False, tokenizer=None
+) -> list[str]:
+    """One line for each multi-turn budget (the rollout's; the evaluation's when its per-turn
+    limit differs) that cannot fit rollout.max_turns turns at their limits with observations
+    cut at rollout.max_obs_tokens: how many turns are guaranteed and what to set
+    rollout.max_total_tokens to. Such trajectories are counted per step in env/budget_cut_frac
+    (and eval/budget_cut_frac)."""
+    r = cfg.rollout
+    overhead = observation_overhead(tokenizer)
+    budgets = []  # (metric prefix, per-turn limit setting, its value, completion budget)
+    if kind == "grpo" and r.multi_turn:
+        budgets.append(("env", "rollout.max_new_tokens", r.max_new_tokens, r.total_tokens))
+    evaluates = (kind == "grpo" and cfg.data.eval_samples > 0) or pipeline
+    if evaluates and (cfg.eval.env or r.env) != "single_turn":
+        n = cfg.eval.max_new_tokens or r.max_new_tokens
+        setting = "eval.max_new_tokens" if cfg.eval.max_new_tokens else "rollout.max_new_tokens"
+        total = eval_budget(cfg, True)
+        if not budgets or (n, total) != budgets[0][2:]:  # else the same line twice
+            budgets.append(("eval", setting, n, total))
+    out = []
+    for metric, setting, n, total in budgets:
+        k = guaranteed_turns(n, r.max_turns, r.max_obs_tokens, total, overhead)
+        if k >= r.max_turns:
+            continue
+        need = r.max_turns * n + (r.max_turns - 1) * (r.max_obs_tokens + overhead)
+        which = "set" if r.max_total_tokens is not None else "default"
+        what = "a rollout" if metric == "env" else "an evaluation episode"
+        out.append(
+            f"rollout.max_total_tokens ({which}: {total} tokens) guarantees {what} {k} of "
+            f"rollout.max_turns={r.max_turns} turns: with turns at {setting}={n} and "
+            f"observations cut at rollout.max_obs_tokens={r.max_obs_tokens} (+ {overhead} "
+            f"tokens of template and truncation mark each) all {r.max_turns} need {need}; "
+            f"trajectories the budget cuts are counted in {metric}/budget_cut_frac. Set "
+            f"rollout.max_total_tokens={need} to guarantee every turn"
+        )
+    return out
 
 
 # --------------------------------------------------------------------------- LoRA and data

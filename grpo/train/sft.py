@@ -173,6 +173,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
         # every rank walks the same global order and takes its own slice of the global batch
         idx = next_prompts(state, len(rows), B * dist.world_size, cfg.train.seed)
         batch_rows = [rows[i] for i in idx[dist.rank * B : (dist.rank + 1) * B]]
+        lr = scheduler.get_last_lr()[0]  # this update's; after it, the next one's
         total, tokens, grad_norm = sft_update(
             cfg, policy, scorer, batch_rows, optimizer, scheduler, params, dist
         )
@@ -189,7 +190,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
             "train/loss": all_reduce_sum(total, dist),
             "train/grad_norm": grad_norm,
             "train/nonfinite_skipped": int(bad_steps > 0),
-            "train/lr": scheduler.get_last_lr()[0],
+            "train/lr": lr,
             "train/epoch": state.epoch + state.data_index / len(rows),
             "perf/step_s": dt,
             "perf/tokens_per_s": all_reduce_sum(tokens, dist) / max(dt, 1e-9),

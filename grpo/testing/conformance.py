@@ -1,0 +1,364 @@
+"""The conformance checks, as functions: what every advantage estimator, policy loss and KL
+estimator must satisfy, on fixed seeded tensors (no pytest needed).
+
+Each ``check_<kind>(spec, ...)`` runs the named checks that apply to `spec` (a registered name,
+a ``package.module:function`` path or the function) and raises `ConformanceError` naming the
+entry and the first check that failed; ``<kind>_checks(...)`` lists those check names (for one
+test per check). Environments are checked in `grpo.testing.environments`, two ranks against
+one process in `grpo.testing.two_ranks`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from grpo.algo import (
+    ADVANTAGES,
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    LossSettings,
+    compute_advantages,
+    kl_penalty,
+    loss_normalizer,
+    policy_loss,
+)
+
+B, G, T = 16, 4, 9  # rows, group size, completion width of the fixed batch
+CLAIMS = ("shift_invariant", "group_zero_sum")  # what an estimator may claim (register_advantage)
+BETA = 0.05  # the KL weight every loss check runs with (k3 in the loss)
+
+
+class ConformanceError(AssertionError):
+    """A conformance check failed: ``<kind> <name>: <check> failed: <detail>``."""
+
+
+def make_inputs(seed: int = 0, rows: int = B, width: int = T) -> dict[str, torch.Tensor]:
+    """Seeded (rows, width) tensors: ragged completions (every row >= 1 token, row 0 full width),
+    outcome rewards in {0, 1} plus small process rewards, log-probs near each other."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, width + 1, (rows,), generator=g)
+    lengths[0] = width
+    mask = torch.arange(width)[None, :] < lengths[:, None]  # (B, T)
+    outcome = (torch.rand(rows, generator=g) > 0.5).float()
+    token_rewards = (
+        0.1 * torch.randn(rows, width, generator=g) * (torch.rand(rows, width, generator=g) > 0.7)
+    )
+    token_rewards[torch.arange(rows), lengths - 1] += outcome
+    logprobs = -3 * torch.rand(rows, width, generator=g) - 0.05
+    old = logprobs + 0.3 * torch.randn(rows, width, generator=g)
+    ref = logprobs + 0.5 * torch.randn(rows, width, generator=g)
+    advantages = torch.randn(rows, width, generator=g)
+    return {"mask": mask, "token_rewards": torch.where(mask, token_rewards, 0.0),
+            "logprobs": logprobs, "old_logprobs": old, "ref_logprobs": ref,
+            "advantages": advantages}  # fmt: skip
+
+
+def loss_settings(
+    spec: str | Callable, kwargs: Mapping | None = None, aggregation: str = "seq_mean_token_mean"
+) -> LossSettings:
+    """The loss configuration every check runs a policy loss under (beta = BETA, k3)."""
+    return LossSettings(policy_loss=spec, policy_loss_kwargs=dict(kwargs or {}), beta=BETA,
+                        aggregation=aggregation)  # fmt: skip
+
+
+def spec_name(spec: Any) -> str:
+    """A registered name or path as is, a callable by its qualified name."""
+    return spec if isinstance(spec, str) else getattr(spec, "__qualname__", repr(spec))
+
+
+def label(kind: str, spec: Any) -> str:
+    """``policy loss 'name'``, for messages."""
+    return f"{kind} {spec_name(spec)!r}"
+
+
+@contextlib.contextmanager
+def checking(what: str, check: str) -> Iterator[None]:
+    """Re-raise anything raised inside as one ConformanceError naming `what` and `check`."""
+    try:
+        yield
+    except ConformanceError:
+        raise
+    except Exception as e:  # an assertion, a GrpoError from the library's own checks, a crash
+        detail = str(e) if isinstance(e, AssertionError) else f"{type(e).__name__}: {e}"
+        raise ConformanceError(f"{what}: {check} failed: {detail}") from e
+
+
+def expect(ok: bool, message: str) -> None:
+    if not ok:
+        raise AssertionError(message)
+
+
+def close(got: float, want: float, *, rtol: float = 0.0, atol: float = 0.0) -> bool:
+    """|got - want| <= max(rtol * |want|, atol) (pytest.approx's rule; NaN is never close)."""
+    return math.isfinite(got) and abs(got - want) <= max(rtol * abs(want), atol)
+
+
+def run_checks(
+    kind: str, spec: Any, table: Mapping[str, Callable[[], None]], checks: Iterable[str]
+):
+    for check in checks:
+        if check not in table:
+            raise ValueError(f"unknown {kind} check {check!r}; known: {', '.join(table)}")
+        with checking(label(kind, spec), check):
+            table[check]()
+
+
+# ----------------------------------------------------------------------------- estimators
+
+
+def advantage_checks(spec: str | Callable, reference: Callable | None = None) -> list[str]:
+    """The checks that apply to an estimator: its claims switch on the claimed properties."""
+    claims = ADVANTAGES.claims(spec) if isinstance(spec, str) else frozenset()
+    checks = ["claims", "shape_and_equal_groups", "masked_rows_and_padding"]
+    checks += [c for c in CLAIMS if c in claims]  # a claim's check has the claim's name
+    return checks + (["reference"] if reference is not None else [])
+
+
+def check_advantage(
+    spec: str | Callable,
+    *,
+    reference: Callable | None = None,
+    kwargs: Mapping | None = None,
+    checks: Iterable[str] | None = None,
+) -> None:
+    """Check an advantage estimator; raises ConformanceError naming the failed check.
+
+    Args:
+        spec: a registered name, a ``package.module:function`` path or the function.
+        reference: optional float64 twin with the estimator's signature (same input names);
+            its (B, T_c) result must agree within 1e-5 on the counted tokens.
+        kwargs: ``loss.advantage_kwargs`` for the estimator.
+        checks: the checks to run (default: `advantage_checks(spec, reference)`): claims (only
+            known claims), shape_and_equal_groups, masked_rows_and_padding, shift_invariant,
+            group_zero_sum (the claimed properties), reference.
+    """
+
+    def adv(x: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return compute_advantages(spec, x["token_rewards"], x["mask"], group_size=G,
+                                  params=kwargs)  # fmt: skip
+
+    def claims():
+        unknown = sorted(ADVANTAGES.claims(spec) - set(CLAIMS)) if isinstance(spec, str) else []
+        expect(not unknown, f"unknown claims {unknown}; known: {', '.join(CLAIMS)}")
+
+    def shape_and_equal_groups():
+        x = make_inputs()
+        a = adv(x)
+        expect(a.shape == (B, T) and a.dtype == torch.float32, f"got {a.shape} {a.dtype}")
+        expect(bool(torch.isfinite(a).all()), "non-finite advantages")
+        expect(bool((a[~x["mask"]] == 0).all()), "non-zero outside the mask")
+        # all-equal rewards in every group: finite (no 0/0), and no signal for the zero-sum ones
+        same = dict(x, token_rewards=torch.zeros(B, T))
+        same["token_rewards"][torch.arange(B), x["mask"].sum(-1) - 1] = 1.0
+        a = adv(same)
+        expect(bool(torch.isfinite(a).all()), "non-finite advantages on all-equal groups")
+        if "group_zero_sum" in (ADVANTAGES.claims(spec) if isinstance(spec, str) else ()):
+            expect(bool((a == 0).all()), "claims group_zero_sum but all-equal groups get != 0")
+
+    def masked_rows_and_padding():
+        x = make_inputs()
+        x["mask"][3] = False  # a row with no counted token
+        x["token_rewards"][3] = 0.0
+        a = adv(x)
+        expect(bool(torch.isfinite(a).all()) and bool((a[3] == 0).all()),
+               "a fully-masked row gets a non-finite or non-zero advantage")  # fmt: skip
+        # padding columns with garbage (masked) change nothing: ranks pad to the longest T_c
+        pad = 5
+        wide = {"mask": torch.nn.functional.pad(x["mask"], (0, pad), value=False),
+                "token_rewards": torch.nn.functional.pad(x["token_rewards"], (0, pad),
+                                                         value=float("nan"))}  # fmt: skip
+        b = adv(wide)
+        torch.testing.assert_close(b[:, :T], a, rtol=0, atol=1e-6)
+        expect(bool((b[:, T:] == 0).all()), "padding columns get non-zero advantages")
+
+    def shift_invariant():
+        x = make_inputs(1)
+        shifted = x["token_rewards"].clone()
+        shifted[torch.arange(B), x["mask"].sum(-1) - 1] += 3.5  # +c on every outcome reward
+        torch.testing.assert_close(adv(dict(x, token_rewards=shifted)), adv(x), rtol=0, atol=1e-5)
+
+    def group_zero_sum():
+        x = make_inputs(2)
+        per_row = adv(x)[torch.arange(B), x["mask"].sum(-1) - 1]  # the row's (constant) value
+        torch.testing.assert_close(per_row.view(-1, G).sum(-1), torch.zeros(B // G), atol=1e-5,
+                                   rtol=0)  # fmt: skip
+
+    def reference_check():
+        expect(reference is not None, "no float64 reference was given")
+        x = make_inputs(7)
+        rewards = x["token_rewards"].double()
+        inputs = {"token_rewards": rewards, "scores": rewards.sum(-1), "mask": x["mask"],
+                  "group_size": G, "eps": 1e-4, "gamma": 1.0,
+                  "turn_ids": torch.zeros(B, T, dtype=torch.long), "turn_gamma": 1.0,
+                  **(kwargs or {})}  # fmt: skip
+        want = ADVANTAGES.call(reference, inputs)  # (B, T_c), like the estimator
+        m = x["mask"]
+        torch.testing.assert_close(adv(x).double()[m], want.double()[m], rtol=1e-5, atol=1e-5)
+
+    table = {"claims": claims, "shape_and_equal_groups": shape_and_equal_groups,
+             "masked_rows_and_padding": masked_rows_and_padding,
+             "shift_invariant": shift_invariant, "group_zero_sum": group_zero_sum,
+             "reference": reference_check}  # fmt: skip
+    run_checks("advantage estimator", spec, table,
+         advantage_checks(spec, reference) if checks is None else checks)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- policy losses
+
+
+def policy_loss_checks(spec: str | Callable | None = None) -> list[str]:
+    """The checks of a policy loss (the same for every one): the gradient against its float64
+    reference under each aggregation, NaN/inf at masked positions, micro-batches."""
+    return [f"gradient:{a}" for a in AGGREGATIONS] + ["masked_garbage", "micro_batches"]
+
+
+def check_policy_loss(
+    spec: str | Callable,
+    reference: Callable | None,
+    *,
+    kwargs: Mapping | None = None,
+    checks: Iterable[str] | None = None,
+) -> None:
+    """Check a policy loss; raises ConformanceError naming the failed check.
+
+    Args:
+        spec: a registered name, a ``package.module:function`` path or the function.
+        reference: the float64 twin, written from the definition, with the loss's signature
+            (inputs by name, see `grpo.algo.policy_losses`); called on float64 tensors (masked
+            positions hold 0), it returns the (B, T_c) per-token loss (or (loss, stats)).
+            Required by the gradient checks: without one they fail.
+        kwargs: ``loss.policy_loss_kwargs``, passed to both.
+        checks: the checks to run (default: all of `policy_loss_checks()`):
+            gradient:<aggregation> (loss within 1e-5, gradient rtol 1e-5 / atol 1e-6 of the
+            reference + beta * k3 aggregated by definition), masked_garbage (a fully-masked
+            row and NaN/inf at masked positions change nothing, zero gradient there),
+            micro_batches (three micro-batches sum to the full batch's loss and gradient).
+    """
+
+    def loss_and_grad(x, rows=slice(None), normalizer=None, aggregation="seq_mean_token_mean"):
+        cfg = loss_settings(spec, kwargs, aggregation)
+        lp = x["logprobs"][rows].clone().requires_grad_(True)
+        loss, _ = policy_loss(lp, x["old_logprobs"][rows], x["ref_logprobs"][rows],
+                              x["advantages"][rows], x["mask"][rows], cfg, normalizer=normalizer,
+                              max_new_tokens=x["mask"].shape[1])  # fmt: skip
+        (grad,) = torch.autograd.grad(loss, lp)
+        return loss.item(), grad
+
+    def gradient(aggregation: str):
+        expect(reference is not None, "no float64 reference was given: pass the loss's float64 "
+               "twin (the pytest entry: CONFORMANCE_REFERENCES in the plugin module)")  # fmt: skip
+        x = make_inputs(3, rows=6, width=5)
+        x["advantages"][0] = x["advantages"][0].abs()  # a row of positive advantages
+        loss, grad = loss_and_grad(x, aggregation=aggregation)
+        lp64 = x["logprobs"].double().requires_grad_(True)
+        want = reference_loss(reference, lp64, x, aggregation, kwargs)
+        (grad64,) = torch.autograd.grad(want, lp64)
+        expect(close(loss, want.item(), atol=1e-5),
+               f"loss {loss:.8g}, its reference {want.item():.8g}")  # fmt: skip
+        torch.testing.assert_close(grad.double(), grad64, rtol=1e-5, atol=1e-6)
+
+    def masked_garbage():
+        x = make_inputs(4)
+        x["mask"][2] = False  # a fully-masked row
+        clean_loss, clean_grad = loss_and_grad(x)
+        dirty = {k: v.clone() for k, v in x.items()}
+        garbage = {"logprobs": float("nan"), "old_logprobs": float("inf"),
+                   "ref_logprobs": float("-inf"), "advantages": float("nan")}  # fmt: skip
+        for key, bad in garbage.items():
+            dirty[key][~x["mask"]] = bad
+        loss, grad = loss_and_grad(dirty)
+        expect(math.isfinite(loss) and bool(torch.isfinite(grad).all()),
+               "NaN/inf at masked positions reach the loss or its gradient")  # fmt: skip
+        expect(close(loss, clean_loss, atol=1e-6),
+               "NaN/inf at masked positions change the loss")  # fmt: skip
+        torch.testing.assert_close(grad, clean_grad, rtol=0, atol=1e-7)
+        expect(bool((grad[~x["mask"]] == 0).all()), "non-zero gradient at masked positions")
+
+    def micro_batches():
+        x = make_inputs(5)
+        norm = loss_normalizer(x["mask"], "seq_mean_token_mean", T)
+        full_loss, full_grad = loss_and_grad(x, normalizer=norm)
+        parts = [loss_and_grad(x, rows=sl, normalizer=norm)
+                 for sl in (slice(0, 4), slice(4, 12), slice(12, B))]  # fmt: skip
+        total = sum(p[0] for p in parts)
+        expect(close(total, full_loss, atol=1e-6),
+               f"micro-batches sum to {total:.8g}, the full batch to {full_loss:.8g}")  # fmt: skip
+        torch.testing.assert_close(torch.cat([p[1] for p in parts]), full_grad, rtol=0, atol=1e-7)
+
+    table: dict[str, Callable[[], None]] = {
+        f"gradient:{a}": (lambda a=a: gradient(a)) for a in AGGREGATIONS
+    }
+    table.update(masked_garbage=masked_garbage, micro_batches=micro_batches)
+    run_checks("policy loss", spec, table, policy_loss_checks(spec) if checks is None else checks)
+
+
+def reference_loss(
+    reference: Callable,
+    logprobs: torch.Tensor,
+    x: Mapping[str, torch.Tensor],
+    aggregation: str,
+    kwargs: Mapping | None = None,
+) -> torch.Tensor:
+    """The float64 objective: `reference` on float64 inputs (0 at masked positions, as the
+    library hands them to a loss; log_ratio unclamped) + BETA * k3, aggregated by definition."""
+    from grpo.testing.references import reference_objective
+
+    mask = x["mask"]
+    lp = torch.where(mask, logprobs, 0.0)
+    old = torch.where(mask, x["old_logprobs"].double(), 0.0)
+    cfg = LossSettings()
+    inputs = {"logprobs": lp, "old_logprobs": old, "log_ratio": lp - old,
+              "advantages": torch.where(mask, x["advantages"].double(), 0.0), "mask": mask,
+              "epsilon_low": cfg.epsilon_low, "epsilon_high": cfg.epsilon_high,
+              "dual_clip": cfg.dual_clip, **(kwargs or {})}  # fmt: skip
+    out = POLICY_LOSSES.call(reference, inputs)
+    pg = out[0] if isinstance(out, tuple) else out
+    return reference_objective(pg, logprobs, x["ref_logprobs"].double(), mask, aggregation, BETA)
+
+
+# ----------------------------------------------------------------------------- KL estimators
+
+
+def kl_checks(spec: str | Callable | None = None, reference: Callable | None = None) -> list[str]:
+    """The checks of a KL estimator (`reference` only with a reference)."""
+    return ["zero_on_policy_and_clamped"] + (["reference"] if reference is not None else [])
+
+
+def check_kl(
+    spec: str | Callable, *, reference: Callable | None = None, checks: Iterable[str] | None = None
+) -> None:
+    """Check a KL estimator ``fn(logprobs, ref_logprobs) -> (B, T_c)``: zero on-policy, finite
+    and within the clamps far from it; with a float64 `reference` (same signature), values and
+    gradient within 1e-5. Raises ConformanceError naming the failed check."""
+
+    def zero_on_policy_and_clamped():
+        lp = make_inputs(6)["logprobs"]
+        expect(bool((kl_penalty(lp, lp, spec).abs() < 1e-7).all()), "non-zero on-policy")
+        far = kl_penalty(lp, lp + 1e4, spec, log_ratio_clamp=20.0, kl_clamp=10.0)
+        expect(bool(torch.isfinite(far).all()) and bool((far.abs() <= 10).all()),
+               "non-finite or outside the clamp far from the reference")  # fmt: skip
+
+    def reference_check():
+        expect(reference is not None, "no float64 reference was given")
+        x = make_inputs(8)
+        lp = x["logprobs"].clone().requires_grad_(True)
+        lp64 = x["logprobs"].double().requires_grad_(True)
+        got = KL_ESTIMATORS.call(spec, {"logprobs": lp, "ref_logprobs": x["ref_logprobs"]})
+        ref64 = x["ref_logprobs"].double()
+        want = KL_ESTIMATORS.call(reference, {"logprobs": lp64, "ref_logprobs": ref64})
+        torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-5)
+        (g,) = torch.autograd.grad(got.sum(), lp)
+        (g64,) = torch.autograd.grad(want.sum(), lp64)
+        torch.testing.assert_close(g.double(), g64, rtol=1e-5, atol=1e-5)
+
+    table = {"zero_on_policy_and_clamped": zero_on_policy_and_clamped,
+             "reference": reference_check}  # fmt: skip
+    run_checks(
+        "KL estimator", spec, table, kl_checks(spec, reference) if checks is None else checks
+    )

@@ -1,0 +1,71 @@
+"""The entries a researcher's plugins register, found by loading them: what the pytest plugin
+checks, with the float64 references their modules export."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from grpo.algo import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES
+from grpo.envs import available_envs
+from grpo.plugins import load_entry_point_plugins, load_plugins
+from grpo.testing.references import BUILTIN_REFERENCES
+
+REFERENCES_ATTR = "CONFORMANCE_REFERENCES"  # {registered name: float64 reference} in a module
+
+
+@dataclass(frozen=True)
+class Entries:
+    """Registered names by kind, and the references to check them against (by name)."""
+
+    plugins: tuple[str, ...] = ()
+    advantages: tuple[str, ...] = ()
+    policy_losses: tuple[str, ...] = ()
+    kl_estimators: tuple[str, ...] = ()
+    environments: tuple[str, ...] = ()
+    references: dict[str, Callable] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return any((self.advantages, self.policy_losses, self.kl_estimators, self.environments))
+
+
+def _registered() -> dict[str, set[str]]:
+    return {
+        "advantages": set(ADVANTAGES.names()),
+        "policy_losses": set(POLICY_LOSSES.names()),
+        "kl_estimators": set(KL_ESTIMATORS.names()),
+        "environments": set(available_envs()),
+    }
+
+
+def registered_by(plugins: Sequence[str]) -> Entries:
+    """Load `plugins` as every grpo command does (`grpo.plugins.load_plugins`:
+    ``package.module`` or ``package.module:function``) and return what they registered: the
+    names new after loading them, and the algorithm entries whose function is defined in one of
+    their modules (a module imported earlier). No plugins: every registered entry (the
+    built-ins and the installed entry-point plugins').
+
+    References: the built-ins' (`BUILTIN_REFERENCES`), updated with each plugin module's
+    ``CONFORMANCE_REFERENCES`` dict.
+
+    Raises:
+        GrpoError: a plugin failed to load (one line naming it).
+    """
+    load_entry_point_plugins()  # installed plugins are everywhere: not what is under test
+    before = _registered()
+    load_plugins(plugins, "--grpo-plugin")
+    after = _registered()
+    modules = [spec.partition(":")[0] for spec in plugins]
+    references = dict(BUILTIN_REFERENCES)
+    for module in modules:
+        references.update(getattr(sys.modules[module], REFERENCES_ATTR, None) or {})
+    if not plugins:
+        return Entries((), *(tuple(sorted(after[k])) for k in after), references=references)
+    found = {}
+    for key, registry in (("advantages", ADVANTAGES), ("policy_losses", POLICY_LOSSES),
+                          ("kl_estimators", KL_ESTIMATORS), ("environments", None)):  # fmt: skip
+        defined_here = {n for n in after[key] if registry is not None
+                        and getattr(registry.get(n), "__module__", None) in modules}  # fmt: skip
+        found[key] = tuple(sorted((after[key] - before[key]) | defined_here))
+    return Entries(tuple(plugins), references=references, **found)

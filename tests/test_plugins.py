@@ -1,0 +1,303 @@
+"""Plugins reach every command and every rank: a module named by a config's `plugins:`, by
+`--plugin` or by an installed package's `grpo.plugins` entry point is imported before the config
+is checked, so the advantage estimator, policy loss, KL estimator, reward and environment it
+registers work in `grpo train` (one process and two torchrun ranks), `grpo eval` and
+`grpo config`; a plugin that fails is one line naming it (exit 2). `grpo config` checks what
+`grpo train` checks before the model loads, and an error line never shares a line with a
+progress bar.
+
+The plugin modules are imported only in subprocesses: registered in this process, their entries
+would join the registries that tests/test_algo_conformance.py parametrizes over."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from grpo.apps import cli
+from grpo.config import ConfigError, load_config
+from grpo.errors import GrpoError
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny_ci.yaml"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+# One module registers one entry of every registry. Its markers reach metrics.jsonl: the
+# estimator's constant advantages through the loss's `ext_adv` stat (so both ran), the KL
+# estimator's constant through train/kl, the reward's constant, the environment's step reward.
+PLUGIN = '''
+import torch
+
+from grpo.algo import broadcast, register_advantage, register_kl, register_policy_loss
+from grpo.envs import Step, register_env
+from grpo.rewards import register_reward
+
+
+@register_advantage("ext_adv")
+def ext_adv(scores, mask):
+    return broadcast(torch.ones_like(scores), mask)  # (B, T_c) of 1
+
+
+@register_policy_loss("ext_loss")
+def ext_loss(log_ratio, advantages):
+    return -torch.exp(log_ratio) * advantages, {"ext_adv": advantages}
+
+
+@register_kl("ext_kl")
+def ext_kl(logprobs, ref_logprobs):
+    return torch.full_like(logprobs, 0.125)
+
+
+register_reward("ext_reward", lambda completions, **columns: [0.25] * len(completions))
+
+
+class ExtEnv:
+    """Two turns: an observation after the first, then done with a step reward."""
+
+    tools = []
+
+    def __init__(self, bonus=0.5):
+        self.bonus, self.turns = bonus, 0
+
+    def start(self, row):
+        return None
+
+    def step(self, text, token_ids):
+        self.turns += 1
+        if self.turns == 1:
+            return Step(observation="go on")
+        return Step(reward=self.bonus, done=True)
+
+
+register_env("ext_env", ExtEnv)
+
+
+def hook():
+    """The entry point's function: called once, with no arguments."""
+
+    @register_advantage("ext_hooked")
+    def ext_hooked(scores, mask):
+        return broadcast(torch.full_like(scores, 2.0), mask)
+'''
+
+ALL_FIVE = ["loss.advantage=ext_adv", "loss.policy_loss=ext_loss", "loss.kl_estimator=ext_kl",
+            "rewards=[{name: ext_reward}]", "rollout.env=ext_env",
+            "rollout.env_kwargs={bonus: 0.5}", "rollout.max_turns=2"]  # fmt: skip
+
+
+def dist_info(root: Path, name: str, entry_points: str) -> Path:
+    """An installed distribution as importlib.metadata finds it on sys.path: a .dist-info
+    directory with METADATA and entry_points.txt (no installer involved)."""
+    d = root / f"{name}-0.1.dist-info"
+    d.mkdir(parents=True)
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (d / "entry_points.txt").write_text(entry_points)
+    return root
+
+
+@pytest.fixture(scope="module")
+def plugin_paths(tmp_path_factory):
+    """mods/ holds the plugin; ep/ an installed package declaring its hook as an entry point;
+    bad_ep/ one whose entry point names a module that does not exist."""
+    root = tmp_path_factory.mktemp("plugins")
+    (root / "mods").mkdir()
+    (root / "mods" / "grpo_test_ext.py").write_text(PLUGIN)
+    dist_info(root / "ep", "grpo_test_ep", "[grpo.plugins]\next = grpo_test_ext:hook\n")
+    dist_info(root / "bad_ep", "grpo_test_bad", "[grpo.plugins]\nbad = grpo_test_missing\n")
+    return {k: str(root / k) for k in ("mods", "ep", "bad_ep")}
+
+
+def grpo(args, cwd, pythonpath, timeout=300, prefix=(sys.executable, "-m", "grpo")):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(pythonpath)}
+    return subprocess.run([*prefix, *args], cwd=cwd, capture_output=True, text=True,
+                          env=env, timeout=timeout)  # fmt: skip
+
+
+def train_args(model, *overrides, config=TINY):
+    return ["train", "--config", str(config), f"model.path={model}", "train.output_dir=run",
+            "train.max_steps=1", "train.progress=false", "data.eval_samples=0",
+            "loss.num_iterations=1", *overrides]  # fmt: skip
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_config_plugins_train_and_the_saved_config_imports_them(
+    plugin_paths, shared_tiny_model, tmp_path
+):
+    cfg = yaml.safe_load(TINY.read_text())
+    cfg["plugins"] = ["grpo_test_ext"]
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    args = train_args(shared_tiny_model, *ALL_FIVE, config=tmp_path / "c.yaml")
+    r = grpo(args, tmp_path, [plugin_paths["mods"]])
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = metrics(tmp_path / "run")
+    assert row["train/ext_adv"] == 1.0  # the estimator's advantages reached the loss
+    assert row["train/kl"] == pytest.approx(0.125)
+    assert row["rewards/ext_reward"] == 0.25
+    assert row["env/turns_mean"] == 2.0 and row["env/step_reward_mean"] == 0.5
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["plugins"] == ["grpo_test_ext"]
+    # the saved config is valid on its own: its plugins are imported again (no --plugin)
+    r = grpo(["config", "--config", "run/config.yaml"], tmp_path, [plugin_paths["mods"]])
+    assert r.returncode == 0, r.stderr
+    assert yaml.safe_load(r.stdout)["loss"]["advantage"] == "ext_adv"
+    # `grpo config` rejects the plugin environment's unknown kwargs, as `grpo train` does
+    r = grpo(["config", "--config", "run/config.yaml", "rollout.env_kwargs={bonsu: 1}"],
+             tmp_path, [plugin_paths["mods"]])  # fmt: skip
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("grpo config: error: rollout.env_kwargs: got an unexpected "
+                                "keyword argument 'bonsu' (environment 'ext_env')")  # fmt: skip
+
+
+def test_entry_point_plugin_trains_and_its_function_is_called(
+    plugin_paths, shared_tiny_model, tmp_path
+):
+    overrides = [o.replace("=ext_adv", "=ext_hooked") for o in ALL_FIVE]
+    r = grpo(train_args(shared_tiny_model, *overrides), tmp_path,
+             [plugin_paths["mods"], plugin_paths["ep"]])  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = metrics(tmp_path / "run")
+    assert row["train/ext_adv"] == 2.0  # registered by the hook the entry point names
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["plugins"] == []
+    # `grpo eval` of the trained adapter in episodes of the entry point's environment
+    args = ["eval", "--model", str(shared_tiny_model), "--adapter", "run/final", "--env",
+            "ext_env", "--max-turns", "2", "--max-samples", "2", "--max-new-tokens", "4",
+            "--out", "eval.json"]  # fmt: skip
+    r = grpo(args, tmp_path, [plugin_paths["mods"], plugin_paths["ep"]])
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "eval.json").read_text())["models"]["model"]["summary"]
+    assert summary["turns_mean"] == 2.0 and summary["step_reward_mean"] == 0.5
+
+
+def test_two_ranks_train_with_a_cli_plugin(plugin_paths, shared_tiny_model, tmp_path):
+    args = train_args(shared_tiny_model, "loss.advantage=ext_adv", "loss.policy_loss=ext_loss")
+    r = grpo([*args, "--plugin", "grpo_test_ext"], tmp_path, [plugin_paths["mods"]],
+             prefix=(*TORCHRUN, "-m", "grpo"))  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = metrics(tmp_path / "run")  # one row: rank 0 logs
+    assert row["train/ext_adv"] == 1.0
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["plugins"] == ["grpo_test_ext"]  # --plugin kept for a resume or `grpo eval`
+
+
+def test_failing_plugins_are_one_line(plugin_paths, tmp_path):
+    r = grpo(["config", "--config", str(TINY)], tmp_path, [plugin_paths["bad_ep"]])
+    assert r.returncode == 2
+    assert r.stderr == (
+        "grpo config: error: entry point 'bad' of group 'grpo.plugins': cannot import "
+        "'grpo_test_missing': ModuleNotFoundError: No module named 'grpo_test_missing'\n"
+    )
+    r = grpo(["sft", "--config", str(TINY), "--plugin", "grpo_test_ext", "--plugin", "nope.mod"],
+             tmp_path, [plugin_paths["mods"]])  # fmt: skip
+    assert r.returncode == 2
+    assert r.stderr == ("grpo sft: error: --plugin[1]: cannot import 'nope.mod': "
+                        "ModuleNotFoundError: No module named 'nope'\n")  # fmt: skip
+
+
+# -- in this process: plugins that register nothing -------------------------------------------
+
+
+def test_config_plugins_are_imported_first_and_kept(tmp_path, monkeypatch, capsys):
+    (tmp_path / "grpo_test_probe.py").write_text("CALLS = []\ndef hook():\n    CALLS.append(1)\n")
+    (tmp_path / "grpo_test_broken.py").write_text("raise RuntimeError('broken\\non purpose')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    base = {"model": {"path": "m"}, "plugins": ["grpo_test_probe:hook"]}
+    cfg = load_config(base=base, plugins=["grpo_test_probe", "grpo_test_probe:hook"])
+    assert cfg.plugins == ("grpo_test_probe:hook", "grpo_test_probe")
+    load_config(base=base)
+    import grpo_test_probe
+
+    assert grpo_test_probe.CALLS == [1]  # a plugin's function runs once per process
+    with pytest.raises(ConfigError, match=r"^plugins: expected a list, got 'grpo_test_probe'$"):
+        load_config(base={"model": {"path": "m"}}, overrides=["plugins=grpo_test_probe"])
+    bad = [
+        ("plugins=[grpo_test_broken]",
+         "plugins[0]: cannot import 'grpo_test_broken': RuntimeError: broken\non purpose"),
+        ("plugins=['grpo_test_probe:nope']",
+         "plugins[0]: 'grpo_test_probe:nope': module 'grpo_test_probe' has no attribute 'nope'"),
+        ("plugins=['grpo_test_probe:CALLS']",
+         "plugins[0]: 'grpo_test_probe:CALLS': 'CALLS' is a list, not a function"),
+    ]  # fmt: skip
+    for override, message in bad:
+        with pytest.raises(ConfigError) as e:
+            load_config(base={"model": {"path": "m"}}, overrides=[override])
+        assert str(e.value) == message
+    rc = cli.main(["config", "--config", str(TINY), "plugins=[grpo_test_broken]"])
+    assert rc == 2
+    assert capsys.readouterr().err == (
+        "grpo config: error: plugins[0]: cannot import 'grpo_test_broken': RuntimeError: "
+        "broken on purpose\n"
+    )
+
+
+def test_pipeline_and_sweep_stages_keep_cli_plugins(tmp_path, monkeypatch):
+    from grpo.apps.pipeline import load_pipeline_config
+    from grpo.apps.sweep import SweepSetup
+
+    (tmp_path / "grpo_test_probe2.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    p = load_pipeline_config(REPO / "configs" / "pipeline_tiny.yaml",
+                             [f"output_dir={tmp_path / 'p'}"], ["grpo_test_probe2"])  # fmt: skip
+    assert p.sft.plugins == p.grpo.plugins == ("grpo_test_probe2",)
+    setup = SweepSetup(str(TINY), (), tmp_path, "eval/accuracy", "max", "grpo",
+                       ("grpo_test_probe2",))  # fmt: skip
+    assert setup.trial_config({"optim.lr": 1e-4}, tmp_path / "t").plugins == ("grpo_test_probe2",)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.env=nope"], "rollout.env: unknown environment 'nope'"),
+        (["eval.env=nope"], "eval.env: unknown environment 'nope'"),
+        (["rollout.env=calculator", "rollout.env_kwargs={zz: 1}"],
+         "rollout.env_kwargs: got an unexpected keyword argument 'zz'"),
+        (["rewards=[{name: nope}]"], "unknown reward 'nope'"),
+        (["rewards=[{name: step, betta: 1}]"], "betta"),
+        (["train.batch_size=6", "train.micro_batch_size=3"], "GRPO needs whole groups"),
+    ],
+)  # fmt: skip
+def test_config_checks_what_train_checks_before_the_model(overrides, message, capsys):
+    """`grpo config` runs the checks `grpo train` runs before loading the model."""
+    assert cli.main(["config", "--config", str(TINY), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_config_preflight_reads_a_local_model_only(shared_tiny_model, tmp_path, capsys):
+    """With model.path on this machine `grpo config` runs the preflight (token budgets against
+    the checkpoint's context); a model it cannot see is not fetched; --trainer sft checks
+    as `grpo sft` (dropout allowed)."""
+    local = ["--config", str(TINY), f"model.path={shared_tiny_model}",
+             f"train.output_dir={tmp_path / 'run'}"]  # fmt: skip
+    assert cli.main(["config", *local, "rollout.max_new_tokens=4000"]) == 2
+    assert "rollout.max_new_tokens: 4000 new tokens leave no room" in capsys.readouterr().err
+    assert cli.main(["config", "--config", str(TINY), "model.path=nobody/nothing",
+                     "rollout.max_new_tokens=4000"]) == 0  # fmt: skip
+    assert cli.main(["config", *local, "lora.dropout=0.1"]) == 2
+    assert "lora.dropout: must be 0 for GRPO" in capsys.readouterr().err
+    assert cli.main(["config", *local, "lora.dropout=0.1", "--trainer", "sft"]) == 0
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_error_line_never_glued_to_a_progress_bar(monkeypatch, capsys):
+    """A failing command with a bar open: the bar ends its line before the error, and no
+    stale bar is printed after it."""
+    from tqdm.auto import tqdm
+
+    def failing(args):
+        bar = tqdm(total=3, desc="grpo")  # noqa: F841  (open, as in a training loop)
+        raise GrpoError("bad\nthing")
+
+    monkeypatch.setattr(cli, "cmd_plot", failing)
+    assert cli.main(["plot", "somewhere"]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith("\ngrpo plot: error: bad thing\n"), repr(err)
+    assert "0/3" in err  # the bar was there, and ended its line first
