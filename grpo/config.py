@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import logging
 import math
 import types
 import typing
@@ -45,10 +44,6 @@ class ConfigError(GrpoError):
 class FieldError(ConfigError):
     """A field check failed; `field` is relative to the dataclass that checked it, and
     `build_settings` puts the dotted path of a nested one in front."""
-
-
-def _deprecated(old: str, new: str) -> None:
-    logging.getLogger(__name__).warning("%s is deprecated (kept for one release): use %s", old, new)
 
 
 def _check(cond: bool, name: str, msg: str) -> None:
@@ -315,9 +310,6 @@ class LossConfig:
     num_iterations: int = 1  # mu: updates per rollout batch
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill
     max_sampling_rounds: int = 3
-    # Deprecated spellings, kept for one release: mapped onto `advantage` / `policy_loss`.
-    advantage_scale: Literal["group", "batch", "none"] | None = None  # -> grpo|batch_std|dr_grpo
-    importance_level: Literal["token", "sequence"] | None = None  # sequence -> gspo
 
     def __post_init__(self):
         _check(self.beta >= 0, "loss.beta", f"must be >= 0, got {self.beta}")
@@ -341,27 +333,6 @@ class LossConfig:
         for name in ("advantage", "policy_loss", "kl_estimator"):
             value = getattr(self, name)
             _check(isinstance(value, str) and bool(value), f"loss.{name}", "must be a name")
-        if self.advantage_scale is not None:  # deprecated: one name per scale
-            mapped = {"group": "grpo", "batch": "batch_std", "none": "dr_grpo"}
-            _check(
-                self.advantage == "grpo" or self.advantage == mapped[self.advantage_scale],
-                "loss.advantage_scale",
-                f"is deprecated and conflicts with loss.advantage={self.advantage!r}; use "
-                "loss.advantage alone",
-            )
-            _deprecated("loss.advantage_scale", f"loss.advantage: {mapped[self.advantage_scale]}")
-            object.__setattr__(self, "advantage", mapped[self.advantage_scale])
-            object.__setattr__(self, "advantage_scale", None)
-        if self.importance_level == "sequence":  # deprecated: GSPO is a policy loss now
-            _check(
-                self.policy_loss in ("clip", "gspo"),
-                "loss.importance_level",
-                f"is deprecated and conflicts with loss.policy_loss={self.policy_loss!r}; use "
-                "loss.policy_loss: gspo",
-            )
-            _deprecated("loss.importance_level: sequence", "loss.policy_loss: gspo")
-            object.__setattr__(self, "policy_loss", "gspo")
-        object.__setattr__(self, "importance_level", None)
         from grpo.algo import check_algorithm  # lazy: the registries import torch
 
         try:  # unknown names and parameters fail here, naming the field
@@ -794,6 +765,7 @@ def load_config(
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
         data.update(loaded)
+    _drop_retired(data)
     for key, value in parse_overrides(overrides):
         _set_dotted(data, key, value)
     listed = _coerce(data.get("plugins", []), tuple[str, ...], "plugins")
@@ -803,6 +775,20 @@ def load_config(
     except GrpoError as e:
         raise ConfigError(str(e)) from None
     return _build(Config, data)
+
+
+# Keys removed after 0.1.0 (docs/CHANGES.md) that every run directory of that release saved, as
+# null, in its config.yaml: a null is dropped so those runs still load (eval, resume); any
+# other value fails as an unknown key.
+RETIRED = {"loss": ("advantage_scale", "importance_level")}
+
+
+def _drop_retired(data: dict) -> None:
+    for section, keys in RETIRED.items():
+        node = data.get(section)
+        for key in keys if isinstance(node, dict) else ():
+            if key in node and node[key] is None:
+                del node[key]
 
 
 def config_to_dict(cfg) -> dict:

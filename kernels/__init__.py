@@ -24,7 +24,6 @@ __all__ = [
     "chunked_logprobs",
     "default_blocks",
     "fused_logprobs",
-    "lora_lm_head_operands",
     "naive_logprobs",
     "resolve_impl",
 ]
@@ -91,6 +90,8 @@ def fused_logprobs(
     Raises:
         ValueError / TypeError: malformed operands, ids out of range, unknown impl.
     """
+    # the one full check of the operands on every path (the Triton launchers only assert
+    # shape, dtype and contiguity); the id range costs one host sync
     check_operands(hidden, weight, ids, temperature)
     impl = resolve_impl(impl, hidden.device)
     if ids.numel() > 0:
@@ -106,50 +107,14 @@ def fused_logprobs(
         return chunked_logprobs(
             hidden, weight, ids, temperature, return_entropy, entropy_grad=entropy_grad
         )
-    from kernels.logprobs import triton_logprobs
+    from kernels.logprobs import _triton_logprobs  # operands checked above, once
 
-    return triton_logprobs(
+    return _triton_logprobs(
         hidden.contiguous(),
         weight.contiguous(),
         ids.contiguous(),
         temperature,
         return_entropy,
-        entropy_grad=entropy_grad,
+        entropy_grad,
+        {},
     )
-
-
-def lora_lm_head_operands(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fold a LoRA lm_head into one plain linear head so that it runs through `fused_logprobs`.
-
-    hidden' @ weight'^T = hidden @ W^T + scale * (hidden @ A^T) @ B^T with
-    hidden' = [hidden, scale * hidden @ A^T] and weight' = [W, B] (concatenated along C).
-    Gradients flow back to hidden, lora_a and lora_b (and W if it requires grad) through the cat.
-    Note that d weight' is then computed for all C + r columns (the kernels see one weight), and
-    weight' is a fresh (V, C + r) copy per call.
-
-    Args:
-        hidden: (N, C).
-        weight: (V, C) frozen base weight W.
-        lora_a: (r, C) LoRA A.
-        lora_b: (V, r) LoRA B.
-        scale: alpha / r.
-
-    Returns:
-        (hidden' (N, C + r), weight' (V, C + r)) in the dtype of `hidden`.
-    """
-    r = lora_a.shape[0]
-    if lora_a.shape != (r, hidden.shape[1]) or lora_b.shape != (weight.shape[0], r):
-        raise ValueError(
-            f"LoRA shapes: expected lora_a (r, C={hidden.shape[1]}) and lora_b (V={weight.shape[0]}"
-            f", r), got {tuple(lora_a.shape)} and {tuple(lora_b.shape)}"
-        )
-    low_rank = (hidden @ lora_a.t()) * scale  # (N, r)
-    hidden_cat = torch.cat([hidden, low_rank.to(hidden.dtype)], dim=1)  # (N, C + r)
-    weight_cat = torch.cat([weight, lora_b.to(weight.dtype)], dim=1)  # (V, C + r)
-    return hidden_cat, weight_cat

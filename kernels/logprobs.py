@@ -221,10 +221,30 @@ def _on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
-def _check_launch(hidden, weight, ids, temperature):
-    check_operands(hidden, weight, ids, temperature, require_contiguous=True)
+def _assert_launch(hidden, weight, ids):
+    """The launchers' own asserts: shape, dtype and contiguity (metadata only, no host sync).
+    Devices, temperature and the id range are checked once, at the entry point
+    (`kernels.fused_logprobs` / `triton_logprobs`, via `check_operands`)."""
+    if hidden.dim() != 2 or weight.dim() != 2 or ids.dim() != 1:
+        raise ValueError(
+            f"hidden (N, C), weight (V, C), ids (N,) expected, got {tuple(hidden.shape)}, "
+            f"{tuple(weight.shape)}, {tuple(ids.shape)}"
+        )
+    if hidden.shape[1] != weight.shape[1] or ids.shape[0] != hidden.shape[0]:
+        raise ValueError(
+            f"shapes disagree: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, "
+            f"ids {tuple(ids.shape)}"
+        )
     if hidden.dtype not in _TL_PRECISION:
         raise TypeError(f"triton log-probs support float16/bfloat16/float32, got {hidden.dtype}")
+    if weight.dtype != hidden.dtype or ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(
+            f"weight dtype {weight.dtype} must equal hidden dtype {hidden.dtype}, ids int32/int64 "
+            f"(got {ids.dtype})"
+        )
+    for name, t in (("hidden", hidden), ("weight", weight), ("ids", ids)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (call .contiguous()), got {t.stride()}")
 
 
 def logprobs_forward(
@@ -251,7 +271,7 @@ def logprobs_forward(
     Returns:
         (logprobs (N,) fp32, lse (N,) fp32, entropy (N,) fp32 or an empty tensor).
     """
-    _check_launch(hidden, weight, ids, temperature)
+    _assert_launch(hidden, weight, ids)
     cfg = {**default_config(hidden.dtype), **config}
     n_tok, c = hidden.shape
     v_total = weight.shape[0]
@@ -335,7 +355,7 @@ def logprobs_backward(
     Returns:
         (d_hidden (N, C) or None, d_weight (V, C) or None), in the input dtype.
     """
-    _check_launch(hidden, weight, ids, temperature)
+    _assert_launch(hidden, weight, ids)
     cfg = {**default_config(hidden.dtype), **config}
     n_tok, c = hidden.shape
     v_total = weight.shape[0]
@@ -458,7 +478,13 @@ def triton_logprobs(
     Returns:
         logprobs (N,) fp32, or (logprobs, entropy) with `return_entropy` or `entropy_grad`.
     """
-    _check_launch(hidden, weight, ids, temperature)
+    check_operands(hidden, weight, ids, temperature, require_contiguous=True)
+    return _triton_logprobs(hidden, weight, ids, temperature, return_entropy, entropy_grad, config)
+
+
+def _triton_logprobs(hidden, weight, ids, temperature, return_entropy, entropy_grad, config):
+    """`triton_logprobs` on operands its caller has checked (`kernels.fused_logprobs` checks them
+    once; the launchers only assert shape, dtype and contiguity)."""
     unknown = sorted(set(config) - set(_CONFIG_KEYS))
     if unknown:
         raise TypeError(f"unknown triton config keys {unknown}; valid: {list(_CONFIG_KEYS)}")

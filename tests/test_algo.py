@@ -13,11 +13,11 @@ from grpo.algo.advantages import (
     group_advantages,
     zero_std_groups,
 )
+from grpo.algo.kl import kl_penalty
 from grpo.algo.losses import (
     AGGREGATIONS,
     LossSettings,
     aggregate,
-    kl_penalty,
     loss_normalizer,
     policy_loss,
     policy_loss_on_device,

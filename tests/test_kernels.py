@@ -1,4 +1,4 @@
-"""Tests of kernels/: the torch twins and the Triton kernels against float64, LoRA operands, errors.
+"""Tests of kernels/: the torch twins and the Triton kernels against float64, errors.
 
 The Triton kernels run on CPU under TRITON_INTERPRET=1, which triton reads when a kernel module is
 imported; so the interpreted checks run in one subprocess (`interpret_report`) started with the
@@ -281,40 +281,6 @@ def test_fused_logprobs_dispatch_on_cpu():
     torch.testing.assert_close(entropy.double(), -(p * p.log()).sum(-1), **FP32_TOL)
 
 
-def test_lora_lm_head_operands_reproduce_lora_logits():
-    hidden, weight, _, _ = make_inputs(37, 64, 1003, dtype=torch.float64)
-    gen = torch.Generator().manual_seed(1)
-    lora_a = torch.randn(8, 64, generator=gen, dtype=torch.float64)
-    lora_b = torch.randn(1003, 8, generator=gen, dtype=torch.float64)
-    h2, w2 = kernels.lora_lm_head_operands(hidden, weight, lora_a, lora_b, scale=0.5)
-    assert h2.shape == (37, 72) and w2.shape == (1003, 72)
-    expected = hidden @ weight.t() + 0.5 * (hidden @ lora_a.t()) @ lora_b.t()
-    torch.testing.assert_close(h2 @ w2.t(), expected, rtol=1e-12, atol=1e-12)
-
-
-@pytest.mark.parametrize("impl", ["chunked", "naive"])
-def test_lora_lm_head_through_fused_logprobs(impl):
-    hidden, weight, ids, grad = make_inputs(37, 64, 1003)
-    gen = torch.Generator().manual_seed(1)
-    lora_a = torch.randn(8, 64, generator=gen) * 0.1
-    lora_b = torch.randn(1003, 8, generator=gen) * 0.1
-
-    def grads(h, a, b, dtype):
-        leaves = [t.detach().to(dtype).requires_grad_(True) for t in (h, a, b)]
-        h2, w2 = kernels.lora_lm_head_operands(leaves[0], weight.to(dtype), *leaves[1:], 0.5)
-        logprobs = kernels.fused_logprobs(h2, w2, ids, 0.7, impl=impl)
-        return [logprobs, *torch.autograd.grad(logprobs, leaves, grad.to(logprobs.dtype))]
-
-    # gold: the LoRA formula itself in float64, no concatenation
-    leaves = [t.detach().double().requires_grad_(True) for t in (hidden, lora_a, lora_b)]
-    h, a, b = leaves
-    z = (h @ weight.double().t() + 0.5 * (h @ a.t()) @ b.t()) / 0.7
-    expected_lp = torch.log_softmax(z, -1).gather(1, ids[:, None]).squeeze(1)
-    expected = [expected_lp, *torch.autograd.grad(expected_lp, leaves, grad.double())]
-    for ours, exp in zip(grads(hidden, lora_a, lora_b, torch.float32), expected):
-        torch.testing.assert_close(ours.double(), exp, **FP32_TOL)
-
-
 # ---------------------------------------------------------------- operand errors
 
 
@@ -348,8 +314,6 @@ def test_contiguity_and_triton_device_errors(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         kernels.fused_logprobs(h, w, ids, impl="triton")
-    with pytest.raises(ValueError, match="LoRA shapes"):
-        kernels.lora_lm_head_operands(h, w, torch.zeros(2, 7), torch.zeros(11, 2), 1.0)
 
 
 # ---------------------------------------------------------------- Triton, interpreted on CPU

@@ -12,12 +12,13 @@ import copy
 import pytest
 import torch
 
+import kernels
 from grpo.algo.logprobs import CompletionLogprobs
 from grpo.config import load_config
 from grpo.errors import GrpoError
 from grpo.lora import LoRALinear
 from grpo.models import KVCache, load_model
-from grpo.precision import Precision, head_logits
+from grpo.precision import Precision, head_logits, head_operands
 from grpo.rollout import Sampler
 from grpo.rollout.sampler import Observation
 from tests.conftest import live_lora
@@ -86,6 +87,46 @@ def test_lora_under_autocast(base_dtype):
         + lora.scale * (d @ lora.lora_a.double().t() @ lora.lora_b.double().t())
     )
     assert (y.double() - ref).abs().max() <= 2**-7 * ref.abs().max()  # bf16: 8-bit mantissa
+
+
+def lora_head(n=37, c=64, v=1003, rank=8):
+    """hidden (N, C), a LoRALinear head (V, C) with non-zero A and B, scale 4 / 8 = 0.5, ids."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, c, generator=gen)
+    head = LoRALinear(torch.nn.Linear(c, v, bias=False), rank=rank, alpha=4)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(v, c, generator=gen) * 2 / c**0.5)
+        head.lora_a.copy_(torch.randn(rank, c, generator=gen) * 0.1)
+        head.lora_b.copy_(torch.randn(v, rank, generator=gen) * 0.1)
+    return hidden, head, torch.randint(0, v, (n,), generator=gen)
+
+
+def test_head_operands_fold_reproduces_the_lora_heads_logits():
+    hidden, head, _ = lora_head()
+    h2, w2 = head_operands(head, hidden)
+    assert h2.shape == (37, 72) and w2.shape == (1003, 72) and h2.dtype == torch.float32
+    h, w, a, b = (t.detach().double() for t in (hidden, head.weight, head.lora_a, head.lora_b))
+    expected = h @ w.t() + 0.5 * (h @ a.t()) @ b.t()  # the LoRA formula, float64
+    torch.testing.assert_close((h2 @ w2.t()).double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h2 @ w2.t(), head(hidden), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["chunked", "naive"])
+def test_head_operands_through_fused_logprobs(impl):
+    """Log-probs and gradients to hidden, A and B through the fold = the LoRA formula (float64)."""
+    hidden, head, ids = lora_head()
+    grad = torch.randn(37, generator=torch.Generator().manual_seed(1))
+    h = hidden.clone().requires_grad_(True)
+    h2, w2 = head_operands(head, h)
+    logprobs = kernels.fused_logprobs(h2, w2, ids, 0.7, impl=impl)
+    ours = [logprobs, *torch.autograd.grad(logprobs, [h, head.lora_a, head.lora_b], grad)]
+    leaves = [t.detach().double().requires_grad_(True) for t in (hidden, head.lora_a, head.lora_b)]
+    x, a, b = leaves
+    z = (x @ head.weight.double().t() + 0.5 * (x @ a.t()) @ b.t()) / 0.7
+    expected_lp = torch.log_softmax(z, -1).gather(1, ids[:, None]).squeeze(1)
+    expected = [expected_lp, *torch.autograd.grad(expected_lp, leaves, grad.double())]
+    for got, exp in zip(ours, expected):
+        torch.testing.assert_close(got.double(), exp, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("static", [False, True])

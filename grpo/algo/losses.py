@@ -36,7 +36,9 @@ AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 @dataclass(frozen=True)
 class LossSettings:
-    """The fields of `grpo.config.LossConfig` the loss reads (duck-typed: either works)."""
+    """The fields of `grpo.config.LossConfig` the loss reads (duck-typed: either works), with
+    beta 0, for callers that hand a policy loss in as a function (the conformance kit,
+    benchmarks), which `LossConfig` refuses: it takes registered names only."""
 
     policy_loss: str = "clip"
     policy_loss_kwargs: dict = field(default_factory=dict)
@@ -294,6 +296,5 @@ def check_policy_loss(cfg) -> None:
     KL_ESTIMATORS.check_params(cfg.kl_estimator, {}, {"logprobs", "ref_logprobs"})
 
 
-# kept importable from here (older code and docs)
-__all__ = ["AGGREGATIONS", "LossSettings", "aggregate", "check_bad_row", "kl_penalty",
-           "loss_normalizer", "policy_loss", "policy_loss_on_device", "reduce_stat"]  # fmt: skip
+__all__ = ["AGGREGATIONS", "LossSettings", "aggregate", "check_bad_row", "loss_normalizer",
+           "policy_loss", "policy_loss_on_device", "reduce_stat"]  # fmt: skip
