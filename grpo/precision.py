@@ -29,8 +29,7 @@ import torch.nn.functional as F
 
 from grpo.errors import GrpoError
 from grpo.lora import LoRALinear
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from grpo.models.loading import parse_dtype
 
 
 @dataclass(frozen=True)
@@ -56,7 +55,7 @@ class Precision:
         Raises:
             GrpoError: float16 for training (one line, before anything loads).
         """
-        param = DTYPES[model_cfg.dtype]
+        param = parse_dtype(model_cfg.dtype)
         if training and param == torch.float16:
             raise GrpoError(
                 "model.dtype: float16 cannot train here (no loss scaler: gradients and AdamW's "
@@ -98,10 +97,12 @@ class Precision:
         return model
 
     def describe(self) -> str:
-        name = {v: k for k, v in DTYPES.items()}
+        def name(dtype):
+            return str(dtype).removeprefix("torch.")
+
         return (
-            f"weights {name[self.param_dtype]} (trainable float32), compute "
-            f"{name[self.compute_dtype]}, KV cache {name[self.kv_dtype]}, head float32"
+            f"weights {name(self.param_dtype)} (trainable float32), compute "
+            f"{name(self.compute_dtype)}, KV cache {name(self.kv_dtype)}, head float32"
         )
 
 

@@ -56,17 +56,25 @@ def tiny_model_dir(tmp_path_factory):
     return d / "m"
 
 
-@pytest.mark.parametrize("command", ["train", "sft"])
-def test_torchrun_cli_end_to_end(tiny_model_dir, tmp_path, command):
+@pytest.mark.parametrize(
+    "command, precision",
+    [("train", []), ("sft", []),
+     ("train", ["model.autocast_bf16=true", "train.shared_prefix=on"]),  # the tutorial's
+     ("sft", ["model.dtype=bfloat16"])],  # bf16 base, float32 adapters: mixed-dtype DDP
+    ids=["train", "sft", "train-bf16-autocast", "sft-bf16-weights"],
+)  # fmt: skip
+def test_torchrun_cli_end_to_end(tiny_model_dir, tmp_path, command, precision):
     cfg = str(REPO / "configs" / "tiny_ci.yaml")
     r = run(
         [*TORCHRUN, "-m", "grpo", command, "--config", cfg, f"model.path={tiny_model_dir}",
-         "train.output_dir=out", "train.progress=false", "train.max_steps=2"],
+         "train.output_dir=out", "train.progress=false", "train.max_steps=2", *precision],
         cwd=tmp_path,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]  # one set of metrics, not one per rank
+    if command == "train":  # sampler vs trainer within the bf16 budget (docs/precision.md)
+        assert max(row["rollout/logprob_diff_max"] for row in rows) <= 1e-2
     assert (tmp_path / "out" / "checkpoints" / "latest").read_text().strip() == "step_000002"
     assert (tmp_path / "out" / "final" / "adapter_model.safetensors").is_file()
 

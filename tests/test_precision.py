@@ -274,16 +274,26 @@ def test_float16_training_is_refused_in_one_line(tmp_path, shared_tiny_model):
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
-def test_eval_under_autocast_is_greedy_like_float32(tiny_checkpoints, tiny_tokenizer):
-    """Evaluation takes the run's precision: bf16 greedy completions, scored as usual."""
+def test_eval_runs_in_the_given_precision(tiny_checkpoints, tiny_tokenizer, monkeypatch):
+    """Evaluation takes the run's precision: its KV cache is bf16 and its greedy completions
+    are exactly those of a bf16 sampler (and a float32 evaluation's those of a float32 one)."""
     from grpo.eval import evaluate
 
     model = load_model(tiny_checkpoints("qwen3", vocab_size=300))
     rows = [{"prompt_ids": p, "ground_truth": "8", "full_answer": "#### 8"} for p in PROMPTS]
-    res = {name: evaluate(model, tiny_tokenizer, copy.deepcopy(rows), stop_ids=[3],
-                          max_new_tokens=8, precision=prec, details=True)
-           for name, prec in (("fp32", Precision()), ("bf16", BF16))}  # fmt: skip
-    assert res["bf16"].summary["n"] == len(rows)
-    same = sum(a["completion"] == b["completion"]
-               for a, b in zip(res["fp32"].samples, res["bf16"].samples))  # fmt: skip
-    assert same >= 1  # greedy on a random model: bf16 rounding may flip a near-tie
+    caches = []
+    for_model = KVCache.for_model.__func__
+    monkeypatch.setattr(KVCache, "for_model", classmethod(
+        lambda cls, *a, **kw: caches.append(for_model(cls, *a, **kw)) or caches[-1]))  # fmt: skip
+    pad = tiny_tokenizer.pad_token_id
+    for prec in (Precision(), BF16):
+        caches.clear()
+        res = evaluate(model, tiny_tokenizer, copy.deepcopy(rows), stop_ids=[3],
+                       max_new_tokens=8, precision=prec, details=True)  # fmt: skip
+        assert res.summary["n"] == len(rows)
+        assert caches and all(c.dtype == prec.kv_dtype for c in caches)
+        want = Sampler(model, precision=prec).sample(PROMPTS, group_size=1, max_new_tokens=8,
+                                                     temperature=0.0, stop_ids=[3], seed=0,
+                                                     pad_id=pad)  # fmt: skip
+        texts = want.decode(tiny_tokenizer, skip_special_tokens=True)
+        assert [r["completion"] for r in res.samples] == texts

@@ -69,11 +69,11 @@ from torch import nn
 from grpo.config import Config, ConfigError, default_total_tokens
 from grpo.errors import GrpoError
 from grpo.models import Decoder, ModelConfig
+from grpo.precision import Precision
 
 GENERATED_DATASETS = ("minimath",)  # made on the fly: a huge size allocates or loops
 GENERATED_ROWS_MAX = 100_000  # ~2 s and ~250 MiB of minimath
 LOGPROB_TILE_BYTES = 2**23 * 4  # kernels/reference.py default_blocks: one fp32 tile
-_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _GIB = 2**30
 
 
@@ -495,7 +495,8 @@ def estimate_memory(
         meta: the model on the meta device (built from `mc` if not given).
     """
     meta = meta if meta is not None else _meta_decoder(mc)
-    e = _ELEMENT_BYTES[cfg.model.dtype]
+    prec = Precision.from_config(cfg.model, training=False)  # the dtypes the run will use
+    e = prec.param_dtype.itemsize
     n_params = sum(p.numel() for p in meta.parameters())  # a tied head counts once
     weights = n_params * e
     if cfg.lora.enabled:
@@ -516,7 +517,7 @@ def estimate_memory(
     def prompt(budget: int) -> int:
         return max(1, min(cfg.data.max_prompt_len, ctx - budget))
 
-    kv = 2 if cfg.model.autocast_bf16 else e  # the KV cache holds the compute dtype
+    kv = prec.kv_dtype.itemsize
 
     def sampling(rows: int, budget: int) -> int:
         return sampling_bytes(mc, rows, prompt(budget) + budget, kv)
@@ -528,7 +529,7 @@ def estimate_memory(
     prompt_rows = mb // groups if groups else mb  # a shared prefix runs once per group
     tokens = prompt_rows * prompt(budget) + mb * budget  # M
     per_layer = 2 * C + 2 * H * D + 2 * H_kv * D + 3 * I  # A
-    act = 2 if cfg.model.autocast_bf16 else e  # activations are bf16 under autocast
+    act = prec.compute_dtype.itemsize  # activations are bf16 under autocast
     if cfg.model.gradient_checkpointing:
         activations = tokens * (L * C + per_layer) * act
         if groups:  # the shared prompt's keys and values stay for the recompute
