@@ -642,3 +642,15 @@ def test_pipeline_and_sweep_exit_2_when_a_reward_exits(shared_tiny_model, iso_mo
     assert "every trial failed" in err
     trial = json.loads((iso_module / "sweep" / "trial_000" / "trial.json").read_text())
     assert "reward function 'quits' raised SystemExit" in trial["error"]
+
+
+def test_quickstart_digit_share_by_hand():
+    """configs/quickstart.yaml's reward, named as the config names it (path form), through the
+    same machinery a run uses: digits / characters, empty -> 0 (hand-computed)."""
+    from grpo.rewards import build_rewards, compute_rewards
+
+    fns = build_rewards([{"name": "grpo.tiny:digit_share", "weight": 2.0}])
+    total, per_fn = compute_rewards(fns, ["x 12", "", "abc", "2024"], {"answer": ["1"] * 4})
+    # "x 12": 2 of 4; "": 0; "abc": 0 of 3; "2024": 4 of 4; weight 2 on the total
+    assert list(per_fn.values())[0].tolist() == [0.5, 0.0, 0.0, 1.0]
+    assert total.tolist() == [1.0, 0.0, 0.0, 2.0]
