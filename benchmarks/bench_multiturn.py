@@ -9,8 +9,9 @@
 
 Two ways to run the same T-turn conversations (model turn, observation, model turn, ...):
 
-- `ours`: `Sampler.sample_turns`. The P prompts are prefilled once (KV rows copied G times),
-  each observation is prefilled into the same cache, earlier turns are never run again.
+- `ours`: `grpo.rollout.multiturn.sample_turns`. The P prompts are prefilled once (KV rows
+  copied G times), each observation is prefilled into the same cache, earlier turns are never
+  run again.
 - `baseline`: the generate-per-turn loop of frameworks that call a single-turn generator:
   turn 1 is `Sampler.sample(prompts, group_size=G)`; every later turn re-prefills each row's
   whole conversation (prompt + earlier turns + observations) with `Sampler.sample(convs,
@@ -49,6 +50,7 @@ from benchmarks.bench_sampler import CASES
 from benchmarks.harness import add_output_args, comma_list, measure_interleaved, write_results
 from grpo.models import Decoder, ModelConfig
 from grpo.rollout import Sampler
+from grpo.rollout.multiturn import sample_turns
 from grpo.rollout.sampler import Observation
 
 # Per-size defaults (CLI flags override): P prompts x G rows, lengths in tokens, timing rounds,
@@ -148,9 +150,10 @@ def build_model(size: str) -> Decoder:
 def run_ours(sampler: Sampler, w: Workload) -> list[list[int]]:
     """`sample_turns` over one KV cache -> B token streams (turns and observations)."""
     N, O, K = w.turn_len, len(w.obs_ids), w.turns
-    r = sampler.sample_turns(
-        w.prompts, group_size=w.group_size, observe=w.observer(), max_new_tokens=N, max_turns=K,
-        max_total_tokens=K * N + (K - 1) * O, stop_ids=[w.stop_id], temperature=0.0, seed=0,
+    r = sample_turns(
+        sampler, w.prompts, group_size=w.group_size, observe=w.observer(), max_new_tokens=N,
+        max_turns=K, max_total_tokens=K * N + (K - 1) * O, stop_ids=[w.stop_id],
+        temperature=0.0, seed=0,
     )  # fmt: skip
     return [ids[keep].tolist() for ids, keep in zip(r.completion_ids, r.completion_mask)]
 
@@ -312,7 +315,7 @@ def main(argv: list[str]) -> None:
         "and ours interleaved repeat by repeat",
         "baseline": "turn 1 Sampler.sample(prompts, G); turn k > 1 Sampler.sample(B "
         "conversations so far, group_size=1): the whole conversation is re-prefilled",
-        "ours": "Sampler.sample_turns: one KV cache, observations prefilled into it",
+        "ours": "multiturn.sample_turns: one KV cache, observations prefilled into it",
         "speedup": "baseline median_s / ours median_s (speedup_cpu: the same for cpu_s)",
         "loadavg_before (1/5/15 min)": load_before,
         "loadavg_after (1/5/15 min)": load_after,

@@ -24,14 +24,15 @@ from benchmarks.bench_trl import DATA, make_checkpoint
 from benchmarks.harness import add_output_args, comma_list, measure, write_results
 from grpo.config import load_config
 from grpo.loading import load_rows
+from grpo.policy import build_policy
 from grpo.rewards import build_rewards
 from grpo.rollout import Sampler
 from grpo.rollout.sampler import resolve_compile
+from grpo.run.optim import build_optimizer, build_scheduler
+from grpo.run.state import TrainState
 from grpo.tiny import SIZES, make_tiny_model
-from grpo.train.common import build_policy
-from grpo.train.grpo import advantage_phase, reference_phase, rollout_phase, update_phase
-from grpo.train.optim import build_optimizer, build_scheduler
-from grpo.train.state import TrainState
+from grpo.train.grpo import reference_phase, step_batch, update_phase
+from grpo.train.rollouts import rollout_phase
 
 
 def build_case(model_dir: Path, lora: bool, args, shared: str = "off") -> dict:
@@ -70,9 +71,7 @@ def build_case(model_dir: Path, lora: bool, args, shared: str = "off") -> dict:
         step[0] += 1
         return rollout_phase(cfg, policy, sampler, rows, state, rewards, step[0])
 
-    batch = rollout()
-    reference_phase(cfg, policy, batch)
-    advantage_phase(cfg, batch)
+    batch = step_batch(cfg, policy, rollout())  # reference log-probs, advantages
     return dict(cfg=cfg, policy=policy, rows=rows, params=params, opt=opt, sched=sched,
                 sampler=sampler, rollout=rollout, batch=batch)  # fmt: skip
 
@@ -83,7 +82,7 @@ def bench_case(model_dir: Path, size: str, lora: bool, args, shared: str = "off"
     opt, sched, params = case["opt"], case["sched"], case["params"]
     device = torch.device(args.device)
     t_roll = measure(rollout, warmup=1, repeats=args.repeats, device=device)
-    ref = lambda: reference_phase(cfg, policy, batch)  # noqa: E731
+    ref = lambda: reference_phase(cfg, policy, batch.rollout, batch.counted_mask, batch.plan)  # noqa: E731
     t_ref = measure(ref, repeats=args.repeats, device=device)
     t_upd = measure(
         lambda: update_phase(cfg, policy, batch, opt, sched, params),

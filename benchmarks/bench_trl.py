@@ -39,14 +39,15 @@ from benchmarks.harness import (
 from grpo.config import load_config
 from grpo.loading import load_rows
 from grpo.models import Decoder, ModelConfig, save_pretrained
+from grpo.policy import build_policy
 from grpo.rewards import build_rewards
 from grpo.rollout import Sampler
 from grpo.rollout.sampler import resolve_compile
+from grpo.run.optim import build_optimizer, build_scheduler
+from grpo.run.state import TrainState
 from grpo.tiny import make_tiny_model
-from grpo.train.common import build_policy
-from grpo.train.grpo import advantage_phase, reference_phase, rollout_phase, update_phase
-from grpo.train.optim import build_optimizer, build_scheduler
-from grpo.train.state import TrainState
+from grpo.train.grpo import step_batch, update_phase
+from grpo.train.rollouts import rollout_phase
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 QWEN3_06B = CASES["qwen3-0.6b"]["config"]  # the shape every benchmark here uses
@@ -125,9 +126,8 @@ def ours_case(model_dir: Path, shape: str, lora: bool, shared: str, args) -> dic
     def one_step():
         step[0] += 1
         batch = rollout_phase(cfg, policy, sampler, rows, state, rewards, step[0])
-        reference_phase(cfg, policy, batch, step[0])
-        advantage_phase(cfg, batch, step=step[0])
-        update_phase(cfg, policy, batch, opt, sched, params, step=step[0])
+        inputs = step_batch(cfg, policy, batch, step=step[0])  # reference, advantages
+        update_phase(cfg, policy, inputs, opt, sched, params, step=step[0])
         n = batch.rollout.completion_mask.sum(dim=1)  # (B,)
         tokens.append(int(n.sum()))
         lengths.append(float(n.float().mean()))

@@ -181,7 +181,7 @@ def evaluate(
         chunk = rows[start : start + batch_size]
         greedy = generate(chunk, 1, 0.0, seed)
         texts = greedy.decode(tokenizer, skip_special_tokens=True)
-        lengths = greedy.scored_mask.sum(-1).tolist()  # generated tokens (all turns)
+        lengths = greedy.generated_mask.sum(-1).tolist()  # generated tokens (all turns)
         for key, value in env_metrics(greedy, max_turns).items():
             env_sums[key] = env_sums.get(key, 0.0) + value * len(chunk)
         for i, (row, text) in enumerate(zip(chunk, texts)):
@@ -270,52 +270,6 @@ def eval_env_settings(cfg: Config) -> dict:
             "turn_end_tokens": r.turn_end_tokens}  # fmt: skip
 
 
-# Environments whose final turn answers the row's math question by construction, and rewards
-# that score a final answer against ground_truth as `evaluate` does.
-ANSWER_ENVS = ("single_turn", "calculator")
-ANSWER_REWARDS = ("accuracy", "step")
-
-
-def eval_fit_notice(cfg: Config) -> str | None:
-    """One line when a run's evaluation would score what its training does not, else None.
-
-    Evaluation always scores math accuracy: the final turn's answer against each row's
-    `ground_truth` (`score_completion`). It fits the environment it runs (eval.env, by
-    default rollout.env) when that environment's episodes end in such an answer
-    (ANSWER_ENVS) or when a training reward scores that answer (ANSWER_REWARDS, also inside
-    `combined`). Otherwise, say a custom environment trained on its step rewards or a reward
-    of its own, eval/accuracy measures something no reward asks for and can read 0.000
-    throughout: the line says so and how to change it. (Rows always have a ground_truth once
-    loaded; `evaluate` refuses one without.)
-    """
-    env = cfg.eval.env or cfg.rollout.env
-    if env in ANSWER_ENVS:
-        return None
-    names = {n for r in cfg.rewards for n in _reward_names(r.name, r.kwargs)}
-    if names & set(ANSWER_REWARDS):
-        return None
-    source = "eval.env" if cfg.eval.env else "rollout.env's, as eval.env is unset"
-    return (
-        f"eval.env: evaluation episodes run in {env!r} ({source}) and are scored by math "
-        f"accuracy of the final turn against each row's ground_truth (eval/accuracy), which "
-        f"no training reward measures (rewards: {', '.join(r.name for r in cfg.rewards)}); "
-        "add an accuracy reward if the final turn answers the row, set eval.env to an "
-        "environment that does, or set data.eval_samples=0 to skip evaluation"
-    )
-
-
-def _reward_names(name: str, kwargs: dict) -> list[str]:
-    """A reward's name and, for `combined`, its components' names."""
-    if name != "combined":
-        return [name]
-    weights = kwargs.get("weights", {})
-    if isinstance(weights, dict):
-        return [name, *map(str, weights)]
-    if isinstance(weights, (list, tuple)):
-        return [name, *(w.get("name", "") if isinstance(w, dict) else str(w) for w in weights)]
-    return [name]
-
-
 def average_reward(cfg: Config, rows: list[dict], samples: list[dict]) -> float:
     """Mean weighted reward (cfg.rewards) of evaluation completions."""
     from grpo.rewards import build_rewards, compute_rewards
@@ -395,12 +349,12 @@ def run_eval_command(
     """`grpo eval`: evaluate one model (and optionally others) on the same problems; print a
     comparison table; write JSON to `out`. Each model reads the problems rendered by its own
     tokenizer. Sizes, contexts and memory are checked before any model loads
-    (grpo/train/preflight.py; `skip_memory_check` skips the memory part)."""
+    (grpo/run/preflight.py; `skip_memory_check` skips the memory part)."""
     from pathlib import Path
 
     from grpo.io import check_output_file, write_json
+    from grpo.run.preflight import check_eval_rows, eval_command_budget, preflight_eval
     from grpo.tokenizer import load_tokenizer
-    from grpo.train.preflight import check_eval_rows, eval_command_budget, preflight_eval
 
     if k < 1:
         raise GrpoError(f"--k must be >= 1, got {k}")

@@ -21,12 +21,20 @@ from grpo.config import load_config
 from grpo.distributed import init_distributed, teardown, wrap_ddp
 from grpo.lora import apply_lora
 from grpo.models import load_model
+from grpo.policy import Policy
 from grpo.rollout import sample
+from grpo.rollout.multiturn import sample_turns
 from grpo.rollout.sampler import Observation, Sampler
-from grpo.train.batch import Batch, select_rows, turn_token_rewards
-from grpo.train.common import Policy
+from grpo.run.optim import build_optimizer, build_scheduler
+from grpo.train.batch import (
+    RolloutBatch,
+    UpdateBatch,
+    counted_mask,
+    micro_batch_plan,
+    select_rows,
+    turn_token_rewards,
+)
 from grpo.train.grpo import advantage_phase, update_phase
-from grpo.train.optim import build_optimizer, build_scheduler
 from grpo.train.sft import sft_update
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
@@ -36,21 +44,20 @@ class _Tok:
     pad_token_id = 0
 
 
-def fixed_batch(model, rank: int, world: int) -> Batch:
-    """The same 16-row rollout on every rank (fixed seed); this rank's contiguous half."""
+def fixed_batch(model, rank: int, world: int, micro_batch_size: int) -> UpdateBatch:
+    """The same 16-row rollout on every rank (fixed seed); this rank's contiguous half, with
+    (B,) advantages."""
     r = sample(model, [[5, 17, 33, 9], [101, 7], [44, 45, 46], [8]], group_size=4,
                max_new_tokens=10, temperature=1.0, stop_ids=[3], seed=0, pad_id=0)  # fmt: skip
     adv = torch.randn(16, generator=torch.Generator().manual_seed(0))
     B = 16 // world
     idx = torch.arange(rank * B, (rank + 1) * B)
     r = select_rows(r, idx)
-    return Batch(
-        rollout=r, rows=[{}] * B, rewards=adv[idx], per_fn={}, advantages=adv[idx],
-        loss_mask=r.completion_mask.clone(), texts=[], frac_zero_std=0.0,
-    )  # fmt: skip
+    plan = micro_batch_plan(r, micro_batch_size)
+    return UpdateBatch(r, counted_mask(r, False), adv[idx], plan)
 
 
-def multiturn_batch(model, rank: int, world: int) -> Batch:
+def multiturn_batch(model, rank: int, world: int) -> RolloutBatch:
     """The same 16 multi-turn trajectories on every rank (fixed seed; rows take 1-3 turns,
     observations of different lengths); this rank's half, with rank-local advantages."""
 
@@ -62,19 +69,19 @@ def multiturn_batch(model, rank: int, world: int) -> Batch:
         return Observation([200 + b, 201, 202][: (b + k) % 3 + 1], reward=0.1 * (b % 4))
 
     turns: dict = {}
-    r = Sampler(model).sample_turns(
-        [[5, 17, 33, 9], [101, 7], [44, 45, 46], [8]], group_size=4, observe=observe,
-        max_new_tokens=5, max_turns=3, max_total_tokens=30, stop_ids=[3],
+    r = sample_turns(
+        Sampler(model), [[5, 17, 33, 9], [101, 7], [44, 45, 46], [8]], group_size=4,
+        observe=observe, max_new_tokens=5, max_turns=3, max_total_tokens=30, stop_ids=[3],
         turn_end_ids=list(range(4, 40)), seed=0, pad_id=0,
     )  # fmt: skip
     rewards = torch.randn(16, generator=torch.Generator().manual_seed(0))
     B = 16 // world
     idx = torch.arange(rank * B, (rank + 1) * B)
     r = select_rows(r, idx)
-    return Batch(
-        rollout=r, rows=[{}] * B, rewards=rewards[idx], per_fn={},
-        loss_mask=r.loss_mask.clone(), texts=[], frac_zero_std=0.0,
-        token_rewards=turn_token_rewards(rewards[idx], r, 0.9),
+    return RolloutBatch(
+        rollout=r, rows=[{}] * B, texts=[""] * B, rewards=rewards[idx],
+        token_rewards=turn_token_rewards(rewards[idx], r, 0.9), per_fn={}, policy_version=0,
+        frac_zero_std=0.0,
     )  # fmt: skip
 
 
@@ -113,7 +120,7 @@ def run_cases(ckpt: str, out: Path, dist) -> None:
         opt = build_optimizer(params, cfg.optim)
         sched = build_scheduler(opt, 10, cfg.optim)
         scorer = wrap_ddp(CompletionLogprobs(model), dist, torch.device("cpu"))
-        batch = fixed_batch(model, dist.rank, dist.world_size)
+        batch = fixed_batch(model, dist.rank, dist.world_size, cfg.train.micro_batch_size)
         update_phase(cfg, policy, batch, opt, sched, params, scorer, dist)
         if dist.is_main:
             save_file({n: p.detach() for n, p in model.named_parameters() if p.requires_grad},
@@ -130,8 +137,11 @@ def run_cases(ckpt: str, out: Path, dist) -> None:
     sched = build_scheduler(opt, 10, cfg.optim)
     scorer = wrap_ddp(CompletionLogprobs(model), dist, torch.device("cpu"))
     batch = multiturn_batch(model, dist.rank, dist.world_size)
-    advantage_phase(cfg, batch, dist)
-    update_phase(cfg, policy, batch, opt, sched, params, scorer, dist)
+    r = batch.rollout
+    advantages = advantage_phase(cfg, batch, dist=dist)
+    plan = micro_batch_plan(r, cfg.train.micro_batch_size)
+    inputs = UpdateBatch(r, counted_mask(r, False), advantages, plan)
+    update_phase(cfg, policy, inputs, opt, sched, params, scorer, dist)
     if dist.is_main:
         save_file({n: p.detach() for n, p in model.named_parameters() if p.requires_grad},
                   str(out / "grpo_multiturn.safetensors"))  # fmt: skip

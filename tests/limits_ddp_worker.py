@@ -15,7 +15,7 @@ import sys
 import torch
 
 from grpo.distributed import init_distributed, teardown
-from grpo.train.grpo import advantage_stats
+from grpo.train.stats import advantage_stats
 
 B, T = 8, 7
 

@@ -14,16 +14,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import update_batch
 
 from grpo.algo import compute_advantages, kl_penalty
-from grpo.config import ConfigError, load_config
+from grpo.config import load_config
 from grpo.models import load_model
+from grpo.policy import Policy
 from grpo.rewards import compute_rewards
 from grpo.rollout import sample
-from grpo.train.batch import Batch, outcome_token_rewards
-from grpo.train.common import Policy
+from grpo.run.optim import build_optimizer, build_scheduler
+from grpo.settings import ConfigError
+from grpo.train.batch import RolloutBatch, micro_batch_plan, outcome_token_rewards
 from grpo.train.grpo import advantage_phase, old_logprobs_phase, update_phase
-from grpo.train.optim import build_optimizer, build_scheduler
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,8 +39,9 @@ def sampled_batch(model, seed=0):
     r = sample(model, [[5, 17, 33, 9], [101, 7]], group_size=4, max_new_tokens=8,
                temperature=1.0, stop_ids=[3], seed=seed, pad_id=0)  # fmt: skip
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.2])
-    return Batch(rollout=r, rows=[{}] * 8, rewards=rewards, per_fn={},
-                 loss_mask=r.completion_mask.clone(), texts=[], frac_zero_std=0.0)  # fmt: skip
+    return RolloutBatch(rollout=r, rows=[{}] * 8, texts=[""] * 8, rewards=rewards,
+                        token_rewards=outcome_token_rewards(rewards, r.completion_mask),
+                        per_fn={}, policy_version=0, frac_zero_std=0.0)  # fmt: skip
 
 
 def test_outcome_token_rewards_sit_on_the_last_token():
@@ -52,14 +55,14 @@ def test_kl_in_reward_enters_the_token_rewards(tiny_checkpoints):
     batch = sampled_batch(model)
     mask = batch.rollout.completion_mask
     g = torch.Generator().manual_seed(0)
-    batch.ref_logprobs = batch.rollout.logprobs + 0.3 * torch.randn(mask.shape, generator=g)
+    ref = batch.rollout.logprobs + 0.3 * torch.randn(mask.shape, generator=g)
     cfg = cfg_of("loss.advantage=reinforce_pp", "loss.kl_in_reward=0.1", "loss.beta=0")
     assert cfg.loss.needs_reference  # the reference runs even with beta 0
-    advantage_phase(cfg, batch)
-    kl = kl_penalty(batch.rollout.logprobs, batch.ref_logprobs, "k3", 20.0, 10.0)
+    advantages = advantage_phase(cfg, batch, ref)
+    kl = kl_penalty(batch.rollout.logprobs, ref, "k3", 20.0, 10.0)
     rewards = outcome_token_rewards(batch.rewards, mask) - 0.1 * torch.where(mask, kl, 0.0)
     want = compute_advantages("reinforce_pp", rewards, mask, group_size=4, eps=1e-4)
-    torch.testing.assert_close(batch.advantages, want, rtol=0, atol=0)
+    torch.testing.assert_close(advantages, want, rtol=0, atol=0)
     # and the KL term matters: without it the advantages differ
     plain = compute_advantages("reinforce_pp", outcome_token_rewards(batch.rewards, mask), mask,
                                group_size=4, eps=1e-4)  # fmt: skip
@@ -91,12 +94,13 @@ def test_token_level_reward_functions():
         compute_rewards([(process, 1.0)], ["a", "b"], columns)
 
 
-def _update(model, batch, *overrides):
+def _update(model, rollout, advantages, *overrides, old_logprobs=None):
     cfg = cfg_of("optim.lr=1e-3", "optim.max_grad_norm=null", *overrides)
     policy = Policy(model, None, [3], None, Path("."), lora=False)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(params, cfg.optim)
     sched = build_scheduler(opt, 10, cfg.optim)
+    batch = update_batch(cfg, rollout, advantages, old_logprobs=old_logprobs)
     return cfg, update_phase(cfg, policy, batch, opt, sched, params)
 
 
@@ -104,22 +108,22 @@ def test_entropy_bonus_gradient_through_the_fused_pass(tiny_checkpoints):
     """Advantages 0 and beta 0: the only gradient is -coef * d(mean entropy). Compare with the
     entropy of the full softmax in float64, by autograd."""
     base = load_model(tiny_checkpoints("qwen3"))
-    batch = sampled_batch(base)
-    batch.advantages = torch.zeros(batch.loss_mask.shape)
+    r = sampled_batch(base).rollout
+    mask = r.completion_mask
     model = copy.deepcopy(base)
     policy = Policy(model, None, [3], None, Path("."), lora=False)
     cfg = cfg_of("loss.beta=0", "loss.entropy_coef=0.5", "optim.lr=1e-3")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=0.0)  # a no-op step: read the gradient left behind
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-    stats = update_phase(cfg, policy, batch, opt, sched, params)
+    stats = update_phase(cfg, policy, update_batch(cfg, r, torch.zeros(mask.shape)), opt, sched,
+                         params)  # fmt: skip
     got = [p.grad.clone() for p in params]
 
     ref = copy.deepcopy(base).double()
-    r = batch.rollout
     logits = ref(r.ids, attention_mask=r.attention_mask())[:, r.prompt_width - 1 : -1]
     logp = logits.log_softmax(-1)
-    H = -(logp.exp() * logp).sum(-1)[batch.loss_mask]  # (N,)
+    H = -(logp.exp() * logp).sum(-1)[mask]  # (N,)
     (-0.5 * H.mean()).backward()
     for g, p in zip(got, ref.parameters()):
         torch.testing.assert_close(g.double(), p.grad, rtol=1e-5, atol=1e-6)
@@ -130,11 +134,12 @@ def test_tis_weights_are_one_when_numerics_match(tiny_checkpoints):
     model = load_model(tiny_checkpoints("qwen3"))
     batch = sampled_batch(model)
     cfg = cfg_of("loss.tis_cap=2.0")
-    old_logprobs_phase(cfg, Policy(model, None, [3], None, Path("."), lora=False), batch)
-    m = batch.loss_mask
-    assert (batch.old_logprobs - batch.rollout.logprobs)[m].abs().max() <= 1e-5
-    advantage_phase(cfg, batch)
-    _, stats = _update(model, batch, "loss.tis_cap=2.0", "loss.beta=0")
+    r, m = batch.rollout, batch.rollout.completion_mask
+    policy = Policy(model, None, [3], None, Path("."), lora=False)
+    old = old_logprobs_phase(cfg, policy, r, m, micro_batch_plan(r, 8))
+    assert (old - r.logprobs)[m].abs().max() <= 1e-5
+    advantages = advantage_phase(cfg, batch)
+    _, stats = _update(model, r, advantages, "loss.tis_cap=2.0", "loss.beta=0", old_logprobs=old)
     assert stats["train/tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)
 
 

@@ -13,19 +13,17 @@ from typing import Any
 
 import pytest
 
-from grpo.config import (
+from grpo.config import config_to_dict, load_config, save_config
+from grpo.settings import (
     ConfigError,
     FieldError,
     between,
     build_settings,
     check_fields,
     check_value,
-    config_to_dict,
-    load_config,
     non_empty,
     one_of,
     only,
-    save_config,
     setting,
 )
 

@@ -125,7 +125,7 @@ def test_quickstart_config_learns(shared_tiny_model, tmp_path):
     """configs/quickstart.yaml as written (only the model, the output and the step count
     overridden): a learning signal from step 1 (rewards differ within groups, a non-zero
     gradient at a non-zero lr) and a reward mean that climbs within 15 of its 30 steps."""
-    from grpo.train.optim import lr_lambda
+    from grpo.run.optim import lr_lambda
 
     out = tmp_path / "run"
     cfg = load_config(CONFIGS / "quickstart.yaml", [

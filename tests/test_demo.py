@@ -11,8 +11,8 @@ import pytest
 from grpo.apps.cli import main
 from grpo.apps.demo import DEFAULT_CONFIG, load_demo_config
 from grpo.apps.plot import plot_run
-from grpo.config import ConfigError
 from grpo.errors import GrpoError
+from grpo.settings import ConfigError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

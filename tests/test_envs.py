@@ -62,7 +62,7 @@ def test_turn_token_rewards_discounted_return():
                 prompt_width=1, completion_ids=torch.zeros(1, 6, dtype=torch.long),
                 completion_mask=torch.ones(1, 6, dtype=torch.bool),
                 completion_lens=torch.tensor([6]), finished=torch.tensor([True]),
-                logprobs=torch.zeros(1, 6), group_size=1, loss_mask=scored,
+                logprobs=torch.zeros(1, 6), group_size=1, generated_mask=scored,
                 turn_ids=torch.tensor([[0, 0, 0, 0, 1, 1]]), turn_rewards=[[0.1, 0.0]],
                 turn_texts=[[[1], [2]]], infos=[{}])  # fmt: skip
     # step reward 0.1 at turn 0's last token; final reward 0.6 at the last token, x gamma^1

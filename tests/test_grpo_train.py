@@ -10,19 +10,19 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import live_lora
+from conftest import live_lora, update_batch
 
 from grpo.algo.logprobs import completion_logprobs
 from grpo.config import load_config
 from grpo.models import load_model
+from grpo.policy import Policy
 from grpo.rollout import sample
-from grpo.train.batch import Batch
-from grpo.train.common import Policy
+from grpo.run.optim import build_optimizer, build_scheduler
 from grpo.train.grpo import update_phase
-from grpo.train.optim import build_optimizer, build_scheduler
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,10 +38,14 @@ def rollout_batch(model, G=4, T=12, seed=0):
                stop_ids=[3], seed=seed, pad_id=0)  # fmt: skip
     g = torch.Generator().manual_seed(seed)
     adv = torch.randn(r.ids.shape[0], generator=g)
-    return Batch(
-        rollout=r, rows=[{}] * r.ids.shape[0], rewards=adv.clone(), per_fn={},
-        advantages=adv, loss_mask=r.completion_mask.clone(), texts=[], frac_zero_std=0.0,
-    )  # fmt: skip
+    # what the update reads, before the config gives its micro-batch plan (`as_update`)
+    return SimpleNamespace(rollout=r, advantages=adv, counted_mask=r.completion_mask.clone(),
+                           ref_logprobs=None)  # fmt: skip
+
+
+def as_update(cfg, batch):
+    return update_batch(cfg, batch.rollout, batch.advantages, batch.counted_mask,
+                        batch.ref_logprobs)  # fmt: skip
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -68,7 +72,7 @@ def run_update(tmp_path, model, batch, *overrides):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(params, cfg.optim)
     sched = build_scheduler(opt, 10, cfg.optim)
-    return update_phase(cfg, policy, batch, opt, sched, params)
+    return update_phase(cfg, policy, as_update(cfg, batch), opt, sched, params)
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
@@ -116,7 +120,7 @@ def stat_batch(model):
     batch = rollout_batch(model)
     g = torch.Generator().manual_seed(1)
     noise = 0.2 * torch.randn(batch.rollout.logprobs.shape, generator=g)
-    batch.ref_logprobs = torch.where(batch.loss_mask, batch.rollout.logprobs + noise, 0.0)
+    batch.ref_logprobs = torch.where(batch.counted_mask, batch.rollout.logprobs + noise, 0.0)
     return batch
 
 
@@ -257,7 +261,7 @@ def test_update_phase_host_reads_do_not_grow_with_micro_batches(tiny_checkpoints
         sched = build_scheduler(opt, 10, cfg.optim)
         counts = count_host_reads(monkeypatch)
         counts["on"] = True
-        trainer.update_phase(cfg, policy, batch, opt, sched, params)
+        trainer.update_phase(cfg, policy, as_update(cfg, batch), opt, sched, params)
         counts["on"] = False
         monkeypatch.undo()
         reads[micro] = {k: counts[k] for k in HOST_READS}
@@ -277,7 +281,7 @@ def test_update_phase_names_the_loss_and_the_batch_row(tiny_checkpoints, tmp_pat
 
     model = load_model(tiny_checkpoints("qwen3"))
     batch = rollout_batch(model)
-    assert batch.loss_mask[5].any()
+    assert batch.counted_mask[5].any()
     batch.advantages[5] = 123.0
     cfg = make_cfg(tmp_path, "loss.policy_loss=test_inf_at_sentinel", "loss.beta=0",
                    "train.micro_batch_size=2")  # fmt: skip
@@ -288,7 +292,7 @@ def test_update_phase_names_the_loss_and_the_batch_row(tiny_checkpoints, tmp_pat
     sched = build_scheduler(opt, 10, cfg.optim)
     want = r"^step 7: policy loss 'test_inf_at_sentinel' returned a non-finite value at row 5 "
     with pytest.raises(GrpoError, match=want + "from finite inputs$"):
-        update_phase(cfg, policy, batch, opt, sched, params, step=7)
+        update_phase(cfg, policy, as_update(cfg, batch), opt, sched, params, step=7)
     assert all(torch.equal(a, b) for a, b in zip(before, params))  # no update was taken
 
 

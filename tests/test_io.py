@@ -22,7 +22,7 @@ from grpo.errors import GrpoError
 from grpo.io import FileError, read_json, read_text, torch_load
 from grpo.lora import apply_lora, load_adapter, save_adapter
 from grpo.models import load_model
-from grpo.train.state import TrainState, load_checkpoint, save_checkpoint
+from grpo.run.state import TrainState, load_checkpoint, save_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CI = str(REPO / "configs" / "tiny_ci.yaml")
@@ -300,7 +300,7 @@ from grpo.errors import GrpoError
 from grpo.lora import merge_command
 from grpo.metrics import MetricLogger
 from grpo.models import load_model, save_pretrained
-from grpo.train.state import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from grpo.run.state import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 
 mode, disk, model_dir, adapter_dir = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4]
 FSIZE = resource.getrlimit(resource.RLIMIT_FSIZE)

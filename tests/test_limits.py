@@ -22,17 +22,18 @@ from grpo.algo.advantages import broadcast
 from grpo.config import load_config
 from grpo.envs import Step
 from grpo.errors import GrpoError
-from grpo.eval import eval_fit_notice, evaluate
+from grpo.eval import evaluate
 from grpo.metrics import MetricLogger, read_metrics
 from grpo.rollout.multiturn import env_metrics
 from grpo.rollout.sampler import Rollout
-from grpo.train.grpo import advantage_stats
-from grpo.train.preflight import (
+from grpo.run.preflight import (
     OBS_GLUE_TOKENS,
+    eval_fit_notice,
     guaranteed_turns,
     start_notices,
     turn_budget_notices,
 )
+from grpo.train.stats import advantage_stats
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CI = REPO / "configs" / "tiny_ci.yaml"

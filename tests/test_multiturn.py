@@ -39,9 +39,9 @@ def fake_env(calls: list):
 
 def run(model, temperature=1.0, seed=0, **kw):
     calls: list = []
-    r = Sampler(model).sample_turns(
-        PROMPTS, group_size=3, observe=fake_env(calls), max_new_tokens=6, max_turns=4,
-        max_total_tokens=48, stop_ids=[STOP], turn_end_ids=TURN_END,
+    r = multiturn.sample_turns(
+        Sampler(model), PROMPTS, group_size=3, observe=fake_env(calls), max_new_tokens=6,
+        max_turns=4, max_total_tokens=48, stop_ids=[STOP], turn_end_ids=TURN_END,
         temperature=temperature, seed=seed, **kw,
     )  # fmt: skip
     return r, calls
@@ -54,21 +54,21 @@ def test_multiturn_logprobs_equal_training_forward(tiny_checkpoints, lora, tempe
     if lora:
         live_lora(model, ["q_proj", "v_proj", "lm_head"], std=0.05, seed=0)
     r, _ = run(model, temperature)
-    assert r.loss_mask is not None and (r.loss_mask <= r.completion_mask).all()
-    assert (r.completion_mask & ~r.loss_mask).any()  # observations were appended
-    holes = (~r.completion_mask).cumsum(1) * r.loss_mask  # a generated token after a hole
+    assert r.multi_turn and (r.generated_mask <= r.completion_mask).all()
+    assert (r.completion_mask & ~r.generated_mask).any()  # observations were appended
+    holes = (~r.completion_mask).cumsum(1) * r.generated_mask  # a generated token after a hole
     assert (holes > 0).any()
     lens = [len(t) for turns in r.turn_texts for t in turns]
     assert min(lens) < max(lens)  # turns of different lengths: holes inside model turns too
     model.train()
     recomputed = completion_logprobs(model, r.ids, r.attention_mask(), r.prompt_width,
-                                     r.loss_mask, temperature, has_holes=True)  # fmt: skip
-    diff = (recomputed - r.logprobs)[r.loss_mask].abs().max().item()
+                                     r.generated_mask, temperature, has_holes=True)  # fmt: skip
+    diff = (recomputed - r.logprobs)[r.generated_mask].abs().max().item()
     assert diff <= 1e-5
     # without the hole-aware gather the holes would shift the predictions: the flag matters
-    naive = completion_logprobs(model, r.ids, r.attention_mask(), r.prompt_width, r.loss_mask,
+    naive = completion_logprobs(model, r.ids, r.attention_mask(), r.prompt_width, r.generated_mask,
                                 temperature)  # fmt: skip
-    assert (naive - r.logprobs)[r.loss_mask].abs().max().item() > 1e-3
+    assert (naive - r.logprobs)[r.generated_mask].abs().max().item() > 1e-3
 
 
 def reference_greedy(model, prompt, row, observe, max_new_tokens, max_turns):
@@ -104,7 +104,7 @@ def test_greedy_multiturn_equals_rerunning_the_conversation(tiny_checkpoints):
         keep = r.completion_mask[b]
         got = r.completion_ids[b][keep].tolist()
         assert got == want_ids, b
-        assert r.loss_mask[b][keep].tolist() == want_gen, b
+        assert r.generated_mask[b][keep].tolist() == want_gen, b
     assert sorted(calls, key=lambda c: c[0]) == sorted(ref_calls, key=lambda c: c[0])
 
 
@@ -122,12 +122,12 @@ def test_turn_bookkeeping(tiny_checkpoints):
         assert real == sorted(real)
         # what observe saw is exactly the generated tokens of that turn (stop id left out)
         for k, (_, ids, stopped) in enumerate(turns):
-            gen = r.completion_ids[b][(t == k) & r.loss_mask[b]].tolist()
+            gen = r.completion_ids[b][(t == k) & r.generated_mask[b]].tolist()
             assert (gen[:-1] if stopped else gen) == ids == r.turn_texts[b][k]
         if r.finished[b]:
             assert r.turn_rewards[b][-1] == 1.0
     assert r.infos[0]["turns"] == len(r.turn_texts[0])
-    assert (r.logprobs[~r.loss_mask] == 0).all()
+    assert (r.logprobs[~r.generated_mask] == 0).all()
 
 
 def test_same_seed_same_rollout(tiny_checkpoints):
@@ -140,16 +140,16 @@ def test_same_seed_same_rollout(tiny_checkpoints):
 def test_ended_trajectories_leave_the_batch(tiny_checkpoints):
     model = load_model(tiny_checkpoints("qwen3"))
     sampler, sizes = Sampler(model), []
-    decode = sampler._decode
+    decode = sampler.decode
 
     def counting(tok, *args):
         sizes.append(tok.shape[0])
         return decode(tok, *args)
 
-    sampler._decode = counting
+    sampler.decode = counting
     calls: list = []
-    r = sampler.sample_turns(
-        PROMPTS, group_size=3, observe=fake_env(calls), max_new_tokens=6, max_turns=4,
+    r = multiturn.sample_turns(
+        sampler, PROMPTS, group_size=3, observe=fake_env(calls), max_new_tokens=6, max_turns=4,
         max_total_tokens=48, stop_ids=[STOP], turn_end_ids=TURN_END, temperature=0.0, seed=0,
     )  # fmt: skip
     # rows end after 1, 2 or 3 turns: the decode batch shrinks from 6 to 4 to 2
@@ -194,7 +194,7 @@ def reference_turn_loop(sampler, logits, cache, kv_mask, pos, T_p, observe, max_
             scored[act, col] = in_turn
             turn_ids[act, col] = torch.where(in_turn, turn, -1)
             kv_mask[:, T_p + col] = in_turn
-            logits = sampler._decode(tok[:, None], pos[:, None], kv_mask, cache)
+            logits = sampler.decode(tok[:, None], pos[:, None], kv_mask, cache)
             pos += in_turn.long()
             col += 1
             stopped[act] |= in_turn & torch.isin(tok, stops)
@@ -266,8 +266,8 @@ def varied_env(calls: list):
 
 def rollout_turns(sampler, env, *, seed, temperature, max_new_tokens, total, turn_end, **kw):
     calls: list = []
-    r = sampler.sample_turns(
-        [[5, 17, 33, 9], [101, 7], [9] * 7], group_size=3, observe=env(calls),
+    r = multiturn.sample_turns(
+        sampler, [[5, 17, 33, 9], [101, 7], [9] * 7], group_size=3, observe=env(calls),
         max_new_tokens=max_new_tokens, max_turns=5, max_total_tokens=total, stop_ids=[STOP, 11],
         turn_end_ids=turn_end, temperature=temperature, seed=seed, **kw,
     )  # fmt: skip
@@ -374,7 +374,7 @@ def test_host_syncs_per_turn_not_per_token(tiny_checkpoints, monkeypatch, sync_e
                                                                           **kw))  # fmt: skip
     assert_same_rollout(r, want)
     # decode steps of turn k: until its last row ended (or a limit cut it)
-    steps = [int((r.loss_mask & (r.turn_ids == k)).sum(1).max()) for k in range(5)]
+    steps = [int((r.generated_mask & (r.turn_ids == k)).sum(1).max()) for k in range(5)]
     steps = [s for s in steps if s > 0]
     assert len(steps) >= 3 and max(steps) > 2 * sync_every  # several turns, some long
     assert n <= sum(math.ceil(s / sync_every) + 2 for s in steps) + 2, (n, steps)

@@ -10,15 +10,18 @@ import math
 
 import pytest
 import torch
+from conftest import update_batch
 
-from grpo.config import ConfigError, load_config
+from grpo.config import load_config
 from grpo.models import load_model
+from grpo.policy import Policy
 from grpo.precision import Precision
 from grpo.rollout import Sampler, sample
-from grpo.train.batch import Batch
-from grpo.train.common import Policy
-from grpo.train.grpo import old_logprobs_phase, sample_round, update_phase
-from grpo.train.optim import build_optimizer, build_scheduler
+from grpo.run.optim import build_optimizer, build_scheduler
+from grpo.settings import ConfigError
+from grpo.train.batch import micro_batch_plan
+from grpo.train.grpo import old_logprobs_phase, update_phase
+from grpo.train.rollouts import sample_round
 
 PROMPTS = [[5, 17, 33, 9], [101, 7]]
 
@@ -28,19 +31,15 @@ def make_cfg(tmp_path, *overrides):
     return load_config(base=base, overrides=["rollout.group_size=4", *overrides])
 
 
-def make_batch(r):
-    B = r.ids.shape[0]
-    adv = torch.randn(B, generator=torch.Generator().manual_seed(0))
-    return Batch(rollout=r, rows=[{}] * B, rewards=adv.clone(), per_fn={}, advantages=adv,
-                 loss_mask=r.completion_mask.clone(), texts=[], frac_zero_std=0.0)  # fmt: skip
-
-
-def update(tmp_path, model, batch, *overrides):
+def update(tmp_path, model, r, *overrides):
+    """One update on rollout `r` with seeded random (B,) advantages."""
+    adv = torch.randn(r.ids.shape[0], generator=torch.Generator().manual_seed(0))
     cfg = make_cfg(tmp_path, "loss.beta=0", *overrides)
     policy = Policy(model, None, [3], None, tmp_path, lora=False,
                     precision=Precision.from_config(cfg.model))  # fmt: skip
     params = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(params, cfg.optim)
+    batch = update_batch(cfg, r, adv)
     return update_phase(cfg, policy, batch, opt, build_scheduler(opt, 10, cfg.optim), params)
 
 
@@ -49,7 +48,7 @@ def test_first_pass_agrees_with_the_sampler_and_the_check_sees_a_mismatch(tiny_c
     base = load_model(tiny_checkpoints("qwen3"))
     r = sample(base, PROMPTS, group_size=4, max_new_tokens=10, temperature=1.0, stop_ids=[3],
                seed=0, pad_id=0)  # fmt: skip
-    stats = update(tmp_path, copy.deepcopy(base), make_batch(r))
+    stats = update(tmp_path, copy.deepcopy(base), r)
     assert stats["rollout/logprob_diff_max"] <= 1e-5  # float32, no dropout: the same numbers
     assert stats["rollout/logprob_diff_mean"] <= stats["rollout/logprob_diff_max"]
     assert abs(stats["rollout/first_pass_ratio_mean"] - 1) <= 1e-5
@@ -59,7 +58,7 @@ def test_first_pass_agrees_with_the_sampler_and_the_check_sees_a_mismatch(tiny_c
     bad = copy.deepcopy(r)
     bad.logprobs[1, 2] += 0.25
     n = int(r.completion_mask.sum())
-    stats = update(tmp_path, copy.deepcopy(base), make_batch(bad))
+    stats = update(tmp_path, copy.deepcopy(base), bad)
     assert stats["rollout/logprob_diff_max"] == pytest.approx(0.25, abs=1e-5)
     assert stats["rollout/first_pass_ratio_mean"] == pytest.approx(
         1 + (math.exp(-0.25) - 1) / n, abs=1e-5
@@ -71,15 +70,14 @@ def test_old_logprobs_recompute_is_the_trainer_forward(tiny_checkpoints, tmp_pat
     r = sample(model, PROMPTS, group_size=4, max_new_tokens=10, temperature=0.7, stop_ids=[3],
                seed=1, pad_id=0)  # fmt: skip
     policy = Policy(model, None, [3], None, tmp_path, lora=False)
-    batch = make_batch(r)
-    old_logprobs_phase(make_cfg(tmp_path, "rollout.temperature=0.7"), policy, batch)
-    assert batch.old_logprobs is None  # sampler (the default): nothing recomputed
+    m, plan = r.completion_mask, micro_batch_plan(r, 8)
+    cfg = make_cfg(tmp_path, "rollout.temperature=0.7")
+    assert old_logprobs_phase(cfg, policy, r, m, plan) is None  # sampler (the default)
     cfg = make_cfg(tmp_path, "rollout.temperature=0.7", "loss.old_logprobs=recompute")
-    old_logprobs_phase(cfg, policy, batch)
-    m = r.completion_mask
-    assert batch.old_logprobs.shape == r.logprobs.shape
-    assert (batch.old_logprobs - r.logprobs)[m].abs().max().item() <= 1e-5
-    assert (batch.old_logprobs[~m] == 0).all()
+    old = old_logprobs_phase(cfg, policy, r, m, plan)
+    assert old.shape == r.logprobs.shape
+    assert (old - r.logprobs)[m].abs().max().item() <= 1e-5
+    assert (old[~m] == 0).all()
 
 
 def test_sampler_runs_under_the_trainers_precision(tiny_checkpoints, tmp_path):
@@ -102,7 +100,7 @@ def test_sampler_runs_under_the_trainers_precision(tiny_checkpoints, tmp_path):
     assert not torch.equal(matched.logprobs, fp32.logprobs)  # autocast did reach the sampler
     diffs = {}
     for name, r in (("matched", matched), ("fp32", fp32)):
-        stats = update(tmp_path, copy.deepcopy(model), make_batch(r), "model.autocast_bf16=true",
+        stats = update(tmp_path, copy.deepcopy(model), r, "model.autocast_bf16=true",
                        "rollout.max_new_tokens=12")  # fmt: skip
         diffs[name] = stats["rollout/logprob_diff_mean"]
     assert diffs["matched"] < diffs["fp32"], diffs

@@ -1,4 +1,4 @@
-"""The learning-rate schedule (grpo/train/optim.py): hand-computed values, no update at lr 0,
+"""The learning-rate schedule (grpo/run/optim.py): hand-computed values, no update at lr 0,
 resume, and the lr the trainers log is the one their update used."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from grpo.config import OptimConfig, load_config
-from grpo.train.optim import build_optimizer, build_scheduler, lr_lambda
+from grpo.run.optim import build_optimizer, build_scheduler, lr_lambda
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -19,9 +19,10 @@ from grpo.apps.pipeline import (
     load_pipeline_config,
     run_pipeline,
 )
-from grpo.config import ConfigError, load_config
+from grpo.config import load_config
 from grpo.errors import GrpoError
 from grpo.loading import resolve_trained
+from grpo.settings import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"

@@ -21,8 +21,9 @@ import pytest
 import yaml
 
 from grpo.apps import cli
-from grpo.config import ConfigError, load_config
+from grpo.config import load_config
 from grpo.errors import GrpoError
+from grpo.settings import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_ci.yaml"

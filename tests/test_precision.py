@@ -20,6 +20,7 @@ from grpo.lora import LoRALinear
 from grpo.models import KVCache, load_model
 from grpo.precision import Precision, head_logits, head_operands
 from grpo.rollout import Sampler
+from grpo.rollout.multiturn import sample_turns
 from grpo.rollout.sampler import Observation
 from tests.conftest import live_lora
 
@@ -171,9 +172,8 @@ def rollout(sampler, multi_turn: bool):
     if not multi_turn:
         return sampler.sample(PROMPTS, max_new_tokens=20, **kw)
     observe_fn.calls = {}
-    return sampler.sample_turns(PROMPTS, observe=observe_fn, max_new_tokens=6, max_turns=3,
-                                max_total_tokens=40, turn_end_ids=list(range(4, 60)),
-                                **kw)  # fmt: skip
+    return sample_turns(sampler, PROMPTS, observe=observe_fn, max_new_tokens=6, max_turns=3,
+                        max_total_tokens=40, turn_end_ids=list(range(4, 60)), **kw)  # fmt: skip
 
 
 @pytest.mark.parametrize("multi_turn", [False, True], ids=["single", "multi"])
@@ -193,8 +193,8 @@ def test_sampler_and_trainer_agree_under_bf16(tiny_checkpoints, lora, compiled, 
     r = rollout(sampler, multi_turn)
     if compiled:
         assert sampler._cache is not None and sampler._cache.dtype == torch.bfloat16
-    mask = r.scored_mask
-    holes = r.loss_mask is not None
+    mask = r.generated_mask
+    holes = r.multi_turn
     for G in (None, 4):  # full rows, shared prefix
         bf16 = CompletionLogprobs(model, BF16)(r.ids, r.attention_mask(), r.prompt_width, mask,
                                                1.0, has_holes=holes, group_size=G)  # fmt: skip
@@ -232,7 +232,7 @@ def test_bf16_weights_keep_float32_master_weights(tmp_path, shared_tiny_model):
     """model.dtype: bfloat16, full fine-tuning: the trainable weights are float32, so an
     update far below bf16's resolution (lr 1e-6 on weights ~0.02: bf16 ulp ~1e-4) lands, and
     the frozen reference copy stays bf16."""
-    from grpo.train.common import build_policy
+    from grpo.policy import build_policy
 
     cfg = load_config(base={"model": {"path": str(shared_tiny_model), "dtype": "bfloat16",
                                       "device": "cpu"},

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from grpo.apps import cli
-from grpo.config import ConfigError, OptimConfig, load_config
+from grpo.config import OptimConfig, load_config
 from grpo.errors import GrpoError
 from grpo.lora import apply_lora
 from grpo.models import Decoder, KVCache, ModelConfig
-from grpo.train import preflight as pf
+from grpo.settings import ConfigError
+from grpo.run import preflight as pf
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CI = str(REPO / "configs" / "tiny_ci.yaml")

@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 
 from grpo.apps import cli
 from grpo.errors import GrpoError
+from grpo.run.state import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from grpo.tiny import make_tiny_model
-from grpo.train.state import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CI = str(REPO / "configs" / "tiny_ci.yaml")
@@ -105,7 +105,7 @@ def test_sigkill_then_resume_under_torchrun(model_dir, tmp_path):
 
 SAVE_SCRIPT = """
 import sys, time, torch
-from grpo.train import state as st
+from grpo.run import state as st
 root = sys.argv[1]
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 4)
@@ -151,7 +151,7 @@ def test_kill_inside_save_keeps_latest_readable(tmp_path):
 
 
 def test_failing_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
-    import grpo.train.state as st
+    import grpo.run.state as st
 
     model, opt, sched = tiny_training_objects()
     save_checkpoint(tmp_path, TrainState(step=1), model, opt, sched, {})

@@ -498,7 +498,8 @@ def test_timeout_fails_the_call_with_one_line_naming_the_function():
 
 
 def test_timeout_in_the_config_is_validated_and_reaches_the_reward():
-    from grpo.config import ConfigError, load_config
+    from grpo.config import load_config
+    from grpo.settings import ConfigError
 
     cfg = load_config(None, ["model.path=m", "rewards=[{name: format, timeout_s: 2.5}]"])
     ((fn, weight),) = build_rewards([r.spec for r in cfg.rewards])

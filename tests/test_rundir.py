@@ -1,4 +1,4 @@
-"""The run directory contract (grpo/train/rundir.py) and signal handling: the lock, fresh runs
+"""The run directory contract (grpo/run/rundir.py) and signal handling: the lock, fresh runs
 refused in a used directory unless --overwrite, checkpoints ordered by step, resume from the
 newest valid checkpoint with a compatible config, SIGTERM -> checkpoint at the step boundary
 and an exact resume; every refusal is one line, exit 2, and leaves the directory as it was."""
@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 
 from grpo.apps import cli
 from grpo.errors import GrpoError
-from grpo.train.rundir import LOCK_FILE, TrainingInterrupted, resume_conflicts
-from grpo.train.state import (
+from grpo.run.rundir import LOCK_FILE, TrainingInterrupted, resume_conflicts
+from grpo.run.state import (
     TrainState,
     latest_checkpoint,
     process_alive,

@@ -12,8 +12,8 @@ from grpo.algo.logprobs import CompletionLogprobs
 from grpo.config import load_config
 from grpo.distributed import SINGLE
 from grpo.models import load_model
-from grpo.train.common import Policy
-from grpo.train.optim import build_optimizer, build_scheduler
+from grpo.policy import Policy
+from grpo.run.optim import build_optimizer, build_scheduler
 
 # the conversions the step's loss sum used per micro-batch (sft_loss's token count, an int()
 # per micro-batch, is left to a later change)

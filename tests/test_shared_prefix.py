@@ -13,6 +13,7 @@ from grpo.lora import apply_lora
 from grpo.models import load_model
 from grpo.precision import Precision
 from grpo.rollout import Sampler, sample
+from grpo.rollout.multiturn import sample_turns
 from grpo.rollout.sampler import Observation
 
 PROMPTS = [[5, 17, 33, 9, 12, 40], [101, 7], [44, 45, 46]]  # different lengths: left padding
@@ -27,15 +28,15 @@ def multiturn(model, G=2):
     def observe(b, ids, stopped):
         return Observation([], done=True) if b % 2 else Observation([200, 201][: b % 3 + 1])
 
-    return Sampler(model).sample_turns(
-        PROMPTS, group_size=G, observe=observe, max_new_tokens=5, max_turns=2,
+    return sample_turns(
+        Sampler(model), PROMPTS, group_size=G, observe=observe, max_new_tokens=5, max_turns=2,
         max_total_tokens=20, stop_ids=[3], turn_end_ids=list(range(4, 40)), seed=1, pad_id=0,
     )  # fmt: skip
 
 
 def logprobs_and_grads(model, r, shared: bool, holes: bool = False):
     model.zero_grad(set_to_none=True)
-    lp = completion_logprobs(model, r.ids, r.attention_mask(), r.prompt_width, r.scored_mask,
+    lp = completion_logprobs(model, r.ids, r.attention_mask(), r.prompt_width, r.generated_mask,
                              0.7, has_holes=holes,
                              group_size=r.group_size if shared else None)  # fmt: skip
     weights = torch.linspace(-1, 1, lp.numel()).view_as(lp)  # a loss touching every token
@@ -55,7 +56,7 @@ def test_shared_prefix_equals_full_rows(tiny_checkpoints, lora, turns):
     model.train()
     full_lp, full_g = logprobs_and_grads(model, r, shared=False, holes=holes)
     shared_lp, shared_g = logprobs_and_grads(model, r, shared=True, holes=holes)
-    m = r.scored_mask
+    m = r.generated_mask
     assert (shared_lp - full_lp)[m].abs().max().item() <= 1e-5
     assert (shared_lp[~m] == 0).all()
     assert full_g.keys() == shared_g.keys() and full_g
@@ -78,10 +79,10 @@ def test_update_with_shared_prefix_equals_full_rows(tiny_checkpoints, tmp_path):
     import copy
 
     from grpo.config import load_config
-    from grpo.train.batch import Batch
-    from grpo.train.common import Policy
-    from grpo.train.grpo import advantage_phase, reference_phase, update_phase
-    from grpo.train.optim import build_optimizer, build_scheduler
+    from grpo.policy import Policy
+    from grpo.run.optim import build_optimizer, build_scheduler
+    from grpo.train.batch import RolloutBatch, outcome_token_rewards
+    from grpo.train.grpo import step_batch, update_phase
 
     base = load_model(tiny_checkpoints("qwen3"))
     apply_lora(base, rank=4, alpha=8, targets=["q_proj", "v_proj"], seed=0)
@@ -96,10 +97,11 @@ def test_update_with_shared_prefix_equals_full_rows(tiny_checkpoints, tmp_path):
             "loss.beta=0.04", "optim.lr=1e-3"])  # fmt: skip
         assert cfg.shared_prefix_groups == (3 if mode == "on" else None)
         policy = Policy(model, None, [3], None, tmp_path, lora=True)
-        batch = Batch(rollout=r, rows=[{}] * 9, rewards=rewards, per_fn={},
-                      loss_mask=r.completion_mask.clone(), texts=[], frac_zero_std=0.0)  # fmt: skip
-        reference_phase(cfg, policy, batch, 1)
-        advantage_phase(cfg, batch)
+        batch = RolloutBatch(rollout=r, rows=[{}] * 9, texts=[""] * 9, rewards=rewards,
+                             token_rewards=outcome_token_rewards(rewards, r.completion_mask),
+                             per_fn={}, policy_version=0, frac_zero_std=0.0)  # fmt: skip
+        batch = step_batch(cfg, policy, batch, step=1)  # reference log-probs, advantages
+        assert batch.ref_logprobs is not None
         params = [p for p in model.parameters() if p.requires_grad]
         opt = build_optimizer(params, cfg.optim)
         update_phase(cfg, policy, batch, opt, build_scheduler(opt, 10, cfg.optim), params)
@@ -112,7 +114,8 @@ def test_update_with_shared_prefix_equals_full_rows(tiny_checkpoints, tmp_path):
 
 
 def test_on_needs_whole_groups_per_micro_batch(tmp_path):
-    from grpo.config import ConfigError, load_config
+    from grpo.config import load_config
+    from grpo.settings import ConfigError
 
     cfg = load_config(base={"model": {"path": str(tmp_path)}}, overrides=[
         "train.shared_prefix=on", "train.batch_size=8", "train.micro_batch_size=2",
@@ -148,8 +151,8 @@ def test_micro_batches_run_only_their_own_columns(tiny_checkpoints, tmp_path, tu
     """Each micro-batch (here one group) is trimmed to the columns its rows use; the trainer's
     log-probs equal a full-width forward's."""
     from grpo.config import load_config
-    from grpo.train.batch import Batch, column_bounds
-    from grpo.train.grpo import _micro_batches, reference_phase
+    from grpo.train.batch import column_bounds, micro_batch_plan
+    from grpo.train.grpo import reference_phase
 
     model = load_model(tiny_checkpoints("qwen3"))
     r = rollout(model, G=3) if turns == "single" else multiturn(model, G=3)
@@ -163,19 +166,13 @@ def test_micro_batches_run_only_their_own_columns(tiny_checkpoints, tmp_path, tu
     cfg = load_config(base={"model": {"path": str(tmp_path)}}, overrides=[
         "rollout.group_size=3", f"train.batch_size={B}", "train.micro_batch_size=3",
         f"train.shared_prefix={shared}", "loss.beta=0.1", "rollout.temperature=0.7"])  # fmt: skip
-    assert [c for _, c in _micro_batches(cfg, _batch(r, Batch))] == bounds
-    batch = _batch(r, Batch)
+    plan = micro_batch_plan(r, cfg.train.micro_batch_size)
+    assert [mb.cols for mb in plan] == bounds
+    assert [mb.rows for mb in plan] == [slice(i, i + 3) for i in range(0, B, 3)]
     policy = type("P", (), {"model": model, "ref_model": None, "precision": Precision()})()
-    reference_phase(cfg, policy, batch, 1)
+    ref = reference_phase(cfg, policy, r, r.generated_mask.clone(), plan, 1)
     with torch.no_grad():
-        full = completion_logprobs(model, r.ids, attn, r.prompt_width, r.scored_mask, 0.7,
+        full = completion_logprobs(model, r.ids, attn, r.prompt_width, r.generated_mask, 0.7,
                                    has_holes=turns == "multi")  # fmt: skip
-    assert batch.ref_logprobs.shape == full.shape
-    assert (batch.ref_logprobs - full).abs().max().item() <= 1e-5
-
-
-def _batch(r, Batch):
-    B = r.ids.shape[0]
-    return Batch(rollout=r, rows=[{}] * B, rewards=torch.zeros(B), per_fn={},
-                 advantages=torch.zeros_like(r.logprobs), loss_mask=r.scored_mask.clone(),
-                 texts=[], frac_zero_std=0.0)  # fmt: skip
+    assert ref.shape == full.shape
+    assert (ref - full).abs().max().item() <= 1e-5

@@ -58,7 +58,7 @@ def check_before_model(cfg, trainer: str) -> None:
             "(context, LoRA shapes, memory) run when training starts", cfg.model.path,
         )  # fmt: skip
         return
-    from grpo.train.preflight import preflight
+    from grpo.run.preflight import preflight
 
     preflight(cfg, trainer)
 
@@ -120,7 +120,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_tiny_model(args) -> int:
-    from grpo.config import check_value, one_of
+    from grpo.settings import check_value, one_of
     from grpo.tiny import SIZES, make_tiny_model
 
     check_value("--size", args.size, one_of(SIZES))

@@ -26,7 +26,11 @@ from typing import Any, Literal
 import yaml
 from datasets import Dataset, DatasetDict
 
-from grpo.config import (
+from grpo.data import register_dataset
+from grpo.data.minimath import MAX_STEPS, Level, distinct_problems
+from grpo.errors import GrpoError
+from grpo.io import read_text
+from grpo.settings import (
     ConfigError,
     FieldError,
     Settings,
@@ -35,10 +39,6 @@ from grpo.config import (
     one_of,
     setting,
 )
-from grpo.data import register_dataset
-from grpo.data.minimath import MAX_STEPS, Level, distinct_problems
-from grpo.errors import GrpoError
-from grpo.io import read_text
 from grpo.tiny import SIZES
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -39,11 +39,12 @@ from typing import Any
 
 import yaml
 
-from grpo.config import Config, ConfigError, build_settings, load_config
+from grpo.config import Config, load_config
 from grpo.errors import GrpoError
 from grpo.eval import comparison_table, evaluate_config
 from grpo.io import read_text
 from grpo.loading import TrainedModel, config_model, load_rows, trained_model
+from grpo.settings import ConfigError, build_settings
 
 log = logging.getLogger(__name__)
 
@@ -266,14 +267,14 @@ def _check_single_process() -> None:
 
 
 def preflight_pipeline(pcfg: PipelineConfig) -> dict:
-    """Both stages' preflight checks (grpo/train/preflight.py: contexts, LoRA, data sizes,
+    """Both stages' preflight checks (grpo/run/preflight.py: contexts, LoRA, data sizes,
     memory; the evaluation stages included) and the output directory, before anything is
     written or loaded; an error names the stage.
 
     Returns:
         stage name ("sft", "grpo") -> the checkpoint's `ModelConfig`.
     """
-    from grpo.train.preflight import PreflightError, check_output_dir, preflight
+    from grpo.run.preflight import PreflightError, check_output_dir, preflight
 
     check_output_dir(pcfg.output_dir, "output_dir")
     configs = {}
@@ -307,10 +308,10 @@ def run_pipeline(
         threshold; `message` says so). A failing stage raises `PipelineError` naming it, after
         recording it (status "failed", `failed_stage`, the stage's `error`) in the file.
     """
+    from grpo.run.preflight import check_prompt_room
+    from grpo.run.rundir import TrainingInterrupted
     from grpo.tokenizer import load_tokenizer
     from grpo.train.grpo import train_grpo
-    from grpo.train.preflight import check_prompt_room
-    from grpo.train.rundir import TrainingInterrupted
     from grpo.train.sft import tokenize_sft, train_sft
 
     _check_single_process()

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from grpo.apps.serving.engine import Engine
 from grpo.apps.serving.protocol import MAX_BODY_BYTES, Service
-from grpo.config import between, check_value
 from grpo.errors import GrpoError
+from grpo.settings import between, check_value
 
 log = logging.getLogger(__name__)
 

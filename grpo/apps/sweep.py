@@ -36,9 +36,10 @@ from typing import Any, Literal
 
 import yaml
 
-from grpo.config import ConfigError, between, build_settings, check_value, load_config, one_of
+from grpo.config import load_config
 from grpo.errors import GrpoError
 from grpo.io import read_json, read_text, write_json, write_text
+from grpo.settings import ConfigError, between, build_settings, check_value, one_of
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ def load_space(path: str | Path) -> Space:
 @dataclass(frozen=True)
 class RangeSpec:
     """A range as written in the space file (`{low, high, log, type}`), parsed and type-checked
-    by the config's one builder (`grpo.config.build_settings`)."""
+    by the config's one builder (`grpo.settings.build_settings`)."""
 
     low: float
     high: float
@@ -225,7 +226,7 @@ def run_trial(setup: SweepSetup, index: int, params: dict, on_step=None) -> dict
     log.info("trial %03d: %s", index, params)
     record: dict[str, Any] = {"trial": index, "name": trial_dir.name, "params": params}
     t0 = time.perf_counter()
-    from grpo.train.rundir import TrainingInterrupted
+    from grpo.run.rundir import TrainingInterrupted
 
     try:
         if setup.trainer == "sft":

@@ -17,7 +17,7 @@ Actions and their keys (the tutorial's names; each is translated to our `Config`
   average_reward, num_samples, ...
 
 Each action's parameters are a frozen dataclass (`Train`, `LoadDataset`, `CreateReward`,
-`Evaluate`) read by the config's one builder (`grpo.config.build_settings`: types, unknown and
+`Evaluate`) read by the config's one builder (`grpo.settings.build_settings`: types, unknown and
 required keys, each field's check), whose fields name the config fields they set (`to`); an
 action maps them onto a `Config` (plus what follows from several of them, e.g. batch sizes
 from batch_size x num_generations) and calls the core (`train_sft` / `train_grpo`,
@@ -40,9 +40,9 @@ from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from grpo.config import ConfigError, Settings, between, build_settings, non_empty, setting
 from grpo.errors import GrpoError
 from grpo.loading import TrainedModel, resolve_device, resolve_trained
+from grpo.settings import ConfigError, Settings, between, build_settings, non_empty, setting
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class ToolError(GrpoError):
 # --------------------------------------------------------------------------- parameters
 #
 # Each action's parameters are a frozen dataclass read by the config's one builder
-# (`grpo.config.build_settings`: types, unknown keys and required ones, each field's check),
+# (`grpo.settings.build_settings`: types, unknown keys and required ones, each field's check),
 # and `to` names the config field(s) a parameter sets. A default of None leaves those fields
 # at the core's defaults (`grpo.config`); only the tutorial's own defaults are spelled out here.
 
@@ -511,7 +511,8 @@ class RLTrainingTool:
         return d
 
     def _train(self, p: Train) -> dict:
-        from grpo.config import ConfigError, load_config
+        from grpo.config import load_config
+        from grpo.settings import ConfigError
         from grpo.train.sft import train_sft
 
         sft = p.algorithm == "sft"

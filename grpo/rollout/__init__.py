@@ -1,6 +1,8 @@
-"""Rollout sampling: pure logits processing (`sampling`) and the batched sampler (`sampler`)."""
+"""Rollouts: pure logits processing (`sampling`), prompt batching (`prompts`), the batched
+sampler and its public steps (`sampler`); multi-turn rollouts build on them (`multiturn`)."""
 
-from grpo.rollout.sampler import Rollout, Sampler, sample
+from grpo.rollout.prompts import check_prompts, check_settings, left_pad
+from grpo.rollout.sampler import Observation, Rollout, Sampler, sample
 from grpo.rollout.sampling import (
     apply_min_p,
     apply_temperature,
@@ -11,12 +13,16 @@ from grpo.rollout.sampling import (
 )
 
 __all__ = [
+    "Observation",
     "Rollout",
     "Sampler",
     "apply_min_p",
     "apply_temperature",
     "apply_top_k",
     "apply_top_p",
+    "check_prompts",
+    "check_settings",
+    "left_pad",
     "next_tokens",
     "process_logits",
     "sample",

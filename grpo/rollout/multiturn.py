@@ -19,15 +19,8 @@ import torch
 
 from grpo.envs.base import Environment, check_step
 from grpo.errors import GrpoError
-from grpo.rollout.sampler import (
-    Observation,
-    ObserveFn,
-    Rollout,
-    Sampler,
-    _check_prompts,
-    _check_settings,
-    _left_pad,
-)
+from grpo.rollout.prompts import check_prompts, check_settings, left_pad
+from grpo.rollout.sampler import Observation, ObserveFn, Rollout, Sampler
 from grpo.rollout.sampling import next_tokens
 from grpo.tokenizer import message_delta_ids
 
@@ -63,7 +56,11 @@ def sample_turns(
     rotary positions, exactly as a training forward over the whole sequence sees them. So
     the sampler's log-prob of every generated token equals a fresh forward's.
 
+    Built from the sampler's public steps only: `Sampler.prefill`, `Sampler.decode` (model
+    turns), `Sampler.hidden_states` and `Sampler.logits` (observations).
+
     Args:
+        sampler: the `Sampler` of the policy (compiled or eager).
         prompts: P token-id lists.
         group_size: G.
         observe: (row b, this turn's generated ids, ended on a stop id) -> `Observation`.
@@ -75,20 +72,21 @@ def sample_turns(
         temperature, top_k, top_p, min_p, seed, pad_id: as in `sample`.
 
     Returns:
-        a `Rollout` with `loss_mask`, `turn_ids`, `turn_rewards`, `turn_texts`, `infos`;
+        a `Rollout` with `generated_mask` (the model's turns; `completion_mask` also covers the
+        observations), `turn_ids`, `turn_rewards`, `turn_texts`, `infos`;
         `finished` is True for trajectories the environment ended (not cut by a limit).
     """
     model = sampler.model
     cfg = model.config
-    prompts = _check_prompts(prompts, cfg.vocab_size)
-    _check_settings(cfg, prompts, group_size, max_total_tokens, temperature, top_k, top_p,
-                    min_p)  # fmt: skip
+    prompts = check_prompts(prompts, cfg.vocab_size)
+    check_settings(cfg, prompts, group_size, max_total_tokens, temperature, top_k, top_p,
+                   min_p)  # fmt: skip
     if max_turns < 1 or max_new_tokens < 1:
         raise GrpoError("max_turns and max_new_tokens must be >= 1")
     dev = model.device
     G = group_size
-    prompt_ids, p_lens, kv_mask = _left_pad(prompts, pad_id, max_total_tokens, cfg, dev,
-                                            sampler.slot_multiple)  # fmt: skip
+    prompt_ids, p_lens, kv_mask = left_pad(prompts, pad_id, max_total_tokens, cfg, dev,
+                                           sampler.slot_multiple)  # fmt: skip
     T_p = prompt_ids.shape[1]
     gen = torch.Generator(device=dev).manual_seed(seed)
     stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev)
@@ -98,7 +96,7 @@ def sample_turns(
     model.eval()
     try:
         with torch.inference_mode():
-            logits, cache = sampler._prefill(prompt_ids, kv_mask, G)
+            logits, cache = sampler.prefill(prompt_ids, kv_mask, G)
             out = _turn_loop(sampler,
                 logits, cache, kv_mask.repeat_interleave(G, dim=0),
                 p_lens.repeat_interleave(G), T_p, observe, max_new_tokens, max_turns,
@@ -124,7 +122,7 @@ def sample_turns(
         finished=finished.clone(),
         logprobs=logprobs,
         group_size=G,
-        loss_mask=scored,
+        generated_mask=scored,
         turn_ids=turn_ids[:, :T_c].clone(),
         **extra,
     )
@@ -142,7 +140,7 @@ def _turn_loop(sampler: Sampler, logits, cache, kv_mask, pos, T_p, observe, max_
     rows to trajectory rows (`rows` is the same on the host); `logits`, `cache`, `kv_mask`
     and `pos` are the active rows'.
 
-    Host syncs, as in `Sampler._decode_loop`: "has every row ended its turn?" is read every
+    Host syncs, as in `Sampler.sample`'s loop: "has every row ended its turn?" is read every
     `sampler.sync_every` decode steps and when a turn hits its limit; the steps run after the
     last row ended are then undone (their slots were masked out: the column pointer, the
     cache's write position and the generator go back), so the result is the same, bit for
@@ -189,7 +187,7 @@ def _turn_loop(sampler: Sampler, logits, cache, kv_mask, pos, T_p, observe, max_
             kv_mask[:, T_p + col] = in_turn
             # write this token's keys/values (the next turn's history) and get the logits of
             # the next one; rows not in their turn write a masked-out slot
-            logits = sampler._decode(tok[:, None], pos[:, None], kv_mask, cache)
+            logits = sampler.decode(tok[:, None], pos[:, None], kv_mask, cache)
             pos += in_turn.long()
             col += 1
             stopped[act] |= in_turn & torch.isin(tok, stops)
@@ -320,7 +318,7 @@ def sample_with_env(
         make_env: a zero-argument environment factory (`grpo.envs.env_factory`).
         env_name: for messages.
         group_size, max_new_tokens (per turn), max_turns, max_total_tokens, stop_ids,
-            turn_end_ids, seed, pad_id, **sampling: as in `Sampler.sample_turns`.
+            turn_end_ids, seed, pad_id, **sampling: as in `sample_turns`.
         max_obs_tokens: most tokens of one observation message's content.
 
     Returns:

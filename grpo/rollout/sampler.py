@@ -1,8 +1,10 @@
 """Rollouts: prefill each prompt once, copy its KV rows G times, decode all P*G rows together.
 
-Single turn (`Sampler.sample`) and multi-turn (`Sampler.sample_turns`: after each model turn an
-`observe` callback returns the environment's observation as token ids, which are prefilled
-into the same KV cache; earlier turns are never re-tokenized or re-run).
+Single turn (`Sampler.sample`) here; multi-turn (`grpo.rollout.multiturn.sample_turns`: after
+each model turn an `observe` callback returns the environment's observation as token ids, which
+are prefilled into the same KV cache; earlier turns are never re-tokenized or re-run) is built
+from the sampler's public steps (`prefill`, `decode`, `hidden_states`, `logits`) and the prompt
+helpers of `grpo.rollout.prompts`.
 
 Shapes: P prompts, G completions per prompt (group), B = P*G rows, T_p the padded prompt width,
 T_c completion tokens, V vocab. Row b belongs to prompt b // G (a group's rows are adjacent).
@@ -22,6 +24,7 @@ import torch
 from grpo.errors import GrpoError
 from grpo.models.kv_cache import KVCache
 from grpo.precision import Precision, head_logits
+from grpo.rollout.prompts import check_prompts, check_settings, left_pad
 from grpo.rollout.sampling import next_tokens
 
 log = logging.getLogger(__name__)
@@ -65,19 +68,22 @@ class Rollout:
         prompt_lens: (B,) real prompt tokens per row.
         prompt_width: T_p, the padded prompt width (completions start at this column).
         completion_ids: (B, T_c) sampled ids; pad_id after a row's stop token.
-        completion_mask: (B, T_c) bool, True = the token counts: up to and including the first
-            stop token, nothing after it. Built from `completion_lens`, never from pad ids.
+        completion_mask: (B, T_c) bool, True on the real tokens of the completion region: up to
+            and including the first stop token, nothing after it (multi-turn: model turns and
+            observations). Built from lengths, never from pad ids.
         completion_lens: (B,) tokens per completion, the stop token included.
         finished: (B,) bool, True = stopped on a stop id, False = truncated at max_new_tokens.
         logprobs: (B, T_c) float32 log-prob of each sampled token under the distribution it was
             drawn from before truncation: log_softmax(logits / temperature) (temperature 1 when
-            greedy); top-k / top-p / min-p are not reflected. 0 where the mask is False.
+            greedy); top-k / top-p / min-p are not reflected. 0 where `generated_mask` is False.
         group_size: G.
+        generated_mask: (B, T_c) bool, True on the tokens the policy generated (what log-probs
+            and the loss count). Always set after construction: left None, it is
+            `completion_mask` (single turn: every completion token was generated).
 
-    Multi-turn rollouts (`Sampler.sample_turns`) also set:
-        loss_mask: (B, T_c) bool, True on model-generated tokens only; `completion_mask` is
-            then True on every real token (model turns and observations) and False on the
-            holes between them (slots a row did not use while others decoded or observed).
+    Multi-turn rollouts (`grpo.rollout.multiturn.sample_turns`) pass `generated_mask` (model
+    turns only; `completion_mask` is then also True on observations and False on the holes
+    between them: slots a row did not use while others decoded or observed) and also set:
         turn_ids: (B, T_c) long, the turn of each real token (an observation belongs to the
             turn it answers), -1 on holes.
         turn_rewards: B lists of per-turn step rewards from the environment.
@@ -94,16 +100,20 @@ class Rollout:
     finished: torch.Tensor
     logprobs: torch.Tensor
     group_size: int
-    loss_mask: torch.Tensor | None = None
+    generated_mask: torch.Tensor | None = None
     turn_ids: torch.Tensor | None = None
     turn_rewards: list[list[float]] | None = None
     turn_texts: list[list[list[int]]] | None = None
     infos: list[dict] | None = None
 
+    def __post_init__(self):
+        if self.generated_mask is None:  # single turn: the policy generated every token
+            self.generated_mask = self.completion_mask
+
     @property
-    def scored_mask(self) -> torch.Tensor:
-        """(B, T_c) bool: the tokens the policy generated (what the loss and log-probs count)."""
-        return self.completion_mask if self.loss_mask is None else self.loss_mask
+    def multi_turn(self) -> bool:
+        """Whether this is a multi-turn rollout (observations in the completion region)."""
+        return self.turn_ids is not None
 
     @property
     def prompt_ids(self) -> torch.Tensor:
@@ -159,7 +169,8 @@ ObserveFn = Callable[[int, list[int], bool], "Observation"]
 
 @dataclass
 class Observation:
-    """What the environment answers to one model turn of one row (see `Sampler.sample_turns`).
+    """What the environment answers to one model turn of one row (see
+    `grpo.rollout.multiturn.sample_turns`).
 
     Attributes:
         ids: token ids to append (the chat template's delta for the observation message and
@@ -182,6 +193,17 @@ class Sampler:
     `torch.compile`d once, here, with static shapes (the KV cache is then a static one, its
     length rounded up to a multiple of SLOT_MULTIPLE), and reused while shapes stay the same
     (a new row count or cache length recompiles).
+
+    Public building blocks, for multi-turn rollouts (`grpo.rollout.multiturn`) and other
+    custom loops (with `grpo.rollout.prompts` to validate and left-pad the prompts):
+
+    - `sample`: single-turn rollouts, prompts -> `Rollout`;
+    - `prefill`: run P prompts once, copy each one's KV rows G times;
+    - `decode`: one token per row through the model (the compiled step when compiled);
+    - `hidden_states`: a chunk of tokens through the model into the cache (observations);
+    - `logits`: final hidden states -> float32 logits, as the trainer's head computes them.
+
+    Call them under `torch.inference_mode()` with the model in eval mode, as `sample` does.
 
     Args:
         model: a `Decoder` (or anything with its forward signature, `config` and `lm_head`).
@@ -223,9 +245,9 @@ class Sampler:
                 options["mode"] = "reduce-overhead"
             options.update(compile_options or {})
             self._compiled = torch.compile(self._decode_step, **options)
-            self._decode = self._decode_compiled
+            self._decode_fn = self._decode_compiled  # `decode` calls it; eager after a fallback
         else:
-            self._decode = self._decode_step
+            self._decode_fn = self._decode_step
 
     @property
     def kept_cache_bytes(self) -> int:
@@ -235,6 +257,32 @@ class Sampler:
         c = self._cache
         return 0 if c is None else sum(t.numel() * t.element_size()
                                        for t in [*c.k_layers, *c.v_layers])  # fmt: skip
+
+    def decode(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: KVCache,
+    ) -> torch.Tensor:
+        """One decode step: each row's token goes through the model, its keys and values are
+        written at the cache's next slot, and the logits of the next token come back.
+
+        Runs the compiled step when the sampler was built with `compile=True` (eagerly after a
+        `fallback`), else the eager one; both compute the same function.
+
+        Args:
+            tokens: (B, 1) long, one token per row.
+            position_ids: (B, 1) long, each token's rotary position (a row's real tokens so
+                far: holes and left padding take none).
+            attention_mask: (B, S) bool over every cache slot, True = attend; the slot being
+                written must be True for rows whose token is real.
+            cache: the KV cache of the B rows (from `prefill`), S slots; advanced by one.
+
+        Returns:
+            (B, V) float32 logits of each row's next token.
+        """
+        return self._decode_fn(tokens, position_ids, attention_mask, cache)
 
     def _decode_compiled(self, tokens, position_ids, attention_mask, cache):
         """The compiled step; with `fallback`, a failure to compile switches to eager for good
@@ -249,7 +297,7 @@ class Sampler:
             log.warning("compiling the decode step failed (%s: %s); decoding eagerly "
                         "(set rollout.compile: off to skip the attempt)", type(e).__name__,
                         str(e).splitlines()[0] if str(e) else "")  # fmt: skip
-            self._decode = self._decode_step
+            self._decode_fn = self._decode_step
             return self._decode_step(tokens, position_ids, attention_mask, cache)
 
     def _decode_step(
@@ -272,7 +320,16 @@ class Sampler:
 
     def hidden_states(self, ids: torch.Tensor, **kwargs) -> torch.Tensor:
         """The model's hidden states (return_hidden) under the precision policy: prefill and
-        multi-turn observation chunks."""
+        multi-turn observation chunks.
+
+        Args:
+            ids: (B, T) token ids.
+            **kwargs: passed on to the model's forward (`attention_mask`, `position_ids`,
+                `kv_cache`).
+
+        Returns:
+            (B, T, C) final hidden states (before the head; `logits` applies it).
+        """
         with self.precision.autocast(ids.device):
             return self.model(ids, return_hidden=True, **kwargs)
 
@@ -298,12 +355,12 @@ class Sampler:
         log-probs stay those of the drawn tokens."""
         model = self.model
         cfg = model.config
-        prompts = _check_prompts(prompts, cfg.vocab_size)
-        _check_settings(cfg, prompts, group_size, max_new_tokens, temperature, top_k, top_p, min_p)
+        prompts = check_prompts(prompts, cfg.vocab_size)
+        check_settings(cfg, prompts, group_size, max_new_tokens, temperature, top_k, top_p, min_p)
         dev = model.device
         G = group_size
-        prompt_ids, prompt_lens, kv_mask = _left_pad(prompts, pad_id, max_new_tokens, cfg, dev,
-                                                     self.slot_multiple)  # fmt: skip
+        prompt_ids, prompt_lens, kv_mask = left_pad(prompts, pad_id, max_new_tokens, cfg, dev,
+                                                    self.slot_multiple)  # fmt: skip
         T_p = prompt_ids.shape[1]
         # Completion slots are open from the start: a query never sees a later slot (the causal
         # mask hides it), so no per-step mask update is needed.
@@ -323,7 +380,7 @@ class Sampler:
         model.eval()
         try:
             with torch.inference_mode():
-                logits, cache = self._prefill(prompt_ids, kv_mask, G)
+                logits, cache = self.prefill(prompt_ids, kv_mask, G)
                 out = self._decode_loop(
                     logits, cache, kv_mask.repeat_interleave(G, dim=0), prompt_lens,
                     max_new_tokens, draw, stops,
@@ -356,24 +413,25 @@ class Sampler:
             group_size=G,
         )
 
-    def sample_turns(self, prompts: Sequence[Sequence[int]], **kwargs) -> Rollout:
-        """Multi-turn rollouts in one KV cache; see `grpo.rollout.multiturn.sample_turns`."""
-        from grpo.rollout.multiturn import sample_turns
-
-        return sample_turns(self, prompts, **kwargs)
-
-    def _prefill(self, prompt_ids: torch.Tensor, kv_mask: torch.Tensor, G: int):
+    def prefill(
+        self, prompt_ids: torch.Tensor, kv_mask: torch.Tensor, group_size: int
+    ) -> tuple[torch.Tensor, KVCache]:
         """Run the P prompts once and copy each one's cache rows G times.
 
+        When the sampler compiles, the returned cache is the static B-row one it keeps across
+        calls for the compiled step (`kept_cache_bytes`), every slot overwritten here.
+
         Args:
-            prompt_ids: (P, T_p) left-padded prompts.
-            kv_mask: (P, max_len) bool, True on real prompt tokens.
-            G: rows per prompt.
+            prompt_ids: (P, T_p) left-padded prompts (`grpo.rollout.prompts.left_pad`).
+            kv_mask: (P, max_len) bool over every cache slot, True on real prompt tokens;
+                max_len = T_p + the slots to open after the prompts.
+            group_size: G rows per prompt.
 
         Returns:
             logits (B, V) float32 of each row's first completion token, and the KV cache of
             B = P*G rows (row b holds prompt b // G) with T_p positions written.
         """
+        G = group_size
         model = self.model
         P, max_len = kv_mask.shape
         cache = KVCache.for_model(model, rows=P, max_len=max_len, static=self.compile,
@@ -427,7 +485,7 @@ class Sampler:
             done |= torch.isin(tok, stops)
             if t == max_new_tokens - 1 or ((t + 1) % self.sync_every == 0 and bool(done.all())):
                 break
-            logits = self._decode(tok[:, None], position_ids, kv_mask, cache)  # (B, V)
+            logits = self.decode(tok[:, None], position_ids, kv_mask, cache)  # (B, V)
             position_ids += 1
         return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), done
 
@@ -488,64 +546,3 @@ def sample(
         seed=seed,
         pad_id=pad_id,
     )
-
-
-def _left_pad(prompts: list[list[int]], pad_id: int, new_slots: int, cfg, dev,
-              slot_multiple: int = 1):  # fmt: skip
-    """The P prompts left-padded: ids (P, T_p), lengths (P,), and the attention mask over every
-    cache slot (P, S), True on real prompt tokens only; S = T_p + new_slots rounded up to a
-    multiple of `slot_multiple` (a compiled decode step sees few distinct cache lengths)."""
-    if not 0 <= pad_id < cfg.vocab_size:
-        raise GrpoError(f"pad_id must be in [0, {cfg.vocab_size}), got {pad_id}")
-    P, T_p = len(prompts), max(len(p) for p in prompts)
-    prompt_ids = torch.full((P, T_p), pad_id, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        prompt_ids[i, T_p - len(p) :] = torch.tensor(p, dtype=torch.long)
-    prompt_lens = torch.tensor([len(p) for p in prompts], device=dev)  # (P,)
-    S = -(-(T_p + new_slots) // slot_multiple) * slot_multiple  # slots past the last one
-    kv_mask = torch.zeros(P, S, dtype=torch.bool, device=dev)  # written stay hidden (causal)
-    kv_mask[:, :T_p] = torch.arange(T_p, device=dev) >= (T_p - prompt_lens)[:, None]
-    return prompt_ids.to(dev), prompt_lens, kv_mask
-
-
-def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
-    """Prompts as lists of ints; an empty list, an empty prompt or an id out of range is named."""
-    if isinstance(prompts, torch.Tensor) or not isinstance(prompts, Sequence) or not prompts:
-        raise GrpoError("prompts must be a non-empty list of token-id lists")
-    out = []
-    for i, p in enumerate(prompts):
-        ids = p.tolist() if isinstance(p, torch.Tensor) else list(p)
-        if not ids:
-            raise GrpoError(f"prompt {i} is empty (every prompt needs at least one token)")
-        if not all(isinstance(x, int) and 0 <= x < vocab_size for x in ids):
-            raise GrpoError(f"prompt {i} has token ids outside [0, {vocab_size}) or non-integers")
-        out.append(ids)
-    return out
-
-
-def _check_settings(cfg, prompts, group_size, max_new_tokens, temperature, top_k, top_p, min_p):
-    """One clear GrpoError per bad setting, naming it and the value expected."""
-    if group_size < 1:
-        raise GrpoError(f"group_size must be >= 1, got {group_size}")
-    if max_new_tokens < 1:
-        raise GrpoError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise GrpoError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if top_k < 0:
-        raise GrpoError(f"top_k must be >= 0 (0 = off), got {top_k}")
-    if not 0.0 < top_p <= 1.0:
-        raise GrpoError(f"top_p must be in (0, 1], got {top_p}")
-    if not 0.0 <= min_p <= 1.0:
-        raise GrpoError(f"min_p must be in [0, 1], got {min_p}")
-    ctx = cfg.max_position_embeddings
-    if max_new_tokens >= ctx:
-        raise GrpoError(
-            f"max_new_tokens={max_new_tokens} does not fit in the model's context "
-            f"(max_position_embeddings={ctx}, and a prompt needs at least one token)"
-        )
-    for i, p in enumerate(prompts):
-        if len(p) + max_new_tokens > ctx:
-            raise GrpoError(
-                f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
-                f"{len(p) + max_new_tokens} positions > max_position_embeddings={ctx}"
-            )

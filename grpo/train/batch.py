@@ -1,36 +1,140 @@
-"""One GRPO step's data: the `Batch`, row selection and concatenation of rollouts, token
-rewards from sequence and per-turn rewards, and the prompt order / micro-batch helpers that
-SFT and GRPO share. Shapes: B = P*G rows (a group's rows adjacent), T_c completion tokens."""
+"""The values one GRPO step passes from phase to phase, and the helpers that build them.
+
+    RolloutBatch  sampled + scored rollouts (rollout phase): self-contained, so it may come
+                  from this rank's sampler, another rank or an earlier step (`policy_version`)
+    UpdateBatch   what the update reads: the rollout's tokens, the counted mask, advantages,
+                  reference / old log-probs and the micro-batch plan
+    MicroBatch    one micro-batch: its rows and the columns that hold their real tokens
+
+All are frozen: a phase returns a new value, it never fills in an old one. Also here: prompt
+order and seeds, row selection and concatenation of rollouts, token rewards from sequence and
+per-turn rewards, micro-batch planning. Shapes: B = P*G rows (a group's rows adjacent), T_c
+completion tokens.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from grpo.rollout import Rollout
-from grpo.train.state import TrainState
+from grpo.run.state import TrainState
 
 
-@dataclass
-class Batch:
-    """One step's training data: rollouts plus everything the loss needs, all (B, ...)."""
+@dataclass(frozen=True)
+class RolloutBatch:
+    """One step's rollouts with their scores; every tensor on the rollout's device.
+
+    Attributes:
+        rollout: token ids, masks and the sampler's log-probs (`grpo.rollout.Rollout`).
+        rows: B dataset rows (each prompt's row repeated G times).
+        texts: B completion texts (what the reward functions scored).
+        rewards: (B,) float32 total reward of each completion (its token rewards summed).
+        token_rewards: (B, T_c) float32 rewards on tokens: a sequence reward on the row's last
+            generated token; step rewards (multi-turn) on their turn's last token, discounted.
+        per_fn: reward name -> (B,) float32 unweighted reward.
+        policy_version: training steps the sampling policy had completed (the step it was
+            sampled for is policy_version + 1).
+        frac_zero_std: fraction of groups with all-equal rewards in the first sampling round.
+    """
 
     rollout: Rollout
-    rows: list[dict]  # B dataset rows (each prompt's row repeated G times)
-    rewards: torch.Tensor  # (B,) total reward of each completion (its token rewards summed)
-    per_fn: dict[str, torch.Tensor]  # name -> (B,)
-    loss_mask: torch.Tensor  # (B, T_c) bool: completion_mask, minus truncated rows if asked
+    rows: list[dict]
     texts: list[str]
+    rewards: torch.Tensor
+    token_rewards: torch.Tensor
+    per_fn: dict[str, torch.Tensor]
+    policy_version: int
     frac_zero_std: float
-    token_rewards: torch.Tensor | None = None  # (B, T_c); None: `rewards` on the last token
-    advantages: torch.Tensor | None = None  # (B, T_c) (or (B,), broadcast), from advantage_phase
-    ref_logprobs: torch.Tensor | None = None  # (B, T_c)
-    old_logprobs: torch.Tensor | None = None  # (B, T_c) trainer recompute; None: the sampler's
-    # micro-batch size -> [(row slice, column range)]: computed once per step, read by every
-    # training-side pass (`grpo.train.grpo._micro_batches`)
-    micro_batch_plan: dict = field(default_factory=dict, init=False, repr=False)
+
+    @property
+    def size(self) -> int:
+        """B, the number of rows."""
+        return len(self.rows)
+
+    def select_groups(self, groups: Sequence[int]) -> RolloutBatch:
+        """The batch restricted to whole groups (indices of groups of G rows), in that order."""
+        G = self.rollout.group_size
+        idx = torch.tensor([g * G + j for g in groups for j in range(G)], dtype=torch.long)
+        rows = idx.tolist()
+        dev = self.rewards.device
+        return dataclasses.replace(
+            self,
+            rollout=select_rows(self.rollout, idx),
+            rows=[self.rows[i] for i in rows],
+            texts=[self.texts[i] for i in rows],
+            rewards=self.rewards[idx.to(dev)],
+            token_rewards=self.token_rewards[idx.to(dev)],
+            per_fn={k: v[idx.to(v.device)] for k, v in self.per_fn.items()},
+        )
+
+
+def cat_batches(batches: Sequence[RolloutBatch], pad_id: int) -> RolloutBatch:
+    """Concatenate rollout batches (maybe of different prompt widths and completion lengths:
+    prompts are left-padded, completions and token rewards right-padded); the first one's
+    policy_version and frac_zero_std are kept."""
+    if len(batches) == 1:
+        return batches[0]
+    rollout = cat_rollouts([b.rollout for b in batches], pad_id)
+    T_c = rollout.completion_ids.shape[1]
+    first = batches[0]
+    widths = [(0, T_c - b.token_rewards.shape[1]) for b in batches]
+    return dataclasses.replace(
+        first,
+        rollout=rollout,
+        rows=[r for b in batches for r in b.rows],
+        texts=[t for b in batches for t in b.texts],
+        rewards=torch.cat([b.rewards for b in batches]),
+        token_rewards=torch.cat(
+            [torch.nn.functional.pad(b.token_rewards, w) for b, w in zip(batches, widths)]
+        ),
+        per_fn={k: torch.cat([b.per_fn[k] for b in batches]) for k in first.per_fn},
+    )
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of a step: `rows` of the batch, and the column range [lo, hi) of
+    prompt + completion that holds all their real tokens (`column_bounds`)."""
+
+    rows: slice
+    cols: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class UpdateBatch:
+    """What the update phase reads; all (B, T_c) tensors on the rollout's device.
+
+    Attributes:
+        rollout: the sampled tokens; `rollout.logprobs` are the behaviour (sampler's) log-probs.
+        counted_mask: bool, the tokens the loss counts: the generated ones, minus truncated
+            rows under loss.mask_truncated_completions (`counted_mask`).
+        advantages: float32 advantage of each token.
+        plan: the micro-batches (`micro_batch_plan`), shared by every log-prob pass of a step.
+        ref_logprobs: the reference policy's log-probs, when the step computed them.
+        old_logprobs: pi_old as the trainer recomputed it (loss.old_logprobs: recompute or
+            loss.tis_cap); None: the sampler's are pi_old.
+    """
+
+    rollout: Rollout
+    counted_mask: torch.Tensor
+    advantages: torch.Tensor
+    plan: tuple[MicroBatch, ...]
+    ref_logprobs: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+
+
+def counted_mask(rollout: Rollout, mask_truncated: bool) -> torch.Tensor:
+    """(B, T_c) bool: the generated tokens, minus the rows cut at the length limit when
+    `mask_truncated` (loss.mask_truncated_completions). A new tensor."""
+    mask = rollout.generated_mask.clone()
+    if mask_truncated:
+        mask &= rollout.finished[:, None]
+    return mask
 
 
 def derive_seed(*parts: int) -> int:
@@ -49,6 +153,9 @@ def next_prompts(state: TrainState, n_rows: int, count: int, seed: int) -> list[
         if state.data_index >= n_rows:
             state.epoch, state.data_index = state.epoch + 1, 0
     return out
+
+
+MULTI_TURN_FIELDS = ("turn_ids", "turn_rewards", "turn_texts", "infos")
 
 
 def select_rows(r: Rollout, idx: torch.Tensor) -> Rollout:
@@ -70,44 +177,12 @@ def select_rows(r: Rollout, idx: torch.Tensor) -> Rollout:
         finished=r.finished[idx],
         logprobs=r.logprobs[idx],
         group_size=r.group_size,
+        generated_mask=r.generated_mask[idx] if r.multi_turn else None,
         **{k: pick(getattr(r, k)) for k in MULTI_TURN_FIELDS},
     )
 
 
-MULTI_TURN_FIELDS = ("loss_mask", "turn_ids", "turn_rewards", "turn_texts", "infos")
-
-
-def turn_token_rewards(rewards: torch.Tensor, r: Rollout, gamma: float) -> torch.Tensor:
-    """(B, T_c) token rewards of multi-turn trajectories: each turn's step reward r_k on the
-    last generated token of turn k, scaled by gamma^k, and the trajectory reward R on the last
-    generated token, scaled by gamma^(K-1) (K turns), so a row sums to its discounted return
-    sum_k gamma^k r_k + gamma^(K-1) R. Per-token trajectory rewards (B, T_c) are added as is."""
-    scored = r.scored_mask
-    token = rewards.float().clone() if rewards.dim() == 2 else torch.zeros(scored.shape)
-    token = token.to(scored.device)
-    cols = torch.arange(scored.shape[1], device=scored.device)
-    for b, steps in enumerate(r.turn_rewards):
-        for k, value in enumerate(steps):
-            here = scored[b] & (r.turn_ids[b] == k)
-            if value and here.any():
-                token[b, int(cols[here].max())] += gamma**k * value
-        if rewards.dim() == 1 and scored[b].any():
-            K = max(len(steps), 1)
-            token[b, int(cols[scored[b]].max())] += gamma ** (K - 1) * float(rewards[b])
-    return token
-
-
-def outcome_token_rewards(rewards: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) sequence rewards -> (B, T_c) token rewards: each on its row's last completion token."""
-    B, T = completion_mask.shape
-    out = torch.zeros(B, T, dtype=torch.float32, device=completion_mask.device)
-    if T == 0:
-        return out
-    last = (completion_mask.long().sum(-1) - 1).clamp(min=0)  # (B,)
-    return out.scatter(1, last[:, None], rewards.float().to(out.device)[:, None])
-
-
-def cat_rollouts(pieces: list[Rollout], pad_id: int) -> Rollout:
+def cat_rollouts(pieces: Sequence[Rollout], pad_id: int) -> Rollout:
     """Concatenate rollout pieces of (maybe) different prompt widths and completion lengths."""
     if len(pieces) == 1:
         return pieces[0]
@@ -118,8 +193,8 @@ def cat_rollouts(pieces: list[Rollout], pad_id: int) -> Rollout:
         return torch.nn.functional.pad(x, (left, right), value=value)
 
     ids, cids, cmask, lps = [], [], [], []
-    multi = pieces[0].loss_mask is not None
-    lmask, tids = [], []
+    multi = pieces[0].multi_turn
+    gmask, tids = [], []
     for p in pieces:
         dl, dr = T_p - p.prompt_width, T_c - p.completion_ids.shape[1]
         cids.append(pad(p.completion_ids, 0, dr, pad_id))
@@ -127,11 +202,11 @@ def cat_rollouts(pieces: list[Rollout], pad_id: int) -> Rollout:
         cmask.append(pad(p.completion_mask, 0, dr, False))
         lps.append(pad(p.logprobs, 0, dr, 0.0))
         if multi:
-            lmask.append(pad(p.loss_mask, 0, dr, False))
+            gmask.append(pad(p.generated_mask, 0, dr, False))
             tids.append(pad(p.turn_ids, 0, dr, -1))
     extra = {}
     if multi:
-        extra = {"loss_mask": torch.cat(lmask), "turn_ids": torch.cat(tids)}
+        extra = {"generated_mask": torch.cat(gmask), "turn_ids": torch.cat(tids)}
         for k in ("turn_rewards", "turn_texts", "infos"):
             extra[k] = [x for p in pieces for x in getattr(p, k)]
     return Rollout(
@@ -148,9 +223,47 @@ def cat_rollouts(pieces: list[Rollout], pad_id: int) -> Rollout:
     )
 
 
+def turn_token_rewards(rewards: torch.Tensor, r: Rollout, gamma: float) -> torch.Tensor:
+    """(B, T_c) token rewards of multi-turn trajectories: each turn's step reward r_k on the
+    last generated token of turn k, scaled by gamma^k, and the trajectory reward R on the last
+    generated token, scaled by gamma^(K-1) (K turns), so a row sums to its discounted return
+    sum_k gamma^k r_k + gamma^(K-1) R. Per-token trajectory rewards (B, T_c) are added as is."""
+    generated = r.generated_mask
+    token = rewards.float().clone() if rewards.dim() == 2 else torch.zeros(generated.shape)
+    token = token.to(generated.device)
+    cols = torch.arange(generated.shape[1], device=generated.device)
+    for b, steps in enumerate(r.turn_rewards):
+        for k, value in enumerate(steps):
+            here = generated[b] & (r.turn_ids[b] == k)
+            if value and here.any():
+                token[b, int(cols[here].max())] += gamma**k * value
+        if rewards.dim() == 1 and generated[b].any():
+            K = max(len(steps), 1)
+            token[b, int(cols[generated[b]].max())] += gamma ** (K - 1) * float(rewards[b])
+    return token
+
+
+def outcome_token_rewards(rewards: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) sequence rewards -> (B, T_c) token rewards: each on its row's last completion token."""
+    B, T = completion_mask.shape
+    out = torch.zeros(B, T, dtype=torch.float32, device=completion_mask.device)
+    if T == 0:
+        return out
+    last = (completion_mask.long().sum(-1) - 1).clamp(min=0)  # (B,)
+    return out.scatter(1, last[:, None], rewards.float().to(out.device)[:, None])
+
+
 def micro_batches(B: int, size: int):
     for start in range(0, B, size):
         yield slice(start, min(B, start + size))
+
+
+def micro_batch_plan(rollout: Rollout, size: int) -> tuple[MicroBatch, ...]:
+    """The micro-batches of `size` rows of a rollout, each with its column range
+    (`column_bounds`; one host sync for all of them)."""
+    slices = list(micro_batches(rollout.ids.shape[0], size))
+    bounds = column_bounds(rollout.attention_mask(), slices, rollout.prompt_width)
+    return tuple(MicroBatch(sl, cols) for sl, cols in zip(slices, bounds))
 
 
 def column_bounds(attention_mask: torch.Tensor, slices: list[slice], prompt_width: int):

@@ -28,16 +28,12 @@ from grpo.distributed import (
 )
 from grpo.errors import GrpoError
 from grpo.loading import load_rows, resolve_device
+from grpo.policy import build_policy
+from grpo.run.loop import RunDir, due, run_training, start_run
+from grpo.run.perf import peak_mem_mib, reset_peak_mem
+from grpo.run.preflight import check_prompt_room, preflight
+from grpo.run.state import seed_everything
 from grpo.train.batch import micro_batches, next_prompts
-from grpo.train.common import (
-    build_policy,
-    due,
-    peak_mem_mib,
-    reset_peak_mem,
-    seed_everything,
-)
-from grpo.train.loop import RunDir, run_training, start_run
-from grpo.train.preflight import check_prompt_room, preflight
 
 log = logging.getLogger(__name__)
 

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 import torch
 
 from grpo.apps.serving.text import Detokenizer, find_stop, held_back
-from grpo.config import between, check_value
 from grpo.errors import GrpoError
 from grpo.rollout import Sampler
+from grpo.settings import between, check_value
 
 log = logging.getLogger(__name__)
 

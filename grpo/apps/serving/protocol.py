@@ -1,5 +1,5 @@
 """Requests of `grpo serve` parsed in one way: JSON bodies of /generate and the OpenAI routes
-are frozen dataclasses read by the config's one builder (`grpo.config.build_settings`: types,
+are frozen dataclasses read by the config's one builder (`grpo.settings.build_settings`: types,
 unknown and required keys, each field's check; a bad field raises `RequestError` naming it:
 HTTP 400), then prompts are rendered and encoded, the server's limits and the model's context
 enforced, and `SamplingParams` made."""
@@ -13,7 +13,8 @@ from dataclasses import MISSING, dataclass
 from typing import Any, Literal
 
 from grpo.apps.serving.engine import Engine, Job, SamplingParams
-from grpo.config import (
+from grpo.errors import GrpoError
+from grpo.settings import (
     ConfigError,
     Settings,
     between,
@@ -23,7 +24,6 @@ from grpo.config import (
     only,
     setting,
 )
-from grpo.errors import GrpoError
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOPS = 4

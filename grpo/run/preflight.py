@@ -22,7 +22,7 @@ written): every prompt (and SFT completion) plus its budget fits the context.
 `start_notices` are not refusals but limits that would otherwise act silently, stated in one
 line each before the run starts: a multi-turn budget that cannot fit rollout.max_turns turns
 (`turn_budget_notices`), an evaluation that scores what training does not
-(`grpo.eval.eval_fit_notice`).
+(`grpo.run.preflight.eval_fit_notice`).
 
 Memory estimate, in bytes, by the precision policy (docs/precision.md; e = bytes per element of
 model.dtype: 4 float32, 2 bf16/fp16; k = 2 under autocast (bf16 compute), else e; trainable
@@ -66,10 +66,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from grpo.config import Config, ConfigError, default_total_tokens
+from grpo.config import Config, default_total_tokens
 from grpo.errors import GrpoError
 from grpo.models import Decoder, ModelConfig
 from grpo.precision import Precision
+from grpo.settings import ConfigError
 
 GENERATED_DATASETS = ("minimath",)  # made on the fly: a huge size allocates or loops
 GENERATED_ROWS_MAX = 100_000  # ~2 s and ~250 MiB of minimath
@@ -326,7 +327,7 @@ def start_notices(
     cfg: Config, kind: str = "grpo", *, pipeline: bool = False, tokenizer=None
 ) -> list[str]:
     """The limits and mismatches a run states once before it starts (each one line; nothing
-    is refused): `turn_budget_notices` and `grpo.eval.eval_fit_notice`. `grpo train` logs
+    is refused): `turn_budget_notices` and `grpo.run.preflight.eval_fit_notice`. `grpo train` logs
     them as warnings on rank 0 once the tokenizer is loaded; without `tokenizer` the template's
     glue is the estimate `default_total_tokens` uses (OBS_GLUE_TOKENS), so a config-only check
     may state fewer.
@@ -337,8 +338,6 @@ def start_notices(
         pipeline: the run is a stage of `grpo pipeline`, whose evaluation stages also run.
         tokenizer: the policy's tokenizer, to measure the template's glue.
     """
-    from grpo.eval import eval_fit_notice
-
     out = turn_budget_notices(cfg, kind, pipeline=pipeline, tokenizer=tokenizer)
     evaluates = (kind == "grpo" and cfg.data.eval_samples > 0) or pipeline
     fit = eval_fit_notice(cfg) if evaluates else None
@@ -705,3 +704,49 @@ def check_eval_rows(
                                "--model")  # fmt: skip
         fields["evaluation"] = "--batch-size"
         check_memory(estimate, device, 1, fields, override="pass --skip-memory-check")
+
+
+# Environments whose final turn answers the row's math question by construction, and rewards
+# that score a final answer against ground_truth as `evaluate` does.
+ANSWER_ENVS = ("single_turn", "calculator")
+ANSWER_REWARDS = ("accuracy", "step")
+
+
+def eval_fit_notice(cfg: Config) -> str | None:
+    """One line when a run's evaluation would score what its training does not, else None.
+
+    Evaluation always scores math accuracy: the final turn's answer against each row's
+    `ground_truth` (`score_completion`). It fits the environment it runs (eval.env, by
+    default rollout.env) when that environment's episodes end in such an answer
+    (ANSWER_ENVS) or when a training reward scores that answer (ANSWER_REWARDS, also inside
+    `combined`). Otherwise, say a custom environment trained on its step rewards or a reward
+    of its own, eval/accuracy measures something no reward asks for and can read 0.000
+    throughout: the line says so and how to change it. (Rows always have a ground_truth once
+    loaded; `evaluate` refuses one without.)
+    """
+    env = cfg.eval.env or cfg.rollout.env
+    if env in ANSWER_ENVS:
+        return None
+    names = {n for r in cfg.rewards for n in _reward_names(r.name, r.kwargs)}
+    if names & set(ANSWER_REWARDS):
+        return None
+    source = "eval.env" if cfg.eval.env else "rollout.env's, as eval.env is unset"
+    return (
+        f"eval.env: evaluation episodes run in {env!r} ({source}) and are scored by math "
+        f"accuracy of the final turn against each row's ground_truth (eval/accuracy), which "
+        f"no training reward measures (rewards: {', '.join(r.name for r in cfg.rewards)}); "
+        "add an accuracy reward if the final turn answers the row, set eval.env to an "
+        "environment that does, or set data.eval_samples=0 to skip evaluation"
+    )
+
+
+def _reward_names(name: str, kwargs: dict) -> list[str]:
+    """A reward's name and, for `combined`, its components' names."""
+    if name != "combined":
+        return [name]
+    weights = kwargs.get("weights", {})
+    if isinstance(weights, dict):
+        return [name, *map(str, weights)]
+    if isinstance(weights, (list, tuple)):
+        return [name, *(w.get("name", "") if isinstance(w, dict) else str(w) for w in weights)]
+    return [name]

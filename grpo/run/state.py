@@ -324,3 +324,9 @@ def load_checkpoint(
         )
     set_rng_state(rngs[rank])
     return TrainState(**meta["train_state"])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

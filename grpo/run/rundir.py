@@ -27,7 +27,7 @@ from grpo.config import Config, config_to_dict, save_config
 from grpo.distributed import Dist, gather_objects
 from grpo.errors import GrpoError
 from grpo.io import read_json
-from grpo.train.state import (
+from grpo.run.state import (
     find_checkpoint,
     list_checkpoints,
     process_alive,

@@ -1,16 +1,15 @@
-"""What the SFT and GRPO loops share: seeding, the policy (model + LoRA + tokenizer +
-reference), saving the final weights. Loading models and rows is `grpo.loading`'s."""
+"""The policy being trained: the model (with LoRA or all weights trainable), its tokenizer and
+stop ids, the frozen reference for full fine-tuning, and the run's precision; `build_policy`
+loads it as a config says and `save_final` writes the trained weights."""
 
 from __future__ import annotations
 
 import copy
 import logging
-import random
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from grpo.config import Config
@@ -22,12 +21,6 @@ from grpo.models import Decoder, save_pretrained
 from grpo.precision import Precision
 
 log = logging.getLogger(__name__)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 @dataclass
@@ -110,47 +103,3 @@ def save_final(policy: Policy, out_dir: Path, cfg: Config) -> Path:
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     return final
-
-
-def due(step: int, every: int, last: bool) -> bool:
-    """True at the last step and every `every` steps (every = 0: only the last)."""
-    return last or (every > 0 and step % every == 0)
-
-
-def peak_mem_mib(device: torch.device) -> float:
-    """Peak memory: on CUDA the allocator's peak since the last `reset_peak_mem` (tensors only:
-    the caching allocator's reserve and the CUDA context are not counted); elsewhere the
-    process's peak resident set so far (it cannot be reset)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
-def reset_peak_mem(device: torch.device) -> None:
-    """Start a new peak (CUDA; a no-op elsewhere)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-class PhasePeaks:
-    """Peak memory of each phase of a step, as `perf/peak_mem_<phase>_mib` (and the step's
-    maximum as `perf/peak_mem_mib`): the counter restarts at every phase on CUDA."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.peaks: dict[str, float] = {}
-
-    def start(self) -> None:
-        self.peaks = {}
-        reset_peak_mem(self.device)
-
-    def end(self, phase: str) -> None:
-        self.peaks[phase] = peak_mem_mib(self.device)
-        reset_peak_mem(self.device)
-
-    def metrics(self) -> dict[str, float]:
-        out = {f"perf/peak_mem_{k}_mib": v for k, v in self.peaks.items()}
-        out["perf/peak_mem_mib"] = max(self.peaks.values(), default=peak_mem_mib(self.device))
-        return out

@@ -1,5 +1,5 @@
 """The run lifecycle the SFT and GRPO loops share: optimizer and schedule, restored state,
-the claimed run directory (grpo/train/rundir.py) and metric logger at the start; checkpoints
+the claimed run directory (grpo/run/rundir.py) and metric logger at the start; checkpoints
 and the agreed stop on SIGTERM / SIGINT at each step boundary; final weights at the end. The
 loops keep only what differs (their batches and their updates)."""
 
@@ -23,10 +23,10 @@ from grpo.distributed import (
 )
 from grpo.loading import resolve_device
 from grpo.metrics import MetricLogger
-from grpo.train.common import Policy, due, save_final
-from grpo.train.optim import build_optimizer, build_scheduler
-from grpo.train.rundir import RunDir, TrainingInterrupted, run_directory
-from grpo.train.state import TrainState, load_checkpoint, rng_state, save_checkpoint
+from grpo.policy import Policy, save_final
+from grpo.run.optim import build_optimizer, build_scheduler
+from grpo.run.rundir import RunDir, TrainingInterrupted, run_directory
+from grpo.run.state import TrainState, load_checkpoint, rng_state, save_checkpoint
 
 __all__ = ["Run", "RunDir", "run_directory", "run_training", "start_run"]
 
@@ -142,3 +142,8 @@ def start_run(
         config_to_dict(cfg), resume_step=state.step if rundir.resume else None, header=header,
     )  # fmt: skip
     return Run(cfg, rundir.path, params, optimizer, scheduler, state, logger, rundir)
+
+
+def due(step: int, every: int, last: bool) -> bool:
+    """True at the last step and every `every` steps (every = 0: only the last)."""
+    return last or (every > 0 and step % every == 0)

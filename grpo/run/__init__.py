@@ -1,0 +1,12 @@
+"""Run infrastructure the training recipes (`grpo.train`) share, apart from the algorithm:
+
+    loop       the run lifecycle: join the job, claim the run directory, optimizer and
+               schedule, restore, checkpoint and stop on a signal at step boundaries, save
+    rundir     the run directory: lock, overwrite, resume, signals, the saved config
+    state      TrainState, checkpoints (safetensors + JSON), RNG state, seeding
+    preflight  every check that can fail before a model loads or a file is written
+    optim      optimizer and learning-rate schedule
+    perf       peak memory per phase
+
+Nothing here imports `grpo.train`.
+"""

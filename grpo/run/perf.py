@@ -1,0 +1,44 @@
+"""Peak memory per phase of a training step (`perf/peak_mem_*` metrics)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def peak_mem_mib(device: torch.device) -> float:
+    """Peak memory: on CUDA the allocator's peak since the last `reset_peak_mem` (tensors only:
+    the caching allocator's reserve and the CUDA context are not counted); elsewhere the
+    process's peak resident set so far (it cannot be reset)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def reset_peak_mem(device: torch.device) -> None:
+    """Start a new peak (CUDA; a no-op elsewhere)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+class PhasePeaks:
+    """Peak memory of each phase of a step, as `perf/peak_mem_<phase>_mib` (and the step's
+    maximum as `perf/peak_mem_mib`): the counter restarts at every phase on CUDA."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peaks: dict[str, float] = {}
+
+    def start(self) -> None:
+        self.peaks = {}
+        reset_peak_mem(self.device)
+
+    def end(self, phase: str) -> None:
+        self.peaks[phase] = peak_mem_mib(self.device)
+        reset_peak_mem(self.device)
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"perf/peak_mem_{k}_mib": v for k, v in self.peaks.items()}
+        out["perf/peak_mem_mib"] = max(self.peaks.values(), default=peak_mem_mib(self.device))
+        return out

@@ -1,0 +1,160 @@
+"""The rollout phase of a GRPO step: prompts -> sampled completions -> scores, as one
+`RolloutBatch`.
+
+    sample_round   one sampler call: G completions (or G trajectories with an environment)
+                   for each of P dataset rows -> `Rollout`
+    score_rollout  texts, reward functions, token rewards -> `RolloutBatch`
+    rollout_phase  the step's batch: draws prompts in lockstep with the other ranks and, with
+                   loss.dynamic_sampling, refills groups that carry no signal
+
+`score_rollout` is the one place rewards change device and dtype: every tensor of the batch is
+float32 on the rollout's device from there on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from grpo.algo.advantages import zero_std_groups
+from grpo.config import Config
+from grpo.distributed import SINGLE, all_reduce_sum
+from grpo.envs import env_factory
+from grpo.rewards import compute_rewards
+from grpo.rollout import Rollout
+from grpo.rollout.multiturn import sample_with_env, turn_end_ids
+from grpo.train.batch import (
+    RolloutBatch,
+    cat_batches,
+    derive_seed,
+    next_prompts,
+    outcome_token_rewards,
+    turn_token_rewards,
+)
+
+
+def sample_round(cfg: Config, policy, sampler, rows: list[dict], seed: int, make_env=None):
+    """One sampling call: G completions per row (single turn), or G trajectories per row
+    with the configured environment (multi-turn). The sampler holds the policy's precision
+    (the trainer's autocast and float32 head)."""
+    c = cfg.rollout
+    sampling = {"temperature": c.temperature, "top_k": c.top_k, "top_p": c.top_p,
+                "min_p": c.min_p, "seed": seed, "pad_id": policy.tokenizer.pad_token_id,
+                "stop_ids": policy.stop_ids}  # fmt: skip
+    if not c.multi_turn:
+        return sampler.sample([r["prompt_ids"] for r in rows], group_size=c.group_size,
+                              max_new_tokens=c.max_new_tokens, **sampling)  # fmt: skip
+    return sample_with_env(
+        sampler, policy.tokenizer, rows, make_env or env_factory(c.env, c.env_kwargs),
+        env_name=c.env, group_size=c.group_size, max_new_tokens=c.max_new_tokens,
+        max_turns=c.max_turns, max_total_tokens=c.total_tokens,
+        max_obs_tokens=c.max_obs_tokens,
+        turn_end_ids=turn_end_ids(policy.tokenizer, c.turn_end_tokens), **sampling,
+    )  # fmt: skip
+
+
+def score_rollout(
+    cfg: Config, rollout: Rollout, rows: list[dict], tokenizer, reward_fns, policy_version: int
+) -> RolloutBatch:
+    """Score a rollout of P prompts x G rows with the reward functions.
+
+    Args:
+        cfg: the run config (rollout.gamma discounts multi-turn step rewards).
+        rollout: B = P*G rows.
+        rows: the P dataset rows sampled (their columns reach the reward functions).
+        tokenizer: decodes the completions the rewards read.
+        reward_fns: (function, weight) pairs (`grpo.rewards.build_rewards`).
+        policy_version: training steps the sampling policy had completed.
+
+    Returns:
+        the `RolloutBatch`; frac_zero_std is that of this rollout's groups.
+    """
+    G = rollout.group_size
+    brows = [r for r in rows for _ in range(G)]
+    texts = rollout.decode(tokenizer, skip_special_tokens=True)
+    columns = {k: [r[k] for r in brows] for k in brows[0] if k != "prompt_ids"}
+    lengths = rollout.completion_lens.tolist()
+    columns["completion_lengths"] = lengths
+    columns["completion_ids"] = [ids[:n] for ids, n in zip(rollout.completion_ids.tolist(),
+                                                          lengths)]  # fmt: skip
+    if rollout.turn_texts is not None:  # multi-turn: what the trajectory did
+        columns["num_turns"] = [len(t) for t in rollout.turn_texts]
+        columns["env_info"] = rollout.infos
+    T_c = rollout.completion_ids.shape[1]
+    total, per_fn = compute_rewards(reward_fns, texts, columns, token_width=T_c)  # on the host
+    if rollout.turn_rewards is not None:  # step rewards and the discounted return
+        tokens = turn_token_rewards(total, rollout, cfg.rollout.gamma)
+        total = tokens.sum(-1)
+    elif total.dim() == 1:  # (B,) sequence rewards -> on each row's last token
+        tokens = outcome_token_rewards(total, rollout.completion_mask)
+    else:  # (B, T_c) some rewards per token
+        tokens, total = total, total.sum(-1)
+    dev = rollout.ids.device
+    zero = zero_std_groups(total, G)  # (P,)
+    return RolloutBatch(
+        rollout=rollout,
+        rows=brows,
+        texts=texts,
+        rewards=total.to(dev, torch.float32),
+        token_rewards=tokens.to(dev, torch.float32),
+        per_fn={k: v.to(dev, torch.float32) for k, v in per_fn.items()},
+        policy_version=policy_version,
+        frac_zero_std=float(zero.float().mean()),
+    )
+
+
+def rollout_phase(
+    cfg: Config, policy, sampler, rows, state, reward_fns, step: int, dist=SINGLE, make_env=None
+) -> RolloutBatch:
+    """Sample G completions for P prompts and score them (advantages come later).
+
+    With loss.dynamic_sampling, groups whose rewards are all equal (no signal) are dropped and
+    new prompts sampled in up to loss.max_sampling_rounds rounds; if still short, dropped
+    groups fill the batch so its size stays fixed (kept groups first, in the order sampled).
+
+    Under DDP every rank walks the same global prompt order and takes its own slice of each
+    draw (a group never spans ranks); sampler seeds come from (seed, rank, step, round).
+
+    Args:
+        step: training steps completed (the batch's policy_version).
+    """
+    G = cfg.rollout.group_size
+    P = cfg.train.batch_size // G
+    rounds: list[RolloutBatch] = []
+    kept: list[tuple[int, int]] = []  # (round, group)
+    spare: list[tuple[int, int]] = []
+    n_rounds = cfg.loss.max_sampling_rounds if cfg.loss.dynamic_sampling else 1
+    for round_ in range(n_rounds):
+        # every rank draws P prompts per round (so all advance the data order alike) and
+        # samples the ones it still needs
+        drawn = next_prompts(state, len(rows), P * dist.world_size, cfg.train.seed)
+        idx = drawn[dist.rank * P : (dist.rank + 1) * P][: P - len(kept)]
+        if not idx:  # this rank is full, others may not be: stay in lockstep
+            if all_reduce_sum(0.0, dist) == 0:
+                break
+            continue
+        seed = derive_seed(cfg.train.seed, dist.rank, step, round_)
+        picked = [rows[i] for i in idx]
+        rollout = sample_round(cfg, policy, sampler, picked, seed, make_env)
+        batch = score_rollout(cfg, rollout, picked, policy.tokenizer, reward_fns, step)
+        zero = zero_std_groups(batch.rewards, G).tolist() if cfg.loss.dynamic_sampling else None
+        for p in range(len(idx)):
+            (spare if zero is not None and zero[p] else kept).append((len(rounds), p))
+        rounds.append(batch)
+        if all_reduce_sum(float(len(kept) < P), dist) == 0:
+            break
+    order = (kept + spare)[:P]
+    if len(rounds) == 1 and order == [(0, p) for p in range(rounds[0].size // G)]:
+        batch = rounds[0]  # every group of the one round, in order: nothing to re-join
+    else:  # runs of groups of the same round, in order
+        runs: list[tuple[int, list[int]]] = []
+        for r, g in order:
+            if runs and runs[-1][0] == r:
+                runs[-1][1].append(g)
+            else:
+                runs.append((r, [g]))
+        batch = cat_batches([rounds[r].select_groups(gs) for r, gs in runs],
+                            policy.tokenizer.pad_token_id)  # fmt: skip
+    # the step's statistic is the first round's (what the policy gave before any refill)
+    return dataclasses.replace(batch, frac_zero_std=rounds[0].frac_zero_std)

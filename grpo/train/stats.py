@@ -1,0 +1,182 @@
+"""What a GRPO step reports: token-weighted loss statistics over micro-batches, passes and
+ranks (`StatSums`), the on-policy check (`OnPolicyCheck`), advantage statistics and the
+rollout / reward / env metrics of a batch. Tensors are summed where they live and read to the
+host once per step, not once per micro-batch."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from grpo.distributed import SINGLE, all_reduce_max_dict, all_reduce_sum_dict
+from grpo.rollout.multiturn import env_metrics
+from grpo.train.batch import RolloutBatch
+
+
+class StatSums:
+    """Token-weighted sums of a loss's stats over micro-batches, passes and ranks, so that
+    ``train/<name>`` is the mean over all counted tokens (max / min for ``_max`` / ``_min``).
+
+    A stat is a float or a 0-d tensor. Tensors are summed where they live, in float64 (the same
+    numbers as Python floats would give), and read to the host once, in `reduce`: no host sync
+    per micro-batch.
+    """
+
+    def __init__(self):
+        self.sums: dict[str, float | torch.Tensor] = {}
+        self.extremes: dict[str, float | torch.Tensor] = {}
+        self.tokens: float | torch.Tensor = 0.0
+
+    def add(self, stats: dict[str, float | torch.Tensor]) -> None:
+        w = _f64(stats["tokens"])
+        self.tokens = self.tokens + w
+        for k, v in stats.items():
+            if k in ("tokens", "policy_loss"):
+                continue
+            v = _f64(v)
+            if k.endswith("_max") or k.endswith("_min"):
+                self.extremes[k] = _pick(self.extremes.get(k, v), v, k.endswith("_max"))
+            else:
+                self.sums[k] = self.sums.get(k, 0.0) + v * w
+
+    def reduce(self, dist) -> dict[str, float]:
+        """The ``train/<name>`` means and extremes over all ranks (one host read, then the
+        all-reduces)."""
+        local = _read_floats({**self.sums, **self.extremes, "__tokens": self.tokens})
+        extremes = {k: local.pop(k) for k in self.extremes}
+        sums = all_reduce_sum_dict(local, dist)
+        n = max(sums.pop("__tokens"), 1.0)
+        out = {f"train/{k}": v / n for k, v in sums.items()}
+        maxes = {k: v for k, v in extremes.items() if k.endswith("_max")}
+        mins = {k: -v for k, v in extremes.items() if k.endswith("_min")}
+        both = all_reduce_max_dict({**maxes, **mins}, dist)  # min = -max(-x)
+        for k, v in both.items():
+            v = -v if k.endswith("_min") else v
+            out[f"train/{k}"] = v if math.isfinite(v) else float("nan")  # no counted token
+        return out
+
+
+def _f64(x: float | torch.Tensor) -> float | torch.Tensor:
+    """A float64 tensor (exact for float32, bfloat16 and integer stats), or the float as is."""
+    return x.detach().double() if isinstance(x, torch.Tensor) else x
+
+
+def _pick(prev, v, larger: bool):
+    """max(prev, v) (min when not `larger`) as Python computes it, on the device for tensors:
+    v only when strictly better, so a NaN neither replaces nor is replaced."""
+    better = v > prev if larger else v < prev
+    if isinstance(better, torch.Tensor):
+        return torch.where(better, v, prev)
+    return v if better else prev
+
+
+def _read_floats(values: dict) -> dict[str, float]:
+    """`values` with its 0-d tensors read to Python floats in one host sync."""
+    keys = [k for k, v in values.items() if isinstance(v, torch.Tensor)]
+    if not keys:
+        return dict(values)
+    read = torch.stack([values[k].double() for k in keys]).tolist()
+    return {**values, **dict(zip(keys, read))}
+
+
+@dataclass(frozen=True)
+class OnPolicyCheck:
+    """The first pass's log-probs (the policy that sampled, trainer numerics) against the
+    sampler's, summed over counted tokens: 0-d float64 tensors on the device, so micro-batches
+    add up without a host sync.
+
+    Attributes:
+        diff_sum: sum |logprobs - sampler's|.
+        ratio_sum: sum exp(logprobs - sampler's).
+        tokens: counted tokens.
+        diff_max: max |difference| (0 when no token counts).
+    """
+
+    diff_sum: torch.Tensor
+    ratio_sum: torch.Tensor
+    tokens: torch.Tensor
+    diff_max: torch.Tensor
+
+    @classmethod
+    def zeros(cls, device) -> OnPolicyCheck:
+        z = torch.zeros((), dtype=torch.float64, device=device)
+        return cls(z, z, z, z)
+
+    @classmethod
+    def of(cls, logprobs, sampler_logprobs, mask) -> OnPolicyCheck:
+        """One micro-batch's sums; logprobs, sampler_logprobs and mask (mb, T_c)."""
+        with torch.no_grad():
+            d = torch.where(mask, logprobs.detach().double() - sampler_logprobs.double(), 0.0)
+            ratio = torch.where(mask, torch.exp(d), 0.0)
+            return cls(d.abs().sum(), ratio.sum(), mask.sum().double(), d.abs().max())
+
+    def __add__(self, other: OnPolicyCheck) -> OnPolicyCheck:
+        return OnPolicyCheck(
+            self.diff_sum + other.diff_sum,
+            self.ratio_sum + other.ratio_sum,
+            self.tokens + other.tokens,
+            torch.maximum(self.diff_max, other.diff_max),
+        )
+
+
+def advantage_stats(advantages: torch.Tensor, mask: torch.Tensor, dist=SINGLE) -> dict:
+    """adv/mean, adv/std (population), adv/min, adv/max and adv/zero_frac (exactly 0: e.g. a
+    group of equal rewards) over the counted tokens of the global batch (`mask`: the loss
+    mask, so what the update weighs); NaN when no token counts.
+
+    Sums and extremes are taken on the device and read in one host sync; across ranks the
+    counts and sums are added and the extremes reduced, so the numbers are those of the
+    combined batch (not a mean of per-rank values).
+
+    Args:
+        advantages: (B, T_c) this rank's advantages.
+        mask: (B, T_c) bool, the counted tokens.
+    """
+    with torch.no_grad():
+        a = advantages.detach().double()
+        inf = torch.tensor(math.inf, dtype=torch.float64, device=a.device)
+        local = torch.stack([
+            mask.sum().double(),
+            torch.where(mask, a, 0.0).sum(),
+            torch.where(mask, a * a, 0.0).sum(),
+            (mask & (a == 0)).sum().double(),
+            torch.where(mask, a, inf).min() if a.numel() else inf,
+            torch.where(mask, -a, inf).min() if a.numel() else inf,  # -max
+        ]).tolist()  # fmt: skip
+    n, s, s2, zeros, lo, neg_hi = local
+    sums = all_reduce_sum_dict({"n": n, "s": s, "s2": s2, "zeros": zeros}, dist)
+    ext = all_reduce_max_dict({"neg_lo": -lo, "hi": -neg_hi}, dist)  # min = -max(-x)
+    n = sums["n"]
+    if n == 0:
+        return dict.fromkeys(("adv/mean", "adv/std", "adv/min", "adv/max", "adv/zero_frac"),
+                             float("nan"))  # fmt: skip
+    mean = sums["s"] / n
+    return {
+        "adv/mean": mean,
+        "adv/std": math.sqrt(max(sums["s2"] / n - mean * mean, 0.0)),
+        "adv/min": -ext["neg_lo"],
+        "adv/max": ext["hi"],
+        "adv/zero_frac": sums["zeros"] / n,
+    }
+
+
+def rollout_metrics(batch: RolloutBatch, max_turns: int = 1) -> dict:
+    """This rank's rollout/*, rewards/* and (multi-turn, `env_metrics`) env/* metrics."""
+    lens = batch.rollout.generated_mask.sum(-1).float()  # generated tokens (all turns)
+    out = {
+        "rollout/reward_mean": float(batch.rewards.mean()),
+        "rollout/reward_std": float(batch.rewards.std()) if len(batch.rewards) > 1 else 0.0,
+        "rollout/frac_zero_std_groups": batch.frac_zero_std,
+        "rollout/completion_len_mean": float(lens.mean()),
+        "rollout/completion_len_min": float(lens.min()),
+        "rollout/completion_len_max": float(lens.max()),
+        "rollout/truncated_frac": float((~batch.rollout.finished).float().mean()),
+    }
+    for name, v in batch.per_fn.items():
+        out[f"rewards/{name}"] = float(v.mean())
+    if "accuracy" in batch.per_fn:
+        out["rollout/accuracy"] = float(batch.per_fn["accuracy"].mean())
+    out.update(env_metrics(batch.rollout, max_turns))
+    return out
