@@ -304,6 +304,13 @@ class TrainConfig:
     # The start-up check that the run's estimated memory fits (grpo/run/preflight.py); true
     # skips it, e.g. when the estimate is too pessimistic for short prompts (docs/safety.md).
     skip_memory_check: bool = False
+    # torchrun jobs: ddp keeps a whole copy of weights, gradients and optimizer states on every
+    # rank; fsdp shards them (torch FSDP2 `fully_shard`: each decoder block and the root), so
+    # each rank holds about 1/N (docs/distributed.md). One process trains unsharded either way.
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    # fsdp: keep the sharded parameters, gradients and optimizer states in CPU memory
+    # (`CPUOffloadPolicy`), moved to the device block by block
+    fsdp_offload: bool = False
 
     def __post_init__(self):
         _check(self.max_steps > 0, "train.max_steps", f"must be > 0, got {self.max_steps}")
@@ -324,6 +331,11 @@ class TrainConfig:
         _check(self.keep_last >= 1, "train.keep_last", "must be >= 1")
         _check(self.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", "must be >= 1")
         _check(self.dist_timeout_s > 0, "train.dist_timeout_s", "must be > 0 (seconds)")
+        _check(
+            self.parallel == "fsdp" or not self.fsdp_offload,
+            "train.fsdp_offload",
+            "needs train.parallel: fsdp (DDP keeps whole copies on every rank's device)",
+        )
 
 
 @dataclass(frozen=True)
@@ -404,6 +416,12 @@ class Config:
             "train.batch_size",
             f"GRPO needs whole groups: {self.train.batch_size} is not divisible by "
             f"rollout.group_size ({G})",
+        )
+        _check(
+            self.train.parallel != "fsdp" or self.rollout.compile != "on",
+            "rollout.compile",
+            "'on' cannot run under train.parallel: fsdp (the sampler reads the gathered weights "
+            "through FSDP's hooks, eagerly); set rollout.compile: auto or off",
         )
         return self
 

@@ -290,8 +290,9 @@ def barrier(dist: Dist) -> None:
 
 
 def wrap_ddp(module: torch.nn.Module, dist: Dist, device: torch.device) -> torch.nn.Module:
-    """DDP over the module's trainable parameters (identity for a single process)."""
-    if not dist.enabled:
+    """DDP over the module's trainable parameters (identity for a single process, and for a
+    module holding an FSDP-sharded model, whose gradients FSDP reduces itself)."""
+    if not dist.enabled or fsdp_units(module):
         return module
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -304,3 +305,96 @@ def no_sync(module: torch.nn.Module, skip: bool):
     if skip and hasattr(module, "no_sync"):
         return module.no_sync()
     return contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------- FSDP2
+
+
+def fsdp_units(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules `shard_model` made FSDP units (blocks, then the root), in module order."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def shard_model(
+    model: torch.nn.Module,
+    dist: Dist,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    offload: bool = False,
+) -> torch.nn.Module:
+    """Shard a `Decoder` over every rank with FSDP2 (`fully_shard`), in place: each block is a
+    unit (its weights gathered for its forward and backward, then freed), the root holds the
+    embeddings, final norm and head. Frozen weights (a LoRA base) are sharded too; only the
+    trainable ones get gradients, reduce-scattered in float32.
+
+    Args:
+        model: the decoder, its precision already applied (`Precision.prepare`).
+        dist: the job (world_size > 1).
+        compute_dtype: the dtype all weights are gathered in when the model mixes dtypes
+            (bf16 frozen base + float32 adapters: FSDP gathers one dtype per unit); a model of
+            one dtype is gathered as it is (the forward's autocast does the rest).
+        offload: keep shards, gradients and optimizer states in CPU memory (`CPUOffloadPolicy`).
+
+    Returns:
+        the model (now an FSDP module; parameters are DTensor shards).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
+    mesh = init_device_mesh(dist.device.type, (dist.world_size,))
+    mixed = len({p.dtype for p in model.parameters()}) > 1
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype if mixed else None,
+                              reduce_dtype=torch.float32)  # fmt: skip
+    # pinned host memory needs an accelerator: without one, CPUOffloadPolicy() fails
+    off = CPUOffloadPolicy(pin_memory=dist.device.type == "cuda") if offload else OffloadPolicy()
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=off)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=off)
+    return model
+
+
+@contextlib.contextmanager
+def full_weights(model: torch.nn.Module, enabled: bool = True):
+    """Every weight of an FSDP-sharded model gathered for the duration (the sampler, an
+    evaluation, a final save read whole weights), then sharded again; a no-op for a model
+    that is not sharded. Collective: every rank enters it together.
+
+    Inside, forwards run without FSDP's per-block gather and free (the blocks are told not to
+    reshard after forward), so a decode loop costs one gather per weight, not one per step.
+    """
+    units = fsdp_units(model) if enabled else []
+    if not units:
+        yield model
+        return
+    blocks = [u for u in units if u is not model]
+    for u in blocks:
+        u.set_reshard_after_forward(False, recurse=False)
+    for u in units:
+        u.unshard()
+    try:
+        yield model
+    finally:
+        for u in units:
+            u.reshard()
+        for u in blocks:
+            u.set_reshard_after_forward(True, recurse=False)
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Shard again whatever a forward left gathered (the root keeps its weights after a forward
+    for the backward to come): state dicts and optimizers address the shards."""
+    for u in fsdp_units(model):
+        u.reshard()
+
+
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """`clip_grad_norm_`, returning the total norm as a plain tensor (FSDP's gradients are
+    DTensor shards: the norm is reduced over ranks, as DDP's synced gradients give it)."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -103,3 +103,21 @@ def save_final(policy: Policy, out_dir: Path, cfg: Config) -> Path:
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     return final
+
+
+def shard_policy(policy: Policy, cfg: Config, dist) -> bool:
+    """With train.parallel: fsdp in a job of several ranks, shard the model (and a frozen
+    reference copy) over the ranks (`grpo.distributed.shard_model`); returns whether it did.
+    Gradients, optimizer states and checkpoints then follow the shards (grpo.run.state)."""
+    if cfg.train.parallel != "fsdp":
+        return False
+    if not dist.enabled:
+        log.info("train.parallel=fsdp with one process: nothing to shard, training unsharded")
+        return False
+    from grpo.distributed import shard_model
+
+    dtype, offload = policy.precision.compute_dtype, cfg.train.fsdp_offload
+    shard_model(policy.model, dist, dtype, offload)
+    if policy.ref_model is not None:
+        shard_model(policy.ref_model, dist, dtype, offload)
+    return True

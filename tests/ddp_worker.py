@@ -1,8 +1,10 @@
 """Run by tests/test_distributed.py under torchrun (and once without): one GRPO update per
-loss aggregation and one SFT step on fixed data, each rank taking its half of the batch.
+loss aggregation (LoRA, full fine-tuning, shared prefix, multi-turn) and one SFT step (LoRA,
+full) on fixed data, each rank taking its half of the batch.
 
-    torchrun --nproc_per_node=2 tests/ddp_worker.py CKPT OUT_DIR
-    python tests/ddp_worker.py CKPT OUT_DIR          # the single-process reference
+    torchrun --nproc_per_node=2 tests/ddp_worker.py CKPT OUT_DIR        # DDP
+    torchrun --nproc_per_node=2 tests/ddp_worker.py CKPT OUT_DIR fsdp   # FSDP2 shards
+    python tests/ddp_worker.py CKPT OUT_DIR                             # the reference
 
 Rank 0 writes the updated trainable parameters to OUT_DIR/<case>.safetensors.
 """
@@ -18,7 +20,7 @@ from safetensors.torch import save_file
 
 from grpo.algo.logprobs import CompletionLogprobs
 from grpo.config import load_config
-from grpo.distributed import init_distributed, teardown, wrap_ddp
+from grpo.distributed import full_weights, init_distributed, shard_model, teardown, wrap_ddp
 from grpo.lora import apply_lora
 from grpo.models import load_model
 from grpo.policy import Policy
@@ -96,35 +98,52 @@ def sft_rows(rank: int, world: int) -> list[dict]:
     return rows[rank * B : (rank + 1) * B]
 
 
-def main(ckpt: str, out_dir: str) -> None:
+def main(ckpt: str, out_dir: str, parallel: str = "ddp") -> None:
     dist = init_distributed("cpu")
-    run_cases(ckpt, Path(out_dir), dist)
+    run_cases(ckpt, Path(out_dir), dist, parallel == "fsdp" and dist.enabled)
     teardown()  # after run_cases returned: its DDP wrappers are gone (see grpo.distributed)
 
 
-def run_cases(ckpt: str, out: Path, dist) -> None:
+def trainer(model, cfg, dist, fsdp: bool):
+    """The scorer, trainable parameters, optimizer and schedule of one case: under FSDP the
+    model is sharded first (the optimizer holds the shards)."""
+    if fsdp:
+        shard_model(model, dist)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = build_optimizer(params, cfg.optim)
+    sched = build_scheduler(opt, 10, cfg.optim)
+    scorer = wrap_ddp(CompletionLogprobs(model), dist, torch.device("cpu"))  # FSDP: as is
+    return scorer, params, opt, sched
+
+
+def save_trainable(model, dist, path: Path) -> None:
+    """Rank 0 writes the trainable weights (FSDP: gathered from every rank's shards)."""
+    with full_weights(model):
+        sd = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    if dist.is_main:
+        save_file(sd, str(path))
+
+
+def run_cases(ckpt: str, out: Path, dist, fsdp: bool = False) -> None:
     base = load_model(ckpt)
+    full = copy.deepcopy(base)  # full fine-tuning: every weight trains
     apply_lora(base, rank=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"], seed=0)
-    cases = [(agg, "off", f"grpo_{agg}") for agg in AGGREGATIONS]
-    cases.append(("token_mean", "on", "grpo_shared_prefix"))  # each group's prompt run once
-    for agg, shared, name in cases:
-        model = copy.deepcopy(base)
+    cases = [(agg, "off", f"grpo_{agg}", base) for agg in AGGREGATIONS]
+    cases.append(("token_mean", "on", "grpo_shared_prefix", base))  # each prompt run once
+    cases.append(("token_mean", "off", "grpo_full", full))
+    for agg, shared, name, start in cases:
+        model = copy.deepcopy(start)
         cfg = load_config(
             base={"model": {"path": ckpt}},
             overrides=[f"loss.aggregation={agg}", "loss.beta=0", "optim.lr=1e-3",
                        "train.batch_size=16", "train.micro_batch_size=4",
                        f"train.shared_prefix={shared}"],
         )  # fmt: skip
-        policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=True)
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = build_optimizer(params, cfg.optim)
-        sched = build_scheduler(opt, 10, cfg.optim)
-        scorer = wrap_ddp(CompletionLogprobs(model), dist, torch.device("cpu"))
+        policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=start is base)
         batch = fixed_batch(model, dist.rank, dist.world_size, cfg.train.micro_batch_size)
+        scorer, params, opt, sched = trainer(model, cfg, dist, fsdp)
         update_phase(cfg, policy, batch, opt, sched, params, scorer, dist)
-        if dist.is_main:
-            save_file({n: p.detach() for n, p in model.named_parameters() if p.requires_grad},
-                      str(out / f"{name}.safetensors"))  # fmt: skip
+        save_trainable(model, dist, out / f"{name}.safetensors")
     model = copy.deepcopy(base)  # multi-turn: per-turn advantages over both ranks' rows
     cfg = load_config(
         base={"model": {"path": ckpt}},
@@ -132,34 +151,30 @@ def run_cases(ckpt: str, out: Path, dist) -> None:
                    "optim.lr=1e-3", "train.batch_size=16", "train.micro_batch_size=4"],
     )  # fmt: skip
     policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=True)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = build_optimizer(params, cfg.optim)
-    sched = build_scheduler(opt, 10, cfg.optim)
-    scorer = wrap_ddp(CompletionLogprobs(model), dist, torch.device("cpu"))
     batch = multiturn_batch(model, dist.rank, dist.world_size)
+    scorer, params, opt, sched = trainer(model, cfg, dist, fsdp)
     r = batch.rollout
     advantages = advantage_phase(cfg, batch, dist=dist)
     plan = micro_batch_plan(r, cfg.train.micro_batch_size)
     inputs = UpdateBatch(r, counted_mask(r, False), advantages, plan)
     update_phase(cfg, policy, inputs, opt, sched, params, scorer, dist)
-    if dist.is_main:
-        save_file({n: p.detach() for n, p in model.named_parameters() if p.requires_grad},
-                  str(out / "grpo_multiturn.safetensors"))  # fmt: skip
-    model = copy.deepcopy(base)
-    cfg = load_config(
-        base={"model": {"path": ckpt}},
-        overrides=["optim.lr=1e-3", "train.batch_size=8", "train.micro_batch_size=2"],
-    )
-    policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=True)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = build_optimizer(params, cfg.optim)
-    sched = build_scheduler(opt, 10, cfg.optim)
-    scorer = wrap_ddp(CompletionLogprobs(model), dist, torch.device("cpu"))
-    sft_update(cfg, policy, scorer, sft_rows(dist.rank, dist.world_size), opt, sched, params, dist)
-    if dist.is_main:
-        save_file({n: p.detach() for n, p in model.named_parameters() if p.requires_grad},
-                  str(out / "sft.safetensors"))  # fmt: skip
+    save_trainable(model, dist, out / "grpo_multiturn.safetensors")
+    for name, start in (("sft", base), ("sft_full", full)):
+        model = copy.deepcopy(start)
+        # Adam's first step is about g / (|g| + eps): a gradient near eps, whose last bits
+        # depend on the order of the reduction (DDP all-reduce, FSDP reduce-scatter), moves its
+        # weight by a visible fraction of lr either way; eps 1e-6 bounds that amplification
+        cfg = load_config(
+            base={"model": {"path": ckpt}},
+            overrides=["optim.lr=1e-3", "train.batch_size=8", "train.micro_batch_size=2",
+                       "optim.eps=1e-6"],
+        )  # fmt: skip
+        policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=start is base)
+        scorer, params, opt, sched = trainer(model, cfg, dist, fsdp)
+        rows = sft_rows(dist.rank, dist.world_size)
+        sft_update(cfg, policy, scorer, rows, opt, sched, params, dist)
+        save_trainable(model, dist, out / f"{name}.safetensors")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])

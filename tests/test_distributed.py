@@ -24,28 +24,39 @@ def run(cmd, cwd, timeout=300, env=None):
 
 
 def test_two_ranks_equal_one_process(tiny_checkpoints, tmp_path):
+    """DDP and FSDP2 (every weight sharded over the 2 ranks) each equal one process on the
+    combined batch: GRPO (LoRA, full fine-tuning, shared prefix, multi-turn) and SFT (LoRA,
+    full), micro-batches accumulated, gradients clipped."""
     ckpt = str(tiny_checkpoints("qwen3"))
     worker = str(REPO / "tests" / "ddp_worker.py")
-    (tmp_path / "ddp").mkdir()
-    (tmp_path / "single").mkdir()
-    r = run([*TORCHRUN, worker, ckpt, str(tmp_path / "ddp")], cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = run([sys.executable, worker, ckpt, str(tmp_path / "single")], cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    for mode in ("ddp", "fsdp", "single"):
+        (tmp_path / mode).mkdir()
+        cmd = [sys.executable, worker] if mode == "single" else [*TORCHRUN, worker]
+        r = run([*cmd, ckpt, str(tmp_path / mode), mode], cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-3000:]
     cases = sorted(p.name for p in (tmp_path / "single").iterdir())
     assert cases == [
+        "grpo_full.safetensors",
         "grpo_multiturn.safetensors",
         "grpo_seq_mean_token_mean.safetensors",
         "grpo_seq_mean_token_sum_norm.safetensors",
         "grpo_shared_prefix.safetensors",
         "grpo_token_mean.safetensors",
         "sft.safetensors",
+        "sft_full.safetensors",
     ]
+    start = load_file(tiny_checkpoints("qwen3") / "model.safetensors")
     for name in cases:
-        a, b = load_file(tmp_path / "ddp" / name), load_file(tmp_path / "single" / name)
-        assert a.keys() == b.keys()
-        diff = max((a[k] - b[k]).abs().max().item() for k in a)
-        assert diff <= 1e-6, (name, diff)
+        b = load_file(tmp_path / "single" / name)
+        if name.endswith("full.safetensors"):  # the update moved the weights
+            moved = [(b[k] - start[f"model.{k}"]).abs().max().item()
+                     for k in b if f"model.{k}" in start]  # fmt: skip
+            assert moved and max(moved) > 1e-4, name
+        for mode in ("ddp", "fsdp"):
+            a = load_file(tmp_path / mode / name)
+            assert a.keys() == b.keys(), (mode, name)
+            diff = max((a[k] - b[k]).abs().max().item() for k in a)
+            assert diff <= 1e-6, (mode, name, diff)
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +71,12 @@ def tiny_model_dir(tmp_path_factory):
     "command, precision",
     [("train", []), ("sft", []),
      ("train", ["model.autocast_bf16=true", "train.shared_prefix=on"]),  # the tutorial's
-     ("sft", ["model.dtype=bfloat16"])],  # bf16 base, float32 adapters: mixed-dtype DDP
-    ids=["train", "sft", "train-bf16-autocast", "sft-bf16-weights"],
+     ("sft", ["model.dtype=bfloat16"]),  # bf16 base, float32 adapters: mixed-dtype DDP
+     ("train", ["train.parallel=fsdp", "model.autocast_bf16=true",
+                "model.gradient_checkpointing=true"]),
+     ("sft", ["train.parallel=fsdp", "model.dtype=bfloat16", "train.fsdp_offload=true"])],
+    ids=["train", "sft", "train-bf16-autocast", "sft-bf16-weights", "train-fsdp-bf16-autocast",
+         "sft-fsdp-bf16-weights-offload"],
 )  # fmt: skip
 def test_torchrun_cli_end_to_end(tiny_model_dir, tmp_path, command, precision):
     cfg = str(REPO / "configs" / "tiny_ci.yaml")
@@ -333,3 +348,21 @@ def test_bad_eval_split_on_rank_0_fails_every_rank_with_one_line(tiny_model_dir,
         [f"grpo train: error: rank 1 of 2: stopped because rank 0 failed in the start-up "
          f"phase: {cause}"],
     ]  # fmt: skip
+
+
+def test_fsdp_settings_that_cannot_work_are_one_line(tmp_path):
+    from grpo.config import load_config
+    from grpo.settings import ConfigError
+
+    base = {"model": {"path": str(tmp_path)}}
+    with pytest.raises(ConfigError, match=r"^train.fsdp_offload: needs train.parallel: fsdp"):
+        load_config(base=base, overrides=["train.fsdp_offload=true"])
+    cfg = load_config(base=base, overrides=["train.parallel=fsdp", "rollout.compile=on"])
+    with pytest.raises(ConfigError, match=r"^rollout.compile: 'on' cannot run under train.par"):
+        cfg.check_grpo()
+    load_config(base=base, overrides=["train.parallel=fsdp", "rollout.compile=auto"]).check_grpo()
+    cfg_file = str(REPO / "configs" / "tiny_ci.yaml")
+    r = run([sys.executable, "-m", "grpo", "train", "--config", cfg_file, "train.parallel=fsdp",
+             "rollout.compile=on"], cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 2 and "rollout.compile: 'on' cannot run" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -16,8 +16,8 @@ from grpo.config import OptimConfig, load_config
 from grpo.errors import GrpoError
 from grpo.lora import apply_lora
 from grpo.models import Decoder, KVCache, ModelConfig
-from grpo.settings import ConfigError
 from grpo.run import preflight as pf
+from grpo.settings import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CI = str(REPO / "configs" / "tiny_ci.yaml")

@@ -101,6 +101,89 @@ def test_sigkill_then_resume_under_torchrun(model_dir, tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
+QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
+
+
+def test_fsdp_sigkill_resume_is_exact_and_resumes_on_one_process(model_dir, tmp_path):
+    """train.parallel=fsdp under torchrun (full fine-tuning, the quickstart's reward: real
+    gradients from step 1): killed and resumed equals the straight run bitwise; its checkpoint
+    (gathered from the shards) resumes on 2 DDP ranks to the FSDP run's next step (1e-5: the
+    reductions differ in order) and in one process (which samples a batch of its own); the
+    final weights are a checkpoint `grpo eval` loads."""
+    steps = 3
+    common = ["train", "--config", QUICKSTART, f"model.path={model_dir}", *FAST,
+              "train.batch_size=16", "rollout.max_new_tokens=8", "train.keep_last=5"]  # fmt: skip
+    fsdp = [*common, "train.parallel=fsdp"]
+    straight = grpo_cmd(*fsdp, f"train.max_steps={steps}", "train.output_dir=straight",
+                        torchrun=True)  # fmt: skip
+    run_to_end(straight, tmp_path)
+    cmd = grpo_cmd(*fsdp, f"train.max_steps={steps}", "train.output_dir=killed", torchrun=True)
+    run_and_kill(cmd, tmp_path, tmp_path / "killed" / "checkpoints", seed=5)
+    run_to_end([*cmd, "--resume"], tmp_path)
+    a, b = final_weights(tmp_path / "straight", steps), final_weights(tmp_path / "killed", steps)
+    assert a.keys() == b.keys() and len(a) > 0
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    start = final_weights(tmp_path / "straight", 1)
+    assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-3  # it did train
+    # step 2's checkpoint, resumed for its last step in one process and on 2 DDP ranks
+    for name, extra, torchrun in (("one", [], False), ("ddp", ["train.parallel=ddp"], True)):
+        shutil.copytree(tmp_path / "straight", tmp_path / name)
+        shutil.rmtree(tmp_path / name / "checkpoints" / f"step_{steps:06d}")
+        (tmp_path / name / "checkpoints" / "latest").write_text(f"step_{steps - 1:06d}\n")
+        run_to_end(grpo_cmd(*fsdp, f"train.max_steps={steps}", f"train.output_dir={name}",
+                            *extra, "--resume", torchrun=torchrun), tmp_path)  # fmt: skip
+        c = final_weights(tmp_path / name, steps)
+        diff = max((a[k] - c[k]).abs().max().item() for k in a)
+        if name == "ddp":  # the same batch, reduced by all-reduce instead of reduce-scatter
+            assert diff <= 1e-5, (name, diff)
+        else:  # one process samples its own batch: a different step, from the same state
+            before = final_weights(tmp_path / "straight", steps - 1)
+            assert all(torch.isfinite(c[k]).all() for k in c)
+            assert max((c[k] - before[k]).abs().max().item() for k in c) > 1e-4
+    final = tmp_path / "straight" / "final"
+    assert (final / "model.safetensors").is_file()
+    out = tmp_path / "eval.json"
+    run_to_end([sys.executable, "-m", "grpo", "eval", "--model", str(final), "--data", "minimath",
+                "--max-samples", "4", "--out", str(out)], tmp_path)  # fmt: skip
+    assert json.loads(out.read_text())
+
+
+def test_optimizer_state_by_name_restores_the_positional_one(tmp_path):
+    """An FSDP run saves its optimizer state keyed by parameter name; loaded into an unsharded
+    model and optimizer it is the state the positional `Optimizer.state_dict` holds."""
+    from grpo.config import OptimConfig
+    from grpo.run.optim import build_optimizer
+    from grpo.run.state import _named_optimizer_state
+
+    def fresh():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+        return model, build_optimizer(list(model.parameters()), OptimConfig(lr=0.1))
+
+    model, opt = fresh()
+    for _ in range(2):
+        model(torch.randn(5, 4)).square().sum().backward()
+        opt.step()
+    named = _named_optimizer_state(opt.state_dict(), model, opt)
+    assert isinstance(next(iter(named["state"])), str)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    ckpt = save_checkpoint(tmp_path, TrainState(step=2), model, opt, sched, {},
+                           optimizer_state=named)  # fmt: skip
+    model2, opt2 = fresh()
+    load_checkpoint(ckpt, model2, opt2, torch.optim.lr_scheduler.LambdaLR(opt2, lambda _: 1.0))
+    want, got = opt.state_dict(), opt2.state_dict()
+
+    def plain(groups):  # a checkpoint stores betas as a list
+        return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in groups]
+
+    assert plain(want["param_groups"]) == plain(got["param_groups"])
+    assert want["state"].keys() == got["state"].keys()
+    for i, st in want["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, got["state"][i][k]), (i, k)
+
+
 # ----------------------------------------------------------------- atomic checkpoints
 
 SAVE_SCRIPT = """

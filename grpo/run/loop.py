@@ -16,6 +16,8 @@ from grpo.distributed import (
     Where,
     all_reduce_max,
     failures_named,
+    fsdp_units,
+    full_weights,
     gather_objects,
     init_distributed,
     rank_local,
@@ -26,7 +28,13 @@ from grpo.metrics import MetricLogger
 from grpo.policy import Policy, save_final
 from grpo.run.optim import build_optimizer, build_scheduler
 from grpo.run.rundir import RunDir, TrainingInterrupted, run_directory
-from grpo.run.state import TrainState, load_checkpoint, rng_state, save_checkpoint
+from grpo.run.state import (
+    TrainState,
+    gathered_state,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+)
 
 __all__ = ["Run", "RunDir", "run_directory", "run_training", "start_run"]
 
@@ -79,13 +87,20 @@ class Run:
         stop = signum > 0 and not last  # at the last step the run simply finishes
         save = due(self.state.step, cfg.train.save_every, last) or stop
         rngs = gather_objects(rng_state(), dist) if save else None
+        # FSDP: the whole weights and optimizer state, gathered from the shards (collective)
+        weights, osd = (
+            gathered_state(policy.model, self.optimizer)
+            if save and fsdp_units(policy.model)
+            else (None, None)
+        )
         # rank 0 writes; the section's all-reduce is also the barrier (nobody runs ahead of a
         # checkpoint or an evaluation), and a failed write stops every rank at once
         with rank_local(dist, Where("checkpoint", self.state.step)):
             if save and dist.is_main:
                 save_checkpoint(
                     self.out_dir, self.state, policy.model, self.optimizer, self.scheduler,
-                    config_to_dict(cfg), cfg.train.keep_last, rng_states=rngs,
+                    config_to_dict(cfg), cfg.train.keep_last, rng_states=rngs, weights=weights,
+                    optimizer_state=osd,
                 )  # fmt: skip
         if stop:
             self.logger.close()
@@ -101,7 +116,8 @@ class Run:
         """Close the logger, write out_dir/final, and return the run's summary."""
         self.logger.close()
         final = self.out_dir / "final"
-        with rank_local(dist, Where("final save", self.state.step)):  # rank 0 writes; all wait
+        # rank 0 writes; all wait (FSDP: every rank gathers the whole weights first)
+        with full_weights(policy.model), rank_local(dist, Where("final save", self.state.step)):
             if dist.is_main:
                 final = save_final(policy, self.out_dir, self.cfg)
         return {

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from grpo.distributed import fsdp_units, reshard
 from grpo.errors import GrpoError
 from grpo.io import (
     FileError,
@@ -107,11 +108,16 @@ def save_checkpoint(
     config: dict,
     keep_last: int = 2,
     rng_states: list[dict] | None = None,
+    weights: dict[str, torch.Tensor] | None = None,
+    optimizer_state: dict | None = None,
 ) -> Path:
     """Write checkpoints/step_NNNNNN atomically, point `latest` at it, keep the newest K.
 
     Args:
         rng_states: every rank's `rng_state()` (rank order); default: this process's only.
+        weights, optimizer_state: the whole trainable weights and optimizer state, gathered
+            from the shards of an FSDP model (`gathered_state`); default: read from `model`
+            and `optimizer`.
 
     Returns:
         the checkpoint directory. A failing write raises GrpoError and leaves earlier
@@ -127,8 +133,10 @@ def save_checkpoint(
             if _tmp_is_removable(stale.name):
                 shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
-        save_safetensors(trainable_state_dict(model), tmp / "trainable.safetensors")
-        torch_save(optimizer.state_dict(), tmp / "optimizer.pt")
+        weights = trainable_state_dict(model) if weights is None else weights
+        save_safetensors(weights, tmp / "trainable.safetensors")
+        osd = optimizer.state_dict() if optimizer_state is None else optimizer_state
+        torch_save(osd, tmp / "optimizer.pt")
         torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
         write_text(
             tmp / "state.json",
@@ -302,18 +310,32 @@ def load_checkpoint(
         meta = read_json(path / "state.json", "a checkpoint's state.json")
     except (OSError, json.JSONDecodeError) as e:
         raise GrpoError(f"checkpoint {path} is unreadable: {e}") from None
+    sharded = bool(fsdp_units(model))
+    reshard(model)
     params = dict(model.named_parameters())
-    for name, t in weights.items():
+    for name in weights:
         if name not in params:
             raise GrpoError(f"checkpoint {path}: tensor {name!r} does not fit this model")
+    if sharded:  # every rank holds the whole tensors; each keeps its shard
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(model, weights, options=_full_load())
+    else:
         with torch.no_grad():
-            params[name].copy_(t)
+            for name, t in weights.items():
+                params[name].copy_(t)
     # Onto this rank's device: saved on rank 0's GPU, the states would otherwise all land on
     # cuda:0, every rank's copy filling that one device.
     device = next(iter(params.values())).device if params else torch.device("cpu")
     if optimizer is not None:
         state = torch_load(path / "optimizer.pt", "an optimizer state", map_location=device)
-        optimizer.load_state_dict(state)
+        if sharded or _by_name(state):  # an FSDP run's state, or one for an FSDP run
+            from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+            state = state if _by_name(state) else _named_optimizer_state(state, model, optimizer)
+            set_optimizer_state_dict(model, optimizer, state, options=_full_load())
+        else:
+            optimizer.load_state_dict(state)
     if scheduler is not None:
         state = torch_load(path / "scheduler.pt", "a scheduler state", map_location=device)
         scheduler.load_state_dict(state)
@@ -330,3 +352,51 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def gathered_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
+    """The whole trainable weights and optimizer state of an FSDP-sharded model, gathered from
+    every rank's shards onto rank 0's CPU (other ranks get empty dicts). Collective.
+
+    The optimizer state is keyed by parameter name (torch.distributed.checkpoint's form), so
+    `load_checkpoint` restores it on any number of ranks, sharded or not.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    reshard(model)  # state dicts address the shards (a forward leaves the root gathered)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    full = get_model_state_dict(model, options=options)
+    weights = {n: t.contiguous() for n, t in full.items() if n in trainable}
+    return weights, get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def _full_load():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, strict=False)
+
+
+def _by_name(state: dict) -> bool:
+    """Whether an optimizer state dict is keyed by parameter name (an FSDP run's) rather than
+    by position (`Optimizer.state_dict`)."""
+    groups = state.get("param_groups") or [{}]
+    params = groups[0].get("params") or [0]
+    return isinstance(params[0], str)
+
+
+def _named_optimizer_state(state: dict, model: torch.nn.Module, optimizer) -> dict:
+    """A positional `Optimizer.state_dict` keyed by parameter name instead, the positions read
+    from `optimizer` (built over the same parameters in the same groups as the saving run)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    return {
+        "state": {order[i]: v for i, v in state["state"].items()},
+        "param_groups": [
+            {**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]
+        ],  # fmt: skip
+    }

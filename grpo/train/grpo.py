@@ -45,7 +45,9 @@ from grpo.distributed import (
     all_reduce_mean_dict,
     all_reduce_sum,
     all_reduce_sum_dict,
+    clip_grad_norm,
     device_for,
+    full_weights,
     no_sync,
     rank_local,
     wrap_ddp,
@@ -55,7 +57,7 @@ from grpo.errors import GrpoError
 from grpo.eval import eval_env_settings, evaluate
 from grpo.loading import load_rows, resolve_device
 from grpo.lora import disabled_lora
-from grpo.policy import build_policy
+from grpo.policy import build_policy, shard_policy
 from grpo.rewards import build_rewards
 from grpo.rollout import Rollout, Sampler
 from grpo.rollout.sampler import resolve_compile
@@ -268,7 +270,7 @@ def update_phase(
             sums.add(st)
             bad_row = torch.where((bad_row < 0) & (bad >= 0), bad + sl.start, bad_row)
         max_norm = cfg.optim.max_grad_norm or math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        grad_norm = clip_grad_norm(params, max_norm)
         # the pass's one host read
         read = torch.stack([total, grad_norm.to(total), bad_row.to(total)]).tolist()
         total, grad_norm = read[0], read[1]
@@ -366,6 +368,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
     if cfg.eval.env:
         env_factory(cfg.eval.env, key="eval.env")
     policy = build_policy(cfg, device, need_ref=cfg.loss.needs_reference or cfg.log.kl_every > 0)
+    sharded = shard_policy(policy, cfg, dist)  # train.parallel: fsdp (before the optimizer)
     rows = load_rows(cfg.data, cfg.data.split, cfg.data.max_samples, "rl", policy.tokenizer)
     eval_rows = None
     with rank_local(dist, where):  # rank 0 alone loads them: its failure stops every rank
@@ -382,7 +385,8 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
                     header=run_header(cfg, policy.precision))  # fmt: skip
     state, optimizer, scheduler, params = run.state, run.optimizer, run.scheduler, run.params
     policy.model.eval()
-    compile_ = resolve_compile(cfg.rollout.compile, device, cfg.rollout.multi_turn)
+    # FSDP: the sampler reads the gathered weights through FSDP's hooks, eagerly
+    compile_ = not sharded and resolve_compile(cfg.rollout.compile, device, cfg.rollout.multi_turn)
     sampler = Sampler(policy.model, compile=compile_, fallback=cfg.rollout.compile == "auto",
                       precision=policy.precision)  # fmt: skip
     scorer = wrap_ddp(CompletionLogprobs(policy.model, policy.precision), dist, device)
@@ -405,9 +409,10 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
         t0 = time.perf_counter()
         where.step, where.phase = state.step + 1, "rollout"
         peaks.start()
-        batch = rollout_phase(
-            cfg, policy, sampler, rows, state, reward_fns, state.step, dist, make_env
-        )
+        with full_weights(policy.model):  # FSDP: the sampler needs whole weights
+            batch = rollout_phase(
+                cfg, policy, sampler, rows, state, reward_fns, state.step, dist, make_env
+            )
         t1 = time.perf_counter()
         peaks.end("rollout")
         where.phase = "reference / advantage"
@@ -443,8 +448,10 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
         bad_steps = bad_steps + skipped if skipped else 0
         last = state.step == cfg.train.max_steps
         where.phase = "evaluation / logging"
-        with rank_local(dist, where):  # rank 0's work: its failure stops every rank at once
-            if eval_rows and due(state.step, cfg.train.eval_every, last):
+        evaluating = cfg.data.eval_samples > 0 and due(state.step, cfg.train.eval_every, last)
+        with full_weights(policy.model, evaluating), rank_local(dist, where):
+            # rank 0's work: its failure stops every rank at once (FSDP: all gather first)
+            if eval_rows and evaluating:
                 metrics.update(run_eval())
             if state.step % cfg.train.log_every == 0 or last:
                 run.logger.log(state.step, metrics)

@@ -21,14 +21,16 @@ from grpo.config import Config
 from grpo.distributed import (
     Where,
     all_reduce_sum,
+    clip_grad_norm,
     device_for,
+    full_weights,
     no_sync,
     rank_local,
     wrap_ddp,
 )
 from grpo.errors import GrpoError
 from grpo.loading import load_rows, resolve_device
-from grpo.policy import build_policy
+from grpo.policy import build_policy, shard_policy
 from grpo.run.loop import RunDir, due, run_training, start_run
 from grpo.run.perf import peak_mem_mib, reset_peak_mem
 from grpo.run.preflight import check_prompt_room, preflight
@@ -107,7 +109,7 @@ def sft_update(cfg: Config, policy, scorer, batch_rows, optimizer, scheduler, pa
             loss, n = sft_loss(cfg, scorer, batch, norm)
             (loss * dist.world_size).backward()  # DDP averages; we want the sum
         total, tokens = total + loss.detach(), tokens + n  # float64: as Python floats sum
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm or np.inf)
+    grad_norm = clip_grad_norm(params, cfg.optim.max_grad_norm or np.inf)
     total, grad_norm = torch.stack([total, grad_norm.to(total)]).tolist()  # the one host read
     policy.model.eval()
     finite = math.isfinite(total) and math.isfinite(grad_norm)
@@ -145,6 +147,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
     mc = preflight(cfg, "sft", device, world_size=dist.world_size)  # before any load or write
     seed_everything(cfg.train.seed)
     policy = build_policy(cfg, device, need_ref=False)
+    shard_policy(policy, cfg, dist)  # train.parallel: fsdp (before the optimizer)
     tok = policy.tokenizer
     rows = load_rows(cfg.data, cfg.data.split, cfg.data.max_samples, "sft", tok)
     rows = tokenize_sft(rows, tok, cfg.rollout.max_new_tokens)
@@ -194,8 +197,10 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
         }
         last = state.step == steps
         where.phase = "evaluation / checkpoint"
-        with rank_local(dist, where):  # rank 0's work: its failure stops every rank at once
-            if eval_rows and due(state.step, cfg.train.eval_every, last):
+        evaluating = cfg.data.eval_samples > 0 and due(state.step, cfg.train.eval_every, last)
+        with full_weights(policy.model, evaluating), rank_local(dist, where):
+            # rank 0's work: its failure stops every rank at once (FSDP: all gather first)
+            if eval_rows and evaluating:
                 res = evaluate(
                     policy.model, tok, eval_rows, stop_ids=policy.stop_ids,
                     max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
