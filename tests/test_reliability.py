@@ -16,11 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import live_lora, tree_digest
-from safetensors.torch import load_file
 
 from grpo.apps import cli
 from grpo.errors import GrpoError
-from grpo.run.state import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from grpo.run.state import (
+    TrainState,
+    checkpoint_weights,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from grpo.tiny import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,7 +67,8 @@ def run_and_kill(cmd, cwd, ckpt_root: Path, seed: int):
 
 
 def final_weights(run: Path, step: int) -> dict:
-    return load_file(run / "checkpoints" / f"step_{step:06d}" / "trainable.safetensors")
+    """The trainable weights of the run's checkpoint of `step` (either format)."""
+    return checkpoint_weights(run / "checkpoints" / f"step_{step:06d}")
 
 
 CASES = [
@@ -149,15 +155,13 @@ def test_fsdp_sigkill_resume_is_exact_and_resumes_on_one_process(model_dir, tmp_
     assert json.loads(out.read_text())
 
 
-def test_optimizer_state_by_name_restores_the_positional_one(tmp_path):
-    """An FSDP run saves its optimizer state keyed by parameter name; loaded into an unsharded
-    model and optimizer it is the state the positional `Optimizer.state_dict` holds."""
+def _trained(seed: int = 0):
+    """A small model and its AdamW after two steps (state to save), and a fresh pair."""
     from grpo.config import OptimConfig
     from grpo.run.optim import build_optimizer
-    from grpo.run.state import _named_optimizer_state
 
     def fresh():
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
         return model, build_optimizer(list(model.parameters()), OptimConfig(lr=0.1))
 
@@ -165,15 +169,10 @@ def test_optimizer_state_by_name_restores_the_positional_one(tmp_path):
     for _ in range(2):
         model(torch.randn(5, 4)).square().sum().backward()
         opt.step()
-    named = _named_optimizer_state(opt.state_dict(), model, opt)
-    assert isinstance(next(iter(named["state"])), str)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-    ckpt = save_checkpoint(tmp_path, TrainState(step=2), model, opt, sched, {},
-                           optimizer_state=named)  # fmt: skip
-    model2, opt2 = fresh()
-    load_checkpoint(ckpt, model2, opt2, torch.optim.lr_scheduler.LambdaLR(opt2, lambda _: 1.0))
-    want, got = opt.state_dict(), opt2.state_dict()
+    return (model, opt), fresh()
 
+
+def _same_optimizer_state(want: dict, got: dict) -> None:
     def plain(groups):  # a checkpoint stores betas as a list
         return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in groups]
 
@@ -182,6 +181,55 @@ def test_optimizer_state_by_name_restores_the_positional_one(tmp_path):
     for i, st in want["state"].items():
         for k, v in st.items():
             assert torch.equal(v, got["state"][i][k]), (i, k)
+
+
+def test_optimizer_state_by_position_converts_to_by_name():
+    """An FSDP run resuming an unsharded run's checkpoint reads its positional optimizer state
+    by parameter name; the conversion gives back the same state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    from grpo.run.state import _named_optimizer_state
+
+    (model, opt), (model2, opt2) = _trained()
+    named = _named_optimizer_state(opt.state_dict(), model2, opt2)
+    assert isinstance(next(iter(named["state"])), str)
+    full = StateDictOptions(full_state_dict=True)
+    set_optimizer_state_dict(model2, opt2, named, options=full)
+    _same_optimizer_state(opt.state_dict(), opt2.state_dict())
+
+
+def test_sharded_checkpoint_round_trip_and_verify(tmp_path):
+    """The FSDP format (shards/ written by torch.distributed.checkpoint's safetensors storage,
+    here from one process): saved atomically with a manifest over every shard, loaded into an
+    unsharded model and optimizer exactly, read back by `checkpoint_weights`, and skipped with
+    a reason when a shard is truncated."""
+    from grpo.run.state import checkpoint_tmp, prepare_tmp, save_shards, verify_checkpoint
+
+    (model, opt), (model2, opt2) = _trained()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    tmp = checkpoint_tmp(tmp_path, 2)
+    prepare_tmp(tmp)
+    groups = save_shards(tmp, model, opt)
+    ckpt = save_checkpoint(tmp_path, TrainState(step=2), model, opt, sched, {},
+                           sharded=(tmp, groups))  # fmt: skip
+    assert not (ckpt / "trainable.safetensors").exists() and list((ckpt / "shards").iterdir())
+    assert verify_checkpoint(ckpt) is None and not tmp.exists()
+    manifest = json.loads((ckpt / "manifest.json").read_text())["sizes"]
+    assert any(name.startswith("shards/") for name in manifest)
+    state = load_checkpoint(
+        ckpt, model2, opt2, torch.optim.lr_scheduler.LambdaLR(opt2, lambda _: 1.0)
+    )
+    assert state.step == 2
+    for (n, a), (_, b) in zip(model.named_parameters(), model2.named_parameters()):
+        assert torch.equal(a, b), n
+    _same_optimizer_state(opt.state_dict(), opt2.state_dict())
+    weights = checkpoint_weights(ckpt)
+    assert weights.keys() == dict(model.named_parameters()).keys()
+    assert all(torch.equal(weights[n], p) for n, p in model.named_parameters())
+    shard = sorted((ckpt / "shards").glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-8])
+    assert "has" in verify_checkpoint(ckpt) and "truncated" in verify_checkpoint(ckpt)
+    assert latest_checkpoint(tmp_path) is None  # the only checkpoint is skipped
 
 
 # ----------------------------------------------------------------- atomic checkpoints

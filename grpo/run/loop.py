@@ -6,6 +6,7 @@ loops keep only what differs (their batches and their updates)."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from grpo.distributed import (
     rank_local,
     teardown,
 )
+from grpo.errors import GrpoError
 from grpo.loading import resolve_device
 from grpo.metrics import MetricLogger
 from grpo.policy import Policy, save_final
@@ -30,10 +32,13 @@ from grpo.run.optim import build_optimizer, build_scheduler
 from grpo.run.rundir import RunDir, TrainingInterrupted, run_directory
 from grpo.run.state import (
     TrainState,
-    gathered_state,
+    checkpoint_tmp,
     load_checkpoint,
+    prepare_tmp,
     rng_state,
     save_checkpoint,
+    save_shards,
+    this_host,
 )
 
 __all__ = ["Run", "RunDir", "run_directory", "run_training", "start_run"]
@@ -87,20 +92,18 @@ class Run:
         stop = signum > 0 and not last  # at the last step the run simply finishes
         save = due(self.state.step, cfg.train.save_every, last) or stop
         rngs = gather_objects(rng_state(), dist) if save else None
-        # FSDP: the whole weights and optimizer state, gathered from the shards (collective)
-        weights, osd = (
-            gathered_state(policy.model, self.optimizer)
-            if save and fsdp_units(policy.model)
-            else (None, None)
+        where = Where("checkpoint", self.state.step)
+        # FSDP: every rank writes its shards into rank 0's temporary directory first
+        sharded = (
+            self._save_shards(policy, dist, where) if save and fsdp_units(policy.model) else None
         )
         # rank 0 writes; the section's all-reduce is also the barrier (nobody runs ahead of a
         # checkpoint or an evaluation), and a failed write stops every rank at once
-        with rank_local(dist, Where("checkpoint", self.state.step)):
+        with rank_local(dist, where):
             if save and dist.is_main:
                 save_checkpoint(
                     self.out_dir, self.state, policy.model, self.optimizer, self.scheduler,
-                    config_to_dict(cfg), cfg.train.keep_last, rng_states=rngs, weights=weights,
-                    optimizer_state=osd,
+                    config_to_dict(cfg), cfg.train.keep_last, rng_states=rngs, sharded=sharded,
                 )  # fmt: skip
         if stop:
             self.logger.close()
@@ -111,6 +114,23 @@ class Run:
                 signum,
                 dist.rank,
             )
+
+    def _save_shards(self, policy: Policy, dist, where: Where) -> tuple[Path, list[dict]]:
+        """Every rank's shards of the weights and optimizer states into the temporary directory
+        rank 0 named and made (collective); (that directory, the param groups) for
+        `save_checkpoint`."""
+        host, pid = gather_objects((this_host(), os.getpid()), dist)[0]  # rank 0's
+        tmp = checkpoint_tmp(self.out_dir, self.state.step, host, pid)
+        with rank_local(dist, where):
+            if dist.is_main:
+                prepare_tmp(tmp)
+        try:
+            groups = save_shards(tmp, policy.model, self.optimizer)
+        except (OSError, RuntimeError, ValueError) as e:  # DCP's CheckpointException too
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            final = tmp.parent / f"step_{self.state.step:06d}"
+            raise GrpoError(f"could not write checkpoint {final}: {first}") from None
+        return tmp, groups
 
     def finish(self, policy: Policy, dist, metrics: dict) -> dict:
         """Close the logger, write out_dir/final, and return the run's summary."""

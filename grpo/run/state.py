@@ -43,6 +43,11 @@ log = logging.getLogger(__name__)
 CHECKPOINT_FILES = (
     "trainable.safetensors", "optimizer.pt", "scheduler.pt", "state.json", "config.json",
 )  # fmt: skip
+# An FSDP run's checkpoint holds its tensors as shards instead of trainable.safetensors and
+# optimizer.pt: shards/ (every rank's safetensors, written by torch.distributed.checkpoint's
+# Hugging Face storage: offsets in each file's header, no pickle) and optimizer_groups.json.
+SHARDS = "shards"
+SHARDED_FILES = ("optimizer_groups.json", "scheduler.pt", "state.json", "config.json")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # .tmp-step_NNNNNN-HOST-PID (older saves: .tmp-step_NNNNNN-PID); a host name may hold dashes
 _TMP_DIR = re.compile(r"^\.tmp-step_\d+-(?:(?P<host>.+)-)?(?P<pid>\d+)$")
@@ -99,6 +104,25 @@ def _fsync_tree(path: Path) -> None:
         os.close(fd)
 
 
+def checkpoint_tmp(run_dir: str | Path, step: int, host: str | None = None,
+                   pid: int | None = None) -> Path:  # fmt: skip
+    """The temporary directory a save of `step` writes before renaming it into place, named
+    after its writer (rank 0's host and pid under torchrun) so a stale one can be told apart."""
+    host, pid = host or this_host(), pid or os.getpid()
+    return Path(run_dir) / "checkpoints" / f".tmp-step_{step:06d}-{host}-{pid}"
+
+
+def prepare_tmp(tmp: Path) -> None:
+    """Create `tmp` (a fresh, empty directory), removing temporary directories of earlier
+    saves whose writer is gone."""
+    root = tmp.parent
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-*"):  # ours, or left by a process killed inside a save
+        if _tmp_is_removable(stale.name):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir()
+
+
 def save_checkpoint(
     run_dir: str | Path,
     state: TrainState,
@@ -108,16 +132,15 @@ def save_checkpoint(
     config: dict,
     keep_last: int = 2,
     rng_states: list[dict] | None = None,
-    weights: dict[str, torch.Tensor] | None = None,
-    optimizer_state: dict | None = None,
+    sharded: tuple[Path, list[dict]] | None = None,
 ) -> Path:
     """Write checkpoints/step_NNNNNN atomically, point `latest` at it, keep the newest K.
 
     Args:
         rng_states: every rank's `rng_state()` (rank order); default: this process's only.
-        weights, optimizer_state: the whole trainable weights and optimizer state, gathered
-            from the shards of an FSDP model (`gathered_state`); default: read from `model`
-            and `optimizer`.
+        sharded: (tmp, param groups) of an FSDP run: every rank has written its shards into
+            tmp/shards (`save_shards`), this call writes the rest there and renames it into
+            place; default: a new tmp directory, the tensors read from model and optimizer.
 
     Returns:
         the checkpoint directory. A failing write raises GrpoError and leaves earlier
@@ -126,24 +149,22 @@ def save_checkpoint(
     root = Path(run_dir) / "checkpoints"
     name = f"step_{state.step:06d}"
     final = root / name
-    tmp = root / f".tmp-{name}-{this_host()}-{os.getpid()}"
+    tmp = sharded[0] if sharded else checkpoint_tmp(run_dir, state.step)
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp-*"):  # ours, or left by a process killed inside a save
-            if _tmp_is_removable(stale.name):
-                shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-        weights = trainable_state_dict(model) if weights is None else weights
-        save_safetensors(weights, tmp / "trainable.safetensors")
-        osd = optimizer.state_dict() if optimizer_state is None else optimizer_state
-        torch_save(osd, tmp / "optimizer.pt")
+        if sharded:
+            write_text(tmp / "optimizer_groups.json", json.dumps(sharded[1]))
+        else:
+            prepare_tmp(tmp)
+            save_safetensors(trainable_state_dict(model), tmp / "trainable.safetensors")
+            torch_save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
         write_text(
             tmp / "state.json",
             json.dumps({"train_state": asdict(state), "rng": rng_states or [rng_state()]}),
         )
         write_text(tmp / "config.json", json.dumps(config, indent=1))
-        sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+        sizes = {p.relative_to(tmp).as_posix(): p.stat().st_size
+                 for p in sorted(tmp.rglob("*")) if p.is_file()}  # fmt: skip
         write_text(tmp / "manifest.json", json.dumps({"sizes": sizes}))  # written last
         _fsync_tree(tmp)
         if final.exists():
@@ -167,6 +188,81 @@ def save_checkpoint(
     return final
 
 
+def _sharded_state(model: torch.nn.Module, optimizer) -> tuple[dict, list[dict]]:
+    """The trainable weights ("model.NAME") and optimizer states ("optim.NAME.KEY") as one flat
+    dict of this rank's tensors (DTensor shards under FSDP, whole tensors otherwise), and the
+    optimizer's param groups (parameters by name)."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    reshard(model)  # state dicts address the shards (a forward leaves the root gathered)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    flat = {f"model.{n}": t for n, t in get_model_state_dict(model).items() if n in trainable}
+    groups: list[dict] = []
+    if optimizer is not None:
+        osd = get_optimizer_state_dict(model, optimizer)
+        for name, st in osd["state"].items():
+            flat.update({f"optim.{name}.{k}": v for k, v in st.items()})
+        groups = osd["param_groups"]
+    return flat, groups
+
+
+def save_shards(tmp: Path, model: torch.nn.Module, optimizer) -> list[dict]:
+    """Every rank writes its shards of the trainable weights and optimizer states into
+    tmp/shards (collective: all ranks call it, after rank 0 made `tmp`); returns the param
+    groups, which `save_checkpoint(sharded=...)` writes on rank 0."""
+    import torch.distributed.checkpoint as dcp
+
+    flat, groups = _sharded_state(model, optimizer)
+    writer = dcp.HuggingFaceStorageWriter(str(tmp / SHARDS), save_distributed=True)
+    dcp.save(flat, storage_writer=writer, no_dist=not torch.distributed.is_initialized())
+    return groups
+
+
+def _load_shards(path: Path, model: torch.nn.Module, optimizer) -> None:
+    """Read a sharded checkpoint into the model and optimizer, whatever their sharding now:
+    each rank reads the slices of its own shards (or whole tensors when unsharded). Collective
+    under torchrun."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    flat, _ = _sharded_state(model, optimizer)
+    reader = dcp.HuggingFaceStorageReader(str(path / SHARDS))
+    dcp.load(flat, storage_reader=reader, no_dist=not torch.distributed.is_initialized())
+    weights = {k.removeprefix("model."): v for k, v in flat.items() if k.startswith("model.")}
+    set_model_state_dict(model, weights, options=StateDictOptions(strict=False))
+    if optimizer is not None:
+        state: dict[str, dict] = {}
+        for key, v in flat.items():
+            if key.startswith("optim."):
+                name, _, k = key.removeprefix("optim.").rpartition(".")
+                state.setdefault(name, {})[k] = v
+        groups = read_json(path / "optimizer_groups.json", "a checkpoint's optimizer groups")
+        set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups})
+
+
+def checkpoint_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's trainable weights as whole tensors (either format), read in this process
+    without loading a model: for inspection and tests."""
+    path = Path(path)
+    if not (path / SHARDS).is_dir():
+        return load_safetensors(path / "trainable.safetensors")
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.HuggingFaceStorageReader(str(path / SHARDS))
+    meta = reader.read_metadata().state_dict_metadata
+    out = {k: torch.zeros(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+           if k.startswith("model.")}  # fmt: skip
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    return {k.removeprefix("model."): v for k, v in out.items()}
+
+
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     """(step, directory) of every `checkpoints/step_N` in the run, by step number."""
     root = Path(run_dir) / "checkpoints"
@@ -186,7 +282,12 @@ def verify_checkpoint(path: str | Path) -> str | None:
     safetensors header covering its file, the torch files whole zip archives. Reads no tensor.
     """
     path = Path(path)
-    missing = [n for n in CHECKPOINT_FILES if not (path / n).is_file()]
+    sharded = (path / SHARDS).is_dir()
+    missing = [n for n in (SHARDED_FILES if sharded else CHECKPOINT_FILES)
+               if not (path / n).is_file()]  # fmt: skip
+    shards = sorted((path / SHARDS).glob("*.safetensors")) if sharded else []
+    if sharded and not shards:
+        missing.append(f"{SHARDS}/*.safetensors")
     if missing:
         return f"{', '.join(missing)} missing"
     try:
@@ -205,13 +306,16 @@ def verify_checkpoint(path: str | Path) -> str | None:
         if m and step != int(m.group(1)):
             return f"state.json is of step {step}"
         read_json(path / "config.json", "a checkpoint's config.json")
-        with safetensors_file(path / "trainable.safetensors") as f:
-            f.keys()
+        for f in shards or [path / "trainable.safetensors"]:
+            with safetensors_file(f) as st:
+                st.keys()
+        if sharded:
+            read_json(path / "optimizer_groups.json", "a checkpoint's optimizer groups")
     except GrpoError as e:
         return str(e)
     except (KeyError, TypeError, AttributeError):
         return "state.json lacks train_state.step or rng"
-    for name in ("optimizer.pt", "scheduler.pt"):
+    for name in ("scheduler.pt",) if sharded else ("optimizer.pt", "scheduler.pt"):
         try:
             zipfile.ZipFile(path / name).close()  # torch.save's format; truncation breaks it
         except (zipfile.BadZipFile, OSError) as e:
@@ -303,39 +407,31 @@ def load_checkpoint(
     path: str | Path, model: torch.nn.Module, optimizer=None, scheduler=None, rank: int = 0
 ) -> TrainState:
     """Restore trainable weights (and optimizer, scheduler, this rank's RNGs); return the
-    TrainState."""
+    TrainState.
+
+    Either format loads into a model sharded or not, on any number of ranks: an FSDP run's
+    shards are read slice by slice into whatever each rank holds now (collective under
+    torchrun); a whole-tensor checkpoint is copied in (under FSDP each rank keeps its shard).
+    """
     path = Path(path)
     try:
-        weights = load_safetensors(path / "trainable.safetensors")
         meta = read_json(path / "state.json", "a checkpoint's state.json")
     except (OSError, json.JSONDecodeError) as e:
         raise GrpoError(f"checkpoint {path} is unreadable: {e}") from None
     sharded = bool(fsdp_units(model))
     reshard(model)
     params = dict(model.named_parameters())
-    for name in weights:
-        if name not in params:
-            raise GrpoError(f"checkpoint {path}: tensor {name!r} does not fit this model")
-    if sharded:  # every rank holds the whole tensors; each keeps its shard
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-        set_model_state_dict(model, weights, options=_full_load())
-    else:
-        with torch.no_grad():
-            for name, t in weights.items():
-                params[name].copy_(t)
     # Onto this rank's device: saved on rank 0's GPU, the states would otherwise all land on
     # cuda:0, every rank's copy filling that one device.
     device = next(iter(params.values())).device if params else torch.device("cpu")
-    if optimizer is not None:
-        state = torch_load(path / "optimizer.pt", "an optimizer state", map_location=device)
-        if sharded or _by_name(state):  # an FSDP run's state, or one for an FSDP run
-            from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-            state = state if _by_name(state) else _named_optimizer_state(state, model, optimizer)
-            set_optimizer_state_dict(model, optimizer, state, options=_full_load())
-        else:
-            optimizer.load_state_dict(state)
+    if (path / SHARDS).is_dir():
+        try:
+            _load_shards(path, model, optimizer)
+        except (RuntimeError, ValueError, KeyError) as e:  # DCP's CheckpointException too
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise GrpoError(f"checkpoint {path} does not fit this model: {first}") from None
+    else:
+        _load_whole(path, model, optimizer, params, device, sharded)
     if scheduler is not None:
         state = torch_load(path / "scheduler.pt", "a scheduler state", map_location=device)
         scheduler.load_state_dict(state)
@@ -348,45 +444,41 @@ def load_checkpoint(
     return TrainState(**meta["train_state"])
 
 
+def _load_whole(path: Path, model, optimizer, params: dict, device, sharded: bool) -> None:
+    """trainable.safetensors and optimizer.pt (a checkpoint of an unsharded run) into the
+    model and optimizer; under FSDP each rank keeps its shard of every tensor."""
+    try:
+        weights = load_safetensors(path / "trainable.safetensors")
+    except OSError as e:
+        raise GrpoError(f"checkpoint {path} is unreadable: {e}") from None
+    for name in weights:
+        if name not in params:
+            raise GrpoError(f"checkpoint {path}: tensor {name!r} does not fit this model")
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        full = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(model, weights, options=full)
+    else:
+        with torch.no_grad():
+            for name, t in weights.items():
+                params[name].copy_(t)
+    if optimizer is None:
+        return
+    state = torch_load(path / "optimizer.pt", "an optimizer state", map_location=device)
+    if sharded:  # by position -> by name, which FSDP's loader reads
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        named = _named_optimizer_state(state, model, optimizer)
+        set_optimizer_state_dict(model, optimizer, named, options=full)
+    else:
+        optimizer.load_state_dict(state)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def gathered_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
-    """The whole trainable weights and optimizer state of an FSDP-sharded model, gathered from
-    every rank's shards onto rank 0's CPU (other ranks get empty dicts). Collective.
-
-    The optimizer state is keyed by parameter name (torch.distributed.checkpoint's form), so
-    `load_checkpoint` restores it on any number of ranks, sharded or not.
-    """
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    reshard(model)  # state dicts address the shards (a forward leaves the root gathered)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    full = get_model_state_dict(model, options=options)
-    weights = {n: t.contiguous() for n, t in full.items() if n in trainable}
-    return weights, get_optimizer_state_dict(model, optimizer, options=options)
-
-
-def _full_load():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True, strict=False)
-
-
-def _by_name(state: dict) -> bool:
-    """Whether an optimizer state dict is keyed by parameter name (an FSDP run's) rather than
-    by position (`Optimizer.state_dict`)."""
-    groups = state.get("param_groups") or [{}]
-    params = groups[0].get("params") or [0]
-    return isinstance(params[0], str)
 
 
 def _named_optimizer_state(state: dict, model: torch.nn.Module, optimizer) -> dict:
