@@ -95,6 +95,27 @@ def test_memory_estimate_follows_its_formula_and_the_real_sizes():
     assert est_ckpt.training == 4 * 48 * (2 * 64 + 704) * 2 + 2**25
 
 
+def test_memory_estimate_under_fsdp_is_per_rank():
+    """train.parallel: fsdp at W ranks: each rank holds 1/W of the weights, the reference and
+    the optimizer states (the bytes bench_fsdp measures), a rollout gathers the whole weights
+    back, and a training pass the root and one block (real parameter counts)."""
+    over = ["model.path=m", "lora.enabled=false", "loss.beta=0.04", "train.batch_size=8",
+            "rollout.group_size=4", "data.eval_samples=0"]  # fmt: skip
+    ddp = pf.estimate_memory(load_config(None, over), TINY, "grpo", world_size=4)
+    fsdp = pf.estimate_memory(load_config(None, [*over, "train.parallel=fsdp"]), TINY, "grpo",
+                              world_size=4)  # fmt: skip
+    assert (fsdp.weights, fsdp.reference, fsdp.optimizer) == (
+        ddp.weights // 4, ddp.reference // 4, ddp.optimizer // 4)  # fmt: skip
+    assert fsdp.rollout == ddp.rollout + ddp.weights - ddp.weights // 4
+    model = Decoder(TINY)
+    root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("layers."))
+    block = sum(p.numel() for p in model.layers[0].parameters())
+    assert fsdp.training == ddp.training + (root + block) * 4  # float32 master weights
+    assert fsdp.total < ddp.total
+    one = pf.estimate_memory(load_config(None, [*over, "train.parallel=fsdp"]), TINY, "grpo")
+    assert one == ddp  # one process trains unsharded
+
+
 def test_memory_estimate_follows_the_precision_policy():
     """bf16 weights: the frozen base in bf16, float32 master weights for what trains (all of
     it in full fine-tuning), and a bf16 KV cache under autocast: the real tensors' sizes."""

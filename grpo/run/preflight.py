@@ -47,6 +47,10 @@ H / H_kv heads of D, V vocabulary):
 
     total = weights + reference + optimizer + max(rollout, training, evaluation)
 
+Under train.parallel: fsdp with W ranks, weights, reference and optimizer are each rank's 1/W
+shard; a rollout and an evaluation gather the whole weights (+ weights * (W - 1) / W), and a
+training pass gathers the root (embeddings, head, final norm) and one block at a time.
+
 S counts the prompt at data.max_prompt_len (capped by the context) plus the completion budget:
 the estimate is of the worst case the settings allow, and it leaves out allocator slack and
 framework overhead. It compares with the free CUDA memory of the run's device, or with
@@ -160,7 +164,7 @@ def preflight(
     check(check_generated_sizes, cfg, pipeline)
     if not problems and not cfg.train.skip_memory_check:
         dev = torch.device(device) if device is not None else _resolve(cfg.model.device)
-        estimate = estimate_memory(cfg, mc, kind, evaluations, meta)
+        estimate = estimate_memory(cfg, mc, kind, evaluations, meta, world_size)
         check(check_memory, estimate, dev, world_size, _memory_fields(cfg))
     if problems:
         raise PreflightError("; ".join(problems))
@@ -483,8 +487,10 @@ def estimate_memory(
     kind: str,
     evaluations: Sequence[Evaluation] = (),
     meta: Decoder | None = None,
+    world_size: int = 1,
 ) -> MemoryEstimate:
-    """The run's estimated peak memory by part (the formula is in the module docstring).
+    """The run's estimated peak memory by part, per rank (the formula is in the module
+    docstring).
 
     Args:
         cfg: the run's config.
@@ -492,6 +498,7 @@ def estimate_memory(
         kind: "grpo" or "sft".
         evaluations: the run's evaluations (budget and rows).
         meta: the model on the meta device (built from `mc` if not given).
+        world_size: ranks of the job (train.parallel: fsdp shards over them).
     """
     meta = meta if meta is not None else _meta_decoder(mc)
     prec = Precision.from_config(cfg.model, training=False)  # the dtypes the run will use
@@ -537,6 +544,16 @@ def estimate_memory(
         activations = tokens * L * per_layer * act
     training = activations + LOGPROB_TILE_BYTES
     evaluation = max((sampling(ev.rows, ev.budget) for ev in evaluations), default=0)
+    if cfg.train.parallel == "fsdp" and world_size > 1:
+        whole = weights
+        weights, reference, optimizer = (x // world_size for x in (weights, reference, optimizer))
+        gathered = whole - weights  # what a rollout or an evaluation adds to this rank's shard
+        rollout = rollout + gathered if rollout else 0
+        evaluation = evaluation + gathered if evaluation else 0
+        per_param = whole // max(n_params, 1)
+        root = sum(p.numel() for n, p in meta.named_parameters() if not n.startswith("layers."))
+        block = sum(p.numel() for p in meta.layers[0].parameters())
+        training += (root + block) * per_param  # gathered while a training pass runs them
     return MemoryEstimate(
         weights=weights,
         reference=reference,
