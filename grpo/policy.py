@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from grpo.config import Config
+from grpo.distributed import shard_model
 from grpo.errors import GrpoError
 from grpo.io import writing
 from grpo.loading import config_model, load_trained_model
@@ -114,8 +115,6 @@ def shard_policy(policy: Policy, cfg: Config, dist) -> bool:
     if not dist.enabled:
         log.info("train.parallel=fsdp with one process: nothing to shard, training unsharded")
         return False
-    from grpo.distributed import shard_model
-
     dtype, offload = policy.precision.compute_dtype, cfg.train.fsdp_offload
     shard_model(policy.model, dist, dtype, offload)
     if policy.ref_model is not None:

@@ -300,14 +300,8 @@ class Sampler:
             self._decode_fn = self._decode_step
             return self._decode_step(tokens, position_ids, attention_mask, cache)
 
-    def _decode_step(
-        self,
-        tokens: torch.Tensor,
-        position_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        cache: KVCache,
-    ) -> torch.Tensor:
-        """One token per row through the model: (B, 1) ids -> (B, V) float32 logits."""
+    def _decode_step(self, tokens, position_ids, attention_mask, cache) -> torch.Tensor:
+        """`decode`'s eager body: (B, 1) ids -> (B, V) float32 logits."""
         with self.precision.autocast(tokens.device):
             hidden = self.model(tokens, position_ids=position_ids, attention_mask=attention_mask,
                                 kv_cache=cache, return_hidden=True)  # (B, 1, C)  # fmt: skip

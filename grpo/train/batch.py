@@ -61,15 +61,15 @@ class RolloutBatch:
         G = self.rollout.group_size
         idx = torch.tensor([g * G + j for g in groups for j in range(G)], dtype=torch.long)
         rows = idx.tolist()
-        dev = self.rewards.device
+        on_dev = idx.to(self.rewards.device)  # every score lives on the rollout's device
         return dataclasses.replace(
             self,
             rollout=select_rows(self.rollout, idx),
             rows=[self.rows[i] for i in rows],
             texts=[self.texts[i] for i in rows],
-            rewards=self.rewards[idx.to(dev)],
-            token_rewards=self.token_rewards[idx.to(dev)],
-            per_fn={k: v[idx.to(v.device)] for k, v in self.per_fn.items()},
+            rewards=self.rewards[on_dev],
+            token_rewards=self.token_rewards[on_dev],
+            per_fn={k: v[on_dev] for k, v in self.per_fn.items()},
         )
 
 

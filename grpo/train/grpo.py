@@ -409,7 +409,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
         t0 = time.perf_counter()
         where.step, where.phase = state.step + 1, "rollout"
         peaks.start()
-        with full_weights(policy.model):  # FSDP: the sampler needs whole weights
+        with full_weights(policy.model, sharded):  # FSDP: the sampler needs whole weights
             batch = rollout_phase(
                 cfg, policy, sampler, rows, state, reward_fns, state.step, dist, make_env
             )
@@ -449,7 +449,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
         last = state.step == cfg.train.max_steps
         where.phase = "evaluation / logging"
         evaluating = cfg.data.eval_samples > 0 and due(state.step, cfg.train.eval_every, last)
-        with full_weights(policy.model, evaluating), rank_local(dist, where):
+        with full_weights(policy.model, sharded and evaluating), rank_local(dist, where):
             # rank 0's work: its failure stops every rank at once (FSDP: all gather first)
             if eval_rows and evaluating:
                 metrics.update(run_eval())

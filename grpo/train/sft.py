@@ -147,7 +147,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
     mc = preflight(cfg, "sft", device, world_size=dist.world_size)  # before any load or write
     seed_everything(cfg.train.seed)
     policy = build_policy(cfg, device, need_ref=False)
-    shard_policy(policy, cfg, dist)  # train.parallel: fsdp (before the optimizer)
+    sharded = shard_policy(policy, cfg, dist)  # train.parallel: fsdp (before the optimizer)
     tok = policy.tokenizer
     rows = load_rows(cfg.data, cfg.data.split, cfg.data.max_samples, "sft", tok)
     rows = tokenize_sft(rows, tok, cfg.rollout.max_new_tokens)
@@ -198,7 +198,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
         last = state.step == steps
         where.phase = "evaluation / checkpoint"
         evaluating = cfg.data.eval_samples > 0 and due(state.step, cfg.train.eval_every, last)
-        with full_weights(policy.model, evaluating), rank_local(dist, where):
+        with full_weights(policy.model, sharded and evaluating), rank_local(dist, where):
             # rank 0's work: its failure stops every rank at once (FSDP: all gather first)
             if eval_rows and evaluating:
                 res = evaluate(
