@@ -25,7 +25,7 @@ import yaml
 from grpo.errors import GrpoError
 from grpo.io import read_text, write_text
 from grpo.plugins import load_plugins
-from grpo.settings import ConfigError, _build, _check, _coerce, _hints
+from grpo.settings import ConfigError, _build, _check, _coerce, _hints, setting, setting_key
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,17 @@ class RolloutConfig:
     max_obs_tokens: int = 64  # most tokens of one observation's content (longer ones are cut)
     gamma: float = 1.0  # per-turn discount: return = sum_k gamma^k r_k (+ gamma^(K-1) R_final)
     turn_end_tokens: tuple[str, ...] = ("</tool_call>",)  # also end a turn (if single tokens)
+    # Asynchronous rollouts (docs/async.md): a producer samples batch j with the policy of
+    # update max(0, j - max_staleness) while the trainer updates; off = generate, then train.
+    async_: Literal["off", "on"] = setting("off", key="async")
+    max_staleness: int = 1  # k: a batch is sampled by a policy exactly min(j, k) updates old
+    ranks: int = 0  # under torchrun: this many (last) ranks generate, the others train; 0 =
+    # colocated (every rank trains and runs a producer thread on its own copy of the policy)
+    async_timeout_s: float = 600.0  # the trainer waits this long for a batch, then fails
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.async_ == "on"
 
     @property
     def multi_turn(self) -> bool:
@@ -167,6 +178,12 @@ class RolloutConfig:
         _check(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)")
         _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         _check(0 <= self.min_p < 1, "rollout.min_p", f"must be in [0, 1), got {self.min_p}")
+        _check(self.max_staleness >= 0, "rollout.max_staleness",
+               f"must be >= 0, got {self.max_staleness}")  # fmt: skip
+        _check(self.ranks >= 0, "rollout.ranks", f"must be >= 0, got {self.ranks}")
+        _check(self.ranks == 0 or self.asynchronous, "rollout.ranks",
+               f"{self.ranks} producer ranks need rollout.async: on")  # fmt: skip
+        _check(self.async_timeout_s > 0, "rollout.async_timeout_s", "must be > 0")
 
 
 @dataclass(frozen=True)
@@ -423,6 +440,12 @@ class Config:
             "'on' cannot run under train.parallel: fsdp (the sampler reads the gathered weights "
             "through FSDP's hooks, eagerly); set rollout.compile: auto or off",
         )
+        _check(
+            not (self.rollout.asynchronous and self.train.parallel == "fsdp"),
+            "rollout.async",
+            "'on' cannot run under train.parallel: fsdp yet (a producer needs whole weights); "
+            "use train.parallel: ddp",
+        )
         return self
 
     @property
@@ -449,8 +472,9 @@ def _set_dotted(data: dict, dotted: str, value: Any) -> None:
         prefix = ".".join(parts[:i])
         if not dataclasses.is_dataclass(cls):
             raise ConfigError(f"{prefix}: is not a section, cannot set {dotted!r}")
-        names = [f.name for f in dataclasses.fields(cls)]
-        if key not in names:
+        keys = {setting_key(f): f.name for f in dataclasses.fields(cls)}
+        names = list(keys)
+        if key not in keys:
             where = f" of {prefix}" if prefix else ""
             raise ConfigError(
                 f"{dotted}: unknown key; valid keys{where}: {', '.join(sorted(names))}",
@@ -459,7 +483,7 @@ def _set_dotted(data: dict, dotted: str, value: Any) -> None:
         if i == len(parts) - 1:
             node[key] = value
             return
-        cls = _hints(cls)[key]
+        cls = _hints(cls)[keys[key]]
         child = node.get(key)
         if not isinstance(child, dict):
             child = {}
@@ -551,7 +575,7 @@ def config_to_dict(cfg) -> dict:
 
     def plain(x):
         if dataclasses.is_dataclass(x):
-            return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+            return {setting_key(f): plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
         if isinstance(x, (list, tuple)):
             return [plain(v) for v in x]
         if isinstance(x, dict):

@@ -31,12 +31,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Dist:
-    """Where this process sits in the job; `device` is where its collectives' tensors live."""
+    """Where this process sits in the job; `device` is where its collectives' tensors live.
+
+    `group` is the process group the collectives below run over: None for the whole job, or a
+    subgroup (the trainer ranks when others generate rollouts, `rollout.ranks`); `rank` and
+    `world_size` are then this process's place in that subgroup."""
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    group: object = None
 
     @property
     def enabled(self) -> bool:
@@ -204,6 +209,66 @@ def _agree(dist: Dist, where: Where, error: BaseException | None) -> None:
     )
 
 
+@dataclass(frozen=True)
+class Roles:
+    """A torchrun job split into trainer ranks [0, T) and rollout producer ranks [T, W).
+
+    Attributes:
+        rank: this process's global rank.
+        n_trainers: T.
+        producers: the producer ranks' global ranks.
+        trainers: on a trainer, its place among the trainers (collectives over their group).
+        lockstep: on a producer, its place among the producers (their gloo group).
+        link: a gloo group of every rank: batches, point to point.
+        weights: a gloo group of trainer 0 and the producers: weight broadcasts.
+    """
+
+    rank: int
+    n_trainers: int
+    producers: tuple[int, ...]
+    trainers: Dist | None
+    lockstep: Dist | None
+    link: object
+    weights: object
+
+    @property
+    def is_producer(self) -> bool:
+        return self.rank >= self.n_trainers
+
+    def producer_of(self, trainer: int) -> int:
+        """The producer rank that serves trainer rank `trainer`."""
+        return self.producers[trainer % len(self.producers)]
+
+    def served_by(self, producer: int) -> list[int]:
+        """The trainer ranks producer rank `producer` samples for."""
+        return [t for t in range(self.n_trainers) if self.producer_of(t) == producer]
+
+
+def split_roles(dist: Dist, n_producers: int, timeout_s: float) -> Roles:
+    """Make the groups of a job whose last `n_producers` ranks generate (collective: every
+    rank calls it, in the same order). `timeout_s`: the new groups' timeout (the job's)."""
+    W = dist.world_size
+    T = W - n_producers
+    if n_producers >= W or n_producers > T:
+        raise GrpoError(
+            f"rollout.ranks={n_producers} in a job of {W} rank(s): at least as many trainer "
+            f"ranks as producer ranks are needed (rollout.ranks at most {W // 2}); launch "
+            "with torchrun --nproc_per_node=N, or set rollout.ranks: 0 (colocated)"
+        )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    producers = tuple(range(T, W))
+    trainer_group = td.new_group(list(range(T)))
+    producer_group = td.new_group(list(producers), backend="gloo", timeout=timeout)
+    link = td.new_group(list(range(W)), backend="gloo", timeout=timeout)
+    weights = td.new_group([0, *producers], backend="gloo", timeout=timeout)
+    cpu = torch.device("cpu")
+    if dist.rank < T:
+        trainers = Dist(dist.rank, T, dist.local_rank, dist.device, trainer_group)
+        return Roles(dist.rank, T, producers, trainers, None, link, weights)
+    lockstep = Dist(dist.rank - T, n_producers, dist.local_rank, cpu, producer_group)
+    return Roles(dist.rank, T, producers, None, lockstep, link, weights)
+
+
 def device_for(dist: Dist, device: torch.device) -> torch.device:
     """One CUDA device per local rank (`Dist.device`); CPU stays CPU."""
     if device.type == "cuda" and dist.enabled:
@@ -215,7 +280,7 @@ def _reduce(values: list[float], dist: Dist, op) -> list[float]:
     """All-reduce float64 values through a tensor on the rank's device (valid on every
     backend); one device-to-host copy back."""
     t = torch.tensor(values, dtype=torch.float64, device=dist.device)
-    td.all_reduce(t, op=op)
+    td.all_reduce(t, op=op, group=dist.group)
     return t.tolist()
 
 
@@ -270,7 +335,7 @@ def all_gather_cat(x: torch.Tensor, dist: Dist) -> torch.Tensor:
         raise ValueError(f"all_gather_cat: tensor on {x.device}, the rank's device is "
                          f"{dist.device}")  # fmt: skip
     parts = [torch.empty_like(x) for _ in range(dist.world_size)]
-    td.all_gather(parts, x.contiguous())
+    td.all_gather(parts, x.contiguous(), group=dist.group)
     return torch.cat(parts)
 
 
@@ -279,7 +344,7 @@ def gather_objects(obj, dist: Dist) -> list:
     if not dist.enabled:
         return [obj]
     out = [None] * dist.world_size
-    td.all_gather_object(out, obj)
+    td.all_gather_object(out, obj, group=dist.group)
     return out
 
 
@@ -297,7 +362,7 @@ def wrap_ddp(module: torch.nn.Module, dist: Dist, device: torch.device) -> torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ids = [device.index] if device.type == "cuda" else None
-    return DDP(module, device_ids=ids)
+    return DDP(module, device_ids=ids, process_group=dist.group)
 
 
 def no_sync(module: torch.nn.Module, skip: bool):

@@ -75,13 +75,19 @@ def setting(
     return field(default=default, default_factory=factory, metadata={"check": check, **metadata})
 
 
+def setting_key(f: dataclasses.Field) -> str:
+    """The key a field is read from and written as: its name, or `setting(key=...)` where the
+    key cannot be a Python name (`rollout.async` is the field `async_`)."""
+    return f.metadata.get("key", f.name)
+
+
 def check_fields(obj: Any) -> None:
     """Run each field's `setting(check=...)` on its value (None is "not set" and passes); the
     first problem raises a `FieldError` naming the field."""
     for f in dataclasses.fields(obj):
         check, value = f.metadata.get("check"), getattr(obj, f.name)
         if check is not None and value is not None:
-            check_value(f.name, value, check)
+            check_value(setting_key(f), value, check)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -265,7 +271,7 @@ def _build(cls, data: dict, prefix: str = "", nulls: bool = False):
     hints = _hints(cls)
     if nulls:  # a null for a field that cannot hold one: the default (unknown keys stay)
         data = {k: v for k, v in data.items() if v is not None or _admits_none(hints.get(k, Any))}
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {setting_key(f): f for f in dataclasses.fields(cls) if f.init}
     where = f"{prefix}." if prefix else ""
     unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
@@ -276,13 +282,14 @@ def _build(cls, data: dict, prefix: str = "", nulls: bool = False):
         )
     kwargs = {}
     for key, value in data.items():
-        kwargs[key] = _coerce(value, hints[key], f"{where}{key}", nulls)
+        name = fields[key].name
+        kwargs[name] = _coerce(value, hints[name], f"{where}{key}", nulls)
     required = [
         n
         for n, f in fields.items()
         if f.default is dataclasses.MISSING
         and f.default_factory is dataclasses.MISSING
-        and n not in kwargs
+        and f.name not in kwargs
     ]
     if required:
         raise ConfigError(f"{where}{required[0]}: is required", field=f"{where}{required[0]}")

@@ -22,6 +22,7 @@ from grpo.distributed import (
     gather_objects,
     init_distributed,
     rank_local,
+    split_roles,
     teardown,
 )
 from grpo.errors import GrpoError
@@ -46,7 +47,8 @@ __all__ = ["Run", "RunDir", "run_directory", "run_training", "start_run"]
 log = logging.getLogger(__name__)
 
 
-def run_training(cfg: Config, kind: str, resume: bool, overwrite: bool, train_fn, on_step):
+def run_training(cfg: Config, kind: str, resume: bool, overwrite: bool, train_fn, on_step,
+                 producer_fn=None):  # fmt: skip
     """One process (or torchrun rank) of a training job around `train_fn`: join the job, claim
     the run directory, report a failed collective as one line naming the rank, phase and step
     (`failures_named`; `train_fn` keeps the `Where` current), leave the job however it ends.
@@ -55,15 +57,25 @@ def run_training(cfg: Config, kind: str, resume: bool, overwrite: bool, train_fn
         cfg: the run config.
         kind: "train" (GRPO) or "sft", for the run directory.
         resume, overwrite: see `train_grpo`.
-        train_fn: ``(cfg, rundir, dist, on_step, where) -> summary``.
+        train_fn: ``(cfg, rundir, dist, on_step, where, roles) -> summary``.
         on_step: passed through to `train_fn`.
+        producer_fn: ``(cfg, roles, where) -> summary``, what the rollout producer ranks run
+            when rollout.ranks splits the job (`split_roles`): they claim no run directory and
+            write nothing; the trainer ranks get their own group as `dist`, and `roles`.
     """
     dist = init_distributed(resolve_device(cfg.model.device).type, cfg.train.dist_timeout_s)
     where = Where()
     try:
         with failures_named(dist, where, cfg.train.dist_timeout_s):
+            roles = None
+            if producer_fn is not None and cfg.rollout.asynchronous and cfg.rollout.ranks:
+                timeout = max(cfg.rollout.async_timeout_s, cfg.train.dist_timeout_s)
+                roles = split_roles(dist, cfg.rollout.ranks, timeout)
+                if roles.is_producer:
+                    return producer_fn(cfg, roles, where)
+                dist = roles.trainers
             with run_directory(cfg, kind, resume, overwrite, dist) as rundir:
-                return train_fn(cfg, rundir, dist, on_step, where)
+                return train_fn(cfg, rundir, dist, on_step, where, roles)
     finally:
         teardown()
 

@@ -39,6 +39,7 @@ from grpo.algo.losses import (
 from grpo.config import Config
 from grpo.distributed import (
     SINGLE,
+    Roles,
     Where,
     all_gather_cat,
     all_reduce_max,
@@ -59,8 +60,7 @@ from grpo.loading import load_rows, resolve_device
 from grpo.lora import disabled_lora
 from grpo.policy import build_policy, shard_policy
 from grpo.rewards import build_rewards
-from grpo.rollout import Rollout, Sampler
-from grpo.rollout.sampler import resolve_compile
+from grpo.rollout import Rollout
 from grpo.run.loop import RunDir, due, run_training, start_run
 from grpo.run.perf import PhasePeaks
 from grpo.run.preflight import check_prompt_room, preflight, start_notices
@@ -72,7 +72,7 @@ from grpo.train.batch import (
     counted_mask,
     micro_batch_plan,
 )
-from grpo.train.rollouts import rollout_phase
+from grpo.train.producer import make_sampler, rollout_source, run_producer
 from grpo.train.stats import OnPolicyCheck, StatSums, advantage_stats, rollout_metrics
 
 log = logging.getLogger(__name__)
@@ -353,10 +353,26 @@ def train_grpo(
         the run's summary: output_dir, final, step and the last step's metrics.
     """
     cfg.check_grpo()
-    return run_training(cfg, "train", resume, overwrite, _train, on_step)
+    return run_training(cfg, "train", resume, overwrite, _train, on_step, _produce)
 
 
-def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
+def _produce(cfg: Config, roles: Roles, where: Where) -> dict:
+    """A rollout producer rank (rollout.ranks): the policy without reference or optimizer,
+    the data and rewards; it samples for the trainer ranks until they say stop."""
+    device = device_for(roles.lockstep, resolve_device(cfg.model.device))
+    seed_everything(cfg.train.seed)
+    make_env = (
+        env_factory(cfg.rollout.env, cfg.rollout.env_kwargs) if cfg.rollout.multi_turn else None
+    )
+    policy = build_policy(cfg, device, need_ref=False)
+    policy.model.eval()
+    rows = load_rows(cfg.data, cfg.data.split, cfg.data.max_samples, "rl", policy.tokenizer)
+    reward_fns = build_rewards([r.spec for r in cfg.rewards])
+    sampler = make_sampler(cfg, policy, policy.model)
+    return run_producer(cfg, policy, sampler, rows, reward_fns, make_env, roles, where)
+
+
+def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None) -> dict:
     device = device_for(dist, resolve_device(cfg.model.device))
     mc = preflight(cfg, "grpo", device, world_size=dist.world_size)  # before any load or write
     seed_everything(cfg.train.seed)
@@ -385,13 +401,8 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
                     header=run_header(cfg, policy.precision))  # fmt: skip
     state, optimizer, scheduler, params = run.state, run.optimizer, run.scheduler, run.params
     policy.model.eval()
-    # FSDP: the sampler reads the gathered weights through FSDP's hooks, eagerly
-    compile_ = not sharded and resolve_compile(cfg.rollout.compile, device, cfg.rollout.multi_turn)
-    sampler = Sampler(policy.model, compile=compile_, fallback=cfg.rollout.compile == "auto",
-                      precision=policy.precision)  # fmt: skip
     scorer = wrap_ddp(CompletionLogprobs(policy.model, policy.precision), dist, device)
     peaks = PhasePeaks(device)
-    bad_steps = 0  # consecutive updates skipped as non-finite
 
     def run_eval() -> dict:
         res = evaluate(
@@ -403,70 +414,79 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
         return {f"eval/{k}": v for k, v in res.summary.items() if isinstance(v, (int, float))}
 
     metrics: dict = {}
+    bad_steps = 0  # consecutive updates skipped as non-finite
     show = cfg.train.progress and dist.is_main
-    bar = tqdm(total=cfg.train.max_steps, initial=state.step, desc="grpo", disable=not show)
-    while state.step < cfg.train.max_steps:
-        t0 = time.perf_counter()
-        where.step, where.phase = state.step + 1, "rollout"
-        peaks.start()
-        with full_weights(policy.model, sharded):  # FSDP: the sampler needs whole weights
-            batch = rollout_phase(
-                cfg, policy, sampler, rows, state, reward_fns, state.step, dist, make_env
+    # the producers (asynchronous rollouts) stop with the block; on a clean end or an
+    # interruption they first hand over what they sampled ahead
+    with rollout_source(cfg, policy, rows, reward_fns, make_env, state, dist, sharded,
+                        roles) as source:  # fmt: skip
+        bar = tqdm(total=cfg.train.max_steps, initial=state.step, desc="grpo", disable=not show)
+        while state.step < cfg.train.max_steps:
+            t0 = time.perf_counter()
+            where.step = state.step + 1
+            where.phase = "waiting for rollouts" if source.asynchronous else "rollout"
+            peaks.start()
+            batch = source.next(state)
+            t1 = time.perf_counter()
+            peaks.end("rollout")
+            where.phase = "reference / advantage"
+            inputs = step_batch(cfg, policy, batch, dist, state.step + 1)
+            adv_stats = advantage_stats(inputs.advantages, inputs.counted_mask, dist)
+            t2 = time.perf_counter()
+            peaks.end("logprob")
+            where.phase = "update"
+            metrics = all_reduce_mean_dict(rollout_metrics(batch, cfg.rollout.max_turns), dist)
+            metrics.update(adv_stats)
+            metrics.update(
+                update_phase(
+                    cfg, policy, inputs, optimizer, scheduler, params, scorer, dist, state.step + 1
+                )
             )
-        t1 = time.perf_counter()
-        peaks.end("rollout")
-        where.phase = "reference / advantage"
-        inputs = step_batch(cfg, policy, batch, dist, state.step + 1)
-        adv_stats = advantage_stats(inputs.advantages, inputs.counted_mask, dist)
-        t2 = time.perf_counter()
-        peaks.end("logprob")
-        where.phase = "update"
-        metrics = all_reduce_mean_dict(rollout_metrics(batch, cfg.rollout.max_turns), dist)
-        metrics.update(adv_stats)
-        metrics.update(
-            update_phase(
-                cfg, policy, inputs, optimizer, scheduler, params, scorer, dist, state.step + 1
+            t3 = time.perf_counter()
+            peaks.end("update")
+            state.step += 1
+            source.published(policy.model, state.step)  # the producer may sample with it now
+            if source.asynchronous:  # the consumed batch's staleness, the time each side waited
+                async_metrics = source.metrics()
+                worst = all_reduce_max(async_metrics["async/staleness"], dist)
+                metrics.update(all_reduce_mean_dict(async_metrics, dist))
+                metrics["async/staleness_max"] = worst
+            tokens = all_reduce_sum(int(batch.rollout.completion_mask.sum()), dist)
+            metrics.update(
+                {
+                    "perf/step_s": t3 - t0,
+                    "perf/rollout_s": t1 - t0,
+                    "perf/logprob_s": t2 - t1,
+                    "perf/update_s": t3 - t2,
+                    "perf/tokens_per_s": tokens / max(t3 - t0, 1e-9),
+                    # the compiled decode step's KV cache, kept through the update (precision.md)
+                    "perf/sampler_cache_mib": source.kept_cache_bytes / 2**20,
+                    **peaks.metrics(),
+                }
             )
-        )
-        t3 = time.perf_counter()
-        peaks.end("update")
-        state.step += 1
-        tokens = all_reduce_sum(int(batch.rollout.completion_mask.sum()), dist)
-        metrics.update(
-            {
-                "perf/step_s": t3 - t0,
-                "perf/rollout_s": t1 - t0,
-                "perf/logprob_s": t2 - t1,
-                "perf/update_s": t3 - t2,
-                "perf/tokens_per_s": tokens / max(t3 - t0, 1e-9),
-                # the compiled decode step's KV cache, kept through the update (docs/precision.md)
-                "perf/sampler_cache_mib": sampler.kept_cache_bytes / 2**20,
-                **peaks.metrics(),
-            }
-        )
-        skipped = int(metrics["train/nonfinite_skipped"])
-        bad_steps = bad_steps + skipped if skipped else 0
-        last = state.step == cfg.train.max_steps
-        where.phase = "evaluation / logging"
-        evaluating = cfg.data.eval_samples > 0 and due(state.step, cfg.train.eval_every, last)
-        with full_weights(policy.model, sharded and evaluating), rank_local(dist, where):
-            # rank 0's work: its failure stops every rank at once (FSDP: all gather first)
-            if eval_rows and evaluating:
-                metrics.update(run_eval())
-            if state.step % cfg.train.log_every == 0 or last:
-                run.logger.log(state.step, metrics)
-            if on_step is not None and dist.is_main:
-                on_step(state.step, metrics)
-        if dist.is_main and cfg.train.sample_every and state.step % cfg.train.sample_every == 0:
-            tqdm.write(f"[sample] reward {float(batch.rewards[0]):.2f}: {batch.texts[0]!r}")
-        if bad_steps >= cfg.train.max_nonfinite_steps:
-            raise GrpoError(
-                f"{bad_steps} consecutive updates had a non-finite loss or gradient (step "
-                f"{state.step}); stopped. Lower optim.lr or check the rewards; resume from the "
-                "last checkpoint with --resume"
-            )
-        where.phase = "checkpoint"
-        run.end_step(policy, dist, last)
-        bar.update(1)
-    bar.close()
+            skipped = int(metrics["train/nonfinite_skipped"])
+            bad_steps = bad_steps + skipped if skipped else 0
+            last = state.step == cfg.train.max_steps
+            where.phase = "evaluation / logging"
+            evaluating = cfg.data.eval_samples > 0 and due(state.step, cfg.train.eval_every, last)
+            with full_weights(policy.model, sharded and evaluating), rank_local(dist, where):
+                # rank 0's work: its failure stops every rank at once (FSDP: all gather first)
+                if eval_rows and evaluating:
+                    metrics.update(run_eval())
+                if state.step % cfg.train.log_every == 0 or last:
+                    run.logger.log(state.step, metrics)
+                if on_step is not None and dist.is_main:
+                    on_step(state.step, metrics)
+            if dist.is_main and cfg.train.sample_every and state.step % cfg.train.sample_every == 0:
+                tqdm.write(f"[sample] reward {float(batch.rewards[0]):.2f}: {batch.texts[0]!r}")
+            if bad_steps >= cfg.train.max_nonfinite_steps:
+                raise GrpoError(
+                    f"{bad_steps} consecutive updates had a non-finite loss or gradient (step "
+                    f"{state.step}); stopped. Lower optim.lr or check the rewards; resume from the "
+                    "last checkpoint with --resume"
+                )
+            where.phase = "checkpoint"
+            run.end_step(policy, dist, last)
+            bar.update(1)
+        bar.close()
     return run.finish(policy, dist, metrics)

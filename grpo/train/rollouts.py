@@ -6,6 +6,8 @@
     score_rollout  texts, reward functions, token rewards -> `RolloutBatch`
     rollout_phase  the step's batch: draws prompts in lockstep with the other ranks and, with
                    loss.dynamic_sampling, refills groups that carry no signal
+    rollout_batches  the same for several trainer ranks at once (what a rollout producer
+                   samples for the trainers it serves)
 
 `score_rollout` is the one place rewards change device and dtype: every tensor of the batch is
 float32 on the rollout's device from there on.
@@ -14,6 +16,7 @@ float32 on the rollout's device from there on.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -119,32 +122,59 @@ def rollout_phase(
     Args:
         step: training steps completed (the batch's policy_version).
     """
+    return rollout_batches(cfg, policy, sampler, rows, state, reward_fns, step, [dist.rank],
+                           dist.world_size, dist, make_env)[0]  # fmt: skip
+
+
+def rollout_batches(
+    cfg: Config, policy, sampler, rows, state, reward_fns, step: int, ranks: Sequence[int],
+    world: int, lockstep=SINGLE, make_env=None, policy_version: int | None = None,
+) -> list[RolloutBatch]:  # fmt: skip
+    """`rollout_phase` for the trainer ranks `ranks` of a job of `world` trainer ranks, one
+    batch each: what each of those ranks would sample for itself, bitwise (same prompts, same
+    seeds, the same dynamic-sampling rounds). A rollout producer (grpo.train.producer) calls it
+    for the trainer ranks it serves; `lockstep` holds every process that samples for some of
+    the `world` ranks (the trainer job itself, or the producer ranks), so all end their
+    dynamic-sampling rounds together.
+
+    Args:
+        step: the batch index (training steps completed before the step that consumes it):
+            it picks the sampler seeds.
+        policy_version: updates the sampling policy had seen (default: `step`, synchronous).
+    """
     G = cfg.rollout.group_size
     P = cfg.train.batch_size // G
-    rounds: list[RolloutBatch] = []
-    kept: list[tuple[int, int]] = []  # (round, group)
-    spare: list[tuple[int, int]] = []
+    version = step if policy_version is None else policy_version
+    rounds: dict[int, list[RolloutBatch]] = {t: [] for t in ranks}
+    kept: dict[int, list[tuple[int, int]]] = {t: [] for t in ranks}  # (round, group)
+    spare: dict[int, list[tuple[int, int]]] = {t: [] for t in ranks}
     n_rounds = cfg.loss.max_sampling_rounds if cfg.loss.dynamic_sampling else 1
     for round_ in range(n_rounds):
         # every rank draws P prompts per round (so all advance the data order alike) and
         # samples the ones it still needs
-        drawn = next_prompts(state, len(rows), P * dist.world_size, cfg.train.seed)
-        idx = drawn[dist.rank * P : (dist.rank + 1) * P][: P - len(kept)]
-        if not idx:  # this rank is full, others may not be: stay in lockstep
-            if all_reduce_sum(0.0, dist) == 0:
-                break
-            continue
-        seed = derive_seed(cfg.train.seed, dist.rank, step, round_)
-        picked = [rows[i] for i in idx]
-        rollout = sample_round(cfg, policy, sampler, picked, seed, make_env)
-        batch = score_rollout(cfg, rollout, picked, policy.tokenizer, reward_fns, step)
-        zero = zero_std_groups(batch.rewards, G).tolist() if cfg.loss.dynamic_sampling else None
-        for p in range(len(idx)):
-            (spare if zero is not None and zero[p] else kept).append((len(rounds), p))
-        rounds.append(batch)
-        if all_reduce_sum(float(len(kept) < P), dist) == 0:
+        drawn = next_prompts(state, len(rows), P * world, cfg.train.seed)
+        for t in ranks:
+            idx = drawn[t * P : (t + 1) * P][: P - len(kept[t])]
+            if not idx:  # this rank is full, others may not be: stay in lockstep
+                continue
+            seed = derive_seed(cfg.train.seed, t, step, round_)
+            picked = [rows[i] for i in idx]
+            rollout = sample_round(cfg, policy, sampler, picked, seed, make_env)
+            batch = score_rollout(cfg, rollout, picked, policy.tokenizer, reward_fns, version)
+            dynamic = cfg.loss.dynamic_sampling
+            zero = zero_std_groups(batch.rewards, G).tolist() if dynamic else None
+            for p in range(len(idx)):
+                (spare[t] if zero is not None and zero[p] else kept[t]).append((len(rounds[t]), p))
+            rounds[t].append(batch)
+        short = sum(float(len(kept[t]) < P) for t in ranks)
+        if all_reduce_sum(short, lockstep) == 0:
             break
-    order = (kept + spare)[:P]
+    return [_join_rounds(rounds[t], (kept[t] + spare[t])[:P], policy.tokenizer) for t in ranks]
+
+
+def _join_rounds(rounds: list[RolloutBatch], order: list[tuple[int, int]], tokenizer):
+    """One rank's batch: the groups `order` [(round, group), ...] of its sampling rounds."""
+    G = rounds[0].rollout.group_size
     if len(rounds) == 1 and order == [(0, p) for p in range(rounds[0].size // G)]:
         batch = rounds[0]  # every group of the one round, in order: nothing to re-join
     else:  # runs of groups of the same round, in order
@@ -155,6 +185,6 @@ def rollout_phase(
             else:
                 runs.append((r, [g]))
         batch = cat_batches([rounds[r].select_groups(gs) for r, gs in runs],
-                            policy.tokenizer.pad_token_id)  # fmt: skip
+                            tokenizer.pad_token_id)  # fmt: skip
     # the step's statistic is the first round's (what the policy gave before any refill)
     return dataclasses.replace(batch, frac_zero_std=rounds[0].frac_zero_std)

@@ -140,7 +140,7 @@ def train_sft(
     return run_training(cfg, "sft", resume, overwrite, _train, on_step)
 
 
-def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where) -> dict:
+def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None) -> dict:
     from grpo.eval import evaluate
 
     device = device_for(dist, resolve_device(cfg.model.device))

@@ -1,0 +1,486 @@
+"""Where a GRPO step's rollouts come from: the trainer asks a rollout source for the batch of
+each step and tells it about each update. One schedule, three placements:
+
+    InlineRollouts     rollout.async: off. The trainer samples the step's batch itself, with
+                       the current weights (the synchronous step).
+    ColocatedRollouts  rollout.async: on, rollout.ranks: 0. A producer thread in the trainer's
+                       process samples ahead on its own copy of the policy (of the trainable
+                       weights: a LoRA copy shares the frozen base), refreshed after updates.
+    RemoteRollouts     rollout.async: on, rollout.ranks: R. The last R ranks of the torchrun job
+                       only sample (`run_producer`); the trainer ranks receive their batches
+                       point to point, and trainer rank 0 broadcasts the trainable weights (the
+                       adapters alone with LoRA) to the producers after updates.
+
+The schedule (`behaviour_version`): batch j (the batch of step j + 1) is sampled by the policy
+of update max(start, j - k), k = rollout.max_staleness, start = the step the run (re)started
+at. So its staleness when consumed is exactly min(j - start, k) updates, whatever the timing:
+an asynchronous run is a function of its seed, and with k = 0 it is the synchronous run,
+bitwise (tests/test_async.py). A producer runs at most k batches ahead; the trainer waits when
+the batch it needs is not ready (for at most rollout.async_timeout_s), the producer waits
+while the policy version it needs is not published. Every batch is sampled with the seeds and
+prompts the synchronous run would use for it (`rollout_batches`); the data position consumed
+with a batch travels with it, so a checkpoint records where the consumed batches end.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import datetime
+import logging
+import threading
+import time
+
+import torch
+import torch.distributed as td
+
+from grpo.config import Config
+from grpo.distributed import SINGLE, Dist, Roles, full_weights
+from grpo.errors import GrpoError
+from grpo.rollout import Sampler
+from grpo.rollout.sampler import resolve_compile
+from grpo.run.rundir import TrainingInterrupted
+from grpo.run.state import TrainState
+from grpo.train.batch import RolloutBatch
+from grpo.train.rollouts import rollout_batches, rollout_phase
+from grpo.train.wire import (
+    decode_header,
+    pack_batch,
+    pack_tensors,
+    unpack_batch,
+    unpack_tensors,
+)
+
+log = logging.getLogger(__name__)
+
+
+def behaviour_version(j: int, k: int, start: int = 0) -> int:
+    """The policy version (updates done) that samples batch j: max(start, j - k)."""
+    return max(start, j - k)
+
+
+def versions_needed(start: int, max_steps: int, k: int) -> range:
+    """The versions, published after updates, that some batch j < max_steps is sampled by
+    (the starting version needs no publishing)."""
+    return range(start + 1, max(start + 1, max_steps - k))
+
+
+def trainable_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters by name (what changes in an update: the adapters with LoRA)."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def producer_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` for sampling: its own trainable parameters, the frozen ones (a LoRA
+    base) and the buffers shared with `model`; no gradients, eval mode."""
+    memo = {id(p): p for p in model.parameters() if not p.requires_grad}
+    memo.update({id(b): b for b in model.buffers()})
+    twin = copy.deepcopy(model, memo)
+    for p in twin.parameters():
+        p.requires_grad_(False)
+    return twin.eval()
+
+
+@torch.no_grad()
+def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    params = dict(model.named_parameters())
+    for name, w in weights.items():
+        params[name].copy_(w)
+
+
+@dataclasses.dataclass(frozen=True)
+class Produced:
+    """A batch as the producer hands it over: batch j for one trainer rank, the data position
+    after drawing its prompts, and the producer's timings."""
+
+    batch: RolloutBatch
+    index: int
+    data_state: tuple[int, int]  # (epoch, data_index) after batch `index`
+    sample_s: float  # sampling and scoring it
+    wait_s: float  # waiting for the policy version it needed
+
+
+def _consume(state: TrainState, p: Produced, step: int, k: int) -> RolloutBatch:
+    """Check the bound and move the data position to after the consumed batch."""
+    if p.index != step:
+        raise GrpoError(f"rollout producer sent batch {p.index} for step {step + 1}")
+    staleness = step - p.batch.policy_version
+    if not 0 <= staleness <= k:  # the schedule makes this impossible: a bug if it happens
+        raise GrpoError(f"step {step + 1}: batch sampled by policy {p.batch.policy_version}, "
+                        f"{staleness} updates old (rollout.max_staleness={k})")  # fmt: skip
+    state.epoch, state.data_index = p.data_state
+    return p.batch
+
+
+class _Source:
+    """A rollout source is a context manager: leaving it stops the producers, handing over
+    what they sampled ahead first on a clean end or an interruption (`close(drain=True)`)."""
+
+    asynchronous = False
+    kept_cache_bytes = 0  # the sampler's kept KV cache (perf/sampler_cache_mib)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        self.close(drain=kind is None or issubclass(kind, TrainingInterrupted))
+
+    def close(self, drain: bool = True) -> None:
+        pass
+
+    def published(self, model, version: int) -> None:
+        """Called after update `version` (every rank)."""
+
+    def metrics(self) -> dict:
+        return {}
+
+
+class InlineRollouts(_Source):
+    """rollout.async: off: each step samples its batch with the current weights."""
+
+    def __init__(self, cfg: Config, policy, sampler, rows, reward_fns, make_env, dist=SINGLE,
+                 sharded: bool = False):  # fmt: skip
+        self.cfg, self.policy, self.sampler, self.rows = cfg, policy, sampler, rows
+        self.reward_fns, self.make_env = reward_fns, make_env
+        self.dist, self.sharded = dist, sharded
+
+    def next(self, state: TrainState) -> RolloutBatch:
+        with full_weights(self.policy.model, self.sharded):  # FSDP: the sampler needs them whole
+            return rollout_phase(self.cfg, self.policy, self.sampler, self.rows, state,
+                                 self.reward_fns, state.step, self.dist, self.make_env)  # fmt: skip
+
+    @property
+    def kept_cache_bytes(self) -> int:
+        return self.sampler.kept_cache_bytes
+
+
+class _Asynchronous(_Source):
+    """What both asynchronous placements share: the bound, the per-step metrics."""
+
+    asynchronous = True
+
+    def __init__(self, cfg: Config, state: TrainState):
+        self.cfg = cfg
+        self.k = cfg.rollout.max_staleness
+        self.start = state.step
+        self.max_steps = cfg.train.max_steps
+        self.timeout_s = cfg.rollout.async_timeout_s
+        self._last: dict = {}
+
+    def _record(self, p: Produced, step: int, waited_s: float) -> None:
+        self._last = {
+            "async/staleness": float(step - p.batch.policy_version),
+            "async/trainer_wait_s": waited_s,
+            "async/producer_wait_s": p.wait_s,
+            "async/producer_sample_s": p.sample_s,
+        }
+
+    def metrics(self) -> dict:
+        """The consumed batch's staleness (updates between its sampling policy and the one it
+        trains) and the time each side waited, for the step just taken."""
+        return dict(self._last)
+
+
+class ColocatedRollouts(_Asynchronous):
+    """A producer thread sampling ahead on a copy of the policy, in the trainer's process.
+
+    The trainer publishes each needed version after its update (a snapshot of the trainable
+    weights, so at most k + 1 snapshots are held); the thread loads version
+    `behaviour_version(j)` into its copy before sampling batch j. Under DDP every rank has its
+    producer, and the producers keep dynamic sampling's rounds in step over their own gloo
+    group (`lockstep`), apart from the trainers' collectives.
+    """
+
+    def __init__(self, cfg: Config, policy, make_sampler, rows, reward_fns, make_env,
+                 state: TrainState, dist=SINGLE, lockstep: Dist = SINGLE):  # fmt: skip
+        super().__init__(cfg, state)
+        self.model = producer_copy(policy.model)
+        self.policy = dataclasses.replace(policy, model=self.model, ref_model=None)
+        self.sampler = make_sampler(self.model)
+        self.rows, self.reward_fns, self.make_env = rows, reward_fns, make_env
+        self.dist, self.lockstep = dist, lockstep
+        self.cursor = TrainState(state.step, state.epoch, state.data_index)
+        self._cond = threading.Condition()
+        self._snapshots: dict[int, dict[str, torch.Tensor]] = {}
+        self._ready: dict[int, Produced] = {}
+        self._error: BaseException | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
+        self._thread.start()
+
+    @property
+    def kept_cache_bytes(self) -> int:
+        return self.sampler.kept_cache_bytes
+
+    # ------------------------------------------------------------------ producer thread
+
+    def _run(self) -> None:
+        loaded = self.start  # the copy holds the trainer's weights at the start
+        try:
+            for j in range(self.start, self.max_steps):
+                v = behaviour_version(j, self.k, self.start)
+                t0 = time.perf_counter()
+                with self._cond:
+                    while v != loaded and v not in self._snapshots and not self._stop:
+                        self._cond.wait()
+                    if self._stop:
+                        return
+                    weights = self._snapshots.pop(v) if v != loaded else None
+                if weights is not None:
+                    load_weights(self.model, weights)
+                    loaded = v
+                t1 = time.perf_counter()
+                batch = rollout_batches(
+                    self.cfg, self.policy, self.sampler, self.rows, self.cursor,
+                    self.reward_fns, j, [self.dist.rank], self.dist.world_size, self.lockstep,
+                    self.make_env, policy_version=v,
+                )[0]  # fmt: skip
+                done = Produced(batch, j, (self.cursor.epoch, self.cursor.data_index),
+                                time.perf_counter() - t1, t1 - t0)  # fmt: skip
+                with self._cond:
+                    self._ready[j] = done
+                    self._cond.notify_all()
+        except BaseException as e:  # reported by the trainer, at its next wait
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+
+    # ------------------------------------------------------------------ trainer side
+
+    def next(self, state: TrainState) -> RolloutBatch:
+        """Batch `state.step`, waiting for it (at most rollout.async_timeout_s)."""
+        j = state.step
+        t0 = time.perf_counter()
+        with self._cond:
+            while j not in self._ready and self._error is None:
+                left = self.timeout_s - (time.perf_counter() - t0)
+                if left <= 0 or not self._thread.is_alive():
+                    raise GrpoError(
+                        f"the rollout producer thread sent no batch for step {j + 1} within "
+                        f"rollout.async_timeout_s={self.timeout_s:g} s: it hung (a reward "
+                        "function or environment that never returns?) or stopped"
+                    )
+                self._cond.wait(min(left, 1.0))
+            if j not in self._ready:
+                e = self._error
+                line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                what = line if isinstance(e, GrpoError) else f"{type(e).__name__}: {line}"
+                raise GrpoError(f"the rollout producer failed sampling the batch of step "
+                                f"{j + 1}: {what}") from e  # fmt: skip
+            p = self._ready.pop(j)
+        self._record(p, j, time.perf_counter() - t0)
+        return _consume(state, p, j, self.k)
+
+    def published(self, model, version: int) -> None:
+        """After update `version`: snapshot the trainable weights if a batch will need them."""
+        if version not in versions_needed(self.start, self.max_steps, self.k):
+            return
+        snap = {n: p.detach().clone() for n, p in trainable_weights(model).items()}
+        with self._cond:
+            self._snapshots[version] = snap
+            self._cond.notify_all()
+
+    def close(self, drain: bool = True) -> None:
+        """Stop the producer: it finishes the batch it is sampling (waited for up to
+        rollout.async_timeout_s when `drain`) and samples no other."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(self.timeout_s if drain else 0.0)
+
+
+# --------------------------------------------------------------------------- disaggregated
+
+_STOP, _WEIGHTS, _START = 0, 1, 2
+
+
+def _wait(work, timeout_s: float) -> None:
+    work.wait(datetime.timedelta(seconds=timeout_s))
+
+
+def _recv(shape_or_tensor, src: int, group, timeout_s: float) -> torch.Tensor:
+    t = shape_or_tensor
+    _wait(td.irecv(t, src=src, group=group), timeout_s)
+    return t
+
+
+def _send_message(header: torch.Tensor, buffer: torch.Tensor, dst: int, group) -> list:
+    """Sizes, header, buffer to `dst`, without waiting (the works and tensors are returned, to
+    be kept alive until waited for)."""
+    sizes = torch.tensor([header.numel(), buffer.numel()], dtype=torch.int64)
+    return [(td.isend(t, dst=dst, group=group), t) for t in (sizes, header, buffer)]
+
+
+def _recv_message(src: int, group, timeout_s: float) -> tuple[dict, torch.Tensor]:
+    sizes = _recv(torch.empty(2, dtype=torch.int64), src, group, timeout_s)
+    header = _recv(torch.empty(int(sizes[0]), dtype=torch.uint8), src, group, timeout_s)
+    buffer = _recv(torch.empty(int(sizes[1]), dtype=torch.uint8), src, group, timeout_s)
+    return decode_header(header), buffer
+
+
+class RemoteRollouts(_Asynchronous):
+    """A trainer rank's side of disaggregated rollouts: it receives its batches from its
+    producer rank; trainer rank 0 also broadcasts the weights the producers need."""
+
+    def __init__(self, cfg: Config, policy, rows, roles: Roles, state: TrainState):
+        super().__init__(cfg, state)
+        self.policy, self.rows, self.roles = policy, rows, roles
+        self.device = policy.model.device
+        self.source = roles.producer_of(roles.rank)
+        self._pending: list = []  # works of the last broadcast, with their tensors
+        self._published = state.step
+        self._next = state.step  # the next batch to receive
+        self._closed = False
+        if roles.rank == 0:
+            self._broadcast(_START, state.step, state)
+
+    def _broadcast(self, cmd: int, version: int, state: TrainState | None = None) -> None:
+        for work, _ in self._pending:
+            _wait(work, self.timeout_s)
+        data = (state.epoch, state.data_index) if state is not None else (0, 0)
+        head = torch.tensor([cmd, version, *data], dtype=torch.int64)
+        self._pending = [(td.broadcast(head, src=0, group=self.roles.weights, async_op=True),
+                          head)]  # fmt: skip
+        if cmd != _STOP:
+            _, buffer = pack_tensors(trainable_weights(self.policy.model))
+            work = td.broadcast(buffer, src=0, group=self.roles.weights, async_op=True)
+            self._pending.append((work, buffer))
+
+    def next(self, state: TrainState) -> RolloutBatch:
+        j = state.step
+        t0 = time.perf_counter()
+        try:
+            header, buffer = _recv_message(self.source, self.roles.link, self.timeout_s)
+        except RuntimeError as e:  # the producer died, hung past the timeout, or the link broke
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise GrpoError(
+                f"rank {self.roles.rank}: rollout producer rank {self.source} sent no batch for "
+                f"step {j + 1} (rollout.async_timeout_s={self.timeout_s:g}): {first[:200]}. "
+                "It died or hung: its own line says why"
+            ) from None
+        extra = header["extra"]
+        batch = unpack_batch(header, buffer, self.rows, self.device)
+        p = Produced(batch, extra["index"], tuple(extra["data_state"]), extra["sample_s"],
+                     extra["wait_s"])  # fmt: skip
+        self._record(p, j, time.perf_counter() - t0)
+        self._next = j + 1
+        return _consume(state, p, j, self.k)
+
+    def published(self, model, version: int) -> None:
+        """After update `version`: rank 0 broadcasts the weights if a batch will need them."""
+        if version not in versions_needed(self.start, self.max_steps, self.k):
+            return
+        self._published = version  # on every trainer rank: what the producers will have sampled
+        if self.roles.rank == 0:
+            self._broadcast(_WEIGHTS, version)
+
+    def close(self, drain: bool = True) -> None:
+        """Tell the producers to stop and receive the batches they sampled ahead (they wait
+        until each one is received); without `drain` (a failure) only stop."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.roles.rank == 0:
+            self._broadcast(_STOP, self._published)
+        if not drain:
+            return
+        # the producer sampled every batch j < max_steps whose version was published
+        last = min(self.max_steps - 1, self._published + self.k)
+        for _ in range(self._next, last + 1):
+            _recv_message(self.source, self.roles.link, self.timeout_s)
+        for work, _ in self._pending:
+            _wait(work, self.timeout_s)
+
+
+def run_producer(cfg: Config, policy, sampler, rows, reward_fns, make_env, roles: Roles,
+                 where) -> dict:  # fmt: skip
+    """A producer rank's loop: sample batch j for each trainer rank it serves with policy
+    version `behaviour_version(j)`, send it, and take each published version from trainer
+    rank 0, until rank 0 says stop. Returns a summary of what it did."""
+    k, timeout = cfg.rollout.max_staleness, cfg.rollout.async_timeout_s
+    weights = trainable_weights(policy.model)
+    layout, _ = pack_tensors(weights)
+    size = sum(-(-e["nbytes"] // 8) * 8 for e in layout)
+    index_of = {id(r): i for i, r in enumerate(rows)}
+    serves = roles.served_by(roles.rank)
+    sends: collections.deque = collections.deque()
+
+    def receive() -> tuple[int, int, int, int]:
+        head = torch.empty(4, dtype=torch.int64)
+        _wait(td.broadcast(head, src=0, group=roles.weights, async_op=True), timeout)
+        cmd, version, epoch, index = head.tolist()
+        if cmd != _STOP:
+            buffer = torch.empty(size, dtype=torch.uint8)
+            _wait(td.broadcast(buffer, src=0, group=roles.weights, async_op=True), timeout)
+            load_weights(policy.model, unpack_tensors(layout, buffer, policy.model.device))
+        return cmd, version, epoch, index
+
+    where.phase = "waiting for the trainer's start"
+    cmd, start, epoch, index = receive()
+    if cmd != _START:
+        return {"batches": 0}
+    cursor = TrainState(start, epoch, index)
+    loaded, produced = start, 0
+    for j in range(start, cfg.train.max_steps):
+        v = behaviour_version(j, k, start)
+        t0 = time.perf_counter()
+        where.step, where.phase = j + 1, "waiting for weights"
+        while loaded < v:
+            cmd, loaded, _, _ = receive()
+            if cmd == _STOP:
+                return _finish(sends, timeout, produced)
+        t1 = time.perf_counter()
+        where.phase = "rollout"
+        batches = rollout_batches(cfg, policy, sampler, rows, cursor, reward_fns, j, serves,
+                                  roles.n_trainers, roles.lockstep, make_env,
+                                  policy_version=v)  # fmt: skip
+        sample_s = time.perf_counter() - t1
+        for t, batch in zip(serves, batches):
+            extra = {"index": j, "data_state": [cursor.epoch, cursor.data_index],
+                     "sample_s": sample_s, "wait_s": t1 - t0}  # fmt: skip
+            header, buffer = pack_batch(batch, [index_of[id(r)] for r in batch.rows], extra)
+            sends.append(_send_message(header, buffer, t, roles.link))
+        produced += 1
+        while len(sends) > (k + 1) * len(serves):  # bounded: at most k + 1 batches in flight
+            for work, _ in sends.popleft():
+                _wait(work, timeout)
+    where.phase = "waiting for the trainer's stop"
+    while True:
+        cmd, *_ = receive()
+        if cmd == _STOP:
+            return _finish(sends, timeout, produced)
+
+
+def _finish(sends, timeout: float, produced: int) -> dict:
+    for message in sends:
+        for work, _ in message:
+            _wait(work, timeout)
+    return {"batches": produced}
+
+
+def rollout_source(
+    cfg: Config, policy, rows, reward_fns, make_env, state: TrainState, dist=SINGLE,
+    sharded: bool = False, roles: Roles | None = None,
+) -> _Source:  # fmt: skip
+    """The rollout source a run's config asks for (see the module docstring)."""
+    if not cfg.rollout.asynchronous:
+        sampler = make_sampler(cfg, policy, policy.model, sharded)
+        return InlineRollouts(cfg, policy, sampler, rows, reward_fns, make_env, dist, sharded)
+    if roles is not None:
+        return RemoteRollouts(cfg, policy, rows, roles, state)
+    lockstep = SINGLE
+    if dist.enabled:  # the producer threads' own group, apart from the trainers' collectives
+        group = td.new_group(list(range(dist.world_size)), backend="gloo")
+        lockstep = Dist(dist.rank, dist.world_size, dist.local_rank, torch.device("cpu"), group)
+    return ColocatedRollouts(cfg, policy, lambda m: make_sampler(cfg, policy, m), rows,
+                             reward_fns, make_env, state, dist, lockstep)  # fmt: skip
+
+
+def make_sampler(cfg: Config, policy, model, sharded: bool = False) -> Sampler:
+    """The run's sampler over `model`: the compiled decode step as rollout.compile says (FSDP:
+    eager, the sampler reads the gathered weights through FSDP's hooks)."""
+    compile_ = not sharded and resolve_compile(cfg.rollout.compile, model.device,
+                                               cfg.rollout.multi_turn)  # fmt: skip
+    return Sampler(model, compile=compile_, fallback=cfg.rollout.compile == "auto",
+                   precision=policy.precision)  # fmt: skip

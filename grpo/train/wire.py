@@ -1,0 +1,123 @@
+"""Rollout batches and weights as flat byte tensors, for the point-to-point messages between
+rollout producer ranks and trainer ranks (grpo.train.producer). No pickle: a message is a JSON
+header (UTF-8 bytes) plus one buffer holding every tensor's bytes, each at an 8-byte aligned
+offset; the receiver rebuilds bitwise-equal tensors.
+
+    pack_batch(batch, row_index)        -> (header bytes, buffer)
+    unpack_batch(header, buffer, rows)  -> RolloutBatch
+    pack_tensors / unpack_tensors       named tensors <-> (header, buffer) (the weights)
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from grpo.errors import GrpoError
+from grpo.rollout import Rollout
+from grpo.train.batch import RolloutBatch
+
+_ALIGN = 8
+_ROLLOUT_TENSORS = ("ids", "prompt_lens", "completion_ids", "completion_mask",
+                    "completion_lens", "finished", "logprobs", "generated_mask")  # fmt: skip
+_DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16,
+                               torch.int64, torch.int32, torch.uint8, torch.bool)}  # fmt: skip
+
+
+def pack_tensors(tensors: dict[str, torch.Tensor]) -> tuple[list[dict], torch.Tensor]:
+    """(layout, buffer): every tensor's bytes, in order, at aligned offsets of one uint8 CPU
+    buffer; layout lists name, dtype, shape and offset of each."""
+    layout, total = [], 0
+    for name, t in tensors.items():
+        if str(t.dtype) not in _DTYPES:
+            raise GrpoError(f"cannot send tensor {name!r} of dtype {t.dtype}")
+        nbytes = t.numel() * t.element_size()
+        layout.append({"name": name, "dtype": str(t.dtype), "shape": list(t.shape),
+                       "offset": total, "nbytes": nbytes})  # fmt: skip
+        total += -(-nbytes // _ALIGN) * _ALIGN
+    buffer = torch.empty(total, dtype=torch.uint8)
+    for entry, t in zip(layout, tensors.values()):
+        o, n = entry["offset"], entry["nbytes"]
+        if n:
+            buffer[o : o + n] = t.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
+    return layout, buffer
+
+
+def unpack_tensors(layout: list[dict], buffer: torch.Tensor,
+                   device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:  # fmt: skip
+    """The tensors `pack_tensors` packed (copies, on `device`)."""
+    out = {}
+    for e in layout:
+        dtype = _DTYPES[e["dtype"]]
+        o, n = e["offset"], e["nbytes"]
+        flat = buffer[o : o + n].clone().view(dtype) if n else torch.empty(0, dtype=dtype)
+        out[e["name"]] = flat.reshape(e["shape"]).to(device)
+    return out
+
+
+def encode_header(header: dict) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
+
+
+def decode_header(data: torch.Tensor) -> dict:
+    return json.loads(bytes(data.tolist()).decode())
+
+
+def pack_batch(batch: RolloutBatch, row_index: list[int], extra: dict | None = None):
+    """A rollout batch as (header, buffer) uint8 tensors. `row_index`: the dataset index of each
+    of its B rows (the receiver holds the same rows); `extra`: JSON values to carry along."""
+    r = batch.rollout
+    tensors = {f"rollout.{k}": getattr(r, k) for k in _ROLLOUT_TENSORS}
+    if r.turn_ids is not None:
+        tensors["rollout.turn_ids"] = r.turn_ids
+    tensors["rewards"] = batch.rewards
+    tensors["token_rewards"] = batch.token_rewards
+    tensors.update({f"per_fn.{k}": v for k, v in batch.per_fn.items()})
+    layout, buffer = pack_tensors(tensors)
+    header = {
+        "layout": layout,
+        "per_fn": list(batch.per_fn),
+        "rows": row_index,
+        "texts": batch.texts,
+        "prompt_width": r.prompt_width,
+        "group_size": r.group_size,
+        "turn_rewards": r.turn_rewards,
+        "turn_texts": r.turn_texts,
+        "infos": r.infos,
+        "policy_version": batch.policy_version,
+        "frac_zero_std": batch.frac_zero_std,
+        "extra": extra or {},
+    }
+    try:
+        return encode_header(header), buffer
+    except TypeError as e:  # an environment's info holding something JSON cannot carry
+        raise GrpoError(f"a rollout batch cannot be sent to its trainer: {e}") from None
+
+
+def unpack_batch(header: dict, buffer: torch.Tensor, rows: list[dict],
+                 device: torch.device | str = "cpu") -> RolloutBatch:  # fmt: skip
+    """The `RolloutBatch` that `pack_batch` packed, its tensors on `device`, its rows taken
+    from `rows` (the dataset) by index."""
+    t = unpack_tensors(header["layout"], buffer, device)
+    rollout = Rollout(
+        **{k: t[f"rollout.{k}"] for k in _ROLLOUT_TENSORS},
+        prompt_width=header["prompt_width"],
+        group_size=header["group_size"],
+        turn_ids=t.get("rollout.turn_ids"),
+        turn_rewards=header["turn_rewards"],
+        turn_texts=header["turn_texts"],
+        infos=header["infos"],
+    )
+    if rollout.turn_ids is None:  # single turn: generated_mask is completion_mask, as built
+        rollout.generated_mask = rollout.completion_mask
+    return RolloutBatch(
+        rollout=rollout,
+        rows=[rows[i] for i in header["rows"]],
+        texts=header["texts"],
+        rewards=t["rewards"],
+        token_rewards=t["token_rewards"],
+        per_fn={k: t[f"per_fn.{k}"] for k in header["per_fn"]},
+        policy_version=header["policy_version"],
+        frac_zero_std=header["frac_zero_std"],
+    )
