@@ -69,7 +69,10 @@ def cmd_train(args) -> int:
 
     cfg = load_config(args.config, args.overrides, plugins=args.plugin)
     summary = train_grpo(cfg, resume=args.resume, overwrite=args.overwrite)
-    print(f"done: {summary['step']} steps; weights in {summary['final']}")
+    if summary.get("role") == "producer":  # a rollout producer rank (rollout.ranks)
+        print(f"rollout producer done: {summary['batches']} batches sampled")
+    else:
+        print(f"done: {summary['step']} steps; weights in {summary['final']}")
     return 0
 
 

@@ -419,7 +419,7 @@ def run_producer(cfg: Config, policy, sampler, rows, reward_fns, make_env, roles
     where.phase = "waiting for the trainer's start"
     cmd, start, epoch, index = receive()
     if cmd != _START:
-        return {"batches": 0}
+        return _finish(sends, timeout, 0)
     cursor = TrainState(start, epoch, index)
     loaded, produced = start, 0
     for j in range(start, cfg.train.max_steps):
@@ -456,7 +456,7 @@ def _finish(sends, timeout: float, produced: int) -> dict:
     for message in sends:
         for work, _ in message:
             _wait(work, timeout)
-    return {"batches": produced}
+    return {"role": "producer", "batches": produced}
 
 
 def rollout_source(
