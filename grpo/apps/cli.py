@@ -89,7 +89,8 @@ def cmd_sft(args) -> int:
 def cmd_demo(args) -> int:
     from grpo.apps.demo import run_demo
 
-    run_demo(args.out, quick=args.quick, seed=args.seed, config=args.config, task=args.task)
+    run_demo(args.out, quick=args.quick, seed=args.seed, config=args.config, task=args.task,
+             overrides=args.overrides)  # fmt: skip
     return 0
 
 
@@ -158,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["math", "tools"],
         help="math (default) or tools: products with a calculator tool, multi-turn",
     )
+    p.add_argument(
+        "overrides", nargs="*",
+        help="pipeline overrides, stage.section.key=value (stage: base, sft, grpo), e.g. "
+        "grpo.rollout.async=on",
+    )  # fmt: skip
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("plot", help="PNG curves of a run from its metrics.jsonl")

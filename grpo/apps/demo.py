@@ -298,6 +298,7 @@ def run_demo(
     seed: int = 0,
     config: str | Path | None = None,
     task: str | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
 ) -> dict:
     """Run the demo into `out` and return what it writes to out/results.json.
 
@@ -313,6 +314,8 @@ def run_demo(
         config: the demo config (default: configs/demo_cpu.yaml, or for task "tools"
             configs/demo_tools_cpu.yaml).
         task: "math" or "tools" (default: the config's demo.task).
+        overrides: pipeline overrides, ``stage.section.key=value`` (stage: base, sft or
+            grpo), applied after --quick's: e.g. ``grpo.rollout.async=on``.
 
     Returns:
         the results: per stage the held-out evaluation and training summary, the accuracy
@@ -331,7 +334,8 @@ def run_demo(
         if task not in TASK_CONFIGS:
             raise ConfigError(f"--task: one of {sorted(TASK_CONFIGS)}, got {task!r}")
         config = TASK_CONFIGS[task]
-    settings, pipeline, overrides = load_demo_config(config, quick)
+    settings, pipeline, quick_overrides = load_demo_config(config, quick)
+    overrides = [*quick_overrides, *overrides]
     if task is not None and task != settings.task:
         raise ConfigError(f"--task {task} but the config's demo.task is {settings.task!r}")
     out = Path(out)

@@ -409,10 +409,11 @@ class RunDir:
     def resume_command(self, dist: Dist) -> str:
         """The command that continues this run (its resolved config, --resume)."""
         cmd = f"grpo {self.kind} --config {shlex.quote(str(self.config_file))} --resume"
-        if not dist.enabled:
+        world = int(os.environ.get("WORLD_SIZE", dist.world_size))  # the job, producers too
+        if world <= 1:
             return cmd
-        if os.environ.get("LOCAL_WORLD_SIZE") == str(dist.world_size):  # one node
-            return f"torchrun --standalone --nproc_per_node={dist.world_size} -m {cmd}"
+        if os.environ.get("LOCAL_WORLD_SIZE") == str(world):  # one node
+            return f"torchrun --standalone --nproc_per_node={world} -m {cmd}"
         return f"torchrun <the same options> -m {cmd}"
 
     def close(self) -> None:

@@ -25,10 +25,12 @@ with a batch travels with it, so a checkpoint records where the consumed batches
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import datetime
 import logging
+import signal
 import threading
 import time
 
@@ -381,10 +383,16 @@ class RemoteRollouts(_Asynchronous):
         if self._closed:
             return
         self._closed = True
+        if not drain:  # a failure is on its way out: tell the producers if the link still works
+            try:
+                if self.roles.rank == 0:
+                    head = torch.tensor([_STOP, self._published, 0, 0], dtype=torch.int64)
+                    td.broadcast(head, src=0, group=self.roles.weights, async_op=True)
+            except Exception as e:  # the failure being raised says more
+                log.debug("rollout producers not told to stop: %s", e)
+            return
         if self.roles.rank == 0:
             self._broadcast(_STOP, self._published)
-        if not drain:
-            return
         # the producer sampled every batch j < max_steps whose version was published
         last = min(self.max_steps - 1, self._published + self.k)
         for _ in range(self._next, last + 1):
@@ -397,8 +405,42 @@ def run_producer(cfg: Config, policy, sampler, rows, reward_fns, make_env, roles
                  where) -> dict:  # fmt: skip
     """A producer rank's loop: sample batch j for each trainer rank it serves with policy
     version `behaviour_version(j)`, send it, and take each published version from trainer
-    rank 0, until rank 0 says stop. Returns a summary of what it did."""
-    k, timeout = cfg.rollout.max_staleness, cfg.rollout.async_timeout_s
+    rank 0, until rank 0 says stop. Returns a summary of what it did.
+
+    SIGTERM and SIGINT are noted and otherwise ignored here: the trainer ranks decide when the
+    run stops (they checkpoint, then tell the producers, which hand over what they sampled
+    ahead first).
+    """
+    with _signals_noted():
+        return _produce(cfg, policy, sampler, rows, reward_fns, make_env, roles, where)
+
+
+@contextlib.contextmanager
+def _signals_noted():
+    """SIGTERM / SIGINT logged once and otherwise ignored for the duration (main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    seen: list[int] = []
+
+    def note(signum, frame):
+        if not seen:
+            log.info("rollout producer: %s noted; the trainer ranks stop the run",
+                     signal.Signals(signum).name)  # fmt: skip
+        seen.append(signum)
+
+    old = {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def _produce(cfg: Config, policy, sampler, rows, reward_fns, make_env, roles: Roles, where):
+    # the trainers may be busy for long between two messages (an evaluation on rank 0)
+    k = cfg.rollout.max_staleness
+    timeout = max(cfg.rollout.async_timeout_s, cfg.train.dist_timeout_s)
     weights = trainable_weights(policy.model)
     layout, _ = pack_tensors(weights)
     size = sum(-(-e["nbytes"] // 8) * 8 for e in layout)
