@@ -21,6 +21,9 @@
 #                        autocast + LoRA + gradient checkpointing) at the Qwen3-0.6B shape:
 #                        sampler-vs-trainer log-prob diff (bf16 budget 1e-2), step time, peak
 #                        memory per phase, the compiled sampler's kept KV cache
+#   tutorial-async, tutorial-async-summary
+#                        the same 4 steps with rollout.async=on, max_staleness 1 (colocated):
+#                        step time and the trainer's wait next to the synchronous run's
 #   precision            bench_precision at the Qwen3-0.6B shape: sampler vs trainer and bf16
 #                        vs float32 log-probs (docs/precision.md)
 #   step                 bench_step at the Qwen3-0.6B shape, LoRA and full
@@ -228,6 +231,15 @@ step 60 tutorial-grpo "$PY" -m torch.distributed.run --standalone --nproc_per_no
     -m grpo train --config configs/gsm8k_qwen3_0.6b_grpo.yaml "${TUT[@]}"
 step 10 tutorial-summary "$PY" "$WORK/grpo_summary.py" "$WORK/tutorial-run/metrics.jsonl" \
     "$RES" "grpo_tutorial_$TAG" configs/gsm8k_qwen3_0.6b_grpo.yaml 1e-2 "${TUT[@]}"
+# the same run with asynchronous rollouts (colocated producer thread, max_staleness 1): the
+# step time next to tutorial-grpo's; log-probs differ from the sampler's by design (stale
+# batches), so no acceptance bound on them
+step 45 tutorial-async "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 \
+    -m grpo train --config configs/gsm8k_qwen3_0.6b_grpo.yaml "${TUT[@]}" \
+    train.output_dir="$WORK/tutorial-async" rollout.async=on rollout.max_staleness=1
+step 10 tutorial-async-summary "$PY" "$WORK/grpo_summary.py" \
+    "$WORK/tutorial-async/metrics.jsonl" "$RES" "grpo_tutorial_async_$TAG" \
+    configs/gsm8k_qwen3_0.6b_grpo.yaml inf "${TUT[@]}" rollout.async=on rollout.max_staleness=1
 step 40 precision "$PY" -m benchmarks.bench_precision --size "$TUT_SIZE" --device "$DEV" \
     --no-compile --name "precision_${TAG}_$TUT_SIZE" --out-dir "$RES"
 

@@ -50,6 +50,29 @@ def run_to_end(cmd, cwd):
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+def start(cmd, cwd, log: str):
+    """`run_to_end` in the background (runs that do not depend on each other overlap): the
+    process, its stderr going to cwd/log; `finish` waits for it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    err = open(Path(cwd) / log, "w+")
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    p.err = err
+    return p
+
+
+def finish(p):
+    try:
+        p.wait(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        p.err.seek(0)
+        tail = p.err.read()[-3000:]
+        p.err.close()
+    assert p.returncode == 0, tail
+
+
 def run_and_kill(cmd, cwd, ckpt_root: Path, seed: int):
     """Start `cmd`, wait for its first checkpoint, SIGKILL its whole process group at a random
     moment shortly after (possibly inside a later save)."""
@@ -110,35 +133,45 @@ def test_sigkill_then_resume_under_torchrun(model_dir, tmp_path):
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
 
 
-def test_fsdp_sigkill_resume_is_exact_and_resumes_on_one_process(model_dir, tmp_path):
+def test_fsdp_sigkill_resume_is_exact_and_resumes_on_one_process(
+    model_dir, tmp_path, monkeypatch, capsys
+):
     """train.parallel=fsdp under torchrun (full fine-tuning, the quickstart's reward: real
     gradients from step 1): killed and resumed equals the straight run bitwise; its checkpoint
     (gathered from the shards) resumes on 2 DDP ranks to the FSDP run's next step (1e-5: the
     reductions differ in order) and in one process (which samples a batch of its own); the
-    final weights are a checkpoint `grpo eval` loads."""
+    final weights are a checkpoint `grpo eval` loads. Runs that do not depend on each other
+    overlap; the one-process resume and `grpo eval` go through the CLI in this process."""
     steps = 3
     common = ["train", "--config", QUICKSTART, f"model.path={model_dir}", *FAST,
               "train.batch_size=16", "rollout.max_new_tokens=8", "train.keep_last=5"]  # fmt: skip
     fsdp = [*common, "train.parallel=fsdp"]
     straight = grpo_cmd(*fsdp, f"train.max_steps={steps}", "train.output_dir=straight",
                         torchrun=True)  # fmt: skip
-    run_to_end(straight, tmp_path)
+    straight_run = start(straight, tmp_path, "straight.err")
     cmd = grpo_cmd(*fsdp, f"train.max_steps={steps}", "train.output_dir=killed", torchrun=True)
     run_and_kill(cmd, tmp_path, tmp_path / "killed" / "checkpoints", seed=5)
-    run_to_end([*cmd, "--resume"], tmp_path)
+    resumed = start([*cmd, "--resume"], tmp_path, "resumed.err")
+    finish(straight_run)
+    # step 2's checkpoint, resumed for its last step in one process and on 2 DDP ranks
+    for name in ("one", "ddp"):
+        shutil.copytree(tmp_path / "straight", tmp_path / name)
+        shutil.rmtree(tmp_path / name / "checkpoints" / f"step_{steps:06d}")
+        (tmp_path / name / "checkpoints" / "latest").write_text(f"step_{steps - 1:06d}\n")
+    ddp = start(grpo_cmd(*fsdp, f"train.max_steps={steps}", "train.output_dir=ddp",
+                         "train.parallel=ddp", "--resume", torchrun=True), tmp_path, "ddp.err")
+    monkeypatch.chdir(tmp_path)  # the same relative paths as the runs above
+    code = cli.main([*fsdp, f"train.max_steps={steps}", "train.output_dir=one", "--resume"])
+    assert code == 0, capsys.readouterr().err[-3000:]
+    finish(ddp)
+    finish(resumed)
     a, b = final_weights(tmp_path / "straight", steps), final_weights(tmp_path / "killed", steps)
     assert a.keys() == b.keys() and len(a) > 0
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    start = final_weights(tmp_path / "straight", 1)
-    assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-3  # it did train
-    # step 2's checkpoint, resumed for its last step in one process and on 2 DDP ranks
-    for name, extra, torchrun in (("one", [], False), ("ddp", ["train.parallel=ddp"], True)):
-        shutil.copytree(tmp_path / "straight", tmp_path / name)
-        shutil.rmtree(tmp_path / name / "checkpoints" / f"step_{steps:06d}")
-        (tmp_path / name / "checkpoints" / "latest").write_text(f"step_{steps - 1:06d}\n")
-        run_to_end(grpo_cmd(*fsdp, f"train.max_steps={steps}", f"train.output_dir={name}",
-                            *extra, "--resume", torchrun=torchrun), tmp_path)  # fmt: skip
+    first = final_weights(tmp_path / "straight", 1)
+    assert max((a[k] - first[k]).abs().max().item() for k in a) > 1e-3  # it did train
+    for name in ("one", "ddp"):
         c = final_weights(tmp_path / name, steps)
         diff = max((a[k] - c[k]).abs().max().item() for k in a)
         if name == "ddp":  # the same batch, reduced by all-reduce instead of reduce-scatter
@@ -150,8 +183,9 @@ def test_fsdp_sigkill_resume_is_exact_and_resumes_on_one_process(model_dir, tmp_
     final = tmp_path / "straight" / "final"
     assert (final / "model.safetensors").is_file()
     out = tmp_path / "eval.json"
-    run_to_end([sys.executable, "-m", "grpo", "eval", "--model", str(final), "--data", "minimath",
-                "--max-samples", "4", "--out", str(out)], tmp_path)  # fmt: skip
+    code = cli.main(["eval", "--model", str(final), "--data", "minimath", "--max-samples", "4",
+                     "--out", str(out)])  # fmt: skip
+    assert code == 0, capsys.readouterr().err[-3000:]
     assert json.loads(out.read_text())
 
 
