@@ -105,10 +105,11 @@ def test_sigkill_then_resume_is_bitwise_identical(model_dir, tmp_path, command, 
     steps = 4
     common = [command, "--config", TINY_CI, f"model.path={model_dir}", *FAST,
               f"train.max_steps={steps}", *extra]  # fmt: skip
-    run_to_end(grpo_cmd(*common, "train.output_dir=straight"), tmp_path)
+    straight = start(grpo_cmd(*common, "train.output_dir=straight"), tmp_path, "straight.err")
     cmd = grpo_cmd(*common, "train.output_dir=killed")
     run_and_kill(cmd, tmp_path, tmp_path / "killed" / "checkpoints", seed=len(name))
     run_to_end([*cmd, "--resume"], tmp_path)
+    finish(straight)  # ran beside the killed one: one process each
     a, b = final_weights(tmp_path / "straight", steps), final_weights(tmp_path / "killed", steps)
     assert a.keys() == b.keys() and len(a) > 0
     for k in a:
@@ -121,10 +122,12 @@ def test_sigkill_then_resume_under_torchrun(model_dir, tmp_path):
     steps = 3
     common = ["train", "--config", TINY_CI, f"model.path={model_dir}", *FAST,
               f"train.max_steps={steps}"]  # fmt: skip
-    run_to_end(grpo_cmd(*common, "train.output_dir=straight", torchrun=True), tmp_path)
+    straight = start(grpo_cmd(*common, "train.output_dir=straight", torchrun=True), tmp_path,
+                     "straight.err")  # fmt: skip
     cmd = grpo_cmd(*common, "train.output_dir=killed", torchrun=True)
     run_and_kill(cmd, tmp_path, tmp_path / "killed" / "checkpoints", seed=3)
     run_to_end([*cmd, "--resume"], tmp_path)
+    finish(straight)  # ran beside the killed one
     a, b = final_weights(tmp_path / "straight", steps), final_weights(tmp_path / "killed", steps)
     for k in a:
         assert torch.equal(a[k], b[k]), k

@@ -204,7 +204,7 @@ class ColocatedRollouts(_Asynchronous):
         self.dist, self.lockstep = dist, lockstep
         self.cursor = TrainState(state.step, state.epoch, state.data_index)
         self._cond = threading.Condition()
-        self._snapshots: dict[int, dict[str, torch.Tensor]] = {}
+        self._snapshots: dict[int, tuple[dict[str, torch.Tensor], object]] = {}
         self._ready: dict[int, Produced] = {}
         self._error: BaseException | None = None
         self._stop = False
@@ -218,6 +218,15 @@ class ColocatedRollouts(_Asynchronous):
     # ------------------------------------------------------------------ producer thread
 
     def _run(self) -> None:
+        # CUDA: the producer's kernels go to a stream of their own, so they can overlap the
+        # trainer's; a snapshot is waited for (its event) before it is read, and a batch is
+        # complete (its stream synchronized) before the trainer gets it
+        cuda = self.model.device.type == "cuda"
+        stream = torch.cuda.Stream(self.model.device) if cuda else None
+        with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+            self._produce(stream)
+
+    def _produce(self, stream) -> None:
         loaded = self.start  # the copy holds the trainer's weights at the start
         try:
             for j in range(self.start, self.max_steps):
@@ -230,6 +239,9 @@ class ColocatedRollouts(_Asynchronous):
                         return
                     weights = self._snapshots.pop(v) if v != loaded else None
                 if weights is not None:
+                    weights, ready = weights
+                    if ready is not None:
+                        stream.wait_event(ready)
                     load_weights(self.model, weights)
                     loaded = v
                 t1 = time.perf_counter()
@@ -238,6 +250,8 @@ class ColocatedRollouts(_Asynchronous):
                     self.reward_fns, j, [self.dist.rank], self.dist.world_size, self.lockstep,
                     self.make_env, policy_version=v,
                 )[0]  # fmt: skip
+                if stream is not None:
+                    stream.synchronize()
                 done = Produced(batch, j, (self.cursor.epoch, self.cursor.data_index),
                                 time.perf_counter() - t1, t1 - t0)  # fmt: skip
                 with self._cond:
@@ -279,8 +293,12 @@ class ColocatedRollouts(_Asynchronous):
         if version not in versions_needed(self.start, self.max_steps, self.k):
             return
         snap = {n: p.detach().clone() for n, p in trainable_weights(model).items()}
+        ready = None
+        if self.model.device.type == "cuda":  # the copies, queued on the trainer's stream
+            ready = torch.cuda.Event()
+            ready.record()
         with self._cond:
-            self._snapshots[version] = snap
+            self._snapshots[version] = (snap, ready)
             self._cond.notify_all()
 
     def close(self, drain: bool = True) -> None:
