@@ -454,3 +454,27 @@ def test_producer_rank_faults(shared_tiny_model, tmp_path):
     assert [x["step"] for x in rows] == list(range(1, 7))
     # batch j is min(j - start, 1) updates old, start = 0, then the resumed step
     assert [x["async/staleness"] for x in rows] == [0] + [1] * (step - 1) + [0] + [1] * (5 - step)
+
+
+def test_memory_estimate_counts_the_producer(shared_tiny_model, tmp_path):
+    """Colocated: sampling runs alongside training, on a copy of the trainable weights plus up
+    to k + 1 snapshots; trainer ranks of a job with producer ranks do not sample."""
+    from grpo.models.config import ModelConfig
+    from grpo.run.preflight import estimate_memory
+
+    mc = ModelConfig.from_hf(shared_tiny_model)
+    sync = estimate_memory(config(shared_tiny_model, tmp_path), mc, "grpo")
+    n_train = sync.optimizer // 16  # LoRA: float32 weights, gradients, two moments
+    for k in (0, 2):
+        colocated = estimate_memory(
+            config(shared_tiny_model, tmp_path, "rollout.async=on", f"rollout.max_staleness={k}"),
+            mc, "grpo",
+        )  # fmt: skip
+        assert colocated.rollout == 0 and sync.rollout > 0
+        assert colocated.producer == sync.rollout + n_train * 4 * (k + 2)
+        assert colocated.total == sync.total - max(
+            sync.rollout, sync.training, sync.evaluation
+        ) + colocated.producer + max(sync.training, sync.evaluation)
+    ranks = estimate_memory(config(shared_tiny_model, tmp_path, "rollout.async=on",
+                                   "rollout.ranks=1"), mc, "grpo")  # fmt: skip
+    assert (ranks.rollout, ranks.producer) == (0, 0)

@@ -45,7 +45,13 @@ H / H_kv heads of D, V vocabulary):
     evaluation  as rollout with B = eval.batch_size (x eval.k in the pipeline) and S = prompt
                 + the evaluation's budget
 
-    total = weights + reference + optimizer + max(rollout, training, evaluation)
+    total = weights + reference + optimizer + producer + max(rollout, training, evaluation)
+
+With rollout.async on and a producer thread (rollout.ranks: 0), sampling runs while training
+does: producer = the rollout part above + N_t * 4 * (k + 2) (the producer's copy of the
+trainable weights and up to k + 1 published snapshots, k = rollout.max_staleness), and the
+rollout part leaves the max; on trainer ranks of a job with producer ranks nothing samples
+(rollout = 0). Otherwise producer = 0.
 
 Under train.parallel: fsdp with W ranks, weights, reference and optimizer are each rank's 1/W
 shard; a rollout and an evaluation gather the whole weights (+ weights * (W - 1) / W), and a
@@ -96,6 +102,7 @@ class MemoryEstimate:
     rollout: int
     training: int
     evaluation: int
+    producer: int = 0  # asynchronous rollouts in the trainer's process (rollout.async)
 
     @property
     def total(self) -> int:
@@ -103,6 +110,7 @@ class MemoryEstimate:
             self.weights
             + self.reference
             + self.optimizer
+            + self.producer
             + max(self.rollout, self.training, self.evaluation)
         )
 
@@ -510,6 +518,7 @@ def estimate_memory(
         n_train = sum(cfg.lora.rank * (m.in_features + m.out_features) for m in layers.values())
         optimizer = n_train * 4 * 4  # float32 LoRA weights, their gradients, two AdamW moments
     else:
+        n_train = n_params
         weights = n_params * 4  # every weight trains: float32 master weights
         optimizer = n_params * 4 * 3
     full_ref = kind == "grpo" and not cfg.lora.enabled
@@ -554,6 +563,11 @@ def estimate_memory(
         root = sum(p.numel() for n, p in meta.named_parameters() if not n.startswith("layers."))
         block = sum(p.numel() for p in meta.layers[0].parameters())
         training += (root + block) * per_param  # gathered while a training pass runs them
+    producer = 0
+    if kind == "grpo" and cfg.rollout.asynchronous:
+        if cfg.rollout.ranks == 0:  # sampling alongside training, on a copy + snapshots
+            producer = rollout + n_train * 4 * (cfg.rollout.max_staleness + 2)
+        rollout = 0  # (producer ranks sample; these trainer ranks do not)
     return MemoryEstimate(
         weights=weights,
         reference=reference,
@@ -561,6 +575,7 @@ def estimate_memory(
         rollout=rollout,
         training=training,
         evaluation=evaluation,
+        producer=producer,
     )
 
 
@@ -611,7 +626,7 @@ def check_memory(
     if need <= free:
         return
     parts = {k: getattr(estimate, k) for k in ("weights", "reference", "optimizer", "rollout",
-                                                 "training", "evaluation")}  # fmt: skip
+                                                 "training", "evaluation", "producer")}  # fmt: skip
     shown = ", ".join(f"{k} {v / _GIB:.2f}" for k, v in parts.items() if v)
     largest = max(parts, key=parts.get)
     ranks = f" x {sharing} ranks" if sharing > 1 else ""
@@ -631,6 +646,7 @@ def _memory_fields(cfg: Config) -> dict[str, str]:
         "rollout": "train.batch_size",
         "training": "train.micro_batch_size",
         "evaluation": "eval.batch_size",
+        "producer": "rollout.max_staleness",
     }
 
 
