@@ -4,6 +4,7 @@ full) on fixed data, each rank taking its half of the batch.
 
     torchrun --nproc_per_node=2 tests/ddp_worker.py CKPT OUT_DIR        # DDP
     torchrun --nproc_per_node=2 tests/ddp_worker.py CKPT OUT_DIR fsdp   # FSDP2 shards
+    torchrun --nproc_per_node=2 tests/ddp_worker.py CKPT OUT_DIR ddp,fsdp  # both: OUT_DIR/<mode>
     python tests/ddp_worker.py CKPT OUT_DIR                             # the reference
 
 Rank 0 writes the updated trainable parameters to OUT_DIR/<case>.safetensors.
@@ -100,7 +101,11 @@ def sft_rows(rank: int, world: int) -> list[dict]:
 
 def main(ckpt: str, out_dir: str, parallel: str = "ddp") -> None:
     dist = init_distributed("cpu")
-    run_cases(ckpt, Path(out_dir), dist, parallel == "fsdp" and dist.enabled)
+    modes = parallel.split(",")  # "ddp,fsdp": both in one launch, into OUT_DIR/ddp, OUT_DIR/fsdp
+    for mode in modes:
+        out = Path(out_dir) / mode if len(modes) > 1 else Path(out_dir)
+        out.mkdir(exist_ok=True)
+        run_cases(ckpt, out, dist, mode == "fsdp" and dist.enabled)
     teardown()  # after run_cases returned: its DDP wrappers are gone (see grpo.distributed)
 
 

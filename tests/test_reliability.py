@@ -162,7 +162,8 @@ def test_fsdp_sigkill_resume_is_exact_and_resumes_on_one_process(
         shutil.rmtree(tmp_path / name / "checkpoints" / f"step_{steps:06d}")
         (tmp_path / name / "checkpoints" / "latest").write_text(f"step_{steps - 1:06d}\n")
     ddp = start(grpo_cmd(*fsdp, f"train.max_steps={steps}", "train.output_dir=ddp",
-                         "train.parallel=ddp", "--resume", torchrun=True), tmp_path, "ddp.err")
+                         "train.parallel=ddp", "--resume", torchrun=True),
+                tmp_path, "ddp.err")  # fmt: skip
     monkeypatch.chdir(tmp_path)  # the same relative paths as the runs above
     code = cli.main([*fsdp, f"train.max_steps={steps}", "train.output_dir=one", "--resume"])
     assert code == 0, capsys.readouterr().err[-3000:]
