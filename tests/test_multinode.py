@@ -76,9 +76,10 @@ def test_two_nodes_equal_one_node(tiny_model, tmp_path, parallel):
     nodes = [[*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", f"--node_rank={k}",
               "--master_addr=127.0.0.1", f"--master_port={port}",
               *train_args(tiny_model, tmp_path / "nodes", parallel)] for k in (0, 1)]  # fmt: skip
+    run_agents(nodes, tmp_path)
     one = [*TORCHRUN, "--standalone", "--nproc_per_node=2",
            *train_args(tiny_model, tmp_path / "one", parallel)]  # fmt: skip
-    run_agents([*nodes, one], tmp_path)  # independent jobs: the reference runs beside the nodes
+    run_agents([one], tmp_path)
 
     a = load_file(tmp_path / "nodes" / "final" / "model.safetensors")
     b = load_file(tmp_path / "one" / "final" / "model.safetensors")

@@ -122,12 +122,10 @@ def test_sigkill_then_resume_under_torchrun(model_dir, tmp_path):
     steps = 3
     common = ["train", "--config", TINY_CI, f"model.path={model_dir}", *FAST,
               f"train.max_steps={steps}"]  # fmt: skip
-    straight = start(grpo_cmd(*common, "train.output_dir=straight", torchrun=True), tmp_path,
-                     "straight.err")  # fmt: skip
+    run_to_end(grpo_cmd(*common, "train.output_dir=straight", torchrun=True), tmp_path)
     cmd = grpo_cmd(*common, "train.output_dir=killed", torchrun=True)
     run_and_kill(cmd, tmp_path, tmp_path / "killed" / "checkpoints", seed=3)
     run_to_end([*cmd, "--resume"], tmp_path)
-    finish(straight)  # ran beside the killed one
     a, b = final_weights(tmp_path / "straight", steps), final_weights(tmp_path / "killed", steps)
     for k in a:
         assert torch.equal(a[k], b[k]), k
@@ -143,39 +141,35 @@ def test_fsdp_sigkill_resume_is_exact_and_resumes_on_one_process(
     gradients from step 1): killed and resumed equals the straight run bitwise; its checkpoint
     (gathered from the shards) resumes on 2 DDP ranks to the FSDP run's next step (1e-5: the
     reductions differ in order) and in one process (which samples a batch of its own); the
-    final weights are a checkpoint `grpo eval` loads. Runs that do not depend on each other
-    overlap; the one-process resume and `grpo eval` go through the CLI in this process."""
+    final weights are a checkpoint `grpo eval` loads. The one-process resume and `grpo eval`
+    go through the CLI in this process (no interpreter to start)."""
     steps = 3
     common = ["train", "--config", QUICKSTART, f"model.path={model_dir}", *FAST,
               "train.batch_size=16", "rollout.max_new_tokens=8", "train.keep_last=5"]  # fmt: skip
     fsdp = [*common, "train.parallel=fsdp"]
     straight = grpo_cmd(*fsdp, f"train.max_steps={steps}", "train.output_dir=straight",
                         torchrun=True)  # fmt: skip
-    straight_run = start(straight, tmp_path, "straight.err")
+    run_to_end(straight, tmp_path)
     cmd = grpo_cmd(*fsdp, f"train.max_steps={steps}", "train.output_dir=killed", torchrun=True)
     run_and_kill(cmd, tmp_path, tmp_path / "killed" / "checkpoints", seed=5)
-    resumed = start([*cmd, "--resume"], tmp_path, "resumed.err")
-    finish(straight_run)
-    # step 2's checkpoint, resumed for its last step in one process and on 2 DDP ranks
-    for name in ("one", "ddp"):
-        shutil.copytree(tmp_path / "straight", tmp_path / name)
-        shutil.rmtree(tmp_path / name / "checkpoints" / f"step_{steps:06d}")
-        (tmp_path / name / "checkpoints" / "latest").write_text(f"step_{steps - 1:06d}\n")
-    ddp = start(grpo_cmd(*fsdp, f"train.max_steps={steps}", "train.output_dir=ddp",
-                         "train.parallel=ddp", "--resume", torchrun=True),
-                tmp_path, "ddp.err")  # fmt: skip
-    monkeypatch.chdir(tmp_path)  # the same relative paths as the runs above
-    code = cli.main([*fsdp, f"train.max_steps={steps}", "train.output_dir=one", "--resume"])
-    assert code == 0, capsys.readouterr().err[-3000:]
-    finish(ddp)
-    finish(resumed)
+    run_to_end([*cmd, "--resume"], tmp_path)
     a, b = final_weights(tmp_path / "straight", steps), final_weights(tmp_path / "killed", steps)
     assert a.keys() == b.keys() and len(a) > 0
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    first = final_weights(tmp_path / "straight", 1)
-    assert max((a[k] - first[k]).abs().max().item() for k in a) > 1e-3  # it did train
-    for name in ("one", "ddp"):
+    start = final_weights(tmp_path / "straight", 1)
+    assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-3  # it did train
+    # step 2's checkpoint, resumed for its last step in one process and on 2 DDP ranks
+    monkeypatch.chdir(tmp_path)  # the same relative paths as the runs above
+    for name, extra, torchrun in (("one", [], False), ("ddp", ["train.parallel=ddp"], True)):
+        shutil.copytree(tmp_path / "straight", tmp_path / name)
+        shutil.rmtree(tmp_path / name / "checkpoints" / f"step_{steps:06d}")
+        (tmp_path / name / "checkpoints" / "latest").write_text(f"step_{steps - 1:06d}\n")
+        args = [*fsdp, f"train.max_steps={steps}", f"train.output_dir={name}", *extra, "--resume"]
+        if torchrun:
+            run_to_end(grpo_cmd(*args, torchrun=True), tmp_path)
+        else:  # one process: this one, through the CLI
+            assert cli.main(args) == 0, capsys.readouterr().err[-3000:]
         c = final_weights(tmp_path / name, steps)
         diff = max((a[k] - c[k]).abs().max().item() for k in a)
         if name == "ddp":  # the same batch, reduced by all-reduce instead of reduce-scatter
