@@ -29,12 +29,17 @@ TINY_CI = str(REPO / "configs" / "tiny_ci.yaml")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 FAST = ["train.progress=false", "data.eval_samples=0", "rollout.compile=off",
         "data.max_samples=32", "train.save_every=0", "train.log_every=1"]  # fmt: skip
-# rewards with spread, so every update moves the weights (in-process runs: a registered
-# function; torchrun jobs: one any process imports)
-register_reward("test_async_length", lambda completions, **_: [len(c) / 50 for c in completions],
-                overwrite=True)  # fmt: skip
+
+
+def reply_length(completions, **_):
+    """A reward with spread, so every update moves the weights."""
+    return [len(c) / 50 for c in completions]
+
+
+# registered here for in-process runs; a torchrun job's processes import this module for it
+register_reward("test_async_length", reply_length, overwrite=True)
 REWARD = "rewards=[{name: test_async_length}]"
-IMPORTED_REWARD = "rewards=[{name: 'grpo.tiny:digit_share'}]"
+REWARD_MODULE = "plugins=[test_async]"
 
 
 def config(model, out, *overrides):
@@ -327,7 +332,7 @@ def length(completions, **_):
 """
 
 
-def test_kill_9_then_resume_consumes_each_batch_once(shared_tiny_model, tmp_path):
+def test_kill_9_then_resume_consumes_each_batch_once(shared_tiny_model, tmp_path, monkeypatch):
     """kill -9 while the producer is a batch ahead; --resume restarts from the last checkpoint,
     and the data position after every step is that of a run never killed (no batch consumed
     twice, none skipped); the batches the dead producer had sampled ahead are sampled again
@@ -345,11 +350,12 @@ def test_kill_9_then_resume_consumes_each_batch_once(shared_tiny_model, tmp_path
     run = tmp_path / "run"
     saved = int((run / "checkpoints" / "latest").read_text().strip().split("_")[1])
     assert 1 <= saved < 5
-    for extra in (["train.output_dir=run", "--resume"], ["train.output_dir=straight"]):
-        r = subprocess.run([sys.executable, "-m", "grpo", *args, *extra], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=300)  # fmt: skip
-        assert r.returncode == 0, r.stderr[-3000:]
-    assert r.returncode == 0, r.stderr[-3000:]
+    # the resume and the run never killed: through the CLI in this process (no KILL_DIR here)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("KILL_DIR", raising=False)
+    assert cli.main([*args, "train.output_dir=run", "--resume"]) == 0
+    assert cli.main([*args, "train.output_dir=straight"]) == 0
 
     def positions(d):
         out = {}
@@ -379,22 +385,24 @@ def torchrun(n: int, cwd: Path, *args, env=None, timeout=300):
 def test_producer_rank_staleness_zero_is_the_synchronous_run_bitwise(shared_tiny_model,
                                                                      tmp_path):  # fmt: skip
     """1 producer rank + 1 trainer rank with max_staleness 0: bitwise the weights and metrics
-    of the synchronous run (torchrun, 1 rank: the same thread count). (max_staleness 1 under
-    torchrun: test_producer_rank_faults.)"""
-    common = [f"model.path={shared_tiny_model}", *FAST, IMPORTED_REWARD, "train.max_steps=3"]
-    runs = {"sync": (1, []), "async0": (2, ["rollout.max_staleness=0"])}
-    for name, (n, extra) in runs.items():
-        more = ["rollout.async=on", "rollout.ranks=1", *extra] if n == 2 else []
-        r = torchrun(n, tmp_path, *common, f"train.output_dir={name}", *more)
-        assert r.returncode == 0, r.stderr[-3000:]
-        if n == 2:
-            assert "rollout producer done: 3 batches sampled" in r.stdout, r.stdout
-    results = {}
-    for name in runs:
-        final = tmp_path / name / "final" / "adapter_model.safetensors"
-        results[name] = (load_file(final), read_metrics(tmp_path / name / "metrics.jsonl"))
-    same_run(results["sync"], results["async0"])
-    assert [r["async/staleness"] for r in results["async0"][1]] == [0, 0, 0]
+    of the synchronous run (in this process with one thread, as each torchrun rank has).
+    (max_staleness 1 under torchrun: test_producer_rank_faults.)"""
+    r = torchrun(2, tmp_path, f"model.path={shared_tiny_model}", *FAST, REWARD_MODULE, REWARD,
+                 "train.max_steps=3", "train.output_dir=async0", "rollout.async=on",
+                 "rollout.ranks=1", "rollout.max_staleness=0",
+                 env={"PYTHONPATH": str(REPO / "tests")})  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "rollout producer done: 3 batches sampled" in r.stdout, r.stdout
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same float sums as a rank's
+    try:
+        sync = train(shared_tiny_model, tmp_path / "sync", "train.max_steps=3")
+    finally:
+        torch.set_num_threads(threads)
+    final = tmp_path / "async0" / "final" / "adapter_model.safetensors"
+    async0 = (load_file(final), read_metrics(tmp_path / "async0" / "metrics.jsonl"))
+    same_run(sync, async0)
+    assert [r["async/staleness"] for r in async0[1]] == [0, 0, 0]
 
 
 SLOW_OR_BROKEN = """
@@ -424,7 +432,7 @@ def test_producer_rank_faults(shared_tiny_model, tmp_path):
 
     p = subprocess.Popen(
         [*TORCHRUN, "--nproc_per_node=2", "-m", "grpo", "train", "--config", TINY_CI, *common,
-         "train.output_dir=run", "train.max_steps=6", "rollout.max_staleness=1"],
+         "train.output_dir=run", "train.max_steps=5", "rollout.max_staleness=1"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1", **env, "REWARD_SLEEP": "0.3"},
     )  # fmt: skip
@@ -451,9 +459,9 @@ def test_producer_rank_faults(shared_tiny_model, tmp_path):
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     rows = read_metrics(metrics)
-    assert [x["step"] for x in rows] == list(range(1, 7))
+    assert [x["step"] for x in rows] == list(range(1, 6))
     # batch j is min(j - start, 1) updates old, start = 0, then the resumed step
-    assert [x["async/staleness"] for x in rows] == [0] + [1] * (step - 1) + [0] + [1] * (5 - step)
+    assert [x["async/staleness"] for x in rows] == [0] + [1] * (step - 1) + [0] + [1] * (4 - step)
 
 
 def test_memory_estimate_counts_the_producer(shared_tiny_model, tmp_path):

@@ -143,7 +143,7 @@ def test_every_collective_puts_its_tensor_on_the_rank_device(monkeypatch):
         raise _Recorded
 
     monkeypatch.setattr(td, "all_reduce", fake)
-    monkeypatch.setattr(td, "all_gather", lambda parts, x: fake([x, *parts]))
+    monkeypatch.setattr(td, "all_gather", lambda parts, x, **kw: fake([x, *parts]))
     rank = D.Dist(rank=0, world_size=2, local_rank=0, device=torch.device("meta"))
     calls = [
         lambda: D.all_reduce_sum(1.0, rank),
