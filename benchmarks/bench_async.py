@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_async                      # about 4 minutes on 2 cores
     python -m benchmarks.bench_async --steps 8 --repeats 1 --placements colocated
+    python -m benchmarks.bench_async --name async_cpu_long rollout.max_new_tokens=64
 
 Two placements, each measured side by side with its synchronous twin, runs interleaved
 (`--repeats` rounds of every mode, so a slow moment of the machine hits all modes alike):
@@ -90,6 +91,7 @@ def main(argv=None) -> None:
     p.add_argument("--staleness", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--placements", default="colocated,disaggregated")
+    p.add_argument("overrides", nargs="*", help="config overrides for every run, a.b=c")
     add_output_args(p, "async_cpu")
     args = p.parse_args(argv)
     placements = [x for x in args.placements.split(",") if x]
@@ -104,7 +106,8 @@ def main(argv=None) -> None:
             for placement in placements:
                 for mode, (n, extra) in modes(placement, args.staleness).items():
                     out = tmp / f"{placement}-{mode.replace(' ', '_')}-{rep}"
-                    res = run_once(n, args.config, model, args.steps, extra, out)
+                    res = run_once(n, args.config, model, args.steps,
+                                   [*args.overrides, *extra], out)  # fmt: skip
                     results.setdefault((placement, mode), []).append(res)
                     print(f"{placement} {mode} #{rep}: steady {res['steady_s']:.2f} s, "
                           f"wall {res['wall_s']:.1f} s", flush=True)  # fmt: skip
@@ -122,8 +125,8 @@ def main(argv=None) -> None:
             rows.append(row)
     write_results(args.name, rows, COLUMNS, out_dir=args.out_dir, meta={
         "command": " ".join(["python -m benchmarks.bench_async", *(argv or sys.argv[1:])]),
-        "config": args.config, "steps": args.steps, "staleness": args.staleness,
-        "repeats": args.repeats,
+        "config": args.config, "overrides": args.overrides, "steps": args.steps,
+        "staleness": args.staleness, "repeats": args.repeats,
         "timing": "steady_s = sum of perf/step_s over steps 2..N; wall_s includes start-up, "
                   "compile and the final save; medians over repeats",
     })  # fmt: skip
