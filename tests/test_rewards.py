@@ -420,6 +420,18 @@ def test_exit_and_interrupt_inside_a_reward_are_errors_naming_it():
 
 
 def test_a_real_ctrl_c_during_a_reward_still_interrupts():
+    import signal
+
+    # Python's own handler, as in a terminal (a process that a non-interactive shell started
+    # in the background inherits SIGINT ignored: no Ctrl-C reaches it at all)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ctrl_c_during_a_reward()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _ctrl_c_during_a_reward():
     import os
     import signal
     import threading
