@@ -89,7 +89,7 @@ class DataConfig:
 class RewardConfig:
     """One reward function with its weight: r = sum_k weight_k * reward_k."""
 
-    name: str = "accuracy"  # registered name or package.module:function
+    name: str  # registered name or package.module:function (required: never guessed)
     weight: float = 1.0
     kwargs: dict = field(default_factory=dict)
     # Most seconds one call may take; longer fails the step naming the function. The call then
@@ -348,6 +348,13 @@ class TrainConfig:
         _check(self.keep_last >= 1, "train.keep_last", "must be >= 1")
         _check(self.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", "must be >= 1")
         _check(self.dist_timeout_s > 0, "train.dist_timeout_s", "must be > 0 (seconds)")
+        out = str(self.output_dir).strip()
+        _check(
+            out not in ("", ".", "./") and Path(out).expanduser().resolve() != Path("/"),
+            "train.output_dir",
+            f"must name a directory of its own for the run, got {out!r} (the run would write "
+            "its checkpoints and final/ into the current directory or the root)",
+        )
         _check(
             self.parallel == "fsdp" or not self.fsdp_offload,
             "train.fsdp_offload",
@@ -397,7 +404,7 @@ class Config:
     model: ModelSourceConfig
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    rewards: tuple[RewardConfig, ...] = (RewardConfig(),)
+    rewards: tuple[RewardConfig, ...] = (RewardConfig("accuracy"),)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -80,6 +80,12 @@ def test_round_trip(cfg_file, tmp_path):
         ("lora.enabled=yesplease", r"lora.enabled: expected true/false"),
         ("optim.lr", r"must look like section.key=value"),
         ("log.kl_every=-1", r"log.kl_every: must be >= 0"),
+        # no silent changes: a reward is never guessed, a run never writes into . or /
+        ("rewards=[{weight: 2}]", r"rewards\[0\].name: is required"),
+        ("rewards=[{name: accuracy}, {weigth: 2}]", r"rewards\[1\].weigth: unknown key"),
+        ("train.output_dir=''", r"train.output_dir: must name a directory of its own"),
+        ("train.output_dir=.", r"train.output_dir: must name a directory of its own"),
+        ("train.output_dir=/", r"train.output_dir: must name a directory of its own"),
     ],
 )
 def test_bad_values_name_the_field(cfg_file, override, pattern):
