@@ -80,7 +80,7 @@ def run_once(n: int, config: str, model: Path, steps: int, extra: list[str], out
             "median_step_s": statistics.median(step[1:]), "rollout_share": statistics.fmean(share),
             "trainer_wait_s": mean("async/trainer_wait_s"),
             "producer_wait_s": mean("async/producer_wait_s"),
-            "staleness_max": max(x.get("async/staleness_max", 0) for x in rows)}  # fmt: skip
+            "staleness_max": max(x.get("async/staleness", 0) for x in rows)}  # fmt: skip
 
 
 def main(argv=None) -> None:

@@ -435,7 +435,10 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             t2 = time.perf_counter()
             peaks.end("logprob")
             where.phase = "update"
-            metrics = all_reduce_mean_dict(rollout_metrics(batch, cfg.rollout.max_turns), dist)
+            # the rollout's statistics and (async) the consumed batch's staleness and the time
+            # each side waited, in one all-reduce (staleness is the same on every rank)
+            metrics = rollout_metrics(batch, cfg.rollout.max_turns) | source.metrics()
+            metrics = all_reduce_mean_dict(metrics, dist)
             metrics.update(adv_stats)
             metrics.update(
                 update_phase(
@@ -446,11 +449,6 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             peaks.end("update")
             state.step += 1
             source.published(policy.model, state.step)  # the producer may sample with it now
-            if source.asynchronous:  # the consumed batch's staleness, the time each side waited
-                async_metrics = source.metrics()
-                worst = all_reduce_max(async_metrics["async/staleness"], dist)
-                metrics.update(all_reduce_mean_dict(async_metrics, dist))
-                metrics["async/staleness_max"] = worst
             tokens = all_reduce_sum(int(batch.rollout.completion_mask.sum()), dist)
             metrics.update(
                 {

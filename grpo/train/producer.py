@@ -460,8 +460,8 @@ def _produce(cfg: Config, policy, sampler, rows, reward_fns, make_env, roles: Ro
     k = cfg.rollout.max_staleness
     timeout = max(cfg.rollout.async_timeout_s, cfg.train.dist_timeout_s)
     weights = trainable_weights(policy.model)
-    layout, _ = pack_tensors(weights)
-    size = sum(-(-e["nbytes"] // 8) * 8 for e in layout)
+    layout, packed = pack_tensors(weights)
+    size = packed.numel()
     index_of = {id(r): i for i, r in enumerate(rows)}
     serves = roles.served_by(roles.rank)
     sends: collections.deque = collections.deque()
