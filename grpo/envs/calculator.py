@@ -17,15 +17,15 @@ short line.
 from __future__ import annotations
 
 import ast
-import json
 import math
 import operator
-import re
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from grpo.envs.tool_calls import ToolCall, ToolCallError, json_type, parse_tool_calls
 
 CALCULATOR_NAME = "calculator"
 
@@ -64,36 +64,10 @@ _UNARY_OPS: dict[type[ast.unaryop], Callable[[Any], Any]] = {
     ast.UAdd: operator.pos,
     ast.USub: operator.neg,
 }
-_TOOL_CALL_OPEN = "<tool_call>"
-_TOOL_CALL_CLOSE = "</tool_call>"
-_TOOL_CALL_RE = re.compile(
-    re.escape(_TOOL_CALL_OPEN) + r"(.*?)" + re.escape(_TOOL_CALL_CLOSE), re.S
-)
 
 
 class CalculatorError(ValueError):
     """An expression the calculator rejects; the message is one short line for the model."""
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One well-formed tool call: the tool's name and its keyword arguments."""
-
-    name: str
-    arguments: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class ToolCallError:
-    """A ``<tool_call>`` block that could not be read as a call (a value, not an exception).
-
-    Attributes:
-        message: What was wrong, one line (e.g. ``malformed JSON: Expecting value at 0``).
-        raw: The text inside the block (after ``<tool_call>`` for an unterminated one).
-    """
-
-    message: str
-    raw: str
 
 
 @dataclass(frozen=True)
@@ -256,73 +230,6 @@ def _check_power(base: int | float, exponent: int | float, limits: _Limits) -> N
         raise CalculatorError(f"result too large (limit {format_number(limits.max_abs)})")
 
 
-def parse_tool_calls(text: str) -> list[ToolCall | ToolCallError]:
-    """Find every Qwen3/Hermes ``<tool_call>{json}</tool_call>`` block in a completion.
-
-    Args:
-        text: Model output. Each block holds one JSON object ``{"name": str, "arguments":
-            {...}}``; whitespace and newlines around the JSON are allowed. ``arguments`` may also
-            be a JSON-encoded string of an object, as some models emit, or absent (= ``{}``).
-
-    Returns:
-        One entry per block, in order: a `ToolCall`, or a `ToolCallError` for malformed JSON,
-        a missing or non-string name, or non-object arguments. An unclosed ``<tool_call>`` at
-        the end is ``ToolCallError("unterminated tool call", rest)``. No blocks gives ``[]``.
-    """
-    results: list[ToolCall | ToolCallError] = []
-    end = 0
-    for match in _TOOL_CALL_RE.finditer(text):
-        results.append(_parse_one(match.group(1)))
-        end = match.end()
-    start = text.find(_TOOL_CALL_OPEN, end)
-    if start != -1:
-        results.append(
-            ToolCallError("unterminated tool call", text[start + len(_TOOL_CALL_OPEN) :])
-        )
-    return results
-
-
-def _parse_one(raw: str) -> ToolCall | ToolCallError:
-    """Read the JSON inside one ``<tool_call>`` block."""
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as e:
-        return ToolCallError(f"malformed JSON: {e.msg} at {e.pos}", raw)
-    except RecursionError:
-        return ToolCallError("malformed JSON: nested too deeply", raw)
-    if not isinstance(obj, dict):
-        return ToolCallError(f"tool call must be a JSON object, got {_json_type(obj)}", raw)
-    if "name" not in obj:
-        return ToolCallError('tool call has no "name"', raw)
-    name = obj["name"]
-    if not isinstance(name, str):
-        return ToolCallError(f'"name" must be a string, got {_json_type(name)}', raw)
-    arguments = obj.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except (json.JSONDecodeError, RecursionError):
-            return ToolCallError('"arguments" is a string but not JSON', raw)
-    if not isinstance(arguments, dict):
-        return ToolCallError(f'"arguments" must be an object, got {_json_type(arguments)}', raw)
-    return ToolCall(name=name, arguments=arguments)
-
-
-def _json_type(value: Any) -> str:
-    """The JSON name of a decoded value's type, for error messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    return "object"
-
-
 def run_tool_call(call: ToolCall | ToolCallError, *, timeout_s: float = 1.0) -> tuple[str, bool]:
     """Execute one parsed tool call and return the observation to show the model.
 
@@ -347,7 +254,7 @@ def run_tool_call(call: ToolCall | ToolCallError, *, timeout_s: float = 1.0) -> 
         return f"error: {CALCULATOR_NAME} needs the argument 'expression'", False
     expression = call.arguments["expression"]
     if not isinstance(expression, str):
-        kind = _json_type(expression)
+        kind = json_type(expression)
         return f"error: argument 'expression' must be a string, got {kind}", False
     try:
         value = evaluate_arithmetic(expression, timeout_s=timeout_s)
