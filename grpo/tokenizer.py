@@ -11,10 +11,31 @@ from grpo.errors import GrpoError
 from grpo.io import read_json, read_text
 
 # ChatML, as the Qwen families use it; `enable_thinking=False` closes an empty think block
-# the way Qwen3's template does.
+# the way Qwen3's template does. Like Qwen3's, it renders `tools` (the schemas, one JSON line
+# each, in the system message) and an assistant's `tool_calls` (one Hermes block each, exactly
+# what `grpo.envs.tool_calls.tool_call_text` writes and what a trained model generates); a
+# conversation without them renders as plain ChatML.
 CHATML_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}"
+    "{%- endif %}"
+    '{{- \'Tools (call one with <tool_call>{"name": ..., "arguments": {...}}</tool_call>):\' }}'
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- if not (tools and loop.first and message['role'] == 'system') %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{%- if message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set fn = call['function'] if call['function'] is defined else call %}"
+    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": ' + (fn['name'] | tojson) + ', \"arguments\": ' }}"
+    "{%- if fn['arguments'] is string %}{{- fn['arguments'] }}"
+    "{%- else %}{{- fn['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
     "{%- if enable_thinking is defined and enable_thinking is false %}"
@@ -63,8 +84,10 @@ def render_prompt(
     question: str,
     system_prompt: str | None = None,
     enable_thinking: bool | None = None,
+    tools: list[dict] | None = None,
 ) -> str:
-    """The chat-template rendering of one user turn, ending with the assistant header."""
+    """The chat-template rendering of one user turn, ending with the assistant header (with
+    `tools`, the tool schemas as the template renders them)."""
     if not getattr(tokenizer, "chat_template", None):
         raise GrpoError(
             f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
@@ -73,6 +96,8 @@ def render_prompt(
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": question})
     kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    if tools:
+        kwargs["tools"] = tools
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True, **kwargs
     )

@@ -14,7 +14,6 @@ texts, one per assistant turn, rendered exactly as the multi-turn sampler will s
 
 from __future__ import annotations
 
-import json
 import random
 
 from grpo.data.minimath import is_test_question
@@ -61,9 +60,10 @@ def toolmath(n: int, seed: int, split: str = "train", hard_frac: float = 0.7) ->
 
 
 def tool_call_text(expression: str) -> str:
-    """The assistant's tool call, as Qwen3's template renders one."""
-    args = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
-    return f"<tool_call>\n{args}\n</tool_call>"
+    """The assistant's calculator call, as Qwen3's template renders one."""
+    from grpo.envs.tool_calls import tool_call_text as render
+
+    return render("calculator", {"expression": expression})
 
 
 def trace(row: dict, use_tool: bool) -> list[dict]:
@@ -77,14 +77,18 @@ def trace(row: dict, use_tool: bool) -> list[dict]:
     return [user, call, {"role": "tool", "content": row["answer"]}, final]
 
 
-def sft_pairs(tokenizer, messages: list[dict], system_prompt: str | None = None) -> list[dict]:
+def sft_pairs(
+    tokenizer, messages: list[dict], system_prompt: str | None = None,
+    tools: list[dict] | None = None,
+) -> list[dict]:  # fmt: skip
     """One {prompt, completion} text pair per assistant turn of `messages`: the prompt is the
     conversation so far, built as the sampler builds it (the rendered first user turn, then
-    each earlier assistant turn and the template's delta for the message after it)."""
+    each earlier assistant turn and the template's delta for the message after it). With
+    `tools` the template renders the tool schemas (an environment's `use_template_tools`)."""
     from grpo.tokenizer import message_delta, render_prompt
 
     eos = tokenizer.eos_token
-    prompt = render_prompt(tokenizer, messages[0]["content"], system_prompt)
+    prompt = render_prompt(tokenizer, messages[0]["content"], system_prompt, tools=tools)
     pairs = []
     i = 1
     while i < len(messages):
@@ -95,7 +99,9 @@ def sft_pairs(tokenizer, messages: list[dict], system_prompt: str | None = None)
         after = messages[i + 1 : i + 2]
         if not after:
             break
-        prompt += turn["content"] + eos + message_delta(tokenizer, after[0], after_stop=True)
+        prompt += (
+            turn["content"] + eos + message_delta(tokenizer, after[0], after_stop=True, tools=tools)
+        )
         i += 2
     return pairs
 

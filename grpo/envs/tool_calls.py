@@ -8,6 +8,7 @@ The environments (`calculator`, `python`) and `grpo serve` (OpenAI `tool_calls`)
 functions, so a model trained against an environment is read the same way when it is served:
 
     parse_tool_calls(text)    -> [ToolCall | ToolCallError, ...]   every block, in order
+    find_tool_calls(text)     -> [(call or error, (start, end)), ...]
     split_tool_calls(text)    -> (content, [ToolCall, ...])        the server's view
     tool_call_text(name, args) -> the block, as Qwen3's chat template renders an assistant call
 
@@ -61,27 +62,32 @@ def parse_tool_calls(text: str) -> list[ToolCall | ToolCallError]:
         a missing or non-string name, or non-object arguments. An unclosed ``<tool_call>`` at
         the end is ``ToolCallError("unterminated tool call", rest)``. No blocks gives ``[]``.
     """
-    return [call for call, _ in _blocks(text)]
+    return [call for call, _ in find_tool_calls(text)]
 
 
-def split_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
+def split_tool_calls(text: str, limit: int | None = None) -> tuple[str, list[ToolCall]]:
     """A completion as an OpenAI assistant message: its content and its well-formed calls.
 
+    Args:
+        text: model output.
+        limit: take at most this many calls (the first ones); later blocks stay text.
+
     Returns:
-        ``(content, calls)``: `content` is `text` without the well-formed blocks (stripped of
-        the whitespace they leave); a malformed or unterminated block stays in it, as text.
+        ``(content, calls)``: `content` is `text` without the taken blocks and the white space
+        next to them; a malformed or unterminated block stays in it, as text. Without calls,
+        `content` is `text` unchanged.
     """
-    calls: list[ToolCall] = []
-    kept, end = [], 0
-    for call, (start, stop) in _blocks(text):
-        if isinstance(call, ToolCall):
-            kept.append(text[end:start])
-            end = stop
-            calls.append(call)
-    if not calls:
+    taken = [(c, span) for c, span in find_tool_calls(text) if isinstance(c, ToolCall)]
+    taken = taken[:limit] if limit is not None else taken
+    if not taken:
         return text, []
-    kept.append(text[end:])
-    return "".join(kept).strip(), calls
+    pieces, end = [], 0
+    for _, (start, stop) in taken:
+        pieces.append(text[end:start])
+        end = stop
+    pieces.append(text[end:])
+    kept = [pieces[0].rstrip()] + [p.strip() for p in pieces[1:-1]] + [pieces[-1].lstrip()]
+    return "\n".join(p for p in kept if p), [c for c, _ in taken]
 
 
 def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
@@ -91,8 +97,9 @@ def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
     return f"{TOOL_CALL_OPEN}\n{body}\n{TOOL_CALL_CLOSE}"
 
 
-def _blocks(text: str):
-    """(call or error, (start, end) of the block in `text`) for every block, in order."""
+def find_tool_calls(text: str):
+    """(`ToolCall` or `ToolCallError`, (start, end) of its block in `text`) for every block, in
+    order; an unterminated block runs to the end of the text."""
     end = 0
     for match in _TOOL_CALL_RE.finditer(text):
         yield _parse_one(match.group(1)), match.span()

@@ -13,6 +13,7 @@ import uuid
 
 from grpo.apps.serving.engine import Job, Unavailable
 from grpo.apps.serving.protocol import RequestError, Service
+from grpo.apps.serving.tools import ToolStream, ToolUse
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
                413: "invalid_request_error", 503: "server_busy"}  # fmt: skip
@@ -151,29 +152,36 @@ def build_app(service: Service, on_startup=None):
 
     async def openai_route(request: Request, chat: bool):
         try:
-            job, include_usage = service.openai_job(await read_body(request), chat)
+            job, include_usage, use = service.openai_job(await read_body(request), chat)
             head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
                     "object": "chat.completion" if chat else "text_completion",
                     "created": int(time.time()), "model": service.name}  # fmt: skip
             if job.stream:
-                return streaming(job, head, chat, include_usage)
+                return streaming(job, head, chat, include_usage, use)
             await run(job)
         except (RequestError, Unavailable) as e:
             return refused(e, openai=True)
         if job.error:
             return error(*job.error, None, True)
         if chat:
-            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": None, "finish_reason": c.finish_reason}
-                       for c in job.result]  # fmt: skip
+            choices = []
+            for c in job.result:
+                message = {"role": "assistant", "content": c.text}
+                reason = c.finish_reason
+                if use is not None:  # the reply's tool calls, read out of its text
+                    message, reason = use.message(use.prefix + c.text, reason)
+                choices.append({"index": c.index, "message": message, "logprobs": None,
+                                "finish_reason": reason})  # fmt: skip
         else:
             choices = [{"index": c.index, "text": c.text, "logprobs": None,
                         "finish_reason": c.finish_reason} for c in job.result]  # fmt: skip
         return {**head, "choices": choices, "usage": _usage(job)}
 
-    def streaming(job: Job, head: dict, chat: bool, include_usage: bool):
+    def streaming(job: Job, head: dict, chat: bool, include_usage: bool, use: ToolUse | None):
         """Submit `job` now (a 503 comes before any byte is sent), then its events as SSE:
-        per choice the role (chat), text deltas, a finish_reason; usage if asked; [DONE]."""
+        per choice the role (chat), text deltas, a finish_reason; usage if asked; [DONE].
+        With tools, content streams until a call begins and the calls come at the end
+        (`delta.tool_calls`, parsed from the choice's full text)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         job.notify = lambda event: _call_soon(loop, events.put_nowait, event)
@@ -189,6 +197,8 @@ def build_app(service: Service, on_startup=None):
                           "finish_reason": reason}  # fmt: skip
             return _sse({**head, "choices": [choice]})
 
+        tool_streams = [ToolStream(use) for _ in range(job.rows)] if use else None
+
         async def body():
             finished = False
             try:
@@ -196,14 +206,24 @@ def build_app(service: Service, on_startup=None):
                     for i in range(job.rows):
                         yield chunk(i, {"role": "assistant", "content": ""})
                 while (event := await events.get())[0] == "delta":
-                    yield chunk(event[1], {"content": event[2]})
+                    text = event[2]
+                    if tool_streams is not None:
+                        text = tool_streams[event[1]].feed(text)
+                    if text:
+                        yield chunk(event[1], {"content": text})
                 if job.error:  # after the 200: an error event, as OpenAI's API sends one
                     status, message = job.error
                     yield _sse({"error": {"message": message, "type": "server_error",
                                           "param": None, "code": status}})  # fmt: skip
                 else:
                     for c in job.result:
-                        yield chunk(c.index, {}, c.finish_reason)
+                        reason = c.finish_reason
+                        if tool_streams is not None:
+                            stream = tool_streams[c.index]
+                            deltas, reason = stream.finish(use.prefix + c.text, reason)
+                            for delta in deltas:
+                                yield chunk(c.index, delta)
+                        yield chunk(c.index, {}, reason)
                     if include_usage:
                         yield _sse({**head, "choices": [], "usage": _usage(job)})
                 yield _sse("[DONE]")

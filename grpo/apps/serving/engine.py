@@ -36,11 +36,13 @@ from dataclasses import dataclass, field
 import torch
 
 from grpo.apps.serving.text import Detokenizer, find_stop, held_back
+from grpo.envs.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from grpo.errors import GrpoError
 from grpo.rollout import Sampler
 from grpo.settings import between, check_value
 
 log = logging.getLogger(__name__)
+TOOL_TAGS = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
 
 
 class Unavailable(GrpoError):
@@ -179,6 +181,10 @@ class Engine:
         self.window = batch_window_ms / 1e3
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else 0
+        # tool-call tags the tokenizer marks special (the tiny tokenizers do; Qwen3's does not)
+        # stay in the text: the tool-call parser reads them
+        special = set(getattr(tokenizer, "all_special_tokens", ()))
+        self._keep = {tokenizer.convert_tokens_to_ids(t): t for t in TOOL_TAGS if t in special}
         self.lock = threading.Lock()  # held around each sampler call
         self.calls = 0  # sampler calls so far
         self.running: list[Job] = []
@@ -190,6 +196,19 @@ class Engine:
         self._seeds = itertools.count(seed)
         self._last_end = 0.0  # when the previous sampler call returned
         self._thread = threading.Thread(target=self._work, name="grpo-serve-engine", daemon=True)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of completion tokens: special tokens left out, tool-call tags kept."""
+        decode = self.tokenizer.decode
+        if not self._keep or self._keep.keys().isdisjoint(ids):
+            return decode(ids, skip_special_tokens=True)
+        parts, start = [], 0
+        for i, t in enumerate(ids):
+            if t in self._keep:
+                parts += [decode(ids[start:i], skip_special_tokens=True), self._keep[t]]
+                start = i + 1
+        parts.append(decode(ids[start:], skip_special_tokens=True))
+        return "".join(parts)
 
     @property
     def queued(self) -> int:
@@ -380,7 +399,7 @@ class Engine:
         stop_set = set(self.stop_ids)
         for r in rows:  # only rows whose text is watched: streamed, or with stop strings
             if r.job.stream or r.job.params.stop:
-                r.detok = Detokenizer(self.tokenizer)
+                r.detok = Detokenizer(self.decode)
 
         def hook(t: int, tok: torch.Tensor) -> torch.Tensor:
             self._check_abort(tok)
@@ -441,7 +460,7 @@ class Engine:
             else:
                 count = keep = min(n_real, p.max_tokens)
                 reason = "length"
-            text = self.tokenizer.decode(ids[:keep], skip_special_tokens=True)
+            text = self.decode(ids[:keep])
             cut = find_stop(text, p.stop) if p.stop else -1
             if cut >= 0:
                 text, reason = text[:cut], "stop"

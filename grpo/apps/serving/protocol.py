@@ -13,9 +13,11 @@ from dataclasses import MISSING, dataclass
 from typing import Any, Literal
 
 from grpo.apps.serving.engine import Engine, Job, SamplingParams
+from grpo.apps.serving.tools import MessageToolCall, ToolChoice, ToolSpec, ToolUse, tool_use
 from grpo.errors import GrpoError
 from grpo.settings import (
     ConfigError,
+    FieldError,
     Settings,
     between,
     brief_repr,
@@ -117,22 +119,58 @@ class TextPart(Body):
 
 @dataclass(frozen=True, kw_only=True)
 class Message(Body):
+    """A chat message. `content` may be null only for an assistant message with `tool_calls`;
+    `tool_calls` belong to assistant messages and `tool_call_id` to tool messages."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"] = setting(MISSING)
-    content: str | tuple[TextPart, ...] = setting(MISSING)
+    content: str | tuple[TextPart, ...] | None = None
     name: str | None = None
+    tool_calls: tuple[MessageToolCall, ...] | None = None
+    tool_call_id: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise FieldError("content: is required (null only for an assistant message with "
+                             "tool_calls)", field="content")  # fmt: skip
+        if self.tool_calls is not None and self.role != "assistant":
+            raise FieldError(f"tool_calls: only an assistant message has them, not "
+                             f"{self.role!r}", field="tool_calls")  # fmt: skip
+        if self.tool_call_id is not None and self.role != "tool":
+            raise FieldError(f"tool_call_id: only a tool message has one, not {self.role!r}",
+                             field="tool_call_id")  # fmt: skip
 
     def rendered(self) -> dict:
-        """{role, content} for the chat template (developer is OpenAI's newer name for
-        system; text parts joined)."""
+        """The message for the chat template: {role, content} (developer is OpenAI's newer
+        name for system; text parts joined), plus tool_calls / tool_call_id when given."""
         content = self.content
-        text = content if isinstance(content, str) else "".join(p.text for p in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if content is None:
+            text = ""
+        else:
+            text = content if isinstance(content, str) else "".join(p.text for p in content)
+        out = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [c.rendered() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
 class ChatBody(SamplingBody):
     messages: tuple[Message, ...] = setting(MISSING, check=non_empty)
     max_completion_tokens: int | None = setting(None, check=between(1))
+    tools: tuple[ToolSpec, ...] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)  # the checks
+
+    @property
+    def tool_use(self) -> ToolUse | None:
+        return tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,17 +242,23 @@ class Service:
             raise RequestError(field, "encodes to no tokens")
         return ids
 
-    def openai_job(self, body: bytes, chat: bool) -> tuple[Job, bool]:
-        """A /v1/chat/completions (`chat`) or /v1/completions body -> (Job, include_usage)."""
+    def openai_job(self, body: bytes, chat: bool) -> tuple[Job, bool, ToolUse | None]:
+        """A /v1/chat/completions (`chat`) or /v1/completions body -> (Job, include_usage,
+        how the chat request uses tools)."""
         req = read_body(body, ChatBody if chat else CompletionBody)
         self.check_model(req.model)
+        use = req.tool_use if chat else None
         if chat:
-            prompts = [self.render_chat([m.rendered() for m in req.messages])]
+            messages = [m.rendered() for m in req.messages]
+            prompt = self.render_chat(messages, tools=use.schemas if use else None)
+            if use and use.prefix:  # tool_choice required / named: the reply starts in a call
+                prompt += self.encode(use.prefix, "tool_choice")
+            prompts = [prompt]
         else:
             prompts = self.prompts(req.prompt)
         # OpenAI's defaults: a chat completion may fill the context, a text completion 16 tokens
         params = self.params(req, prompts, "messages" if chat else "prompt", None if chat else 16)
-        return Job(prompts, params, stream=req.stream), req.include_usage
+        return Job(prompts, params, stream=req.stream), req.include_usage, use
 
     def generate_job(self, body: bytes) -> tuple[Job, GenerateRequest]:
         """A /generate body -> (Job, the parsed request)."""
@@ -232,8 +276,9 @@ class Service:
                                 seed=req.seed)  # fmt: skip
         return Job([ids], params), req
 
-    def render_chat(self, messages: list[dict], field: str = "messages") -> list[int]:
-        """The chat template's rendering (with the generation prompt) as token ids."""
+    def render_chat(self, messages: list[dict], field: str = "messages",
+                    tools: list[dict] | None = None) -> list[int]:  # fmt: skip
+        """The chat template's rendering (with the generation prompt and `tools`) as ids."""
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
             raise RequestError(field, "this model's tokenizer has no chat template; "
@@ -241,6 +286,8 @@ class Service:
         if self.system_prompt and not any(m["role"] == "system" for m in messages):
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
         kwargs = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
+        if tools:
+            kwargs["tools"] = tools
         try:
             text = tok.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True, **kwargs

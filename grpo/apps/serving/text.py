@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class Detokenizer:
     """Incremental text of one row: decode a window of the last tokens and keep what it adds
-    to the window's earlier text, held back while it ends in an incomplete character."""
+    to the window's earlier text, held back while it ends in an incomplete character.
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    Args:
+        decode: token ids -> text (`Engine.decode`).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
         self.ids: list[int] = []
         self.text = ""
         self._prefix = 0  # window start
@@ -18,9 +22,8 @@ class Detokenizer:
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        decode = self.tokenizer.decode
-        before = decode(self.ids[self._prefix : self._read], skip_special_tokens=True)
-        now = decode(self.ids[self._prefix :], skip_special_tokens=True)
+        before = self.decode(self.ids[self._prefix : self._read])
+        now = self.decode(self.ids[self._prefix :])
         if len(now) <= len(before) or now.endswith("\ufffd"):
             return ""
         self._prefix, self._read = self._read, len(self.ids)
