@@ -248,7 +248,8 @@ def comparison_table(results: dict[str, dict]) -> str:
     keys = ["accuracy", "format_rate", "avg_length", "avg_steps", "mean_abs_error"]
     extra = sorted({k for s in results.values() for k in s if k.startswith(("pass@", "mean@"))})
     keys += extra
-    env_keys = ("turns_mean", "tool_calls_mean", "invalid_call_rate", "turn_limit_frac")
+    env_keys = ("turns_mean", "tool_calls_mean", "invalid_call_rate", "tool_error_rate",
+                "turn_limit_frac")  # fmt: skip
     keys += [k for k in env_keys if any(k in s for s in results.values())]
     lines = ["| model | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
     for name, s in results.items():
@@ -345,11 +346,17 @@ def run_eval_command(
     max_turns: int = 4,
     skip_memory_check: bool = False,
     max_prompt_len: int = DataConfig.max_prompt_len,
+    env_kwargs: dict | None = None,
+    without_tool: bool = True,
 ) -> dict:
     """`grpo eval`: evaluate one model (and optionally others) on the same problems; print a
     comparison table; write JSON to `out`. Each model reads the problems rendered by its own
     tokenizer. Sizes, contexts and memory are checked before any model loads
-    (grpo/run/preflight.py; `skip_memory_check` skips the memory part)."""
+    (grpo/run/preflight.py; `skip_memory_check` skips the memory part).
+
+    With an environment (`env`, its `env_kwargs`), each model is also evaluated on the same
+    problems without it (`without_tool`): one turn from the row's own prompt, nothing executed,
+    shown as "NAME (no tool)" and stored under the model's "without_tool" summary."""
     from pathlib import Path
 
     from grpo.io import check_output_file, write_json
@@ -363,10 +370,15 @@ def run_eval_command(
     if max_turns < 1:
         raise GrpoError(f"--max-turns must be >= 1, got {max_turns}")
     data_cfg, split = eval_data(data, max_prompt_len)
+    if env_kwargs and not env:
+        raise GrpoError("--env-kwargs needs --env")
+    if env == "single_turn":
+        env = None
     if env:
         from grpo.envs import env_factory
 
-        env_factory(env, key="--env")  # an unknown environment fails before any model loads
+        # an unknown environment or a bad keyword fails before any model loads
+        env_factory(env, env_kwargs, key="--env")
     specs = {"model": TrainedModel(model, (adapter,) if adapter else ())}
     for item in compare or []:
         name, _, spec = item.partition("=")
@@ -391,20 +403,26 @@ def run_eval_command(
             )
         rows_of[name] = by_tokenizer[spec.tokenizer_path]
         check_eval_rows(rows_of[name], [mc], budget, batch_size * k, device, skip_memory_check)
-    results, payload = {}, {"data": data, "k": k, "env": env, "models": {}}
+    results: dict[str, dict] = {}
+    payload = {"data": data, "k": k, "env": env, "env_kwargs": env_kwargs or {}, "models": {}}
     for name, spec in specs.items():
         net, tok, stops, _ = load_trained_model(spec, device=device)
         res = evaluate(
             net, tok, rows_of[name], stop_ids=stops, max_new_tokens=max_new_tokens,
             batch_size=batch_size, k=k, details=details, progress=True, env=env,
-            max_turns=max_turns,
+            env_kwargs=env_kwargs, max_turns=max_turns,
         )  # fmt: skip
-        del net
         results[name] = res.summary
         ad = spec.adapters[0] if spec.adapters else None
         payload["models"][name] = {"path": spec.path, "adapter": ad, "summary": res.summary}
         if details:
             payload["models"][name]["samples"] = res.samples
+        if env and without_tool:  # the same problems, one turn, nothing executed
+            off = evaluate(net, tok, rows_of[name], stop_ids=stops, max_new_tokens=max_new_tokens,
+                           batch_size=batch_size, k=k, progress=True)  # fmt: skip
+            results[f"{name} (no tool)"] = off.summary
+            payload["models"][name]["without_tool"] = off.summary
+        del net
     print(comparison_table(results))
     for name, s in results.items():
         print(f"{name}: errors {s.get('errors')}, by difficulty {s.get('by_difficulty')}")

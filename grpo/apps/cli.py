@@ -111,6 +111,21 @@ def cmd_merge(args) -> int:
     return 0
 
 
+def _json_object(text: str | None, flag: str) -> dict | None:
+    """A JSON object given on the command line (None when not given)."""
+    if text is None:
+        return None
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise GrpoError(f"{flag}: not valid JSON ({e}): {text!r:.80}") from None
+    if not isinstance(value, dict):
+        raise GrpoError(f"{flag}: expected a JSON object, got {text!r:.80}")
+    return value
+
+
 def cmd_eval(args) -> int:
     from grpo.eval import run_eval_command
 
@@ -119,6 +134,8 @@ def cmd_eval(args) -> int:
         k=args.k, out=args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
         details=args.details, compare=args.compare, env=args.env, max_turns=args.max_turns,
         skip_memory_check=args.skip_memory_check, max_prompt_len=args.max_prompt_len,
+        env_kwargs=_json_object(args.env_kwargs, "--env-kwargs"),
+        without_tool=not args.no_without_tool,
     )  # fmt: skip
     return 0
 
@@ -156,8 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--task",
         default=None,
-        choices=["math", "tools"],
-        help="math (default) or tools: products with a calculator tool, multi-turn",
+        choices=["math", "tools", "gsm8k-tools"],
+        help="math (default); tools: products with a calculator tool, multi-turn; gsm8k-tools: "
+        "GSM8K with a Python interpreter (pass base.data.source=DIR)",
     )
     p.add_argument(
         "overrides", nargs="*",
@@ -209,6 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env", default=None,
                    help="multi-turn episodes with this environment (e.g. calculator)")  # fmt: skip
     p.add_argument("--max-turns", type=int, default=4, help="model turns per episode (--env)")
+    p.add_argument("--env-kwargs", default=None, metavar="JSON",
+                   help='the environment\'s keyword arguments, e.g. \'{"use_template_tools": '
+                        'true}\'')  # fmt: skip
+    p.add_argument("--no-without-tool", action="store_true",
+                   help="with --env, skip the second pass without the tool")  # fmt: skip
     p.add_argument("--skip-memory-check", action="store_true",
                    help="skip the start-up memory estimate (docs/safety.md)")  # fmt: skip
     p.set_defaults(func=cmd_eval)

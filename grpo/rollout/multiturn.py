@@ -397,7 +397,7 @@ def turn_end_ids(tokenizer, tokens: Sequence[str]) -> list[int]:
     return out
 
 
-COUNTERS = ("tool_calls", "invalid_calls", "obs_truncated")
+COUNTERS = ("tool_calls", "invalid_calls", "tool_errors", "obs_truncated")
 
 
 def env_metrics(r: Rollout, max_turns: int) -> dict[str, float]:
@@ -412,8 +412,9 @@ def env_metrics(r: Rollout, max_turns: int) -> dict[str, float]:
     - obs_truncated_mean: observations cut at rollout.max_obs_tokens per trajectory (counting
       the observations appended to it, at most turns - 1 each);
     - obs_truncated_rate: cut observations / all appended observations;
-    - tool_calls_mean, invalid_calls_mean (the environment's counters) and invalid_call_rate
-      (invalid / all calls);
+    - tool_calls_mean, invalid_calls_mean, tool_errors_mean (the environment's counters),
+      invalid_call_rate (invalid / all calls: calls that could not be run) and tool_error_rate
+      (tool errors / all calls: calls that ran and failed, e.g. code that raised);
     - step_reward_mean: the environment's step rewards summed over a trajectory.
 
     A trajectory is cut (`finished` False) by exactly one of the two limits, so turn_limit_frac
@@ -432,6 +433,7 @@ def env_metrics(r: Rollout, max_turns: int) -> dict[str, float]:
         "env/budget_cut_frac": sum(c and n < max_turns for c, n in zip(cut, turns)) / B,
         "env/obs_truncated_rate": totals["obs_truncated"] / max(observations, 1),
         "env/invalid_call_rate": totals["invalid_calls"] / max(totals["tool_calls"], 1.0),
+        "env/tool_error_rate": totals["tool_errors"] / max(totals["tool_calls"], 1.0),
         "env/step_reward_mean": sum(sum(x) for x in r.turn_rewards) / B,
     }
     out.update({f"env/{k}_mean": v / B for k, v in totals.items()})
