@@ -43,7 +43,7 @@ def test_calculator_env_turns():
 
 def test_env_registry_errors():
     with pytest.raises(GrpoError, match=r"rollout.env: unknown environment 'nope'; registered: "
-                                        r"calculator, single_turn"):  # fmt: skip
+                                        r"calculator, python, single_turn"):  # fmt: skip
         env_factory("nope")
     with pytest.raises(GrpoError, match="rollout.env_kwargs: .*unexpected keyword argument 'x'"):
         env_factory("calculator", {"x": 1})

@@ -741,7 +741,7 @@ def check_eval_rows(
 
 # Environments whose final turn answers the row's math question by construction, and rewards
 # that score a final answer against ground_truth as `evaluate` does.
-ANSWER_ENVS = ("single_turn", "calculator")
+ANSWER_ENVS = ("single_turn", "calculator", "python")
 ANSWER_REWARDS = ("accuracy", "step")
 
 

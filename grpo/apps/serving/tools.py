@@ -12,9 +12,12 @@ message's content, as text, and the finish reason stays what the sampler gave.
         model decides.
     "none": the tools are not rendered and nothing is parsed.
     "required" / {"type": "function", "function": {"name": N}}: the assistant's reply is
-        started for the model with ``<tool_call>\\n{"name": "`` (or the whole head of a call
-        to N), so it continues inside a call; the reply's text includes that start. This is a
-        prefix, not a grammar: a model that then writes malformed JSON gets it back as content.
+        started for the model with ``<tool_call>\\n{"name": "`` (or ``...{"name": "N",
+        "arguments":`` for N), so it continues inside a call; the reply's text includes that
+        start. Each prefix ends where a BPE vocabulary splits such text anyway (before the
+        space that a following word takes), so the model continues as it would have written
+        it. This is a prefix, not a grammar: a model that then writes malformed JSON gets it
+        back as content.
 """
 
 from __future__ import annotations
@@ -157,7 +160,7 @@ def tool_use(tools, tool_choice, parallel: bool) -> ToolUse | None:
         if name not in names:
             raise FieldError(f"tool_choice: no tool named {name!r:.80} in `tools` "
                              f"({', '.join(names)})", field="tool_choice")  # fmt: skip
-        prefix = f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": '
+        prefix = f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments":'
     return ToolUse([t.schema() for t in tools], prefix, parallel)
 
 
