@@ -110,7 +110,7 @@ def test_reply_text_becomes_a_message():
     message, _ = single.message(two, "stop")
     assert len(message["tool_calls"]) == 1 and message["content"].startswith("<tool_call>")
     # malformed or unterminated: content, as text, and the finish reason unchanged
-    for bad in ("<tool_call>\n{not json}\n</tool_call>", "Final <tool_call>\n{\"name\": \"c"):
+    for bad in ("<tool_call>\n{not json}\n</tool_call>", 'Final <tool_call>\n{"name": "c'):
         assert use.message(bad, "stop") == ({"role": "assistant", "content": bad}, "stop")
     # a call cut by the token limit keeps "length"
     assert use.message(call, "length")[1] == "length"
@@ -177,8 +177,11 @@ def tool_model(tmp_path_factory):
                                 extra_special_tokens=TOOL_TOKENS,
                                 max_position_embeddings=1024)  # fmt: skip
     tok = load_tokenizer(model_dir)
-    pairs = [{"question": r["question"], "answer": r["answer"], **p}
-             for r in train for p in sft_pairs(tok, trace(r, use_tool=True), tools=TOOLS)]  # fmt: skip
+    pairs = [
+        {"question": r["question"], "answer": r["answer"], **p}
+        for r in train
+        for p in sft_pairs(tok, trace(r, use_tool=True), tools=TOOLS)
+    ]
     register_dataset("test-tool-agent-sft", DatasetDict(train=Dataset.from_list(pairs)),
                      overwrite=True)  # fmt: skip
     out = root / "sft"
