@@ -1,5 +1,6 @@
 """Environments for multi-turn (agentic) rollouts: the protocol, a registry, and built-ins
-(`single_turn`: today's one-turn behaviour; `calculator`: arithmetic tool calls)."""
+(`single_turn`: today's one-turn behaviour; `calculator`: arithmetic tool calls; `python`: a
+code interpreter for tool-integrated reasoning)."""
 
 from grpo.envs.base import (
     Environment,
@@ -11,16 +12,23 @@ from grpo.envs.base import (
     register_env,
 )
 from grpo.envs.calculator import CalculatorEnv
+from grpo.envs.python import PYTHON_TOOL, PythonEnv, PythonResult, network_isolation, run_python
 
 register_env("calculator", CalculatorEnv)
+register_env("python", PythonEnv)
 
 __all__ = [
+    "PYTHON_TOOL",
     "CalculatorEnv",
     "Environment",
+    "PythonEnv",
+    "PythonResult",
     "SingleTurn",
     "Step",
     "available_envs",
     "check_step",
     "env_factory",
+    "network_isolation",
     "register_env",
+    "run_python",
 ]

@@ -1,0 +1,570 @@
+"""Python tool: run model-written code in a separate, resource-limited process (ToRL / ReTool /
+SimpleTIR style tool-integrated reasoning), and the `python` environment around it.
+
+    run_python("print(48 / 2)").observation()            # -> "24.0"
+    run_python("1 / 0").observation()                   # -> "error: ZeroDivisionError: ..."
+    run_python("while True: pass", cpu_s=1).limit        # -> "cpu"
+
+This is a RESOURCE boundary, not a security boundary. It keeps a buggy or runaway program (an
+infinite loop, a memory bomb, a flood of output, a huge file, leftover child processes) from
+hurting the training run or the machine; it does not contain code written to escape. The code
+runs as the trainer's own user, can read whatever that user can read and write outside its
+directory, and can leave its process group (``os.setsid``) to outlive the wall-clock kill. The
+number of processes is not capped (RLIMIT_NPROC counts all of the user's processes), so a fork
+bomb is only stopped by the wall clock. Run untrusted models' code in a container or VM of its
+own.
+
+Each run is a fresh interpreter (``sys.executable -s -P -u``; no state carries over between
+runs; numpy, sympy and whatever else the trainer's environment has installed can be imported),
+started with:
+
+- a fresh temporary directory as cwd, HOME and TMPDIR, deleted afterwards;
+- a minimal environment: PATH, PYTHONHASHSEED=0, UTF-8 mode, one BLAS/OpenMP thread, nothing
+  else inherited (no tokens or keys from the trainer's environment); stdin is /dev/null;
+- its own session and process group (``start_new_session``);
+- limits set by a small runner before it executes the code: RLIMIT_CPU (`cpu_s`; SIGXCPU, then
+  SIGKILL a second later), RLIMIT_AS (`memory_mb`: allocation fails with MemoryError),
+  RLIMIT_FSIZE (`max_file_mb`: a larger write fails with EFBIG), RLIMIT_CORE=0, RLIMIT_NOFILE;
+- no network where the OS allows: the runner moves itself into a new user and network namespace
+  (``unshare(CLONE_NEWUSER | CLONE_NEWNET)``: only a loopback device, down) and silently runs
+  without one where that fails; `network_isolation()` says which applies on this machine.
+
+The parent enforces the wall clock (`timeout_s`): at the deadline it SIGKILLs the whole process
+group, so processes the code started die with it; it does the same as soon as the code's own
+process exits (nothing it started outlives the run) and when stdout grows far beyond
+`max_output_chars` (it stops reading and kills, so an endless ``print`` costs neither memory nor
+time). The process is always reaped.
+
+What the code can influence is only the observation text shown to the model: rewards read the
+model's own final turn, and the environment's reward and counters come from the parent's own
+bookkeeping of each run (ok, invalid, error), never from anything the code writes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from grpo.envs.base import Step
+from grpo.envs.tool_calls import ToolCall, ToolCallError, json_type, parse_tool_calls
+from grpo.errors import GrpoError
+
+PYTHON_NAME = "python"
+
+# The tool schema in the OpenAI / HF chat-template "tools" format (a constant: never mutate it).
+PYTHON_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": PYTHON_NAME,
+        "description": (
+            "Run a Python 3 program in a fresh interpreter and return what it prints (stdout), "
+            "or the error it ends with. Nothing is kept between calls; use print() to see "
+            "values. Time, memory and output are limited; there is no network."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "code": {
+                    "type": "string",
+                    "description": "The complete program, e.g. 'print(sum(range(10)))'.",
+                }
+            },
+            "required": ["code"],
+        },
+    },
+}
+
+# Exit codes of the runner (below, written out there) for an exception in the code, a MemoryError
+# and a write past RLIMIT_FSIZE. Code that exits with one of them itself only changes its own
+# observation.
+_EXIT_EXCEPTION, _EXIT_MEMORY, _EXIT_FILE_SIZE = 112, 113, 114
+_MAX_OPEN_FILES = 64
+_STDERR_TAIL = 4096  # bytes of stderr kept (its last line is all the observation uses)
+_AFTER_EXIT_S = 0.5  # once the code's process exited: most seconds to wait for its pipes' EOF
+_LINE_CHARS = 300  # an error line is cut here
+
+# The child's program: leave the network, set the limits, run the code, report how it ended.
+# Argument vector: code path, cpu seconds, address-space bytes, file bytes, open files; or
+# "--probe" (exit 0 iff the namespace move works).
+_RUNNER = r"""
+import os, sys
+
+def isolate():
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        uid, gid = os.getuid(), os.getgid()
+        if libc.unshare(0x10000000 | 0x40000000) != 0:  # CLONE_NEWUSER | CLONE_NEWNET
+            return False
+    except Exception:
+        return False
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                       ("gid_map", f"{gid} {gid} 1")):
+        try:
+            with open("/proc/self/" + name, "w") as f:
+                f.write(text)
+        except OSError:
+            pass
+    return True
+
+if sys.argv[1] == "--probe":
+    os._exit(0 if isolate() else 1)
+isolate()
+import resource
+path, cpu_s, as_bytes, file_bytes, nofile = sys.argv[1], *map(int, sys.argv[2:])
+with open(path, encoding="utf-8") as f:
+    source = f.read()
+
+def cap(which, soft, hard):
+    limit = resource.getrlimit(which)[1]
+    if limit != resource.RLIM_INFINITY:
+        soft, hard = min(soft, limit), min(hard, limit)
+    resource.setrlimit(which, (soft, hard))
+
+cap(resource.RLIMIT_CORE, 0, 0)
+cap(resource.RLIMIT_CPU, cpu_s, cpu_s + 1)
+cap(resource.RLIMIT_FSIZE, file_bytes, file_bytes)
+cap(resource.RLIMIT_NOFILE, nofile, nofile)
+cap(resource.RLIMIT_AS, as_bytes, as_bytes)
+sys.argv = ["<code>"]
+namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+try:
+    exec(compile(source, "<code>", "exec"), namespace)
+except SystemExit:
+    raise
+except BaseException as e:
+    namespace.clear()
+    if isinstance(e, MemoryError):
+        os.write(2, b"\nMemoryError\n")
+        os._exit(113)
+    code = 114 if isinstance(e, OSError) and e.errno == 27 else 112  # 27: EFBIG
+    try:
+        text = str(e)
+    except BaseException:
+        text = ""
+    line = type(e).__name__ + (": " + " ".join(text.split()) if text.strip() else "")
+    try:
+        sys.stdout.flush()
+    except BaseException:
+        pass
+    os.write(2, ("\n" + line + "\n").encode("utf-8", "replace"))
+    os._exit(code)
+"""
+
+
+@dataclass(frozen=True)
+class PythonResult:
+    """How one run ended.
+
+    Attributes:
+        output: its stdout, cut at `max_output_chars` (decoded as UTF-8, bad bytes replaced).
+        ok: it finished by itself with exit code 0 and its output was not cut.
+        error: one line, without the ``error: `` prefix: the exception's last line
+            (``ZeroDivisionError: division by zero``), the limit hit (``time limit (5 s)
+            exceeded``), ``exit code N``, or ``killed by SIGNAME``; None when it finished.
+        limit: which limit ended it: "time", "cpu", "memory", "file" or "output" (stdout grew
+            far beyond `max_output_chars` and the run was stopped); None when none did.
+        elapsed_s: wall-clock seconds from start to reaped.
+        truncated: stdout was longer than `max_output_chars`.
+    """
+
+    output: str
+    ok: bool
+    error: str | None = None
+    limit: str | None = None
+    elapsed_s: float = 0.0
+    truncated: bool = False
+
+    def observation(self) -> str:
+        """The text shown to the model: the output, then ``error: output cut at N
+        characters`` if it was cut, then ``error: <error>``; ``(no output)`` when all are
+        empty."""
+        lines = [self.output.rstrip("\n")] if self.output.strip() else []
+        if self.truncated:  # a cut output is exactly max_output_chars long
+            lines.append(f"error: output cut at {len(self.output)} characters")
+        if self.error is not None and self.limit != "output":
+            lines.append(f"error: {self.error}")
+        return "\n".join(lines) if lines else "(no output)"
+
+
+def run_python(
+    code: str,
+    *,
+    timeout_s: float = 5.0,
+    cpu_s: int = 5,
+    memory_mb: float = 512,
+    max_output_chars: int = 1024,
+    max_file_mb: float = 1,
+) -> PythonResult:
+    """Run a Python program in a fresh, limited process (see the module docstring).
+
+    Args:
+        code: the program's source.
+        timeout_s: wall-clock limit of the whole run (interpreter start included); at the
+            deadline the process group is killed.
+        cpu_s: CPU-seconds limit (RLIMIT_CPU) of the code's process (and of each it starts).
+        memory_mb: address-space limit (RLIMIT_AS) in MiB; a larger allocation raises
+            MemoryError. It bounds virtual memory: the interpreter takes about 20 MiB of it,
+            `import numpy` about 100, `import sympy` about 55.
+        max_output_chars: stdout beyond this is cut; the run is stopped once stdout passes
+            4 bytes per character of it.
+        max_file_mb: largest file the code may write (RLIMIT_FSIZE), in MiB.
+
+    Returns:
+        a `PythonResult`.
+
+    Raises:
+        GrpoError: a limit that is not positive.
+        OSError: the process could not be started (e.g. no processes or memory left).
+    """
+    _check_limits(timeout_s, cpu_s, memory_mb, max_output_chars, max_file_mb)
+    cpu = max(1, math.ceil(cpu_s))
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="grpo-python-", ignore_cleanup_errors=True) as root:
+        work = os.path.join(root, "work")
+        os.mkdir(work)
+        path = os.path.join(root, "code.py")
+        with open(path, "w", encoding="utf-8", errors="replace") as f:
+            f.write(code)
+        limits = [cpu, int(memory_mb * 2**20), int(max_file_mb * 2**20), _MAX_OPEN_FILES]
+        proc = subprocess.Popen(
+            [*_python_argv(), path, *map(str, limits)],
+            cwd=work,
+            env=_child_env(work),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # its own process group: pgid == pid
+        )
+        try:
+            out, err, stopped = _collect(proc, start + timeout_s, 4 * max_output_chars + 4)
+        finally:
+            _kill_group(proc.pid)  # before reaping: a zombie leader keeps the pgid from reuse
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            proc.stdout.close()
+            proc.stderr.close()
+    elapsed = time.monotonic() - start
+    text = out.decode("utf-8", "replace")
+    truncated = len(text) > max_output_chars
+    error, limit = _ending(
+        proc.returncode, stopped, usage.ru_utime + usage.ru_stime, _last_line(err),
+        timeout_s=timeout_s, cpu_s=cpu, memory_mb=memory_mb, max_file_mb=max_file_mb,
+        max_output_chars=max_output_chars,
+    )  # fmt: skip
+    return PythonResult(
+        output=text[:max_output_chars],
+        ok=error is None and not truncated,
+        error=error,
+        limit=limit,
+        elapsed_s=elapsed,
+        truncated=truncated,
+    )
+
+
+@functools.cache
+def network_isolation() -> bool:
+    """Whether run_python's processes get their own network namespace on this machine (probed
+    once per process with a child that tries; False means they share the trainer's network)."""
+    try:
+        with tempfile.TemporaryDirectory(prefix="grpo-python-") as work:
+            r = subprocess.run([*_python_argv(), "--probe"], cwd=work, env=_child_env(work),
+                               stdin=subprocess.DEVNULL, capture_output=True,
+                               timeout=30)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return r.returncode == 0
+
+
+def _python_argv() -> list[str]:
+    # -s: no user site-packages; -P (3.11+): no cwd on sys.path; -u: unbuffered, so output
+    # written before a kill is not lost. Not -I / -E: they would ignore PYTHONHASHSEED, and the
+    # environment is ours anyway.
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+    return [sys.executable, "-s", *safe_path, "-u", "-c", _RUNNER]
+
+
+def _child_env(work: str) -> dict[str, str]:
+    """The child's whole environment: nothing of the trainer's but PATH."""
+    return {
+        "PATH": os.environ.get("PATH", os.defpath),
+        "PYTHONHASHSEED": "0",
+        "PYTHONUTF8": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "HOME": work,
+        "TMPDIR": work,
+        "LANG": "C.UTF-8",
+        # one thread each: thread stacks and arenas count against RLIMIT_AS
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+
+
+def _check_limits(timeout_s, cpu_s, memory_mb, max_output_chars, max_file_mb) -> None:
+    values = dict(timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb,
+                  max_output_chars=max_output_chars, max_file_mb=max_file_mb)  # fmt: skip
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise GrpoError(f"python environment: {name} must be a number > 0, got {value!r}")
+        if not math.isfinite(value):
+            raise GrpoError(f"python environment: {name} must be finite, got {value!r}")
+    if not isinstance(max_output_chars, int):
+        raise GrpoError(f"python environment: max_output_chars must be an integer, "
+                        f"got {max_output_chars!r}")  # fmt: skip
+
+
+def _collect(proc: subprocess.Popen, deadline: float, max_out_bytes: int):
+    """Read the child's stdout and stderr until both close, the deadline, or too much stdout.
+
+    Returns:
+        (stdout bytes, the last _STDERR_TAIL bytes of stderr, "time" | "output" | None: why the
+        parent stopped the run). The process group is killed as soon as the code's process
+        exits, so pipes held by its children close too.
+    """
+    out, err = bytearray(), bytearray()
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ, "out")
+    sel.register(proc.stderr, selectors.EVENT_READ, "err")
+    pidfd = _pidfd(proc.pid)
+    if pidfd is not None:
+        sel.register(pidfd, selectors.EVENT_READ, "exit")
+    exited, stopped = False, None
+
+    def read(key) -> None:
+        chunk = os.read(key.fd, 65536)
+        if not chunk:
+            sel.unregister(key.fileobj)
+        elif key.data == "out":
+            out.extend(chunk)
+        else:
+            err.extend(chunk)
+            del err[:-_STDERR_TAIL]
+
+    try:
+        while not exited or any(key.data != "exit" for key in sel.get_map().values()):
+            now = time.monotonic()
+            if now >= deadline:
+                stopped = None if exited else "time"  # exited: an escaped process holds a pipe
+                break
+            poll = deadline - now if exited or pidfd is not None else min(0.05, deadline - now)
+            for key, _ in sel.select(poll):
+                if key.data == "exit":
+                    sel.unregister(key.fileobj)
+                else:
+                    read(key)
+            if len(out) > max_out_bytes:
+                stopped = "output"
+                break
+            if not exited and _has_exited(proc.pid):
+                exited = True
+                _kill_group(proc.pid)
+                deadline = min(deadline, time.monotonic() + _AFTER_EXIT_S)
+        _kill_group(proc.pid)
+        while len(out) <= max_out_bytes:  # what was written before the kill
+            ready = [k for k, _ in sel.select(0) if k.data != "exit"]
+            if not ready:
+                break
+            for key in ready:
+                read(key)
+    finally:
+        sel.close()
+        if pidfd is not None:
+            os.close(pidfd)
+    return bytes(out), bytes(err), stopped
+
+
+def _pidfd(pid: int) -> int | None:
+    """A pidfd that becomes readable when `pid` exits (Linux >= 5.3), or None: poll instead."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _has_exited(pid: int) -> bool:
+    """Whether `pid` has exited, without reaping it (WNOWAIT keeps its pid and pgid reserved)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _last_line(err: bytes) -> str:
+    lines = err.decode("utf-8", "replace").strip().splitlines()
+    line = lines[-1].strip() if lines else ""
+    return line if len(line) <= _LINE_CHARS else line[: _LINE_CHARS - 3] + "..."
+
+
+def _ending(returncode, stopped, cpu_used, line, *, timeout_s, cpu_s, memory_mb, max_file_mb,
+            max_output_chars) -> tuple[str | None, str | None]:  # fmt: skip
+    """(error line, limit) of a finished run: the parent's reason first, then the exit status."""
+    if stopped == "output":
+        return f"output cut at {max_output_chars} characters", "output"
+    if stopped == "time":
+        return f"time limit ({timeout_s:g} s) exceeded", "time"
+    if returncode == _EXIT_MEMORY:
+        return f"memory limit ({memory_mb:g} MB) exceeded", "memory"
+    if returncode in (_EXIT_FILE_SIZE, -signal.SIGXFSZ):
+        return f"file size limit ({max_file_mb:g} MB) exceeded", "file"
+    if returncode == -signal.SIGXCPU or (returncode == -signal.SIGKILL and cpu_used >= cpu_s):
+        return f"CPU time limit ({cpu_s} s) exceeded", "cpu"
+    if returncode == _EXIT_EXCEPTION:
+        return line or "exception", None
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}", None
+        except ValueError:
+            return f"killed by signal {-returncode}", None
+    if returncode > 0:
+        return f"exit code {returncode}" + (f" ({line})" if line else ""), None
+    return None, None
+
+
+_CODE_BLOCK_RE = re.compile(r"```(?:python|py)[ \t]*\n(.*?)```", re.S)
+_CODE_OPEN_RE = re.compile(r"```(?:python|py)[ \t]*(?:\n|$)")
+
+
+def code_runs(text: str) -> list[tuple[str | None, str | None]]:
+    """The runs a model turn asks for, as (code, None) or (None, error line) per call.
+
+    Tool calls (``<tool_call>{"name": "python", "arguments": {"code": ...}}</tool_call>``) when
+    the turn has any; otherwise each markdown ```` ```python ```` (or ```` ```py ````) block,
+    an unclosed last one being an error. ``[]``: neither, the turn is a final answer.
+    """
+    calls = parse_tool_calls(text)
+    if calls:
+        return [_call_code(call) for call in calls]
+    runs: list[tuple[str | None, str | None]] = []
+    end = 0
+    for match in _CODE_BLOCK_RE.finditer(text):
+        runs.append((match.group(1), None))
+        end = match.end()
+    if _CODE_OPEN_RE.search(text, end):
+        runs.append((None, "unterminated code block (close it with ```)"))
+    return runs
+
+
+def _call_code(call: ToolCall | ToolCallError) -> tuple[str | None, str | None]:
+    if isinstance(call, ToolCallError):
+        return None, call.message
+    if call.name != PYTHON_NAME:
+        return None, f"unknown tool {call.name!r}; available: {PYTHON_NAME}"
+    extra = sorted(set(call.arguments) - {"code"})
+    if extra:
+        names = ", ".join(repr(k) for k in extra)
+        return None, f"unexpected argument {names}; {PYTHON_NAME} takes 'code'"
+    if "code" not in call.arguments:
+        return None, f"{PYTHON_NAME} needs the argument 'code'"
+    code = call.arguments["code"]
+    if not isinstance(code, str):
+        return None, f"argument 'code' must be a string, got {json_type(code)}"
+    return code, None
+
+
+class PythonEnv:
+    """The `python` environment: the model may run Python code in any turn.
+
+    A turn that calls the tool (Hermes/Qwen3 tool calls, or markdown ```` ```python ````
+    blocks when it has no tool call) gets one `tool` message back joining each run's
+    observation with newlines: its stdout, and an ``error: ...`` line for an exception, a limit,
+    a cut output, or a malformed call (malformed JSON, unknown tool, bad arguments: answered
+    and counted, never raised). A turn with neither is the final answer and ends the trajectory
+    (the trajectory's reward functions score it; nothing the code prints or writes reaches a
+    reward). Runs are sequential: a turn takes at most ``max_calls_per_turn * timeout_s``.
+
+    Args:
+        timeout_s: wall-clock limit of one run.
+        cpu_s: CPU-seconds limit of one run (RLIMIT_CPU).
+        memory_mb: address-space limit of one run in MiB (RLIMIT_AS).
+        max_output_chars: a run's stdout is cut here (with an ``error: output cut`` line).
+        max_file_mb: largest file a run may write, in MiB (RLIMIT_FSIZE).
+        max_calls_per_turn: calls beyond this in one turn are answered with an error (invalid).
+        tool_reward: step reward per run that finished cleanly.
+        invalid_penalty: subtracted per invalid call (malformed, unknown tool, bad arguments,
+            over max_calls_per_turn).
+        error_penalty: subtracted per well-formed call whose code raised or hit a limit.
+        system_prompt: with use_template_tools, a system message before the question.
+        use_template_tools: start() returns the messages [system (optional), user question] so
+            the chat template renders the tool schema; otherwise the row's own prompt is used.
+
+    `Step.info` counts tool_calls (all calls), invalid_calls and tool_errors.
+    """
+
+    tools = [PYTHON_TOOL]
+
+    def __init__(
+        self,
+        timeout_s: float = 5.0,
+        cpu_s: int = 5,
+        memory_mb: float = 512,
+        max_output_chars: int = 1024,
+        max_file_mb: float = 1,
+        max_calls_per_turn: int = 4,
+        tool_reward: float = 0.0,
+        invalid_penalty: float = 0.0,
+        error_penalty: float = 0.0,
+        system_prompt: str | None = None,
+        use_template_tools: bool = False,
+    ):
+        _check_limits(timeout_s, cpu_s, memory_mb, max_output_chars, max_file_mb)
+        n = max_calls_per_turn
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise GrpoError(f"python environment: max_calls_per_turn must be an integer >= 1, "
+                            f"got {max_calls_per_turn!r}")  # fmt: skip
+        self.limits = dict(timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb,
+                           max_output_chars=max_output_chars, max_file_mb=max_file_mb)  # fmt: skip
+        self.max_calls_per_turn = max_calls_per_turn
+        self.tool_reward = tool_reward
+        self.invalid_penalty = invalid_penalty
+        self.error_penalty = error_penalty
+        self.system_prompt = system_prompt
+        self.use_template_tools = use_template_tools
+
+    def start(self, row: dict) -> list[dict] | None:
+        if not self.use_template_tools:
+            return None
+        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return messages + [{"role": "user", "content": row["question"]}]
+
+    def step(self, text: str, token_ids: list[int]) -> Step:
+        return self.answer(code_runs(text))
+
+    def answer(self, runs: list[tuple[str | None, str | None]]) -> Step:
+        """The Step for a turn's runs (`code_runs`' format): run each, join the observations."""
+        if not runs:
+            return Step(done=True)
+        results, ok, invalid, errors = [], 0, 0, 0
+        for i, (code, problem) in enumerate(runs):
+            if i >= self.max_calls_per_turn:
+                results.append(f"error: at most {self.max_calls_per_turn} tool calls per turn")
+                invalid += 1
+            elif code is None:
+                results.append(f"error: {problem}")
+                invalid += 1
+            else:
+                result = run_python(code, **self.limits)
+                results.append(result.observation())
+                ok += result.ok
+                errors += not result.ok
+        penalty = self.invalid_penalty * invalid + self.error_penalty * errors
+        reward = self.tool_reward * ok - penalty
+        info = {"tool_calls": len(runs), "invalid_calls": invalid, "tool_errors": errors}
+        return Step(observation="\n".join(results), reward=reward, info=info)
