@@ -370,7 +370,7 @@ def run_eval_command(
     if max_turns < 1:
         raise GrpoError(f"--max-turns must be >= 1, got {max_turns}")
     data_cfg, split = eval_data(data, max_prompt_len)
-    if env_kwargs and not env:
+    if env_kwargs is not None and not env:
         raise GrpoError("--env-kwargs needs --env")
     if env == "single_turn":
         env = None

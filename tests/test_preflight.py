@@ -354,6 +354,16 @@ def test_eval_command_checks_before_loading(shared_tiny_model, tmp_path, capsys,
     err = one_line(cli.main(["eval", "--model", str(shared_tiny_model), "--max-samples",
                              "1000000"]), capsys)  # fmt: skip
     assert err.startswith("grpo eval: error: --max-samples: 1000000 rows of generated data")
+    # the environment's options: JSON, an object, known to the environment, only with --env
+    env = [*base, "--env", "calculator", "--env-kwargs"]
+    err = one_line(cli.main([*env, "{bad"]), capsys)
+    assert err.startswith("grpo eval: error: --env-kwargs: not valid JSON")
+    err = one_line(cli.main([*env, "[1]"]), capsys)
+    assert err.startswith("grpo eval: error: --env-kwargs: expected a JSON object")
+    err = one_line(cli.main([*env, '{"tool_rewrd": 1}']), capsys)
+    assert "unexpected keyword argument 'tool_rewrd'" in err, err
+    err = one_line(cli.main([*base, "--env-kwargs", "{}"]), capsys)
+    assert err == "grpo eval: error: --env-kwargs needs --env"
     assert not out.parent.exists()
     # the override: the same rows pass the check without the memory part
     rows = [{"prompt_ids": [1] * 10}]
