@@ -92,9 +92,11 @@ class RewardConfig:
     name: str  # registered name or package.module:function (required: never guessed)
     weight: float = 1.0
     kwargs: dict = field(default_factory=dict)
-    # Most seconds one call may take; longer fails the step naming the function. The call then
-    # runs in a worker thread, abandoned (still running) on a timeout. null: no limit.
-    timeout_s: float | None = None
+    # Most seconds one call (the whole batch) may take; longer fails the step naming the
+    # function, so a reward that never returns cannot hang the run. The call runs in a worker
+    # thread, abandoned (still running) on a timeout. null: no limit, called in the caller's
+    # thread (for a function that must run in the main thread, e.g. to set signal handlers).
+    timeout_s: float | None = 300.0
 
     def __post_init__(self):
         if self.timeout_s is not None:
@@ -138,6 +140,10 @@ class RolloutConfig:
     max_obs_tokens: int = 64  # most tokens of one observation's content (longer ones are cut)
     gamma: float = 1.0  # per-turn discount: return = sum_k gamma^k r_k (+ gamma^(K-1) R_final)
     turn_end_tokens: tuple[str, ...] = ("</tool_call>",)  # also end a turn (if single tokens)
+    # Most seconds one environment call (start() or step() of one trajectory) may take; longer
+    # fails the rollout naming the environment, the trajectory and turn (it runs in a worker
+    # thread, abandoned on a timeout). null: no limit, called in the sampler's thread.
+    env_timeout_s: float | None = 60.0
     # Asynchronous rollouts (docs/async.md): a producer samples batch j with the policy of
     # update max(0, j - max_staleness) while the trainer updates; off = generate, then train.
     async_: Literal["off", "on"] = setting("off", key="async")
@@ -184,6 +190,9 @@ class RolloutConfig:
         _check(self.ranks == 0 or self.asynchronous, "rollout.ranks",
                f"{self.ranks} producer ranks need rollout.async: on")  # fmt: skip
         _check(self.async_timeout_s > 0, "rollout.async_timeout_s", "must be > 0")
+        if self.env_timeout_s is not None:
+            _check(self.env_timeout_s > 0, "rollout.env_timeout_s",
+                   f"must be > 0 (seconds) or null, got {self.env_timeout_s}")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -278,7 +287,16 @@ class OptimConfig:
                 ok = v is None or math.isfinite(v)
                 _check(ok, f"optim.{name}", f"must be a finite number, got {values}")
         _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
+        # AdamW moves every weight by about lr per update (|m/sqrt(v)| ~ 1): above 1 one update
+        # outgrows the weights themselves (fine-tuning uses 1e-7 .. 1e-3) and they soon overflow
+        _check(self.lr <= 1, "optim.lr", f"must be <= 1 (AdamW moves every weight by about lr "
+               f"per update), got {self.lr:g}")  # fmt: skip
         _check(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        # decoupled decay multiplies the weights by 1 - lr * weight_decay every update
+        factor = 1 - self.lr * self.weight_decay
+        _check(factor > 0, "optim.weight_decay",
+               f"times optim.lr must be < 1 (each update multiplies the weights by 1 - lr * "
+               f"weight_decay = {factor:g}), got {self.weight_decay:g}")  # fmt: skip
         _check(self.eps > 0, "optim.eps", f"must be > 0, got {self.eps}")
         ok = all(0 <= b < 1 for b in self.betas)
         _check(ok, "optim.betas", f"must both be in [0, 1), got {list(self.betas)}")
@@ -294,6 +312,7 @@ class TrainConfig:
 
     batch_size is per rank and per optimizer step: completions (P*G) for GRPO, examples for
     SFT. micro_batch_size rows go through one forward/backward; the rest is accumulation.
+    stall_steps and stop_on_stall (GRPO only) watch for learning that silently stops.
     """
 
     output_dir: str = "runs/run"
@@ -308,6 +327,12 @@ class TrainConfig:
     sample_every: int = 0  # print a sample completion every N steps (0 = never)
     keep_last: int = 2
     max_nonfinite_steps: int = 3  # stop after this many consecutive non-finite updates
+    # GRPO learning health (grpo/train/health.py, docs/safety.md): warn (rank 0) when, over this
+    # many consecutive steps, most completions are truncated with no signal left, every group's
+    # rewards are equal, the gradient norm is 0, the trainable weights do not move, or the
+    # reward mean is flat; the run summary's `health` lists each. 0 turns the checks off.
+    stall_steps: int = 10
+    stop_on_stall: bool = False  # stop the run (exit 2) when one of those checks fires
     # torchrun jobs: a collective that waits longer than this fails the job, each rank printing
     # one line naming itself, the phase and the step (docs/distributed.md)
     dist_timeout_s: float = 600.0
@@ -347,6 +372,9 @@ class TrainConfig:
             _check(getattr(self, name) >= 0, f"train.{name}", "must be >= 0")
         _check(self.keep_last >= 1, "train.keep_last", "must be >= 1")
         _check(self.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", "must be >= 1")
+        _check(self.stall_steps >= 0, "train.stall_steps", "must be >= 0 (0 = no checks)")
+        _check(not self.stop_on_stall or self.stall_steps > 0, "train.stop_on_stall",
+               "needs train.stall_steps > 0 (0 turns the checks off)")  # fmt: skip
         _check(self.dist_timeout_s > 0, "train.dist_timeout_s", "must be > 0 (seconds)")
         out = str(self.output_dir).strip()
         _check(

@@ -104,6 +104,16 @@ class CollectiveError(GrpoError):
     the one line and leaves at once (the process group is unusable)."""
 
 
+class JobError(GrpoError):
+    """The same error on every rank, decided once (rank 0's verdict on the run directory, a
+    checkpoint saved by fewer ranks): rank 0 prints it, the others exit non-zero without a
+    line of their own (`rank`, as for TrainingInterrupted)."""
+
+    def __init__(self, message: str, rank: int = 0):
+        super().__init__(message)
+        self.rank = rank
+
+
 @dataclass
 class Where:
     """What this rank is doing (set by the training loop), for the report of a failure."""
@@ -111,32 +121,51 @@ class Where:
     phase: str = "start-up"
     step: int = 0
 
+    @property
+    def label(self) -> str:
+        """The phase and step ("rollout, step 3"); the phase alone before step 1."""
+        return f"{self.phase}, step {self.step}" if self.step else self.phase
+
 
 _PEER_FAILURE = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe",
                  "nccl", "gloo", "processgroup")  # fmt: skip
 
 
-@contextlib.contextmanager
-def failures_named(dist: Dist, where: Where, timeout_s: float):
-    """Turn a failed or timed-out collective into one line naming this rank, the phase and the
-    step (`CollectiveError`); everything else passes through unchanged."""
+def collective_failure(e: BaseException) -> str | None:
+    """How a collective failed: "timeout" (it waited too long for a peer), "lost" (a peer
+    closed its connection: it died or left), "failed" (another backend or network error);
+    None when `e` is no collective's failure. DistError derives from RuntimeError."""
+    if not isinstance(e, RuntimeError):
+        return None
+    text = str(e).lower()
+    if not (isinstance(e, getattr(td, "DistError", ())) or any(s in text for s in _PEER_FAILURE)):
+        return None
+    if "timed out" in text or "timeout" in text:
+        return "timeout"
+    lost = ("connection closed", "connection reset", "broken pipe")
+    return "lost" if any(s in text for s in lost) else "failed"
+
+
+def job_store():
+    """The key-value store the default process group was built on (torchrun's agent store, or
+    rank 0's TCPStore without torchrun); None without one."""
+    if not (td.is_available() and td.is_initialized()):
+        return None
     try:
-        yield
-    except GrpoError:
-        raise
-    except RuntimeError as e:  # DistError (backend, network, store) derives from RuntimeError
-        text = str(e)
-        peer = isinstance(e, getattr(td, "DistError", ())) or any(
-            s in text.lower() for s in _PEER_FAILURE
-        )
-        if not dist.enabled or not peer:
-            raise
-        first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-        raise CollectiveError(
-            f"rank {dist.rank} of {dist.world_size}: a collective failed in the {where.phase} "
-            f"phase of step {where.step} (train.dist_timeout_s={timeout_s:g}): {first[:200]}. "
-            "Another rank died or hung: its own line says why"
-        ) from None
+        return td.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def hosts_store(dist: Dist) -> bool:
+    """Whether this process serves the job's store: rank 0 without torchrun (under torchrun
+    the agent serves it, TORCHELASTIC_USE_AGENT_STORE). When it exits, the store goes too."""
+    return dist.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+
+def elastic_error_file() -> str | None:
+    """Where torchrun reads this worker's error (TORCHELASTIC_ERROR_FILE); None without."""
+    return os.environ.get("TORCHELASTIC_ERROR_FILE") or None
 
 
 class RankFailed(GrpoError):
@@ -200,11 +229,9 @@ def _agree(dist: Dist, where: Where, error: BaseException | None) -> None:
     if error is not None:
         return
     first = failed[0]
-    phase = f"the {where.phase} phase" + (f" of step {where.step}" if where.step else "")
     others = f" (ranks {', '.join(map(str, failed))} failed)" if len(failed) > 1 else ""
     raise RankFailed(
-        f"rank {dist.rank} of {dist.world_size}: stopped because rank {first} failed in "
-        f"{phase}{others}: {lines[first]}",
+        f"rank {dist.rank}: stopped: rank {first} failed ({where.label}){others}: {lines[first]}",
         failed,
     )
 

@@ -136,6 +136,7 @@ def evaluate(
     max_obs_tokens: int = 64,
     turn_end_tokens: tuple[str, ...] = ("</tool_call>",),
     precision=None,
+    env_timeout_s: float | None = 60.0,
 ) -> EvalResult:
     """Greedy accuracy and, with k > 1, pass@k / mean@k from k samples per prompt.
 
@@ -153,8 +154,9 @@ def evaluate(
         env: an environment (`rollout.env` names) for multi-turn episodes: the final turn is
             scored (math accuracy against `ground_truth`, whatever the environment), and the
             `env_metrics` (turns, tool calls, limits, ...) are reported per problem.
-        env_kwargs, max_turns, max_total_tokens, max_obs_tokens, turn_end_tokens: as the
-            `rollout.*` settings of the same names (max_new_tokens is per turn).
+        env_kwargs, max_turns, max_total_tokens, max_obs_tokens, turn_end_tokens,
+            env_timeout_s: as the `rollout.*` settings of the same names (max_new_tokens is
+            per turn).
         precision: the run's `grpo.precision.Precision` (a trainer's evaluation runs in the
             numerics it trains in); default: compute in the weights' dtype.
 
@@ -173,7 +175,8 @@ def evaluate(
                         "answer against (evaluation scores math accuracy)")  # fmt: skip
     sampler = Sampler(model, precision=precision)
     generate = _generator(sampler, tokenizer, stop_ids, max_new_tokens, env, env_kwargs,
-                          max_turns, max_total_tokens, max_obs_tokens, turn_end_tokens)  # fmt: skip
+                          max_turns, max_total_tokens, max_obs_tokens, turn_end_tokens,
+                          env_timeout_s)  # fmt: skip
     scored, samples, diffs, pass_hits, mean_hits = [], [], [], [], []
     env_sums: dict[str, float] = {}
     batches = range(0, len(rows), batch_size)
@@ -213,7 +216,7 @@ def evaluate(
 
 
 def _generator(sampler, tokenizer, stop_ids, max_new_tokens, env, env_kwargs, max_turns,
-               max_total_tokens, max_obs_tokens, turn_end_tokens):  # fmt: skip
+               max_total_tokens, max_obs_tokens, turn_end_tokens, env_timeout_s=60.0):  # fmt: skip
     """(rows, group size, temperature, seed) -> Rollout: single turn, or episodes with `env`."""
     pad = tokenizer.pad_token_id
     if env is None or env == "single_turn":
@@ -237,7 +240,7 @@ def _generator(sampler, tokenizer, stop_ids, max_new_tokens, env, env_kwargs, ma
             sampler, tokenizer, chunk, make_env, env_name=env, group_size=G,
             max_new_tokens=max_new_tokens, max_turns=max_turns, max_total_tokens=total,
             max_obs_tokens=max_obs_tokens, stop_ids=stop_ids, turn_end_ids=ends, seed=seed,
-            pad_id=pad, temperature=temperature,
+            pad_id=pad, temperature=temperature, step_timeout_s=env_timeout_s,
         )  # fmt: skip
 
     return episodes
@@ -268,7 +271,7 @@ def eval_env_settings(cfg: Config) -> dict:
     same = env == r.env
     return {"env": env, "env_kwargs": r.env_kwargs if same else {}, "max_turns": r.max_turns,
             "max_total_tokens": r.max_total_tokens, "max_obs_tokens": r.max_obs_tokens,
-            "turn_end_tokens": r.turn_end_tokens}  # fmt: skip
+            "turn_end_tokens": r.turn_end_tokens, "env_timeout_s": r.env_timeout_s}  # fmt: skip
 
 
 def average_reward(cfg: Config, rows: list[dict], samples: list[dict]) -> float:

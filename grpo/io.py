@@ -278,3 +278,27 @@ def check_output_file(path: str | Path, flag: str) -> Path:
     if not os.access(parent, os.W_OK):
         raise FileError(f"{flag} {p}: directory {parent} is not writable", p)
     return p
+
+
+_HUB_PROBES: dict[tuple[str, int], str | None] = {}
+
+
+def hub_unreachable(timeout_s: float = 3.0) -> str | None:
+    """Why the Hugging Face Hub cannot be reached, in a few words, or None when it answers a
+    TCP connect within `timeout_s` (checked once per process). With HF_HUB_OFFLINE set the
+    libraries read their caches and fail fast on their own: None. Offline, the libraries'
+    own calls retry for half a minute before failing; this lets a hub id fail in seconds."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() not in ("", "0", "false", "no", "off"):
+        return None
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    key = (url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443))
+    if key not in _HUB_PROBES:
+        try:
+            socket.create_connection(key, timeout=timeout_s).close()
+            _HUB_PROBES[key] = None
+        except OSError as e:
+            _HUB_PROBES[key] = f"{key[0]}:{key[1]}: {e.strerror or e}"
+    return _HUB_PROBES[key]

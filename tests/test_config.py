@@ -86,11 +86,26 @@ def test_round_trip(cfg_file, tmp_path):
         ("train.output_dir=''", r"train.output_dir: must name a directory of its own"),
         ("train.output_dir=.", r"train.output_dir: must name a directory of its own"),
         ("train.output_dir=/", r"train.output_dir: must name a directory of its own"),
+        # settings that cannot work: no update stays finite, no hang is bounded
+        ("optim.lr=1e30", r"optim.lr: must be <= 1 \(AdamW moves every weight by about lr"),
+        ("rollout.env_timeout_s=0", r"rollout.env_timeout_s: must be > 0 \(seconds\) or null"),
     ],
 )
 def test_bad_values_name_the_field(cfg_file, override, pattern):
     with pytest.raises(ConfigError, match=pattern):
         load_config(cfg_file, [override])
+
+
+def test_rewards_and_environments_have_a_time_limit_by_default(cfg_file):
+    """No hang by default: a reward call may take 300 s, an environment call 60 s; null turns
+    a limit off (the call then runs in the caller's thread)."""
+    cfg = load_config(cfg_file)
+    assert cfg.rollout.env_timeout_s == 60.0
+    assert [r.timeout_s for r in cfg.rewards] == [300.0, 300.0]
+    off = load_config(cfg_file, ["rollout.env_timeout_s=null",
+                                 "rewards=[{name: accuracy, timeout_s: null}]"])  # fmt: skip
+    assert off.rollout.env_timeout_s is None and off.rewards[0].timeout_s is None
+    assert load_config(base=config_to_dict(off)) == off  # null survives the saved config
 
 
 def test_whole_groups_is_a_grpo_rule_only(cfg_file, tmp_path):

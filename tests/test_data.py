@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 from datasets import Dataset, DatasetDict
 
+import grpo.io
 from grpo.data import (
     MATH_SYSTEM_PROMPT,
     format_math_dataset,
@@ -98,10 +100,33 @@ def test_load_directory_layouts(tmp_path):
     Dataset.from_list(ROWS[2:]).to_parquet(shards / "train-00001-of-00002.parquet")
     ds = load_gsm8k("train[1:]", source=tmp_path / "hub")
     assert ds["question"] == [r["question"] for r in ROWS[1:]]
+    # a .jsonl next to the shards: which one is meant is not guessed
+    _write_jsonl(shards / "train.jsonl", ROWS[:1])
+    with pytest.raises(GrpoError, match=r"main: several files for split 'train' \(train.jsonl, "
+                       r"train-00000-of-00002.parquet, train-00001-of-00002.parquet\); keep "
+                       r"one, or point data.source at the file to use$"):  # fmt: skip
+        load_gsm8k("train", source=tmp_path / "hub")
+    assert len(load_gsm8k("train", source=shards / "train.jsonl")) == 1
 
     single = tmp_path / "one.parquet"
     Dataset.from_list(ROWS).to_parquet(single)
     assert load_gsm8k("test", source=single)["answer"] == [r["answer"] for r in ROWS]
+
+
+def test_a_column_of_mixed_types_is_one_line_naming_it(tmp_path):
+    rows = [{**ROWS[0], "id": 1}, {**ROWS[1], "id": 2.5}, {**ROWS[2], "id": "x"}]
+    with pytest.raises(
+        GrpoError,
+        match=r"^\S*mixed.jsonl: column 'id' holds a number at row 0 "
+        r"and a str at row 2; give every row the same type in each column$",
+    ):
+        load_gsm8k("train", source=_write_jsonl(tmp_path / "mixed.jsonl", rows))
+    ok = [{**ROWS[0], "id": 1}, {**ROWS[1], "id": 2.5}, {**ROWS[2], "id": None}]
+    assert load_gsm8k("train", source=_write_jsonl(tmp_path / "ok.jsonl", ok))["id"] == [
+        1,
+        2.5,
+        None,
+    ]
 
 
 def test_load_errors_name_file_and_row(tmp_path):
@@ -137,6 +162,8 @@ def test_load_hub_id_goes_through_datasets(monkeypatch):
         return Dataset.from_list(ROWS)
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setitem(grpo.io._HUB_PROBES, ("huggingface.co", 443), None)  # "reachable"
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
     ds = load_gsm8k("train[:2]")
     assert calls == [("openai/gsm8k", "main", "train")] and len(ds) == 2
 
@@ -146,6 +173,34 @@ def test_load_hub_id_goes_through_datasets(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(GrpoError, match="cannot load dataset 'openai/gsm8k' split 'test'.*offline"):
         load_gsm8k("test")
+
+
+def test_an_unreachable_hub_fails_in_seconds_naming_the_source(monkeypatch):
+    """No network: a hub id or a misspelt dataset name is one line at once, not half a
+    minute of the libraries' retries. The probe is a real connect to a closed local port."""
+    import socket
+
+    import grpo.data.formats as formats
+    from grpo.models.loading import resolve_model_dir
+
+    with socket.socket() as s:  # a port nothing listens on: the connect is refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(grpo.io, "_HUB_PROBES", {})
+    start = time.monotonic()
+    with pytest.raises(GrpoError, match=r"^dataset 'gsm8kk' is not a registered name \(gsm8k, "
+                       r".*minimath\) nor a local file or directory, and the hub cannot be "
+                       rf"reached to load it as a hub id \(127.0.0.1:{port}: "):  # fmt: skip
+        formats.get_dataset("gsm8kk")
+    with pytest.raises(GrpoError, match=r"^dataset 'openai/gsm8k' is on the hub, which cannot "
+                       r"be reached .*; pass a local copy as data.source"):  # fmt: skip
+        load_gsm8k("test")
+    with pytest.raises(GrpoError, match=r"^model 'Org/nowhere-0.6B': not a local directory, not "
+                       r"in the hub cache, and the hub cannot be reached"):  # fmt: skip
+        resolve_model_dir("Org/nowhere-0.6B")
+    assert time.monotonic() - start < 10
 
 
 def test_load_real_gsm8k():
@@ -227,6 +282,12 @@ def test_format_errors(tiny_tokenizer):
         format_math_dataset(bad, "sft", tokenizer=tiny_tokenizer)
     with pytest.raises(GrpoError, match="no 'answer' column"):
         format_math_dataset([{"question": "Q?"}], "sft", tokenizer=tiny_tokenizer)
+    # a column the trainer passes reward functions itself: named, not blamed on a reward
+    for name in ("completions", "completion_ids", "num_turns"):
+        rows = [{**r, name: "x"} for r in ROWS]
+        with pytest.raises(GrpoError, match=f"^dataset: column '{name}' is a name the trainer "
+                           "itself passes to reward functions"):  # fmt: skip
+            format_math_dataset(rows, "rl", tokenizer=tiny_tokenizer)
 
 
 # ---------------------------------------------------------------- registry

@@ -30,6 +30,7 @@ from grpo.run.preflight import (
     OBS_GLUE_TOKENS,
     eval_fit_notice,
     guaranteed_turns,
+    same_data_notice,
     start_notices,
     turn_budget_notices,
 )
@@ -241,6 +242,30 @@ def test_eval_fit_notice():
     assert start_notices(config(*custom, "data.eval_samples=0")) == []
     assert start_notices(config(*custom, "data.eval_samples=0"), pipeline=True) == [line]
     assert start_notices(config()) == []  # tiny_ci says nothing
+
+
+def test_evaluating_on_the_training_problems_is_stated(tmp_path):
+    """One file read for both splits, or one split named twice: a line before the run."""
+    data = tmp_path / "all.jsonl"
+    data.write_text('{"question": "q", "answer": "#### 1"}\n')
+    src = ["data.dataset=gsm8k", f"data.source={data}"]
+    line = same_data_notice(config(*src))
+    assert line == (
+        f"data.source: one file ({data}) serves both data.split='train' and "
+        "data.eval_split='test' (a file is read whatever the split name): the evaluation "
+        "scores training problems; give a directory with a file per split, or slice the file "
+        "(e.g. data.split='train[:90%]', data.eval_split='train[90%:]')"
+    )
+    assert line in start_notices(config(*src))
+    assert same_data_notice(config(f"data.dataset={data}")).startswith("data.dataset: one file")
+    sliced = ["data.split=train[:90%]", "data.eval_split=train[90%:]"]
+    assert same_data_notice(config(*src, *sliced)) is None
+    assert same_data_notice(config("data.eval_split=train")) == (
+        "data.eval_split: 'train' is data.split: the evaluation scores training problems; "
+        "name a held-out split (e.g. test)"
+    )
+    assert same_data_notice(config(*sliced)) is None  # minimath: two slices, no overlap
+    assert start_notices(config(*src, "data.eval_samples=0")) == []  # nothing evaluates
 
 
 def test_evaluate_refuses_rows_without_ground_truth():

@@ -365,6 +365,106 @@ def test_nonfinite_updates_are_skipped_then_stop(model_dir, tmp_path, monkeypatc
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing saved from a bad state
 
 
+def nan_at_update(k: int):
+    """`build_optimizer` whose k-th optimizer step (1-based) leaves a weight NaN, as an lr far
+    too large or an fp16 overflow would."""
+    from grpo.run.optim import build_optimizer
+
+    def build(params, cfg):
+        opt = build_optimizer(params, cfg)
+        calls = [0]
+
+        def after_step(opt, args, kwargs):
+            calls[0] += 1
+            if calls[0] == k:
+                with torch.no_grad():
+                    opt.param_groups[0]["params"][0].view(-1)[0] = float("nan")
+
+        opt.register_step_post_hook(after_step)
+        return opt
+
+    return build
+
+
+@pytest.mark.parametrize("command, extra", [("train", ["loss.num_iterations=1"]),
+                                            ("sft", ["lora.enabled=false"])])  # fmt: skip
+def test_nonfinite_weights_stop_the_run_at_that_step(model_dir, tmp_path, capsys, monkeypatch,
+                                                     command, extra):  # fmt: skip
+    """An update that leaves a weight NaN stops the run at that step in one line naming the
+    step, its loss, grad norm and lr; the checkpoint before it stays, no final/ is written."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("grpo.run.loop.build_optimizer", nan_at_update(2))
+    args = [command, "--config", TINY_CI, f"model.path={model_dir}", *FAST, *extra,
+            "train.max_steps=3", "train.output_dir=run"]  # fmt: skip
+    code = cli.main(args)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"grpo {command}: error: step 2: the weights are not finite after the "
+                          "update (loss "), err  # fmt: skip
+    # lr: update 2 of 3 on the cosine from 1e-3: 1e-3 * (1 + cos(pi / 3)) / 2
+    assert ", grad norm " in err and ", lr 0.00075); lower optim.lr" in err, err
+    run = tmp_path / "run"
+    assert latest_checkpoint(run).name == "step_000001" and not (run / "final").exists()
+    assert all(torch.isfinite(w).all() for w in final_weights(run, 1).values())
+
+
+def test_optimizer_settings_that_cannot_train_are_refused():
+    from grpo.config import OptimConfig
+    from grpo.settings import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^optim.lr: must be <= 1 \(AdamW moves every"):
+        OptimConfig(lr=1e30)
+    with pytest.raises(ConfigError, match=r"^optim.weight_decay: times optim.lr must be < 1"):
+        OptimConfig(lr=0.5, weight_decay=2.0)
+    OptimConfig(lr=1.0, weight_decay=0.5)  # the bounds themselves are fine
+
+
+# ----------------------------------------------------------------- resume at or past the end
+
+
+def run_files(run: Path) -> dict:
+    """Every path under `run` (and `run` itself) with its modification time and size."""
+    return {str(p): (p.stat().st_mtime_ns, p.stat().st_size) for p in [run, *run.rglob("*")]}
+
+
+def test_resume_at_or_past_max_steps(model_dir, tmp_path, capsys, monkeypatch):
+    """--resume with train.max_steps below the checkpoint: one line, exit 2; at it with final/
+    written: "nothing to do", exit 0; neither writes anything. At it without final/ (killed
+    between the last checkpoint and the final save) the run writes final/ and ends."""
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "--config", TINY_CI, f"model.path={model_dir}", *FAST,
+            "loss.num_iterations=1", "train.output_dir=run"]  # fmt: skip
+    assert cli.main([*args, "train.max_steps=2"]) == 0
+    capsys.readouterr()
+    run = tmp_path / "run"
+    before, digest = run_files(run), tree_digest(run)
+
+    code = cli.main([*args, "train.max_steps=1", "--resume"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == (
+        "grpo train: error: --resume: the run is at step 2 (run/checkpoints/step_000002), past "
+        "train.max_steps=1; a resumed run cannot go back: raise the limit above 2 to continue "
+        "it, or start afresh with --overwrite or another train.output_dir"
+    ), err
+    assert run_files(run) == before and tree_digest(run) == digest
+
+    code = cli.main([*args, "train.max_steps=2", "--resume"])
+    out = capsys.readouterr()
+    assert code == 0 and out.out == "", out
+    assert out.err.strip() == ("grpo train: nothing to do: the run already reached "
+                               "train.max_steps=2 (weights in run/final); raise it to train "
+                               "further")  # fmt: skip
+    assert run_files(run) == before and tree_digest(run) == digest
+
+    final = tree_digest(run / "final")
+    shutil.rmtree(run / "final")
+    assert cli.main([*args, "train.max_steps=2", "--resume"]) == 0
+    assert capsys.readouterr().out.strip() == "done: 2 steps; weights in run/final"
+    assert tree_digest(run / "final") == final  # the same weights, written again
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+
+
 # ----------------------------------------------------------------- bad-input matrix
 
 REWARDS = """
@@ -374,6 +474,25 @@ def short(completions, **columns):
     return [0.0]
 def nan(completions, **columns):
     return [float("nan")] * len(completions)
+def sleeps(completions, **columns):
+    import time
+    time.sleep(5)  # past its timeout_s: left running in a daemon thread
+    return [0.0] * len(completions)
+def adv_raises(scores, mask, *, group_size):
+    raise ValueError("no advantage today")
+def loss_raises(logprobs, advantages):
+    raise ValueError("no loss today")
+def kl_raises(logprobs, ref_logprobs):
+    raise ValueError("no KL today")
+class Hangs:
+    tools = []
+    def start(self, row):
+        return None
+    def step(self, text, token_ids):
+        import time
+        time.sleep(5)  # past rollout.env_timeout_s
+        from grpo.envs import Step
+        return Step(done=True)
 """
 
 
@@ -435,6 +554,36 @@ def matrix(d: Path, m: Path):
         ("reward raises", ["rewards=[{name: 'rewards_mod:raises'}]", fresh], "kaboom"),
         ("reward length", ["rewards=[{name: 'rewards_mod:short'}]", fresh], "short"),
         ("reward nan", ["rewards=[{name: 'rewards_mod:nan'}]", fresh], "nan"),
+        # no hang: a reward or an environment past its time limit (issue #31)
+        (
+            "reward hangs",
+            ["rewards=[{name: 'rewards_mod:sleeps', timeout_s: 0.5}]", fresh],
+            "reward function 'sleeps' did not return within its timeout_s=0.5 s",
+        ),
+        (
+            "environment hangs",
+            ["rollout.env=rewards_mod:Hangs", "rollout.env_timeout_s=0.5", fresh],
+            "environment 'rewards_mod:Hangs': step() of trajectory 0 (turn 1) did not return "
+            "within rollout.env_timeout_s=0.5 s",
+        ),
+        # a plug-in that raises is one line naming it, like a reward
+        (
+            "advantage raises",
+            ["loss.advantage=rewards_mod:adv_raises", fresh],
+            "step 1: advantage estimator 'rewards_mod:adv_raises' raised ValueError: no advantage",
+        ),
+        (
+            "policy loss raises",
+            ["loss.policy_loss=rewards_mod:loss_raises", fresh],
+            "step 1: policy loss 'rewards_mod:loss_raises' raised ValueError: no loss today",
+        ),
+        (
+            "KL raises",
+            ["loss.kl_estimator=rewards_mod:kl_raises", fresh],
+            "step 1: KL estimator 'rewards_mod:kl_raises' raised ValueError: no KL today",
+        ),
+        # settings that cannot train: AdamW moves every weight by about lr per update
+        ("lr huge", ["optim.lr=1e30"], "optim.lr: must be <= 1"),
         ("adapter misfit", [f"lora.adapter={d}/wide_adapter"], "shape (4, 192), expected (4, 64)"),
         ("no checkpoint", ["train.output_dir=" + str(d / "fresh"), "--resume"], "no checkpoint"),
     ]
@@ -476,6 +625,90 @@ def test_bad_input_through_a_real_process(model_dir, tmp_path):
     assert r.stderr.strip().splitlines() == [
         "grpo train: error: rollout.group_size: must be >= 2, got 1"
     ]
+
+
+# ----------------------------------------------------------------- long phases, signals
+
+# Its first call writes its pid to HANDSHAKE_DIR/ready and waits for HANDSHAKE_DIR/go: the test
+# then knows the process is inside the call.
+HANDSHAKE = """
+import os, time
+from pathlib import Path
+def length(completions, **_):
+    d = Path(os.environ["HANDSHAKE_DIR"])
+    if not (d / "ready").exists():
+        (d / "ready").write_text(str(os.getpid()))
+        deadline = time.time() + 120
+        while not (d / "go").exists() and time.time() < deadline:
+            time.sleep(0.01)
+    return [len(c) / 50 for c in completions]
+"""
+
+
+def test_sigterm_in_an_evaluation_stage_records_interrupted(model_dir, tmp_path):
+    """`grpo pipeline` SIGTERMed inside its SFT evaluation (in the stage's reward, which runs
+    in a worker thread under its timeout): one line, exit 143, the stage and the pipeline
+    "interrupted" in training_results.json, SFT's results kept."""
+    (tmp_path / "handshake_reward.py").write_text(HANDSHAKE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path),
+           "HANDSHAKE_DIR": str(tmp_path)}  # fmt: skip
+    cmd = [sys.executable, "-m", "grpo", "pipeline", "--config",
+           str(REPO / "configs" / "pipeline_tiny.yaml"), f"model.path={model_dir}",
+           "output_dir=out", "eval.max_samples=4",
+           "sft.rewards=[{name: 'handshake_reward:length'}]"]  # fmt: skip
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.time() + 240
+        while not (tmp_path / "ready").exists():  # inside sft_eval's reward
+            assert p.poll() is None, p.stderr.read()[-3000:]
+            assert time.time() < deadline
+            time.sleep(0.02)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        (tmp_path / "go").touch()
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
+    results_file = tmp_path / "out" / "training_results.json"
+    ours = [line for line in err.splitlines() if line.startswith("grpo pipeline:")]
+    assert ours == [
+        "grpo pipeline: interrupted by SIGTERM in stage 'sft_eval' (results of "
+        f"earlier stages kept in {Path('out') / 'training_results.json'})"
+    ], err
+    assert "Traceback" not in err
+    results = json.loads(results_file.read_text())
+    assert results["status"] == "interrupted" and results["failed_stage"] == "sft_eval"
+    stages = results["stages"]
+    assert stages["sft"]["status"] == "done"
+    assert (tmp_path / stages["sft"]["paths"]["final"] / "adapter_model.safetensors").is_file()
+    assert stages["sft_eval"]["status"] == "interrupted"
+    assert stages["sft_eval"]["error"] == "interrupted by SIGTERM"
+    assert list(stages) == ["prepare_data", "sft", "sft_eval"]
+
+
+def test_long_phases_show_progress(model_dir, tmp_path, capsys, monkeypatch):
+    """train.progress shows a bar for the rollout (its decode steps) and, with more than one
+    micro-batch, the reference, old log-probs and update passes, once a phase has run
+    PHASE_BAR_DELAY_S (0 here); at the default delay a quick step shows none of them."""
+    import grpo.run.perf as perf
+
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "--config", TINY_CI, f"model.path={model_dir}", "data.eval_samples=0",
+            "train.max_steps=1", "loss.old_logprobs=recompute", "train.micro_batch_size=4",
+            "train.progress=true"]  # fmt: skip
+    phases = ["rollout (8 rows)", "reference log-probs", "old log-probs", "update"]
+    assert cli.main([*args, "train.output_dir=quick"]) == 0
+    err = capsys.readouterr().err
+    assert "grpo" in err and not any(f"{name}:" in err for name in phases), err[-2000:]
+    monkeypatch.setattr(perf, "PHASE_BAR_DELAY_S", 0.0)
+    assert cli.main([*args, "train.output_dir=shown"]) == 0
+    err = capsys.readouterr().err
+    for name in phases:
+        assert f"{name}:" in err, (name, err[-2000:])
+    assert cli.main([*args, "train.output_dir=silent", "train.progress=false"]) == 0
+    assert not any(f"{name}:" in capsys.readouterr().err for name in phases)
 
 
 # ----------------------------------------------------------------- grpo merge: inputs and output

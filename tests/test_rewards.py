@@ -517,8 +517,13 @@ def test_timeout_in_the_config_is_validated_and_reaches_the_reward():
     ((fn, weight),) = build_rewards([r.spec for r in cfg.rewards])
     assert (fn.name, fn.timeout_s, weight) == ("format", 2.5, 1.0)
     assert cfg.rewards[0].spec == {"name": "format", "weight": 1.0, "timeout_s": 2.5}
+    # by default a call may take 300 s (no hang); null: no limit, the call in this thread
     assert load_config(None, ["model.path=m"]).rewards[0].spec == {"name": "accuracy",
-                                                                    "weight": 1.0}  # fmt: skip
+                                                                    "weight": 1.0,
+                                                                    "timeout_s": 300.0}  # fmt: skip
+    cfg = load_config(None, ["model.path=m", "rewards=[{name: format, timeout_s: null}]"])
+    assert cfg.rewards[0].spec == {"name": "format", "weight": 1.0}
+    assert build_rewards([r.spec for r in cfg.rewards])[0][0].timeout_s is None
     for value in ("0", "-1", ".inf"):
         with pytest.raises(ConfigError, match=r"rewards\[0?\]\.timeout_s"):
             load_config(None, ["model.path=m", f"rewards=[{{name: format, timeout_s: {value}}}]"])

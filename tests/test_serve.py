@@ -240,6 +240,16 @@ COMPLETION = {"model": NAME, "prompt": "hi", "max_tokens": 2}
         ("/v1/completions", {**COMPLETION, "prompt": ["a", 3]}, "prompt[1]"),
         ("/v1/completions", {**COMPLETION, "prompt": [5] * 500, "max_tokens": 32}, "prompt"),
         ("/v1/completions", {**COMPLETION, "prompt": ["a"] * 9, "n": 4}, "prompt"),
+        # JSON's "\ud800" decodes to a lone surrogate: not text any tokenizer encodes
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "a\ud800"}]},
+         "messages[0].content"),
+        ("/v1/chat/completions", {**CHAT, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
+         "messages[0].content[0].text"),
+        ("/v1/chat/completions", {**CHAT, "stop": ["ok", "\ud800"]}, "stop[1]"),
+        ("/v1/chat/completions", {**CHAT, "user": "\ud800"}, "user"),
+        ("/v1/completions", {**COMPLETION, "prompt": "\ud800 hi"}, "prompt"),
+        ("/v1/completions", {**COMPLETION, "prompt": ["ok", "\udfff"]}, "prompt[1]"),
     ],
 )  # fmt: skip
 def test_malformed_openai_requests_get_400(server, path, body, field):
@@ -276,6 +286,8 @@ def test_openai_client_sees_errors(server, client):
         ({"text": "hi", "top_p": 0}, "top_p"),
         ({"text": "hi", "raw": "yes"}, "raw"),
         ({"text": "hi", "tokens": 4}, "tokens"),
+        ({"text": "a\ud800"}, "text"),  # a lone surrogate (JSON's "\ud800")
+        ({"text": "\udc00", "raw": True}, "text"),
     ],
 )
 def test_malformed_generate_requests_get_400(server, body, field):

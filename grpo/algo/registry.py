@@ -100,12 +100,30 @@ class Registry:
                 )
 
     def call(self, spec: str | Callable[..., Any], inputs: Mapping[str, Any]) -> Any:
-        """Call the function with the subset of `inputs` its signature names."""
+        """Call the function with the subset of `inputs` its signature names.
+
+        A plug-in (any function not defined in `grpo`) that raises is a GrpoError naming it:
+        ``advantage estimator 'mymod:fn' raised ValueError: ...`` (the original chained); a
+        built-in's exception propagates as it is (a bug of ours keeps its traceback)."""
         fn = self.get(spec)
         sig = _signature(fn)
-        if sig is None or any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        if sig is not None and not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+            inputs = {k: v for k, v in inputs.items() if k in sig.parameters}
+        try:
             return fn(**inputs)
-        return fn(**{k: v for k, v in inputs.items() if k in sig.parameters})
+        except GrpoError:
+            raise
+        except Exception as e:
+            if _is_builtin(fn):
+                raise
+            name = spec if isinstance(spec, str) else getattr(fn, "__name__", repr(fn))
+            raise GrpoError(f"{self.kind} {name!r} raised {type(e).__name__}: {e}") from e
+
+
+def _is_builtin(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` is one of the package's own functions (not a user's plug-in)."""
+    module = getattr(fn, "__module__", None) or ""
+    return module == "grpo" or module.startswith("grpo.")
 
 
 def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:

@@ -73,6 +73,10 @@ def cmd_train(args) -> int:
         print(f"rollout producer done: {summary['batches']} batches sampled")
     else:
         print(f"done: {summary['step']} steps; weights in {summary['final']}")
+        if summary.get("health"):  # learning-health rules that fired (their warnings say more)
+            from grpo.train.health import describe
+
+            print(describe(summary["health"]))
     return 0
 
 

@@ -26,13 +26,16 @@ The stages are core calls: `grpo.loading.load_rows` (prepare_data), `train_sft` 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import logging
 import os
+import signal
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +43,7 @@ from typing import Any
 import yaml
 
 from grpo.config import Config, load_config
-from grpo.errors import GrpoError
+from grpo.errors import GrpoError, SignalStop
 from grpo.eval import comparison_table, evaluate_config
 from grpo.io import read_text
 from grpo.loading import TrainedModel, config_model, load_rows, trained_model
@@ -307,7 +310,45 @@ def run_pipeline(
         the results dict; `status` is "completed", or "stopped" (SFT accuracy under the
         threshold; `message` says so). A failing stage raises `PipelineError` naming it, after
         recording it (status "failed", `failed_stage`, the stage's `error`) in the file.
+        SIGTERM in any other stage (an evaluation, data preparation, a model loading) stops
+        it at once, records it and the pipeline as "interrupted" and raises
+        `TrainingInterrupted` (exit 143); between stages, the next one stops before it starts.
     """
+    with _sigterm_stops_stages() as signals:
+        return _run_stages(pcfg, overwrite, details, on_stage, signals)
+
+
+@contextlib.contextmanager
+def _sigterm_stops_stages() -> Iterator[dict]:
+    """SIGTERM during the pipeline, outside a training stage's own handling (which checkpoints
+    at a step boundary): inside a stage (`signals["in_stage"]`) the handler raises `SignalStop`
+    at once, which unwinds like KeyboardInterrupt to the stage's record; between stages it is
+    kept in `signals["signum"]` for the next stage to stop on. The previous handler comes back
+    at the first signal (a second one has its usual effect) and when the pipeline ends. Only
+    the main thread can set handlers; elsewhere nothing changes."""
+    signals = {"signum": 0, "in_stage": False}
+    if threading.current_thread() is not threading.main_thread():
+        yield signals
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    previous = signal.SIG_DFL if previous is None else previous
+
+    def handler(signum, frame) -> None:
+        signal.signal(signum, previous)
+        signals["signum"] = signum
+        if signals["in_stage"]:
+            raise SignalStop(signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield signals
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_stages(pcfg: PipelineConfig, overwrite: bool, details: bool,
+                on_stage: Callable[[str], None] | None, signals: dict) -> dict:  # fmt: skip
+    """`run_pipeline`'s stages; `signals` from `_sigterm_stops_stages`."""
     from grpo.run.preflight import check_prompt_room
     from grpo.run.rundir import TrainingInterrupted
     from grpo.tokenizer import load_tokenizer
@@ -341,14 +382,26 @@ def run_pipeline(
         save()
         t0 = time.perf_counter()
         try:
+            signals["in_stage"] = True
+            if signals["signum"]:  # a SIGTERM between stages: stop before this one
+                raise SignalStop(signals["signum"])
             value = fn(entry)
+            signals["in_stage"] = False
         except BaseException as e:
-            interrupted = isinstance(e, (KeyboardInterrupt, TrainingInterrupted))
+            signals["in_stage"] = False
+            interrupted = isinstance(e, (KeyboardInterrupt, TrainingInterrupted, SignalStop))
             msg = str(e) if isinstance(e, GrpoError) else f"{type(e).__name__}: {e}"
+            if isinstance(e, SignalStop):
+                msg = f"interrupted by {signal.Signals(e.signum).name}"
             entry.update(status="interrupted" if interrupted else "failed", error=msg)
             entry["seconds"] = round(time.perf_counter() - t0, 3)
             results.update(status=entry["status"], failed_stage=name, finished=_now())
             save()
+            if isinstance(e, SignalStop):  # one line, exit 128 + N, as a training stage's
+                raise TrainingInterrupted(
+                    f"{msg} in stage {name!r} (results of earlier stages kept in {path})",
+                    e.signum,
+                ) from None
             if interrupted or not isinstance(e, Exception):
                 raise
             log.debug("stage %s failed", name, exc_info=True)

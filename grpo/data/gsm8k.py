@@ -135,18 +135,19 @@ def _load_local(path: Path, split: str) -> Dataset:
 
 
 def _split_files(directory: Path, split: str) -> list[Path]:
-    """The files of `split` in `directory` (or its ``main/`` / ``data/`` subfolder)."""
+    """The files of `split` in `directory` (or its ``main/`` / ``data/`` subfolder): one file,
+    or the shards of one parquet split. Files of several kinds for one split (e.g. a .jsonl
+    next to parquet shards) are refused, naming them, rather than one picked silently."""
+    patterns = (f"{split}.jsonl", f"{split}.json", f"{split}.csv", f"{split}.parquet",
+                f"{split}-*.parquet")  # fmt: skip
     for folder in (directory, directory / "main", directory / "data"):
-        for pattern in (
-            f"{split}.jsonl",
-            f"{split}.json",
-            f"{split}.csv",
-            f"{split}.parquet",
-            f"{split}-*.parquet",
-        ):
-            found = sorted(folder.glob(pattern))
-            if found:
-                return found
+        kinds = [found for p in patterns if (found := sorted(folder.glob(p)))]
+        if len(kinds) > 1:
+            names = ", ".join(f.name for kind in kinds for f in kind)
+            raise GrpoError(f"{folder}: several files for split {split!r} ({names}); keep one, "
+                            "or point data.source at the file to use")  # fmt: skip
+        if kinds:
+            return kinds[0]
     raise GrpoError(
         f"{directory}: no file for split {split!r} (looked for {split}.jsonl, {split}.json, "
         f"{split}.csv, {split}.parquet, {split}-*.parquet, also under main/ and data/)"
@@ -200,7 +201,37 @@ def _read_json(path: Path) -> Dataset:
                 raise GrpoError(f"{path}: row {i} has no {column!r} (got {value!r})")
     if not rows:
         raise GrpoError(f"{path}: no rows")
-    return Dataset.from_list(rows)
+    return rows_dataset(rows, str(path))
+
+
+def rows_dataset(rows: list[dict], source: str) -> Dataset:
+    """`Dataset.from_list(rows)`; a column whose values Arrow cannot hold in one type (e.g. a
+    number in one row, a string in another) is one line naming it and two such rows."""
+    import pyarrow as pa
+
+    try:
+        return Dataset.from_list(rows)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+        raise GrpoError(f"{source}: {_mixed_column(rows) or f'rows Arrow cannot read ({e})'}; "
+                        "give every row the same type in each column") from None  # fmt: skip
+
+
+def _mixed_column(rows: list[dict]) -> str | None:
+    """'column 'x' holds an int at row 0 and a str at row 3' for the first such column."""
+    first: dict[str, tuple[str, int]] = {}
+    for i, row in enumerate(rows):
+        for key, value in row.items():
+            if value is None:
+                continue
+            kind = (
+                "number"
+                if isinstance(value, int | float) and not isinstance(value, bool)
+                else type(value).__name__
+            )
+            seen = first.setdefault(key, (kind, i))
+            if seen[0] != kind:
+                return f"column {key!r} holds a {seen[0]} at row {seen[1]} and a {kind} at row {i}"
+    return None
 
 
 def _read_csv(path: Path) -> Dataset:
@@ -219,13 +250,26 @@ def _read_csv(path: Path) -> Dataset:
             raise GrpoError(f"{path}: line {reader.line_num} is not valid CSV: {e}") from None
     if not rows:
         raise GrpoError(f"{path}: no rows")
-    return Dataset.from_list(rows)
+    return rows_dataset(rows, str(path))
 
 
 def _load_hub(source: str, split: str) -> Dataset:
     """A split from the Hugging Face hub (needs network or a filled `datasets` cache)."""
     import datasets
 
+    from grpo.io import hub_unreachable
+
+    offline = hub_unreachable()
+    if offline and source in HUB_CONFIGS:  # the library would retry for half a minute
+        raise GrpoError(f"dataset {source!r} is on the hub, which cannot be reached ({offline}); "
+                        "pass a local copy as data.source (a .jsonl/.parquet file or "
+                        "directory)")  # fmt: skip
+    if offline:
+        raise GrpoError(
+            f"dataset {source!r} is not a local file or directory, and the hub cannot be "
+            f"reached to load it as a hub id ({offline}); pass a local .jsonl/.parquet file or "
+            "directory"
+        )
     try:
         return datasets.load_dataset(source, HUB_CONFIGS.get(source), split=split)
     except Exception as e:

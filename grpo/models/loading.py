@@ -54,12 +54,20 @@ def resolve_model_dir(path_or_id: str | Path) -> Path:
         return path
     if path.exists() or str(path_or_id).startswith((".", "/")) or str(path_or_id).count("/") != 1:
         raise GrpoError(f"model path {str(path_or_id)!r} is not a directory or a hub id")
+    from grpo.io import hub_unreachable
+
+    offline = hub_unreachable()  # then only the local cache can serve it, at once
     try:
         from huggingface_hub import snapshot_download
 
         patterns = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model"]
-        return Path(snapshot_download(str(path_or_id), allow_patterns=patterns))
+        return Path(snapshot_download(str(path_or_id), allow_patterns=patterns,
+                                      local_files_only=offline is not None))  # fmt: skip
     except Exception as e:  # offline, unknown repo, auth...
+        if offline:
+            raise GrpoError(f"model {str(path_or_id)!r}: not a local directory, not in the hub "
+                            f"cache, and the hub cannot be reached ({offline}); pass a local "
+                            "checkpoint directory") from None  # fmt: skip
         raise GrpoError(f"could not fetch model {str(path_or_id)!r} from the hub: {e}") from None
 
 

@@ -13,11 +13,13 @@ SIGINT that arrives during the call is told apart from a KeyboardInterrupt raise
 function's own code, and only the latter becomes an error; elsewhere (a worker thread never
 receives signals) every KeyboardInterrupt is the function's.
 
-Timeout (``timeout_s``, default off): the call runs in a daemon worker thread and the caller
-waits at most that long; a function still running then is a `GrpoError` naming it and the
-limit. Python cannot stop a thread, so the worker is abandoned and keeps running until the
-function returns on its own (being a daemon it does not keep the process alive). Thread-local
-state does not follow the call into the worker except torch's grad mode, which is copied.
+Timeout (``timeout_s``; off for a bare function, 300 s for a config's ``rewards[]``): the call
+runs in a daemon worker thread and the caller waits at most that long; a function still
+running then is a `GrpoError` naming it and the limit. Python cannot stop a thread, so the
+worker is abandoned and keeps running until the function returns on its own (being a daemon it
+does not keep the process alive). Thread-local state does not follow the call into the worker
+except torch's grad mode, which is copied; a function that must run in the main thread (one
+that sets signal handlers) needs ``timeout_s: null``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 
 import torch
 
-from grpo.errors import GrpoError
+from grpo.errors import GrpoError, SignalStop
 from grpo.rewards.functions import RewardFn
 
 # After a batch call fails, rows are retried one at a time to name the failing row; that retry
@@ -83,7 +85,7 @@ def call_reward(
             f"did not return within its timeout_s={timeout_s:g} s (rewards[].timeout_s); it "
             "was left running in a background thread",
         ) from None
-    except KeyboardInterrupt:  # a real Ctrl-C: the run stops as it would anywhere else
+    except (KeyboardInterrupt, SignalStop):  # a real Ctrl-C / SIGTERM: the run stops
         raise
     except BaseException as e:  # SystemExit too: a reward must not end the process
         if getattr(e, "reward_name", None):  # already checked and named (a nested reward)
@@ -91,6 +93,9 @@ def call_reward(
         row = _first_failing_row(fn, completions, columns, timeout_s)
         where = "" if row is None else f" at row {row} ({_preview(completions[row])})"
         what, detail = _describe(e)
+        if timeout_s is not None and "main thread" in str(e):  # signal.signal, outside it
+            detail += (" (under rewards[].timeout_s the function runs in a worker thread; "
+                       "timeout_s: null runs it in the caller's)")  # fmt: skip
         raise _error(name, f"{what}{where}{detail}") from e
     values = _as_list(values)
     if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
@@ -358,7 +363,7 @@ def _first_failing_row(
         try:
             _guarded_call(fn, completions[row : row + 1], one, limit)
             any_pass = True
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, SignalStop):
             raise
         except _Timeout:
             break

@@ -7,12 +7,16 @@ template's delta (`grpo.tokenizer.message_delta_ids`: the closing glue of the mo
 message, the next assistant header) and appended token-in, token-out: earlier turns are never
 re-tokenized. Observations longer than `max_obs_tokens` are cut (their content, not the
 template's glue) and counted in each trajectory's `obs_truncated` (only observations that
-entered the trajectory: the one answering a turn cut by a limit is never appended).
+entered the trajectory: the one answering a turn cut by a limit is never appended). Each
+environment call runs under a time limit (`EnvCalls`, rollout.env_timeout_s), so an
+environment that never returns cannot hang the rollout.
 `env_metrics` turns a rollout's bookkeeping into the per-step `env/*` metrics.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -275,12 +279,66 @@ def _upload(dev, *parts: list[int]) -> tuple[torch.Tensor, ...]:
     return flat.split([len(p) for p in parts])
 
 
-def env_prompts(tokenizer, rows: Sequence[dict], envs: Sequence[Environment], G: int):
+class EnvTimeout(Exception):
+    """An environment call did not return within its time limit (its thread is abandoned)."""
+
+
+class EnvCalls:
+    """Calls into environments (start, step) made in one daemon worker thread, each waited for
+    at most `timeout_s` seconds; None calls them directly in this thread. A call still running
+    at its limit raises `EnvTimeout` and is abandoned: Python cannot stop a thread, so it runs
+    on until it returns (being a daemon, it does not keep the process alive). The calls are
+    sequential, as without a limit, so an environment never sees two at once."""
+
+    def __init__(self, timeout_s: float | None):
+        self.timeout_s = timeout_s
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+
+    def __call__(self, fn: Callable, *args):
+        if self.timeout_s is None:
+            return fn(*args)
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._serve, args=(self._jobs,),
+                                            name="env-calls", daemon=True)  # fmt: skip
+            self._worker.start()
+        box: dict = {}
+        done = threading.Event()
+        self._jobs.put((fn, args, box, done))
+        if not done.wait(self.timeout_s):  # a signal still interrupts this wait
+            self.close()  # the stuck thread ends when (if) the call returns
+            self._jobs = queue.SimpleQueue()  # a later call gets a fresh thread and queue
+            raise EnvTimeout()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue) -> None:
+        while (job := jobs.get()) is not None:
+            fn, args, box, done = job
+            try:
+                box["value"] = fn(*args)
+            except BaseException as e:  # handed to the caller, which names it
+                box["error"] = e
+            done.set()
+
+    def close(self) -> None:
+        """Let the worker thread end (once it is idle)."""
+        if self._worker is not None:
+            self._jobs.put(None)
+            self._worker = None
+
+
+def env_prompts(tokenizer, rows: Sequence[dict], envs: Sequence[Environment], G: int,
+                call: Callable | None = None):  # fmt: skip
     """Start every environment; the prompt of each group: the row's own `prompt_ids`, or the
-    rendering (with the environment's tools) of the messages its first environment returned."""
+    rendering (with the environment's tools) of the messages its first environment returned.
+    `call(fn, *args)` makes the calls (`EnvCalls`: under a time limit); default: directly."""
+    call = call or (lambda fn, *args: fn(*args))
     prompts = []
     for p, row in enumerate(rows):
-        messages = [envs[p * G + g].start(row) for g in range(G)][0]
+        messages = [call(envs[p * G + g].start, row) for g in range(G)][0]
         if messages is None:
             prompts.append(list(row["prompt_ids"]))
             continue
@@ -307,6 +365,8 @@ def sample_with_env(
     turn_end_ids: Sequence[int] = (),
     seed: int,
     pad_id: int = 0,
+    step_timeout_s: float | None = 60.0,
+    progress: Callable[[int], None] | None = None,
     **sampling,
 ) -> Rollout:
     """G multi-turn trajectories for each of the P rows (see the module docstring).
@@ -320,33 +380,52 @@ def sample_with_env(
         group_size, max_new_tokens (per turn), max_turns, max_total_tokens, stop_ids,
             turn_end_ids, seed, pad_id, **sampling: as in `sample_turns`.
         max_obs_tokens: most tokens of one observation message's content.
+        step_timeout_s: most seconds one environment call (start or step) may take
+            (rollout.env_timeout_s; `EnvCalls`); None: no limit, called in this thread.
+        progress: called with 1 after each environment step (a progress bar's `update`).
 
     Returns:
         the `Rollout`; `infos` also count obs_truncated: the trajectory's observations that
         were cut at `max_obs_tokens` among those appended to it (at most its turns - 1).
 
     Raises:
-        GrpoError: an environment that raises or returns the wrong type, named in one line.
+        GrpoError: an environment that raises, returns the wrong type or does not return
+            within `step_timeout_s`, named in one line.
     """
     G = group_size
     envs = [make_env() for _ in range(len(rows) * G)]
     cut: list[list[bool]] = [[] for _ in envs]  # per row, per observe call: content was cut
     tools = envs[0].tools or None if envs else None
+    call = EnvCalls(step_timeout_s)
+
+    def late(what: str) -> GrpoError:
+        return GrpoError(
+            f"environment {env_name!r}: {what} did not return within rollout.env_timeout_s="
+            f"{step_timeout_s:g} s; it was left running in a background thread (raise the "
+            "limit, or null for none)"
+        )
+
     try:
-        prompts = env_prompts(tokenizer, rows, envs, G)
+        prompts = env_prompts(tokenizer, rows, envs, G, call)
     except GrpoError:
         raise
+    except EnvTimeout:
+        raise late("start()") from None
     except Exception as e:
         raise GrpoError(f"environment {env_name!r}: start() raised {type(e).__name__}: {e}") from e
 
     def observe(b: int, ids: list[int], stopped: bool) -> Observation:
         text = tokenizer.decode(ids, skip_special_tokens=False)
         try:
-            step = envs[b].step(text, ids)
+            step = call(envs[b].step, text, ids)
+        except EnvTimeout:
+            raise late(f"step() of trajectory {b} (turn {len(cut[b]) + 1})") from None
         except Exception as e:
             raise GrpoError(
                 f"environment {env_name!r}: step() raised {type(e).__name__}: {e}"
             ) from e
+        if progress is not None:
+            progress(1)
         step = check_step(env_name, step)
         info = dict(step.info)
         cut[b].append(False)
@@ -363,20 +442,23 @@ def sample_with_env(
         delta = message_delta_ids(tokenizer, message, after_stop=stopped, tools=tools)
         return Observation(delta, step.reward, False, info)
 
-    rollout = sample_turns(
-        sampler,
-        prompts,
-        group_size=G,
-        observe=observe,
-        max_new_tokens=max_new_tokens,
-        max_turns=max_turns,
-        max_total_tokens=max_total_tokens,
-        stop_ids=stop_ids,
-        turn_end_ids=turn_end_ids,
-        seed=seed,
-        pad_id=pad_id,
-        **sampling,
-    )
+    try:
+        rollout = sample_turns(
+            sampler,
+            prompts,
+            group_size=G,
+            observe=observe,
+            max_new_tokens=max_new_tokens,
+            max_turns=max_turns,
+            max_total_tokens=max_total_tokens,
+            stop_ids=stop_ids,
+            turn_end_ids=turn_end_ids,
+            seed=seed,
+            pad_id=pad_id,
+            **sampling,
+        )
+    finally:
+        call.close()
     # The observation after turn k entered the trajectory iff turn k + 1 ran: the first
     # (turns - 1) observe calls of a row. The last one answered a turn the limits cut.
     for b, info in enumerate(rollout.infos):

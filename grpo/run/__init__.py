@@ -3,10 +3,11 @@
     loop       the run lifecycle: join the job, claim the run directory, optimizer and
                schedule, restore, checkpoint and stop on a signal at step boundaries, save
     rundir     the run directory: lock, overwrite, resume, signals, the saved config
+    failures   a failure on any torchrun rank as one line per rank, every rank stopping
     state      TrainState, checkpoints (safetensors + JSON), RNG state, seeding
     preflight  every check that can fail before a model loads or a file is written
     optim      optimizer and learning-rate schedule
-    perf       peak memory per phase
+    perf       peak memory per phase, progress bars of long phases
 
 Nothing here imports `grpo.train`.
 """

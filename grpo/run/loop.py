@@ -16,7 +16,6 @@ from grpo.config import Config, config_to_dict
 from grpo.distributed import (
     Where,
     all_reduce_max,
-    failures_named,
     fsdp_units,
     full_weights,
     gather_objects,
@@ -29,6 +28,7 @@ from grpo.errors import GrpoError
 from grpo.loading import resolve_device
 from grpo.metrics import MetricLogger
 from grpo.policy import Policy, save_final
+from grpo.run.failures import Failures
 from grpo.run.optim import build_optimizer, build_scheduler
 from grpo.run.rundir import RunDir, TrainingInterrupted, run_directory
 from grpo.run.state import (
@@ -50,8 +50,9 @@ log = logging.getLogger(__name__)
 def run_training(cfg: Config, kind: str, resume: bool, overwrite: bool, train_fn, on_step,
                  producer_fn=None):  # fmt: skip
     """One process (or torchrun rank) of a training job around `train_fn`: join the job, claim
-    the run directory, report a failed collective as one line naming the rank, phase and step
-    (`failures_named`; `train_fn` keeps the `Where` current), leave the job however it ends.
+    the run directory, report a failure on any rank as one line per rank naming the rank that
+    failed, its phase and step and the cause (`grpo.run.failures`; `train_fn` keeps the `Where`
+    current), leave the job however it ends.
 
     Args:
         cfg: the run config.
@@ -65,8 +66,9 @@ def run_training(cfg: Config, kind: str, resume: bool, overwrite: bool, train_fn
     """
     dist = init_distributed(resolve_device(cfg.model.device).type, cfg.train.dist_timeout_s)
     where = Where()
+    failures = Failures(dist, where, f"grpo {kind}")
     try:
-        with failures_named(dist, where, cfg.train.dist_timeout_s):
+        with failures.reported(cfg.train.dist_timeout_s):
             roles = None
             if producer_fn is not None and cfg.rollout.asynchronous and cfg.rollout.ranks:
                 timeout = max(cfg.rollout.async_timeout_s, cfg.train.dist_timeout_s)
@@ -74,10 +76,12 @@ def run_training(cfg: Config, kind: str, resume: bool, overwrite: bool, train_fn
                 if roles.is_producer:
                     return producer_fn(cfg, roles, where)
                 dist = roles.trainers
-            with run_directory(cfg, kind, resume, overwrite, dist) as rundir:
+            job = failures if failures.active else None  # torchrun: signals see the job's state
+            with run_directory(cfg, kind, resume, overwrite, dist, job) as rundir:
                 return train_fn(cfg, rundir, dist, on_step, where, roles)
     finally:
         teardown()
+        failures.close()
 
 
 @dataclass

@@ -1,10 +1,13 @@
-"""AdamW and the learning-rate schedule (linear warmup, then cosine decay or constant)."""
+"""AdamW and the learning-rate schedule (linear warmup, then cosine decay or constant), and the
+check that an update left the weights finite."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+
+from grpo.errors import GrpoError
 
 
 def build_optimizer(params, cfg) -> torch.optim.AdamW:
@@ -49,4 +52,24 @@ def build_scheduler(optimizer, total_steps: int, cfg) -> torch.optim.lr_schedule
     """
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_lambda(step, total_steps, cfg)
+    )
+
+
+@torch.no_grad()
+def weights_finite(params) -> torch.Tensor:
+    """0-d bool on the parameters' device, without a host sync: every element of every tensor
+    in `params` is finite. FSDP's DTensor parameters count with this rank's shards (reduce the
+    answer over ranks). Run once after each optimizer step; read it with the step's numbers."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    return torch.stack([torch.isfinite(p).all() for p in local]).all()
+
+
+def nonfinite_weights_error(step: int | None, loss: float, grad_norm: float, lr: float):
+    """The one line that stops a run whose update left a weight NaN or inf (raised before the
+    step's checkpoint, so the last one written holds finite weights)."""
+    where = f"step {step}: " if step is not None else ""
+    return GrpoError(
+        f"{where}the weights are not finite after the update (loss {loss:.4g}, grad norm "
+        f"{grad_norm:.4g}, lr {lr:.3g}); lower optim.lr (and keep optim.max_grad_norm set); the "
+        "checkpoints already written are kept: resume from the last with --resume"
     )

@@ -1,8 +1,22 @@
-"""Peak memory per phase of a training step (`perf/peak_mem_*` metrics)."""
+"""Peak memory per phase of a training step (`perf/peak_mem_*` metrics), and the progress bars
+of its long phases."""
 
 from __future__ import annotations
 
 import torch
+from tqdm.auto import tqdm
+
+# A phase's bar appears once the phase has run this long (tqdm's `delay`): a step of seconds
+# prints nothing beyond the run's own bar, one of minutes shows where it is.
+PHASE_BAR_DELAY_S = 5.0
+
+
+def phase_bar(show: bool, desc: str, total: int | None, unit: str) -> tqdm:
+    """A progress bar of one phase of a step (the rollout's decode steps, the reference pass's
+    micro-batches, ...), under the run's bar: shown when `show` (train.progress, on rank 0)
+    once the phase has run `PHASE_BAR_DELAY_S` seconds, and removed when it closes."""
+    return tqdm(total=total, desc=desc, unit=unit, disable=not show, leave=False,
+                delay=PHASE_BAR_DELAY_S, position=1, dynamic_ncols=True)  # fmt: skip
 
 
 def peak_mem_mib(device: torch.device) -> float:

@@ -353,7 +353,35 @@ def start_notices(
     out = turn_budget_notices(cfg, kind, pipeline=pipeline, tokenizer=tokenizer)
     evaluates = (kind == "grpo" and cfg.data.eval_samples > 0) or pipeline
     fit = eval_fit_notice(cfg) if evaluates else None
-    return out + ([fit] if fit else [])
+    same = same_data_notice(cfg) if evaluates else None
+    return out + [n for n in (fit, same) if n]
+
+
+def same_data_notice(cfg: Config) -> str | None:
+    """One line when the evaluation reads the training problems: one local file serves both
+    splits (a file is used whatever the split name), or the two splits are the same."""
+    from pathlib import Path
+
+    from grpo.data.gsm8k import parse_split
+
+    d = cfg.data
+    try:
+        train, evaluation = parse_split(d.split), parse_split(d.eval_split)
+    except GrpoError:
+        return None  # the data loader names the bad split
+    source = d.source if d.source is not None else d.dataset
+    path = Path(str(source)).expanduser()
+    if path.is_file() and train[1:] == evaluation[1:]:
+        field = "data.source" if d.source is not None else "data.dataset"
+        return (f"{field}: one file ({source}) serves both data.split={d.split!r} and "
+                f"data.eval_split={d.eval_split!r} (a file is read whatever the split name): "
+                "the evaluation scores training problems; give a directory with a file per "
+                "split, or slice the file (e.g. data.split='train[:90%]', "
+                "data.eval_split='train[90%:]')")  # fmt: skip
+    if train == evaluation:
+        return (f"data.eval_split: {d.eval_split!r} is data.split: the evaluation scores "
+                "training problems; name a held-out split (e.g. test)")  # fmt: skip
+    return None
 
 
 OBS_GLUE_TOKENS = 16  # template tokens per observation that default_total_tokens allows for

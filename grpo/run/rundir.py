@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpo.config import Config, config_to_dict, save_config
-from grpo.distributed import Dist, gather_objects
+from grpo.distributed import Dist, JobError, gather_objects
 from grpo.errors import GrpoError
 from grpo.io import read_json
 from grpo.run.state import (
@@ -60,6 +60,41 @@ class TrainingInterrupted(GrpoError):
         super().__init__(message)
         self.exit_code = 128 + signum
         self.rank = rank
+
+
+class NothingToDo(GrpoError):
+    """`--resume` of a run that already reached its last step and wrote final/: nothing is
+    loaded or written; the CLI prints the message as one line (rank 0) and exits 0."""
+
+    cli_prefix = ""
+    exit_code = 0
+
+    def __init__(self, message: str, rank: int = 0):
+        super().__init__(message)
+        self.rank = rank
+
+
+def check_resume_step(run_dir: Path, ckpt: Path, steps: int, limit: str, rank: int = 0) -> None:
+    """A resumed run's checkpoint against the run's length `steps` (`limit` names the setting,
+    e.g. "train.max_steps=4"): below it the run continues; at it without final/ (killed between
+    the last checkpoint and the final save) it writes final/; at it with final/ there is
+    nothing to do (`NothingToDo`); past it is an error (the run cannot go back)."""
+    step = int(ckpt.name.removeprefix("step_"))
+    if step > steps:
+        error = GrpoError(
+            f"--resume: the run is at step {step} ({ckpt}), past {limit}; a resumed run cannot "
+            f"go back: raise the limit above {step} to continue it, or start afresh with "
+            "--overwrite or another train.output_dir"
+        )
+        error.rank = rank  # every rank raises it; the CLI prints rank 0's
+        raise error
+    final = run_dir / "final"
+    if step == steps and final.exists():
+        raise NothingToDo(
+            f"nothing to do: the run already reached {limit} (weights in {final}); raise it to "
+            "train further",
+            rank,
+        )
 
 
 # --------------------------------------------------------------------------- the lock
@@ -260,14 +295,16 @@ def resume_conflicts(saved: dict, new: dict, kind: str) -> list[str]:
     return out
 
 
-def check_run_dir(cfg: Config, kind: str, resume: bool, overwrite: bool) -> Path | None:
+def check_run_dir(cfg: Config, kind: str, resume: bool, overwrite: bool,
+                  world_size: int = 1) -> Path | None:  # fmt: skip
     """The read-only checks of a start in cfg.train.output_dir (nothing is written).
 
     Returns:
         the checkpoint to resume from (None for a fresh run). Raises GrpoError (one line) when
         the directory is locked by a live run; when a fresh run (neither resume nor overwrite)
         would mix with an earlier run's checkpoints, final weights or metrics; when resume finds
-        no valid checkpoint, or a config that changes what the checkpoint trained.
+        no valid checkpoint, a config that changes what the checkpoint trained, or a checkpoint
+        saved by fewer ranks than `world_size` (the ranks that train now).
     """
     run_dir = Path(cfg.train.output_dir)
     if resume and overwrite:
@@ -304,6 +341,16 @@ def check_run_dir(cfg: Config, kind: str, resume: bool, overwrite: bool) -> Path
             "resumed run keeps its model, LoRA shape, group size and data (start afresh with "
             "--overwrite or another train.output_dir)"
         )
+    saved_ranks = len(read_json(ckpt / "state.json", "a checkpoint's state.json").get("rng", []))
+    if world_size > saved_ranks >= 1:  # one RNG state per rank that saved it
+        ranks = f"{saved_ranks} rank" + ("s" if saved_ranks > 1 else "")
+        raise GrpoError(
+            f"--resume: checkpoint {ckpt} was saved by a job of {ranks}, this job has "
+            f"{world_size}: it resumes on at most {ranks} (it holds one RNG state per rank); "
+            f"relaunch with --nproc_per_node={saved_ranks}"
+            + (" or without torchrun" if saved_ranks == 1 else "")
+            + ", or start afresh in another train.output_dir"
+        )
     return ckpt
 
 
@@ -317,9 +364,10 @@ class StopSignal:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self):
+    def __init__(self, failures=None):
         self.signum = 0
         self._previous: dict = {}
+        self.failures = failures  # under torchrun: a signal after another rank failed stops now
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -328,13 +376,18 @@ class StopSignal:
             self._previous[s] = signal.signal(s, self._handle)
 
     def _handle(self, signum, frame) -> None:
+        if self.failures is not None and self.failures.on_signal(signum, frame):
+            return  # the job is failing: this rank reports and leaves (grpo/run/failures.py)
         if self.signum:
             self.restore()
             raise KeyboardInterrupt
         self.signum = signum
-        # os.write, not logging: a signal handler may run while logging holds its lock
-        os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step (a checkpoint "
-                    "is saved); send it again to stop at once\n".encode())  # fmt: skip
+        notice = (f"\n{signal.Signals(signum).name}: stopping after this step (a checkpoint is "
+                  "saved); send it again to stop at once\n")  # fmt: skip
+        if self.failures is not None:  # torchrun also signals every rank once one has failed
+            self.failures.notice_later(notice)
+        else:  # os.write, not logging: a signal handler may run while logging holds its lock
+            os.write(2, notice.encode())
 
     def restore(self) -> None:
         for s, handler in self._previous.items():
@@ -373,10 +426,10 @@ class RunDir:
             except GrpoError as e:
                 error = e
         verdict = gather_objects(None if error is None else str(error), dist)[0]
+        if verdict is not None and dist.enabled:  # one line, rank 0's; every rank exits 2
+            raise JobError(verdict, dist.rank)
         if error is not None:
             raise error
-        if verdict is not None:
-            raise GrpoError(verdict)
         self.stop.install()
 
     def _claim(self, cfg: Config) -> None:
@@ -426,7 +479,7 @@ class RunDir:
 
 @contextlib.contextmanager
 def run_directory(
-    cfg: Config, kind: str, resume: bool, overwrite: bool, dist: Dist
+    cfg: Config, kind: str, resume: bool, overwrite: bool, dist: Dist, failures=None
 ) -> Iterator[RunDir]:
     """Check a start in cfg.train.output_dir (read-only, before any model is loaded); the
     block trains; on leaving it, however it ends, the lock and signal handlers are released.
@@ -437,20 +490,30 @@ def run_directory(
         overwrite: start afresh in a used directory; its earlier run's outputs are removed
             only when the run is claimed, after every input has been checked.
         dist: rank 0 checks; every rank gets its verdict and the checkpoint.
+        failures: the job's `grpo.run.failures.Failures` (torchrun): a signal after another
+            rank failed stops this one at once; leaving by an error marks this rank failing.
     """
     error, ckpt = None, None
     if dist.is_main:
         try:
-            ckpt = check_run_dir(cfg, kind, resume, overwrite)
+            ckpt = check_run_dir(cfg, kind, resume, overwrite, dist.world_size)
         except GrpoError as e:
             error = e
     message, ckpt = gather_objects((None if error is None else str(error), ckpt), dist)[0]
+    if message is not None and dist.enabled:  # one line, rank 0's; every rank exits 2
+        raise JobError(message, dist.rank)
     if error is not None:
         raise error
-    if message is not None:
-        raise GrpoError(message)
-    rundir = RunDir(Path(cfg.train.output_dir), kind, resume, overwrite, ckpt)
+    if ckpt is not None and (kind == "train" or cfg.train.epochs is None):  # SFT epochs: later
+        limit = f"train.max_steps={cfg.train.max_steps}"
+        check_resume_step(Path(cfg.train.output_dir), ckpt, cfg.train.max_steps, limit, dist.rank)
+    rundir = RunDir(Path(cfg.train.output_dir), kind, resume, overwrite, ckpt,
+                    StopSignal(failures))  # fmt: skip
     try:
         yield rundir
+    except BaseException:
+        if failures is not None:  # on its way out: from here on signals are ignored
+            failures.failing = True
+        raise
     finally:
         rundir.close()

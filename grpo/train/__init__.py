@@ -6,6 +6,7 @@
     batch     the values passed between phases (RolloutBatch, UpdateBatch, MicroBatch)
     stats     what a step reports (loss stats over micro-batches and ranks, advantages,
               rollout metrics)
+    health    learning that silently stops: rules over each step's metrics, warnings, a stop
     sft       supervised fine-tuning
 
 The run around them (run directory, checkpoints, preflight checks, signals, the loop skeleton,

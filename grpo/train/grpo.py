@@ -62,7 +62,8 @@ from grpo.policy import build_policy, shard_policy
 from grpo.rewards import build_rewards
 from grpo.rollout import Rollout
 from grpo.run.loop import RunDir, due, run_training, start_run
-from grpo.run.perf import PhasePeaks
+from grpo.run.optim import nonfinite_weights_error, weights_finite
+from grpo.run.perf import PhasePeaks, phase_bar
 from grpo.run.preflight import check_prompt_room, preflight, start_notices
 from grpo.run.state import seed_everything
 from grpo.train.batch import (
@@ -72,6 +73,7 @@ from grpo.train.batch import (
     counted_mask,
     micro_batch_plan,
 )
+from grpo.train.health import LearningHealth, WeightChange
 from grpo.train.producer import make_sampler, rollout_source, run_producer
 from grpo.train.stats import OnPolicyCheck, StatSums, advantage_stats, rollout_metrics
 
@@ -86,10 +88,20 @@ def step_batch(
     and pi_old recomputed by the trainer (when configured)."""
     mask = counted_mask(batch.rollout, cfg.loss.mask_truncated_completions)
     plan = micro_batch_plan(batch.rollout, cfg.train.micro_batch_size or cfg.train.batch_size)
-    ref = reference_phase(cfg, policy, batch.rollout, mask, plan, step)
+    show = cfg.train.progress and dist.is_main  # bars of the passes that run long
+    ref = reference_phase(cfg, policy, batch.rollout, mask, plan, step, show=show)
     advantages = advantage_phase(cfg, batch, ref, dist, step)
-    old = old_logprobs_phase(cfg, policy, batch.rollout, mask, plan)
+    old = old_logprobs_phase(cfg, policy, batch.rollout, mask, plan, show=show)
     return UpdateBatch(batch.rollout, mask, advantages, plan, ref_logprobs=ref, old_logprobs=old)
+
+
+def each_micro_batch(plan: tuple[MicroBatch, ...], show: bool, desc: str):
+    """The micro-batches of a pass, with a progress bar when there are several and the pass
+    runs long (`grpo.run.perf.phase_bar`; `show`: train.progress on rank 0)."""
+    with phase_bar(show and len(plan) > 1, desc, len(plan), "micro-batch") as bar:
+        for mb in plan:
+            yield mb
+            bar.update(1)
 
 
 def advantage_phase(
@@ -175,33 +187,38 @@ def kl_measured(cfg: Config, step: int | None) -> bool:
 @torch.no_grad()
 def reference_phase(
     cfg: Config, policy, rollout: Rollout, mask: torch.Tensor, plan: tuple[MicroBatch, ...],
-    step: int | None = None,
+    step: int | None = None, show: bool = False,
 ) -> torch.Tensor | None:  # fmt: skip
     """Reference log-probs (B, T_c) at the counted tokens `mask`: the base model via disabled
-    LoRA, or the frozen copy; None on the steps that do not need them (`kl_measured`)."""
+    LoRA, or the frozen copy; None on the steps that do not need them (`kl_measured`).
+    `show`: a progress bar when the pass runs long (`each_micro_batch`)."""
     if not kl_measured(cfg, step):
         return None
+    plan_shown = each_micro_batch(plan, show, "reference log-probs")
     if policy.ref_model is not None:
         ref = CompletionLogprobs(policy.ref_model, policy.precision)
-        parts = [micro_logprobs(cfg, ref, rollout, mask, mb) for mb in plan]
+        parts = [micro_logprobs(cfg, ref, rollout, mask, mb) for mb in plan_shown]
     else:
         with disabled_lora(policy.model):
             ref = CompletionLogprobs(policy.model, policy.precision)
-            parts = [micro_logprobs(cfg, ref, rollout, mask, mb) for mb in plan]
+            parts = [micro_logprobs(cfg, ref, rollout, mask, mb) for mb in plan_shown]
     return torch.cat(parts)
 
 
 @torch.no_grad()
 def old_logprobs_phase(
-    cfg: Config, policy, rollout: Rollout, mask: torch.Tensor, plan: tuple[MicroBatch, ...]
-) -> torch.Tensor | None:
+    cfg: Config, policy, rollout: Rollout, mask: torch.Tensor, plan: tuple[MicroBatch, ...],
+    show: bool = False,
+) -> torch.Tensor | None:  # fmt: skip
     """With loss.old_logprobs: recompute (or loss.tis_cap): pi_old (B, T_c) as the trainer
     computes it (no grad, the sampler's eval mode), for the ratio (and the truncated-IS weight
-    min(pi_old_trainer / pi_sampler, cap)); else None (the sampler's log-probs are pi_old)."""
+    min(pi_old_trainer / pi_sampler, cap)); else None (the sampler's log-probs are pi_old).
+    `show`: a progress bar when the pass runs long (`each_micro_batch`)."""
     if cfg.loss.old_logprobs != "recompute" and cfg.loss.tis_cap is None:
         return None
     scorer = CompletionLogprobs(policy.model, policy.precision)
-    return torch.cat([micro_logprobs(cfg, scorer, rollout, mask, mb) for mb in plan])
+    plan_shown = each_micro_batch(plan, show, "old log-probs")
+    return torch.cat([micro_logprobs(cfg, scorer, rollout, mask, mb) for mb in plan_shown])
 
 
 def update_phase(
@@ -216,7 +233,9 @@ def update_phase(
     Stats are whatever the policy loss returns, token-weighted over the global batch, and the
     on-policy check: the first pass's log-probs (the policy that sampled, trainer numerics)
     against the sampler's, as rollout/logprob_diff_max, rollout/logprob_diff_mean and
-    rollout/first_pass_ratio_mean (exp of the difference; 1 when they agree).
+    rollout/first_pass_ratio_mean (exp of the difference; 1 when they agree). An update that
+    leaves a trainable weight NaN or inf (on any rank) raises GrpoError naming the step, its
+    loss, grad norm and lr (`nonfinite_weights_error`), read with the stats: no extra sync.
     """
     model = policy.model
     scorer = scorer if scorer is not None else CompletionLogprobs(model, policy.precision)
@@ -233,8 +252,12 @@ def update_phase(
     f64 = {"dtype": torch.float64, "device": sampler_logprobs.device}
     sums = StatSums()
     policy_share, losses, grad_norms, skipped = torch.zeros((), **f64), [], [], 0
+    update_lrs, finite_after = [], []  # per update: its lr, whether the weights stayed finite
     lr = scheduler.get_last_lr()[0]  # this step's first update's; after it, the next one's
     on_policy = OnPolicyCheck.zeros(sampler_logprobs.device)
+    n_passes = cfg.loss.num_iterations * len(plan)  # a bar when they are several and run long
+    bar = phase_bar(cfg.train.progress and dist.is_main and n_passes > 1, "update", n_passes,
+                    "micro-batch")  # fmt: skip
     for it in range(cfg.loss.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), **f64)
@@ -269,6 +292,7 @@ def update_phase(
             policy_share += st["policy_loss"]
             sums.add(st)
             bad_row = torch.where((bad_row < 0) & (bad >= 0), bad + sl.start, bad_row)
+            bar.update(1)
         max_norm = cfg.optim.max_grad_norm or math.inf
         grad_norm = clip_grad_norm(params, max_norm)
         # the pass's one host read
@@ -282,21 +306,31 @@ def update_phase(
             optimizer.zero_grad(set_to_none=True)
             skipped += 1
             continue
+        update_lrs.append(scheduler.get_last_lr()[0])
         optimizer.step()
         scheduler.step()
         losses.append(total)
         grad_norms.append(grad_norm)
+        finite_after.append(weights_finite(params))  # read with the stats below: no extra sync
+    bar.close()
     model.eval()
     mu = max(len(losses), 1)
     out = sums.reduce(dist)
     c = on_policy  # the step's second host read
-    diff_sum, ratio_sum, n_tokens, diff_max, policy_share = torch.stack(
-        [c.diff_sum, c.ratio_sum, c.tokens, c.diff_max, policy_share]
+    oks = [ok.to(policy_share) for ok in finite_after]
+    diff_sum, ratio_sum, n_tokens, diff_max, policy_share, *finite = torch.stack(
+        [c.diff_sum, c.ratio_sum, c.tokens, c.diff_max, policy_share, *oks]
     ).tolist()
     # every rank's loss is its share of the global loss: sum the shares over ranks
     sums_local = {"loss": sum(losses), "policy_loss": policy_share, "diff": diff_sum,
                   "ratio": ratio_sum, "n": n_tokens}  # fmt: skip
+    for i, ok in enumerate(finite):  # update i left a weight NaN or inf (FSDP: some shard)
+        sums_local[f"nonfinite_{i}"] = float(not ok)
     shares = all_reduce_sum_dict(sums_local, dist)
+    bad = [i for i in range(len(finite)) if shares[f"nonfinite_{i}"]]
+    if bad:  # stop before this step's checkpoint: the last one written stays finite
+        i = bad[0]
+        raise nonfinite_weights_error(step, losses[i], grad_norms[i], update_lrs[i])
     n_tokens = max(shares["n"], 1.0)
     out.update(
         {
@@ -350,7 +384,8 @@ def train_grpo(
             removed once every input is checked (without it such a start is refused).
 
     Returns:
-        the run's summary: output_dir, final, step and the last step's metrics.
+        the run's summary: output_dir, final, step, the last step's metrics, and `health`:
+        each learning-health rule that fired, with its steps (grpo/train/health.py).
     """
     cfg.check_grpo()
     return run_training(cfg, "train", resume, overwrite, _train, on_step, _produce)
@@ -403,6 +438,8 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
     policy.model.eval()
     scorer = wrap_ddp(CompletionLogprobs(policy.model, policy.precision), dist, device)
     peaks = PhasePeaks(device)
+    health = LearningHealth(cfg, dist.rank)  # learning that silently stops (train.stall_steps)
+    weight_change = WeightChange(params)  # train/weight_change, which it reads
 
     def run_eval() -> dict:
         res = evaluate(
@@ -445,6 +482,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
                     cfg, policy, inputs, optimizer, scheduler, params, scorer, dist, state.step + 1
                 )
             )
+            metrics["train/weight_change"] = weight_change.measure(dist)
             t3 = time.perf_counter()
             peaks.end("update")
             state.step += 1
@@ -483,8 +521,9 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
                     f"{state.step}); stopped. Lower optim.lr or check the rewards; resume from the "
                     "last checkpoint with --resume"
                 )
+            health.observe(state.step, metrics)  # warns; train.stop_on_stall: raises
             where.phase = "checkpoint"
             run.end_step(policy, dist, last)
             bar.update(1)
         bar.close()
-    return run.finish(policy, dist, metrics)
+    return {**run.finish(policy, dist, metrics), "health": health.summary()}

@@ -27,6 +27,7 @@ from grpo.envs import env_factory
 from grpo.rewards import compute_rewards
 from grpo.rollout import Rollout
 from grpo.rollout.multiturn import sample_with_env, turn_end_ids
+from grpo.run.perf import phase_bar
 from grpo.train.batch import (
     RolloutBatch,
     cat_batches,
@@ -37,24 +38,36 @@ from grpo.train.batch import (
 )
 
 
-def sample_round(cfg: Config, policy, sampler, rows: list[dict], seed: int, make_env=None):
+def sample_round(cfg: Config, policy, sampler, rows: list[dict], seed: int, make_env=None,
+                 show: bool = False):  # fmt: skip
     """One sampling call: G completions per row (single turn), or G trajectories per row
     with the configured environment (multi-turn). The sampler holds the policy's precision
-    (the trainer's autocast and float32 head)."""
+    (the trainer's autocast and float32 head). `show`: a progress bar of its decode steps
+    (environment steps) when the call runs long (`grpo.run.perf.phase_bar`)."""
     c = cfg.rollout
     sampling = {"temperature": c.temperature, "top_k": c.top_k, "top_p": c.top_p,
                 "min_p": c.min_p, "seed": seed, "pad_id": policy.tokenizer.pad_token_id,
                 "stop_ids": policy.stop_ids}  # fmt: skip
+    B = len(rows) * c.group_size
     if not c.multi_turn:
-        return sampler.sample([r["prompt_ids"] for r in rows], group_size=c.group_size,
-                              max_new_tokens=c.max_new_tokens, **sampling)  # fmt: skip
-    return sample_with_env(
-        sampler, policy.tokenizer, rows, make_env or env_factory(c.env, c.env_kwargs),
-        env_name=c.env, group_size=c.group_size, max_new_tokens=c.max_new_tokens,
-        max_turns=c.max_turns, max_total_tokens=c.total_tokens,
-        max_obs_tokens=c.max_obs_tokens,
-        turn_end_ids=turn_end_ids(policy.tokenizer, c.turn_end_tokens), **sampling,
-    )  # fmt: skip
+        with phase_bar(show, f"rollout ({B} rows)", c.max_new_tokens, "tok") as bar:
+
+            def counted(t: int, tokens: torch.Tensor) -> torch.Tensor:  # the draw unchanged
+                bar.update(1)
+                return tokens
+
+            return sampler.sample([r["prompt_ids"] for r in rows], group_size=c.group_size,
+                                  max_new_tokens=c.max_new_tokens,
+                                  on_step=counted if show else None, **sampling)  # fmt: skip
+    with phase_bar(show, f"rollout ({B} trajectories)", B * c.max_turns, "env step") as bar:
+        return sample_with_env(
+            sampler, policy.tokenizer, rows, make_env or env_factory(c.env, c.env_kwargs),
+            env_name=c.env, group_size=c.group_size, max_new_tokens=c.max_new_tokens,
+            max_turns=c.max_turns, max_total_tokens=c.total_tokens,
+            max_obs_tokens=c.max_obs_tokens, step_timeout_s=c.env_timeout_s,
+            turn_end_ids=turn_end_ids(policy.tokenizer, c.turn_end_tokens),
+            progress=bar.update if show else None, **sampling,
+        )  # fmt: skip
 
 
 def score_rollout(
@@ -122,13 +135,15 @@ def rollout_phase(
     Args:
         step: training steps completed (the batch's policy_version).
     """
+    show = cfg.train.progress and dist.is_main  # a bar when a sampling call runs long
     return rollout_batches(cfg, policy, sampler, rows, state, reward_fns, step, [dist.rank],
-                           dist.world_size, dist, make_env)[0]  # fmt: skip
+                           dist.world_size, dist, make_env, show=show)[0]  # fmt: skip
 
 
 def rollout_batches(
     cfg: Config, policy, sampler, rows, state, reward_fns, step: int, ranks: Sequence[int],
     world: int, lockstep=SINGLE, make_env=None, policy_version: int | None = None,
+    show: bool = False,
 ) -> list[RolloutBatch]:  # fmt: skip
     """`rollout_phase` for the trainer ranks `ranks` of a job of `world` trainer ranks, one
     batch each: what each of those ranks would sample for itself, bitwise (same prompts, same
@@ -141,6 +156,7 @@ def rollout_batches(
         step: the batch index (training steps completed before the step that consumes it):
             it picks the sampler seeds.
         policy_version: updates the sampling policy had seen (default: `step`, synchronous).
+        show: a progress bar of each sampling call that runs long (`sample_round`).
     """
     G = cfg.rollout.group_size
     P = cfg.train.batch_size // G
@@ -159,7 +175,7 @@ def rollout_batches(
                 continue
             seed = derive_seed(cfg.train.seed, t, step, round_)
             picked = [rows[i] for i in idx]
-            rollout = sample_round(cfg, policy, sampler, picked, seed, make_env)
+            rollout = sample_round(cfg, policy, sampler, picked, seed, make_env, show)
             batch = score_rollout(cfg, rollout, picked, policy.tokenizer, reward_fns, version)
             dynamic = cfg.loss.dynamic_sampling
             zero = zero_std_groups(batch.rewards, G).tolist() if dynamic else None

@@ -32,8 +32,10 @@ from grpo.errors import GrpoError
 from grpo.loading import load_rows, resolve_device
 from grpo.policy import build_policy, shard_policy
 from grpo.run.loop import RunDir, due, run_training, start_run
+from grpo.run.optim import nonfinite_weights_error, weights_finite
 from grpo.run.perf import peak_mem_mib, reset_peak_mem
 from grpo.run.preflight import check_prompt_room, preflight
+from grpo.run.rundir import check_resume_step
 from grpo.run.state import seed_everything
 from grpo.train.batch import micro_batches, next_prompts
 
@@ -88,10 +90,13 @@ def sft_loss(cfg: Config, scorer, batch: dict, normalizer: float) -> tuple[torch
     return -logprobs.sum() / normalizer, int(batch["completion_mask"].sum())
 
 
-def sft_update(cfg: Config, policy, scorer, batch_rows, optimizer, scheduler, params, dist):
+def sft_update(cfg: Config, policy, scorer, batch_rows, optimizer, scheduler, params, dist,
+               step: int | None = None):  # fmt: skip
     """One optimizer step on this rank's rows; returns (loss share, tokens, grad norm).
 
     A non-finite loss or gradient on any rank skips the step (the returned values show it).
+    An update that leaves a weight NaN or inf (on any rank) raises GrpoError naming `step`
+    (one host read after the update).
 
     The token-mean is over the completion tokens of the global batch (all micro-batches and
     ranks), so accumulation and DDP give the update of one full batch in one process.
@@ -117,8 +122,11 @@ def sft_update(cfg: Config, policy, scorer, batch_rows, optimizer, scheduler, pa
         log.warning("non-finite loss (%s) or grad norm (%s): update skipped", total, grad_norm)
         optimizer.zero_grad(set_to_none=True)
         return total, tokens, grad_norm
+    lr = scheduler.get_last_lr()[0]
     optimizer.step()
     scheduler.step()
+    if all_reduce_sum(float(not weights_finite(params)), dist):  # before any checkpoint of it
+        raise nonfinite_weights_error(step, total, grad_norm, lr)
     return total, tokens, grad_norm
 
 
@@ -157,6 +165,11 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             eval_rows = load_rows(cfg.data, cfg.data.eval_split, cfg.data.eval_samples, "rl", tok)
         check_prompt_room(cfg, mc, "sft", rows, eval_rows)
     steps = total_sft_steps(cfg, len(rows) // dist.world_size)
+    # --resume past the run's end (train.max_steps was checked before anything loaded; the
+    # steps of train.epochs depend on the data), before anything is written
+    if cfg.train.epochs is not None and rundir.checkpoint is not None:
+        limit = f"train.epochs={cfg.train.epochs:g} ({steps} steps)"
+        check_resume_step(rundir.path, rundir.checkpoint, steps, limit, dist.rank)
     run = start_run(cfg, policy, dist, steps, rundir)  # inputs checked: now write outputs
     state, optimizer, scheduler, params = run.state, run.optimizer, run.scheduler, run.params
     scorer = wrap_ddp(CompletionLogprobs(policy.model, policy.precision), dist, device)
@@ -174,7 +187,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
         batch_rows = [rows[i] for i in idx[dist.rank * B : (dist.rank + 1) * B]]
         lr = scheduler.get_last_lr()[0]  # this update's; after it, the next one's
         total, tokens, grad_norm = sft_update(
-            cfg, policy, scorer, batch_rows, optimizer, scheduler, params, dist
+            cfg, policy, scorer, batch_rows, optimizer, scheduler, params, dist, state.step + 1
         )
         state.step += 1
         bad_steps = 0 if math.isfinite(total) and math.isfinite(grad_norm) else bad_steps + 1

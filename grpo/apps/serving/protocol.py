@@ -190,10 +190,40 @@ def read_body(body: bytes, cls: type):
         raise RequestError("body", "JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise RequestError("body", f"expected a JSON object, got {type(data).__name__}")
+    _check_text(data, "")
     try:
         return build_settings(cls, data, null_is_default=True)
     except ConfigError as e:
         raise RequestError(e.field or "body", e.problem) from None
+
+
+def _not_text(value: str) -> str | None:
+    """What makes `value` text no tokenizer can encode (a lone surrogate), or None."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"is not valid Unicode text: a lone surrogate {value[e.start]!r} at character "
+                f"{e.start} (a \\ud800-\\udfff escape that is not half of a pair)")  # fmt: skip
+    return None
+
+
+def _check_text(data: Any, field: str) -> None:
+    """Every string in the decoded JSON (keys too) is text UTF-8 can encode: JSON's `\\ud800`
+    escape decodes to a lone surrogate, which no tokenizer can encode. Raises `RequestError`
+    naming the field (`messages[0].content`). Iterative: any depth json.loads accepted."""
+    todo = [(data, field)]
+    while todo:
+        value, field = todo.pop()
+        if isinstance(value, str):
+            problem = _not_text(value)
+            if problem:
+                raise RequestError(field or "body", problem)
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):  # reversed: the first one found first
+                todo.append((item, f"{field}.{key}" if field else key))
+                todo.append((key, field))
+        elif isinstance(value, list):
+            todo.extend((item, f"{field}[{i}]") for i, item in reversed(list(enumerate(value))))
 
 
 def _limit(name: str, value: int, hi: int) -> None:
@@ -237,6 +267,9 @@ class Service:
         self.created = int(time.time())
 
     def encode(self, text: str, field: str) -> list[int]:
+        problem = _not_text(text)  # e.g. --system-prompt from argv's surrogateescape
+        if problem:
+            raise RequestError(field, problem)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if not ids:
             raise RequestError(field, "encodes to no tokens")

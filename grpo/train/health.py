@@ -1,0 +1,382 @@
+"""Learning health: notice a GRPO run that has stopped learning while it goes on without error.
+
+Every completion cut at the token budget (reward 0), every group of equal rewards (advantages
+0), a gradient norm of 0, weights that no longer move, a reward mean that does not move: each
+leaves the loop running, for hours, and reporting success. `LearningHealth` reads each step's
+metrics (already reduced over ranks, so every rank decides the same at the same step) and
+applies one rule per symptom over the last `train.stall_steps` steps (docs/safety.md,
+"Learning health"). A rule that starts to hold is one WARNING line on rank 0 naming the
+symptom, its numbers and the setting to change, and one more when it stops holding; the run
+summary lists every rule that fired (`health`). With `train.stop_on_stall` the first one to
+fire stops the run (`StallError`, exit 2).
+
+`WeightChange` measures the metric the frozen-weights rule reads, `train/weight_change`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from grpo.config import Config
+from grpo.distributed import SINGLE, all_reduce_sum_dict
+from grpo.errors import GrpoError
+
+log = logging.getLogger(__name__)
+
+TRUNCATED_FRAC = 0.9  # "most completions": at least this fraction cut at the budget
+ZERO = 1e-12  # a grad norm or relative weight change at or below this counts as none
+FLAT = 1e-6  # a reward-mean range at or below this over the window counts as flat
+SAMPLE_BUDGET = 1 << 24  # most elements of the trainable weights WeightChange keeps (64 MiB f32)
+
+
+class StallError(GrpoError):
+    """train.stop_on_stall: a learning-health rule fired. Printed once, by rank 0."""
+
+    def __init__(self, message: str, rank: int = 0):
+        super().__init__(message)
+        self.rank = rank
+
+
+# --------------------------------------------------------------------------- the rules
+
+
+@dataclass(frozen=True)
+class Window:
+    """The steps a rule judges: the last `train.stall_steps` steps' metrics, oldest first."""
+
+    steps: tuple[int, ...]
+    metrics: tuple[dict, ...]
+    lowest_reward: tuple[float, ...]  # per step: the run's lowest rollout/reward_mean until then
+
+    def values(self, key: str) -> list[float]:
+        """`key` on every step of the window (NaN where a step lacks it)."""
+        return [_num(m.get(key)) for m in self.metrics]
+
+    @property
+    def span(self) -> str:
+        a, b = self.steps[0], self.steps[-1]
+        return f"step {a}" if a == b else f"steps {a}-{b}"
+
+
+def _num(v) -> float:
+    return float(v) if isinstance(v, (int, float)) else math.nan
+
+
+def _truncated(cfg: Config, w: Window) -> bool:
+    """Most completions cut at the budget, on every step, and no learning signal left in them:
+    the loss drops them (loss.mask_truncated_completions), or nearly every group has equal
+    rewards while the reward mean is at the run's lowest so far (the budget cuts the answers
+    off; equal rewards at a high reward are a solved task, not the budget's doing)."""
+    for m, lowest in zip(w.metrics, w.lowest_reward):
+        t, z, r = (_num(m.get(k)) for k in TRUNCATION_KEYS)
+        if not t >= TRUNCATED_FRAC:
+            return False
+        if not cfg.loss.mask_truncated_completions and not (
+            z >= TRUNCATED_FRAC and r <= lowest + FLAT
+        ):
+            return False
+    return True
+
+
+TRUNCATION_KEYS = ("rollout/truncated_frac", "rollout/frac_zero_std_groups", "rollout/reward_mean")
+
+
+def _truncated_message(cfg: Config, w: Window) -> str:
+    t, z, r = (w.values(k)[-1] for k in TRUNCATION_KEYS)
+    ro = cfg.rollout
+    if ro.multi_turn:
+        what = (f"{t:.0%} of trajectories were cut by rollout.max_turns={ro.max_turns} or the "
+                f"token budget (rollout.max_total_tokens={ro.total_tokens})")  # fmt: skip
+        fix = "raise rollout.max_total_tokens / rollout.max_turns or ask for shorter turns"
+    else:
+        what = f"{t:.0%} of completions hit rollout.max_new_tokens={ro.max_new_tokens}"
+        fix = "raise rollout.max_new_tokens or ask for shorter answers (data.system_prompt)"
+    if cfg.loss.mask_truncated_completions:
+        why = "loss.mask_truncated_completions drops them from the loss"
+    else:
+        why = f"reward mean {r:.3f}, {z:.0%} of groups with equal rewards: no learning signal"
+    n = len(w.steps)
+    return f"completions truncated: {what} for {n} steps ({w.span}; {why}); {fix}"
+
+
+def _zero_variance(cfg: Config, w: Window) -> bool:
+    """Every group's completions got equal rewards, on every step (advantages all 0)."""
+    return all(z >= 1 - 1e-9 for z in w.values("rollout/frac_zero_std_groups"))
+
+
+def _zero_variance_message(cfg: Config, w: Window) -> str:
+    r = w.values("rollout/reward_mean")[-1]
+    G, temp = cfg.rollout.group_size, cfg.rollout.temperature
+    return (
+        f"no reward variance: in every group all {G} completions got equal rewards for "
+        f"{len(w.steps)} steps ({w.span}; reward mean {r:.3f}), so every advantage and the "
+        f"policy gradient are 0; give partial credit in the rewards, use prompts the model "
+        f"sometimes solves, or raise rollout.group_size ({G}) or rollout.temperature ({temp:g}) "
+        "(if the reward is at its maximum, the task is learned)"
+    )
+
+
+def _zero_gradient(cfg: Config, w: Window) -> bool:
+    """The gradient norm (before clipping) at most ZERO on every step (NaN: skipped updates,
+    the non-finite check's business, does not count)."""
+    return all(g <= ZERO for g in w.values("train/grad_norm"))
+
+
+def _zero_gradient_message(cfg: Config, w: Window) -> str:
+    g = max(w.values("train/grad_norm"))
+    return (
+        f"zero gradient: train/grad_norm <= {ZERO:g} for {len(w.steps)} steps ({w.span}; at most "
+        f"{g:.3g}): the loss does not move the weights; check the rewards (equal within every "
+        "group?), loss.mask_truncated_completions with every completion truncated, and "
+        "lora.targets / which weights are trainable"
+    )
+
+
+def _frozen_weights(cfg: Config, w: Window) -> bool:
+    """The trainable weights moved by at most ZERO (relative, `WeightChange`) on every step."""
+    return all(c <= ZERO for c in w.values("train/weight_change"))
+
+
+def _frozen_weights_message(cfg: Config, w: Window) -> str:
+    c = max(w.values("train/weight_change"))
+    lr = w.values("train/lr")[-1]
+    g = w.values("train/grad_norm")[-1]
+    why = (
+        "the gradient is 0 too"
+        if g <= ZERO
+        else f"optim.lr={cfg.optim.lr:g} (this step {lr:.3g}) is too small for the weights' "
+        "precision; raise optim.lr"
+    )
+    return (
+        f"weights unchanged: the trainable weights moved by at most {c:.3g} (relative, "
+        f"train/weight_change) per step for {len(w.steps)} steps ({w.span}): {why}"
+    )
+
+
+def _flat_reward(cfg: Config, w: Window) -> bool:
+    """The reward mean's range (max - min) over the window at most FLAT; the window holds at
+    least two steps."""
+    r = w.values("rollout/reward_mean")
+    return len(r) >= 2 and all(math.isfinite(x) for x in r) and max(r) - min(r) <= FLAT
+
+
+def _flat_reward_message(cfg: Config, w: Window) -> str:
+    r = w.values("rollout/reward_mean")
+    names = ", ".join(rc.name for rc in cfg.rewards)
+    return (
+        f"reward flat: rollout/reward_mean stayed at {r[-1]:.3f} (range {max(r) - min(r):.2g} "
+        f"<= {FLAT:g}) for {len(r)} steps ({w.span}): nothing is being learned; check the "
+        f"rewards ({names}) against the completions, and the warnings above (a reward at its "
+        "maximum: the task is learned)"
+    )
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One symptom: `holds(cfg, window)` over the last stall_steps steps, and the warning's
+    text. `min_steps`: the window the rule needs (the flat reward compares two steps at least)."""
+
+    name: str
+    holds: Callable[[Config, Window], bool]
+    message: Callable[[Config, Window], str]
+    min_steps: int = 1
+
+
+# In order of cause: a stop names the first that fired.
+RULES = (
+    Rule("truncated", _truncated, _truncated_message),
+    Rule("zero_variance", _zero_variance, _zero_variance_message),
+    Rule("zero_gradient", _zero_gradient, _zero_gradient_message),
+    Rule("frozen_weights", _frozen_weights, _frozen_weights_message),
+    Rule("flat_reward", _flat_reward, _flat_reward_message, min_steps=2),
+)
+
+
+# --------------------------------------------------------------------------- the watcher
+
+
+@dataclass
+class Stall:
+    """What the run summary says of a rule that fired.
+
+    Attributes:
+        first_step: the first step of the window that made it fire (its first firing).
+        fired_step: the step it first fired.
+        last_step: the last step on which it held.
+        times: how often it fired (it may clear and fire again).
+        message: the warning of its first firing.
+    """
+
+    first_step: int
+    fired_step: int
+    last_step: int
+    times: int
+    message: str
+
+
+@dataclass(frozen=True)
+class Event:
+    """A rule that started (`fired`) or stopped holding at `step`; `message` says what, `line`
+    is the warning."""
+
+    rule: str
+    step: int
+    fired: bool
+    message: str
+
+    @property
+    def line(self) -> str:
+        if self.fired:
+            return f"learning stalled at step {self.step}: {self.message}"
+        return f"learning health: {self.rule} cleared at step {self.step} ({self.message})"
+
+
+@dataclass
+class LearningHealth:
+    """Feed it every step's reduced metrics (`observe`); it warns, records and stops.
+
+    Args:
+        cfg: the run config (train.stall_steps, train.stop_on_stall, and the settings named).
+        rank: this process's rank: rank 0 logs the warnings and prints a stop.
+    """
+
+    cfg: Config
+    rank: int = 0
+    _recent: deque = field(init=False)
+    _active: dict[str, int] = field(init=False, default_factory=dict)  # rule -> firing step
+    _lowest: float = field(init=False, default=math.inf)
+    stalls: dict[str, Stall] = field(init=False, default_factory=dict)
+
+    def __post_init__(self):
+        self._recent = deque(maxlen=max(self.cfg.train.stall_steps, 2))
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.train.stall_steps > 0
+
+    def observe(self, step: int, metrics: dict) -> list[Event]:
+        """One step's metrics (the same on every rank): log what fired or cleared (rank 0);
+        with train.stop_on_stall raise `StallError` when a rule fired.
+
+        Returns:
+            the rules that fired or cleared at this step.
+        """
+        if not self.enabled:
+            return []
+        r = _num(metrics.get("rollout/reward_mean"))
+        if math.isfinite(r):
+            self._lowest = min(self._lowest, r)
+        self._recent.append((step, dict(metrics), self._lowest))
+        events = []
+        for rule in RULES:
+            w = self._window(max(self.cfg.train.stall_steps, rule.min_steps))
+            holds = w is not None and rule.holds(self.cfg, w)
+            if holds and rule.name not in self._active:
+                events.append(self._fire(rule, w, step))
+            elif holds:
+                self.stalls[rule.name].last_step = step
+            elif rule.name in self._active:
+                since, last = self._active.pop(rule.name), self.stalls[rule.name].last_step
+                what = f"it fired at step {since} and held through step {last}"
+                events.append(Event(rule.name, step, False, what))
+        for e in events if self.rank == 0 else ():
+            log.warning("%s", e.line)
+        fired = [e for e in events if e.fired]
+        if fired and self.cfg.train.stop_on_stall:
+            also = [e.rule for e in fired[1:]]
+            more = f" (also fired: {', '.join(also)})" if also else ""
+            raise StallError(
+                f"learning stalled at step {step}: {fired[0].message}{more}; stopped by "
+                "train.stop_on_stall (checkpoints already written stay; change the setting and "
+                "continue with --resume)",
+                self.rank,
+            )
+        return events
+
+    def _window(self, n: int) -> Window | None:
+        """The last n steps, or None before n steps were seen."""
+        if len(self._recent) < n:
+            return None
+        steps, metrics, lowest = zip(*list(self._recent)[-n:])
+        return Window(steps, metrics, lowest)
+
+    def _fire(self, rule: Rule, w: Window, step: int) -> Event:
+        message = rule.message(self.cfg, w)
+        self._active[rule.name] = step
+        old = self.stalls.get(rule.name)
+        if old is None:
+            self.stalls[rule.name] = Stall(w.steps[0], step, step, 1, message)
+        else:
+            old.last_step, old.times = step, old.times + 1
+        return Event(rule.name, step, True, message)
+
+    def summary(self) -> dict[str, dict]:
+        """The run summary's `health` section: rule name -> its `Stall` as a dict, for every
+        rule that fired (empty: none did)."""
+        return {name: vars(s).copy() for name, s in self.stalls.items()}
+
+
+def describe(health: dict[str, dict]) -> str:
+    """A run summary's `health` section as one line for the end of `grpo train`."""
+    parts = [f"{name} (steps {s['first_step']}-{s['last_step']})" for name, s in health.items()]
+    return (
+        f"learning stalled: {', '.join(parts)}; the warnings above say what to change "
+        "(train.stall_steps sets the window)"
+    )
+
+
+# --------------------------------------------------------------------------- weight change
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: its shard under FSDP (a DTensor), else itself."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+class WeightChange:
+    """`train/weight_change`: how far one step moved the trainable weights,
+    ||w_t - w_{t-1}|| / ||w_{t-1}|| (absolute where w_{t-1} is all 0), from a fixed strided
+    sample of their elements: every `stride`-th element of each tensor, at most SAMPLE_BUDGET
+    elements in all (every element of a LoRA adapter or a small model). The sample is kept
+    between steps; no copy of the model is made.
+
+    Args:
+        params: the trainable parameters (this rank's shards under FSDP).
+        budget: most elements to keep.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor], budget: int = SAMPLE_BUDGET):
+        self.params = list(params)
+        n = sum(_local(p).numel() for p in self.params)
+        self.stride = max(1, math.ceil(n / budget))
+        self.prev = self._sample()
+
+    @torch.no_grad()
+    def _sample(self) -> list[torch.Tensor]:
+        return [_local(p).detach().reshape(-1)[:: self.stride].clone() for p in self.params]
+
+    @torch.no_grad()
+    def measure(self, dist=SINGLE) -> float:
+        """The change since the last call (or construction), then remember the weights. Sums
+        of squares are added over ranks (FSDP shards; DDP copies give the same ratio), so
+        every rank returns the same number. One host read."""
+        cur = self._sample()
+        if not cur:
+            return 0.0
+        dev = cur[0].device
+        diff = [
+            torch.linalg.vector_norm(c.float() - p.float()).to(dev) for c, p in zip(cur, self.prev)
+        ]
+        norm = [torch.linalg.vector_norm(p.float()).to(dev) for p in self.prev]
+        d2, n2 = (torch.stack(x).double().square().sum() for x in (diff, norm))
+        d2, n2 = torch.stack([d2, n2]).tolist()
+        self.prev = cur
+        sums = all_reduce_sum_dict({"d2": d2, "n2": n2}, dist)
+        d2, n2 = sums["d2"], sums["n2"]
+        return math.sqrt(d2 / n2) if n2 > 0 else math.sqrt(d2)
