@@ -132,11 +132,12 @@ def load_trained_model(
 def dataset_rows(data: DataConfig, split: str, max_samples: int | None):
     """The raw {question, answer, ...} rows of `split` that `load_rows` renders (a Dataset)."""
     from grpo.data import get_dataset
+    from grpo.data.formats import SOURCE_DATASETS
 
     kwargs = {}
     if data.dataset == "minimath":
         kwargs = {"seed": data.seed, "difficulty": data.difficulty}
-    elif data.dataset == "gsm8k" and data.source:
+    elif data.dataset in SOURCE_DATASETS and data.source:
         kwargs = {"source": data.source}
     return get_dataset(data.dataset, split=split, max_samples=max_samples, **kwargs)
 

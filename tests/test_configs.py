@@ -1,7 +1,8 @@
 """Every file in configs/ runs as written: one step of each on a tiny model on the CPU, with the
 config's own dtype, autocast, LoRA, gradient checkpointing, shared-prefix and compile settings;
 only the model path, the data source, the sizes and the lengths are overridden. (The demo
-files run in tests/test_demo.py, pipeline_tiny in tests/test_pipeline.py.) CPU autocast is
+files run in tests/test_demo.py and tests/test_gsm8k_tools.py, pipeline_tiny in
+tests/test_pipeline.py.) CPU autocast is
 bf16, so the tutorial's fp32 + bf16-autocast + LoRA configs meet what they meet on a GPU.
 
 Plus the end-to-end bf16 matrix: one GRPO step under bf16 autocast for each of LoRA on/off x
@@ -31,10 +32,12 @@ GSM8K_SPLIT = ["data.split=test", "data.eval_split=test"]
 RUN_ELSEWHERE = {
     "demo_cpu.yaml": "tests/test_demo.py::test_demo_quick_writes_every_output",
     "demo_tools_cpu.yaml": "tests/test_demo.py::test_tools_demo_quick_writes_every_output",
+    "gsm8k_tools_cpu.yaml":
+        "tests/test_gsm8k_tools.py::test_gsm8k_tools_demo_quick_writes_every_output",
     "pipeline_tiny.yaml": "tests/test_pipeline.py::test_tiny_pipeline_writes_complete_results",
-}
+}  # fmt: skip
 RUN_HERE = ("gsm8k_qwen3_0.6b_sft.yaml", "gsm8k_qwen3_0.6b_grpo.yaml", "pipeline_gsm8k.yaml",
-            "tiny_ci.yaml", "quickstart.yaml")  # fmt: skip
+            "gsm8k_qwen3_0.6b_tools.yaml", "tiny_ci.yaml", "quickstart.yaml")  # fmt: skip
 # Sizes and lengths only: one step, a few rows, short prompts and completions.
 SMALL = ["train.max_steps=1", "data.max_samples=8", "data.eval_samples=2", "eval.max_samples=2",
          "eval.max_new_tokens=8", "rollout.max_new_tokens=12",
@@ -90,6 +93,26 @@ def test_gsm8k_grpo_config_runs_from_the_sft_adapter(gsm8k_sft, shared_tiny_mode
     assert train_grpo(cfg)["step"] == 1
     m = check_metrics(out)
     assert m["train/grad_norm"] > 0
+    assert m["rollout/logprob_diff_max"] <= 1e-2  # bf16 budget (tests/test_precision.py)
+
+
+def test_gsm8k_qwen3_tools_config_runs(tmp_path):
+    """configs/gsm8k_qwen3_0.6b_tools.yaml for one step: python episodes started by the
+    environment, the tool schema rendered by the chat template (the tiny model gets a context
+    that holds it: ~500 tokens of schema with its 384-token vocabulary)."""
+    from grpo.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", size="ci", max_position_embeddings=2048)
+    out = tmp_path / "run"
+    cfg = load_config(CONFIGS / "gsm8k_qwen3_0.6b_tools.yaml", [
+        f"model.path={model}", f"data.source={GSM8K}", *GSM8K_SPLIT, f"train.output_dir={out}",
+        *SMALL, "train.batch_size=8", "train.micro_batch_size=4", "rollout.group_size=4",
+        "rollout.max_obs_tokens=16", "rollout.max_total_tokens=64"])  # fmt: skip
+    assert cfg.model.autocast_bf16 and cfg.lora.enabled and cfg.model.gradient_checkpointing
+    assert cfg.rollout.env == "python" and cfg.rollout.env_kwargs["use_template_tools"]
+    assert train_grpo(cfg)["step"] == 1
+    m = check_metrics(out)
+    assert 1 <= m["env/turns_mean"] <= cfg.rollout.max_turns
     assert m["rollout/logprob_diff_max"] <= 1e-2  # bf16 budget (tests/test_precision.py)
 
 

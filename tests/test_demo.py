@@ -115,7 +115,10 @@ def test_demo_config_is_valid_and_strict(tmp_path):
     # the demo's settings go through the config's one builder: types by field, dotted names
     for text, message in (
         ("demo: {threads: two}", "demo.threads: expected an integer, got 'two'"),
-        ("demo: {task: chess}", "demo.task: must be one of ['math', 'tools'], got 'chess'"),
+        (
+            "demo: {task: chess}",
+            "demo.task: must be one of ['math', 'tools', 'gsm8k-tools'], got 'chess'",
+        ),
         ("demo: {hard_frac: .nan}", "demo.hard_frac: must be a finite number"),
         (
             "demo: {}\nquick: {demo: {vocab_size: 1.5}}",

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -43,7 +44,11 @@ from grpo.tiny import SIZES
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CONFIG = CONFIGS / "demo_cpu.yaml"
-TASK_CONFIGS = {"math": DEFAULT_CONFIG, "tools": CONFIGS / "demo_tools_cpu.yaml"}
+TASK_CONFIGS = {
+    "math": DEFAULT_CONFIG,
+    "tools": CONFIGS / "demo_tools_cpu.yaml",
+    "gsm8k-tools": CONFIGS / "gsm8k_tools_cpu.yaml",
+}
 DATASET = "demo-minimath"  # the name the demo registers its three splits under
 TOOLS_DATASET = "demo-toolmath"  # --task tools: problems (RL and evaluation)
 TOOLS_SFT_DATASET = "demo-toolmath-sft"  # --task tools: one (prompt, completion) per turn
@@ -56,10 +61,12 @@ UNIT = between(0, 1)
 class DemoSettings(Settings):
     """What the demo builds before training (the `demo` section of the config)."""
 
-    task: Literal["math", "tools"] = "math"  # math: mini-math word problems; tools: products
-    # with a calculator (TASK_CONFIGS)
+    task: Literal["math", "tools", "gsm8k-tools"] = "math"  # math: mini-math word problems;
+    # tools: products with a calculator; gsm8k-tools: GSM8K (the pipeline's data.source) with a
+    # Python interpreter, the tokenizer trained on SFT's traces (TASK_CONFIGS)
     model_size: str = setting("demo", check=one_of(SIZES))  # a key of grpo.tiny.SIZES
     vocab_size: int = 384
+    context: int = setting(512, check=between(64))  # the model's max_position_embeddings
     # The mini-math problems (a `grpo.data.minimath.Level`): steps per problem, the first
     # quantity in [1, start_max], +/- operands in [1, add_max], */÷ operands in
     # [2, factor_max], every value <= value_max.
@@ -188,6 +195,58 @@ def register_tools_data(s: DemoSettings, tokenizer) -> dict[str, int]:
             "train_hard": sum(r["kind"] == "hard" for r in train)}  # fmt: skip
 
 
+def gsm8k_tools_corpus(data) -> tuple[list[str], dict[str, int]]:
+    """--task gsm8k-tools: the tokenizer's texts (every row of SFT's split in both forms) and
+    the trace counts of that split (`grpo.data.gsm8k_tools.summary`).
+
+    Args:
+        data: SFT's `DataConfig` (dataset ``gsm8k-tools-sft``, its source, split, max_samples).
+    """
+    from collections import Counter
+
+    from grpo.data.gsm8k_tools import corpus, summary
+    from grpo.loading import dataset_rows
+
+    rows = dataset_rows(data, data.split, data.max_samples).to_list()
+    counts = Counter(r["status"] for r in rows if "status" in r)
+    counts.update(f"form:{r['form']}" for r in rows if "form" in r)
+    return corpus(rows), summary(counts)
+
+
+_TOOL_MESSAGE_RE = re.compile(r"<\|im_start\|>tool\n(.*?)<\|im_end\|>", re.S)
+
+
+def tool_use_summary(samples: list[dict]) -> dict[str, Any]:
+    """What the greedy episodes of an evaluation did with the tool, from their transcripts
+    (ChatML, as the demo's tokenizer renders tool messages).
+
+    Returns:
+        problems; tool_use_rate (problems with at least one tool answer); error_message_rate
+        (tool messages with an ``error:`` line, over all tool messages: the code raised or hit
+        a limit, or the call was invalid; the evaluation's own tool_error_rate and
+        invalid_call_rate count calls); accuracy_called and accuracy_not_called (greedy
+        accuracy of the problems whose episode did / did not use the tool; None when there are
+        none).
+    """
+    observations = [_TOOL_MESSAGE_RE.findall(s.get("transcript") or "") for s in samples]
+    used = [bool(obs) for obs in observations]
+    messages = [m for obs in observations for m in obs]
+    errors = sum(any(line.startswith("error:") for line in m.splitlines()) for m in messages)
+
+    def accuracy(flag: bool) -> float | None:
+        hits = [s["correct"] for s, u in zip(samples, used) if u == flag]
+        return sum(hits) / len(hits) if hits else None
+
+    return {
+        "problems": len(samples),
+        "tool_use_rate": sum(used) / max(len(samples), 1),
+        "tool_messages": len(messages),
+        "error_message_rate": errors / max(len(messages), 1),
+        "accuracy_called": accuracy(True),
+        "accuracy_not_called": accuracy(False),
+    }
+
+
 def _pipeline_file(
     out: Path, pipeline: dict, model_dir: Path, seed: int, task: str = "math"
 ) -> Path:
@@ -196,7 +255,8 @@ def _pipeline_file(
     base = data.setdefault("base", {})
     base.setdefault("model", {})["path"] = str(model_dir)
     base.setdefault("train", {})["seed"] = seed
-    base.setdefault("data", {})["dataset"] = DATASET if task == "math" else TOOLS_DATASET
+    if task != "gsm8k-tools":  # gsm8k-tools: the config names built-in datasets itself
+        base.setdefault("data", {})["dataset"] = DATASET if task == "math" else TOOLS_DATASET
     if task == "tools":  # SFT reads the traces; GRPO and both evaluations the problems
         data.setdefault("sft", {}).setdefault("data", {})["dataset"] = TOOLS_SFT_DATASET
     data["output_dir"] = str(out)
@@ -205,6 +265,11 @@ def _pipeline_file(
         "# The pipeline `grpo demo` ran (written by the demo; its dataset exists in the demo's\n"
         "# process only, so rerun it with `grpo demo`, not `grpo pipeline`).\n"
     )
+    if task == "gsm8k-tools":
+        header = (
+            "# The pipeline `grpo demo --task gsm8k-tools` ran (written by the demo; its datasets\n"
+            "# are built in, so `grpo pipeline` reruns it on the tokenizer and init in model/).\n"
+        )
     path.write_text(header + yaml.safe_dump(data, sort_keys=False))
     return path
 
@@ -305,15 +370,16 @@ def run_demo(
     The demo builds a tokenizer, a tiny model and its problems, then runs its config's
     `pipeline` section through `run_pipeline` (SFT -> evaluate -> GRPO -> evaluate, with the
     pipeline's checks and out/training_results.json), and adds what is its own: for --task
-    tools the same problems without the tool, the combined metrics, curves and the table.
+    tools and gsm8k-tools the same problems without the tool (and for gsm8k-tools what the
+    greedy episodes did with it), the combined metrics, curves and the table.
 
     Args:
         out: the run directory (model/, sft/, grpo/, results.json, metrics.jsonl, curves.png).
         quick: the smoke-test sizes of the config's `quick` section (CI).
         seed: model init, data order and sampling seed (the problems stay the same).
-        config: the demo config (default: configs/demo_cpu.yaml, or for task "tools"
-            configs/demo_tools_cpu.yaml).
-        task: "math" or "tools" (default: the config's demo.task).
+        config: the demo config (default: `TASK_CONFIGS[task]`, configs/demo_cpu.yaml without
+            a task).
+        task: "math", "tools" or "gsm8k-tools" (default: the config's demo.task).
         overrides: pipeline overrides, ``stage.section.key=value`` (stage: base, sft or
             grpo), applied after --quick's: e.g. ``grpo.rollout.async=on``.
 
@@ -351,31 +417,37 @@ def run_demo(
 
     try:
         print("\n== 1/5 tokenizer and model", flush=True)
-        tools = settings.task == "tools"
-        corpus, specials = None, ()
-        if tools:
+        task = settings.task
+        tools = task in ("tools", "gsm8k-tools")  # episodes with a tool; also evaluated without
+        model_dir = out / "model"
+        pcfg = load_pipeline_config(_pipeline_file(out, pipeline, model_dir, seed, task), overrides)
+        corpus, specials, sizes = None, (), {}
+        if task == "tools":
             from grpo.data.toolmath import TOOL_TOKENS, toolmath
             from grpo.data.toolmath import corpus as tool_corpus
 
             corpus = tool_corpus(toolmath(2000, settings.data_seed, "train", settings.hard_frac))
             specials = TOOL_TOKENS
-        model_dir = make_tiny_model(
-            out / "model",
+        elif task == "gsm8k-tools":
+            from grpo.data.gsm8k_tools import TOOL_TOKENS
+
+            corpus, sizes = gsm8k_tools_corpus(pcfg.sft.data)
+            specials = TOOL_TOKENS
+        make_tiny_model(
+            model_dir,
             size=settings.model_size,
             vocab_size=settings.vocab_size,
             seed=seed,
+            max_position_embeddings=settings.context,
             corpus=corpus,
             extra_special_tokens=specials,
         )
-        if tools:
+        if task == "tools":
             from grpo.tokenizer import load_tokenizer
 
             sizes = register_tools_data(settings, load_tokenizer(model_dir))
-        else:
+        elif task == "math":
             sizes = register_demo_data(settings)
-        pcfg = load_pipeline_config(
-            _pipeline_file(out, pipeline, model_dir, seed, settings.task), overrides
-        )
         n_params = sum(p.numel() for p in load_model(model_dir, device="cpu").parameters())
         print(
             f"model: {settings.model_size} ({n_params / 1e6:.2f}M parameters) in {model_dir}; "
@@ -396,14 +468,25 @@ def run_demo(
         t_no_tool = time.perf_counter()
         no_tool = {}
         if tools:  # the same problems with the tool switched off: one turn, nothing executed
+            # gsm8k-tools: greedy only (its long episodes make k samples the costly part)
+            k = {"k": 1} if task == "gsm8k-tools" else {}
             for name, cfg_ in (("sft", sft_cfg), ("grpo", grpo_cfg)):
                 off = dataclasses.replace(
-                    cfg_, eval=dataclasses.replace(cfg_.eval, env="single_turn")
+                    cfg_, eval=dataclasses.replace(cfg_.eval, env="single_turn", **k)
                 )
                 final = stages[name]["paths"]["final"]
-                no_tool[name] = evaluate_config(off, trained_model(off, final))
+                no_tool[name] = evaluate_config(off, trained_model(off, final), details=True)
+                # a call written anyway (the decoded text has no special tokens: look for its
+                # JSON), which ends the episode unanswered
+                calls = ['"arguments"' in s["completion"] for s in no_tool[name].pop("samples")]
+                no_tool[name]["tool_call_attempts"] = sum(calls) / max(len(calls), 1)
                 _print_eval(f"{name.upper()} without the tool", no_tool[name], off.eval.k)
         no_tool_s = time.perf_counter() - t_no_tool
+        tool_use = {}
+        if task == "gsm8k-tools":
+            tool_use = {name: tool_use_summary(piped["samples"][name]) for name in ("sft", "grpo")}
+            for name, summary in tool_use.items():
+                print(f"{name.upper()} tool use: {summary}", flush=True)
     finally:
         torch.set_num_threads(threads_before)
     times = {
@@ -445,6 +528,7 @@ def run_demo(
         },
         "accuracy_gain": grpo_eval["accuracy"] - sft_eval["accuracy"],
         "without_tool": no_tool,
+        "tool_use": tool_use,
         "examples": _examples(piped["samples"]["sft"], piped["samples"]["grpo"]),
         "time_s": {k: round(v, 2) for k, v in times.items()},
         "threads": max(1, min(settings.threads, os.cpu_count() or 1)),

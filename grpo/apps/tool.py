@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 ACTIONS = ("train", "load_dataset", "create_reward", "evaluate")
 BUILTIN_REWARDS = ("accuracy", "length_penalty", "step", "format", "combined")
-BUILTIN_DATASETS = ("gsm8k", "minimath")
+BUILTIN_DATASETS = ("gsm8k", "gsm8k-tools-sft", "minimath")
 EVAL_METRICS = {
     "accuracy": "accuracy",
     "average_reward": "average_reward",

@@ -4,12 +4,17 @@ SFT rows: ``prompt`` (the question rendered with the chat template, ending with 
 header) and ``completion`` (the worked solution as ``Step 1: ...`` lines and ``Final Answer: X``,
 calculator marks ``<<...>>`` removed, ending with the tokenizer's eos token).
 
+SFT rows of multi-turn traces (a ``messages`` column, e.g. ``gsm8k-tools-sft``): one
+``prompt`` / ``completion`` pair per assistant turn (`trace_pairs`).
+
 RL rows: ``question``, ``prompt``, ``ground_truth`` (the ``####`` value, thousands commas removed)
 and ``full_answer`` (the original solution).
 
 Other columns (``steps``, ``difficulty``, ...) pass through unchanged. ``get_dataset(name)``
 resolves a config's ``data.dataset``: a name given to `register_dataset`, the built-ins
-``gsm8k`` and ``minimath``, or else a `load_gsm8k` source (hub id or local path).
+``gsm8k``, ``gsm8k-tools-sft`` (GSM8K as code-interpreter traces, `grpo.data.gsm8k_tools`;
+both read ``data.source``) and ``minimath``, or else a `load_gsm8k` source (hub id or local
+path).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from datasets import Dataset, DatasetDict
@@ -24,9 +30,15 @@ from datasets import Dataset, DatasetDict
 from grpo.data.gsm8k import check_max_samples, check_rows, load_gsm8k, parse_split, select_rows
 from grpo.data.minimath import minimath
 from grpo.errors import GrpoError
+from grpo.io import hub_unreachable
 from grpo.tokenizer import render_prompt
 
 FORMAT_TYPES = ("sft", "rl")
+# what the trainer hands reward functions besides the dataset's own columns
+# (grpo.train.rollouts.score_rollout): a dataset column may not take these names
+RESERVED_COLUMNS = ("completions", "completion_lengths", "completion_ids", "prompt_ids",
+                    "num_turns", "env_info")  # fmt: skip
+SOURCE_DATASETS = ("gsm8k", "gsm8k-tools-sft")  # names that read GSM8K from data.source
 MATH_SYSTEM_PROMPT = (
     "Solve the math problem step by step. Write each step on its own line as 'Step k: ...' "
     "and finish with 'Final Answer: <number>'."
@@ -74,10 +86,20 @@ def format_math_dataset(
     if format_type == "sft" and {"prompt", "completion"} <= set(dataset.column_names):
         return dataset  # already rendered (e.g. one pair per turn of a tool-use trace)
     check_rows(dataset, "dataset")
+    if format_type == "sft" and "messages" in dataset.column_names:
+        return trace_pairs(dataset, tokenizer, system_prompt, enable_thinking)
     eos = getattr(tokenizer, "eos_token", None)
     if format_type == "sft" and not eos:
         raise GrpoError("tokenizer has no eos_token to end SFT completions with")
-    extra = [c for c in dataset.column_names if c not in ("question", "answer")]
+    # a trace (`messages`) is SFT's; RL rows and evaluation read question and answer
+    extra = [c for c in dataset.column_names if c not in ("question", "answer", "messages")]
+    if format_type == "rl":
+        taken = [c for c in extra if c in RESERVED_COLUMNS]
+        if taken:
+            raise GrpoError(
+                f"dataset: column {taken[0]!r} is a name the trainer itself passes to reward "
+                f"functions (reserved: {', '.join(RESERVED_COLUMNS)}); rename the column"
+            )
     rows = []
     for i, row in enumerate(dataset):
         prompt = render_prompt(tokenizer, row["question"], system_prompt, enable_thinking)
@@ -93,6 +115,44 @@ def format_math_dataset(
                 full_answer=row["answer"],
             )
         rows.append(out)
+    return Dataset.from_list(rows)
+
+
+def trace_pairs(
+    dataset: Dataset,
+    tokenizer: Any,
+    system_prompt: str | None = None,
+    enable_thinking: bool | None = None,
+) -> Dataset:
+    """SFT rows of multi-turn traces: one (prompt, completion) pair per assistant turn.
+
+    Args:
+        dataset: rows with ``messages`` ([user, assistant, tool | user, assistant, ...], e.g.
+            `grpo.data.gsm8k_tools.trace_rows`); other columns are copied to each pair.
+        tokenizer, system_prompt, enable_thinking: as `format_math_dataset`.
+
+    Returns:
+        rows with ``prompt``, ``completion`` (ending with eos) and ``turn`` (0, 1, ...). Each
+        prompt is what the multi-turn sampler builds (`grpo.data.toolmath.sft_pairs`): the
+        first user turn rendered like an RL prompt, then every earlier assistant turn and the
+        template's delta for the message that answered it, so SFT trains every turn.
+    """
+    from grpo.data.toolmath import sft_pairs
+
+    extra = [c for c in dataset.column_names if c != "messages"]
+    rows = []
+    for i, row in enumerate(dataset):
+        messages = row["messages"]
+        if not messages or messages[0].get("role") != "user":
+            raise GrpoError(f"row {i}: 'messages' must start with the user's question")
+        pairs = sft_pairs(tokenizer, messages, system_prompt)
+        if enable_thinking is not None:  # the first prompt as an RL row renders it
+            user = messages[0]["content"]
+            plain = render_prompt(tokenizer, user, system_prompt)
+            first = render_prompt(tokenizer, user, system_prompt, enable_thinking)
+            pairs = [{**p, "prompt": first + p["prompt"][len(plain) :]} for p in pairs]
+        for turn, pair in enumerate(pairs):
+            rows.append({**{k: row[k] for k in extra}, **pair, "turn": turn})
     return Dataset.from_list(rows)
 
 
@@ -174,6 +234,13 @@ def get_dataset(
     if entry is None:
         if kwargs:
             raise GrpoError(f"dataset {name!r}: unexpected options {sorted(kwargs)}")
+        offline = None if Path(name).expanduser().exists() else hub_unreachable()
+        if offline:  # a misspelt name would be tried as a hub id for half a minute
+            raise GrpoError(
+                f"dataset {name!r} is not a registered name ({', '.join(available_datasets())}) "
+                f"nor a local file or directory, and the hub cannot be reached to load it as a "
+                f"hub id ({offline}); pass a local .jsonl/.parquet file or directory"
+            )
         return load_gsm8k(split, source=name, max_samples=max_samples)
     split_name, start, stop = parse_split(split)
     if callable(entry):
@@ -226,5 +293,5 @@ def _parameters(fn: Callable[..., Any]) -> set[str]:
 
 
 def _builtins() -> Mapping[str, Callable[..., Dataset]]:
-    """Built-in dataset factories by name."""
+    """Built-in dataset factories by name (``gsm8k-tools-sft`` is registered by grpo.data)."""
     return {"gsm8k": _gsm8k_dataset, "minimath": _minimath_dataset}
