@@ -126,6 +126,16 @@ def check_step(name: str, step: Any) -> Step:
     return step
 
 
+def question_messages(row: dict, system_prompt: str | None, use_template_tools: bool):
+    """`start()` of a tool environment: with `use_template_tools`, the messages [system
+    (optional), user question], so the chat template renders the environment's tools; else
+    None (the row's own rendered prompt)."""
+    if not use_template_tools:
+        return None
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return messages + [{"role": "user", "content": row["question"]}]
+
+
 class SingleTurn:
     """Today's behaviour as an environment: one model turn, no observation."""
 

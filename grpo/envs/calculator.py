@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from grpo.envs.base import question_messages
 from grpo.envs.tool_calls import ToolCall, ToolCallError, json_type, parse_tool_calls
 
 CALCULATOR_NAME = "calculator"
@@ -301,10 +302,7 @@ class CalculatorEnv:
         self.use_template_tools = use_template_tools
 
     def start(self, row: dict) -> list[dict] | None:
-        if not self.use_template_tools:
-            return None
-        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return messages + [{"role": "user", "content": row["question"]}]
+        return question_messages(row, self.system_prompt, self.use_template_tools)
 
     def step(self, text: str, token_ids: list[int]):
         from grpo.envs.base import Step

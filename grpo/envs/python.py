@@ -55,7 +55,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from grpo.envs.base import Step
+from grpo.envs.base import Step, question_messages
 from grpo.envs.tool_calls import ToolCall, ToolCallError, json_type, parse_tool_calls
 from grpo.errors import GrpoError
 
@@ -539,10 +539,7 @@ class PythonEnv:
         self.use_template_tools = use_template_tools
 
     def start(self, row: dict) -> list[dict] | None:
-        if not self.use_template_tools:
-            return None
-        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return messages + [{"role": "user", "content": row["question"]}]
+        return question_messages(row, self.system_prompt, self.use_template_tools)
 
     def step(self, text: str, token_ids: list[int]) -> Step:
         return self.answer(code_runs(text))
