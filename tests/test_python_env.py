@@ -145,13 +145,17 @@ def test_child_sees_a_minimal_environment(monkeypatch):
 
 
 def test_no_network_when_isolated():
-    if not network_isolation():
-        pytest.skip("no new network namespace on this machine (network_isolation() is False)")
+    """Where the OS allows a network namespace (this VM: `network_isolation()` is True), code
+    reaches no network; where it does not, runs fall back silently to the host's network
+    (documented) and still run."""
     r = run_python(
         "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)\nprint('connected')",
         **SMALL,
     )
-    assert not r.ok and "connected" not in r.output and r.error.startswith("OSError")
+    if network_isolation():
+        assert not r.ok and "connected" not in r.output and r.error.startswith("OSError")
+    else:  # the host's network: connected, or refused by the host itself
+        assert r.limit is None and ("connected" in r.output or r.error.startswith("OSError"))
 
 
 @pytest.mark.parametrize(
