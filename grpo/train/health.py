@@ -359,7 +359,9 @@ class WeightChange:
 
     @torch.no_grad()
     def _sample(self) -> list[torch.Tensor]:
-        return [_local(p).detach().reshape(-1)[:: self.stride].clone() for p in self.params]
+        # float32 copies: the difference of two bf16 samples would round away small steps
+        return [_local(p).detach().reshape(-1)[:: self.stride].to(torch.float32, copy=True)
+                for p in self.params]  # fmt: skip
 
     @torch.no_grad()
     def measure(self, dist=SINGLE) -> float:
@@ -370,10 +372,9 @@ class WeightChange:
         if not cur:
             return 0.0
         dev = cur[0].device
-        diff = [
-            torch.linalg.vector_norm(c.float() - p.float()).to(dev) for c, p in zip(cur, self.prev)
-        ]
-        norm = [torch.linalg.vector_norm(p.float()).to(dev) for p in self.prev]
+        # multi-tensor kernels: a few launches whatever the number of tensors
+        diff = [d.to(dev) for d in torch._foreach_norm(torch._foreach_sub(cur, self.prev))]
+        norm = [d.to(dev) for d in torch._foreach_norm(self.prev)]
         d2, n2 = (torch.stack(x).double().square().sum() for x in (diff, norm))
         d2, n2 = torch.stack([d2, n2]).tolist()
         self.prev = cur
