@@ -133,3 +133,36 @@ def update_batch(cfg, rollout, advantages, mask=None, ref_logprobs=None, old_log
         mask = counted_mask(rollout, cfg.loss.mask_truncated_completions)
     plan = micro_batch_plan(rollout, cfg.train.micro_batch_size or cfg.train.batch_size)
     return UpdateBatch(rollout, mask, advantages, plan, ref_logprobs, old_logprobs)
+
+
+@pytest.fixture(scope="session")
+def serve_cli():
+    """A context manager: `grpo serve ARGV...` through the CLI function in a thread; yields
+    its `Running` handle once it answers, shuts it down after and checks it exited 0."""
+    import argparse
+    import contextlib
+    import threading
+
+    from grpo.apps.serve import add_parser
+
+    @contextlib.contextmanager
+    def serve(*argv: str):
+        parser = argparse.ArgumentParser(prog="grpo")
+        add_parser(parser.add_subparsers(dest="command"))
+        args = parser.parse_args(["serve", *argv])
+        ready, holder = threading.Event(), {}
+
+        def on_ready(running):
+            holder["running"] = running
+            ready.set()
+
+        args.on_ready = on_ready
+        thread = threading.Thread(target=lambda: holder.update(rc=args.func(args)), daemon=True)
+        thread.start()
+        assert ready.wait(60), "server did not start"
+        yield holder["running"]
+        holder["running"].shutdown()
+        thread.join(30)
+        assert holder.get("rc") == 0
+
+    return serve

@@ -28,29 +28,11 @@ NAME = "tiny"  # --served-model-name
 
 
 @pytest.fixture(scope="module")
-def server(shared_tiny_model):
+def server(shared_tiny_model, serve_cli):
     """`grpo serve --model TINY --port 0 --max-queue 4 ...` in a thread; yields its handle."""
-    parser = argparse.ArgumentParser(prog="grpo")
-    add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["serve", "--model", str(shared_tiny_model), "--port", "0",
-                              "--max-queue", "4", "--max-tokens-limit", "32",
-                              "--served-model-name", NAME])  # fmt: skip
-    ready = threading.Event()
-    holder: dict = {}
-
-    def on_ready(running):
-        holder["running"] = running
-        ready.set()
-
-    args.on_ready = on_ready
-    thread = threading.Thread(target=lambda: holder.update(rc=args.func(args)), daemon=True)
-    thread.start()
-    assert ready.wait(60), "server did not start"
-    running = holder["running"]
-    yield running
-    running.shutdown()
-    thread.join(30)
-    assert holder.get("rc") == 0
+    with serve_cli("--model", str(shared_tiny_model), "--port", "0", "--max-queue", "4",
+                   "--max-tokens-limit", "32", "--served-model-name", NAME) as running:  # fmt: skip
+        yield running
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,12 @@ them, streamed tool calls equal to the non-streamed ones, malformed calls left a
 
 from __future__ import annotations
 
-import argparse
 import json
-import threading
 
 import openai
 import pytest
 from datasets import Dataset, DatasetDict
 
-from grpo.apps.serve import add_parser
 from grpo.apps.serving.protocol import ChatBody, RequestError, read_body
 from grpo.apps.serving.tools import ToolStream, tool_use
 from grpo.config import load_config
@@ -201,25 +198,10 @@ def tool_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def agent_server(tool_model):
-    parser = argparse.ArgumentParser(prog="grpo")
-    add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["serve", "--model", str(tool_model["model"]), "--port", "0",
-                              "--served-model-name", NAME])  # fmt: skip
-    ready, holder = threading.Event(), {}
-
-    def on_ready(running):
-        holder["running"] = running
-        ready.set()
-
-    args.on_ready = on_ready
-    thread = threading.Thread(target=lambda: holder.update(rc=args.func(args)), daemon=True)
-    thread.start()
-    assert ready.wait(60), "server did not start"
-    yield holder["running"]
-    holder["running"].shutdown()
-    thread.join(30)
-    assert holder.get("rc") == 0
+def agent_server(tool_model, serve_cli):
+    with serve_cli("--model", str(tool_model["model"]), "--port", "0",
+                   "--served-model-name", NAME) as running:  # fmt: skip
+        yield running
 
 
 @pytest.fixture(scope="module")
