@@ -232,5 +232,7 @@ def test_grpo_step_under_bf16_autocast(shared_tiny_model, tmp_path, monkeypatch,
     per_slot = 8 * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 2
     slots = m["perf/sampler_cache_mib"] * 2**20 / per_slot
     assert (slots > 0 and slots % 64 == 0) if compile_ == "on" else slots == 0, slots
+    # the first compiled decode call of the run compiled (perf/compile_s); eager compiles nothing
+    assert m["perf/compile_s"] > 0 if compile_ == "on" else m["perf/compile_s"] == 0
     if turns == "tools":  # every trajectory: turn, observation, turn
         assert m["env/turns_mean"] == 2 and m["env/tool_calls_mean"] == 1

@@ -253,6 +253,12 @@ def test_resolve_compile_auto_follows_the_machine(monkeypatch, tmp_path):
     assert resolve_compile("auto", "cpu") == compile_supported("cpu")
     assert not resolve_compile("auto", "cpu", multi_turn=True)  # eager: compaction, no recompiles
     assert resolve_compile("on", "cpu", multi_turn=True)
+    # a large model's CPU step is its matmuls: auto stays eager there, on stays on
+    from grpo.rollout.sampler import CPU_COMPILE_MAX_PARAMS as big
+
+    assert resolve_compile("auto", "cpu", num_params=big) == compile_supported("cpu")
+    assert not resolve_compile("auto", "cpu", num_params=big + 1)
+    assert resolve_compile("on", "cpu", num_params=big + 1)
     monkeypatch.setenv("PATH", str(tmp_path))  # no compiler on the PATH: auto stays eager
     monkeypatch.delenv("CXX", raising=False)
     assert not compile_supported("cpu") and not resolve_compile("auto", "cpu")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from grpo.models.config import ModelConfig
-from grpo.models.kv_cache import KVCache
+from grpo.models.kv_cache import GroupedKVCache, KVCache
 
 
 class RMSNorm(nn.Module):
@@ -73,6 +73,38 @@ def decode_attention(q, k, v, mask):
     q = q.reshape(B, H_kv, H // H_kv, D)  # the query heads that share each kv head
     scores = (q @ k.transpose(-1, -2)).float() * D**-0.5 + mask  # (B, H_kv, H/H_kv, S)
     return (scores.softmax(-1).to(v.dtype) @ v).view(B, H, 1, D)
+
+
+def grouped_decode_attention(q, k_p, v_p, k, v, mask):
+    """`decode_attention` over a `GroupedKVCache`: each group's G rows attend over their shared
+    prompt's keys (read once for the G rows) and over their own tokens, in one softmax.
+
+    The scores of a prompt's keys are one batched matmul of its G rows' queries together, so
+    each prompt key and value is read once per group, not once per row; the softmax is taken
+    over the concatenated scores, as `decode_attention` over the G-fold copied cache would.
+
+    Args:
+        q: (B, H, 1, D) with B = P*G, a group's rows adjacent.
+        k_p, v_p: (P, H_kv, T_p, D) the prompts' keys and values.
+        k, v: (B, H_kv, S_c, D) each row's own keys and values.
+        mask: (B, 1, 1, T_p + S_c) additive, over the prompt's slots then the row's.
+
+    Returns:
+        (B, H, 1, D).
+    """
+    B, H, _, D = q.shape
+    P, H_kv, T_p, _ = k_p.shape
+    G, g = B // P, H // H_kv
+    q = q.reshape(B, H_kv, g, D)  # the query heads that share each kv head
+    q_grouped = q.view(P, G, H_kv, g, D).transpose(1, 2).reshape(P, H_kv, G * g, D)
+    s_prompt = q_grouped @ k_p.transpose(-1, -2)  # (P, H_kv, G*g, T_p)
+    s_prompt = s_prompt.view(P, H_kv, G, g, T_p).transpose(1, 2).reshape(B, H_kv, g, T_p)
+    s_own = q @ k.transpose(-1, -2)  # (B, H_kv, g, S_c)
+    scores = torch.cat([s_prompt, s_own], dim=-1).float() * D**-0.5 + mask
+    w = scores.softmax(-1).to(v.dtype)
+    w_prompt = w[..., :T_p].reshape(P, G, H_kv, g, T_p).transpose(1, 2).reshape(P, H_kv, G * g, T_p)
+    y_prompt = (w_prompt @ v_p).view(P, H_kv, G, g, D).transpose(1, 2).reshape(B, H_kv, g, D)
+    return (y_prompt + w[..., T_p:] @ v).view(B, H, 1, D)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -160,7 +192,12 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, H_kv, S, D), S = pos + T
         # mask: (B, 1, T, S) additive, 0 = attend, -inf = not; None = causal with T == S.
-        if T == 1 and mask is not None and x.device.type == "cpu":
+        if isinstance(kv_cache, GroupedKVCache):  # prompt keys held once per group
+            if T != 1:
+                raise ValueError(f"a GroupedKVCache takes one token per row, got {T}")
+            k_p, v_p = kv_cache.prefix_kv(self.layer_idx)
+            y = grouped_decode_attention(q, k_p, v_p, k, v, mask)
+        elif T == 1 and mask is not None and x.device.type == "cpu":
             y = decode_attention(q, k, v, mask)  # cheaper than SDPA's CPU kernel for 1 query
         elif T == 1 and mask is not None:
             # CUDA decode step (the compiled one), one query per row: left as it was (mask +
@@ -305,7 +342,7 @@ class Decoder(nn.Module):
             # (a `KVCache` would write the same slots again, and later steps overwrite what the
             # block read). The shared-prefix caches (grpo.algo.logprobs) write nothing: the
             # recompute reads the same prefix keys/values, held by reference till backward.
-            if self.gradient_checkpointing and self.training and not isinstance(kv_cache, KVCache):
+            if self.gradient_checkpointing and self.training and not isinstance(kv_cache, (KVCache, GroupedKVCache)):
                 x = checkpoint(block, x, cos, sin, mask, kv_cache, use_reentrant=False)
             else:
                 x = block(x, cos, sin, mask, kv_cache)

@@ -99,7 +99,7 @@ def sample_turns(
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), sampler.packing():
             logits, cache = sampler.prefill(prompt_ids, kv_mask, G)
             out = _turn_loop(sampler,
                 logits, cache, kv_mask.repeat_interleave(G, dim=0),

@@ -12,18 +12,21 @@ T_c completion tokens, V vocab. Row b belongs to prompt b // G (a group's rows a
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from grpo.errors import GrpoError
-from grpo.models.kv_cache import KVCache
+from grpo.models.kv_cache import GroupedKVCache, KVCache
 from grpo.precision import Precision, head_logits
+from grpo.rollout.packing import PackedLinears, packing_supported
 from grpo.rollout.prompts import check_prompts, check_settings, left_pad
 from grpo.rollout.sampling import next_tokens
 
@@ -33,6 +36,10 @@ log = logging.getLogger(__name__)
 # prompt widths vary compiles a few shapes, not one per batch.
 SLOT_MULTIPLE = 64
 
+# `rollout.compile: auto` compiles a CPU decode step only for models up to this many parameters
+# (see `resolve_compile`).
+CPU_COMPILE_MAX_PARAMS = 50_000_000
+
 
 def compile_supported(device: torch.device | str) -> bool:
     """Whether inductor can build a decode step here: Triton on CUDA, a C++ compiler on CPU."""
@@ -41,13 +48,30 @@ def compile_supported(device: torch.device | str) -> bool:
     return any(shutil.which(c) for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c)
 
 
-def resolve_compile(mode: str | bool, device: torch.device | str, multi_turn: bool = False) -> bool:
+def resolve_compile(
+    mode: str | bool, device: torch.device | str, multi_turn: bool = False, num_params: int = 0
+) -> bool:
     """`rollout.compile` -> whether to compile: on / off as given; auto = where supported
-    (`compile_supported`), for single-turn rollouts, unless the environment variable
-    GRPO_COMPILE=0 turns auto off (the test suite does: each new shape costs seconds of C++
-    compilation). Multi-turn rollouts stay eager under auto: eagerly, ended trajectories leave
-    the batch at each turn boundary, and the varying observation lengths would cost recompiles
-    (the tools demo's GRPO stage took 94 s compiled vs 50 s eager)."""
+    (`compile_supported`) and where it pays, for single-turn rollouts, unless the environment
+    variable GRPO_COMPILE=0 turns auto off (the test suite does: each new shape costs seconds of
+    C++ compilation).
+
+    Where it pays: always on CUDA (CUDA graphs replace ~10 kernel launches per layer); on a CPU
+    only for models of at most CPU_COMPILE_MAX_PARAMS parameters, whose decode step is mostly
+    per-op overhead. A bigger model's CPU step is its matmuls, which inductor calls as eager
+    does: at the Qwen3-0.6B shape (B=32, float32) the compiled step was 12% slower than the
+    eager one (390 vs 342 ms; it attends over every slot of its static cache) and its first
+    call compiled for 54 s, paid again for each new cache-length bucket (docs/sampler.md).
+    Multi-turn rollouts stay eager under auto: eagerly, ended trajectories leave the batch at
+    each turn boundary, and the varying observation lengths would cost recompiles (the tools
+    demo's GRPO stage took 94 s compiled vs 50 s eager).
+
+    Args:
+        mode: auto, on or off (or a bool).
+        device: where the model runs.
+        multi_turn: the run's rollouts are multi-turn.
+        num_params: the model's parameter count (0: unknown, treated as small).
+    """
     if mode in (True, "on"):
         return True
     if mode in (False, "off"):
@@ -55,6 +79,8 @@ def resolve_compile(mode: str | bool, device: torch.device | str, multi_turn: bo
     if mode != "auto":
         raise GrpoError(f"compile must be auto, on or off, got {mode!r}")
     if multi_turn:
+        return False
+    if torch.device(device).type == "cpu" and num_params > CPU_COMPILE_MAX_PARAMS:
         return False
     return os.environ.get("GRPO_COMPILE", "") != "0" and compile_supported(device)
 
@@ -198,7 +224,8 @@ class Sampler:
     custom loops (with `grpo.rollout.prompts` to validate and left-pad the prompts):
 
     - `sample`: single-turn rollouts, prompts -> `Rollout`;
-    - `prefill`: run P prompts once, copy each one's KV rows G times;
+    - `prefill`: run P prompts once, for their G rows each (their KV rows copied G times, or
+      held once: `shared`);
     - `decode`: one token per row through the model (the compiled step when compiled);
     - `hidden_states`: a chunk of tokens through the model into the cache (observations);
     - `logits`: final hidden states -> float32 logits, as the trainer's head computes them.
@@ -215,8 +242,16 @@ class Sampler:
             sync of the loop); at most sync_every - 1 steps run after the last row stops.
         fallback: if compiling fails (no working compiler, an unsupported op), warn once and
             decode eagerly instead of raising (`rollout.compile: auto` uses it).
+
         precision: the run's `Precision` (autocast of the forward passes, KV-cache dtype; the
             head is float32 as in the trainer); default: compute in the weights' dtype.
+        pack: eager CPU decoding multiplies by oneDNN-packed copies of the large weights
+            (`grpo.rollout.packing`; repacked when the weights change); None = where supported
+            and not compiled.
+
+    `compile_s` adds up the wall time of the decode calls that compiled a new shape (the
+    first call for each row count and cache length, one decode step included): the warm-up
+    a run pays, logged per step as `perf/compile_s`.
     """
 
     def __init__(
@@ -228,6 +263,7 @@ class Sampler:
         sync_every: int = 4,
         fallback: bool = False,
         precision: Precision | None = None,
+        pack: bool | None = None,
     ):
         if sync_every < 1:
             raise GrpoError(f"sync_every must be >= 1, got {sync_every}")
@@ -238,7 +274,13 @@ class Sampler:
         self.fallback = fallback
         self.slot_multiple = SLOT_MULTIPLE if compile else 1
         self._cache: KVCache | None = None  # the compiled step's decode cache, reused
+        self._compiled_shapes: set[tuple] = set()
+        self.compile_s = 0.0  # seconds spent in decode calls that compiled a new shape
         self._cuda = model.device.type == "cuda"
+        if pack is None:
+            pack = not compile and packing_supported(model)
+        self.packed: PackedLinears | None = PackedLinears(model, self.precision) if pack else None
+        self._head_packed = False  # inside `packing()`
         if compile:
             options = {"dynamic": False, "fullgraph": True}
             if self._cuda:  # CUDA graphs: one replay per step instead of ~10 launches per layer
@@ -285,20 +327,29 @@ class Sampler:
         return self._decode_fn(tokens, position_ids, attention_mask, cache)
 
     def _decode_compiled(self, tokens, position_ids, attention_mask, cache):
-        """The compiled step; with `fallback`, a failure to compile switches to eager for good
+        """The compiled step; the first call for each new shape (rows, cache length) is timed
+        into `compile_s`. With `fallback`, a failure to compile switches to eager for good
         (the static cache works eagerly too)."""
         if self._cuda:  # a new step: the previous replay's outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
-        if not self.fallback:
+        shape = (tokens.shape[0], cache.max_len, cache.dtype)
+        if shape in self._compiled_shapes:
             return self._compiled(tokens, position_ids, attention_mask, cache)
+        t0 = time.perf_counter()
         try:
-            return self._compiled(tokens, position_ids, attention_mask, cache)
+            out = self._compiled(tokens, position_ids, attention_mask, cache)
         except Exception as e:  # inductor raises many types; any of them means "cannot compile"
+            if not self.fallback:
+                raise
             log.warning("compiling the decode step failed (%s: %s); decoding eagerly "
                         "(set rollout.compile: off to skip the attempt)", type(e).__name__,
                         str(e).splitlines()[0] if str(e) else "")  # fmt: skip
             self._decode_fn = self._decode_step
             return self._decode_step(tokens, position_ids, attention_mask, cache)
+        finally:
+            self.compile_s += time.perf_counter() - t0
+        self._compiled_shapes.add(shape)
+        return out
 
     def _decode_step(self, tokens, position_ids, attention_mask, cache) -> torch.Tensor:
         """`decode`'s eager body: (B, 1) ids -> (B, V) float32 logits."""
@@ -310,7 +361,25 @@ class Sampler:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., C) final hidden states -> (..., V) float32 logits: the head as the trainer
         computes it (`grpo.precision.head_logits`), whatever the forward's autocast."""
+        if self._head_packed:
+            out = self.packed.head(hidden)
+            if out is not None:
+                return out
         return head_logits(self.model.lm_head, hidden)
+
+    @contextlib.contextmanager
+    def packing(self):
+        """While inside, the model computes with the packed weights (when the sampler packs:
+        `pack`); `sample` and multi-turn rollouts enter it around their forwards."""
+        if self.packed is None or self._head_packed:  # not packing, or already inside
+            yield
+            return
+        with self.packed.installed():
+            self._head_packed = True
+            try:
+                yield
+            finally:
+                self._head_packed = False
 
     def hidden_states(self, ids: torch.Tensor, **kwargs) -> torch.Tensor:
         """The model's hidden states (return_hidden) under the precision policy: prefill and
@@ -373,8 +442,8 @@ class Sampler:
         was_training = model.training
         model.eval()
         try:
-            with torch.inference_mode():
-                logits, cache = self.prefill(prompt_ids, kv_mask, G)
+            with torch.inference_mode(), self.packing():
+                logits, cache = self.prefill(prompt_ids, kv_mask, G, shared=not self.compile)
                 out = self._decode_loop(
                     logits, cache, kv_mask.repeat_interleave(G, dim=0), prompt_lens,
                     max_new_tokens, draw, stops,
@@ -408,9 +477,16 @@ class Sampler:
         )
 
     def prefill(
-        self, prompt_ids: torch.Tensor, kv_mask: torch.Tensor, group_size: int
-    ) -> tuple[torch.Tensor, KVCache]:
-        """Run the P prompts once and copy each one's cache rows G times.
+        self, prompt_ids: torch.Tensor, kv_mask: torch.Tensor, group_size: int,
+        shared: bool = False,
+    ) -> tuple[torch.Tensor, KVCache | GroupedKVCache]:  # fmt: skip
+        """Run the P prompts once; each prompt's keys and values then serve its G rows.
+
+        Two cache layouts: by default each prompt's KV rows are copied G times into a cache of
+        B rows (what multi-turn rollouts and the compiled step use: rows can be selected, and
+        chunks of several tokens appended). With `shared` (eager single-turn decoding, what
+        `sample` uses when not compiled) the prompts' keys and values stay P rows, read once
+        per group by each decode step (`GroupedKVCache`); the rows get their own slots.
 
         When the sampler compiles, the returned cache is the static B-row one it keeps across
         calls for the compiled step (`kept_cache_bytes`), every slot overwritten here.
@@ -420,6 +496,7 @@ class Sampler:
             kv_mask: (P, max_len) bool over every cache slot, True on real prompt tokens;
                 max_len = T_p + the slots to open after the prompts.
             group_size: G rows per prompt.
+            shared: return a `GroupedKVCache` (eager decoding only; one token per forward).
 
         Returns:
             logits (B, V) float32 of each row's first completion token, and the KV cache of
@@ -428,10 +505,15 @@ class Sampler:
         G = group_size
         model = self.model
         P, max_len = kv_mask.shape
-        cache = KVCache.for_model(model, rows=P, max_len=max_len, static=self.compile,
-                                  dtype=self.precision.kv_dtype)  # fmt: skip
+        T_p = prompt_ids.shape[1]
+        if shared and self.compile:
+            raise GrpoError("prefill(shared=True) is for eager decoding; this sampler compiles")
+        cache = KVCache.for_model(model, rows=P, max_len=T_p if shared else max_len,
+                                  static=self.compile, dtype=self.precision.kv_dtype)  # fmt: skip
         hidden = self.hidden_states(prompt_ids, attention_mask=kv_mask, kv_cache=cache)
         logits = self.logits(hidden[:, -1])  # (P, V): the last position only
+        if shared:
+            return logits.repeat_interleave(G, dim=0), GroupedKVCache(cache, G, max_len - T_p)
         out = self._decode_cache(P * G, max_len) if self.compile else None
         return logits.repeat_interleave(G, dim=0), cache.repeat_rows(G, out=out)
 

@@ -458,6 +458,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
     with rollout_source(cfg, policy, rows, reward_fns, make_env, state, dist, sharded,
                         roles) as source:  # fmt: skip
         bar = tqdm(total=cfg.train.max_steps, initial=state.step, desc="grpo", disable=not show)
+        compiled_s = source.compile_s
         while state.step < cfg.train.max_steps:
             t0 = time.perf_counter()
             where.step = state.step + 1
@@ -497,9 +498,13 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
                     "perf/tokens_per_s": tokens / max(t3 - t0, 1e-9),
                     # the compiled decode step's KV cache, kept through the update (precision.md)
                     "perf/sampler_cache_mib": source.kept_cache_bytes / 2**20,
+                    # seconds of this step's rollouts spent compiling the decode step (a new
+                    # shape); with rollout.async, what the producer compiled since the last step
+                    "perf/compile_s": source.compile_s - compiled_s,
                     **peaks.metrics(),
                 }
             )
+            compiled_s = source.compile_s
             skipped = int(metrics["train/nonfinite_skipped"])
             bad_steps = bad_steps + skipped if skipped else 0
             last = state.step == cfg.train.max_steps

@@ -121,6 +121,7 @@ class _Source:
 
     asynchronous = False
     kept_cache_bytes = 0  # the sampler's kept KV cache (perf/sampler_cache_mib)
+    compile_s = 0.0  # seconds the sampler spent compiling so far (perf/compile_s)
 
     def __enter__(self):
         return self
@@ -155,6 +156,10 @@ class InlineRollouts(_Source):
     @property
     def kept_cache_bytes(self) -> int:
         return self.sampler.kept_cache_bytes
+
+    @property
+    def compile_s(self) -> float:
+        return self.sampler.compile_s
 
 
 class _Asynchronous(_Source):
@@ -214,6 +219,10 @@ class ColocatedRollouts(_Asynchronous):
     @property
     def kept_cache_bytes(self) -> int:
         return self.sampler.kept_cache_bytes
+
+    @property
+    def compile_s(self) -> float:
+        return self.sampler.compile_s
 
     # ------------------------------------------------------------------ producer thread
 
@@ -540,7 +549,8 @@ def rollout_source(
 def make_sampler(cfg: Config, policy, model, sharded: bool = False) -> Sampler:
     """The run's sampler over `model`: the compiled decode step as rollout.compile says (FSDP:
     eager, the sampler reads the gathered weights through FSDP's hooks)."""
+    num_params = sum(p.numel() for p in model.parameters())
     compile_ = not sharded and resolve_compile(cfg.rollout.compile, model.device,
-                                               cfg.rollout.multi_turn)  # fmt: skip
+                                               cfg.rollout.multi_turn, num_params)  # fmt: skip
     return Sampler(model, compile=compile_, fallback=cfg.rollout.compile == "auto",
                    precision=policy.precision)  # fmt: skip

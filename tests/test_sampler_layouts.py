@@ -1,0 +1,153 @@
+"""The sampler's CPU decode paths: prompts held once per group (`GroupedKVCache`) and the
+oneDNN-packed weights (`grpo.rollout.packing`), each against the plain path it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo.models import load_model
+from grpo.models.decoder import decode_attention, grouped_decode_attention
+from grpo.models.kv_cache import GroupedKVCache, KVCache
+from grpo.precision import Precision
+from grpo.rollout import Sampler
+from grpo.rollout import packing as packing_mod
+from grpo.rollout.prompts import left_pad
+from tests.conftest import live_lora
+from tests.test_sampler import make_prompts
+
+pytestmark = pytest.mark.skipif(not packing_mod.packing_supported(torch.nn.Linear(2, 2)),
+                                reason="this torch has no oneDNN linear packing")  # fmt: skip
+
+
+def test_grouped_attention_equals_attention_over_the_copied_prompt_float64():
+    g = torch.Generator().manual_seed(0)
+    P, G, H, H_kv, T_p, S_c, D = 3, 4, 6, 2, 7, 5, 8
+    B = P * G
+    q = torch.randn(B, H, 1, D, generator=g, dtype=torch.float64)
+    k_p, v_p = (torch.randn(P, H_kv, T_p, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, H_kv, S_c, D, generator=g, dtype=torch.float64) for _ in range(2))
+    keep = torch.rand(B, T_p + S_c, generator=g) > 0.3  # padding anywhere, one slot kept
+    keep[:, -1] = True
+    mask = torch.zeros(B, 1, 1, T_p + S_c, dtype=torch.float64).masked_fill(
+        ~keep[:, None, None], float("-inf")
+    )
+    want = decode_attention(q, torch.cat([k_p.repeat_interleave(G, 0), k], 2),
+                            torch.cat([v_p.repeat_interleave(G, 0), v], 2), mask)  # fmt: skip
+    got = grouped_decode_attention(q, k_p, v_p, k, v, mask)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def _decode_both(model, G=3, steps=6):
+    """Prefill both layouts, then feed both the same tokens; each step's logits, both ways."""
+    cfg = model.config
+    prompts = make_prompts((9, 4, 1))
+    prompt_ids, prompt_lens, kv_mask = left_pad(prompts, 0, steps, cfg, "cpu")
+    T_p = prompt_ids.shape[1]
+    kv_mask[:, T_p:] = True
+    sampler = Sampler(model, pack=False)
+    out = []
+    with torch.inference_mode():
+        for shared in (False, True):
+            logits, cache = sampler.prefill(prompt_ids, kv_mask, G, shared=shared)
+            assert isinstance(cache, GroupedKVCache if shared else KVCache)
+            pos = prompt_lens.repeat_interleave(G)[:, None].clone()
+            mask = kv_mask.repeat_interleave(G, 0)
+            seq = [logits]
+            g = torch.Generator().manual_seed(1)
+            for _ in range(steps):
+                tok = torch.randint(3, cfg.vocab_size, (pos.shape[0], 1), generator=g)
+                seq.append(sampler.decode(tok, pos, mask, cache))
+                pos += 1
+            out.append(torch.stack(seq))
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:In CPU autocast")  # float64 runs without autocast
+def test_shared_prefill_decodes_as_the_copied_cache(tiny_checkpoints):
+    model = load_model(tiny_checkpoints("qwen3")).double()  # float64: only the sum order differs
+    copied, shared = _decode_both(model)
+    torch.testing.assert_close(shared, copied, rtol=0, atol=1e-10)
+
+
+def test_grouped_cache_takes_one_token_per_row_and_its_slots_only(tiny_checkpoints):
+    model = load_model(tiny_checkpoints("qwen3"))
+    prefix = KVCache.for_model(model, rows=2, max_len=5)
+    with torch.inference_mode():
+        model(torch.ones(2, 5, dtype=torch.long), kv_cache=prefix)
+        cache = GroupedKVCache(prefix, group_size=2, new_slots=2)
+        assert (cache.rows, cache.max_len, cache.pos) == (4, 7, 5)
+        with pytest.raises(ValueError, match="one token per row"):
+            model(torch.ones(4, 2, dtype=torch.long), kv_cache=cache)
+        for _ in range(2):
+            model(torch.ones(4, 1, dtype=torch.long), kv_cache=cache)
+        with pytest.raises(ValueError, match="KV cache overflow"):
+            model(torch.ones(4, 1, dtype=torch.long), kv_cache=cache)
+    with pytest.raises(ValueError, match="holds 0 of 5"):
+        GroupedKVCache(KVCache.for_model(model, rows=2, max_len=5), 2, 1)
+
+
+@pytest.fixture
+def pack_everything(monkeypatch):
+    """The tiny models' layers are far below MIN_NUMEL: pack them all."""
+    monkeypatch.setattr(packing_mod, "MIN_NUMEL", 0)
+
+
+def _sample(sampler, temperature=1.0):
+    return sampler.sample(make_prompts(), group_size=3, max_new_tokens=12, temperature=temperature,
+                          stop_ids=[2], seed=0)  # fmt: skip
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_packed_sampler_samples_what_the_plain_one_does(tiny_checkpoints, pack_everything, lora):
+    model = load_model(tiny_checkpoints("qwen3", initializer_range=0.2))
+    if lora:  # live adapters on the attention projections: the base is packed, B A added
+        live_lora(model, ["q_proj", "v_proj", "o_proj"])
+    plain, packed = Sampler(model, pack=False), Sampler(model, pack=True)
+    for temperature in (0.0, 1.0):
+        a, b = _sample(plain, temperature), _sample(packed, temperature)
+        assert torch.equal(a.completion_ids, b.completion_ids)
+        torch.testing.assert_close(b.logprobs, a.logprobs, rtol=0, atol=1e-5)
+    n_linear = sum(isinstance(m, torch.nn.Linear) or hasattr(m, "lora_a")
+                   for m in model.modules())  # fmt: skip
+    # every layer but the head (tied to the embedding here: packed apart, in float32)
+    assert len(packed.packed._packs) == n_linear - 1 and packed.packed._head is not None
+    assert not any("forward" in m.__dict__ or "_packed_base" in m.__dict__
+                   for m in model.modules())  # fmt: skip  # uninstalled after the call
+
+
+def test_packed_weights_follow_in_place_updates(tiny_checkpoints, pack_everything):
+    model = load_model(tiny_checkpoints("qwen3", initializer_range=0.2))
+    packed = Sampler(model, pack=True)
+    before = _sample(packed, 0.0)
+    with torch.no_grad():  # an optimizer step writes in place: the packs must notice
+        for name, p in model.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("embed_tokens.weight"):
+                p.mul_(1.5)
+    after, want = _sample(packed, 0.0), _sample(Sampler(model, pack=False), 0.0)
+    assert not torch.equal(before.completion_ids, want.completion_ids)  # the update mattered
+    assert torch.equal(after.completion_ids, want.completion_ids)
+    torch.testing.assert_close(after.logprobs, want.logprobs, rtol=0, atol=1e-5)
+
+
+def test_packed_sampler_under_bf16_autocast(tiny_checkpoints, pack_everything):
+    """float32 weights, bf16 autocast (the tutorial's configs): the layers are packed in bf16
+    and compute what autocast's bf16 matmuls compute; the head stays float32."""
+    model = load_model(tiny_checkpoints("qwen3", initializer_range=0.2))
+    precision = Precision(torch.float32, torch.bfloat16)
+    plain = Sampler(model, pack=False, precision=precision)
+    packed = Sampler(model, pack=True, precision=precision)
+    a, b = _sample(plain, 1.0), _sample(packed, 1.0)
+    assert {p[2].dtype for p in packed.packed._packs.values()} == {torch.bfloat16}
+    assert packed.packed._head[2].dtype == torch.float32
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    torch.testing.assert_close(b.logprobs, a.logprobs, rtol=0, atol=1e-5)
+
+
+def test_auto_packs_only_large_layers_on_an_eager_cpu_sampler(tiny_checkpoints):
+    model = load_model(tiny_checkpoints("qwen3"))
+    sampler = Sampler(model)  # pack=None: on where supported, eager
+    assert sampler.packed is not None
+    _sample(sampler)
+    assert sampler.packed.packed_bytes == 0  # 64 x 128 layers: below MIN_NUMEL, left plain
+    assert Sampler(model, compile=True, compile_options={"backend": "eager"}).packed is None
