@@ -342,7 +342,8 @@ class Decoder(nn.Module):
             # (a `KVCache` would write the same slots again, and later steps overwrite what the
             # block read). The shared-prefix caches (grpo.algo.logprobs) write nothing: the
             # recompute reads the same prefix keys/values, held by reference till backward.
-            if self.gradient_checkpointing and self.training and not isinstance(kv_cache, (KVCache, GroupedKVCache)):
+            caching = isinstance(kv_cache, (KVCache, GroupedKVCache))
+            if self.gradient_checkpointing and self.training and not caching:
                 x = checkpoint(block, x, cos, sin, mask, kv_cache, use_reentrant=False)
             else:
                 x = block(x, cos, sin, mask, kv_cache)

@@ -37,8 +37,8 @@ ROWS_HINT = 32  # the row count oneDNN picks its blocking for
 def packing_supported(model: nn.Module) -> bool:
     """Whether this torch has oneDNN's linear packing and the model lives on the CPU in plain
     (not sharded) tensors."""
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
-                                                             "_reorder_linear_weight")):  # fmt: skip
+    mkldnn = torch.ops.mkldnn
+    if not (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")):
         return False
     p = next(model.parameters())
     return p.device.type == "cpu" and type(p.data) is torch.Tensor
@@ -134,4 +134,3 @@ def _bind(packed: torch.Tensor, bias: torch.Tensor | None):
         return _packed_linear(x, packed, bias)
 
     return forward
-
