@@ -45,7 +45,13 @@ import time
 
 import torch
 
-from benchmarks.harness import add_output_args, comma_list, measure, write_results
+from benchmarks.harness import (
+    add_output_args,
+    comma_list,
+    matmul_ceiling_tflops,
+    measure,
+    write_results,
+)
 
 # threads 0 = torch's default; target = required tok/s ratio ours / generate (dynamic cache);
 # rounds / warmup: timed / untimed calls per implementation (flags override them)
@@ -86,7 +92,7 @@ CASES = {
 COLUMNS = [
     "case", "batch", "impl", "threads", "tok_per_s", "ms_per_step", "prefill_ms", "total_ms",
     "p20_ms", "p80_ms", "peak_mib", "cpu_ms", "x_hf_dyn", "x_hf_static", "x_cpu", "target",
-    "greedy_match", "greedy_ok",
+    "greedy_match", "greedy_ok", "floor_ms", "of_floor",
 ]  # fmt: skip
 HF_DYNAMIC, HF_STATIC = "hf generate (dynamic cache)", "hf generate (static cache)"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -193,6 +199,7 @@ def run_case(case: str, args, default_threads: int):
     with tempfile.TemporaryDirectory() as tmp:
         hf, ours = build_models(case, tmp, device=args.device, dtype=dtype)
     never = ours.config.vocab_size  # an id no row can sample: both sides run all N steps
+    rate, bw = args.floor_rates if case in args.floor else (None, None)
     samplers = {} if args.no_eager else {"ours": Sampler(ours)}
     if case in args.compile:
         samplers["ours+compile"] = Sampler(ours, compile=True)
@@ -242,7 +249,34 @@ def run_case(case: str, args, default_threads: int):
                 runs[name]["peak"].append(t_full.peak_mem_mib)
                 t_first = measure(first, warmup=0, repeats=1, device=device)
                 runs[name]["first"].append(t_first.median_ms)
-        yield batch_rows(case, f"{P}x{G}", B, N, threads, spec, runs, checks, rounds, warmup)
+        rows = batch_rows(case, f"{P}x{G}", B, N, threads, spec, runs, checks, rounds, warmup)
+        if rate is not None:
+            floor = decode_floor_ms(ours, B, T_p + N / 2, rate, bw)
+            for r in rows:
+                r["floor_ms"] = floor
+                r["of_floor"] = floor / r["ms_per_step"]
+        yield rows
+
+
+def decode_floor_ms(model, B: int, context: float, tflops: float, gbs: float) -> float:
+    """This machine's floor for one decode step of B rows: the larger of reading every weight
+    once at the measured memory bandwidth and the step's FLOPs (2 per weight per row, the head
+    included, plus attention's score and value products over `context` keys) at the measured
+    matmul rate."""
+    seen, weight_bytes, matmul_params = set(), 0, 0
+    for name, p in model.named_parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        weight_bytes += p.numel() * p.element_size()
+        if p.dim() == 2 and "embed_tokens" not in name:
+            matmul_params += p.numel()
+    if model.config.tie_word_embeddings:
+        matmul_params += model.lm_head.weight.numel()  # the tied head multiplies too
+    c = model.config
+    attn = 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * context
+    flops = B * (2 * matmul_params + attn)
+    return max(weight_bytes / (gbs * 1e9), flops / (tflops * 1e12)) * 1e3
 
 
 def batch_rows(case, batch, B, N, threads, spec, runs, checks, rounds, warmup) -> list[dict]:
@@ -322,6 +356,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--warmup", type=int, default=None, help="default: per case")
     parser.add_argument("--rounds", type=int, default=None, help="default: per case")
     parser.add_argument("--check-tokens", type=int, default=16, help="greedy parity steps")
+    parser.add_argument("--floor", default="qwen3-0.6b",
+                        help="cases whose rows get the machine's decode floor")  # fmt: skip
     add_output_args(parser, "sampler_cpu_float32")
     args = parser.parse_args(argv)
     cases = comma_list(parser, "--cases", args.cases, CASES)
@@ -338,6 +374,16 @@ def main(argv: list[str]) -> None:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False here")
 
+    args.floor = [c for c in args.floor.split(",") if c in cases]
+    args.floor_rates = (None, None)
+    if args.floor:  # measured before any model is built: the machine's matmul rate, bandwidth
+        from benchmarks.bench_trl import memory_bandwidth_gbs
+
+        args.floor_rates = (matmul_ceiling_tflops(args.device, DTYPES[args.dtype]),
+                            memory_bandwidth_gbs())  # fmt: skip
+        print(f"floor: {args.floor_rates[0] * 1e3:.0f} GFLOP/s ({args.dtype} 2048^3 matmul), "
+              f"{args.floor_rates[1]:.1f} GB/s (1 GiB copy)", flush=True)  # fmt: skip
+
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -351,6 +397,9 @@ def main(argv: list[str]) -> None:
         "ms_per_step": "(t(N tokens) - t(1 token)) / (N - 1): prefill excluded",
         "x_hf_dyn / x_hf_static": "our tok_per_s over generate's with a dynamic / static cache",
         "x_cpu": "hf generate (dynamic cache) cpu_ms / our cpu_ms",
+        "floor_ms / of_floor": "this machine's decode-step floor (max of every weight read once "
+        "at the measured bandwidth, the step's FLOPs at the measured matmul rate; "
+        "`decode_floor_ms`) and floor_ms / ms_per_step",
         "greedy_match": f"greedy tokens vs generate over {args.check_tokens} steps on the "
         "timed B rows: mean fraction of steps before the first difference (1 = identical)",
     }

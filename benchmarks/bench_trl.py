@@ -1,26 +1,34 @@
-"""Our GRPO step (train.shared_prefix off / on) against TRL's `GRPOTrainer`, side by side.
+"""Our GRPO step, as `grpo train` runs it, against TRL's `GRPOTrainer`, side by side.
 
-    OMP_NUM_THREADS=2 /tmp/cmpenv/bin/python -m benchmarks.bench_trl --shapes ci,qwen3-0.6b
+    OMP_NUM_THREADS=2 /tmp/cmpenv/bin/python -m benchmarks.bench_trl --shapes ci,qwen3-0.6b \
+        --modes full --prompts 8 --group-size 4 --data gsm8k --name step_trl_cpu_gsm8k
 
-Same checkpoint, prompts (minimath rendered by `grpo.loading.load_rows`), P, G, max new
-tokens, beta, optimizer (AdamW, lr, grad clip 1.0), fp32, no gradient checkpointing, token-mean
-loss (TRL's "dapo"), LoRA (r16, alpha 32, q/k/v/o) or full fine-tuning, and one reward function
-(completion length in characters) for both. TRL runs in a separate venv (trl is not a project
-dependency), transformers `generate` for sampling, no vLLM.
+Same checkpoint, prompts (minimath or GSM8K, rendered by `grpo.loading.load_rows`), P, G, max
+new tokens, beta, optimizer (AdamW, lr, grad clip 1.0), fp32, no gradient checkpointing,
+token-mean loss (TRL's "dapo"), LoRA (r16, alpha 32, q/k/v/o) or full fine-tuning, and one
+reward function (completion length in characters) for both. TRL runs in a separate venv (trl
+is not a project dependency), transformers `generate` for sampling, no vLLM.
 
-Ours: one step = rollout + reference + advantage + update phases of `grpo.train.grpo` (the
-calls `grpo.train.grpo.train` makes), timed as one call with the harness. TRL: one step =
-`Trainer` step from `on_step_begin` to `on_step_end` (generation, reference log-probs, loss,
-backward, optimizer), timed by a callback after warm-up steps. Both stop rows at eos, so the
-completion lengths of the two differ; each side's mean completion length is reported and
-tokens/s counts each side's own completion tokens.
+Ours is measured the way a user runs it: the settings above are written to a config file and
+`python -m grpo train --config FILE` runs in a fresh process with every other setting at its
+default (rollout.compile, train.shared_prefix, micro-batching, ...); a step's time is the run's
+own `perf/step_s` (rollout + reference + advantage + update) from metrics.jsonl. TRL: one step
+= `Trainer` step from `on_step_begin` to `on_step_end` (generation, reference log-probs, loss,
+backward, optimizer), timed by a callback. Every step counts, the first one included
+(`--warmup 0`): `step_s` is the median over all steps, `first_s` and `steady_s` (the median of
+the others) are reported apart, and ours adds `compile_s` (its perf/compile_s) and the whole
+command's wall time. Both stop rows at eos, so the completion lengths of the two differ; each
+side's mean completion length is reported and tokens/s counts each side's own completion
+tokens.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,18 +44,13 @@ from benchmarks.harness import (
     measure,
     write_results,
 )
-from grpo.config import load_config
+from grpo.config import load_config, save_config
 from grpo.loading import load_rows
 from grpo.models import Decoder, ModelConfig, save_pretrained
-from grpo.policy import build_policy
-from grpo.rewards import build_rewards
-from grpo.rollout import Sampler
-from grpo.rollout.sampler import resolve_compile
-from grpo.run.optim import build_optimizer, build_scheduler
-from grpo.run.state import TrainState
 from grpo.tiny import make_tiny_model
-from grpo.train.grpo import step_batch, update_phase
-from grpo.train.rollouts import rollout_phase
+from grpo.tokenizer import load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 QWEN3_06B = CASES["qwen3-0.6b"]["config"]  # the shape every benchmark here uses
@@ -84,10 +87,10 @@ def make_checkpoint(root: Path, shape: str) -> Path:
     return out
 
 
-def ours_config(model_dir: Path, lora: bool, args, shared: str = "off"):
+def ours_config(model_dir: Path, lora: bool, args, shared: str = "auto", base: dict | None = None):
     B = args.prompts * args.group_size
     return load_config(
-        base={"model": {"path": str(model_dir), "device": "cpu"}},
+        base={"model": {"path": str(model_dir), "device": "cpu"}, **(base or {})},
         overrides=[
             f"lora.enabled={str(lora).lower()}",
             f"lora.targets=[{','.join(LORA_TARGETS)}]",
@@ -108,51 +111,69 @@ def ours_config(model_dir: Path, lora: bool, args, shared: str = "off"):
     )
 
 
-def ours_case(model_dir: Path, shape: str, lora: bool, shared: str, args) -> dict:
-    """Our full step (rollout, reference, advantages, update) timed as one call."""
-    cfg = ours_config(model_dir, lora, args, shared)
-    policy = build_policy(cfg, torch.device("cpu"), need_ref=True)
-    rows = load_rows(cfg.data, "train", 256, "rl", policy.tokenizer)
-    rewards = build_rewards([length_reward])
-    params = policy.trainable_parameters()
-    opt = build_optimizer(params, cfg.optim)
-    sched = build_scheduler(opt, 1000, cfg.optim)
-    sampler = Sampler(
-        policy.model, compile=resolve_compile(cfg.rollout.compile, "cpu"), fallback=True
-    )  # what `grpo train` builds (rollout.compile: auto)
-    state = TrainState()
-    step, tokens, lengths, prompt_tokens, steps = [0], [], [], [], []
-
-    def one_step():
-        step[0] += 1
-        batch = rollout_phase(cfg, policy, sampler, rows, state, rewards, step[0])
-        inputs = step_batch(cfg, policy, batch, step=step[0])  # reference, advantages
-        update_phase(cfg, policy, inputs, opt, sched, params, step=step[0])
-        n = batch.rollout.completion_mask.sum(dim=1)  # (B,)
-        tokens.append(int(n.sum()))
-        lengths.append(float(n.float().mean()))
-        prompt_tokens.append(int(batch.rollout.prompt_lens[:: args.group_size].sum()))
-        steps.append(int(n.max()))  # decode steps the sampler ran
-
-    t = measure(one_step, warmup=args.warmup, repeats=args.repeats)
-    w = args.warmup
-    tokens, lengths, prompt_tokens, steps = tokens[w:], lengths[w:], prompt_tokens[w:], steps[w:]
-    row = _row(shape, lora, f"ours shared_prefix={shared}", params, t.times_ms, t.peak_mem_mib,
-               tokens, lengths)  # fmt: skip
+def ours_case(model_dir: Path, shape: str, lora: bool, args, tmp: Path) -> dict:
+    """`grpo train` as a user runs it: a config file, the CLI in a fresh process, its defaults
+    (rollout.compile auto, train.shared_prefix auto, ...); each step's time is the run's own
+    `perf/step_s` from metrics.jsonl, every step counted (the first one's warm-up included;
+    `perf/compile_s` says how much of it was compiling)."""
+    out = tmp / f"ours_{shape}_{lora}"
+    cfg = ours_config(model_dir, lora, args, base={
+        "rewards": [{"name": "benchmarks.bench_trl:length_reward"}],
+        "train": {"output_dir": str(out), "max_steps": args.warmup + args.repeats,
+                  "progress": False, "save_every": 0},
+        "data": {"eval_samples": 0},
+    })  # fmt: skip
+    cfg_file = save_config(cfg, tmp / f"ours_{shape}_{lora}.yaml")
+    cmd = [sys.executable, "-m", "grpo", "train", "--config", str(cfg_file)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("GRPO_COMPILE", None)
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if res.returncode != 0:
+        raise SystemExit(f"grpo train failed:\n{res.stderr[-3000:]}")
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "perf/step_s" in r]
+    times_ms = [r["perf/step_s"] * 1e3 for r in rows]
+    lengths = [r["rollout/completion_len_mean"] for r in rows]
+    B = args.prompts * args.group_size
+    tokens = [round(x * B) for x in lengths]
+    row = _row(shape, lora, "ours grpo train", [], times_ms, None, tokens, lengths)
+    row["compile_s"] = round(sum(r.get("perf/compile_s", 0.0) for r in rows), 2)
+    row["process_wall_s"] = round(wall, 1)
+    row["peak_rss_mib"] = round(max(r.get("perf/peak_mem_mib", 0.0) for r in rows), 1)
     # the physical floor: the FLOPs of the tokens a step must compute (each prompt once) at
     # the measured matmul rate, except that each decode step must also read every weight
     # once (memory-bound at small batch): max(its FLOPs / rate, weight bytes / bandwidth)
-    mc, rate = policy.model.config, args.tflops * 1e12
-    weight_bytes = sum(p.numel() * p.element_size() for p in policy.model.parameters())
+    mc = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    rate = args.tflops * 1e12
+    weight_bytes = 4 * n_params(mc)
+    prompt_tokens = args.prompts * mean_prompt_tokens(cfg)
     floors = []
-    for pt, ct, n in zip(prompt_tokens, tokens, steps):
-        compute = step_flops(mc, pt, ct, args.prompts, lora) / rate
+    for r, ct in zip(rows, tokens):
+        n = r["rollout/completion_len_max"]  # decode steps the sampler ran
+        compute = step_flops(mc, prompt_tokens, ct, args.prompts, lora) / rate
         decode_compute = step_flops(mc, 0, ct, args.prompts, lora, rollout_only=True) / rate
         decode_memory = n * weight_bytes / (args.bandwidth_gbs * 1e9)
         floors.append(compute + max(0.0, decode_memory - decode_compute))
     row["floor_s"] = round(statistics.mean(floors), 3)
-    row["prompt_tokens"] = round(statistics.mean(prompt_tokens), 1)
+    row["prompt_tokens"] = round(prompt_tokens, 1)
     return row
+
+
+def n_params(mc) -> int:
+    """Parameters of a decoder of config `mc` (a tied head counted once)."""
+    C, L, I, V = mc.hidden_size, mc.num_hidden_layers, mc.intermediate_size, mc.vocab_size
+    q, kv = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
+    body = L * (C * q + 2 * C * kv + q * C + 3 * C * I)
+    return body + V * C * (1 if mc.tie_word_embeddings else 2)
+
+
+def mean_prompt_tokens(cfg) -> float:
+    """Mean prompt length (tokens) of the run's training rows."""
+    tok = load_tokenizer(cfg.model.path)
+    rows = load_rows(cfg.data, "train", 256, "rl", tok)
+    return statistics.mean(len(r["prompt_ids"]) for r in rows)
 
 
 def step_flops(mc, prompt_tokens: int, completion_tokens: int, P: int, lora: bool,
@@ -309,18 +330,19 @@ def trl_case(model_dir: Path, shape: str, lora: bool, args, tmp: Path) -> dict:
 
 
 def _row(shape, lora, impl, params, times_ms, peak_mib, tokens, lengths) -> dict:
-    med = statistics.median(times_ms)
     return {
         "shape": shape,
         "mode": "lora r16 qkvo" if lora else "full",
         "impl": impl,
         "trainable_params": sum(p.numel() for p in params),
-        "step_s": round(med / 1e3, 3),
+        "step_s": round(statistics.median(times_ms) / 1e3, 3),
+        "first_s": round(times_ms[0] / 1e3, 3),
+        "steady_s": round(statistics.median(times_ms[1:] or times_ms) / 1e3, 3),
         "p20_s": round(_percentile(times_ms, 20) / 1e3, 3),
         "p80_s": round(_percentile(times_ms, 80) / 1e3, 3),
         "mean_completion_len": round(statistics.mean(lengths), 1) if lengths else None,
         "tokens_per_s": round(sum(tokens) / (sum(times_ms) / 1e3), 1) if tokens else None,
-        "peak_rss_mib": round(peak_mib, 1),
+        "peak_rss_mib": None if peak_mib is None else round(peak_mib, 1),
         "times_s": [round(x / 1e3, 3) for x in times_ms],
     }
 
@@ -339,9 +361,9 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--data", choices=sorted(DATA), default="minimath",
                    help="prompt source (gsm8k: ~200-token prompts)")  # fmt: skip
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--big-repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=0, help="steps run before the timed ones")
+    p.add_argument("--repeats", type=int, default=6, help="timed steps (the first included)")
+    p.add_argument("--big-repeats", type=int, default=6)
     p.add_argument("--name", default="step_trl_cpu", help="results file stem")
     args = p.parse_args(argv)
     args.tflops = matmul_ceiling_tflops("cpu", torch.float32)  # the floor's denominators
@@ -366,14 +388,13 @@ def main(argv=None) -> None:
             agreement[shape] = check_agreement(model_dir, sargs)
             for mode in modes.split(","):
                 lora = mode == "lora"
-                case = [ours_case(model_dir, shape, lora, s, sargs) for s in ("off", "on")]
-                case.append(trl_case(model_dir, shape, lora, sargs, tmp))
-                off, on, trl = case
-                trl["floor_s"] = on["floor_s"]  # the same tokens must be computed
+                case = [ours_case(model_dir, shape, lora, sargs, tmp),
+                        trl_case(model_dir, shape, lora, sargs, tmp)]  # fmt: skip
+                ours, trl = case
+                trl["floor_s"] = ours["floor_s"]  # the same tokens must be computed
                 for r in case:
-                    r["trl_over_ours_off"] = round(trl["step_s"] / off["step_s"], 2)
-                    r["trl_over_ours_on"] = round(trl["step_s"] / on["step_s"], 2)
-                    r["step_over_floor"] = round(r["step_s"] / r["floor_s"], 1)
+                    r["trl_over_ours"] = round(trl["step_s"] / ours["step_s"], 2)
+                    r["step_over_floor"] = round(r["step_s"] / r["floor_s"], 2)
                     print(json.dumps({k: v for k, v in r.items() if k != "times_s"}), flush=True)
                 rows.extend(case)
     import accelerate
@@ -381,9 +402,9 @@ def main(argv=None) -> None:
     import transformers
     import trl
 
-    cols = ["shape", "mode", "impl", "trainable_params", "step_s", "p20_s", "p80_s",
-            "mean_completion_len", "tokens_per_s", "peak_rss_mib", "trl_over_ours_off",
-            "trl_over_ours_on", "floor_s", "step_over_floor"]  # fmt: skip
+    cols = ["shape", "mode", "impl", "step_s", "first_s", "steady_s", "compile_s",
+            "process_wall_s", "mean_completion_len", "tokens_per_s", "peak_rss_mib",
+            "trl_over_ours", "floor_s", "step_over_floor"]  # fmt: skip
     meta = {
         "command": "OMP_NUM_THREADS=2 /tmp/cmpenv/bin/python -m benchmarks.bench_trl "
         + " ".join(sys.argv[1:] if argv is None else argv),
@@ -394,9 +415,14 @@ def main(argv=None) -> None:
         "setup": "fp32 CPU, beta=0.04, lr const-ish (ours cosine over 1000 steps, TRL constant), "
         "AdamW, grad clip 1.0, token-mean loss (TRL dapo), temperature 1, no top-k/p, "
         "one micro-batch of P*G rows, no gradient checkpointing, reward = len(chars)/100",
-        "timing": "step_s median and p20/p80 over the timed steps after warm-up; ours = "
-        "rollout+reference+advantage+update phases, TRL = on_step_begin..on_step_end",
-        "peak_rss_mib": "RSS the step adds at its peak (harness _CpuPeak), largest over steps",
+        "timing": "step_s = median over every step of the run, the first included (warm-up, "
+        "compilation); first_s the first step, steady_s the median of the others. Ours = "
+        "`grpo train --config <file>` in a fresh process, its own perf/step_s per step "
+        "(rollout + reference + advantage + update), compile_s its perf/compile_s summed, "
+        "process_wall_s the whole command (start-up, loading, the steps, the final save). "
+        "TRL = GRPOTrainer.train(), on_step_begin..on_step_end by a callback",
+        "peak_rss_mib": "ours: perf/peak_mem_mib (largest over steps); TRL: RSS the step adds "
+        "at its peak (harness _CpuPeak)",
         "note": "both stop rows at eos with random weights: completion lengths differ, "
         "tokens_per_s counts each side's own completion tokens",
         "agreement": "max |our completion log-prob - transformers'| on the checkpoint before "

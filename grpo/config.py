@@ -129,9 +129,9 @@ class RolloutConfig:
     top_p: float = 1.0
     min_p: float = 0.0
     # Compile the sampler's decode step (torch.compile, static shapes): on | off | auto (on
-    # where inductor works and it pays: CUDA, or a C++ compiler on CPU for models up to 50M
-    # parameters; single-turn only; falls back to eager if compiling fails; GRPO_COMPILE=0 in
-    # the environment turns auto off). docs/sampler.md.
+    # CUDA, single-turn, where it pays; eager on a CPU, where per-shape compiles cost more than
+    # they save; falls back to eager if compiling fails; GRPO_COMPILE=0 in the environment turns
+    # auto off). docs/sampler.md.
     compile: Literal["auto", "on", "off"] = "auto"
     # Multi-turn (agentic) rollouts: an environment answers each model turn (docs/agentic.md).
     env: str = "single_turn"  # single_turn | calculator | a registered name | package.module:Class

@@ -20,9 +20,10 @@ pytestmark = pytest.mark.skipif(not packing_mod.packing_supported(torch.nn.Linea
                                 reason="this torch has no oneDNN linear packing")  # fmt: skip
 
 
-def test_grouped_attention_equals_attention_over_the_copied_prompt_float64():
+@pytest.mark.parametrize("G,H,H_kv", [(4, 6, 2), (1, 6, 2), (4, 2, 2), (1, 2, 2)])
+def test_grouped_attention_equals_attention_over_the_copied_prompt_float64(G, H, H_kv):
     g = torch.Generator().manual_seed(0)
-    P, G, H, H_kv, T_p, S_c, D = 3, 4, 6, 2, 7, 5, 8
+    P, T_p, S_c, D = 3, 7, 5, 8
     B = P * G
     q = torch.randn(B, H, 1, D, generator=g, dtype=torch.float64)
     k_p, v_p = (torch.randn(P, H_kv, T_p, D, generator=g, dtype=torch.float64) for _ in range(2))

@@ -96,7 +96,7 @@ def grouped_decode_attention(q, k_p, v_p, k, v, mask):
     P, H_kv, T_p, _ = k_p.shape
     G, g = B // P, H // H_kv
     q = q.reshape(B, H_kv, g, D)  # the query heads that share each kv head
-    q_grouped = q.view(P, G, H_kv, g, D).transpose(1, 2).reshape(P, H_kv, G * g, D)
+    q_grouped = q.reshape(P, G, H_kv, g, D).transpose(1, 2).reshape(P, H_kv, G * g, D)
     s_prompt = q_grouped @ k_p.transpose(-1, -2)  # (P, H_kv, G*g, T_p)
     s_prompt = s_prompt.view(P, H_kv, G, g, T_p).transpose(1, 2).reshape(B, H_kv, g, T_p)
     s_own = q @ k.transpose(-1, -2)  # (B, H_kv, g, S_c)
@@ -104,7 +104,7 @@ def grouped_decode_attention(q, k_p, v_p, k, v, mask):
     w = scores.softmax(-1).to(v.dtype)
     w_prompt = w[..., :T_p].reshape(P, G, H_kv, g, T_p).transpose(1, 2).reshape(P, H_kv, G * g, T_p)
     y_prompt = (w_prompt @ v_p).view(P, H_kv, G, g, D).transpose(1, 2).reshape(B, H_kv, g, D)
-    return (y_prompt + w[..., T_p:] @ v).view(B, H, 1, D)
+    return (y_prompt + w[..., T_p:] @ v).reshape(B, H, 1, D)  # strides vary with G, g = 1
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -549,8 +549,7 @@ def rollout_source(
 def make_sampler(cfg: Config, policy, model, sharded: bool = False) -> Sampler:
     """The run's sampler over `model`: the compiled decode step as rollout.compile says (FSDP:
     eager, the sampler reads the gathered weights through FSDP's hooks)."""
-    num_params = sum(p.numel() for p in model.parameters())
     compile_ = not sharded and resolve_compile(cfg.rollout.compile, model.device,
-                                               cfg.rollout.multi_turn, num_params)  # fmt: skip
+                                               cfg.rollout.multi_turn)  # fmt: skip
     return Sampler(model, compile=compile_, fallback=cfg.rollout.compile == "auto",
                    precision=policy.precision)  # fmt: skip
