@@ -95,12 +95,13 @@ def grouped_decode_attention(q, k_p, v_p, k, v, mask):
     B, H, _, D = q.shape
     P, H_kv, T_p, _ = k_p.shape
     G, g = B // P, H // H_kv
-    q = q.reshape(B, H_kv, g, D)  # the query heads that share each kv head
+    # the query heads that share each kv head; scaled here, not on the (B, H, S) scores
+    q = (q * D**-0.5).reshape(B, H_kv, g, D)
     q_grouped = q.reshape(P, G, H_kv, g, D).transpose(1, 2).reshape(P, H_kv, G * g, D)
     s_prompt = q_grouped @ k_p.transpose(-1, -2)  # (P, H_kv, G*g, T_p)
     s_prompt = s_prompt.view(P, H_kv, G, g, T_p).transpose(1, 2).reshape(B, H_kv, g, T_p)
     s_own = q @ k.transpose(-1, -2)  # (B, H_kv, g, S_c)
-    scores = torch.cat([s_prompt, s_own], dim=-1).float() * D**-0.5 + mask
+    scores = torch.cat([s_prompt, s_own], dim=-1).float() + mask
     w = scores.softmax(-1).to(v.dtype)
     w_prompt = w[..., :T_p].reshape(P, G, H_kv, g, T_p).transpose(1, 2).reshape(P, H_kv, G * g, T_p)
     y_prompt = (w_prompt @ v_p).view(P, H_kv, G, g, D).transpose(1, 2).reshape(B, H_kv, g, D)
