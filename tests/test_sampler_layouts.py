@@ -36,8 +36,7 @@ def test_grouped_attention_equals_attention_over_the_copied_prompt_float64(G, H,
     want = decode_attention(q, torch.cat([k_p.repeat_interleave(G, 0), k], 2),
                             torch.cat([v_p.repeat_interleave(G, 0), v], 2), mask)  # fmt: skip
     got = grouped_decode_attention(q, k_p, v_p, k, v, mask)
-    # both take the softmax in float32 (the grouped one scales q before, the other the scores)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)  # float64 throughout
 
 
 def _decode_both(model, G=3, steps=6):
@@ -72,6 +71,13 @@ def test_shared_prefill_decodes_as_the_copied_cache(tiny_checkpoints):
     torch.testing.assert_close(shared, copied, rtol=0, atol=1e-10)
 
 
+def test_one_row_per_prompt_decodes_from_the_prefill_cache_itself(tiny_checkpoints):
+    # G = 1 (greedy evaluation): nothing to copy, nothing to share (test_sampler checks those
+    # rollouts against `generate`)
+    cache = KVCache.for_model(load_model(tiny_checkpoints("qwen3")), rows=2, max_len=4)
+    assert cache.repeat_rows(1) is cache
+
+
 def test_grouped_cache_takes_one_token_per_row_and_its_slots_only(tiny_checkpoints):
     model = load_model(tiny_checkpoints("qwen3"))
     prefix = KVCache.for_model(model, rows=2, max_len=5)
@@ -91,8 +97,17 @@ def test_grouped_cache_takes_one_token_per_row_and_its_slots_only(tiny_checkpoin
 
 @pytest.fixture
 def pack_everything(monkeypatch):
-    """The tiny models' layers are far below MIN_NUMEL: pack them all."""
+    """The tiny models' layers are far below MIN_NUMEL: pack them all. Returns the list of
+    packed matmuls run (their row counts), so a test sees the packed path was taken."""
     monkeypatch.setattr(packing_mod, "MIN_NUMEL", 0)
+    calls, real = [], packing_mod._packed_linear
+
+    def counted(x, packed, bias):
+        calls.append(x.shape[0])
+        return real(x, packed, bias)
+
+    monkeypatch.setattr(packing_mod, "_packed_linear", counted)
+    return calls
 
 
 def _sample(sampler, temperature=1.0):
@@ -107,7 +122,11 @@ def test_packed_sampler_samples_what_the_plain_one_does(tiny_checkpoints, pack_e
         live_lora(model, ["q_proj", "v_proj", "o_proj"])
     plain, packed = Sampler(model, pack=False), Sampler(model, pack=True)
     for temperature in (0.0, 1.0):
-        a, b = _sample(plain, temperature), _sample(packed, temperature)
+        a = _sample(plain, temperature)
+        assert not pack_everything  # the plain sampler never touches the packed copies
+        b = _sample(packed, temperature)
+        assert pack_everything  # ... the packed one does
+        pack_everything.clear()
         assert torch.equal(a.completion_ids, b.completion_ids)
         torch.testing.assert_close(b.logprobs, a.logprobs, rtol=0, atol=1e-5)
     n_linear = sum(isinstance(m, torch.nn.Linear) or hasattr(m, "lora_a")
@@ -116,6 +135,19 @@ def test_packed_sampler_samples_what_the_plain_one_does(tiny_checkpoints, pack_e
     assert len(packed.packed._packs) == n_linear - 1 and packed.packed._head is not None
     assert not any("forward" in m.__dict__ or "_packed_base" in m.__dict__
                    for m in model.modules())  # fmt: skip  # uninstalled after the call
+    # outside a sampler call the model computes with its own weights, through no packed copy
+    pack_everything.clear()
+    with torch.no_grad():
+        model(torch.ones(1, 3, dtype=torch.long))
+    assert not pack_everything
+
+
+def test_packing_leaves_an_overridden_forward_alone(tiny_checkpoints, pack_everything):
+    model = load_model(tiny_checkpoints("qwen3"))
+    mlp = model.layers[0].mlp.down_proj
+    user = mlp.forward = lambda x: torch.nn.functional.linear(x, mlp.weight, mlp.bias)
+    _sample(Sampler(model, pack=True))
+    assert mlp.__dict__["forward"] is user
 
 
 def test_packed_weights_follow_in_place_updates(tiny_checkpoints, pack_everything):
@@ -139,7 +171,10 @@ def test_packed_sampler_under_bf16_autocast(tiny_checkpoints, pack_everything):
     precision = Precision(torch.float32, torch.bfloat16)
     plain = Sampler(model, pack=False, precision=precision)
     packed = Sampler(model, pack=True, precision=precision)
-    a, b = _sample(plain, 1.0), _sample(packed, 1.0)
+    a = _sample(plain, 1.0)
+    assert not pack_everything
+    b = _sample(packed, 1.0)
+    assert pack_everything
     assert {p[2].dtype for p in packed.packed._packs.values()} == {torch.bfloat16}
     assert packed.packed._head[2].dtype == torch.float32
     assert torch.equal(a.completion_ids, b.completion_ids)

@@ -56,6 +56,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def softmax_dtype(x: torch.Tensor) -> torch.dtype:
+    """The attention softmax's dtype: float32 for 16-bit inputs, else theirs (float64 stays)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def decode_attention(q, k, v, mask):
     """Attention of one query per row: two small batched matmuls and a float32 softmax.
 
@@ -71,7 +76,7 @@ def decode_attention(q, k, v, mask):
     B, H, _, D = q.shape
     H_kv = k.shape[1]
     q = q.reshape(B, H_kv, H // H_kv, D)  # the query heads that share each kv head
-    scores = (q @ k.transpose(-1, -2)).float() * D**-0.5 + mask  # (B, H_kv, H/H_kv, S)
+    scores = (q @ k.transpose(-1, -2)).to(softmax_dtype(q)) * D**-0.5 + mask  # (B, H_kv, g, S)
     return (scores.softmax(-1).to(v.dtype) @ v).view(B, H, 1, D)
 
 
@@ -101,7 +106,7 @@ def grouped_decode_attention(q, k_p, v_p, k, v, mask):
     s_prompt = q_grouped @ k_p.transpose(-1, -2)  # (P, H_kv, G*g, T_p)
     s_prompt = s_prompt.view(P, H_kv, G, g, T_p).transpose(1, 2).reshape(B, H_kv, g, T_p)
     s_own = q @ k.transpose(-1, -2)  # (B, H_kv, g, S_c)
-    scores = torch.cat([s_prompt, s_own], dim=-1).float() + mask
+    scores = torch.cat([s_prompt, s_own], dim=-1).to(softmax_dtype(q)) + mask
     w = scores.softmax(-1).to(v.dtype)
     w_prompt = w[..., :T_p].reshape(P, G, H_kv, g, T_p).transpose(1, 2).reshape(P, H_kv, G * g, T_p)
     y_prompt = (w_prompt @ v_p).view(P, H_kv, G, g, D).transpose(1, 2).reshape(B, H_kv, g, D)

@@ -5,7 +5,21 @@ from __future__ import annotations
 import torch
 
 
-class KVCache:
+class _LayerBuffers:
+    """What both caches read off their per-layer (rows, H_kv, slots, D) buffers."""
+
+    k_layers: list[torch.Tensor]
+
+    @property
+    def rows(self) -> int:
+        return self.k_layers[0].shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k_layers[0].dtype
+
+
+class KVCache(_LayerBuffers):
     """Keys and values of every layer for B rows and up to `max_len` positions.
 
     Buffers are allocated once, one (B, H_kv, S, D) pair per layer; each forward writes its T
@@ -79,14 +93,6 @@ class KVCache:
         return torch.stack(self.v_layers)
 
     @property
-    def rows(self) -> int:
-        return self.k_layers[0].shape[0]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.k_layers[0].dtype
-
-    @property
     def max_len(self) -> int:
         return self.k_layers[0].shape[2]
 
@@ -134,8 +140,11 @@ class KVCache:
         Row b of this cache becomes rows b*G .. b*G + G - 1: a prompt prefilled once serves
         its whole group. With `out` (a cache of rows * G rows and the same length), the rows
         are copied into its buffers in place and `out` is returned: a compiled decode step
-        (CUDA graphs) keeps seeing the same tensors call after call.
+        (CUDA graphs) keeps seeing the same tensors call after call. With G == 1 and no `out`
+        there is nothing to copy: this cache itself is returned.
         """
+        if G == 1 and out is None:
+            return self
         if out is not None:
             if (out.rows, out.max_len, out.static) != (self.rows * G, self.max_len, self.static):
                 raise ValueError("repeat_rows: `out` has the wrong shape")
@@ -155,7 +164,7 @@ class KVCache:
         return out
 
 
-class GroupedKVCache:
+class GroupedKVCache(_LayerBuffers):
     """Decode-time cache of B = P*G rows whose groups of G share a prompt, held once.
 
     The prompt's keys and values live in `prefix`, the prefill's P-row `KVCache` (T_p slots,
@@ -196,14 +205,6 @@ class GroupedKVCache:
     def pos(self) -> int:
         """Positions written so far, the prompt's T_p included."""
         return self._pos
-
-    @property
-    def rows(self) -> int:
-        return self.k_layers[0].shape[0]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.k_layers[0].dtype
 
     @property
     def max_len(self) -> int:

@@ -67,6 +67,7 @@ class PackedLinears:
         self.dtype = precision.compute_dtype
         self._packs: dict[str, tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None]] = {}
         self._head: tuple[torch.Tensor, int, torch.Tensor] | None = None
+        self.active = False  # inside `installed()`
 
     @property
     def packed_bytes(self) -> int:
@@ -105,28 +106,37 @@ class PackedLinears:
             self._head = (w, w._version, _pack(w, Precision.head_dtype))
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """(..., C) hidden -> (..., V) float32 logits through the packed head; None when the
-        head is not packed (a live LoRA head, or a small one)."""
-        if self._head is None:
+        """(..., C) hidden -> (..., V) float32 logits through the packed head; None outside
+        `installed()` or when the head is not packed (a live LoRA head, or a small one)."""
+        if not self.active or self._head is None:
             return None
         return _packed_linear(hidden.float(), self._head[2], None)
 
     @contextlib.contextmanager
     def installed(self):
-        """Refresh, then let the large layers compute with their packed copies until exit."""
+        """Refresh, then let the large layers compute with their packed copies until exit
+        (entered again inside, it changes nothing). A layer whose `forward` is already
+        overridden on the instance (a user's patch, a wrapper's hook) is left as it is."""
+        if self.active:
+            yield self
+            return
         self.refresh()
         layers = dict(self._layers())
+        patched = []
         try:
             for name, (_, _, packed, bias) in self._packs.items():
                 m = layers[name]
                 # a LoRA layer's base matmul reads `_packed_base` (grpo.lora.layers)
-                setattr(m, "_packed_base" if isinstance(m, LoRALinear) else "forward",
-                        _bind(packed, bias))  # fmt: skip
+                attr = "_packed_base" if isinstance(m, LoRALinear) else "forward"
+                if attr not in m.__dict__:
+                    setattr(m, attr, _bind(packed, bias))
+                    patched.append((m, attr))
+            self.active = True
             yield self
         finally:
-            for m in layers.values():
-                m.__dict__.pop("forward", None)
-                m.__dict__.pop("_packed_base", None)
+            self.active = False
+            for m, attr in patched:
+                m.__dict__.pop(attr, None)
 
 
 def _bind(packed: torch.Tensor, bias: torch.Tensor | None):

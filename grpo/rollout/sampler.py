@@ -266,7 +266,6 @@ class Sampler:
         if pack is None:
             pack = not compile and packing_supported(model)
         self.packed: PackedLinears | None = PackedLinears(model, self.precision) if pack else None
-        self._head_packed = False  # inside `packing()`
         if compile:
             options = {"dynamic": False, "fullgraph": True}
             if self._cuda:  # CUDA graphs: one replay per step instead of ~10 launches per layer
@@ -347,25 +346,18 @@ class Sampler:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., C) final hidden states -> (..., V) float32 logits: the head as the trainer
         computes it (`grpo.precision.head_logits`), whatever the forward's autocast."""
-        if self._head_packed:
-            out = self.packed.head(hidden)
-            if out is not None:
-                return out
-        return head_logits(self.model.lm_head, hidden)
+        out = self.packed.head(hidden) if self.packed is not None else None  # inside packing()
+        return out if out is not None else head_logits(self.model.lm_head, hidden)
 
     @contextlib.contextmanager
     def packing(self):
         """While inside, the model computes with the packed weights (when the sampler packs:
         `pack`); `sample` and multi-turn rollouts enter it around their forwards."""
-        if self.packed is None or self._head_packed:  # not packing, or already inside
+        if self.packed is None:
             yield
             return
         with self.packed.installed():
-            self._head_packed = True
-            try:
-                yield
-            finally:
-                self._head_packed = False
+            yield
 
     def hidden_states(self, ids: torch.Tensor, **kwargs) -> torch.Tensor:
         """The model's hidden states (return_hidden) under the precision policy: prefill and
@@ -429,7 +421,9 @@ class Sampler:
         model.eval()
         try:
             with torch.inference_mode(), self.packing():
-                logits, cache = self.prefill(prompt_ids, kv_mask, G, shared=not self.compile)
+                # eager: each prompt's KV held once for its G rows (G = 1: nothing to share)
+                shared = not self.compile and G > 1
+                logits, cache = self.prefill(prompt_ids, kv_mask, G, shared=shared)
                 out = self._decode_loop(
                     logits, cache, kv_mask.repeat_interleave(G, dim=0), prompt_lens,
                     max_new_tokens, draw, stops,
