@@ -100,17 +100,21 @@ def grouped_decode_attention(q, k_p, v_p, k, v, mask):
     B, H, _, D = q.shape
     P, H_kv, T_p, _ = k_p.shape
     G, g = B // P, H // H_kv
-    # the query heads that share each kv head; scaled here, not on the (B, H, S) scores
-    q = (q * D**-0.5).reshape(B, H_kv, g, D)
+    q = q.reshape(B, H_kv, g, D)  # the query heads that share each kv head
     q_grouped = q.reshape(P, G, H_kv, g, D).transpose(1, 2).reshape(P, H_kv, G * g, D)
     s_prompt = q_grouped @ k_p.transpose(-1, -2)  # (P, H_kv, G*g, T_p)
     s_prompt = s_prompt.view(P, H_kv, G, g, T_p).transpose(1, 2).reshape(B, H_kv, g, T_p)
     s_own = q @ k.transpose(-1, -2)  # (B, H_kv, g, S_c)
-    scores = torch.cat([s_prompt, s_own], dim=-1).to(softmax_dtype(q)) + mask
+    # scaled, masked and normalized in float32 (16-bit inputs), as `decode_attention` does
+    scores = torch.cat([s_prompt, s_own], dim=-1).to(softmax_dtype(q)) * D**-0.5 + mask
     w = scores.softmax(-1).to(v.dtype)
     w_prompt = w[..., :T_p].reshape(P, G, H_kv, g, T_p).transpose(1, 2).reshape(P, H_kv, G * g, T_p)
     y_prompt = (w_prompt @ v_p).view(P, H_kv, G, g, D).transpose(1, 2).reshape(B, H_kv, g, D)
-    return (y_prompt + w[..., T_p:] @ v).reshape(B, H, 1, D)  # strides vary with G, g = 1
+    y_own = w[..., T_p:] @ v  # (B, H_kv, g, D)
+    # the two partial sums add up in float32 (under autocast each comes out of a 16-bit
+    # matmul; adding them in 16 bits would round a third time)
+    y = y_prompt.to(scores.dtype) + y_own.to(scores.dtype)
+    return y.to(y_own.dtype).reshape(B, H, 1, D)  # reshape: strides vary with G, g = 1
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
