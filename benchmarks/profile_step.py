@@ -2,6 +2,8 @@
 
     python -m benchmarks.profile_step --size demo --shared-prefix on
     python -m benchmarks.profile_step --size demo --what decode
+    python -m benchmarks.profile_step --size qwen3-0.6b --what decode --rollout-compile off \
+        --max-new-tokens 16      # the decode profile of docs/sampler.md ("Round three")
 
 Writes `benchmarks/results/profile_<what>_<size>_<mode>.md`: the operators by self CPU time
 (top 25), the total, and how the time splits into model matmuls, the fused log-prob path,
@@ -19,6 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_step import build_case
+from benchmarks.bench_trl import make_checkpoint
 from benchmarks.harness import RESULTS_DIR, env_stamp
 from grpo.tiny import make_tiny_model
 from grpo.train.grpo import update_phase
@@ -38,7 +41,8 @@ def table(prof, top: int) -> tuple[str, float]:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", default="demo")
+    p.add_argument("--size", default="demo", help="a grpo.tiny size, or qwen3-0.6b (random init)")
+    p.add_argument("--rollout-compile", default="auto", choices=("auto", "on", "off"))
     p.add_argument("--what", choices=("update", "decode"), default="update")
     p.add_argument("--lora", action="store_true", help="LoRA r16 (default full fine-tuning)")
     p.add_argument("--shared-prefix", default="on")
@@ -52,7 +56,10 @@ def main(argv=None) -> None:
     args.device = "cpu"
     mode = "lora" if args.lora else "full"
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_model(Path(tmp) / args.size, size=args.size)
+        if args.size == "qwen3-0.6b":
+            model_dir = make_checkpoint(Path(tmp), args.size)
+        else:
+            model_dir = make_tiny_model(Path(tmp) / args.size, size=args.size)
         case = build_case(model_dir, args.lora, args, args.shared_prefix)
         cfg, policy, batch = case["cfg"], case["policy"], case["batch"]
         if args.what == "update":
@@ -76,7 +83,8 @@ def main(argv=None) -> None:
         f"# {name}\n\n`python -m benchmarks.profile_step "
         f"{' '.join(argv) if argv else ' '.join(sys.argv[1:])}`\n\n"
         f"P={args.prompts} G={args.group_size} T_c<={args.max_new_tokens} "
-        f"micro={args.micro_batch_size}, prompts {args.data}; {env.get('cpu', '')}, "
+        f"micro={args.micro_batch_size}, prompts {args.data}, rollout.compile "
+        f"{args.rollout_compile}; {env.get('cpu', '')}, "
         f"torch {torch.__version__}, "
         f"git {env.get('git_sha', '')}\n\nTotal self CPU time {total:.0f} ms "
         f"(profiler overhead included).\n\n{md}\n"

@@ -36,12 +36,33 @@ log = logging.getLogger(__name__)
 # prompt widths vary compiles a few shapes, not one per batch.
 SLOT_MULTIPLE = 64
 
+# Eager decoding holds each prompt's keys and values once per group (`GroupedKVCache`) when
+# that spares each layer at least this many bytes of reads per step: the grouped attention
+# runs a few more ops per layer, which a dispatch-bound step does not earn back. Measured
+# (docs/sampler.md): the Qwen3-0.6B shape, 29 MB spared per layer, 1.20x tokens/s at 128 new
+# tokens; the tiny shape, 0.9 MB spared, 0.91x at 512 new tokens.
+SHARED_PREFIX_MIN_BYTES = 4 * 2**20
+
 
 def compile_supported(device: torch.device | str) -> bool:
     """Whether inductor can build a decode step here: Triton on CUDA, a C++ compiler on CPU."""
     if torch.device(device).type == "cuda":
         return True
     return any(shutil.which(c) for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c)
+
+
+def sharing_pays(cfg, kv_dtype: torch.dtype, P: int, G: int, T_p: int) -> bool:
+    """Whether holding each of P prompts once for its G rows (`GroupedKVCache`) spares each
+    layer at least SHARED_PREFIX_MIN_BYTES of key/value reads per decode step (G = 1: nothing
+    to spare).
+
+    Args:
+        cfg: the model's `ModelConfig`.
+        kv_dtype: the KV cache's dtype.
+        P, G, T_p: prompts, rows per prompt, padded prompt width.
+    """
+    per_row = 2 * cfg.num_key_value_heads * T_p * cfg.head_dim * kv_dtype.itemsize  # keys+values
+    return P * (G - 1) * per_row >= SHARED_PREFIX_MIN_BYTES
 
 
 def resolve_compile(mode: str | bool, device: torch.device | str, multi_turn: bool = False) -> bool:
@@ -421,8 +442,8 @@ class Sampler:
         model.eval()
         try:
             with torch.inference_mode(), self.packing():
-                # eager: each prompt's KV held once for its G rows (G = 1: nothing to share)
-                shared = not self.compile and G > 1
+                shared = not self.compile and sharing_pays(cfg, self.precision.kv_dtype,
+                                                           len(prompts), G, T_p)  # fmt: skip
                 logits, cache = self.prefill(prompt_ids, kv_mask, G, shared=shared)
                 out = self._decode_loop(
                     logits, cache, kv_mask.repeat_interleave(G, dim=0), prompt_lens,
