@@ -101,32 +101,23 @@ def test_one_row_per_prompt_decodes_from_the_prefill_cache_itself(tiny_checkpoin
     assert cache.repeat_rows(1) is cache
 
 
-def test_sample_shares_the_prompt_where_it_pays_and_samples_the_same(tiny_checkpoints, monkeypatch):
-    from grpo.models.config import ModelConfig
-    from grpo.rollout import sampler as sampler_mod
-
+def test_sample_shares_the_prompt_and_samples_as_the_copied_layout(tiny_checkpoints, monkeypatch):
     model = load_model(tiny_checkpoints("qwen3", initializer_range=0.2))
-    layouts = []
-    real = Sampler.prefill
+    layouts, real = [], Sampler.prefill
 
     def prefill(self, *a, shared=False, **kw):
         layouts.append(shared)
-        return real(self, *a, shared=shared, **kw)
+        return real(self, *a, shared=shared and not force_copy, **kw)
 
     monkeypatch.setattr(Sampler, "prefill", prefill)
     s = Sampler(model, pack=False)
-    copied = _sample(s)  # the tiny shape spares < 1 MB per layer: copied
-    monkeypatch.setattr(sampler_mod, "SHARED_PREFIX_MIN_BYTES", 0)
+    force_copy = False
     shared = _sample(s)
-    assert layouts == [False, True]
+    force_copy = True
+    copied = _sample(s)
+    assert layouts == [True, True]  # G = 3: sample asks for the shared layout
     assert torch.equal(shared.completion_ids, copied.completion_ids)
     torch.testing.assert_close(shared.logprobs, copied.logprobs, rtol=0, atol=1e-5)
-    # the Qwen3-0.6B shape, float32, P=4 x G=8, 128-token prompts: 29 MB spared per layer
-    monkeypatch.setattr(sampler_mod, "SHARED_PREFIX_MIN_BYTES", 4 * 2**20)
-    qwen3 = ModelConfig(num_attention_heads=16, num_key_value_heads=8, head_dim=128)
-    assert sampler_mod.sharing_pays(qwen3, torch.float32, P=4, G=8, T_p=128)
-    assert not sampler_mod.sharing_pays(qwen3, torch.float32, P=4, G=1, T_p=128)
-    assert not sampler_mod.sharing_pays(model.config, torch.float32, P=4, G=8, T_p=128)
 
 
 def test_grouped_cache_takes_one_token_per_row_and_its_slots_only(tiny_checkpoints):

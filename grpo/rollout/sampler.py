@@ -36,13 +36,6 @@ log = logging.getLogger(__name__)
 # prompt widths vary compiles a few shapes, not one per batch.
 SLOT_MULTIPLE = 64
 
-# Eager decoding holds each prompt's keys and values once per group (`GroupedKVCache`) when
-# that spares each layer at least this many bytes of reads per step: the grouped attention
-# runs a few more ops per layer, which a dispatch-bound step does not earn back. Measured
-# (docs/sampler.md): the Qwen3-0.6B shape, 29 MB spared per layer, 1.20x tokens/s at 128 new
-# tokens; the tiny shape, 0.9 MB spared, 0.91x at 512 new tokens.
-SHARED_PREFIX_MIN_BYTES = 4 * 2**20
-
 
 def compile_supported(device: torch.device | str) -> bool:
     """Whether inductor can build a decode step here: Triton on CUDA, a C++ compiler on CPU."""
@@ -51,31 +44,18 @@ def compile_supported(device: torch.device | str) -> bool:
     return any(shutil.which(c) for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c)
 
 
-def sharing_pays(cfg, kv_dtype: torch.dtype, P: int, G: int, T_p: int) -> bool:
-    """Whether holding each of P prompts once for its G rows (`GroupedKVCache`) spares each
-    layer at least SHARED_PREFIX_MIN_BYTES of key/value reads per decode step (G = 1: nothing
-    to spare).
-
-    Args:
-        cfg: the model's `ModelConfig`.
-        kv_dtype: the KV cache's dtype.
-        P, G, T_p: prompts, rows per prompt, padded prompt width.
-    """
-    per_row = 2 * cfg.num_key_value_heads * T_p * cfg.head_dim * kv_dtype.itemsize  # keys+values
-    return P * (G - 1) * per_row >= SHARED_PREFIX_MIN_BYTES
-
-
 def resolve_compile(mode: str | bool, device: torch.device | str, multi_turn: bool = False) -> bool:
     """`rollout.compile` -> whether to compile: on / off as given; auto = on CUDA, where inductor
     works (`compile_supported`), for single-turn rollouts, unless the environment variable
     GRPO_COMPILE=0 turns auto off.
 
     auto stays eager on a CPU, where compiling does not pay in a run (measured on the 2-core
-    dev VM, docs/sampler.md): the compiled step recompiles for each new cache-length bucket,
-    3-5 s of C++ each at the tiny shape (warm inductor caches included) against a 0.17 s GRPO
-    step, so a 6-step GSM8K run took 0.33 s per step (median) compiled vs 0.17 s eager; at the
-    Qwen3-0.6B shape the compiled step is also slower per token (390 vs 342 ms at B=32; it
-    attends over every slot of its static cache) after a 54 s first compile. On CUDA the
+    dev VM, `grpo train` on GSM8K prompts, docs/sampler.md): the compiled step recompiles for
+    each new cache-length bucket, 3-15 s each at the tiny shape against a 0.17 s step (6 steps:
+    median 1.65 s compiled from a cold inductor cache, 0.33 s warm, 0.17 s eager); at the
+    Qwen3-0.6B shape with LoRA the compiled run's steps took 65, 19, 42, 16, 45, 17 s against
+    25, 16, 12, 13, 14, 14 s eager (and a compiled decode step is slower per token there: 390
+    vs 342 ms at B=32; it attends over every slot of its static cache). On CUDA the
     compiled step replays CUDA graphs (one launch per step instead of ~10 per layer).
     Multi-turn rollouts stay eager under auto: eagerly, ended trajectories leave the batch at
     each turn boundary, and the varying observation lengths would cost recompiles (the tools
@@ -442,8 +422,10 @@ class Sampler:
         model.eval()
         try:
             with torch.inference_mode(), self.packing():
-                shared = not self.compile and sharing_pays(cfg, self.precision.kv_dtype,
-                                                           len(prompts), G, T_p)  # fmt: skip
+                # eager: each prompt's KV held once for its G rows (G = 1: nothing to share;
+                # at the tiny shape, dispatch-bound, sharing measured 1.08x at 64 new tokens and
+                # 0.99x at 512, interleaved in one process)
+                shared = not self.compile and G > 1
                 logits, cache = self.prefill(prompt_ids, kv_mask, G, shared=shared)
                 out = self._decode_loop(
                     logits, cache, kv_mask.repeat_interleave(G, dim=0), prompt_lens,
