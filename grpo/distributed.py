@@ -42,10 +42,13 @@ class Dist:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     group: object = None
+    joined: bool = False  # a process group exists (a launcher's job, one rank included)
 
     @property
     def enabled(self) -> bool:
-        return self.world_size > 1
+        """Collectives, DDP and FSDP run: a job of several ranks, or a launcher's job of one
+        (`torchrun --nproc_per_node=1` runs NCCL, DDP and FSDP as a larger job would)."""
+        return self.world_size > 1 or self.joined
 
     @property
     def is_main(self) -> bool:
@@ -63,16 +66,21 @@ def backend_for(device_type: str) -> str:
 def init_distributed(device_type: str = "cpu", timeout_s: float = 600.0) -> Dist:
     """Join the torchrun job described by the environment (or return SINGLE).
 
+    A launcher's job (RANK and MASTER_ADDR set, as torchrun sets them) joins a process group
+    even with one rank, so `torchrun --nproc_per_node=1` exercises the backend, DDP and FSDP
+    that a larger job runs; a plain `python -m grpo` is a single process without one.
+
     Args:
         device_type: "cuda" (NCCL, device = LOCAL_RANK) or "cpu" (gloo).
         timeout_s: collectives that wait longer than this fail the job (`train.dist_timeout_s`).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
+    launched = "RANK" in os.environ and "MASTER_ADDR" in os.environ
+    if world <= 1 and not launched:
         return SINGLE
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
-    dist = Dist(rank, world, local_rank, device)
+    dist = Dist(rank, world, local_rank, device, joined=True)
     if td.is_initialized():
         return dist
     backend = backend_for(device_type)
@@ -83,6 +91,16 @@ def init_distributed(device_type: str = "cpu", timeout_s: float = 600.0) -> Dist
     td.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     log.debug("rank %d/%d joined (%s)", dist.rank, world, backend)
     return dist
+
+
+def describe_parallel(dist: Dist, sharded: bool) -> str:
+    """How the job trains, for the run's header: "single process", or e.g. "fsdp over 1 rank
+    (nccl)"."""
+    if not dist.enabled:
+        return "single process"
+    backend = td.get_backend(dist.group) if td.is_initialized() else "no group"
+    ranks = f"{dist.world_size} rank" + "s" * (dist.world_size != 1)
+    return f"{'fsdp' if sharded else 'ddp'} over {ranks} ({backend})"
 
 
 def teardown() -> None:

@@ -85,7 +85,7 @@ def build_policy(cfg: Config, device: torch.device, need_ref: bool, adapter: str
         for p in ref.parameters():
             p.requires_grad_(False)
     precision.prepare(model)  # trainable weights to float32: the master weights
-    log.info("precision: %s", precision.describe())
+    log.info("precision: %s", precision.describe(device))
     return Policy(model, tokenizer, ids, ref, Path(cfg.model.path), cfg.lora.enabled, precision)
 
 

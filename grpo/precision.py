@@ -22,6 +22,7 @@ underflow); they stay usable for inference. docs/precision.md has the measured b
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -96,14 +97,51 @@ class Precision:
                 p.data = p.data.to(self.trainable_dtype)
         return model
 
-    def describe(self) -> str:
-        def name(dtype):
-            return str(dtype).removeprefix("torch.")
-
-        return (
-            f"weights {name(self.param_dtype)} (trainable float32), compute "
-            f"{name(self.compute_dtype)}, KV cache {name(self.kv_dtype)}, head float32"
+    def describe(self, device: torch.device | str | None = None) -> str:
+        """One line naming every dtype; on a CPU `device`, also how eager decoding multiplies
+        (oneDNN-packed weights, or plain matmuls where this CPU cannot pack the compute dtype)."""
+        line = (
+            f"weights {_name(self.param_dtype)} (trainable float32), compute "
+            f"{_name(self.compute_dtype)}, KV cache {_name(self.kv_dtype)}, head float32"
         )
+        if device is not None and torch.device(device).type == "cpu":
+            missing = cpu_packing_missing(self.compute_dtype)
+            line += (", CPU decode: plain matmuls (" + missing + ")" if missing
+                     else ", CPU decode: oneDNN-packed weights")  # fmt: skip
+        return line
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# What oneDNN needs to pack (and multiply) weights in a 16-bit dtype on an x86 CPU; float32
+# packs wherever oneDNN is built in. torch asks oneDNN, which honours ONEDNN_MAX_CPU_ISA, so
+# `ONEDNN_MAX_CPU_ISA=AVX2` makes an AVX-512 machine answer as an AVX2-only one.
+_ONEDNN_DTYPES = {
+    torch.bfloat16: (
+        "_is_mkldnn_bf16_supported",
+        "avx512bw, avx512vl and avx512dq, or avx_ne_convert",
+    ),  # fmt: skip
+    torch.float16: ("_is_mkldnn_fp16_supported", "avx512_fp16, amx_fp16 or avx_ne_convert"),
+}
+
+
+@functools.cache
+def cpu_packing_missing(dtype: torch.dtype) -> str | None:
+    """Why this process's CPU cannot multiply oneDNN-packed weights in `dtype` (one clause for
+    the run's precision line), or None where it can. Asked once per dtype and process."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    ):
+        return "this torch has no oneDNN linear packing"
+    if dtype not in _ONEDNN_DTYPES:
+        return None if dtype == torch.float32 else f"oneDNN packs no {_name(dtype)}"
+    check, needs = _ONEDNN_DTYPES[dtype]
+    fn = getattr(torch.ops.mkldnn, check, None)
+    if fn is not None and fn():
+        return None
+    return f"this CPU has no oneDNN {_name(dtype)}: it needs {needs}"
 
 
 def head_operands(lm_head: torch.nn.Module, hidden: torch.Tensor):

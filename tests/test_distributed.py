@@ -320,3 +320,38 @@ def test_fsdp_settings_that_cannot_work_are_one_line(tmp_path):
              "rollout.compile=on"], cwd=tmp_path)  # fmt: skip
     assert r.returncode == 2 and "rollout.compile: 'on' cannot run" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_torchrun_with_one_rank_joins_a_process_group(shared_tiny_model, tmp_path):
+    """`torchrun --nproc_per_node=1` joins a process group (gloo here; NCCL on one GPU, the
+    GPU check's case) and trains through DDP or FSDP as a larger job does, which the run's
+    header records; DDP over one rank is the plain single-process run bitwise, FSDP over one
+    rank the same numbers within float32 rounding, written as a sharded checkpoint."""
+    from grpo.metrics import read_metrics
+
+    args = ["--config", str(REPO / "configs" / "quickstart.yaml"),
+            f"model.path={shared_tiny_model}", "train.max_steps=2", "train.save_every=2"]  # fmt: skip
+    one = [*TORCHRUN[:-1], "--nproc_per_node=1", "-m", "grpo", "train", *args]
+    runs = {
+        "plain": [sys.executable, "-m", "grpo", "train", *args],
+        "ddp": [*one, "train.parallel=ddp"],
+        "fsdp": [*one, "train.parallel=fsdp"],
+    }
+    for name, cmd in runs.items():
+        r = run([*cmd, f"train.output_dir={name}"], tmp_path)
+        assert r.returncode == 0, (name, r.stderr[-3000:])
+    metrics = {name: read_metrics(tmp_path / name / "metrics.jsonl") for name in runs}
+    parallel = {name: m[0]["run/parallel"] for name, m in metrics.items()}
+    assert parallel == {"plain": "single process", "ddp": "ddp over 1 rank (gloo)",
+                        "fsdp": "fsdp over 1 rank (gloo)"}  # fmt: skip
+    weights = {n: load_file(tmp_path / n / "final" / "model.safetensors") for n in runs}
+    for k, w in weights["plain"].items():
+        assert w.equal(weights["ddp"][k]), k
+        assert (w - weights["fsdp"][k]).abs().max() <= 1e-5, k
+    for a, b in zip(metrics["plain"], metrics["ddp"]):
+        assert (
+            a["train/loss"] == b["train/loss"]
+            and a["rollout/reward_mean"] == b["rollout/reward_mean"]
+        )
+    assert not list((tmp_path / "ddp" / "checkpoints").rglob("shards"))
+    assert list((tmp_path / "fsdp" / "checkpoints").rglob("shards"))

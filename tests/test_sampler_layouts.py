@@ -3,13 +3,18 @@ oneDNN-packed weights (`grpo.rollout.packing`), each against the plain path it r
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
 from grpo.models import load_model
 from grpo.models.decoder import decode_attention, grouped_decode_attention
 from grpo.models.kv_cache import GroupedKVCache, KVCache
-from grpo.precision import Precision
+from grpo.precision import Precision, cpu_packing_missing
 from grpo.rollout import Sampler
 from grpo.rollout import packing as packing_mod
 from grpo.rollout.prompts import left_pad
@@ -206,6 +211,9 @@ def test_packed_weights_follow_in_place_updates(tiny_checkpoints, pack_everythin
     torch.testing.assert_close(after.logprobs, want.logprobs, rtol=0, atol=1e-5)
 
 
+@pytest.mark.skipif(cpu_packing_missing(torch.bfloat16) is not None,
+                    reason=f"{cpu_packing_missing(torch.bfloat16)} (the plain path is tested by "
+                    "test_a_cpu_without_bf16_packing_decodes_plainly)")  # fmt: skip
 def test_packed_sampler_under_bf16_autocast(tiny_checkpoints, pack_everything):
     """float32 weights, bf16 autocast (the tutorial's configs): the layers are packed in bf16
     and compute what autocast's bf16 matmuls compute; the head stays float32."""
@@ -230,3 +238,53 @@ def test_auto_packs_only_large_layers_on_an_eager_cpu_sampler(tiny_checkpoints):
     _sample(sampler)
     assert sampler.packed.packed_bytes == 0  # 64 x 128 layers: below MIN_NUMEL, left plain
     assert Sampler(model, compile=True, compile_options={"backend": "eager"}).packed is None
+
+
+AVX2_ONLY = textwrap.dedent("""
+    import sys, torch
+    from grpo.errors import GrpoError
+    from grpo.models import load_model
+    from grpo.precision import Precision, cpu_packing_missing
+    from grpo.rollout import Sampler, packing
+    from tests.test_sampler_layouts import _sample
+    packing.MIN_NUMEL = 0  # every layer is large enough to pack, as at the 0.6B width
+    model = load_model(sys.argv[1])
+    bf16 = Precision(torch.float32, torch.bfloat16)
+    print("missing:", cpu_packing_missing(torch.bfloat16))
+    print("line:", bf16.describe("cpu"))
+    auto = Sampler(model, precision=bf16)  # pack=None: falls back to the plain path
+    print("packed:", auto.packed is not None)
+    a, b = _sample(auto, 1.0), _sample(Sampler(model, pack=False, precision=bf16), 1.0)
+    print("same:", torch.equal(a.completion_ids, b.completion_ids) and
+          torch.equal(a.logprobs, b.logprobs))
+    print("float32 packed:", Sampler(model).packed is not None)  # float32 packs on any x86-64
+    try:
+        Sampler(model, pack=True, precision=bf16)
+    except GrpoError as e:
+        print("pack=True:", e)
+""")
+
+
+def test_a_cpu_without_bf16_packing_decodes_plainly(tiny_checkpoints):
+    """An x86-64 CPU without AVX-512 (bw/vl/dq) or avx_ne_convert cannot pack bf16 weights
+    (oneDNN raises in `_reorder_linear_weight`); under bf16 autocast the sampler decodes with
+    plain matmuls there, and the run's precision line says why. Forced here by capping oneDNN
+    at AVX2 (`ONEDNN_MAX_CPU_ISA`, read once per process: hence a subprocess)."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    out = subprocess.run(
+        [sys.executable, "-c", AVX2_ONLY, str(tiny_checkpoints("qwen3", initializer_range=0.2))],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines())
+    assert "avx512bw, avx512vl and avx512dq, or avx_ne_convert" in lines["missing"]
+    assert lines["line"].endswith(f"CPU decode: plain matmuls ({lines['missing']})")
+    assert lines["packed"] == "False" and lines["same"] == "True"
+    assert lines["float32 packed"] == "True"
+    assert "cannot pack" in lines["pack=True"] and "bfloat16" in lines["pack=True"]
+
+
+def test_the_precision_line_names_the_cpu_decode_path():
+    line = Precision(torch.float32, torch.float32).describe("cpu")
+    assert line.endswith("CPU decode: oneDNN-packed weights")
+    assert "CPU decode" not in Precision().describe() and "CPU" not in Precision().describe("meta")

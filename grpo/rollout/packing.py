@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from grpo.lora import LoRALinear
-from grpo.precision import Precision
+from grpo.precision import Precision, cpu_packing_missing
 
 # Weights smaller than this many elements stay plain: at 1024 x 1024 and 8 rows the packed
 # matmul was slower (0.55 vs 0.48 ms); from 1024 x 2048 on it was faster at 8 and 32 rows.
@@ -34,11 +34,11 @@ MIN_NUMEL = 2**21
 ROWS_HINT = 32  # the row count oneDNN picks its blocking for
 
 
-def packing_supported(model: nn.Module) -> bool:
-    """Whether this torch has oneDNN's linear packing and the model lives on the CPU in plain
-    (not sharded) tensors."""
-    mkldnn = torch.ops.mkldnn
-    if not (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")):
+def packing_supported(model: nn.Module, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the model lives on the CPU in plain (not sharded) tensors and this torch and CPU
+    can pack weights in `dtype` (`grpo.precision.cpu_packing_missing`: bfloat16 needs AVX-512
+    or avx_ne_convert; where it is missing, decoding takes the plain path)."""
+    if cpu_packing_missing(dtype) is not None or cpu_packing_missing(Precision.head_dtype):
         return False
     p = next(model.parameters())
     return p.device.type == "cpu" and type(p.data) is torch.Tensor

@@ -25,7 +25,7 @@ import torch
 
 from grpo.errors import GrpoError
 from grpo.models.kv_cache import GroupedKVCache, KVCache
-from grpo.precision import Precision, head_logits
+from grpo.precision import Precision, cpu_packing_missing, head_logits
 from grpo.rollout.packing import PackedLinears, packing_supported
 from grpo.rollout.prompts import check_prompts, check_settings, left_pad
 from grpo.rollout.sampling import next_tokens
@@ -234,7 +234,8 @@ class Sampler:
             head is float32 as in the trainer); default: compute in the weights' dtype.
         pack: eager CPU decoding multiplies by oneDNN-packed copies of the large weights
             (`grpo.rollout.packing`; repacked when the weights change); None = where supported
-            and not compiled.
+            and not compiled (a CPU that cannot pack the compute dtype decodes plainly);
+            True where it cannot raises `GrpoError`.
 
     `compile_s` adds up the wall time of the decode calls that compiled a new shape (the
     first call for each row count and cache length, one decode step included): the warm-up
@@ -265,7 +266,13 @@ class Sampler:
         self.compile_s = 0.0  # seconds spent in decode calls that compiled a new shape
         self._cuda = model.device.type == "cuda"
         if pack is None:
-            pack = not compile and packing_supported(model)
+            pack = not compile and packing_supported(model, self.precision.compute_dtype)
+        elif pack and not packing_supported(model, self.precision.compute_dtype):
+            raise GrpoError(
+                f"Sampler(pack=True): cannot pack {model.device} weights in "
+                f"{self.precision.compute_dtype} here "
+                f"({cpu_packing_missing(self.precision.compute_dtype) or 'not plain CPU tensors'})"
+            )
         self.packed: PackedLinears | None = PackedLinears(model, self.precision) if pack else None
         if compile:
             options = {"dynamic": False, "fullgraph": True}

@@ -47,6 +47,7 @@ from grpo.distributed import (
     all_reduce_sum,
     all_reduce_sum_dict,
     clip_grad_norm,
+    describe_parallel,
     device_for,
     full_weights,
     no_sync,
@@ -349,7 +350,9 @@ def update_phase(
     return out
 
 
-def run_header(cfg: Config, precision) -> dict[str, str]:
+def run_header(
+    cfg: Config, precision, device=None, parallel: str = "single process"
+) -> dict[str, str]:
     """What a GRPO run computes, by name: logged at the start (rank 0) and written into the
     first metrics.jsonl record of each start (`MetricLogger(header=...)`). Values are strings,
     so consumers that read numeric metrics pass over them."""
@@ -361,7 +364,8 @@ def run_header(cfg: Config, precision) -> dict[str, str]:
         "run/aggregation": loss.aggregation,
         "run/env": cfg.rollout.env,
         "run/eval_env": cfg.eval.env or cfg.rollout.env,
-        "run/precision": precision.describe(),
+        "run/precision": precision.describe(device),
+        "run/parallel": parallel,
     }
 
 
@@ -433,7 +437,8 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             log.warning("%s", line)
     # Only now, with model, data and rewards checked, does the run directory get written.
     run = start_run(cfg, policy, dist, cfg.train.max_steps * cfg.loss.num_iterations, rundir,
-                    header=run_header(cfg, policy.precision))  # fmt: skip
+                    header=run_header(cfg, policy.precision, policy.device,
+                                      describe_parallel(dist, sharded)))  # fmt: skip
     state, optimizer, scheduler, params = run.state, run.optimizer, run.scheduler, run.params
     policy.model.eval()
     scorer = wrap_ddp(CompletionLogprobs(policy.model, policy.precision), dist, device)
