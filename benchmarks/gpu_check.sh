@@ -191,7 +191,7 @@ print(p)" "$WORK/tutorial" "$TUT_SIZE"
 TUT=(--config configs/gsm8k_qwen3_0.6b_grpo.yaml model.path="$WORK/tutorial/$TUT_SIZE"
     model.adapter=null model.device="$DEV" data.source=tests/data/gsm8k data.split=test
     data.max_samples=64 data.eval_samples=0 rollout.max_new_tokens="$TUT_NEW"
-    rollout.compile=off train.max_steps="$TUT_STEPS")
+    rollout.compile=off train.max_steps="$TUT_STEPS" train.log_every=1)
 step 60 tutorial-grpo "$PY" -m benchmarks.gpu_run --name "grpo_tutorial_$TAG" \
     --out-dir "$RES" --metrics "$WORK/tutorial-run/metrics.jsonl" --accept 1e-2 \
     --parallel "ddp over 1 rank ($BACKEND)" -- "${TORCHRUN[@]}" -m grpo train "${TUT[@]}" \
