@@ -79,7 +79,7 @@ def init_distributed(device_type: str = "cpu", timeout_s: float = 600.0) -> Dist
     if world <= 1 and not launched:
         return SINGLE
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
+    device = cuda_device(local_rank) if device_type == "cuda" else torch.device("cpu")
     dist = Dist(rank, world, local_rank, device, joined=True)
     if td.is_initialized():
         return dist
@@ -314,10 +314,20 @@ def split_roles(dist: Dist, n_producers: int, timeout_s: float) -> Roles:
     return Roles(dist.rank, T, producers, None, lockstep, link, weights)
 
 
+def cuda_device(local_rank: int) -> torch.device:
+    """The CUDA device of a node's `local_rank`-th process: one device each where the process
+    sees as many as the node runs ranks, and the visible ones in turn where it sees fewer (a
+    scheduler that exposes one GPU per process: cuda:0 for every rank)."""
+    count = torch.cuda.device_count()
+    return torch.device("cuda", local_rank % count if count else local_rank)
+
+
 def device_for(dist: Dist, device: torch.device) -> torch.device:
-    """One CUDA device per local rank (`Dist.device`); CPU stays CPU."""
+    """The rank's compute device: its local rank's CUDA device (`cuda_device`), whatever the
+    device of the group `dist` runs collectives on (a producer's lockstep group is gloo, on
+    the CPU); CPU stays CPU."""
     if device.type == "cuda" and dist.enabled:
-        return dist.device
+        return cuda_device(dist.local_rank)
     return device
 
 

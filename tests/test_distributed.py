@@ -166,6 +166,28 @@ def test_cuda_ranks_join_nccl_bound_to_their_local_device(monkeypatch):
     assert cpu.device == torch.device("cpu")
 
 
+def test_cuda_devices_follow_the_visible_count_and_producers_get_theirs(monkeypatch):
+    """A scheduler that shows each process one GPU (CUDA_VISIBLE_DEVICES per process): every
+    local rank computes on cuda:0, not cuda:LOCAL_RANK (which does not exist there). Two
+    producer ranks (rollout.ranks=2) compute on their local rank's GPU, though their lockstep
+    group's collectives run on the CPU (gloo)."""
+    import torch
+
+    from grpo import distributed as D
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert D.cuda_device(3) == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert D.cuda_device(3) == torch.device("cuda", 3)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # 8 ranks a node on 4 GPUs
+    assert D.cuda_device(6) == torch.device("cuda", 2)
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    for local_rank in (6, 7):  # producers of a 6 + 2 job: their lockstep group lives on the CPU
+        lockstep = D.Dist(local_rank - 6, 2, local_rank, torch.device("cpu"), object())
+        assert D.device_for(lockstep, cuda) == torch.device("cuda", local_rank)
+
+
 # A rank whose reward raises, returns NaN, exits or hangs: tests/test_rank_failures.py
 
 

@@ -22,7 +22,15 @@ from safetensors.torch import load_file
 
 from grpo.apps import cli
 from grpo.errors import GrpoError
-from grpo.run.rundir import LOCK_FILE, TrainingInterrupted, resume_conflicts
+from grpo.run.rundir import (
+    LOCK_FILE,
+    LOCK_STALE_S,
+    RunLock,
+    TrainingInterrupted,
+    lock_is_live,
+    read_lock,
+    resume_conflicts,
+)
 from grpo.run.state import (
     TrainState,
     latest_checkpoint,
@@ -219,6 +227,32 @@ def test_live_lock_refuses_and_stale_lock_is_taken_over(
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any(f"taking over the stale lock of pid {sleeper.pid}" in w for w in warned), warned
     assert not (run / LOCK_FILE).exists() and steps_logged(run) == [1]
+
+
+def test_a_lock_of_another_host_lives_while_its_holder_renews_it(tmp_path, caplog):
+    """A multi-node job on a shared filesystem: a lock written on another host cannot be
+    checked by pid; it is live while its holder renews it and stale once it stops (a crashed
+    node), instead of live forever."""
+    run = tmp_path / "run"
+    run.mkdir()
+    path = run / LOCK_FILE
+    path.write_text(json.dumps({"pid": 7, "host": "node-that-died", "token": "x"}))
+    assert lock_is_live(read_lock(path), path)  # just written: its holder may be running
+    with pytest.raises(GrpoError, match="in use by another run .pid 7 on node-that-died"):
+        RunLock.acquire(run)
+    old = time.time() - LOCK_STALE_S - 1
+    os.utime(path, (old, old))  # not renewed for LOCK_STALE_S
+    assert not lock_is_live(read_lock(path), path)
+    lock = RunLock.acquire(run, heartbeat_s=0.05)
+    assert any("taking over the stale lock of pid 7 on node-that-died" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+    os.utime(path, (old, old))
+    deadline = time.time() + 30
+    while path.stat().st_mtime < time.time() - 5:  # our heartbeat renews it
+        assert time.time() < deadline
+        time.sleep(0.02)
+    lock.release()
+    assert not path.exists() and lock.stop.is_set()
 
 
 def test_process_alive_tells_reused_pids_and_zombies():

@@ -116,22 +116,41 @@ def read_lock(path: Path) -> dict | None:
     return info if isinstance(info, dict) else {}
 
 
+LOCK_HEARTBEAT_S = 30.0  # the holder renews its lock's mtime this often (`RunLock`)
+LOCK_STALE_S = 300.0  # a lock of another host not renewed for this long: its run is gone
+
+
 def lock_is_live(info: dict, path: Path) -> bool:
-    """Whether the process holding the lock may still run. A process of another host counts as
-    alive (it cannot be checked from here); an unreadable lock counts as live for a minute
-    (it may be being written), then as stale."""
+    """Whether the process holding the lock may still run. A process of this host is asked
+    directly; one of another host (a multi-node job on a shared filesystem) cannot be, so its
+    lock is live while its holder renews it (mtime within LOCK_STALE_S); an unreadable lock
+    counts as live for a minute (it may be being written), then as stale."""
+    try:
+        age = time.time() - path.stat().st_mtime
+    except OSError:
+        return False
     if not isinstance(info.get("pid"), int):
-        try:
-            return time.time() - path.stat().st_mtime < 60
-        except OSError:
-            return False
-    return process_alive(info["pid"], info.get("host"), info.get("proc_start"))
+        return age < 60
+    host = info.get("host")
+    if host is not None and host != this_host():
+        return age < LOCK_STALE_S
+    return process_alive(info["pid"], host, info.get("proc_start"))
 
 
 def _holder(info: dict) -> str:
     if not isinstance(info.get("pid"), int):
         return "an unreadable lock"
     return f"pid {info['pid']} on {info.get('host')}, started {info.get('started')}"
+
+
+def _renew(path: Path, token: str, stop: threading.Event, every_s: float) -> None:
+    """Touch our lock every `every_s` seconds until `stop` (or until it is no longer ours)."""
+    while not stop.wait(every_s):
+        held = read_lock(path)
+        if not held or held.get("token") != token:
+            return
+        with contextlib.suppress(OSError):
+            os.utime(path)
 
 
 def _in_use(run_dir: Path, info: dict) -> GrpoError:
@@ -178,11 +197,13 @@ class RunLock:
 
     path: Path
     token: str  # tells our lock from one a later run took over after we were presumed dead
+    stop: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @classmethod
-    def acquire(cls, run_dir: Path) -> RunLock:
+    def acquire(cls, run_dir: Path, heartbeat_s: float = LOCK_HEARTBEAT_S) -> RunLock:
         """Take `run_dir`'s lock; refuse (GrpoError) while a live process holds it, take over
-        (with a warning) one whose process is gone."""
+        (with a warning) one whose process is gone. A thread renews the lock's mtime every
+        `heartbeat_s` seconds until `release`, so that other hosts see it live."""
         path = run_dir / LOCK_FILE
         token = uuid.uuid4().hex
         record = {
@@ -204,10 +225,14 @@ class RunLock:
                 _create_exclusive(path, json.dumps(record))
             except FileExistsError:  # another host took it between our check and our link
                 raise _in_use(run_dir, read_lock(path) or {}) from None
-        return cls(path, token)
+        lock = cls(path, token)
+        threading.Thread(target=_renew, args=(path, token, lock.stop, heartbeat_s),
+                         name="grpo-run-lock", daemon=True).start()  # fmt: skip
+        return lock
 
     def release(self) -> None:
-        """Remove the lock if it is still ours."""
+        """Stop renewing; remove the lock if it is still ours."""
+        self.stop.set()
         held = read_lock(self.path)
         if held and held.get("token") == self.token:
             self.path.unlink(missing_ok=True)
