@@ -58,12 +58,18 @@ class Dist:
 SINGLE = Dist()
 
 
-def backend_for(device_type: str) -> str:
-    """The process-group backend for ranks on `device_type`: NCCL for CUDA, gloo for CPU."""
-    return "nccl" if device_type == "cuda" else "gloo"
+def backend_for(device_type: str, cpu_collectives: bool = False) -> str:
+    """The process-group backend for ranks on `device_type`: NCCL for CUDA, gloo for CPU;
+    both (`cpu:gloo,cuda:nccl`) for CUDA ranks that also reduce CPU tensors (FSDP with CPU
+    offload: gradients and their norm live in CPU memory, which NCCL cannot move)."""
+    if device_type != "cuda":
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if cpu_collectives else "nccl"
 
 
-def init_distributed(device_type: str = "cpu", timeout_s: float = 600.0) -> Dist:
+def init_distributed(
+    device_type: str = "cpu", timeout_s: float = 600.0, cpu_collectives: bool = False
+) -> Dist:
     """Join the torchrun job described by the environment (or return SINGLE).
 
     A launcher's job (RANK and MASTER_ADDR set, as torchrun sets them) joins a process group
@@ -73,6 +79,7 @@ def init_distributed(device_type: str = "cpu", timeout_s: float = 600.0) -> Dist
     Args:
         device_type: "cuda" (NCCL, device = LOCAL_RANK) or "cpu" (gloo).
         timeout_s: collectives that wait longer than this fail the job (`train.dist_timeout_s`).
+        cpu_collectives: CUDA ranks also reduce CPU tensors (`backend_for`).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     launched = "RANK" in os.environ and "MASTER_ADDR" in os.environ
@@ -83,7 +90,7 @@ def init_distributed(device_type: str = "cpu", timeout_s: float = 600.0) -> Dist
     dist = Dist(rank, world, local_rank, device, joined=True)
     if td.is_initialized():
         return dist
-    backend = backend_for(device_type)
+    backend = backend_for(device_type, cpu_collectives)
     kwargs = {}
     if device_type == "cuda":
         torch.cuda.set_device(device)

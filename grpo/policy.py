@@ -35,10 +35,13 @@ class Policy:
     model_dir: Path
     lora: bool
     precision: Precision = field(default_factory=Precision)  # the run's dtypes (grpo.precision)
+    compute_device: torch.device | None = None  # where it computes (build_policy's `device`)
 
     @property
     def device(self) -> torch.device:
-        return self.model.device
+        """Where the forward and backward run: the rank's device, also when FSDP keeps the
+        weights' shards in CPU memory (train.fsdp_offload) and the model reports the CPU."""
+        return self.compute_device or self.model.device
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -86,7 +89,8 @@ def build_policy(cfg: Config, device: torch.device, need_ref: bool, adapter: str
             p.requires_grad_(False)
     precision.prepare(model)  # trainable weights to float32: the master weights
     log.info("precision: %s", precision.describe(device))
-    return Policy(model, tokenizer, ids, ref, Path(cfg.model.path), cfg.lora.enabled, precision)
+    return Policy(model, tokenizer, ids, ref, Path(cfg.model.path), cfg.lora.enabled, precision,
+                  torch.device(device))  # fmt: skip
 
 
 def save_final(policy: Policy, out_dir: Path, cfg: Config) -> Path:

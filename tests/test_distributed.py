@@ -188,6 +188,49 @@ def test_cuda_devices_follow_the_visible_count_and_producers_get_theirs(monkeypa
         assert D.device_for(lockstep, cuda) == torch.device("cuda", local_rank)
 
 
+def test_fsdp_offload_on_cuda_joins_gloo_beside_nccl(monkeypatch, shared_tiny_model, tmp_path):
+    """train.fsdp_offload keeps shards, gradients and their norm in CPU memory: the job's group
+    must move CPU tensors too (`cpu:gloo,cuda:nccl`; NCCL alone fails the grad-norm
+    all-reduce), and the policy computes on the rank's GPU though its model reports the CPU."""
+    import torch
+    import torch.distributed as td
+
+    from grpo import distributed as D
+    from grpo.config import load_config
+    from grpo.policy import build_policy
+    from grpo.run import loop
+
+    seen = {}
+    for var, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(td, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(td, "init_process_group", lambda backend, **kw: seen.update(b=backend))
+    monkeypatch.setattr(loop, "resolve_device", lambda name: torch.device("cuda"))
+
+    class Joined(Exception):
+        pass
+
+    def joined(*a, **kw):
+        seen["dist"] = D.init_distributed(*a, **kw)
+        raise Joined
+
+    monkeypatch.setattr(loop, "init_distributed", joined)
+    base = [f"model.path={shared_tiny_model}", f"train.output_dir={tmp_path / 'run'}",
+            "train.parallel=fsdp"]  # fmt: skip
+    for offload, backend in ((True, "cpu:gloo,cuda:nccl"), (False, "nccl")):
+        cfg = load_config(
+            REPO / "configs" / "tiny_ci.yaml", [*base, f"train.fsdp_offload={offload}"]
+        )
+        with pytest.raises(Joined):
+            loop.run_training(cfg, "train", False, False, None, None)
+        assert seen["b"] == backend and seen["dist"].device == torch.device("cuda", 0)
+    cfg = load_config(REPO / "configs" / "tiny_ci.yaml", base)
+    policy = build_policy(cfg, torch.device("cpu"), need_ref=False)
+    policy.compute_device = torch.device("cuda", 0)  # FSDP offload: the model reports the CPU
+    assert policy.model.device == torch.device("cpu") and policy.device == torch.device("cuda", 0)
+
+
 # A rank whose reward raises, returns NaN, exits or hangs: tests/test_rank_failures.py
 
 

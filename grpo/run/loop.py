@@ -64,7 +64,9 @@ def run_training(cfg: Config, kind: str, resume: bool, overwrite: bool, train_fn
             when rollout.ranks splits the job (`split_roles`): they claim no run directory and
             write nothing; the trainer ranks get their own group as `dist`, and `roles`.
     """
-    dist = init_distributed(resolve_device(cfg.model.device).type, cfg.train.dist_timeout_s)
+    offload = cfg.train.parallel == "fsdp" and cfg.train.fsdp_offload  # CPU shards: gloo too
+    dist = init_distributed(resolve_device(cfg.model.device).type, cfg.train.dist_timeout_s,
+                            cpu_collectives=offload)  # fmt: skip
     where = Where()
     failures = Failures(dist, where, f"grpo {kind}")
     try:
