@@ -331,9 +331,54 @@ def parse_batches(text: str) -> list[tuple[int, int]]:
     return out
 
 
+# The decode step's attention at the Qwen3-0.6B heads (H, H_kv, D) and depth, per layer.
+QWEN3_HEADS, QWEN3_LAYERS = (16, 8, 128), 28
+
+
+def decode_attention_ab(args) -> list[dict]:
+    """The decode step's attention, today's CUDA call (SDPA with an additive mask and
+    `enable_gqa`, which CUDA runs on the math kernel with K and V repeated to H heads) beside
+    `decode_sdpa` (the query heads of a kv head as its queries: a fused kernel, K and V read
+    once) and `decode_attention` (two matmuls, the CPU's path), at the Qwen3-0.6B heads:
+    ms per layer and per decode step (x 28 layers), interleaved. Each is checked against
+    float64 math on the first 4 rows before timing."""
+    import torch.nn.functional as F
+
+    from benchmarks.harness import measure_interleaved
+    from grpo.models.decoder import decode_attention, decode_sdpa
+
+    B, S = (int(x) for x in args.decode_attention.split("x"))
+    H, H_kv, D = QWEN3_HEADS
+    dtype, dev = DTYPES[args.dtype], torch.device(args.device)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, 1, D, generator=g).to(dev, dtype)
+    k, v = (torch.randn(B, H_kv, S, D, generator=g).to(dev, dtype) for _ in range(2))
+    keep = torch.rand(B, S, generator=g) > 0.1
+    keep[:, -1] = True
+    mask = torch.zeros(B, 1, 1, -(-S // 8) * 8, dtype=dtype, device=dev)[..., :S]
+    mask.masked_fill_(~keep.to(dev)[:, None, None], float("-inf"))
+    impls = {
+        "sdpa mask + enable_gqa (before)": lambda q, k, v, m: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=m, enable_gqa=True),
+        "decode_sdpa (CUDA now)": decode_sdpa,
+        "decode_attention (CPU)": decode_attention,
+    }  # fmt: skip
+    sub = [t[:4] for t in (q, k, v, mask)]
+    want = decode_attention(*(t.double() for t in sub))
+    err = {n: (f(*sub).double() - want).abs().max().item() for n, f in impls.items()}
+    timings = measure_interleaved({n: (lambda f=f: f(q, k, v, mask)) for n, f in impls.items()},
+                                  warmup=2, repeats=10, device=dev)  # fmt: skip
+    before = timings["sdpa mask + enable_gqa (before)"].median_ms
+    return [{"impl": n, "shape": f"B={B} S={S} H={H} H_kv={H_kv} D={D}", "dtype": args.dtype,
+             "device": args.device, "ms_per_layer": t.median_ms,
+             "ms_per_step": t.median_ms * QWEN3_LAYERS, "x_before": t.median_ms / before,
+             "max_err_vs_f64": err[n]} for n, t in timings.items()]  # fmt: skip
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cases", default="tiny,qwen3-0.6b", help=f"of {list(CASES)}")
+    parser.add_argument("--cases", default="tiny,qwen3-0.6b",
+                        help=f"of {list(CASES)}, or none (--decode-attention alone)")  # fmt: skip
     parser.add_argument("--prompts", type=int, default=4, help="P")
     parser.add_argument("--group-size", type=int, default=8, help="G")
     parser.add_argument("--batches", default="",
@@ -358,9 +403,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--check-tokens", type=int, default=16, help="greedy parity steps")
     parser.add_argument("--floor", default="qwen3-0.6b",
                         help="cases whose rows get the machine's decode floor")  # fmt: skip
+    parser.add_argument("--decode-attention", default="", metavar="BxS",
+                        help="also time the decode step's attention at the Qwen3-0.6B heads, "
+                             "B rows x S slots (e.g. 128x1280): <name>_attention")  # fmt: skip
     add_output_args(parser, "sampler_cpu_float32")
     args = parser.parse_args(argv)
-    cases = comma_list(parser, "--cases", args.cases, CASES)
+    cases = [] if args.cases == "none" else comma_list(parser, "--cases", args.cases, CASES)
     args.compile = [c for c in args.compile.split(",") if c]
     try:
         args.batches = (parse_batches(args.batches) if args.batches
@@ -403,6 +451,11 @@ def main(argv: list[str]) -> None:
         "greedy_match": f"greedy tokens vs generate over {args.check_tokens} steps on the "
         "timed B rows: mean fraction of steps before the first difference (1 = identical)",
     }
+    if args.decode_attention:
+        attn = decode_attention_ab(args)
+        write_results(f"{args.name}_attention", attn, list(attn[0]), out_dir=args.out_dir,
+                      meta={"command": meta["command"],
+                            "what": decode_attention_ab.__doc__.split("\n\n")[0]})  # fmt: skip
     rows: list[dict] = []
     for case in cases:
         for batch in run_case(case, args, default_threads):

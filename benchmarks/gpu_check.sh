@@ -15,6 +15,8 @@
 #                        transformers, tiny + Qwen3-0.6B shape, float32 and bf16 budgets
 #   sampler-eager        bench_sampler, Qwen3-0.6B shape, B = 32 and 128: ours vs generate
 #   sampler-compiled     the same at B = 128 with our compiled decode step (CUDA graphs)
+#   decode-attention     the decode step's attention at B=128, S=1280, Qwen3-0.6B heads, bf16:
+#                        the old SDPA call (mask + enable_gqa) beside decode_sdpa
 #   logprobs             bench_logprobs at N=16384, C=1024, V=151936 bf16: naive, chunked,
 #                        Liger (if carried), ours
 #   tiny-model           the tiny random-init checkpoint the next two steps train
@@ -129,14 +131,14 @@ then
 fi
 
 mapfile -t CUDA_TESTS < <(grep -l "pytest.mark.cuda" tests/test_*.py)
-step 70 pytest-cuda "$PY" -m pytest -m cuda "${CUDA_TESTS[@]}" -q -rs -p no:cacheprovider \
+step 65 pytest-cuda "$PY" -m pytest -m cuda "${CUDA_TESTS[@]}" -q -rs -p no:cacheprovider \
     --continue-on-collection-errors --junitxml="$RES/pytest_cuda_$TAG.xml"
 
 if [[ "$DRY_RUN" == 1 ]]; then
     PARITY=(--device cpu --sizes tiny --seq-len 32 --new-tokens 8)
     SAMPLER=("$PY" -m benchmarks.bench_sampler --cases tiny --device cpu --dtype float32
         --prompt-len 16 --new-tokens 8 --warmup 1 --rounds 2 --out-dir "$RES")
-    CASE=tiny SMALL_FIRST=2x2,4x2 BIG=4x2
+    CASE=tiny SMALL_FIRST=2x2,4x2 BIG=4x2 ATTN=8x256
     LOGPROBS=(--device cpu --dtype float32 --quick --shapes 256x64x1024)
 else
     PARITY=(--device cuda --sizes tiny,qwen3-0.6b)
@@ -144,17 +146,20 @@ else
     # and it is model.dtype of configs/gsm8k_qwen3_0.6b_grpo.yaml; bf16 is judged by parity.
     SAMPLER=("$PY" -m benchmarks.bench_sampler --cases qwen3-0.6b --device cuda --dtype float32
         --warmup 1 --rounds 3 --out-dir "$RES")
-    CASE=qwen3-0.6b SMALL_FIRST=4x8,16x8 BIG=16x8  # P x G: B = 32, 128
+    CASE=qwen3-0.6b SMALL_FIRST=4x8,16x8 BIG=16x8 ATTN=128x1280  # P x G: B = 32, 128
     LOGPROBS=(--device cuda --dtype bfloat16 --shapes 16384x1024x151936)
 fi
-step 35 parity "$PY" -m benchmarks.gpu_parity "${PARITY[@]}" --name "parity_$TAG" \
+step 30 parity "$PY" -m benchmarks.gpu_parity "${PARITY[@]}" --name "parity_$TAG" \
     --out-dir "$RES"
 step 35 sampler-eager "${SAMPLER[@]}" --batches "$SMALL_FIRST" --hf-caches dynamic \
     --name "sampler_${TAG}_eager"
 # one compile per batch shape (expected about a minute at 0.6B): B = 128 only, the
 # throughput shape; generate's own compiled path (static cache) is left out (docs/gpu.md)
-step 65 sampler-compiled "${SAMPLER[@]}" --batches "$BIG" --compile "$CASE" --no-eager \
+step 60 sampler-compiled "${SAMPLER[@]}" --batches "$BIG" --compile "$CASE" --no-eager \
     --hf-caches dynamic --name "sampler_${TAG}_compiled"
+# the decode step's attention at B=128, S=1280, Qwen3-0.6B heads, bf16: before / now
+step 15 decode-attention "$PY" -m benchmarks.bench_sampler --cases none --device "$DEV" \
+    --dtype bfloat16 --decode-attention "$ATTN" --name "sampler_${TAG}" --out-dir "$RES"
 step 35 logprobs "$PY" -m benchmarks.bench_logprobs "${LOGPROBS[@]}" \
     --impls naive,chunked,liger,triton --name "logprobs_${TAG}_main" --out-dir "$RES"
 

@@ -39,6 +39,9 @@ class ModelSourceConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     gradient_checkpointing: bool = False
     autocast_bf16: bool = False  # bf16 autocast of forward passes (GPU)
+    # lm_head operands in the sampler and the trainer alike: float32 (exact) | tf32 (TF32
+    # matmuls on CUDA, float32 on a CPU) | bf16 (fp32 accumulation); docs/precision.md
+    head_precision: Literal["float32", "tf32", "bf16"] = "float32"
 
     def __post_init__(self):
         _check(bool(self.path), "model.path", "is required (a local directory or a hub id)")

@@ -5,10 +5,15 @@ gloo on CPU, NCCL on CUDA with one device per local rank, and a process-group ti
 dead peer fails the job instead of hanging it. Without torchrun it is a single process and
 every collective below is a no-op.
 
-One rule makes every collective valid under every backend: its tensor lives on the rank's
-device, `Dist.device` (NCCL only moves CUDA tensors, gloo CPU ones). The helpers below build
-their tensors there themselves and take no device argument, so a call site cannot get it
-wrong; `all_gather_cat` checks the tensor it is given.
+One rule makes every collective valid under every backend: its tensor lives where its group
+moves tensors, and the helpers below build their tensors themselves and take no device
+argument, so a call site cannot get it wrong. The model's tensors (`all_gather_cat`, DDP,
+FSDP) go over `Dist.group` on the rank's device, `Dist.device` (NCCL only moves CUDA tensors,
+gloo CPU ones); `all_gather_cat` checks the tensor it is given. The scalar reductions, the
+agreements (`rank_local`, `barrier`) and the object gathers go over `Dist.cpu_group` with CPU
+tensors where the job has one (CUDA ranks: a gloo side group), so a rank waiting there for a
+peer that failed learns of it from gloo as soon as the peer's process is gone, instead of
+sitting in an NCCL collective until NCCL's watchdog kills it without a word.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import gc
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as td
@@ -35,7 +40,10 @@ class Dist:
 
     `group` is the process group the collectives below run over: None for the whole job, or a
     subgroup (the trainer ranks when others generate rollouts, `rollout.ranks`); `rank` and
-    `world_size` are then this process's place in that subgroup."""
+    `world_size` are then this process's place in that subgroup. `cpu_group` is a gloo group
+    over the same ranks for the scalar reductions, agreements and object gathers (CPU
+    tensors): set on CUDA ranks, whose `group` is NCCL (a failed peer leaves NCCL collectives
+    waiting for the watchdog, a gloo one fails at once); None where `group` is gloo already."""
 
     rank: int = 0
     world_size: int = 1
@@ -43,6 +51,7 @@ class Dist:
     device: torch.device = torch.device("cpu")
     group: object = None
     joined: bool = False  # a process group exists (a launcher's job, one rank included)
+    cpu_group: object = None
 
     @property
     def enabled(self) -> bool:
@@ -77,8 +86,10 @@ def init_distributed(
     that a larger job runs; a plain `python -m grpo` is a single process without one.
 
     Args:
-        device_type: "cuda" (NCCL, device = LOCAL_RANK) or "cpu" (gloo).
-        timeout_s: collectives that wait longer than this fail the job (`train.dist_timeout_s`).
+        device_type: "cuda" (NCCL, device = LOCAL_RANK, and a gloo side group,
+            `Dist.cpu_group`) or "cpu" (gloo).
+        timeout_s: collectives that wait longer than this fail the job (`train.dist_timeout_s`),
+            on every group made here.
         cpu_collectives: CUDA ranks also reduce CPU tensors (`backend_for`).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -88,16 +99,18 @@ def init_distributed(
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     device = cuda_device(local_rank) if device_type == "cuda" else torch.device("cpu")
     dist = Dist(rank, world, local_rank, device, joined=True)
-    if td.is_initialized():
-        return dist
-    backend = backend_for(device_type, cpu_collectives)
-    kwargs = {}
-    if device_type == "cuda":
-        torch.cuda.set_device(device)
-        kwargs["device_id"] = device  # NCCL binds the rank's device up front (no guessing)
-    td.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-    log.debug("rank %d/%d joined (%s)", dist.rank, world, backend)
-    return dist
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not td.is_initialized():
+        backend = backend_for(device_type, cpu_collectives)
+        kwargs = {}
+        if device_type == "cuda":
+            torch.cuda.set_device(device)
+            kwargs["device_id"] = device  # NCCL binds the rank's device up front (no guessing)
+        td.init_process_group(backend, timeout=timeout, **kwargs)
+        log.debug("rank %d/%d joined (%s)", dist.rank, world, backend)
+    if device_type != "cuda":
+        return dist  # the group is gloo already: the scalars go over it
+    return replace(dist, cpu_group=td.new_group(backend="gloo", timeout=timeout))
 
 
 def describe_parallel(dist: Dist, sharded: bool) -> str:
@@ -111,13 +124,21 @@ def describe_parallel(dist: Dist, sharded: bool) -> str:
 
 
 def teardown() -> None:
-    """Leave the process group (safe to call when none was joined).
+    """Leave the process group when the job ends together (safe to call when none was joined):
+    a clean end, or an end every rank reached at the same point (an exception carrying `rank`:
+    `JobError`, TrainingInterrupted, NothingToDo, StallError).
+
+    On any other error the group is left to the process's exit, never destroyed: a peer may
+    still sit in a collective waiting for this rank, and destroying an NCCL group under it can
+    block this rank (its communicator flushes the collectives in flight) while the peer waits
+    for the watchdog; a broken group (`CollectiveError`) can hang too. The peers learn of the
+    exit from the closed connections of the gloo groups (`Dist.cpu_group`).
 
     Unreachable DDP wrappers are collected first: a DDP reducer still alive when the group is
     destroyed can abort the process at interpreter exit ("terminate called without an active
-    exception", SIGABRT after the work is done; seen with gloo in about 1 run of 3). After a
-    `CollectiveError` the group is left alone: destroying a broken group can hang."""
-    if isinstance(sys.exc_info()[1], CollectiveError):
+    exception", SIGABRT after the work is done; seen with gloo in about 1 run of 3)."""
+    error = sys.exc_info()[1]
+    if error is not None and getattr(error, "rank", None) is None:
         return
     if td.is_available() and td.is_initialized():
         gc.collect()
@@ -309,13 +330,18 @@ def split_roles(dist: Dist, n_producers: int, timeout_s: float) -> Roles:
         )
     timeout = datetime.timedelta(seconds=timeout_s)
     producers = tuple(range(T, W))
-    trainer_group = td.new_group(list(range(T)))
+    trainer_group = td.new_group(list(range(T)), timeout=timeout)
+    # NCCL trainers: their scalars and agreements over gloo too (`Dist.cpu_group`)
+    trainer_cpu = None
+    if dist.cpu_group is not None:
+        trainer_cpu = td.new_group(list(range(T)), backend="gloo", timeout=timeout)
     producer_group = td.new_group(list(producers), backend="gloo", timeout=timeout)
     link = td.new_group(list(range(W)), backend="gloo", timeout=timeout)
     weights = td.new_group([0, *producers], backend="gloo", timeout=timeout)
     cpu = torch.device("cpu")
     if dist.rank < T:
-        trainers = Dist(dist.rank, T, dist.local_rank, dist.device, trainer_group)
+        trainers = Dist(dist.rank, T, dist.local_rank, dist.device, trainer_group,
+                        cpu_group=trainer_cpu)  # fmt: skip
         return Roles(dist.rank, T, producers, trainers, None, link, weights)
     lockstep = Dist(dist.rank - T, n_producers, dist.local_rank, cpu, producer_group)
     return Roles(dist.rank, T, producers, None, lockstep, link, weights)
@@ -338,11 +364,20 @@ def device_for(dist: Dist, device: torch.device) -> torch.device:
     return device
 
 
+def _scalar_group(dist: Dist) -> tuple[torch.device, object]:
+    """Where the scalar reductions, agreements and object gathers run: (cpu, the gloo side
+    group) on ranks that have one, else (the rank's device, its group)."""
+    if dist.cpu_group is None:
+        return dist.device, dist.group
+    return torch.device("cpu"), dist.cpu_group
+
+
 def _reduce(values: list[float], dist: Dist, op) -> list[float]:
-    """All-reduce float64 values through a tensor on the rank's device (valid on every
-    backend); one device-to-host copy back."""
-    t = torch.tensor(values, dtype=torch.float64, device=dist.device)
-    td.all_reduce(t, op=op, group=dist.group)
+    """All-reduce float64 values through a tensor where `_scalar_group` says (valid on every
+    backend); at most one device-to-host copy back."""
+    device, group = _scalar_group(dist)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    td.all_reduce(t, op=op, group=group)
     return t.tolist()
 
 
@@ -402,16 +437,17 @@ def all_gather_cat(x: torch.Tensor, dist: Dist) -> torch.Tensor:
 
 
 def gather_objects(obj, dist: Dist) -> list:
-    """[obj of rank 0, obj of rank 1, ...] on every rank (picklable objects)."""
+    """[obj of rank 0, obj of rank 1, ...] on every rank (picklable objects; over the gloo side
+    group where there is one, as the scalars)."""
     if not dist.enabled:
         return [obj]
     out = [None] * dist.world_size
-    td.all_gather_object(out, obj, group=dist.group)
+    td.all_gather_object(out, obj, group=_scalar_group(dist)[1])
     return out
 
 
 def barrier(dist: Dist) -> None:
-    """Wait for every rank (an all-reduce on the rank's device: valid on every backend)."""
+    """Wait for every rank (a one-value all-reduce, as `_reduce`: valid on every backend)."""
     if dist.enabled:
         _reduce([0.0], dist, td.ReduceOp.SUM)
 

@@ -12,8 +12,11 @@ the server. Nothing else decides a dtype.
   `model.autocast_bf16` or `model.dtype: bfloat16`, else `model.dtype`; RMSNorm statistics,
   rotary tables and the attention softmax stay float32 inside their ops;
 - KV cache: `compute_dtype` (what the attention reads under autocast);
-- lm_head (logits, log-softmax, sampling, log-probs): float32 operands and accumulation, in
-  the sampler and the trainer alike (`head_operands`).
+- lm_head (logits, log-softmax, sampling, log-probs): `model.head_precision`, the same in the
+  sampler and the trainer (`head_operands`): float32 operands and accumulation (the default),
+  tf32 (float32 operands multiplied in TF32 on CUDA, exactly float32 on a CPU) or bf16
+  (bfloat16 operands, float32 accumulation, no float32 copy of a bf16 weight); the logits, the
+  log-softmax and the log-probs are float32 in every mode.
 
 float16 weights are refused for training (no loss scaler: AdamW's eps and small gradients
 underflow); they stay usable for inference. docs/precision.md has the measured budgets.
@@ -31,6 +34,18 @@ import torch.nn.functional as F
 from grpo.errors import GrpoError
 from grpo.lora import LoRALinear
 from grpo.models.loading import parse_dtype
+from kernels import matmul_fp32, tf32_matmuls
+
+# lm_head precisions (`model.head_precision`) -> the dtype of the head's operands
+HEAD_PRECISIONS = {"float32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _head_dtype(head_precision: str) -> torch.dtype:
+    if head_precision not in HEAD_PRECISIONS:
+        raise ValueError(
+            f"head precision must be one of {list(HEAD_PRECISIONS)}, got {head_precision!r}"
+        )
+    return HEAD_PRECISIONS[head_precision]
 
 
 @dataclass(frozen=True)
@@ -41,17 +56,28 @@ class Precision:
         param_dtype: storage of frozen weights.
         compute_dtype: dtype of forward matmuls and attention; autocast runs when it differs
             from float32, so float32 master weights compute in 16 bits.
+        head: the lm_head's precision in the sampler and the trainer alike, one of
+            `HEAD_PRECISIONS`: "float32" (exact), "tf32" (float32 operands, TF32 matmuls on
+            CUDA, float32 on a CPU) or "bf16" (bfloat16 operands, float32 accumulation).
     """
 
     param_dtype: torch.dtype = torch.float32
     compute_dtype: torch.dtype = torch.float32
+    head: str = "float32"
 
     trainable_dtype = torch.float32  # master weights, gradients, optimizer states
-    head_dtype = torch.float32  # lm_head operands: logits and log-probs in float32
+
+    def __post_init__(self):
+        _head_dtype(self.head)
+
+    @property
+    def head_dtype(self) -> torch.dtype:
+        """The lm_head operands' dtype (logits and log-probs are float32 whatever it is)."""
+        return HEAD_PRECISIONS[self.head]
 
     @classmethod
     def from_config(cls, model_cfg, training: bool = True) -> Precision:
-        """The policy of `cfg.model` (its `dtype` and `autocast_bf16`).
+        """The policy of `cfg.model` (its `dtype`, `autocast_bf16` and `head_precision`).
 
         Raises:
             GrpoError: float16 for training (one line, before anything loads).
@@ -63,7 +89,7 @@ class Precision:
                 "eps underflow); use bfloat16, or float32 with model.autocast_bf16: true"
             )
         bf16 = model_cfg.autocast_bf16 or param == torch.bfloat16
-        return cls(param, torch.bfloat16 if bf16 else param)
+        return cls(param, torch.bfloat16 if bf16 else param, model_cfg.head_precision)
 
     @classmethod
     def of_model(cls, model: torch.nn.Module, autocast_bf16: bool = False) -> Precision:
@@ -102,13 +128,21 @@ class Precision:
         (oneDNN-packed weights, or plain matmuls where this CPU cannot pack the compute dtype)."""
         line = (
             f"weights {_name(self.param_dtype)} (trainable float32), compute "
-            f"{_name(self.compute_dtype)}, KV cache {_name(self.kv_dtype)}, head float32"
+            f"{_name(self.compute_dtype)}, KV cache {_name(self.kv_dtype)}, head "
+            + _HEAD_LINES[self.head]
         )
         if device is not None and torch.device(device).type == "cpu":
             missing = cpu_packing_missing(self.compute_dtype)
             line += (", CPU decode: plain matmuls (" + missing + ")" if missing
                      else ", CPU decode: oneDNN-packed weights")  # fmt: skip
         return line
+
+
+_HEAD_LINES = {
+    "float32": "float32",
+    "tf32": "float32 (TF32 matmuls on CUDA)",
+    "bf16": "bfloat16 (fp32 accumulation)",
+}
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -144,29 +178,42 @@ def cpu_packing_missing(dtype: torch.dtype) -> str | None:
     return f"this CPU has no oneDNN {_name(dtype)}: it needs {needs}"
 
 
-def head_operands(lm_head: torch.nn.Module, hidden: torch.Tensor):
-    """The head as one float32 linear map: (hidden' (N, C'), weight' (V, C')) with
-    hidden' @ weight'^T = lm_head(hidden), computed in float32.
+def head_operands(
+    lm_head: torch.nn.Module, hidden: torch.Tensor, head_precision: str = "float32"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head as one linear map: (hidden' (N, C'), weight' (V, C')) with
+    hidden' @ weight'^T = lm_head(hidden), in the operand dtype of `head_precision` (float32
+    for "float32" and "tf32", bfloat16 for "bf16": a bf16 weight is used as it is, never copied
+    to float32; a float32 one is cast to bf16).
 
     A live LoRA head is folded in, [h, s * dropout(h) A^T] @ [W, B]^T = h W^T + s * dropout(h)
-    A^T B^T (C' = C + r), so the sampler (`head_logits`) and the trainer's fused log-probs see
-    the same operands. Runs outside autocast; differentiable in hidden and the trainable head
-    weights.
+    A^T B^T (C' = C + r; A and B cast to the operand dtype), so the sampler (`head_logits`) and
+    the trainer's fused log-probs see the same operands. Runs outside autocast; differentiable
+    in hidden and the trainable head weights (their gradients come back in their own dtype).
     """
+    dtype = _head_dtype(head_precision)
     with no_autocast(hidden.device.type):
-        h = hidden.to(Precision.head_dtype)
-        w = lm_head.weight.to(Precision.head_dtype)  # (V, C)
+        h = hidden.to(dtype)  # (N, C)
+        w = lm_head.weight.to(dtype)  # (V, C)
         if isinstance(lm_head, LoRALinear) and not (lm_head.merged or lm_head.disabled):
-            low = lm_head.scale * (lm_head.dropout(h) @ lm_head.lora_a.float().t())  # (N, r)
-            return torch.cat([h, low], dim=-1), torch.cat([w, lm_head.lora_b.float()], dim=-1)
+            low = lm_head.scale * (lm_head.dropout(h) @ lm_head.lora_a.to(dtype).t())  # (N, r)
+            return torch.cat([h, low], dim=-1), torch.cat([w, lm_head.lora_b.to(dtype)], dim=-1)
         return h, w
 
 
-def head_logits(lm_head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """(..., C) hidden states -> (..., V) float32 logits, as the trainer's log-probs see them."""
-    h, w = head_operands(lm_head, hidden)
-    with no_autocast(hidden.device.type):
-        return F.linear(h, w)
+def head_logits(
+    lm_head: torch.nn.Module, hidden: torch.Tensor, head_precision: str = "float32"
+) -> torch.Tensor:
+    """(..., C) hidden states -> (..., V) float32 logits, as the trainer's log-probs see them:
+    the operands of `head_operands`, multiplied with float32 accumulation (TF32 on CUDA for
+    "tf32"; for "bf16" the product is kept in float32 where torch can, CUDA, and rounded to
+    bf16 on a CPU, as the trainer's chunked tiles round it: `kernels.matmul_fp32`)."""
+    h, w = head_operands(lm_head, hidden, head_precision)
+    with no_autocast(hidden.device.type), tf32_matmuls(hidden.device, head_precision == "tf32"):
+        if h.dtype == torch.float32:
+            return F.linear(h, w)
+        logits = matmul_fp32(h.reshape(-1, h.shape[-1]), w.t())  # (N, V) float32
+        return logits.view(*h.shape[:-1], w.shape[0])
 
 
 def no_autocast(device_type: str):

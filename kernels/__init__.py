@@ -13,7 +13,9 @@ from kernels.reference import (
     check_operands,
     chunked_logprobs,
     default_blocks,
+    matmul_fp32,
     naive_logprobs,
+    tf32_matmuls,
 )
 
 IMPLS = ("auto", "naive", "chunked", "triton")
@@ -24,8 +26,10 @@ __all__ = [
     "chunked_logprobs",
     "default_blocks",
     "fused_logprobs",
+    "matmul_fp32",
     "naive_logprobs",
     "resolve_impl",
+    "tf32_matmuls",
 ]
 
 
@@ -64,6 +68,7 @@ def fused_logprobs(
     return_entropy: bool = False,
     *,
     entropy_grad: bool = False,
+    tf32: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax((hidden @ weight.T) / temperature)[n, ids[n]] for every token, fused.
 
@@ -82,6 +87,9 @@ def fused_logprobs(
         entropy_grad: return the entropy (implies `return_entropy`) differentiable in `hidden`
             and `weight`, for an entropy bonus trained through the same fused pass. On the
             chunked path a frozen weight then loses its no-recompute backward.
+        tf32: float32 operands on CUDA multiply in TF32 (float32 accumulation): the Triton dots
+            and GEMMs, or the torch paths' forward matmuls (`tf32_matmuls`; their backward
+            multiplies as torch is set globally). No effect on CPU or on 16-bit operands.
 
     Returns:
         logprobs (N,) float32 (float64 only for float64 inputs); with `return_entropy` or
@@ -99,14 +107,10 @@ def fused_logprobs(
         lo, hi = int(lo), int(hi)
         if lo < 0 or hi >= weight.shape[0]:
             raise ValueError(f"ids must lie in [0, V={weight.shape[0]}), got min {lo}, max {hi}")
-    if impl == "naive":
-        return naive_logprobs(
-            hidden, weight, ids, temperature, return_entropy, entropy_grad=entropy_grad
-        )
-    if impl == "chunked":
-        return chunked_logprobs(
-            hidden, weight, ids, temperature, return_entropy, entropy_grad=entropy_grad
-        )
+    if impl in ("naive", "chunked"):
+        fn = naive_logprobs if impl == "naive" else chunked_logprobs
+        with tf32_matmuls(hidden.device, tf32):
+            return fn(hidden, weight, ids, temperature, return_entropy, entropy_grad=entropy_grad)
     from kernels.logprobs import _triton_logprobs  # operands checked above, once
 
     return _triton_logprobs(
@@ -116,5 +120,5 @@ def fused_logprobs(
         temperature,
         return_entropy,
         entropy_grad,
-        {},
+        {"tf32": True} if tf32 else {},
     )

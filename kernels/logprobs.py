@@ -28,20 +28,25 @@ the other token blocks from L2, and the (N, C) hidden block stays L2-resident (3
 Memory against the naive path (bf16, N=16384, V=151936): naive holds (N, V) logits in bf16 plus
 two fp32 copies (about 25 GB); here the forward stores 2 * S * N floats of partials and the
 backward one (N, v_chunk) grad buffer (512 MiB by default) plus an fp32 (N, C) accumulator.
+
+Input precision: 16-bit inputs multiply on the tensor cores; float32 inputs in IEEE float32 on the
+CUDA cores (exact, an order of magnitude slower), or in TF32 on the tensor cores with the
+`tf32=True` config key (the dots and the backward's two GEMMs). The accumulation is float32 in
+every case.
 """
 
 import contextlib
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import check_operands
+from kernels.reference import check_operands, matmul_fp32, tf32_matmuls
 
 _TL_PRECISION = {torch.float32: "ieee", torch.float16: "tf32", torch.bfloat16: "tf32"}
 _CONFIG_KEYS = (
-    "block_n", "block_v", "block_c", "num_warps", "num_stages", "num_splits", "grad_buffer_mib"
+    "block_n", "block_v", "block_c", "num_warps", "num_stages", "num_splits", "grad_buffer_mib",
+    "tf32",
 )  # fmt: skip
 
 
@@ -202,6 +207,13 @@ def default_config(dtype: torch.dtype) -> dict:
     return dict(block_n=128, block_v=128, block_c=64, num_warps=8, num_stages=3)
 
 
+def _input_precision(dtype: torch.dtype, tf32: bool) -> str:
+    """`tl.dot`'s input precision: IEEE float32 (CUDA cores) unless `tf32` asks for TF32 tensor
+    cores; 16-bit inputs multiply natively on the tensor cores (the value is ignored). The
+    accumulator is float32 in every case."""
+    return "tf32" if tf32 else _TL_PRECISION[dtype]
+
+
 def _num_splits(n_tok: int, v_total: int, block_n: int, block_v: int, device: torch.device) -> int:
     """Vocab splits so that about 4 programs per SM are in flight even at small N."""
     sms = (
@@ -266,7 +278,8 @@ def logprobs_forward(
         temperature: logits are divided by it.
         return_entropy: also compute the per-token entropy.
         num_splits: vocab splits S (default: enough programs for about 4 per SM).
-        **config: overrides of `default_config` (block_n, block_v, block_c, num_warps, num_stages).
+        **config: overrides of `default_config` (block_n, block_v, block_c, num_warps,
+            num_stages), and `tf32=True`: float32 inputs multiply in TF32 (`_input_precision`).
 
     Returns:
         (logprobs (N,) fp32, lse (N,) fp32, entropy (N,) fp32 or an empty tensor).
@@ -293,7 +306,8 @@ def logprobs_forward(
             n_tok, v_total, c, v_per_split, float(temperature),
             hidden.stride(0), weight.stride(0),
             BLOCK_N=cfg["block_n"], BLOCK_V=cfg["block_v"], BLOCK_C=cfg["block_c"],
-            WITH_ENTROPY=return_entropy, PRECISION=_TL_PRECISION[hidden.dtype],
+            WITH_ENTROPY=return_entropy,
+            PRECISION=_input_precision(hidden.dtype, cfg.get("tf32", False)),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
     lse = torch.logsumexp(m + torch.log(s), dim=0)  # (N,) merge of the splits
@@ -303,25 +317,6 @@ def logprobs_forward(
         # H = sum_v p_v (lse - z_v) = sum_k exp(m_k - lse) * (s_k (lse - m_k) - zp_k), terms >= 0
         entropy = (torch.exp(m - lse) * (s * (lse - m) - zp)).sum(dim=0)
     return logprobs, lse, entropy
-
-
-@functools.cache
-def _mm_out_dtype_ok(device_type: str) -> bool:
-    """Whether torch.mm(bf16, bf16, out_dtype=float32) exists here (CUDA, torch >= 2.8)."""
-    try:
-        a = torch.ones(16, 16, dtype=torch.bfloat16, device=device_type)
-        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
-    except (TypeError, RuntimeError, NotImplementedError):
-        return False
-
-
-def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b returned in fp32, without rounding the result to a 16-bit dtype when possible."""
-    if a.dtype == torch.float32:
-        return a @ b
-    if _mm_out_dtype_ok(a.device.type):
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return (a @ b).float()
 
 
 def logprobs_backward(
@@ -350,7 +345,8 @@ def logprobs_backward(
         grad_entropy: (N,) upstream gradient of the entropy, or None (no entropy term).
         entropy: (N,) fp32 entropy from the forward; required with `grad_entropy`.
         grad_buffer_mib: size cap of the (N, v_chunk) G buffer in the input dtype.
-        **config: tile overrides as in `logprobs_forward`.
+        **config: tile overrides as in `logprobs_forward`; with `tf32=True` the kernel and the
+            two GEMMs (`tf32_matmuls`) multiply float32 inputs in TF32.
 
     Returns:
         (d_hidden (N, C) or None, d_weight (V, C) or None), in the input dtype.
@@ -382,6 +378,7 @@ def logprobs_backward(
     if need_hidden_grad and not one_chunk:
         d_h = torch.zeros(n_tok, c, dtype=torch.float32, device=hidden.device)  # fp32 accumulator
     d_w = torch.empty_like(weight) if need_weight_grad else None
+    tf32 = cfg.get("tf32", False)
     for v0 in range(0, v_total, v_chunk):
         v_len = min(v_chunk, v_total - v0)
         grad = grad_buf[:, :v_len]  # (N, v_len), row stride v_chunk
@@ -392,17 +389,18 @@ def logprobs_backward(
                 n_tok, v0, v_len, c, float(temperature),
                 hidden.stride(0), weight.stride(0), grad.stride(0),
                 BLOCK_N=cfg["block_n"], BLOCK_V=bv, BLOCK_C=cfg["block_c"],
-                WITH_ENTROPY_GRAD=with_entropy, PRECISION=_TL_PRECISION[hidden.dtype],
+                WITH_ENTROPY_GRAD=with_entropy, PRECISION=_input_precision(hidden.dtype, tf32),
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             )  # fmt: skip
         w_chunk = weight[v0 : v0 + v_len]  # (v_len, C)
-        if need_weight_grad:
-            torch.mm(grad.t(), hidden, out=d_w[v0 : v0 + v_len])  # (v_len, C), reduces all N
-        if need_hidden_grad:
-            if one_chunk:
-                d_h = grad @ w_chunk  # (N, C), one GEMM over all V
-            else:
-                d_h += _mm_fp32(grad, w_chunk)
+        with tf32_matmuls(hidden.device, tf32):
+            if need_weight_grad:
+                torch.mm(grad.t(), hidden, out=d_w[v0 : v0 + v_len])  # (v_len, C), reduces all N
+            if need_hidden_grad:
+                if one_chunk:
+                    d_h = grad @ w_chunk  # (N, C), one GEMM over all V
+                else:
+                    d_h += matmul_fp32(grad, w_chunk)
     if d_h is not None:
         d_h = d_h.to(hidden.dtype)
     return d_h, d_w
@@ -473,7 +471,8 @@ def triton_logprobs(
         entropy_grad: return the entropy (implies `return_entropy`) differentiable in hidden and
             weight; its gradient joins G in the same backward kernel.
         **config: tile overrides (block_n, block_v, block_c, num_warps, num_stages, num_splits,
-            grad_buffer_mib), mainly for tests.
+            grad_buffer_mib), mainly for tests; `tf32=True` multiplies float32 inputs in TF32
+            (forward and backward; the accumulation stays float32).
 
     Returns:
         logprobs (N,) fp32, or (logprobs, entropy) with `return_entropy` or `entropy_grad`.

@@ -13,6 +13,8 @@ for an entropy bonus: d entropy[n] / d z[n, v] = -p_v * (z[n, v] - logsumexp(z[n
 (block_n, block_v) tile of them and has a hand-written backward (see `_ChunkedLogprobs`).
 """
 
+import contextlib
+
 import torch
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -21,6 +23,59 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype for softmax math: float32, or float64 when the inputs are float64 (gold references)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@contextlib.contextmanager
+def _matmul_precision(value: str):
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(value)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+def tf32_matmuls(device: torch.device | str, enabled: bool = True):
+    """A region where float32 torch matmuls on a CUDA `device` multiply in TF32 (tensor cores,
+    10-bit mantissa operands, float32 accumulation): `torch.set_float32_matmul_precision("high")`,
+    the previous setting restored on exit. Everywhere else a no-op: a CPU device (TF32 is a CUDA
+    format, so float32 stays exact there), `enabled=False`, and inside a `torch.compile`d
+    function (dynamo cannot trace the switch; a compiled region multiplies as torch is set
+    globally)."""
+    if not enabled or torch.device(device).type != "cuda" or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return _matmul_precision("high")
+
+
+# device type -> whether torch.mm(bf16, bf16, out_dtype=float32) exists there (CUDA, torch >=
+# 2.8); a plain dict, not functools.cache, so that a compiled caller reads it without tracing
+_MM_OUT_DTYPE: dict[str, bool] = {}
+
+
+def _mm_out_dtype_ok(device_type: str) -> bool:
+    if device_type not in _MM_OUT_DTYPE:
+        if torch.compiler.is_compiling():  # no probe inside a trace (an eager call made it)
+            return device_type == "cuda"
+        try:
+            a = torch.ones(16, 16, dtype=torch.bfloat16, device=device_type)
+            ok = torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+        except (TypeError, RuntimeError, NotImplementedError):
+            ok = False
+        _MM_OUT_DTYPE[device_type] = ok
+    return _MM_OUT_DTYPE[device_type]
+
+
+def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a (M, K) @ b (K, N), float32 or 16-bit operands of one dtype, returned in float32.
+    16-bit operands: products accumulate in float32, and the result is not rounded to 16 bits
+    where torch can avoid it (`torch.mm(..., out_dtype=torch.float32)`: CUDA); elsewhere (CPU)
+    it is rounded to the operands' dtype and upcast, as `naive_logprobs` and the chunked tiles
+    round their 16-bit logits."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if _mm_out_dtype_ok(a.device.type):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
 
 
 def check_operands(

@@ -20,7 +20,7 @@ from grpo.algo import logprobs as logprobs_mod
 from grpo.algo.logprobs import shared_prefix_hidden
 from grpo.models import KVCache, load_model
 from grpo.models import decoder as decoder_mod
-from grpo.models.decoder import attention, rotate_half
+from grpo.models.decoder import attention, decode_attention, decode_sdpa, rotate_half
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -428,13 +428,67 @@ def test_every_sdpa_call_fits_a_fused_cuda_kernel(tiny_checkpoints, precision, m
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     monkeypatch.setattr(decoder_mod, "expand_kv_heads", lambda device: True)  # CUDA's layout
+    monkeypatch.setattr(decoder_mod, "sdpa_decode", lambda device: True)  # CUDA's decode step
     dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
     model = load_model(tiny_checkpoints("qwen3"), dtype=dtype).train()
     ids, mask = grouped_batch()
     with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16-autocast"):
         for path in PATHS.values():
             path(model, ids, mask)
-    assert len(calls) >= 12 and all(calls), calls  # the static path's T = 1 steps: no SDPA
+    assert len(calls) >= 12 + 5 * 2 and all(calls), calls  # the static path's 5 decode steps
+
+
+def decode_case(dtype, heads=(16, 8, 128), B=6, S=40, seed=0):
+    """One decode step's q (B, H, 1, D), k, v (B, H_kv, S, D) and an additive padding mask
+    (B, 1, 1, S) with row strides of a multiple of 8 (as the decoder builds it)."""
+    H, H_kv, D = heads
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, 1, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, H_kv, S, D, generator=g, dtype=torch.float64) for _ in range(2))
+    keep = torch.rand(B, S, generator=g) > 0.3
+    keep[:, -1] = True
+    mask = torch.zeros(B, 1, 1, -(-S // 8) * 8, dtype=dtype)[..., :S]
+    mask.masked_fill_(~keep[:, None, None], float("-inf"))
+    return q, k, v, mask
+
+
+def test_decode_sdpa_is_decode_attention_float64():
+    """The CUDA decode step's attention (`decode_sdpa`: the query heads of a kv head as its
+    queries) computes what `decode_attention` does, grouped-query heads included."""
+    for heads in [(16, 8, 128), (4, 2, 16), (4, 4, 16)]:
+        q, k, v, mask = decode_case(torch.float64, heads)
+        want = decode_attention(q, k, v, mask)
+        torch.testing.assert_close(decode_sdpa(q, k, v, mask), want, rtol=0, atol=1e-12)
+
+
+def test_decode_sdpa_under_bf16_is_within_decode_attentions_error():
+    """bf16 keys, values, queries and mask (the compiled CUDA step under autocast): against
+    float64 math the fused path's mean error is within 10% of `decode_attention`'s."""
+    q, k, v, mask64 = decode_case(torch.float64)
+    want = decode_attention(q, k, v, mask64)
+    _, _, _, mask = decode_case(torch.bfloat16)
+    qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+    err_fused = (decode_sdpa(qb, kb, vb, mask).double() - want).abs().mean()
+    err_plain = (decode_attention(qb, kb, vb, mask).double() - want).abs().mean()
+    assert err_fused <= 1.1 * err_plain, (err_fused, err_plain)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_decode_step_runs_a_fused_kernel(dtype):
+    """At the Qwen3-0.6B heads, the decode step's attention runs with only flash and
+    memory-efficient attention allowed (the old mask + enable_gqa call fell to the math
+    kernel, which repeats K and V to H heads) and equals float64 math."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v, mask = decode_case(dtype, B=16, S=256)
+    want = decode_attention(q, k, v, decode_case(torch.float64, B=16, S=256)[3])
+    cuda = [t.to("cuda", dtype) for t in (q, k, v)] + [mask.cuda()]
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        got = decode_sdpa(*cuda)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (got.double().cpu() - want).abs().max().item() <= tol
 
 
 @pytest.mark.cuda

@@ -226,8 +226,9 @@ def test_grpo_step_under_bf16_autocast(shared_tiny_model, tmp_path, monkeypatch,
     assert train_grpo(cfg)["step"] == 1
     m = check_metrics(tmp_path / "run")
     assert m["rollout/logprob_diff_max"] <= 1e-2 and m["train/grad_norm"] > 0
-    # the compiled step's bf16 KV cache, kept through the update: B x L x 2 x H_kv x S x D x 2
-    # bytes, S a multiple of 64 slots; nothing kept by the eager sampler
+    # the compiled step's bf16 KV cache during the rollout (freed before the reference and
+    # update passes): B x L x 2 x H_kv x S x D x 2 bytes, S a multiple of 64 slots; none eager
+    assert {f"perf/kept_mem_{p}_mib" for p in ("rollout", "logprob", "update")} <= set(m)
     c = load_model_config(shared_tiny_model)
     per_slot = 8 * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 2
     slots = m["perf/sampler_cache_mib"] * 2**20 / per_slot

@@ -155,6 +155,7 @@ def test_cuda_ranks_join_nccl_bound_to_their_local_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("set_device", d))
     monkeypatch.setattr(td, "init_process_group",
                         lambda backend, **kw: calls.update(backend=backend, **kw))  # fmt: skip
+    monkeypatch.setattr(td, "new_group", lambda **kw: "gloo side group")
     dist = D.init_distributed("cuda", timeout_s=42)
     assert (dist.rank, dist.world_size, dist.local_rank) == (3, 4, 1)
     assert dist.device == torch.device("cuda", 1) == calls["set_device"] == calls["device_id"]
@@ -206,6 +207,7 @@ def test_fsdp_offload_on_cuda_joins_gloo_beside_nccl(monkeypatch, shared_tiny_mo
     monkeypatch.setattr(td, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
     monkeypatch.setattr(td, "init_process_group", lambda backend, **kw: seen.update(b=backend))
+    monkeypatch.setattr(td, "new_group", lambda **kw: None)  # the gloo side group
     monkeypatch.setattr(loop, "resolve_device", lambda name: torch.device("cuda"))
 
     class Joined(Exception):

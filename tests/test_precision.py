@@ -192,7 +192,7 @@ def test_sampler_and_trainer_agree_under_bf16(tiny_checkpoints, lora, compiled, 
                       compile_options={"backend": "aot_eager"})  # fmt: skip
     r = rollout(sampler, multi_turn)
     if compiled:
-        assert sampler._cache is not None and sampler._cache.dtype == torch.bfloat16
+        assert [c.dtype for c in sampler._caches.values()] == [torch.bfloat16]
     mask = r.generated_mask
     holes = r.multi_turn
     for G in (None, 4):  # full rows, shared prefix

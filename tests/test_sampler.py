@@ -292,22 +292,49 @@ def test_compiled_decode_step_with_inductor_matches_eager(qwen3):
     check_compiled_matches_eager(qwen3, None)
 
 
-def test_compiled_sampler_reuses_one_decode_cache(qwen3):
-    """The compiled step sees the same cache tensors call after call (what CUDA graphs need):
-    repeat_rows copies the prefill into them in place, every slot, so a second call with other
-    prompts still equals eager decoding."""
+def test_compiled_sampler_reuses_its_decode_caches(qwen3):
+    """The compiled step sees the same cache tensors call after call (what CUDA graphs need),
+    also when calls alternate between shapes (another batch size, then the first again):
+    repeat_rows copies the prefill into them in place, every slot, so a later call with other
+    prompts still equals eager decoding. `release_caches` frees them all."""
     kw = dict(group_size=3, max_new_tokens=5, temperature=1.0, stop_ids=[], seed=2)
     sampler = Sampler(qwen3, compile=True, compile_options={"backend": "aot_eager"})
     sampler.sample(make_prompts((8, 2)), **kw)
-    cache = sampler._cache
+    (cache,) = sampler._caches.values()
     ptrs = [t.data_ptr() for t in cache.k_layers + cache.v_layers]
+    sampler.sample(make_prompts((8,)), **kw)  # 3 rows, not 6: a cache of its own
+    assert len(sampler._caches) == 2
     other = make_prompts((5, 6), seed=3)
     out = sampler.sample(other, **kw)
-    assert sampler._cache is cache
     assert [t.data_ptr() for t in cache.k_layers + cache.v_layers] == ptrs
     eager = Sampler(qwen3).sample(other, **kw)
     assert torch.equal(out.ids, eager.ids)
     assert (out.logprobs - eager.logprobs).abs().max().item() <= 1e-5
+    kept = sampler.kept_cache_bytes
+    assert kept == 2 * 9 * sum(t.numel() * t.element_size() for t in cache.k_layers) // 6
+    assert sampler.release_caches() == kept and sampler.kept_cache_bytes == 0
+
+
+def test_compiled_decode_keeps_few_graphs_over_batch_sizes_and_cache_buckets(qwen3, caplog):
+    """Dynamic sampling's refills change the batch size, prompt lengths the cache bucket: over
+    9 batch sizes in 1..128 x 3 cache buckets the compiled step builds at most 8 graphs (rows
+    and slots are dynamic dimensions; static shapes built one each and, at torch's recompile
+    limit, `compile: on` raised and `auto` went eager for good). Both stay compiled here."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    # auto (fallback=True): a failure would switch to eager where `on` raises; neither happens
+    sampler = Sampler(qwen3, compile=True, compile_options={"backend": "eager"}, fallback=True)
+    for T_p in (10, 70, 140):  # cache buckets of 64, 128 and 192 slots
+        prompt = make_prompts((T_p,))[0]
+        for B in (1, 2, 3, 5, 8, 17, 33, 64, 128):
+            sampler.sample([prompt] * B, group_size=1, max_new_tokens=3, temperature=1.0,
+                           stop_ids=[], seed=0)  # fmt: skip
+    assert counters["stats"]["unique_graphs"] <= 8, dict(counters["stats"])
+    assert sampler._decode_fn == sampler._decode_compiled  # never fell back to eager
+    assert len(sampler._compiled_shapes) == 27
+    assert not [r for r in caplog.records if "decoding eagerly" in r.getMessage()]
 
 
 def test_repeat_rows_into_a_buffer_equals_a_new_cache(qwen3):

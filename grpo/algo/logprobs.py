@@ -21,9 +21,10 @@ def head_logprobs(
     impl: str = "auto",
     return_entropy: bool = False,
     entropy_grad: bool = False,
+    head_precision: str = "float32",
 ):
-    """log softmax(lm_head(hidden) / T)[targets] through the fused path, with float32
-    operands (`grpo.precision.head_operands`: the sampler's logits come from the same ones).
+    """log softmax(lm_head(hidden) / T)[targets] through the fused path, with the operands of
+    `grpo.precision.head_operands` (the sampler's logits come from the same ones).
 
     Args:
         lm_head: an `nn.Linear` (no bias) or a `LoRALinear` around one.
@@ -33,12 +34,13 @@ def head_logprobs(
         impl: kernels implementation ("auto", "chunked", "naive", "triton").
         return_entropy: also return the (N,) entropy (no grad unless `entropy_grad`).
         entropy_grad: make the entropy differentiable too (an entropy bonus in the loss).
+        head_precision: "float32", "tf32" or "bf16" (`grpo.precision.Precision.head`).
 
     Returns:
         (N,) float32 log-probs, differentiable in hidden and the trainable head weights
         [and (N,) entropy].
     """
-    hidden, weight = head_operands(lm_head, hidden)  # (N, C'), (V, C') float32
+    hidden, weight = head_operands(lm_head, hidden, head_precision)  # (N, C'), (V, C')
     with no_autocast(hidden.device.type):
         return kernels.fused_logprobs(
             hidden.contiguous(),
@@ -48,6 +50,7 @@ def head_logprobs(
             impl=impl,
             return_entropy=return_entropy or entropy_grad,
             entropy_grad=entropy_grad,
+            tf32=head_precision == "tf32",
         )
 
 
@@ -63,6 +66,7 @@ def completion_logprobs(
     entropy_grad: bool = False,
     has_holes: bool = False,
     group_size: int | None = None,
+    head_precision: str = "float32",
 ):
     """Log-probs of the completion tokens of a prompt+completion batch.
 
@@ -80,6 +84,7 @@ def completion_logprobs(
             scored from the last real position before it rather than the one next to it.
         group_size: G when rows b*G .. b*G + G - 1 share one prompt: the prompt then runs once
             per group (`shared_prefix_hidden`); None runs every row in full.
+        head_precision: the lm_head's precision (`head_logprobs`).
 
     Returns:
         (B, T_c) float32 log-probs, 0 where completion_mask is False [and the entropy].
@@ -102,9 +107,8 @@ def completion_logprobs(
         rows, prev = _previous_real(attention_mask)
         h_scored = tail[rows[:, w:][mask], prev[:, w:][mask] - (w - 1)]  # (N, C)
     return_entropy = return_entropy or entropy_grad
-    out = head_logprobs(
-        model.lm_head, h_scored, targets[mask], temperature, impl, return_entropy, entropy_grad
-    )  # (N,) for the N counted tokens only
+    out = head_logprobs(model.lm_head, h_scored, targets[mask], temperature, impl,
+                        return_entropy, entropy_grad, head_precision)  # (N,)  # fmt: skip
     logprobs, entropy = out if return_entropy else (out, None)
     full = torch.zeros(mask.shape, dtype=torch.float32, device=ids.device)
     full = full.masked_scatter(mask, logprobs)  # (B, T_c)
@@ -209,7 +213,8 @@ def _previous_real(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 class CompletionLogprobs(torch.nn.Module):
     """`completion_logprobs` as a module, so that DDP wraps the whole computation (decoder and
     lm_head) in one forward and syncs every trainable parameter's gradient; the decoder runs
-    under the precision policy's autocast (the head is float32 whatever it is)."""
+    under the precision policy's autocast, the head in its `head` precision (float32 logits
+    whatever the autocast)."""
 
     def __init__(self, model: torch.nn.Module, precision: Precision | None = None):
         super().__init__()
@@ -223,5 +228,5 @@ class CompletionLogprobs(torch.nn.Module):
             return completion_logprobs(
                 self.model, ids, attention_mask, prompt_width, completion_mask, temperature,
                 return_entropy=return_entropy, entropy_grad=entropy_grad, has_holes=has_holes,
-                group_size=group_size,
+                group_size=group_size, head_precision=self.precision.head,
             )  # fmt: skip

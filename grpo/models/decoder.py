@@ -80,6 +80,26 @@ def decode_attention(q, k, v, mask):
     return (scores.softmax(-1).to(v.dtype) @ v).view(B, H, 1, D)
 
 
+def decode_sdpa(q, k, v, mask):
+    """`decode_attention` through SDPA's fused kernels (the CUDA decode step), grouped-query
+    heads kept: the g = H / H_kv query heads that share a kv head become g queries of that one
+    head, so keys and values stay H_kv heads (no repeat) and the mask broadcasts over the g
+    queries. Memory-efficient attention takes this layout with a mask; the mask and
+    `enable_gqa` together fall to the math kernel, which repeats K and V to H heads (at B=128,
+    S=1280 for Qwen3-0.6B, ~90 GB of traffic per decode step).
+
+    Args:
+        q: (B, H, 1, D); k, v: (B, H_kv, S, D); mask: (B, 1, 1, S) additive, q's dtype.
+
+    Returns:
+        (B, H, 1, D).
+    """
+    B, H, _, D = q.shape
+    H_kv = k.shape[1]
+    y = F.scaled_dot_product_attention(q.reshape(B, H_kv, H // H_kv, D), k, v, attn_mask=mask)
+    return y.reshape(B, H, 1, D)
+
+
 def grouped_decode_attention(q, k_p, v_p, k, v, mask):
     """`decode_attention` over a `GroupedKVCache`: each group's G rows attend over their shared
     prompt's keys (read once for the G rows) and over their own tokens, in one softmax.
@@ -167,6 +187,13 @@ def attention(q, k, v, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
 
 
+def sdpa_decode(device: torch.device) -> bool:
+    """Whether a decode step's one query per row attends through SDPA's fused kernels
+    (`decode_sdpa`: CUDA and other accelerators) rather than `decode_attention` (the CPU,
+    where two small matmuls cost less than SDPA's kernel)."""
+    return device.type != "cpu"
+
+
 def expand_kv_heads(device: torch.device) -> bool:
     """Whether `attention` repeats grouped key/value heads for a masked or float32 call: where
     the fused kernels need it (CUDA and others), not on the CPU."""
@@ -207,14 +234,11 @@ class Attention(nn.Module):
                 raise ValueError(f"a GroupedKVCache takes one token per row, got {T}")
             k_p, v_p = kv_cache.prefix_kv(self.layer_idx)
             y = grouped_decode_attention(q, k_p, v_p, k, v, mask)
-        elif T == 1 and mask is not None and x.device.type == "cpu":
-            y = decode_attention(q, k, v, mask)  # cheaper than SDPA's CPU kernel for 1 query
+        elif T == 1 and mask is not None and sdpa_decode(x.device):
+            # CUDA: a fused kernel, K and V not repeated; all in the mask's (compute) dtype
+            y = decode_sdpa(q.to(mask.dtype), k.to(mask.dtype), v.to(mask.dtype), mask)
         elif T == 1 and mask is not None:
-            # CUDA decode step (the compiled one), one query per row: left as it was (mask +
-            # enable_gqa); moving it onto a fused kernel is a separate, measured change.
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, enable_gqa=self.H != self.H_kv
-            )
+            y = decode_attention(q, k, v, mask)  # cheaper than SDPA's CPU kernel for 1 query
         else:
             dtype = compute_dtype(x) if mask is None else mask.dtype
             y = attention(q.to(dtype), k.to(dtype), v.to(dtype), mask)

@@ -14,8 +14,10 @@ tensor or an in-place write, such as an optimizer step or a LoRA merge, bumps
 `Tensor._version`): with LoRA the frozen base is packed once for the run, with full fine-tuning
 once per rollout. While `installed()`, the model's large `nn.Linear` / `LoRALinear` layers
 compute with the packed copies (a LoRA layer adds its adapters as before); `head` gives the
-float32 logits of a packed head. Packed copies cost memory: one more copy of the packed
-weights, in the compute dtype (bfloat16 under autocast).
+float32 logits of a packed head, packed in the head's operand dtype (`Precision.head_dtype`:
+bfloat16 for `model.head_precision: bf16`, where this CPU can pack it, else the head stays
+plain). Packed copies cost memory: one more copy of the packed weights, in the compute dtype
+(bfloat16 under autocast).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def packing_supported(model: nn.Module, dtype: torch.dtype = torch.float32) -> b
     """Whether the model lives on the CPU in plain (not sharded) tensors and this torch and CPU
     can pack weights in `dtype` (`grpo.precision.cpu_packing_missing`: bfloat16 needs AVX-512
     or avx_ne_convert; where it is missing, decoding takes the plain path)."""
-    if cpu_packing_missing(dtype) is not None or cpu_packing_missing(Precision.head_dtype):
+    if cpu_packing_missing(dtype) is not None or cpu_packing_missing(torch.float32):
         return False
     p = next(model.parameters())
     return p.device.type == "cpu" and type(p.data) is torch.Tensor
@@ -59,12 +61,14 @@ class PackedLinears:
     Args:
         model: a `Decoder` on the CPU.
         precision: the run's precision policy: layers compute in its `compute_dtype` (as
-            autocast would), the head in float32.
+            autocast would), the head in its `head_dtype` (unpacked where this CPU cannot
+            pack that dtype: `grpo.precision.cpu_packing_missing`).
     """
 
     def __init__(self, model: nn.Module, precision: Precision):
         self.model = model
         self.dtype = precision.compute_dtype
+        self.head_dtype = precision.head_dtype
         self._packs: dict[str, tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None]] = {}
         self._head: tuple[torch.Tensor, int, torch.Tensor] | None = None
         self.active = False  # inside `installed()`
@@ -98,19 +102,22 @@ class PackedLinears:
         plain_head = isinstance(head, nn.Linear) or (
             isinstance(head, LoRALinear) and (head.merged or head.disabled)
         )
-        if head is None or not plain_head or head.weight.numel() < MIN_NUMEL:
+        if (head is None or not plain_head or head.weight.numel() < MIN_NUMEL
+                or cpu_packing_missing(self.head_dtype) is not None):  # fmt: skip
             self._head = None
         elif not self._fresh(self._head, head.weight):
             self._head = None
             w = head.weight
-            self._head = (w, w._version, _pack(w, Precision.head_dtype))
+            self._head = (w, w._version, _pack(w, self.head_dtype))
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """(..., C) hidden -> (..., V) float32 logits through the packed head; None outside
-        `installed()` or when the head is not packed (a live LoRA head, or a small one)."""
+        """(..., C) hidden -> (..., V) float32 logits through the packed head (operands in the
+        head's dtype, float32 accumulation; a bf16 head's product is rounded to bf16 as torch's
+        CPU matmul rounds it); None outside `installed()` or when the head is not packed (a live
+        LoRA head, a small one, or a dtype this CPU cannot pack)."""
         if not self.active or self._head is None:
             return None
-        return _packed_linear(hidden.float(), self._head[2], None)
+        return _packed_linear(hidden, self._head[2], None).float()
 
     @contextlib.contextmanager
     def installed(self):

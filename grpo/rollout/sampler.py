@@ -231,7 +231,8 @@ class Sampler:
             decode eagerly instead of raising (`rollout.compile: auto` uses it).
 
         precision: the run's `Precision` (autocast of the forward passes, KV-cache dtype; the
-            head is float32 as in the trainer); default: compute in the weights' dtype.
+            head in its `head` precision as in the trainer); default: compute in the
+            weights' dtype.
         pack: eager CPU decoding multiplies by oneDNN-packed copies of the large weights
             (`grpo.rollout.packing`; repacked when the weights change); None = where supported
             and not compiled (a CPU that cannot pack the compute dtype decodes plainly);
@@ -261,7 +262,9 @@ class Sampler:
         self.sync_every = sync_every
         self.fallback = fallback
         self.slot_multiple = SLOT_MULTIPLE if compile else 1
-        self._cache: KVCache | None = None  # the compiled step's decode cache, reused
+        # the compiled step's decode caches, one per (rows, slots, dtype), kept until
+        # `release_caches` so alternating shapes reuse their tensors (and CUDA graphs)
+        self._caches: dict[tuple, KVCache] = {}
         self._compiled_shapes: set[tuple] = set()
         self.compile_s = 0.0  # seconds spent in decode calls that compiled a new shape
         self._cuda = model.device.type == "cuda"
@@ -275,7 +278,10 @@ class Sampler:
             )
         self.packed: PackedLinears | None = PackedLinears(model, self.precision) if pack else None
         if compile:
-            options = {"dynamic": False, "fullgraph": True}
+            # Rows and cache slots are dynamic dimensions (`_mark_dynamic`): one graph serves
+            # every batch size (dynamic sampling's refills change it) and cache bucket, where
+            # static shapes compiled one graph each and hit torch's recompile limit.
+            options = {"dynamic": None, "fullgraph": True}
             if self._cuda:  # CUDA graphs: one replay per step instead of ~10 launches per layer
                 options["mode"] = "reduce-overhead"
             options.update(compile_options or {})
@@ -286,12 +292,20 @@ class Sampler:
 
     @property
     def kept_cache_bytes(self) -> int:
-        """Bytes of the compiled step's decode cache, kept between calls (0 when eager): the
-        same tensors every call, so CUDA graphs replay in place; it stays allocated while the
-        trainer updates (the CUDA-graph pool too). docs/precision.md has the cost at 0.6B."""
-        c = self._cache
-        return 0 if c is None else sum(t.numel() * t.element_size()
-                                       for t in [*c.k_layers, *c.v_layers])  # fmt: skip
+        """Bytes of the compiled step's decode caches, kept between calls (0 when eager, and
+        after `release_caches`): the same tensors every call of a shape, so CUDA graphs replay
+        in place. docs/precision.md has the cost at 0.6B."""
+        return sum(t.numel() * t.element_size()
+                   for c in self._caches.values() for t in [*c.k_layers, *c.v_layers])  # fmt: skip
+
+    def release_caches(self) -> int:
+        """Free the compiled step's decode caches (a trainer calls this after its rollouts,
+        so the reference and update passes do not run beside them); returns the bytes freed.
+        The next call allocates them again, where the caching allocator usually hands back
+        the same blocks."""
+        freed = self.kept_cache_bytes
+        self._caches.clear()
+        return freed
 
     def decode(
         self,
@@ -326,8 +340,8 @@ class Sampler:
         if self._cuda:  # a new step: the previous replay's outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
         shape = (tokens.shape[0], cache.max_len, cache.dtype)
-        if shape in self._compiled_shapes:
-            return self._compiled(tokens, position_ids, attention_mask, cache)
+        new = shape not in self._compiled_shapes
+        _mark_dynamic(tokens, position_ids, attention_mask, cache)
         t0 = time.perf_counter()
         try:
             out = self._compiled(tokens, position_ids, attention_mask, cache)
@@ -340,7 +354,8 @@ class Sampler:
             self._decode_fn = self._decode_step
             return self._decode_step(tokens, position_ids, attention_mask, cache)
         finally:
-            self.compile_s += time.perf_counter() - t0
+            if new:  # a first call of a shape: a compile or at least a new CUDA graph
+                self.compile_s += time.perf_counter() - t0
         self._compiled_shapes.add(shape)
         return out
 
@@ -355,7 +370,7 @@ class Sampler:
         """(..., C) final hidden states -> (..., V) float32 logits: the head as the trainer
         computes it (`grpo.precision.head_logits`), whatever the forward's autocast."""
         out = self.packed.head(hidden) if self.packed is not None else None  # inside packing()
-        return out if out is not None else head_logits(self.model.lm_head, hidden)
+        return head_logits(self.model.lm_head, hidden, self.precision.head) if out is None else out
 
     @contextlib.contextmanager
     def packing(self):
@@ -508,17 +523,19 @@ class Sampler:
         return logits.repeat_interleave(G, dim=0), cache.repeat_rows(G, out=out)
 
     def _decode_cache(self, rows: int, max_len: int) -> KVCache:
-        """The compiled step's B-row cache, kept across calls while its shape holds: the same
-        tensors every call (marked static on CUDA, so CUDA graphs replay in place). Nothing
-        stale survives: `repeat_rows(out=...)` overwrites every slot with the prefill's."""
-        c = self._cache
-        if c is None or (c.rows, c.max_len, c.dtype) != (rows, max_len, self.precision.kv_dtype):
+        """The compiled step's B-row cache of this shape, kept across calls (`release_caches`
+        frees them): the same tensors every call (marked static on CUDA, so CUDA graphs replay
+        in place), also when calls alternate between shapes. Nothing stale survives:
+        `repeat_rows(out=...)` overwrites every slot with the prefill's."""
+        key = (rows, max_len, self.precision.kv_dtype)
+        c = self._caches.get(key)
+        if c is None:
             c = KVCache.for_model(self.model, rows=rows, max_len=max_len, static=True,
                                   dtype=self.precision.kv_dtype)  # fmt: skip
-            if self._cuda:
+            if self._cuda:  # unguarded: a new cache re-records CUDA graphs, not a recompile
                 for t in [*c.k_layers, *c.v_layers, c.pos_tensor]:
-                    torch._dynamo.mark_static_address(t)
-            self._cache = c
+                    torch._dynamo.mark_static_address(t, guard=False)
+            self._caches[key] = c
         return c
 
     def _decode_loop(self, logits, cache, kv_mask, prompt_lens, max_new_tokens, draw, stops):
@@ -554,6 +571,19 @@ class Sampler:
             logits = self.decode(tok[:, None], position_ids, kv_mask, cache)  # (B, V)
             position_ids += 1
         return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), done
+
+
+def _mark_dynamic(tokens, position_ids, attention_mask, cache: KVCache) -> None:
+    """Rows (dim 0 of every input) and cache slots (the mask's dim 1, the keys' and values'
+    dim 2) as dynamic dimensions of the compiled decode step. `maybe_`: a dimension the trace
+    specializes anyway (one row) compiles one more graph instead of failing."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    for t in (tokens, position_ids, attention_mask):
+        mark(t, 0)
+    mark(attention_mask, 1)
+    for t in (*cache.k_layers, *cache.v_layers):
+        mark(t, 0)
+        mark(t, 2)
 
 
 def sample(

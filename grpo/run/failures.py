@@ -8,10 +8,13 @@ and step, and the cause as that rank saw it; every rank stops, non-zero.
                     line, with where it was stuck when it is the rank the others waited for
 
 A rank that fails publishes its line in the job's store (the TCPStore the process group was
-built on, key `grpo/failure/<rank>`) before it leaves the process group. Its peers' collectives
-fail only once it has left, so they find the line there. Each line also goes to torchrun's
-error file (TORCHELASTIC_ERROR_FILE), which torchrun's "Root Cause" summary shows. A single
-process (world size 1) has none of this: its errors are printed as they are.
+built on, key `grpo/failure/<rank>`) before it exits; it leaves the process group to its exit
+(`teardown`: destroying it under a peer still in a collective can block). Its peers'
+collectives fail only once it has exited, so they find the line there; on CUDA ranks the
+collectives they meet at run over gloo (`Dist.cpu_group`), which fails at once, not NCCL.
+Each line also goes to torchrun's error file (TORCHELASTIC_ERROR_FILE), which torchrun's "Root
+Cause" summary shows. A single process (world size 1) has none of this: its errors are printed
+as they are.
 """
 
 from __future__ import annotations
@@ -146,7 +149,7 @@ class Failures:
             raise CollectiveError(line) from None
 
     def close(self) -> None:
-        """After the process group is left: a rank serving the store (no torchrun) keeps it
+        """On the way out, after `teardown`: a rank serving the store (no torchrun) keeps it
         until every other rank has reported (at most LINGER_S). The signals' handlers go back;
         a failing rank ignores SIGTERM from here on: it exits with its own code, not killed by
         the SIGTERM torchrun sends once another rank has exited (SIG_IGN, not a handler:

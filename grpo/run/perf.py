@@ -36,23 +36,42 @@ def reset_peak_mem(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def kept_mem_mib(device: torch.device) -> float:
+    """Memory held now: on CUDA the allocator's live tensors; elsewhere the process's resident
+    set (Linux; 0 where it cannot be read)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    import resource
+
+    return pages * resource.getpagesize() / 2**20
+
+
 class PhasePeaks:
     """Peak memory of each phase of a step, as `perf/peak_mem_<phase>_mib` (and the step's
-    maximum as `perf/peak_mem_mib`): the counter restarts at every phase on CUDA."""
+    maximum as `perf/peak_mem_mib`): the counter restarts at every phase on CUDA. What each
+    phase leaves held at its end: `perf/kept_mem_<phase>_mib`."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.peaks: dict[str, float] = {}
+        self.kept: dict[str, float] = {}
 
     def start(self) -> None:
-        self.peaks = {}
+        self.peaks, self.kept = {}, {}
         reset_peak_mem(self.device)
 
     def end(self, phase: str) -> None:
         self.peaks[phase] = peak_mem_mib(self.device)
+        self.kept[phase] = kept_mem_mib(self.device)
         reset_peak_mem(self.device)
 
     def metrics(self) -> dict[str, float]:
         out = {f"perf/peak_mem_{k}_mib": v for k, v in self.peaks.items()}
+        out.update({f"perf/kept_mem_{k}_mib": v for k, v in self.kept.items()})
         out["perf/peak_mem_mib"] = max(self.peaks.values(), default=peak_mem_mib(self.device))
         return out

@@ -501,8 +501,8 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
                     "perf/logprob_s": t2 - t1,
                     "perf/update_s": t3 - t2,
                     "perf/tokens_per_s": tokens / max(t3 - t0, 1e-9),
-                    # the compiled decode step's KV cache, kept through the update (precision.md)
-                    "perf/sampler_cache_mib": source.kept_cache_bytes / 2**20,
+                    # the compiled decode step's KV cache during the rollout (precision.md)
+                    "perf/sampler_cache_mib": source.cache_bytes / 2**20,
                     # seconds of this step's rollouts spent compiling the decode step (a new
                     # shape); with rollout.async, what the producer compiled since the last step
                     "perf/compile_s": source.compile_s - compiled_s,

@@ -103,6 +103,31 @@ class Produced:
     wait_s: float  # waiting for the policy version it needed
 
 
+def _tensors(obj):
+    """Every tensor in a value of dataclasses, dicts, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, f.name))
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def used_on(batch, stream) -> None:
+    """A batch the producer thread allocated on its own CUDA stream is consumed on `stream`
+    (the trainer's): `record_stream` keeps the caching allocator from handing its memory to
+    the producer's next allocations while the trainer's kernels that read it are still
+    queued, after the trainer drops the batch."""
+    for t in _tensors(batch):
+        if t.device == stream.device:
+            t.record_stream(stream)
+
+
 def _consume(state: TrainState, p: Produced, step: int, k: int) -> RolloutBatch:
     """Check the bound and move the data position to after the consumed batch."""
     if p.index != step:
@@ -120,7 +145,7 @@ class _Source:
     what they sampled ahead first on a clean end or an interruption (`close(drain=True)`)."""
 
     asynchronous = False
-    kept_cache_bytes = 0  # the sampler's kept KV cache (perf/sampler_cache_mib)
+    cache_bytes = 0  # the compiled step's KV cache in the last rollout (perf/sampler_cache_mib)
     compile_s = 0.0  # seconds the sampler spent compiling so far (perf/compile_s)
 
     def __enter__(self):
@@ -150,12 +175,13 @@ class InlineRollouts(_Source):
 
     def next(self, state: TrainState) -> RolloutBatch:
         with full_weights(self.policy.model, self.sharded):  # FSDP: the sampler needs them whole
-            return rollout_phase(self.cfg, self.policy, self.sampler, self.rows, state,
-                                 self.reward_fns, state.step, self.dist, self.make_env)  # fmt: skip
-
-    @property
-    def kept_cache_bytes(self) -> int:
-        return self.sampler.kept_cache_bytes
+            batch = rollout_phase(self.cfg, self.policy, self.sampler, self.rows, state,
+                                  self.reward_fns, state.step, self.dist,
+                                  self.make_env)  # fmt: skip
+        # the compiled step's KV cache (17.5 GiB at B=128, 1280 slots, Qwen3-0.6B in bf16) is
+        # not kept through the reference and update passes
+        self.cache_bytes = self.sampler.release_caches()
+        return batch
 
     @property
     def compile_s(self) -> float:
@@ -217,7 +243,8 @@ class ColocatedRollouts(_Asynchronous):
         self._thread.start()
 
     @property
-    def kept_cache_bytes(self) -> int:
+    def cache_bytes(self) -> int:
+        """The producer thread samples while the trainer updates: its sampler keeps its cache."""
         return self.sampler.kept_cache_bytes
 
     @property
@@ -294,6 +321,8 @@ class ColocatedRollouts(_Asynchronous):
                 raise GrpoError(f"the rollout producer failed sampling the batch of step "
                                 f"{j + 1}: {what}") from e  # fmt: skip
             p = self._ready.pop(j)
+        if self.model.device.type == "cuda":  # allocated on the producer's stream
+            used_on(p.batch, torch.cuda.current_stream(self.model.device))
         self._record(p, j, time.perf_counter() - t0)
         return _consume(state, p, j, self.k)
 
@@ -540,16 +569,26 @@ def rollout_source(
         return RemoteRollouts(cfg, policy, rows, roles, state)
     lockstep = SINGLE
     if dist.enabled:  # the producer threads' own group, apart from the trainers' collectives
-        group = td.new_group(list(range(dist.world_size)), backend="gloo")
+        wait = max(cfg.rollout.async_timeout_s, cfg.train.dist_timeout_s)  # as split_roles
+        group = td.new_group(list(range(dist.world_size)), backend="gloo",
+                             timeout=datetime.timedelta(seconds=wait))  # fmt: skip
         lockstep = Dist(dist.rank, dist.world_size, dist.local_rank, torch.device("cpu"), group)
-    return ColocatedRollouts(cfg, policy, lambda m: make_sampler(cfg, policy, m), rows,
-                             reward_fns, make_env, state, dist, lockstep)  # fmt: skip
+
+    def thread_sampler(model):
+        return make_sampler(cfg, policy, model, producer_thread=True)
+
+    return ColocatedRollouts(cfg, policy, thread_sampler, rows, reward_fns, make_env, state,
+                             dist, lockstep)  # fmt: skip
 
 
-def make_sampler(cfg: Config, policy, model, sharded: bool = False) -> Sampler:
+def make_sampler(cfg: Config, policy, model, sharded: bool = False,
+                 producer_thread: bool = False) -> Sampler:  # fmt: skip
     """The run's sampler over `model`: the compiled decode step as rollout.compile says (FSDP:
-    eager, the sampler reads the gathered weights through FSDP's hooks)."""
+    eager, the sampler reads the gathered weights through FSDP's hooks). A colocated producer
+    thread's compiled step records no CUDA graphs (mode "default"): CUDA-graph trees belong to
+    the thread that records them, and the trainer's thread replays its own."""
     compile_ = not sharded and resolve_compile(cfg.rollout.compile, model.device,
                                                cfg.rollout.multi_turn)  # fmt: skip
+    options = {"mode": "default"} if producer_thread else None
     return Sampler(model, compile=compile_, fallback=cfg.rollout.compile == "auto",
-                   precision=policy.precision)  # fmt: skip
+                   precision=policy.precision, compile_options=options)  # fmt: skip
