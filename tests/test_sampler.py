@@ -281,6 +281,25 @@ def test_compile_failure_falls_back_to_eager_only_when_asked(qwen3, caplog):
         strict.sample(prompts, **kw)
 
 
+def test_a_failure_after_the_first_call_of_a_shape_falls_back_too(qwen3, caplog):
+    """A compiled call of a shape already seen (a guard that fails and recompiles, a replay
+    that breaks) goes through the same fallback as the first call of a shape."""
+    kw = dict(group_size=2, max_new_tokens=5, temperature=1.0, stop_ids=[], seed=3)
+    prompts = make_prompts((6, 2))
+    eager = Sampler(qwen3).sample(prompts, **kw)
+    sampler = Sampler(qwen3, compile=True, compile_options={"backend": "eager"}, fallback=True)
+    sampler.sample(prompts, **kw)  # every shape of this call seen
+
+    def broken(*args):
+        raise RuntimeError("recompiling failed")
+
+    sampler._compiled = broken
+    with caplog.at_level("WARNING", logger="grpo.rollout.sampler"):
+        out = sampler.sample(prompts, **kw)
+    assert torch.equal(out.ids, eager.ids)
+    assert sum("decoding eagerly" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_compiled_decode_step_traces_as_one_static_graph(qwen3):
     # fullgraph=True, dynamic=False through dynamo + AOT autograd (the graph inductor gets,
     # with the in-place cache writes functionalized), without paying for C++ codegen.
