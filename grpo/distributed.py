@@ -145,6 +145,17 @@ def teardown() -> None:
         td.destroy_process_group()
 
 
+def exit_if_joined(code: int) -> None:
+    """Leave the process now, with `code`, if its process group is still joined (`teardown`
+    leaves it on an error a peer may not share): interpreter shutdown would run the group's
+    destructors while a peer may still use it, which can abort the process (SIGABRT instead of
+    `code`) or hang. Output is flushed first. Returns when no group is joined."""
+    if td.is_available() and td.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 class CollectiveError(GrpoError):
     """A collective failed or timed out: a peer died, hung or the network broke. The CLI prints
     the one line and leaves at once (the process group is unusable)."""

@@ -155,7 +155,8 @@ def test_every_process_group_in_grpo_has_a_timeout():
 DESTROY_SCRIPT = """
 import sys
 import torch.distributed as td
-from grpo.distributed import JobError, RankFailed, Where, init_distributed, rank_local, teardown
+from grpo.distributed import (JobError, RankFailed, Where, exit_if_joined, init_distributed,
+                              rank_local, teardown)
 
 destroy = td.destroy_process_group
 
@@ -177,6 +178,7 @@ try:
         teardown()
 except (ValueError, RankFailed, JobError) as e:
     print(type(e).__name__, flush=True)
+    exit_if_joined(3)  # as the CLI: a group left joined is not torn down by the interpreter
     sys.exit(3)
 """
 

@@ -8,7 +8,7 @@ import os
 import sys
 
 from grpo.config import DataConfig
-from grpo.distributed import CollectiveError
+from grpo.distributed import CollectiveError, exit_if_joined
 from grpo.errors import GrpoError
 
 
@@ -298,10 +298,12 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(e, "rank", 0) == 0:  # under torchrun an interrupt is reported by rank 0
             prefix = getattr(e, "cli_prefix", "error: ")
             print_error(f"grpo {args.command}: {prefix}{message}")
+        code = getattr(e, "exit_code", 2)  # 2; 128 + N when signal N stopped training
         if isinstance(e, CollectiveError):  # the process group is broken: exiting
             sys.stderr.flush()  # normally could hang or abort in its threads' destructors
-            os._exit(getattr(e, "exit_code", 2))
-        return getattr(e, "exit_code", 2)  # 2; 128 + N when signal N stopped training
+            os._exit(code)
+        exit_if_joined(code)  # a group teardown left to a failing rank: the same
+        return code
     except KeyboardInterrupt:
         print_error(f"grpo {args.command}: interrupted")
         return 130
