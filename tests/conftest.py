@@ -17,6 +17,15 @@ os.environ.setdefault("GRPO_COMPILE", "0")
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from a clean slate: dynamo's recompile limit (8) counts the graphs of
+    one code object (`Sampler._decode_step`) across every sampler of the process, so tests
+    that compile tiny models of other shapes would otherwise add up to it."""
+    yield
+    torch._dynamo.reset()
+
 TOKENIZER_CORPUS = [
     "Tom has 3 apples and buys 5 more. How many apples does Tom have?",
     "Step 1: 3 + 5 = 8\nFinal Answer: 8",

@@ -330,9 +330,30 @@ def _case_id(shape, temperature, weight_grad):
     return f"{'x'.join(map(str, shape))}-T{temperature}-{'d_weight' if weight_grad else 'frozen'}"
 
 
+def _fix_interpreter_index() -> None:
+    """triton 3.6's interpreter makes a scalar tensor (a (1,) array, e.g. `tl.program_id`) a
+    Python int with `int(array)`, which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be
+    converted"): `range(v_begin, v_end, ...)` in the kernels fails. triton 3.9 squeezes first;
+    do the same where it does not (the interpreter only: compiled kernels never run it)."""
+    import inspect
+
+    import triton.runtime.interpreter as ti
+
+    patch = getattr(ti, "_patch_lang_tensor", None)
+    if patch is None or "squeeze()" in inspect.getsource(patch):
+        return
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    ti._patch_lang_tensor = patched
+
+
 def interpret_report() -> dict:
     """Run every interpreted Triton check; called in a subprocess with TRITON_INTERPRET=1."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
+    _fix_interpreter_index()
     from kernels.logprobs import triton_logprobs
 
     report = {}
