@@ -26,6 +26,7 @@ def fresh_dynamo():
     yield
     torch._dynamo.reset()
 
+
 TOKENIZER_CORPUS = [
     "Tom has 3 apples and buys 5 more. How many apples does Tom have?",
     "Step 1: 3 + 5 = 8\nFinal Answer: 8",
