@@ -290,12 +290,12 @@ class _HeadOnly(torch.nn.Module):
         self.lm_head = torch.nn.Linear(c, v, bias=False)
 
 
+@pytest.mark.skipif(cpu_packing_missing(torch.float32) is not None,
+                    reason=str(cpu_packing_missing(torch.float32)))  # fmt: skip
 @pytest.mark.parametrize("mode", HEADS)
 def test_packed_cpu_head_follows_the_head_precision(mode, monkeypatch):
     """A packed head (V x C >= MIN_NUMEL) packs in the head's operand dtype and gives the
     logits of `head_logits`; bf16 where this CPU cannot pack bf16: the head stays plain."""
-    if cpu_packing_missing(torch.float32) is not None:
-        pytest.skip(cpu_packing_missing(torch.float32))
     model = _HeadOnly(MIN_NUMEL // 64, 64)
     hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
     prec = Precision(head=mode)
