@@ -134,8 +134,10 @@ def test_dry_run_passes_every_step_on_the_image_python(tmp_path):
     )  # fmt: skip
     summary = (out / "gpu_summary.md").read_text()
     assert run.returncode == 0, summary + run.stdout[-4000:]
-    rows = [r for r in summary.splitlines() if r.startswith("| ") and not r.startswith("| step")]
-    exits = {r.split("|")[1].strip(): r.split("|")[4].strip() for r in rows if "---" not in r}
-    assert "install-wheels" in exits and set(exits.values()) == {"0"}, exits
+    steps_table = summary.split("| step | limit_s |", 1)[1].split("\n\n", 1)[0]
+    rows = [r for r in steps_table.splitlines()[2:] if r.startswith("| ")]  # past the header
+    exits = {r.split("|")[1].strip(): r.split("|")[4].strip() for r in rows}
+    names = {"install-wheels", "env", "pytest-cuda", "grpo-ddp", "grpo-fsdp", "tutorial-grpo"}
+    assert names <= set(exits) and set(exits.values()) == {"0"}, exits
     grpo = json.loads((tmp_path / "res" / "grpo_fsdp_dry.json").read_text())["rows"][0]
     assert grpo["parallel"] == "fsdp over 1 rank (gloo)"
