@@ -12,7 +12,14 @@ from grpo.envs.base import (
     register_env,
 )
 from grpo.envs.calculator import CalculatorEnv
-from grpo.envs.python import PYTHON_TOOL, PythonEnv, PythonResult, network_isolation, run_python
+from grpo.envs.python import (
+    PYTHON_TOOL,
+    Isolation,
+    PythonEnv,
+    PythonResult,
+    isolation,
+    run_python,
+)
 
 register_env("calculator", CalculatorEnv)
 register_env("python", PythonEnv)
@@ -28,7 +35,8 @@ __all__ = [
     "available_envs",
     "check_step",
     "env_factory",
-    "network_isolation",
+    "isolation",
+    "Isolation",
     "register_env",
     "run_python",
 ]

@@ -43,6 +43,7 @@ bookkeeping of each run (ok, invalid, error), never from anything the code write
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import re
@@ -57,6 +58,7 @@ from typing import Any
 
 from grpo.envs.base import Step, question_messages
 from grpo.envs.tool_calls import ToolCall, ToolCallError, json_type, parse_tool_calls
+from grpo.envs._sandbox import EXIT_EXCEPTION, EXIT_FILE_SIZE, EXIT_MEMORY
 from grpo.errors import GrpoError
 
 PYTHON_NAME = "python"
@@ -84,82 +86,15 @@ PYTHON_TOOL: dict[str, Any] = {
     },
 }
 
-# Exit codes of the runner (below, written out there) for an exception in the code, a MemoryError
-# and a write past RLIMIT_FSIZE. Code that exits with one of them itself only changes its own
-# observation.
-_EXIT_EXCEPTION, _EXIT_MEMORY, _EXIT_FILE_SIZE = 112, 113, 114
 _MAX_OPEN_FILES = 64
 _STDERR_TAIL = 4096  # bytes of stderr kept (its last line is all the observation uses)
 _AFTER_EXIT_S = 0.5  # once the code's process exited: most seconds to wait for its pipes' EOF
 _LINE_CHARS = 300  # an error line is cut here
-
-# The child's program: leave the network, set the limits, run the code, report how it ended.
-# Argument vector: code path, cpu seconds, address-space bytes, file bytes, open files; or
-# "--probe" (exit 0 iff the namespace move works).
-_RUNNER = r"""
-import os, sys
-
-def isolate():
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        uid, gid = os.getuid(), os.getgid()
-        if libc.unshare(0x10000000 | 0x40000000) != 0:  # CLONE_NEWUSER | CLONE_NEWNET
-            return False
-    except Exception:
-        return False
-    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
-                       ("gid_map", f"{gid} {gid} 1")):
-        try:
-            with open("/proc/self/" + name, "w") as f:
-                f.write(text)
-        except OSError:
-            pass
-    return True
-
-if sys.argv[1] == "--probe":
-    os._exit(0 if isolate() else 1)
-isolate()
-import resource
-path, cpu_s, as_bytes, file_bytes, nofile = sys.argv[1], *map(int, sys.argv[2:])
-with open(path, encoding="utf-8") as f:
-    source = f.read()
-
-def cap(which, soft, hard):
-    limit = resource.getrlimit(which)[1]
-    if limit != resource.RLIM_INFINITY:
-        soft, hard = min(soft, limit), min(hard, limit)
-    resource.setrlimit(which, (soft, hard))
-
-cap(resource.RLIMIT_CORE, 0, 0)
-cap(resource.RLIMIT_CPU, cpu_s, cpu_s + 1)
-cap(resource.RLIMIT_FSIZE, file_bytes, file_bytes)
-cap(resource.RLIMIT_NOFILE, nofile, nofile)
-cap(resource.RLIMIT_AS, as_bytes, as_bytes)
-sys.argv = ["<code>"]
-namespace = {"__name__": "__main__", "__builtins__": __builtins__}
-try:
-    exec(compile(source, "<code>", "exec"), namespace)
-except SystemExit:
-    raise
-except BaseException as e:
-    namespace.clear()
-    if isinstance(e, MemoryError):
-        os.write(2, b"\nMemoryError\n")
-        os._exit(113)
-    code = 114 if isinstance(e, OSError) and e.errno == 27 else 112  # 27: EFBIG
-    try:
-        text = str(e)
-    except BaseException:
-        text = ""
-    line = type(e).__name__ + (": " + " ".join(text.split()) if text.strip() else "")
-    try:
-        sys.stdout.flush()
-    except BaseException:
-        pass
-    os.write(2, ("\n" + line + "\n").encode("utf-8", "replace"))
-    os._exit(code)
-"""
+_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox.py")
+# Layers a run needs before it counts as isolated; "proc" (the sandbox's own /proc) and
+# "landlock" are reported but optional.
+REQUIRED_LAYERS = ("user", "pid", "mount", "network", "ipc", "capabilities", "no_new_privs",
+                   "nproc")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -205,61 +140,59 @@ def run_python(
     memory_mb: float = 512,
     max_output_chars: int = 1024,
     max_file_mb: float = 1,
+    max_processes: int = 16,
+    require_isolation: bool = True,
 ) -> PythonResult:
-    """Run a Python program in a fresh, limited process (see the module docstring).
+    """Run a Python program in a fresh, limited, isolated process (see the module docstring).
 
     Args:
         code: the program's source.
         timeout_s: wall-clock limit of the whole run (interpreter start included); at the
-            deadline the process group is killed.
+            deadline everything the run started is killed.
         cpu_s: CPU-seconds limit (RLIMIT_CPU) of the code's process (and of each it starts).
         memory_mb: address-space limit (RLIMIT_AS) in MiB; a larger allocation raises
             MemoryError. It bounds virtual memory: the interpreter takes about 20 MiB of it,
             `import numpy` about 100, `import sympy` about 55.
         max_output_chars: stdout beyond this is cut; the run is stopped once stdout passes
             4 bytes per character of it.
-        max_file_mb: largest file the code may write (RLIMIT_FSIZE), in MiB.
+        max_file_mb: largest file the code may write (RLIMIT_FSIZE), in MiB; its directory
+            holds at most 16 times this in all.
+        max_processes: most processes and threads alive in the sandbox at once, its own init
+            and the code's process included (RLIMIT_NPROC in the sandbox's user namespace).
+        require_isolation: refuse to run (GrpoError) where a required layer of `isolation()`
+            is missing; False runs with the resource limits alone there.
 
     Returns:
         a `PythonResult`.
 
     Raises:
-        GrpoError: a limit that is not positive.
+        GrpoError: a limit that is not positive, or isolation required and not available.
         OSError: the process could not be started (e.g. no processes or memory left).
     """
-    _check_limits(timeout_s, cpu_s, memory_mb, max_output_chars, max_file_mb)
-    cpu = max(1, math.ceil(cpu_s))
+    _check_limits(timeout_s, cpu_s, memory_mb, max_output_chars, max_file_mb, max_processes)
+    iso = isolation()
+    if require_isolation and not iso.complete:
+        raise GrpoError(iso.refusal())
+    limits = dict(cpu_s=max(1, math.ceil(cpu_s)), as_bytes=int(memory_mb * 2**20),
+                  file_bytes=int(max_file_mb * 2**20), nofile=_MAX_OPEN_FILES,
+                  nproc=max_processes, dir_bytes=int(16 * max_file_mb * 2**20))  # fmt: skip
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="grpo-python-", ignore_cleanup_errors=True) as root:
-        work = os.path.join(root, "work")
-        os.mkdir(work)
-        path = os.path.join(root, "code.py")
-        with open(path, "w", encoding="utf-8", errors="replace") as f:
-            f.write(code)
-        limits = [cpu, int(memory_mb * 2**20), int(max_file_mb * 2**20), _MAX_OPEN_FILES]
-        proc = subprocess.Popen(
-            [*_python_argv(), path, *map(str, limits)],
-            cwd=work,
-            env=_child_env(work),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # its own process group: pgid == pid
+    returncode, out, err, stopped, cpu_used, status = _run(
+        code, limits, iso.complete, start + timeout_s, 4 * max_output_chars + 4
+    )
+    if status.startswith("error ") and iso.complete:  # the code did not run
+        if require_isolation:
+            raise GrpoError(f"python environment: isolation layer {status[6:]}; "
+                            f"{_ESCAPE}")  # fmt: skip
+        returncode, out, err, stopped, cpu_used, status = _run(
+            code, limits, False, start + timeout_s, 4 * max_output_chars + 4
         )
-        try:
-            out, err, stopped = _collect(proc, start + timeout_s, 4 * max_output_chars + 4)
-        finally:
-            _kill_group(proc.pid)  # before reaping: a zombie leader keeps the pgid from reuse
-            _, status, usage = os.wait4(proc.pid, 0)
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            proc.stdout.close()
-            proc.stderr.close()
     elapsed = time.monotonic() - start
     text = out.decode("utf-8", "replace")
     truncated = len(text) > max_output_chars
     error, limit = _ending(
-        proc.returncode, stopped, usage.ru_utime + usage.ru_stime, _last_line(err),
-        timeout_s=timeout_s, cpu_s=cpu, memory_mb=memory_mb, max_file_mb=max_file_mb,
+        returncode, stopped, cpu_used, _last_line(err), timeout_s=timeout_s,
+        cpu_s=limits["cpu_s"], memory_mb=memory_mb, max_file_mb=max_file_mb,
         max_output_chars=max_output_chars,
     )  # fmt: skip
     return PythonResult(
@@ -272,26 +205,148 @@ def run_python(
     )
 
 
-@functools.cache
-def network_isolation() -> bool:
-    """Whether run_python's processes get their own network namespace on this machine (probed
-    once per process with a child that tries; False means they share the trainer's network)."""
+def _run(code: str, limits: dict, isolate: bool, deadline: float, max_out_bytes: int):
+    """One child run: (returncode, stdout, stderr tail, stopped, CPU seconds, status line)."""
+    with tempfile.TemporaryDirectory(prefix="grpo-python-", ignore_cleanup_errors=True) as root:
+        work = os.path.join(root, "work")
+        os.mkdir(work)
+        os.mkdir(os.path.join(root, "root"))
+        path = os.path.join(root, "code.py")
+        with open(path, "w", encoding="utf-8", errors="replace") as f:
+            f.write(code)
+        status_r, status_w = os.pipe()
+        cfg = dict(limits, code=path, work=work, root=os.path.join(root, "root"),
+                   isolate=isolate, network=True, status_fd=status_w)  # fmt: skip
+        try:
+            proc = subprocess.Popen(
+                [*_python_argv(), json.dumps(cfg)],
+                cwd=work,
+                env=_child_env(work),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(status_w,),
+                start_new_session=True,  # its own process group: pgid == pid
+            )
+        finally:
+            os.close(status_w)
+        try:
+            try:
+                out, err, stopped = _collect(proc, deadline, max_out_bytes)
+            finally:
+                _kill_group(proc.pid)  # before reaping: a zombie leader keeps the pgid reserved
+                _, wait_status, usage = os.wait4(proc.pid, 0)
+                proc.stdout.close()
+                proc.stderr.close()
+            status = _read_status(status_r)
+        finally:
+            os.close(status_r)
+    returncode = os.waitstatus_to_exitcode(wait_status)
+    return returncode, out, err, stopped, usage.ru_utime + usage.ru_stime, status
+
+
+def _read_status(fd: int) -> str:
+    """The runner's one status line (written before the code starts; the code never holds the
+    pipe), or "" when the runner was stopped before it wrote one."""
+    os.set_blocking(fd, False)
+    data = b""
     try:
-        with tempfile.TemporaryDirectory(prefix="grpo-python-") as work:
-            r = subprocess.run([*_python_argv(), "--probe"], cwd=work, env=_child_env(work),
-                               stdin=subprocess.DEVNULL, capture_output=True,
-                               timeout=30)  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return r.returncode == 0
+        while b"\n" not in data and len(data) < 65536:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            data += chunk
+    except BlockingIOError:
+        pass
+    return data.split(b"\n", 1)[0].decode("utf-8", "replace")
+
+
+_ESCAPE = "set require_isolation: false (rollout.env_kwargs) to run the code without it"
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """The sandbox layers `run_python` gets on this machine (`isolation()`).
+
+    Attributes:
+        layers: each layer that applied and how: user ("fresh uid": the code's processes run as
+            a uid of their own; "caller's uid": the caller's, without root), pid, mount, proc
+            (the sandbox's own /proc; without it the sandbox has none), network, ipc, uts,
+            capabilities ("none"), no_new_privs, nproc (the process cap applies), landlock (the
+            ABI applied, 0: none).
+        error: the first layer that failed and why ("mount: pivot_root: ..."), or None.
+    """
+
+    layers: dict
+    error: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        """Every required layer applied."""
+        return self.error is None and all(self.layers.get(k) for k in REQUIRED_LAYERS)
+
+    @property
+    def missing(self) -> list[str]:
+        return [k for k in REQUIRED_LAYERS if not self.layers.get(k)]
+
+    def describe(self) -> str:
+        """One line: the layers that applied, then what is missing."""
+        if self.error is not None:
+            return f"none ({self.error})"
+        layers = self.layers
+        parts = [f"user namespace ({layers['user']})", "pid", "mount", "network", "ipc", "uts"]
+        parts.append("own /proc" if layers.get("proc") else "no /proc")
+        parts += ["no capabilities", "no_new_privs", "process cap"]
+        abi = layers.get("landlock") or 0
+        parts.append(f"landlock ABI {abi}" if abi else "no landlock")
+        return ", ".join(parts)
+
+    def refusal(self) -> str:
+        """The one-line error of a run that requires isolation where it is missing."""
+        what = self.error or ", ".join(self.missing)
+        return f"python environment: sandbox layer unavailable: {what}; {_ESCAPE}"
+
+    def as_dict(self) -> dict:
+        return {"complete": self.complete, "layers": dict(self.layers), "error": self.error}
+
+
+@functools.cache
+def isolation() -> Isolation:
+    """The sandbox layers `run_python`'s processes get on this machine, probed once per process
+    by running ``pass`` in a sandbox (on a non-Linux OS, or where user namespaces are off: no
+    layer, `error` says why)."""
+    if not sys.platform.startswith("linux"):
+        return Isolation({}, f"user: not Linux ({sys.platform})")
+    limits = dict(cpu_s=10, as_bytes=1 << 30, file_bytes=1 << 20, nofile=_MAX_OPEN_FILES,
+                  nproc=16, dir_bytes=1 << 20)  # fmt: skip
+    try:
+        returncode, _, err, stopped, _, status = _run("pass", limits, True,
+                                                      time.monotonic() + 30, 4096)  # fmt: skip
+    except OSError as e:
+        return Isolation({}, f"user: cannot start the probe: {e.strerror}")
+    if status.startswith("ok "):
+        try:
+            layers = json.loads(status[3:])
+        except ValueError:
+            return Isolation({}, f"probe: unreadable report {status[:80]!r}")
+        if not isinstance(layers, dict):
+            return Isolation({}, f"probe: unreadable report {status[:80]!r}")
+        if returncode != 0:
+            why = _last_line(err) or f"exit status {returncode}"
+            return Isolation(layers, f"probe: the sandboxed 'pass' failed: {why}")
+        return Isolation(layers)
+    if status.startswith("error "):
+        return Isolation({}, status[6:])
+    why = "timed out" if stopped else _last_line(err) or f"exit status {returncode}"
+    return Isolation({}, f"probe: {why}")
 
 
 def _python_argv() -> list[str]:
-    # -s: no user site-packages; -P (3.11+): no cwd on sys.path; -u: unbuffered, so output
-    # written before a kill is not lost. Not -I / -E: they would ignore PYTHONHASHSEED, and the
-    # environment is ours anyway.
+    # -s: no user site-packages; -P (3.11+): no cwd or script directory on sys.path; -u:
+    # unbuffered, so output written before a kill is not lost. Not -I / -E: they would ignore
+    # PYTHONHASHSEED, and the environment is ours anyway.
     safe_path = ["-P"] if sys.version_info >= (3, 11) else []
-    return [sys.executable, "-s", *safe_path, "-u", "-c", _RUNNER]
+    return [sys.executable, "-s", *safe_path, "-u", _RUNNER]
 
 
 def _child_env(work: str) -> dict[str, str]:
@@ -311,17 +366,20 @@ def _child_env(work: str) -> dict[str, str]:
     }
 
 
-def _check_limits(timeout_s, cpu_s, memory_mb, max_output_chars, max_file_mb) -> None:
+def _check_limits(timeout_s, cpu_s, memory_mb, max_output_chars, max_file_mb,
+                  max_processes=16) -> None:  # fmt: skip
     values = dict(timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb,
-                  max_output_chars=max_output_chars, max_file_mb=max_file_mb)  # fmt: skip
+                  max_output_chars=max_output_chars, max_file_mb=max_file_mb,
+                  max_processes=max_processes)  # fmt: skip
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
             raise GrpoError(f"python environment: {name} must be a number > 0, got {value!r}")
         if not math.isfinite(value):
             raise GrpoError(f"python environment: {name} must be finite, got {value!r}")
-    if not isinstance(max_output_chars, int):
-        raise GrpoError(f"python environment: max_output_chars must be an integer, "
-                        f"got {max_output_chars!r}")  # fmt: skip
+    for name in ("max_output_chars", "max_processes"):
+        if not isinstance(values[name], int):
+            raise GrpoError(f"python environment: {name} must be an integer, "
+                            f"got {values[name]!r}")  # fmt: skip
 
 
 def _collect(proc: subprocess.Popen, deadline: float, max_out_bytes: int):
@@ -420,13 +478,13 @@ def _ending(returncode, stopped, cpu_used, line, *, timeout_s, cpu_s, memory_mb,
         return f"output cut at {max_output_chars} characters", "output"
     if stopped == "time":
         return f"time limit ({timeout_s:g} s) exceeded", "time"
-    if returncode == _EXIT_MEMORY:
+    if returncode == EXIT_MEMORY:
         return f"memory limit ({memory_mb:g} MB) exceeded", "memory"
-    if returncode in (_EXIT_FILE_SIZE, -signal.SIGXFSZ):
+    if returncode in (EXIT_FILE_SIZE, -signal.SIGXFSZ):
         return f"file size limit ({max_file_mb:g} MB) exceeded", "file"
     if returncode == -signal.SIGXCPU or (returncode == -signal.SIGKILL and cpu_used >= cpu_s):
         return f"CPU time limit ({cpu_s} s) exceeded", "cpu"
-    if returncode == _EXIT_EXCEPTION:
+    if returncode == EXIT_EXCEPTION:
         return line or "exception", None
     if returncode < 0:
         try:
@@ -496,6 +554,10 @@ class PythonEnv:
         memory_mb: address-space limit of one run in MiB (RLIMIT_AS).
         max_output_chars: a run's stdout is cut here (with an ``error: output cut`` line).
         max_file_mb: largest file a run may write, in MiB (RLIMIT_FSIZE).
+        max_processes: most processes and threads alive in one run's sandbox at once.
+        require_isolation: refuse to start (GrpoError, at construction) where a required
+            sandbox layer is missing on this machine (`isolation()`); False runs the code with
+            the resource limits alone there.
         max_calls_per_turn: calls beyond this in one turn are answered with an error (invalid).
         tool_reward: step reward per run that finished cleanly.
         invalid_penalty: subtracted per invalid call (malformed, unknown tool, bad arguments,
@@ -517,6 +579,8 @@ class PythonEnv:
         memory_mb: float = 512,
         max_output_chars: int = 1024,
         max_file_mb: float = 1,
+        max_processes: int = 16,
+        require_isolation: bool = True,
         max_calls_per_turn: int = 4,
         tool_reward: float = 0.0,
         invalid_penalty: float = 0.0,
@@ -524,13 +588,21 @@ class PythonEnv:
         system_prompt: str | None = None,
         use_template_tools: bool = False,
     ):
-        _check_limits(timeout_s, cpu_s, memory_mb, max_output_chars, max_file_mb)
+        _check_limits(timeout_s, cpu_s, memory_mb, max_output_chars, max_file_mb, max_processes)
+        if not isinstance(require_isolation, bool):
+            raise GrpoError(f"python environment: require_isolation must be true or false, "
+                            f"got {require_isolation!r}")  # fmt: skip
+        self.isolation = isolation()
+        if require_isolation and not self.isolation.complete:
+            raise GrpoError(self.isolation.refusal())
         n = max_calls_per_turn
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise GrpoError(f"python environment: max_calls_per_turn must be an integer >= 1, "
                             f"got {max_calls_per_turn!r}")  # fmt: skip
         self.limits = dict(timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb,
-                           max_output_chars=max_output_chars, max_file_mb=max_file_mb)  # fmt: skip
+                           max_output_chars=max_output_chars, max_file_mb=max_file_mb,
+                           max_processes=max_processes,
+                           require_isolation=require_isolation)  # fmt: skip
         self.max_calls_per_turn = max_calls_per_turn
         self.tool_reward = tool_reward
         self.invalid_penalty = invalid_penalty
