@@ -56,9 +56,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from grpo.envs._sandbox import EXIT_EXCEPTION, EXIT_FILE_SIZE, EXIT_MEMORY
 from grpo.envs.base import Step, question_messages
 from grpo.envs.tool_calls import ToolCall, ToolCallError, json_type, parse_tool_calls
-from grpo.envs._sandbox import EXIT_EXCEPTION, EXIT_FILE_SIZE, EXIT_MEMORY
 from grpo.errors import GrpoError
 
 PYTHON_NAME = "python"
