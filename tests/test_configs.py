@@ -114,6 +114,11 @@ def test_gsm8k_qwen3_tools_config_runs(tmp_path):
     m = check_metrics(out)
     assert 1 <= m["env/turns_mean"] <= cfg.rollout.max_turns
     assert m["rollout/logprob_diff_max"] <= 1e-2  # bf16 budget (tests/test_precision.py)
+    # the sandbox the code ran in, as the run's header records it (docs/safety.md)
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    from grpo.envs import isolation
+
+    assert json.loads(first["run/env_isolation"]) == isolation().as_dict()
 
 
 def test_pipeline_gsm8k_config_runs(shared_tiny_model, tmp_path):

@@ -117,9 +117,9 @@ def test_file_size_limit_and_the_directory_is_removed():
 
 
 def spawn(token: str) -> str:
-    """Code that starts `sleep 30` with `token` in its arguments (found through the host's
-    /proc: inside the sandbox a pid means nothing outside it)."""
-    return f"import subprocess\np = subprocess.Popen(['sleep', '30', '{token}'])\n"
+    """Code that starts `sleep 30` named `token` (its argv[0], found through the host's /proc:
+    inside the sandbox a pid means nothing outside it)."""
+    return f"import subprocess\np = subprocess.Popen(['{token}', '30'], executable='sleep')\n"
 
 
 def sleepers(token: str) -> list[int]:

@@ -9,6 +9,7 @@ from grpo.envs.base import (
     available_envs,
     check_step,
     env_factory,
+    env_metadata,
     register_env,
 )
 from grpo.envs.calculator import CalculatorEnv
@@ -35,6 +36,7 @@ __all__ = [
     "available_envs",
     "check_step",
     "env_factory",
+    "env_metadata",
     "isolation",
     "Isolation",
     "register_env",

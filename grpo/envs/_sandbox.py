@@ -141,7 +141,10 @@ def die_like(status):
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        signal.signal(sig, signal.SIG_DFL)
+        try:
+            signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass  # SIGKILL, SIGSTOP: default already
         os.kill(os.getpid(), sig)
         os._exit(128 + sig)  # a signal this process could not die of (e.g. blocked)
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else EXIT_SETUP)
@@ -250,6 +253,7 @@ def init(source, cfg, status_fd, code_w):
     if code == 0:  # P
         os.close(code_w)
         libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # its own /proc/self readable again
+        os.setsid()  # kill(0, ...) reaches only the code's own processes
         os.chdir(cfg["work"])
         run_code(source, cfg)
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # P cannot open pid 1's file descriptors

@@ -55,6 +55,9 @@ class Environment(Protocol):
         """The model's turn (its text, stop token left out, and its token ids) -> a `Step`."""
         ...
 
+    # Optional: ``metadata() -> dict[str, str]``, what a run records about the environment in
+    # its header (`env_metadata`), e.g. the python environment's sandbox layers.
+
 
 _REGISTERED: dict[str, Callable[..., Environment]] = {}
 
@@ -99,6 +102,17 @@ def env_factory(spec: str | Callable[..., Environment], kwargs: Mapping[str, Any
     except ValueError:
         pass
     return lambda: cls(**kwargs)
+
+
+def env_metadata(make_env: Callable[[], Environment], prefix: str = "run/env_") -> dict[str, str]:
+    """What a run records about its environment, made once at the start of the run (so that
+    its arguments and what it needs from the machine are checked before anything is written):
+    the environment's optional ``metadata()`` (name -> string), keys prefixed with `prefix`."""
+    env = make_env()
+    describe = getattr(env, "metadata", None)
+    if not callable(describe):
+        return {}
+    return {f"{prefix}{k}": str(v) for k, v in describe().items()}
 
 
 def check_step(name: str, step: Any) -> Step:

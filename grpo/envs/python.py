@@ -613,6 +613,10 @@ class PythonEnv:
     def start(self, row: dict) -> list[dict] | None:
         return question_messages(row, self.system_prompt, self.use_template_tools)
 
+    def metadata(self) -> dict[str, str]:
+        """Recorded in a run's header: the sandbox layers as JSON (`Isolation.as_dict`)."""
+        return {"isolation": json.dumps(self.isolation.as_dict(), sort_keys=True)}
+
     def step(self, text: str, token_ids: list[int]) -> Step:
         return self.answer(code_runs(text))
 

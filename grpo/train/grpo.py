@@ -54,7 +54,7 @@ from grpo.distributed import (
     rank_local,
     wrap_ddp,
 )
-from grpo.envs import env_factory
+from grpo.envs import env_factory, env_metadata
 from grpo.errors import GrpoError
 from grpo.eval import eval_env_settings, evaluate
 from grpo.loading import load_rows, resolve_device
@@ -351,8 +351,9 @@ def update_phase(
 
 
 def run_header(
-    cfg: Config, precision, device=None, parallel: str = "single process"
-) -> dict[str, str]:
+    cfg: Config, precision, device=None, parallel: str = "single process",
+    env: dict[str, str] | None = None,
+) -> dict[str, str]:  # fmt: skip
     """What a GRPO run computes, by name: logged at the start (rank 0) and written into the
     first metrics.jsonl record of each start (`MetricLogger(header=...)`). Values are strings,
     so consumers that read numeric metrics pass over them."""
@@ -366,6 +367,7 @@ def run_header(
         "run/eval_env": cfg.eval.env or cfg.rollout.env,
         "run/precision": precision.describe(device),
         "run/parallel": parallel,
+        **(env or {}),  # the environments' own records (`env_metadata`)
     }
 
 
@@ -420,8 +422,9 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
     make_env = (
         env_factory(cfg.rollout.env, cfg.rollout.env_kwargs) if cfg.rollout.multi_turn else None
     )
+    env_meta = env_metadata(make_env) if make_env is not None else {}
     if cfg.eval.env:
-        env_factory(cfg.eval.env, key="eval.env")
+        env_meta.update(env_metadata(env_factory(cfg.eval.env, key="eval.env"), "run/eval_env_"))
     policy = build_policy(cfg, device, need_ref=cfg.loss.needs_reference or cfg.log.kl_every > 0)
     sharded = shard_policy(policy, cfg, dist)  # train.parallel: fsdp (before the optimizer)
     rows = load_rows(cfg.data, cfg.data.split, cfg.data.max_samples, "rl", policy.tokenizer)
@@ -438,7 +441,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
     # Only now, with model, data and rewards checked, does the run directory get written.
     run = start_run(cfg, policy, dist, cfg.train.max_steps * cfg.loss.num_iterations, rundir,
                     header=run_header(cfg, policy.precision, policy.device,
-                                      describe_parallel(dist, sharded)))  # fmt: skip
+                                      describe_parallel(dist, sharded), env_meta))  # fmt: skip
     state, optimizer, scheduler, params = run.state, run.optimizer, run.scheduler, run.params
     policy.model.eval()
     scorer = wrap_ddp(CompletionLogprobs(policy.model, policy.precision), dist, device)
