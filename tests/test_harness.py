@@ -126,3 +126,16 @@ def test_benchmark_arguments_name_the_bad_item(capsys):
         comma_list(parser, "--cases", "a,x", ("a", "b"))
     assert e.value.code == 2
     assert "--cases: unknown 'x'; valid: ['a', 'b']" in capsys.readouterr().err
+
+
+def test_bench_python_env_smoke(tmp_path):
+    """The sandbox-cost benchmark runs both modes on one code and writes its table."""
+    from benchmarks import bench_python_env
+    from grpo.envs import isolation
+
+    if not isolation().complete:
+        pytest.skip(f"the sandbox is not available here: {isolation().error}")
+    rows = bench_python_env.main(["--codes", "pass", "--repeats", "2", "--out-dir", str(tmp_path)])
+    assert [r["mode"] for r in rows] == ["sandbox", "limits only"]
+    assert rows[1]["ratio"] == 1.0 and rows[0]["ratio"] > 0
+    assert (tmp_path / "python_env_cpu.json").exists()

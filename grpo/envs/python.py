@@ -5,35 +5,48 @@ SimpleTIR style tool-integrated reasoning), and the `python` environment around 
     run_python("1 / 0").observation()                   # -> "error: ZeroDivisionError: ..."
     run_python("while True: pass", cpu_s=1).limit        # -> "cpu"
 
-This is a RESOURCE boundary, not a security boundary. It keeps a buggy or runaway program (an
-infinite loop, a memory bomb, a flood of output, a huge file, leftover child processes) from
-hurting the training run or the machine; it does not contain code written to escape. The code
-runs as the trainer's own user, can read whatever that user can read and write outside its
-directory, and can leave its process group (``os.setsid``) to outlive the wall-clock kill. The
-number of processes is not capped (RLIMIT_NPROC counts all of the user's processes), so a fork
-bomb is only stopped by the wall clock. Run untrusted models' code in a container or VM of its
-own.
+Each run is a fresh interpreter (``sys.executable -s -P -u``, running grpo/envs/_sandbox.py; no
+state carries over between runs; numpy, sympy and whatever else the interpreter's site-packages
+hold can be imported) with a minimal environment (PATH, PYTHONHASHSEED=0, UTF-8 mode, one
+BLAS/OpenMP thread, HOME and TMPDIR at its work directory: no tokens or keys from the
+trainer's environment) and stdin at /dev/null.
 
-Each run is a fresh interpreter (``sys.executable -s -P -u``; no state carries over between
-runs; numpy, sympy and whatever else the trainer's environment has installed can be imported),
-started with:
+It is an ISOLATION boundary on Linux, without root and without system packages (docs/safety.md
+lists the escapes tried). The child enters new user, pid, mount, network, ipc and uts
+namespaces:
 
-- a fresh temporary directory as cwd, HOME and TMPDIR, deleted afterwards;
-- a minimal environment: PATH, PYTHONHASHSEED=0, UTF-8 mode, one BLAS/OpenMP thread, nothing
-  else inherited (no tokens or keys from the trainer's environment); stdin is /dev/null;
-- its own session and process group (``start_new_session``);
-- limits set by a small runner before it executes the code: RLIMIT_CPU (`cpu_s`; SIGXCPU, then
-  SIGKILL a second later), RLIMIT_AS (`memory_mb`: allocation fails with MemoryError),
-  RLIMIT_FSIZE (`max_file_mb`: a larger write fails with EFBIG), RLIMIT_CORE=0, RLIMIT_NOFILE;
-- no network where the OS allows: the runner moves itself into a new user and network namespace
-  (``unshare(CLONE_NEWUSER | CLONE_NEWNET)``: only a loopback device, down) and silently runs
-  without one where that fails; `network_isolation()` says which applies on this machine.
+- pid: the code runs as pid 2 under an init of the sandbox's own; nothing outside is visible or
+  signalable (not the trainer, not its process group, not ``kill(-1)``'s reach), and when the
+  code's process exits, or the run is killed, everything in the namespace dies with it
+  (``setsid`` and double forks included);
+- mount: a read-only root on a tmpfs holding only /usr, the loader's /lib directories, a few
+  /etc files, /dev/null, zero, full, random and urandom, a /proc of its own, the interpreter's
+  prefixes and site-packages (read-only), and the work directory (a tmpfs of 16 x
+  `max_file_mb`); the run directory, HOME, the checkout and every other path are absent;
+- network: no device but a loopback that is down; abstract Unix sockets are per network
+  namespace, filesystem ones are absent from the new root;
+- user: the code runs as uid 1000 of the namespace, mapped to a uid no one else uses when the
+  trainer is root (else to the trainer's own), with no capabilities, an empty bounding set and
+  no_new_privs; RLIMIT_NPROC (`max_processes`) counts the sandbox's processes only;
+- Landlock where the kernel has it (ABI 1+: writes only in the work directory; 4+: no TCP bind
+  or connect; 6+: no abstract Unix socket or signal beyond the sandbox).
 
-The parent enforces the wall clock (`timeout_s`): at the deadline it SIGKILLs the whole process
-group, so processes the code started die with it; it does the same as soon as the code's own
-process exits (nothing it started outlives the run) and when stdout grows far beyond
-`max_output_chars` (it stops reading and kills, so an endless ``print`` costs neither memory nor
-time). The process is always reaped.
+`isolation()` probes the layers once per process and reports them as one value (recorded in a
+training run's header as ``run/env_isolation``). `require_isolation` (default True) refuses a
+run, and the environment at construction, with one line naming the missing layer; with False
+the code runs with the resource limits alone where the sandbox cannot be had.
+
+Resource limits, set by the child before it executes the code: RLIMIT_CPU (`cpu_s`; SIGXCPU,
+then SIGKILL a second later), RLIMIT_AS (`memory_mb`: allocation fails with MemoryError),
+RLIMIT_FSIZE (`max_file_mb`: a larger write fails with EFBIG), RLIMIT_CORE=0, RLIMIT_NOFILE,
+RLIMIT_NPROC (`max_processes`).
+
+The parent enforces the wall clock (`timeout_s`): at the deadline it SIGKILLs the run's process
+group, the sandbox's init with it; it does the same as soon as the code's own process exits and
+when stdout grows far beyond `max_output_chars` (it stops reading and kills, so an endless
+``print`` costs neither memory nor time). The process is always reaped. The child reports how
+the setup went on a pipe the code never holds, so nothing the code does can fake a layer or a
+setup failure.
 
 What the code can influence is only the observation text shown to the model: rewards read the
 model's own final turn, and the environment's reward and counters come from the parent's own
