@@ -366,15 +366,16 @@ def new_root(cfg, sources):
 
 
 def read_only(target, is_dir, device):
-    """Make a bound tree read-only (a device node stays writable: /dev/null), nosuid and nodev
-    (not a device node); every mount in it with mount_setattr (Linux 5.12), else the top one."""
-    flags = 2 if device else 1 | 2 | 4  # MOUNT_ATTR_ RDONLY | NOSUID | NODEV
+    """Make a bound tree read-only (/dev/null stays writable), nosuid and nodev (a device node
+    keeps its dev flag); every mount in it with mount_setattr (Linux 5.12), else the top one."""
+    rdonly = 0 if target.endswith("/dev/null") else 1
+    flags = rdonly | 2 | (0 if device else 4)  # MOUNT_ATTR_ RDONLY | NOSUID | NODEV
     attr = struct.pack("QQQQ", flags, 0, 0, 0)
     if libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, target.encode(), AT_RECURSIVE, attr,
                     ctypes.c_size_t(32)) == 0:  # fmt: skip
         return
-    flags = MS_REMOUNT | MS_BIND | MS_NOSUID | (0 if device else MS_RDONLY | MS_NODEV)
-    mount(None, target, None, flags, None)
+    flags = MS_REMOUNT | MS_BIND | MS_NOSUID | (MS_RDONLY if rdonly else 0)
+    mount(None, target, None, flags | (0 if device else MS_NODEV), None)
 
 
 def drop_privileges():
