@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,20 @@ from grpo.errors import GrpoError
 from grpo.io import read_text, write_text
 from grpo.plugins import load_plugins
 from grpo.settings import ConfigError, _build, _check, _coerce, _hints, setting, setting_key
+
+log = logging.getLogger(__name__)
+
+# The longest accepted timeout: beyond a week a number is a typo, not a setting (and
+# torch.distributed's timedelta overflows on inf).
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def _check_seconds(value: float | None, key: str, nullable: bool = False) -> None:
+    if value is None and nullable:
+        return
+    ok = isinstance(value, int | float) and math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S
+    extra = " or null" if nullable else ""
+    _check(ok, key, f"must be > 0 and at most {MAX_TIMEOUT_S:.0f} (seconds){extra}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -102,9 +117,7 @@ class RewardConfig:
     timeout_s: float | None = 300.0
 
     def __post_init__(self):
-        if self.timeout_s is not None:
-            ok = math.isfinite(self.timeout_s) and self.timeout_s > 0
-            _check(ok, "rewards[].timeout_s", f"must be > 0 (seconds) or null: {self.timeout_s}")
+        _check_seconds(self.timeout_s, "rewards[].timeout_s", nullable=True)
 
     @property
     def spec(self) -> dict:
@@ -193,10 +206,8 @@ class RolloutConfig:
         _check(self.ranks >= 0, "rollout.ranks", f"must be >= 0, got {self.ranks}")
         _check(self.ranks == 0 or self.asynchronous, "rollout.ranks",
                f"{self.ranks} producer ranks need rollout.async: on")  # fmt: skip
-        _check(self.async_timeout_s > 0, "rollout.async_timeout_s", "must be > 0")
-        if self.env_timeout_s is not None:
-            _check(self.env_timeout_s > 0, "rollout.env_timeout_s",
-                   f"must be > 0 (seconds) or null, got {self.env_timeout_s}")  # fmt: skip
+        _check_seconds(self.async_timeout_s, "rollout.async_timeout_s")
+        _check_seconds(self.env_timeout_s, "rollout.env_timeout_s", nullable=True)
 
 
 @dataclass(frozen=True)
@@ -379,7 +390,7 @@ class TrainConfig:
         _check(self.stall_steps >= 0, "train.stall_steps", "must be >= 0 (0 = no checks)")
         _check(not self.stop_on_stall or self.stall_steps > 0, "train.stop_on_stall",
                "needs train.stall_steps > 0 (0 turns the checks off)")  # fmt: skip
-        _check(self.dist_timeout_s > 0, "train.dist_timeout_s", "must be > 0 (seconds)")
+        _check_seconds(self.dist_timeout_s, "train.dist_timeout_s")
         out = str(self.output_dir).strip()
         _check(
             out not in ("", ".", "./") and Path(out).expanduser().resolve() != Path("/"),
@@ -584,8 +595,10 @@ def load_config(
             raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
         data.update(loaded)
     _drop_retired(data)
-    for key, value in parse_overrides(overrides):
+    parsed = parse_overrides(overrides)
+    for key, value in parsed:
         _set_dotted(data, key, value)
+    _max_steps_wins(data, {key for key, _ in parsed})
     listed = _coerce(data.get("plugins", []), tuple[str, ...], "plugins")
     data["plugins"] = [*listed, *(p for p in plugins if p not in listed)]
     try:  # first: loss, reward and environment names may be theirs
@@ -593,6 +606,18 @@ def load_config(
     except GrpoError as e:
         raise ConfigError(str(e)) from None
     return _build(Config, data)
+
+
+def _max_steps_wins(data: dict, overridden: set[str]) -> None:
+    """A command-line `train.max_steps` wins over the config's `train.epochs` (which otherwise
+    decides an SFT run's length), as in Hugging Face's Trainer; said in one line."""
+    train = data.get("train")
+    if "train.max_steps" not in overridden or "train.epochs" in overridden:
+        return
+    if isinstance(train, dict) and train.get("epochs") is not None:
+        log.warning("train.max_steps=%s (command line) wins over the config's train.epochs=%s",
+                    train.get("max_steps"), train["epochs"])  # fmt: skip
+        train["epochs"] = None
 
 
 # Keys removed after 0.1.0 (docs/CHANGES.md) that every run directory of that release saved, as

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import subprocess
 import sys
@@ -88,7 +89,12 @@ def test_round_trip(cfg_file, tmp_path):
         ("train.output_dir=/", r"train.output_dir: must name a directory of its own"),
         # settings that cannot work: no update stays finite, no hang is bounded
         ("optim.lr=1e30", r"optim.lr: must be <= 1 \(AdamW moves every weight by about lr"),
-        ("rollout.env_timeout_s=0", r"rollout.env_timeout_s: must be > 0 \(seconds\) or null"),
+        ("rollout.env_timeout_s=0", r"rollout.env_timeout_s: must be > 0 and at most 604800"),
+        # every limit has bounds: a huge number is a typo, not a setting
+        ("rollout.env_timeout_s=1e30", r"rollout.env_timeout_s: must be > 0 and at most 604800"),
+        ("rollout.async_timeout_s=1e9", r"rollout.async_timeout_s: must be > 0 and at most"),
+        ("train.dist_timeout_s=1e12", r"train.dist_timeout_s: must be > 0 and at most 604800"),
+        ("rewards=[{name: accuracy, timeout_s: 1e30}]", r"rewards\[\]\.timeout_s: must be > 0"),
     ],
 )
 def test_bad_values_name_the_field(cfg_file, override, pattern):
@@ -235,3 +241,18 @@ def test_extending_settings_example_runs_as_written(capsys):
     exec(compile(block, "extending.md", "exec", dont_inherit=True), {"__name__": "doc_example"})
     expected = re.search(r"# (job\.temperature \| .*)", block).group(1)
     assert capsys.readouterr().out.strip() == expected
+
+
+def test_command_line_max_steps_wins_over_config_epochs(caplog):
+    """configs/gsm8k_qwen3_0.6b_sft.yaml sets train.epochs: 3 (2,803 steps); a command-line
+    train.max_steps is what the user asked for (as in Hugging Face's Trainer), said in one line.
+    Both on the command line: epochs decides, as before."""
+    path = Path(__file__).resolve().parents[1] / "configs" / "gsm8k_qwen3_0.6b_sft.yaml"
+    assert load_config(path).train.epochs == 3
+    with caplog.at_level(logging.WARNING, logger="grpo.config"):
+        cfg = load_config(path, ["train.max_steps=1"])
+    assert cfg.train.max_steps == 1 and cfg.train.epochs is None
+    lines = [r.getMessage() for r in caplog.records if r.name == "grpo.config"]
+    assert lines == ["train.max_steps=1 (command line) wins over the config's train.epochs=3"]
+    both = load_config(path, ["train.max_steps=1", "train.epochs=2"])
+    assert both.train.epochs == 2

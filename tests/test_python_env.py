@@ -180,8 +180,11 @@ def test_no_network():
 
 
 @pytest.mark.parametrize(
-    "bad", [dict(timeout_s=0), dict(cpu_s=-1), dict(memory_mb=float("inf")), dict(cpu_s=True)]
-)
+    "bad",
+    [dict(timeout_s=0), dict(cpu_s=-1), dict(memory_mb=float("inf")), dict(cpu_s=True),
+     dict(memory_mb=1e30), dict(timeout_s=1e9), dict(max_file_mb=1e6), dict(max_processes=10**6),
+     dict(max_output_chars=10**12), dict(max_processes=2.5)],
+)  # fmt: skip
 def test_limits_must_be_positive(bad):
     with pytest.raises(GrpoError, match=next(iter(bad))):
         run_python("print(1)", **small(**bad))

@@ -379,6 +379,12 @@ def _child_env(work: str) -> dict[str, str]:
     }
 
 
+# Largest accepted value of each limit: beyond these a number is a typo, not a setting (an hour of
+# wall or CPU time per call, 64 GiB of address space, ...).
+LIMIT_MAX = dict(timeout_s=3600, cpu_s=3600, memory_mb=65536, max_output_chars=10_000_000,
+                 max_file_mb=1024, max_processes=4096)  # fmt: skip
+
+
 def _check_limits(timeout_s, cpu_s, memory_mb, max_output_chars, max_file_mb,
                   max_processes=16) -> None:  # fmt: skip
     values = dict(timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb,
@@ -387,8 +393,9 @@ def _check_limits(timeout_s, cpu_s, memory_mb, max_output_chars, max_file_mb,
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
             raise GrpoError(f"python environment: {name} must be a number > 0, got {value!r}")
-        if not math.isfinite(value):
-            raise GrpoError(f"python environment: {name} must be finite, got {value!r}")
+        if not math.isfinite(value) or value > LIMIT_MAX[name]:
+            raise GrpoError(f"python environment: {name} must be at most {LIMIT_MAX[name]}, "
+                            f"got {value!r}")  # fmt: skip
     for name in ("max_output_chars", "max_processes"):
         if not isinstance(values[name], int):
             raise GrpoError(f"python environment: {name} must be an integer, "
