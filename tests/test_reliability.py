@@ -161,11 +161,19 @@ def test_fsdp_sigkill_resume_is_exact_and_resumes_on_one_process(
     assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-3  # it did train
     # step 2's checkpoint, resumed for its last step in one process and on 2 DDP ranks
     monkeypatch.chdir(tmp_path)  # the same relative paths as the runs above
-    for name, extra, torchrun in (("one", [], False), ("ddp", ["train.parallel=ddp"], True)):
+    # one process keeps the job's global batch of 2 x 16 (16 alone is refused with the numbers)
+    one = ["train.batch_size=32"]
+    for name, extra, torchrun in (("one", one, False), ("ddp", ["train.parallel=ddp"], True)):
         shutil.copytree(tmp_path / "straight", tmp_path / name)
         shutil.rmtree(tmp_path / name / "checkpoints" / f"step_{steps:06d}")
         (tmp_path / name / "checkpoints" / "latest").write_text(f"step_{steps - 1:06d}\n")
         args = [*fsdp, f"train.max_steps={steps}", f"train.output_dir={name}", *extra, "--resume"]
+        if name == "one":
+            capsys.readouterr()
+            assert cli.main([a for a in args if a not in one]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and "a global batch of 32" in err[0], err
+            assert "makes a global batch of 16: set train.batch_size=32 to keep it" in err[0]
         if torchrun:
             run_to_end(grpo_cmd(*args, torchrun=True), tmp_path)
         else:  # one process: this one, through the CLI

@@ -376,7 +376,29 @@ def check_run_dir(cfg: Config, kind: str, resume: bool, overwrite: bool,
             + (" or without torchrun" if saved_ranks == 1 else "")
             + ", or start afresh in another train.output_dir"
         )
+    _check_global_batch(ckpt, saved, saved_ranks, cfg.train.batch_size, world_size)
     return ckpt
+
+
+def _check_global_batch(ckpt: Path, saved: dict, saved_ranks: int, batch_size: int,
+                        world_size: int) -> None:  # fmt: skip
+    """On another number of ranks, train.batch_size (per rank) must keep the checkpoint's
+    global batch: a run saved by 2 ranks and resumed on 1 would otherwise halve it silently."""
+    train = saved.get("train") if isinstance(saved, dict) else None
+    before = train.get("batch_size") if isinstance(train, dict) else None
+    if not isinstance(before, int) or saved_ranks < 1 or saved_ranks == world_size:
+        return
+    kept, now = before * saved_ranks, batch_size * world_size
+    if kept == now:
+        return
+    ranks = f"{world_size} rank" + ("s" if world_size > 1 else "")
+    fix = (f"set train.batch_size={kept // world_size} to keep it, or " if kept % world_size == 0
+           else "")  # fmt: skip
+    raise GrpoError(
+        f"--resume: checkpoint {ckpt} was saved by {saved_ranks} ranks at train.batch_size="
+        f"{before} per rank (a global batch of {kept}); on {ranks} train.batch_size={batch_size}"
+        f" makes a global batch of {now}: {fix}relaunch with --nproc_per_node={saved_ranks}"
+    )
 
 
 # --------------------------------------------------------------------------- signals
