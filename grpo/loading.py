@@ -167,6 +167,7 @@ def load_rows(
         row and length, and an empty selection fails naming the dataset and split.
     """
     from grpo.data import format_math_dataset
+    from grpo.tokenizer import encode_prompt
 
     ds = dataset_rows(data, split, max_samples)
     if len(ds) == 0:
@@ -180,7 +181,12 @@ def load_rows(
     )
     rows = ds.to_list()
     for i, row in enumerate(rows):
-        row["prompt_ids"] = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+        if format_type == "rl":  # the question as plain text: no special-token text in it forges
+            # chat structure (grpo.tokenizer.encode_chat); the ids of the rendered prompt else
+            row["prompt_ids"] = encode_prompt(tokenizer, row["question"], data.system_prompt,
+                                              data.enable_thinking)  # fmt: skip
+        else:
+            row["prompt_ids"] = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
         if len(row["prompt_ids"]) > data.max_prompt_len:
             raise GrpoError(
                 f"data: prompt of row {i} of {data.dataset!r} ({split}) has "

@@ -1,10 +1,13 @@
-"""Tokenizers: load (over `transformers.AutoTokenizer`), render chat prompts, stop ids, and
-train a small ChatML BPE tokenizer for offline runs and tests."""
+"""Tokenizers: load (over `transformers.AutoTokenizer`), render and encode chat prompts (message
+contents as plain text, only the template's own tags special), stop ids, and train a small
+ChatML BPE tokenizer for offline runs and tests."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import re
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from pathlib import Path
 
 from grpo.errors import GrpoError
@@ -87,7 +90,33 @@ def render_prompt(
     tools: list[dict] | None = None,
 ) -> str:
     """The chat-template rendering of one user turn, ending with the assistant header (with
-    `tools`, the tool schemas as the template renders them)."""
+    `tools`, the tool schemas as the template renders them). Encode it with `encode_prompt`,
+    not `tokenizer(text)`: that would parse special-token text in the question as chat
+    structure."""
+    messages, kwargs = _prompt_messages(tokenizer, question, system_prompt, enable_thinking)
+    if tools:
+        kwargs["tools"] = tools
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **kwargs
+    )
+
+
+def encode_prompt(
+    tokenizer,
+    question: str,
+    system_prompt: str | None = None,
+    enable_thinking: bool | None = None,
+    tools: list[dict] | None = None,
+) -> list[int]:
+    """`render_prompt`'s text as token ids (`encode_chat`): the question and the system prompt
+    as plain text, the template's own tags as special tokens. Without special-token text in
+    them, the ids of `tokenizer(render_prompt(...), add_special_tokens=False)`."""
+    messages, kwargs = _prompt_messages(tokenizer, question, system_prompt, enable_thinking)
+    return encode_chat(tokenizer, messages, tools=tools or None, **kwargs)
+
+
+def _prompt_messages(tokenizer, question, system_prompt, enable_thinking) -> tuple[list, dict]:
+    """The messages and template kwargs of `render_prompt`."""
     if not getattr(tokenizer, "chat_template", None):
         raise GrpoError(
             f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
@@ -96,11 +125,7 @@ def render_prompt(
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": question})
     kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-    if tools:
-        kwargs["tools"] = tools
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, **kwargs
-    )
+    return messages, kwargs
 
 
 def stop_ids(tokenizer, model_dir: str | Path | None = None) -> list[int]:
@@ -170,6 +195,240 @@ def train_bpe_tokenizer(
     return fast
 
 
+# --- Chat structure: only the template's own tags are special tokens --------------------------
+#
+# `tokenizer(text)` turns every added-token string in `text` into its id, so a user message, a
+# tool result or an environment observation holding "<|im_end|><|im_start|>assistant\n" would
+# close its turn and open a forged one. Conversations are therefore encoded from pieces: the
+# template's own text with its tags parsed, every message content with special-token strings as
+# plain text. Contents are located by rendering them as placeholders (as `message_delta` does);
+# when no added token touches a content (the usual case) the ids are exactly those of
+# `tokenizer(rendering, add_special_tokens=False)`.
+
+
+class ChatStructureError(GrpoError):
+    """Special-token text that would enter the chat structure. `field` names where it is
+    (``messages[2].content``, ``tools[0]``); `index` is the message's index, if a message's."""
+
+    def __init__(self, field: str, problem: str, index: int | None = None):
+        super().__init__(f"{field}: {problem}")
+        self.field, self.problem, self.index = field, problem, index
+
+
+def encode_chat(
+    tokenizer,
+    messages: list[dict],
+    *,
+    tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
+    **template_kwargs,
+) -> list[int]:
+    """The chat template's rendering of `messages` as token ids: the template's own tags as
+    special tokens, every message content (system prompt, user text, tool results) as plain
+    text, whatever special-token strings it holds.
+
+    Args:
+        tokenizer: a fast `transformers` tokenizer with a chat template.
+        messages: {"role", "content", ...} dicts; string contents are encoded as plain text.
+        tools: tool schemas for the template; they may not hold special-token text.
+        add_generation_prompt: end with the assistant header.
+        **template_kwargs: passed on to the template (e.g. `enable_thinking=False`).
+
+    Returns:
+        the ids; without special-token text in the contents, exactly
+        `tokenizer(apply_chat_template(..., tokenize=False), add_special_tokens=False)`'s.
+
+    Raises:
+        GrpoError: the template cannot render the messages.
+        ChatStructureError: special-token text in a field other than a content (a tool schema,
+            a tool call's arguments, a name), or in a content the template's rendering cannot
+            be cut around (it changes the surrounding text with the content).
+    """
+    check_chat_fields(tokenizer, messages, tools)
+
+    def render(msgs: list[dict]) -> str:
+        return _render(tokenizer, msgs, tools, add_generation_prompt, template_kwargs)
+
+    return encode_pieces(tokenizer, _content_pieces(render, messages, tokenizer))
+
+
+def plain_ids(tokenizer, text: str) -> list[int]:
+    """`text` as token ids with its special-token strings as plain text (no added token)."""
+    return encode_pieces(tokenizer, [(text, True)])
+
+
+def check_chat_fields(tokenizer, messages: Sequence[dict], tools: list[dict] | None) -> None:
+    """Raise `ChatStructureError` where a field the template renders as structure, not as a
+    content (a tool schema, an assistant's tool calls, a name or id), holds an added-token
+    string: only contents are encoded as plain text."""
+    tags = [t for t in tokenizer.get_added_vocab() if t]
+    fields = [(f"tools[{j}]", tool, None) for j, tool in enumerate(tools or [])]
+    fields += [(f"messages[{i}].{k}", v, i) for i, m in enumerate(messages)
+               for k, v in m.items() if k != "content"]  # fmt: skip
+    for field, value, index in fields:
+        tag = _first_tag(tags, json.dumps(value, ensure_ascii=False, default=str))
+        if tag is not None:
+            raise ChatStructureError(field, f"holds the special-token text {tag!r}, which the chat "
+                                     "template would render as chat structure (only message "
+                                     "contents are encoded as plain text)", index)  # fmt: skip
+
+
+def encode_pieces(tokenizer, pieces: Sequence[tuple[str, bool]]) -> list[int]:
+    """The ids of the concatenated `(text, is_content)` pieces: special tokens parsed in the
+    template's text, contents as plain text.
+
+    When no added token of `tokenizer(text)` overlaps a content, its ids are returned as they
+    are (a conversation without special-token text in its contents encodes as it always did).
+    Otherwise the text is cut at the template's own tags and each run between two of them
+    (contents included) is encoded by the tokenizer's model without its added vocabulary.
+    That cut is checked on the template's text alone first: it must give the tokenizer's own
+    ids, as it does for byte-level BPE (Qwen, Llama 3), where added tokens split the text before
+    the BPE sees it; tokenizers whose added tokens strip the whitespace around them fail the
+    check and raise rather than encode differently.
+
+    Raises:
+        GrpoError: a content holds special-token text and the tokenizer is not a fast one, or
+            fails the check above.
+    """
+    text = "".join(t for t, _ in pieces)
+    spans, pos = [], 0  # character spans of the contents
+    for t, is_content in pieces:
+        if is_content and t:
+            spans.append((pos, pos + len(t)))
+        pos += len(t)
+    if not spans:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if getattr(tokenizer, "backend_tokenizer", None) is None:  # no offsets: look at the strings
+        tags = [t for t in tokenizer.get_added_vocab() if t]
+        if not any(tag in text[a:b] for a, b in spans for tag in tags):
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        raise GrpoError(f"tokenizer {_name(tokenizer)!r} is not a fast tokenizer: a message "
+                        "content holding special-token text cannot be encoded as plain "
+                        "text")  # fmt: skip
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    added = set(tokenizer.get_added_vocab().values())
+    if not any(i in added and a < e and s < b for i, (s, e) in
+               zip(enc["input_ids"], enc["offset_mapping"]) for a, b in spans):  # fmt: skip
+        return list(enc["input_ids"])
+    template = "".join(t for t, c in pieces if not c)
+    want = tokenizer(template, add_special_tokens=False)["input_ids"]
+    if _cut_at_tags(tokenizer, [(template, False)]) != want:
+        raise GrpoError(f"tokenizer {_name(tokenizer)!r} does not split its text at its added "
+                        "tokens alone (they strip whitespace, or a prefix space is added), so a "
+                        "message content holding special-token text cannot be encoded as plain "
+                        "text")  # fmt: skip
+    return _cut_at_tags(tokenizer, pieces)
+
+
+def _cut_at_tags(tokenizer, pieces: Sequence[tuple[str, bool]]) -> list[int]:
+    """Added tokens in the template's pieces as their ids; every run of text between two of
+    them, contents included, encoded by the model alone (`_plain_backend`)."""
+    plain = _plain_backend(tokenizer)
+    vocab = tokenizer.get_added_vocab()
+    longest_first = sorted((t for t in vocab if t), key=len, reverse=True)  # as the tokenizer
+    tags = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
+    ids: list[int] = []
+    run: list[str] = []
+
+    def flush() -> None:
+        if "".join(run):
+            ids.extend(plain.encode("".join(run), add_special_tokens=False).ids)
+        run.clear()
+
+    for text, is_content in pieces:
+        pos = 0
+        for m in [] if is_content else tags.finditer(text):
+            run.append(text[pos : m.start()])
+            flush()
+            ids.append(vocab[m.group()])
+            pos = m.end()
+        run.append(text[pos:])
+    flush()
+    return ids
+
+
+def _plain_backend(tokenizer):
+    """The tokenizer's normalizer, pre-tokenizer and model with no added vocabulary (a
+    `tokenizers.Tokenizer` sharing the model): every string is plain text to it. Its special
+    tokens would need `split_special_tokens=True`, which still leaves added tokens that are not
+    special (Qwen's `<tool_call>`) whole."""
+    from tokenizers import Tokenizer
+
+    cache = vars(tokenizer).setdefault(_CACHE_ATTR, {})
+    if ("plain",) not in cache:
+        backend = tokenizer.backend_tokenizer
+        plain = Tokenizer(backend.model)
+        if backend.normalizer is not None:
+            plain.normalizer = backend.normalizer
+        if backend.pre_tokenizer is not None:
+            plain.pre_tokenizer = backend.pre_tokenizer
+        cache[("plain",)] = plain
+    return cache[("plain",)]
+
+
+def _content_pieces(
+    render: Callable[[list[dict]], str], messages: list[dict], tokenizer, strict: bool = True
+) -> list[tuple[str, bool]]:
+    """`render(messages)` as (text, is_content) pieces, each message content (as the template
+    wrote it) a content piece.
+
+    Found from one rendering with every non-empty string content replaced by a placeholder.
+    When splicing the contents into it does not give the real rendering (the template trims
+    or escapes contents), each content is taken from a rendering where only it is real. When
+    that fails too (the template's text around a content depends on it), the rendering is one
+    template piece if no content holds special-token text or not `strict` (the text alone is
+    wanted), and `ChatStructureError` otherwise.
+    """
+    real = render(messages)
+    idx = [i for i, m in enumerate(messages) if isinstance(m.get("content"), str) and m["content"]]
+    if not idx:
+        return [(real, False)]
+    phs = {_CONTENT_PH.format(i): i for i in idx}
+    dummy = [{**m, "content": _CONTENT_PH.format(i)} if i in idx else m
+             for i, m in enumerate(messages)]  # fmt: skip
+    skeleton = render(dummy)
+    gaps = list(re.finditer("|".join(map(re.escape, phs)), skeleton))
+
+    def pieces(contents: dict[int, str]) -> list[tuple[str, bool]] | None:
+        out, pos = [], 0
+        for g in gaps:
+            i = phs[g.group()]
+            if i not in contents:
+                return None
+            out += [(skeleton[pos : g.start()], False), (contents[i], True)]
+            pos = g.end()
+        out.append((skeleton[pos:], False))
+        return out if "".join(t for t, _ in out) == real else None
+
+    out = pieces({i: messages[i]["content"] for i in idx})
+    if out is not None:
+        return out
+    written = {}
+    for i in idx:
+        where = [g for g in gaps if phs[g.group()] == i]
+        if len(where) != 1:
+            continue
+        head, tail = skeleton[: where[0].start()], skeleton[where[0].end() :]
+        one = render([messages[i] if j == i else d for j, d in enumerate(dummy)])
+        if one.startswith(head) and one.endswith(tail) and len(one) >= len(head) + len(tail):
+            written[i] = one[len(head) : len(one) - len(tail)]
+    out = pieces(written)
+    if out is not None:
+        return out
+    tags = [t for t in tokenizer.get_added_vocab() if t] if strict else []
+    for i in idx:
+        tag = _first_tag(tags, messages[i]["content"])
+        if tag is not None:
+            raise ChatStructureError(
+                f"messages[{i}].content",
+                f"holds the special-token text {tag!r}, and the chat template of tokenizer "
+                f"{_name(tokenizer)!r} changes the text around this content with it, so the "
+                "content cannot be encoded apart as plain text",
+                i,
+            )
+    return [(real, False)]
+
+
 # --- Multi-turn rollouts: the chat template's delta for an environment message ---------------
 #
 # The sampler never re-tokenizes earlier turns: after a generated assistant turn it appends the
@@ -232,12 +491,45 @@ def message_delta(
         **template_kwargs: passed on to the template (e.g. `enable_thinking=False`).
 
     Returns:
-        the delta text; tokenize it with `add_special_tokens=False` (see `message_delta_ids`).
+        the delta text; encode it with `message_delta_ids` (`tokenizer(text)` would parse
+        special-token text in the message as chat structure).
 
     Raises:
         GrpoError: when rendering `message` changes the turns before the assistant turn
             (the template is not prefix-preserving for it), or the template cannot render it.
     """
+    pieces = _delta_pieces(tokenizer, message, after_stop, tools, template_kwargs, strict=False)
+    return "".join(text for text, _ in pieces)
+
+
+def message_delta_ids(
+    tokenizer,
+    message: dict | list[dict],
+    *,
+    after_stop: bool,
+    tools: list[dict] | None = None,
+    **template_kwargs,
+) -> list[int]:
+    """`message_delta` as token ids (`encode_pieces`): the template's own tags as special
+    tokens, the message contents as plain text. Without special-token text in the contents,
+    the ids of `tokenizer(delta, add_special_tokens=False)`; the delta starts after a special
+    token, so no BPE merge crosses its start.
+
+    Raises:
+        ChatStructureError: special-token text in a field other than a content (a tool schema,
+            a message's name), or in a content the template's rendering cannot be cut around.
+    """
+    messages = [message] if isinstance(message, dict) else list(message)
+    pieces = _delta_pieces(tokenizer, messages, after_stop, tools, template_kwargs)
+    check_chat_fields(tokenizer, messages, tools)
+    return encode_pieces(tokenizer, pieces)
+
+
+def _delta_pieces(
+    tokenizer, message, after_stop, tools, template_kwargs, strict: bool = True
+) -> list[tuple[str, bool]]:
+    """`message_delta` as (text, is_content) pieces (see `encode_pieces`; `strict` as in
+    `_content_pieces`)."""
     messages = [message] if isinstance(message, dict) else list(message)
     _check_env_messages(tokenizer, messages, template_kwargs)
     key = (
@@ -252,26 +544,14 @@ def message_delta(
     if key not in cache:
         cache[key] = _delta_segments(tokenizer, messages, after_stop, tools, template_kwargs)
     segments = cache[key]
-    if segments is None:  # the template rewrites contents: render this very message
-        return _render_delta(tokenizer, messages, after_stop, tools, template_kwargs)
-    out = [segments[0]]
+    if segments is None:  # the template rewrites contents: render these very messages
+        render = partial(_render_delta, tokenizer, after_stop=after_stop, tools=tools,
+                         kwargs=template_kwargs)  # fmt: skip
+        return _content_pieces(render, messages, tokenizer, strict)
+    out = [(segments[0], False)]
     for m, seg in zip(messages, segments[1:]):
-        out += [m["content"], seg]
-    return "".join(out)
-
-
-def message_delta_ids(
-    tokenizer,
-    message: dict | list[dict],
-    *,
-    after_stop: bool,
-    tools: list[dict] | None = None,
-    **template_kwargs,
-) -> list[int]:
-    """`message_delta` tokenized with `add_special_tokens=False` (special tokens in the text map
-    to their ids; the delta starts after a special token, so no BPE merge crosses its start)."""
-    text = message_delta(tokenizer, message, after_stop=after_stop, tools=tools, **template_kwargs)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+        out += [(m["content"], True), (seg, False)]
+    return out
 
 
 def end_of_turn_text(tokenizer) -> str:
@@ -392,6 +672,11 @@ def _check_env_messages(tokenizer, messages: list, kwargs: dict) -> None:
     bad = sorted(set(kwargs) & set(_RESERVED))
     if bad:
         raise GrpoError(f"message_delta sets {bad} itself; do not pass them as template kwargs")
+
+
+def _first_tag(tags: list[str], text: str) -> str | None:
+    """The added-token string of `tags` that occurs first in `text` (None: none does)."""
+    return min((t for t in tags if t in text), key=text.index, default=None)
 
 
 def _canonical(obj) -> str:

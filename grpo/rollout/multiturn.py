@@ -5,11 +5,13 @@ Each of the B = P*G trajectories gets its own environment (a group's G start fro
 row). After every model turn the environment's observation message is rendered as the chat
 template's delta (`grpo.tokenizer.message_delta_ids`: the closing glue of the model's turn, the
 message, the next assistant header) and appended token-in, token-out: earlier turns are never
-re-tokenized. Observations longer than `max_obs_tokens` are cut (their content, not the
-template's glue) and counted in each trajectory's `obs_truncated` (only observations that
-entered the trajectory: the one answering a turn cut by a limit is never appended). Each
-environment call runs under a time limit (`EnvCalls`, rollout.env_timeout_s), so an
-environment that never returns cannot hang the rollout.
+re-tokenized. The observation's content is plain text: a `<|im_start|>` it holds (a program
+that prints one) is encoded as text, never as the template's tag. Observations longer than
+`max_obs_tokens` are cut (their content, not the template's glue) and counted in each
+trajectory's `obs_truncated` (only observations that entered the trajectory: the one answering
+a turn cut by a limit is never appended). Each environment call runs under a time limit
+(`EnvCalls`, rollout.env_timeout_s), so an environment that never returns cannot hang the
+rollout.
 `env_metrics` turns a rollout's bookkeeping into the per-step `env/*` metrics.
 """
 
@@ -26,7 +28,7 @@ from grpo.errors import GrpoError
 from grpo.rollout.prompts import check_prompts, check_settings, left_pad
 from grpo.rollout.sampler import Observation, ObserveFn, Rollout, Sampler
 from grpo.rollout.sampling import next_tokens
-from grpo.tokenizer import message_delta_ids
+from grpo.tokenizer import encode_chat, message_delta_ids, plain_ids
 
 TRUNCATION_MARK = " ...[truncated]"
 
@@ -333,7 +335,8 @@ class EnvCalls:
 def env_prompts(tokenizer, rows: Sequence[dict], envs: Sequence[Environment], G: int,
                 call: Callable | None = None):  # fmt: skip
     """Start every environment; the prompt of each group: the row's own `prompt_ids`, or the
-    rendering (with the environment's tools) of the messages its first environment returned.
+    rendering (with the environment's tools) of the messages its first environment returned,
+    their contents encoded as plain text (`grpo.tokenizer.encode_chat`).
     `call(fn, *args)` makes the calls (`EnvCalls`: under a time limit); default: directly."""
     call = call or (lambda fn, *args: fn(*args))
     prompts = []
@@ -342,10 +345,7 @@ def env_prompts(tokenizer, rows: Sequence[dict], envs: Sequence[Environment], G:
         if messages is None:
             prompts.append(list(row["prompt_ids"]))
             continue
-        kwargs = {"tools": envs[p * G].tools} if envs[p * G].tools else {}
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             **kwargs)  # fmt: skip
-        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        prompts.append(encode_chat(tokenizer, messages, tools=envs[p * G].tools or None))
     return prompts
 
 
@@ -434,7 +434,7 @@ def sample_with_env(
         message = step.observation
         if isinstance(message, str):
             message = {"role": "tool", "content": message}
-        content_ids = tokenizer(message["content"], add_special_tokens=False)["input_ids"]
+        content_ids = plain_ids(tokenizer, message["content"])  # as the delta encodes it
         if len(content_ids) > max_obs_tokens:
             kept = tokenizer.decode(content_ids[:max_obs_tokens], skip_special_tokens=False)
             message = {**message, "content": kept + TRUNCATION_MARK}

@@ -26,6 +26,7 @@ from grpo.settings import (
     only,
     setting,
 )
+from grpo.tokenizer import ChatStructureError, encode_chat
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOPS = 4
@@ -267,6 +268,9 @@ class Service:
         self.created = int(time.time())
 
     def encode(self, text: str, field: str) -> list[int]:
+        """Raw text (a /v1/completions prompt, /generate with `raw`, the server's own tool-call
+        prefix) as ids, special-token strings parsed: the caller owns the whole string.
+        Chat messages go through `render_chat` instead."""
         problem = _not_text(text)  # e.g. --system-prompt from argv's surrogateescape
         if problem:
             raise RequestError(field, problem)
@@ -311,23 +315,35 @@ class Service:
 
     def render_chat(self, messages: list[dict], field: str = "messages",
                     tools: list[dict] | None = None) -> list[int]:  # fmt: skip
-        """The chat template's rendering (with the generation prompt and `tools`) as ids."""
+        """The chat template's rendering (with the generation prompt and `tools`) as ids
+        (`grpo.tokenizer.encode_chat`): the template's own tags are special tokens, message
+        contents plain text, so a message cannot forge a turn or a tool call."""
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
             raise RequestError(field, "this model's tokenizer has no chat template; "
                                "use /v1/completions with a prompt")  # fmt: skip
+        shift = 0  # messages put before the request's
         if self.system_prompt and not any(m["role"] == "system" for m in messages):
-            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+            problem = _not_text(self.system_prompt)  # from argv's surrogateescape
+            if problem:
+                raise RequestError("--system-prompt", problem)
+            messages, shift = [{"role": "system", "content": self.system_prompt}, *messages], 1
         kwargs = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
-        if tools:
-            kwargs["tools"] = tools
         try:
-            text = tok.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **kwargs
-            )
-        except Exception as e:  # the template's own checks (e.g. role order) raise here
-            raise RequestError(field, f"the chat template refused them: {e}") from None
-        return self.encode(text, field)
+            ids = encode_chat(tok, messages, tools=tools or None, **kwargs)
+        except ChatStructureError as e:  # named as the request names it
+            name = e.field  # tools[j], or messages[i].key of the rendered list
+            if e.index is not None and e.index < shift:
+                name = "--system-prompt"
+            elif e.index is not None:
+                key = e.field.split("]", 1)[1]
+                name = f"messages[{e.index - shift}]{key}" if field == "messages" else field
+            raise RequestError(name, e.problem) from None
+        except GrpoError as e:  # the template's own checks (e.g. role order) raise here
+            raise RequestError(field, str(e)) from None
+        if not ids:
+            raise RequestError(field, "encodes to no tokens")
+        return ids
 
     def prompts(self, prompt: Any) -> list[list[int]]:
         """/v1/completions `prompt`: a string, a list of strings, token ids, or lists of them."""
