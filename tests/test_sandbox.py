@@ -437,3 +437,26 @@ def run_unprivileged(setpriv: str, python: str, runner: Path, tmp_path: Path) ->
     uid_pid, forked = r.stdout.decode().splitlines()
     assert uid_pid == "1000 2" and r.returncode == 0
     assert int(forked) < 8  # the cap counts the sandbox's own processes (2 or 3) too
+
+
+def test_a_run_refuses_to_start_without_the_sandbox(shared_tiny_model, tmp_path, monkeypatch,
+                                                    capsys):  # fmt: skip
+    """`grpo train` with the python environment on a machine missing a layer: one line naming
+    it and the escape, exit 2, before the model loads and before anything is written."""
+    from grpo.apps import cli
+    from grpo.envs import python as env
+
+    broken = env.Isolation({}, "user: unshare: Operation not permitted")
+    monkeypatch.setattr(env, "isolation", lambda: broken)
+    out = tmp_path / "run"
+    args = ["train", "--config", str(ROOT / "configs" / "gsm8k_qwen3_0.6b_tools.yaml"),
+            f"model.path={shared_tiny_model}", f"data.source={ROOT / 'tests/data/gsm8k'}",
+            "data.split=test", f"train.output_dir={out}", "train.max_steps=1",
+            "train.progress=false", "rollout.max_new_tokens=12", "eval.max_new_tokens=8",
+            "rollout.max_obs_tokens=16", "rollout.max_total_tokens=64"]  # fmt: skip
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["grpo train: error: python environment: sandbox layer unavailable: user: "
+                   "unshare: Operation not permitted; set require_isolation: false "
+                   "(rollout.env_kwargs) to run the code without it"], err  # fmt: skip
+    assert not out.exists()
