@@ -345,9 +345,14 @@ class TrainConfig:
     # GRPO learning health (grpo/train/health.py, docs/safety.md): warn (rank 0) when, over this
     # many consecutive steps, most completions are truncated with no signal left, every group's
     # rewards are equal, the gradient norm is 0, the trainable weights do not move, or the
-    # reward mean is flat; the run summary's `health` lists each. 0 turns the checks off.
+    # reward mean is flat; the run summary's `health` lists each. 0 turns the checks off. When
+    # the rewards declare bounds (grpo/rewards/bounds.py) and every group sits at the highest
+    # reward for as many steps, the task is `solved` instead (INFO; summary `converged`).
     stall_steps: int = 10
-    stop_on_stall: bool = False  # stop the run (exit 2) when one of those checks fires
+    # End the run when one of those checks fires: a stall saves the step's checkpoint, names
+    # the resume command and exits 2; a solved task ends as at max_steps (checkpoint, final/,
+    # exit 0, "converged at step N").
+    stop_on_stall: bool = False
     # torchrun jobs: a collective that waits longer than this fails the job, each rank printing
     # one line naming itself, the phase and the step (docs/distributed.md)
     dist_timeout_s: float = 600.0

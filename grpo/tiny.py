@@ -15,6 +15,7 @@ import torch
 from grpo.data import minimath
 from grpo.data.formats import sft_solution, split_solution
 from grpo.models import Decoder, ModelConfig, save_pretrained
+from grpo.rewards.bounds import bounded
 from grpo.tokenizer import train_bpe_tokenizer
 
 SIZES = {
@@ -88,6 +89,7 @@ def make_tiny_model(
     return out
 
 
+@bounded(0.0, 1.0)  # all digits: a solved quickstart, not a stalled one (grpo.train.health)
 def digit_share(completions: list[str], **columns) -> list[float]:
     """The quickstart's reward (configs/quickstart.yaml): the share of each completion's
     characters that are digits, in [0, 1] (``"x 12"`` -> 0.5; empty -> 0).

@@ -265,7 +265,8 @@ def test_truncated_run_warns_in_the_log_and_the_summary(shared_tiny_model, tmp_p
 
 def test_stop_on_stall_exits_2_with_one_line(shared_tiny_model, tmp_path, monkeypatch, capsys):
     """train.stop_on_stall: the run stops at the step a rule fires (2), exit 2, one line naming
-    the rule and the setting; the checkpoint of step 1 stays, no step-2 checkpoint or final/."""
+    the rule, the setting, the checkpoint it saved of step 2 first and the resume command; the
+    checkpoint of step 1 stays, no final/."""
     monkeypatch.chdir(tmp_path)
     code = cli.main(["train", "--config", TINY_CI, *FAST, f"model.path={shared_tiny_model}",
                      "train.output_dir=run", "train.max_steps=4", "train.save_every=1",
@@ -275,11 +276,15 @@ def test_stop_on_stall_exits_2_with_one_line(shared_tiny_model, tmp_path, monkey
     assert err.startswith("grpo train: error: learning stalled at step 2: completions truncated: "
                           "100% of completions hit rollout.max_new_tokens=4 ")  # fmt: skip
     assert err.endswith("(also fired: zero_variance, zero_gradient, frozen_weights, flat_reward); "
-                        "stopped by train.stop_on_stall (checkpoints already written stay; "
-                        "change the setting and continue with --resume)")  # fmt: skip
+                        "stopped by train.stop_on_stall; checkpoint saved in "
+                        "run/checkpoints/step_000002; resume with: grpo train --config "
+                        "run/config.yaml --resume (append the settings to change, e.g. "
+                        "train.stop_on_stall=false)")  # fmt: skip
     run = tmp_path / "run"
-    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000001"
-    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_000001"]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == [
+        "step_000001", "step_000002",
+    ]  # fmt: skip
     assert not (run / "final").exists()
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [
         1, 2,
@@ -310,7 +315,8 @@ def test_too_small_lr_is_caught_as_frozen_weights(shared_tiny_model, tmp_path, c
 
 def test_stop_on_stall_stops_every_torchrun_rank_at_the_same_step(shared_tiny_model, tmp_path):
     """Two DDP ranks read the same reduced metrics: both stop at step 2 with exit 2 (torchrun
-    reports each), rank 0 alone logs the warnings and prints the one line."""
+    reports each), after the checkpoint of step 2 (collective); rank 0 alone logs the warnings
+    and prints the one line, naming the torchrun resume command."""
     r = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          "-m", "grpo", "train", "--config", TINY_CI, *FAST, *TRUNCATING,
@@ -326,4 +332,6 @@ def test_stop_on_stall_stops_every_torchrun_rank_at_the_same_step(shared_tiny_mo
     ), r.stderr[-3000:]  # fmt: skip
     assert r.stderr.count("exitcode  : 2") == 2, r.stderr[-3000:]  # both ranks, the same exit
     assert sum(" WARNING grpo.train.health: " in x for x in r.stderr.splitlines()) == 5
-    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_000001"
+    assert ("resume with: torchrun --standalone --nproc_per_node=2 -m grpo train --config "
+            "run/config.yaml --resume") in ours[0]  # fmt: skip
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_000002"

@@ -238,6 +238,39 @@ def test_optimizer_state_by_position_converts_to_by_name():
     _same_optimizer_state(opt.state_dict(), opt2.state_dict())
 
 
+def test_resume_trains_at_the_configured_lr(tmp_path, caplog):
+    """The checkpoint's scheduler and optimizer carry the lr it was saved with; a resumed run
+    whose config changes optim.lr (the advice after a non-finite update) trains at the new one,
+    from the schedule's current step, and says so in one line. The same lr: nothing said."""
+    from grpo.config import OptimConfig
+    from grpo.run.optim import build_optimizer, build_scheduler, lr_lambda
+
+    def fresh(lr):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        opt = build_optimizer(list(model.parameters()), OptimConfig(lr=lr))
+        return model, opt, build_scheduler(opt, 10, OptimConfig(lr=lr))
+
+    model, opt, sched = fresh(1e-3)
+    for _ in range(3):
+        model(torch.randn(5, 4)).square().sum().backward()
+        opt.step()
+        sched.step()
+    ckpt = save_checkpoint(tmp_path, TrainState(step=3), model, opt, sched, {})
+    for lr, lines in ((5e-4, 1), (1e-3, 0)):
+        model2, opt2, sched2 = fresh(lr)
+        caplog.clear()
+        load_checkpoint(ckpt, model2, opt2, sched2)
+        want = lr * lr_lambda(3, 10, OptimConfig(lr=lr))
+        assert {g["lr"] for g in opt2.param_groups} == {want}  # decay and no-decay groups
+        assert set(sched2.get_last_lr()) == {want}
+        said = [r.getMessage() for r in caplog.records if "optim.lr" in r.getMessage()]
+        assert len(said) == lines, said
+    assert said == [] and "replaces the checkpoint's 0.001" not in caplog.text
+    sched2.step()  # the schedule goes on from the new base
+    assert opt2.param_groups[0]["lr"] == pytest.approx(1e-3 * lr_lambda(4, 10, OptimConfig()))
+
+
 def test_sharded_checkpoint_round_trip_and_verify(tmp_path):
     """The FSDP format (shards/ written by torch.distributed.checkpoint's safetensors storage,
     here from one process): saved atomically with a manifest over every shard, loaded into an
@@ -366,11 +399,13 @@ def test_nonfinite_updates_are_skipped_then_stop(model_dir, tmp_path, monkeypatc
                  "train.progress=false", "data.eval_samples=0", "loss.num_iterations=1",
                  "train.max_nonfinite_steps=2"]  # fmt: skip
     cfg = load_config(TINY_CI, overrides)
-    with pytest.raises(GrpoError, match="2 consecutive updates had a non-finite loss"):
+    with pytest.raises(GrpoError, match="2 consecutive updates had a non-finite loss") as e:
         g.train_grpo(cfg)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/nonfinite_skipped"] for r in rows] == [1, 1]  # logged and counted
-    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing saved from a bad state
+    # no update was applied: the weights are intact, saved before the stop (tests/test_guards.py)
+    assert latest_checkpoint(tmp_path / "run").name == "step_000002"
+    assert "checkpoint saved in " in str(e.value) and "--resume" in str(e.value)
 
 
 def nan_at_update(k: int):

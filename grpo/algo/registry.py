@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from grpo.errors import GrpoError
-from grpo.plugins import import_callable
+from grpo.plugins import import_callable, note_replacement
 
 
 class Registry:
@@ -35,17 +35,21 @@ class Registry:
         """Decorator: make the function available as `name`.
 
         `claims` are properties the conformance kit (`grpo.testing`) then checks for this
-        entry, e.g. "shift_invariant" or "group_zero_sum" for estimators."""
+        entry, e.g. "shift_invariant" or "group_zero_sum" for estimators. Replacing another
+        function (`overwrite`) is logged and recorded in the run's metadata
+        (`grpo.plugins.note_replacement`)."""
         if not isinstance(name, str) or not name or ":" in name:
             raise GrpoError(f"{self.kind} name must be a non-empty string without ':': {name!r}")
 
         def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
             if not callable(fn):
                 raise GrpoError(f"{self.kind} {name!r}: expected a function, got {type(fn)}")
-            if name in self._fns and not overwrite and self._fns[name] is not fn:
-                raise GrpoError(
-                    f"{self.kind} {name!r} is already registered; pass overwrite=True to replace it"
-                )
+            old = self._fns.get(name)
+            if old is not None and old is not fn:
+                if not overwrite:
+                    raise GrpoError(f"{self.kind} {name!r} is already registered; pass "
+                                    "overwrite=True to replace it")  # fmt: skip
+                note_replacement(self.kind, name, old, fn)
             self._fns[name] = fn
             self._claims[name] = frozenset(claims)
             return fn

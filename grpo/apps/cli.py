@@ -72,12 +72,42 @@ def cmd_train(args) -> int:
     if summary.get("role") == "producer":  # a rollout producer rank (rollout.ranks)
         print(f"rollout producer done: {summary['batches']} batches sampled")
     else:
-        print(f"done: {summary['step']} steps; weights in {summary['final']}")
-        if summary.get("health"):  # learning-health rules that fired (their warnings say more)
-            from grpo.train.health import describe
-
-            print(describe(summary["health"]))
+        print_done(summary, job_rank())
     return 0
+
+
+def job_rank() -> int:
+    """This process's rank in its torchrun job (RANK; 0 without torchrun). Rank 0 is always a
+    trainer (rollout producers are the last ranks) and writes final/."""
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def print_done(summary: dict, rank: int = 0) -> None:
+    """The end of a `grpo train` / `grpo sft` run on stdout, printed by rank 0 only (every rank
+    returns the same summary): ``done: N steps; weights in DIR``, or for a run that
+    train.stop_on_stall ended because the task was solved ``converged at step N: ...; weights
+    in DIR``; then, when they fired, the learning-health rules (`describe`) and, for a run
+    that went on, the step its task was solved.
+
+    Args:
+        summary: what `train_grpo` / `train_sft` returned.
+        rank: this process's rank in the job (`job_rank`).
+    """
+    if rank != 0:
+        return
+    converged = summary.get("converged")
+    if converged and converged.get("stopped"):
+        print(f"converged at step {summary['step']}: {converged['message']}; stopped by "
+              f"train.stop_on_stall; weights in {summary['final']}")  # fmt: skip
+    else:
+        print(f"done: {summary['step']} steps; weights in {summary['final']}")
+    if summary.get("health"):  # learning-health rules that fired (their warnings say more)
+        from grpo.train.health import describe
+
+        print(describe(summary["health"]))
+    if converged and not converged.get("stopped"):
+        print(f"converged at step {converged['fired_step']}: {converged['message']} "
+              "(train.stop_on_stall: true ends such a run there)")  # fmt: skip
 
 
 def cmd_sft(args) -> int:
@@ -86,7 +116,7 @@ def cmd_sft(args) -> int:
 
     cfg = load_config(args.config, args.overrides, plugins=args.plugin)
     summary = train_sft(cfg, resume=args.resume, overwrite=args.overwrite)
-    print(f"done: {summary['step']} steps; weights in {summary['final']}")
+    print_done(summary, job_rank())
     return 0
 
 

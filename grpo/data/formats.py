@@ -193,8 +193,11 @@ def register_dataset(
         name: the config name (may shadow ``gsm8k`` / ``minimath`` only with `overwrite`).
         dataset: rows with ``question`` and ``answer``: a Dataset, a DatasetDict (split by
             name), a list of dicts, or a factory ``fn(split=..., **kwargs)`` returning one.
-        overwrite: allow replacing an existing name.
+        overwrite: allow replacing an existing name (logged and recorded in the run's
+            metadata: `grpo.plugins.note_replacement`).
     """
+    from grpo.plugins import note_replacement
+
     if not isinstance(name, str) or not name:
         raise GrpoError(f"dataset name must be a non-empty string, got {name!r}")
     if not overwrite and (name in _REGISTERED or name in _builtins()):
@@ -206,6 +209,9 @@ def register_dataset(
             f"dataset {name!r}: expected a Dataset, DatasetDict, list of dicts or factory, "
             f"got {type(dataset).__name__}"
         )
+    old = _REGISTERED.get(name, _builtins().get(name))
+    if old is not None and old is not dataset:
+        note_replacement("dataset", name, old, dataset)
     _REGISTERED[name] = dataset
 
 

@@ -63,11 +63,18 @@ _REGISTERED: dict[str, Callable[..., Environment]] = {}
 
 
 def register_env(name: str, cls: Callable[..., Environment], *, overwrite: bool = False) -> None:
-    """Make an environment class (or factory) available to configs as ``rollout.env: name``."""
+    """Make an environment class (or factory) available to configs as ``rollout.env: name``;
+    replacing another (`overwrite`) is logged and recorded in the run's metadata
+    (`grpo.plugins.note_replacement`)."""
+    from grpo.plugins import note_replacement
+
     if not isinstance(name, str) or not name or ":" in name:
         raise GrpoError(f"environment name must be a non-empty string without ':', got {name!r}")
-    if name in _REGISTERED and not overwrite and _REGISTERED[name] is not cls:
-        raise GrpoError(f"environment {name!r} is already registered; pass overwrite=True")
+    old = _REGISTERED.get(name)
+    if old is not None and old is not cls:
+        if not overwrite:
+            raise GrpoError(f"environment {name!r} is already registered; pass overwrite=True")
+        note_replacement("environment", name, old, cls)
     _REGISTERED[name] = cls
 
 

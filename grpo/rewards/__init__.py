@@ -4,6 +4,7 @@ Reward functions have the signature ``fn(completions: list[str], **columns) -> l
 see `grpo.rewards.functions` for the columns and `grpo.rewards.registry` for specs.
 """
 
+from grpo.rewards.bounds import bounded, reward_bounds, total_bounds, with_bounds
 from grpo.rewards.compute import call_reward, compute_rewards, reward_name
 from grpo.rewards.extract import (
     compare_answers,
@@ -33,6 +34,7 @@ __all__ = [
     "NamedReward",
     "RewardFn",
     "available_rewards",
+    "bounded",
     "build_rewards",
     "call_reward",
     "compare_answers",
@@ -48,6 +50,9 @@ __all__ = [
     "make_step",
     "parse_number",
     "register_reward",
+    "reward_bounds",
     "reward_defaults",
     "reward_name",
+    "total_bounds",
+    "with_bounds",
 ]

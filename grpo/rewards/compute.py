@@ -7,8 +7,9 @@ process rewards, a list of floats with one value per completion token (the train
 Isolation: every call gets its own deep copy of the completions and columns, so a function that
 mutates its inputs cannot change what the next function (or the trainer) sees. A function that
 raises, calls ``sys.exit`` (SystemExit), raises KeyboardInterrupt itself, returns the wrong
-number of values, or a value that is not a finite float is a `GrpoError` naming the function
-and, where one can be found, the row. A real Ctrl-C still interrupts: in the main thread a
+number of values, a value that is not a finite float, or a value outside the bounds the function
+declares (`grpo.rewards.bounds`; a per-token reward: its row's sum) is a `GrpoError` naming the
+function and, where one can be found, the row. A real Ctrl-C still interrupts: in the main thread a
 SIGINT that arrives during the call is told apart from a KeyboardInterrupt raised by the
 function's own code, and only the latter becomes an error; elsewhere (a worker thread never
 receives signals) every KeyboardInterrupt is the function's.
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 
 from grpo.errors import GrpoError, SignalStop
+from grpo.rewards.bounds import outside, reward_bounds
 from grpo.rewards.functions import RewardFn
 
 # After a batch call fails, rows are retried one at a time to name the failing row; that retry
@@ -74,7 +76,8 @@ def call_reward(
 
     Raises:
         GrpoError: naming `name` (and the first bad row): the function raised, exited, timed
-            out, or returned the wrong type, length or a non-finite value.
+            out, or returned the wrong type, length, a non-finite value or one outside the
+            bounds it declares.
         KeyboardInterrupt: a real Ctrl-C (SIGINT) during the call.
     """
     try:
@@ -116,7 +119,25 @@ def call_reward(
                 "expected a finite float",
             )
         out.append(number)
+    _check_bounds(name, fn, out, completions)
     return out
+
+
+def _check_bounds(name: str, fn: RewardFn, values: list, completions: list[str]) -> None:
+    """Every row's value (a per-token reward: its sum) within the bounds `fn` declares: a
+    declared bound the trainer relies on (a solved task, `grpo.train.health`) is never wrong."""
+    bounds = reward_bounds(fn)
+    if bounds is None:
+        return
+    for row, value in enumerate(values):
+        total = sum(value) if isinstance(value, list) else value
+        if outside(total, bounds):
+            lo, hi = bounds
+            raise _error(
+                name,
+                f"returned {total!r} at row {row} ({_preview(completions[row])}), outside the "
+                f"bounds it declares [{lo:g}, {hi:g}] (grpo.rewards.bounds)",
+            )
 
 
 def compute_rewards(

@@ -17,17 +17,24 @@ Functions ignore columns they do not use, so any dataset column can reach a cust
 | ``step`` | r_acc + beta * min(steps, cap) |
 | ``format`` | 1 if the completion ends its reasoning with ``Final Answer: <answer>``, else 0 |
 
+Each declares the bounds its values lie in (`grpo.rewards.bounds`), from its parameters, so
+the trainer can tell a solved task from a stalled one: ``accuracy`` and ``format`` [0, 1];
+``length_penalty`` [min(0, floor), 1] ([-inf, 1] with floor None); ``step`` [0, 1 + beta *
+cap] for beta >= 0, [beta * cap, 1] below (cap None: unbounded on that side).
+
 ``combined`` (a weighted sum of other rewards) lives in ``registry.py`` because it resolves its
 components by name.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from grpo.errors import GrpoError
+from grpo.rewards.bounds import Bounds, reward_bounds, with_bounds
 from grpo.rewards.extract import compare_answers, count_steps, extract_answer, has_final_answer
 
 RewardFn = Callable[..., list[float]]
@@ -44,6 +51,11 @@ class NamedReward:
 
     def __call__(self, completions: list[str], **columns: Any) -> list[float]:
         return self.fn(completions, **columns)
+
+    @property
+    def bounds(self) -> Bounds | None:
+        """The bounds its function declares (`grpo.rewards.bounds`), or None (unknown)."""
+        return reward_bounds(self.fn)
 
 
 def make_accuracy(tolerance: float = 1e-6, strict: bool = False) -> RewardFn:
@@ -66,7 +78,7 @@ def make_accuracy(tolerance: float = 1e-6, strict: bool = False) -> RewardFn:
             for c, t in zip(completions, truths)
         ]
 
-    return accuracy
+    return with_bounds(accuracy, 0.0, 1.0)
 
 
 def make_length_penalty(
@@ -105,7 +117,9 @@ def make_length_penalty(
             rewards.append(r if floor is None else max(floor, r))
         return rewards
 
-    return length_penalty
+    # correct: 1 at most (alpha >= 0), down to the floor; wrong: 0
+    lo = -math.inf if floor is None else min(0.0, floor)
+    return with_bounds(length_penalty, lo, 1.0)
 
 
 def make_step(beta: float = 0.1, cap: int | None = None, tolerance: float = 1e-6) -> RewardFn:
@@ -132,7 +146,10 @@ def make_step(beta: float = 0.1, cap: int | None = None, tolerance: float = 1e-6
             rewards.append(float(correct) + beta * steps)
         return rewards
 
-    return step
+    # r_acc in {0, 1} plus beta * steps, steps in [0, cap] (cap None: unbounded)
+    most = math.inf if cap is None else cap
+    bonus = (0.0, 0.0) if beta == 0 else tuple(sorted((0.0, beta * most)))
+    return with_bounds(step, bonus[0], 1.0 + bonus[1])
 
 
 def make_format() -> RewardFn:
@@ -141,7 +158,7 @@ def make_format() -> RewardFn:
     def format_reward(completions: list[str], **columns: Any) -> list[float]:
         return [float(has_final_answer(c)) for c in completions]
 
-    return format_reward
+    return with_bounds(format_reward, 0.0, 1.0)
 
 
 def _column(columns: dict[str, Any], name: str, n: int) -> Sequence[Any]:

@@ -24,7 +24,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from grpo.errors import GrpoError
-from grpo.plugins import import_callable
+from grpo.plugins import import_callable, note_replacement
+from grpo.rewards.bounds import total_bounds, with_bounds
 from grpo.rewards.compute import call_reward, reward_name
 from grpo.rewards.functions import (
     NamedReward,
@@ -51,7 +52,8 @@ def register_reward(
         fn: a reward function ``fn(completions, **columns) -> list[float]``, or with
             ``factory=True`` a factory ``fn(**params) -> reward function``.
         factory: whether `fn` is a factory.
-        overwrite: allow replacing an existing name.
+        overwrite: allow replacing an existing name (logged and recorded in the run's
+            metadata: `grpo.plugins.note_replacement`).
     """
     if not isinstance(name, str) or not name or ":" in name:
         raise GrpoError(f"reward name must be a non-empty string without ':', got {name!r}")
@@ -59,6 +61,9 @@ def register_reward(
         raise GrpoError(f"reward {name!r}: expected a callable, got {type(fn).__name__}")
     if not overwrite and (name in _REGISTERED or name in _builtins()):
         raise GrpoError(f"reward {name!r} is already registered; pass overwrite=True to replace it")
+    old = _REGISTERED[name][0] if name in _REGISTERED else _builtins().get(name)
+    if old is not None and old is not fn:
+        note_replacement("reward", name, old, fn)
     _REGISTERED[name] = (fn, factory)
 
 
@@ -180,7 +185,8 @@ def make_combined(weights: Any) -> RewardFn:
             total = [t + weight * v for t, v in zip(total, values)]
         return total
 
-    return combined
+    bounds = total_bounds(parts)  # known when every part's are
+    return with_bounds(combined, *bounds) if bounds is not None else combined
 
 
 def _check_timeout(name: str, value: Any) -> float:

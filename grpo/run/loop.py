@@ -1,12 +1,14 @@
 """The run lifecycle the SFT and GRPO loops share: optimizer and schedule, restored state,
 the claimed run directory (grpo/run/rundir.py) and metric logger at the start; checkpoints
-and the agreed stop on SIGTERM / SIGINT at each step boundary; final weights at the end. The
-loops keep only what differs (their batches and their updates)."""
+and the agreed stop on SIGTERM / SIGINT at each step boundary; a guard's stop that saves what
+it can first and names the resume command (`Run.guard_stop`, `Run.unsaved_stop`); final
+weights at the end. The loops keep only what differs (their batches and their updates)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +18,7 @@ from grpo.config import Config, config_to_dict
 from grpo.distributed import (
     Where,
     all_reduce_max,
+    all_reduce_sum,
     fsdp_units,
     full_weights,
     gather_objects,
@@ -29,11 +32,12 @@ from grpo.loading import resolve_device
 from grpo.metrics import MetricLogger
 from grpo.policy import Policy, save_final
 from grpo.run.failures import Failures
-from grpo.run.optim import build_optimizer, build_scheduler
+from grpo.run.optim import build_optimizer, build_scheduler, weights_finite
 from grpo.run.rundir import RunDir, TrainingInterrupted, run_directory
 from grpo.run.state import (
     TrainState,
     checkpoint_tmp,
+    find_checkpoint,
     load_checkpoint,
     prepare_tmp,
     rng_state,
@@ -42,9 +46,19 @@ from grpo.run.state import (
     this_host,
 )
 
-__all__ = ["Run", "RunDir", "run_directory", "run_training", "start_run"]
+__all__ = ["GuardStop", "Run", "RunDir", "run_directory", "run_training", "start_run"]
 
 log = logging.getLogger(__name__)
+
+
+class GuardStop(GrpoError):
+    """A guard ended the run at a step every rank decided alike (from numbers reduced over the
+    ranks): the message says what was saved or kept and the resume command. The CLI prints it
+    once, rank 0's, and exits 2; the ranks leave the job together (`teardown`)."""
+
+    def __init__(self, message: str, rank: int = 0):
+        super().__init__(message)
+        self.rank = rank
 
 
 def run_training(cfg: Config, kind: str, resume: bool, overwrite: bool, train_fn, on_step,
@@ -109,6 +123,59 @@ class Run:
         signum = int(all_reduce_max(self.rundir.stop.signum, dist))
         stop = signum > 0 and not last  # at the last step the run simply finishes
         save = due(self.state.step, cfg.train.save_every, last) or stop
+        ckpt = self._checkpoint(policy, dist, save)
+        if stop:
+            self.logger.close()
+            raise TrainingInterrupted(
+                f"interrupted by {signal.Signals(signum).name} at step {self.state.step}: "
+                f"checkpoint saved in {ckpt}; resume with: {self.rundir.resume_command(dist)}",
+                signum,
+                dist.rank,
+            )
+
+    def guard_stop(self, policy: Policy, dist, error: GrpoError, then: str = "") -> GrpoError:
+        """A guard ends the run at this step boundary. Collective: every rank calls it at the
+        same step, as every guard decides from numbers reduced over the ranks. Checkpoints the
+        step, unless a trainable weight is NaN or inf on some rank (a corrupted state never
+        replaces a good checkpoint: then as `unsaved_stop`), and returns `error` to raise, its
+        message completed with the checkpoint and the resume command (then `then`), and its
+        `rank` set (the CLI prints rank 0's line once).
+
+        Args:
+            error: the guard's error: what happened, what to change.
+            then: appended after the resume command (e.g. which override to add).
+        """
+        finite = not all_reduce_sum(float(not bool(weights_finite(self.params))), dist)
+        if not finite:
+            why = f"a trainable weight is not finite at step {self.state.step}"
+            return self.unsaved_stop(dist, error, why)
+        ckpt = self._checkpoint(policy, dist, True)
+        self.logger.close()
+        more = f" {then}" if then else ""
+        cmd = self.rundir.resume_command(dist)
+        return _completed(error, f"checkpoint saved in {ckpt}; resume with: {cmd}{more}", dist)
+
+    def unsaved_stop(self, dist, error: GrpoError, why: str) -> GrpoError:
+        """A guard ends the run without saving (`why`: the state is corrupted): returns `error`
+        to raise, its message completed with the newest good checkpoint that stays and the
+        resume command (or that none was written yet), and its `rank` set."""
+        self.logger.close()
+        ckpt, _ = find_checkpoint(self.out_dir)
+        if ckpt is None:
+            every = self.cfg.train.save_every
+            when = f"every {every} steps" if every else "at the end only"
+            kept = (f"no checkpoint was written before it (train.save_every={every}: "
+                    f"{when}); start again with --overwrite")  # fmt: skip
+        else:
+            step = int(ckpt.name.removeprefix("step_"))
+            kept = (f"the last checkpoint stays: {ckpt} (step {step}); resume from it with: "
+                    f"{self.rundir.resume_command(dist)}")  # fmt: skip
+        return _completed(error, f"nothing saved ({why}); {kept}", dist)
+
+    def _checkpoint(self, policy: Policy, dist, save: bool) -> Path:
+        """Checkpoint this step when `save` (every rank's RNG state, rank 0 writes), then wait
+        for all (collective either way); returns the step's checkpoint directory."""
+        cfg = self.cfg
         rngs = gather_objects(rng_state(), dist) if save else None
         where = Where("checkpoint", self.state.step)
         # FSDP: every rank writes its shards into rank 0's temporary directory first
@@ -123,15 +190,7 @@ class Run:
                     self.out_dir, self.state, policy.model, self.optimizer, self.scheduler,
                     config_to_dict(cfg), cfg.train.keep_last, rng_states=rngs, sharded=sharded,
                 )  # fmt: skip
-        if stop:
-            self.logger.close()
-            ckpt = self.out_dir / "checkpoints" / f"step_{self.state.step:06d}"
-            raise TrainingInterrupted(
-                f"interrupted by {signal.Signals(signum).name} at step {self.state.step}: "
-                f"checkpoint saved in {ckpt}; resume with: {self.rundir.resume_command(dist)}",
-                signum,
-                dist.rank,
-            )
+        return self.out_dir / "checkpoints" / f"step_{self.state.step:06d}"
 
     def _save_shards(self, policy: Policy, dist, where: Where) -> tuple[Path, list[dict]]:
         """Every rank's shards of the weights and optimizer states into the temporary directory
@@ -144,10 +203,14 @@ class Run:
                 prepare_tmp(tmp)
         try:
             groups = save_shards(tmp, policy.model, self.optimizer)
-        except (OSError, RuntimeError, ValueError) as e:  # DCP's CheckpointException too
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        except Exception as e:
+            if dist.is_main:  # every rank gets DCP's verdict: nothing partial stays
+                shutil.rmtree(tmp, ignore_errors=True)
             final = tmp.parent / f"step_{self.state.step:06d}"
-            raise GrpoError(f"could not write checkpoint {final}: {first}") from None
+            lines = str(e).strip().splitlines()
+            why = lines[0] if lines else type(e).__name__
+            raise GrpoError(f"could not write checkpoint {final}: {why}; the checkpoints "
+                            "already written stay") from None  # fmt: skip
         return tmp, groups
 
     def finish(self, policy: Policy, dist, metrics: dict) -> dict:
@@ -179,7 +242,13 @@ def start_run(
     (lock, overwrite, config; see `RunDir.claim`) and the metric logger.
 
     `header` (the run's choices by name, e.g. `grpo.train.grpo.run_header`) is logged once on
-    rank 0 and written into the first metrics.jsonl record of this start."""
+    rank 0 and written into the first metrics.jsonl record of this start, with what runs
+    besides the config: ``run/plugins`` (every plugin loaded, with its version) and
+    ``run/replaced`` (every registry name a plugin or user code replaced;
+    `grpo.plugins.plugin_header`), which a resumed run compares (`grpo.run.rundir`)."""
+    from grpo.plugins import plugin_header
+
+    header = {**(header or {}), **plugin_header()}
     params = policy.trainable_parameters()
     optimizer = build_optimizer(params, cfg.optim)
     scheduler = build_scheduler(optimizer, total_steps, cfg.optim)
@@ -201,3 +270,10 @@ def start_run(
 def due(step: int, every: int, last: bool) -> bool:
     """True at the last step and every `every` steps (every = 0: only the last)."""
     return last or (every > 0 and step % every == 0)
+
+
+def _completed(error: GrpoError, tail: str, dist) -> GrpoError:
+    """`error` with "; `tail`" added to its message and this rank as its `rank`."""
+    error.args = (f"{error}; {tail}",)
+    error.rank = dist.rank
+    return error

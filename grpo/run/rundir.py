@@ -27,6 +27,8 @@ from grpo.config import Config, config_to_dict, save_config
 from grpo.distributed import Dist, JobError, gather_objects
 from grpo.errors import GrpoError
 from grpo.io import read_json
+from grpo.metrics import read_metrics
+from grpo.plugins import loaded_plugins
 from grpo.run.state import (
     find_checkpoint,
     list_checkpoints,
@@ -320,6 +322,52 @@ def resume_conflicts(saved: dict, new: dict, kind: str) -> list[str]:
     return out
 
 
+def plugin_changes(saved: dict, now: dict) -> list[str]:
+    """How the plugins of a run's earlier start (`saved`, its ``run/plugins`` record: spec ->
+    {"version": ...}) differ from this start's (`now`, the same form), each as "'spec' 1.0
+    added", "'spec' removed" or "'spec' 1.0 -> 1.1"; empty when the same."""
+
+    def versions(plugins: dict) -> dict[str, str | None]:
+        return {k: v.get("version") if isinstance(v, dict) else None for k, v in plugins.items()}
+
+    old, new = versions(saved), versions(now)
+    out = []
+    for spec in [*old, *(k for k in new if k not in old)]:
+        if spec not in new:
+            out.append(" ".join(filter(None, (repr(spec), old[spec], "removed"))))
+        elif spec not in old:
+            out.append(" ".join(filter(None, (repr(spec), new[spec], "added"))))
+        elif old[spec] != new[spec]:
+            out.append(f"{spec!r} {old[spec] or 'no version'} -> {new[spec] or 'no version'}")
+    return out
+
+
+def warn_plugin_changes(run_dir: Path, ckpt: Path) -> None:
+    """Warn (one line) when the plugins loaded now differ from those of the start that saved
+    `ckpt`: the last ``run/plugins`` record at or before its step in metrics.jsonl (a start
+    writes it with its first record; `grpo.run.loop.start_run`). Runs without that record, or
+    whose metrics cannot be read, are not compared."""
+    path = run_dir / "metrics.jsonl"
+    step = int(ckpt.name.removeprefix("step_"))
+    try:
+        rows = read_metrics(path) if path.is_file() else []
+    except GrpoError:
+        return
+    earlier = [r for r in rows if r.get("step", 0) <= step and "run/plugins" in r]
+    if not earlier:
+        return
+    try:
+        saved = json.loads(earlier[-1]["run/plugins"])
+    except (TypeError, json.JSONDecodeError):
+        return
+    now = {spec: {"version": p.version} for spec, p in loaded_plugins().items()}
+    changes = plugin_changes(saved if isinstance(saved, dict) else {}, now)
+    if changes:
+        log.warning("--resume: the plugins differ from those of the start that saved %s "
+                    "(metrics.jsonl, step %s): %s; the names they register may run other code "
+                    "now", ckpt.name, earlier[-1].get("step"), "; ".join(changes))  # fmt: skip
+
+
 def check_run_dir(cfg: Config, kind: str, resume: bool, overwrite: bool,
                   world_size: int = 1) -> Path | None:  # fmt: skip
     """The read-only checks of a start in cfg.train.output_dir (nothing is written).
@@ -377,6 +425,7 @@ def check_run_dir(cfg: Config, kind: str, resume: bool, overwrite: bool,
             + ", or start afresh in another train.output_dir"
         )
     _check_global_batch(ckpt, saved, saved_ranks, cfg.train.batch_size, world_size)
+    warn_plugin_changes(run_dir, ckpt)
     return ckpt
 
 

@@ -214,11 +214,37 @@ def save_shards(tmp: Path, model: torch.nn.Module, optimizer) -> list[dict]:
     tmp/shards (collective: all ranks call it, after rank 0 made `tmp`); returns the param
     groups, which `save_checkpoint(sharded=...)` writes on rank 0."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     flat, groups = _sharded_state(model, optimizer)
     writer = dcp.HuggingFaceStorageWriter(str(tmp / SHARDS), save_distributed=True)
-    dcp.save(flat, storage_writer=writer, no_dist=not torch.distributed.is_initialized())
+    try:
+        dcp.save(flat, storage_writer=writer, no_dist=not torch.distributed.is_initialized())
+    except CheckpointException as e:  # a BaseException, holding each rank's traceback
+        raise OSError(save_failure(e)) from None
     return groups
+
+
+def save_failure(e: BaseException) -> str:
+    """One line for a failed save: the first OS error among DCP's per-rank failures ("No space
+    left on device (rank 0)"), else the first line of the first failure."""
+    failures = getattr(e, "failures", None) or {}
+    found = []
+    for rank, failure in sorted(failures.items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback)
+        while exc is not None:
+            if isinstance(exc, OSError) and exc.strerror:
+                return f"{exc.strerror} (rank {rank})"
+            exc = exc.__cause__ or exc.__context__
+        found.append((rank, failure[0] if isinstance(failure, tuple) else failure))
+    if found:
+        rank, exc = found[0]
+        text = str(exc).strip().splitlines()
+        return f"{type(exc).__name__}: {text[0]} (rank {rank})" if text else type(exc).__name__
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
 
 
 def _load_shards(path: Path, model: torch.nn.Module, optimizer) -> None:
@@ -433,8 +459,10 @@ def load_checkpoint(
     else:
         _load_whole(path, model, optimizer, params, device, sharded)
     if scheduler is not None:
+        configured = list(scheduler.base_lrs)  # this start's optim.lr
         state = torch_load(path / "scheduler.pt", "a scheduler state", map_location=device)
         scheduler.load_state_dict(state)
+        _keep_configured_lr(scheduler, configured, path)
     rngs = meta["rng"]
     if rank >= len(rngs):
         raise GrpoError(
@@ -442,6 +470,25 @@ def load_checkpoint(
         )
     set_rng_state(rngs[rank])
     return TrainState(**meta["train_state"])
+
+
+def _keep_configured_lr(scheduler, configured: list[float], path: Path) -> None:
+    """A resumed run trains at its own config's optim.lr: the checkpoint's scheduler and
+    optimizer states carry the lr it was saved with, which would silently override a changed
+    one (the advice after a non-finite update is to lower it). Said in one line."""
+    saved = list(scheduler.base_lrs)
+    if saved == configured or not hasattr(scheduler, "lr_lambdas"):
+        return
+    log.warning("resume: optim.lr %s (this config) replaces the checkpoint's %s (%s)",
+                ", ".join(f"{x:g}" for x in configured), ", ".join(f"{x:g}" for x in saved),
+                path.name)  # fmt: skip
+    scheduler.base_lrs = configured
+    step = scheduler.last_epoch
+    for group, base, fn in zip(scheduler.optimizer.param_groups, configured,
+                               scheduler.lr_lambdas):  # fmt: skip
+        group["initial_lr"] = base
+        group["lr"] = base * fn(step)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
 
 def _load_whole(path: Path, model, optimizer, params: dict, device, sharded: bool) -> None:

@@ -9,7 +9,8 @@ plain values (the frozen dataclasses of `grpo.train.batch`):
     old_logprobs_phase rollout, mask, plan           -> pi_old (B, T_c) or None
     update_phase       UpdateBatch, optimizer        -> train/* and on-policy metrics
 
-`_train` only sequences them (and logs, evaluates, checkpoints); `step_batch` runs the phases
+`_train` only sequences them (and logs, evaluates, checkpoints, and stops at a guard after
+saving what it can: `grpo.run.loop.Run.guard_stop`); `step_batch` runs the phases
 between the rollout and the update. Reference log-probs come before advantages so that an
 estimator can put the KL into the reward (REINFORCE++). A `RolloutBatch` carries everything
 the later phases read (tokens, masks, the sampler's log-probs, scores, the policy version that
@@ -61,8 +62,9 @@ from grpo.loading import load_rows, resolve_device
 from grpo.lora import disabled_lora
 from grpo.policy import build_policy, shard_policy
 from grpo.rewards import build_rewards
+from grpo.rewards.bounds import total_bounds
 from grpo.rollout import Rollout
-from grpo.run.loop import RunDir, due, run_training, start_run
+from grpo.run.loop import GuardStop, RunDir, due, run_training, start_run
 from grpo.run.optim import nonfinite_weights_error, weights_finite
 from grpo.run.perf import PhasePeaks, phase_bar
 from grpo.run.preflight import check_prompt_room, preflight, start_notices
@@ -74,11 +76,16 @@ from grpo.train.batch import (
     counted_mask,
     micro_batch_plan,
 )
-from grpo.train.health import LearningHealth, WeightChange
+from grpo.train.health import LearningHealth, StallError, WeightChange
 from grpo.train.producer import make_sampler, rollout_source, run_producer
 from grpo.train.stats import OnPolicyCheck, StatSums, advantage_stats, rollout_metrics
 
 log = logging.getLogger(__name__)
+
+
+class NonfiniteWeights(GuardStop):
+    """An update left a trainable weight NaN or inf (on some rank; every rank raises it at the
+    same update): the run stops without saving that state (`grpo.run.loop.Run.unsaved_stop`)."""
 
 
 def step_batch(
@@ -235,8 +242,9 @@ def update_phase(
     on-policy check: the first pass's log-probs (the policy that sampled, trainer numerics)
     against the sampler's, as rollout/logprob_diff_max, rollout/logprob_diff_mean and
     rollout/first_pass_ratio_mean (exp of the difference; 1 when they agree). An update that
-    leaves a trainable weight NaN or inf (on any rank) raises GrpoError naming the step, its
-    loss, grad norm and lr (`nonfinite_weights_error`), read with the stats: no extra sync.
+    leaves a trainable weight NaN or inf (on any rank) raises `NonfiniteWeights` naming the
+    step, its loss, grad norm and lr (`nonfinite_weights_error`), read with the stats: no extra
+    sync.
     """
     model = policy.model
     scorer = scorer if scorer is not None else CompletionLogprobs(model, policy.precision)
@@ -331,7 +339,8 @@ def update_phase(
     bad = [i for i in range(len(finite)) if shares[f"nonfinite_{i}"]]
     if bad:  # stop before this step's checkpoint: the last one written stays finite
         i = bad[0]
-        raise nonfinite_weights_error(step, losses[i], grad_norms[i], update_lrs[i])
+        error = nonfinite_weights_error(step, losses[i], grad_norms[i], update_lrs[i])
+        raise NonfiniteWeights(str(error), dist.rank)
     n_tokens = max(shares["n"], 1.0)
     out.update(
         {
@@ -446,7 +455,8 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
     policy.model.eval()
     scorer = wrap_ddp(CompletionLogprobs(policy.model, policy.precision), dist, device)
     peaks = PhasePeaks(device)
-    health = LearningHealth(cfg, dist.rank)  # learning that silently stops (train.stall_steps)
+    # learning that silently stops, or a task solved (train.stall_steps)
+    health = LearningHealth(cfg, dist.rank, highest_reward(cfg, reward_fns))
     weight_change = WeightChange(params)  # train/weight_change, which it reads
 
     def run_eval() -> dict:
@@ -486,11 +496,14 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             metrics = rollout_metrics(batch, cfg.rollout.max_turns) | source.metrics()
             metrics = all_reduce_mean_dict(metrics, dist)
             metrics.update(adv_stats)
-            metrics.update(
-                update_phase(
-                    cfg, policy, inputs, optimizer, scheduler, params, scorer, dist, state.step + 1
-                )
-            )
+            try:
+                update = update_phase(cfg, policy, inputs, optimizer, scheduler, params, scorer,
+                                      dist, state.step + 1)  # fmt: skip
+            except NonfiniteWeights as e:  # every rank, at this update: never saved
+                what = str(e).split("; the checkpoints already written", 1)[0]
+                why = f"the weights after the update of step {state.step + 1} are not finite"
+                raise run.unsaved_stop(dist, NonfiniteWeights(what), why) from None
+            metrics.update(update)
             metrics["train/weight_change"] = weight_change.measure(dist)
             t3 = time.perf_counter()
             peaks.end("update")
@@ -515,7 +528,13 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             compiled_s = source.compile_s
             skipped = int(metrics["train/nonfinite_skipped"])
             bad_steps = bad_steps + skipped if skipped else 0
-            last = state.step == cfg.train.max_steps
+            try:  # warns (rank 0); every rank decides alike (reduced metrics)
+                health.observe(state.step, metrics)
+                stall = None
+            except StallError as e:  # train.stop_on_stall: raised once this step is logged
+                stall = e
+            # train.stop_on_stall and the task solved: this step ends the run as the last would
+            last = state.step == cfg.train.max_steps or health.finished
             where.phase = "evaluation / logging"
             evaluating = cfg.data.eval_samples > 0 and due(state.step, cfg.train.eval_every, last)
             with full_weights(policy.model, sharded and evaluating), rank_local(dist, where):
@@ -528,15 +547,32 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
                     on_step(state.step, metrics)
             if dist.is_main and cfg.train.sample_every and state.step % cfg.train.sample_every == 0:
                 tqdm.write(f"[sample] reward {float(batch.rewards[0]):.2f}: {batch.texts[0]!r}")
-            if bad_steps >= cfg.train.max_nonfinite_steps:
-                raise GrpoError(
-                    f"{bad_steps} consecutive updates had a non-finite loss or gradient (step "
-                    f"{state.step}); stopped. Lower optim.lr or check the rewards; resume from the "
-                    "last checkpoint with --resume"
-                )
-            health.observe(state.step, metrics)  # warns; train.stop_on_stall: raises
             where.phase = "checkpoint"
+            if bad_steps >= cfg.train.max_nonfinite_steps:  # skipped updates: weights intact
+                raise run.guard_stop(policy, dist, GuardStop(
+                    f"{bad_steps} consecutive updates had a non-finite loss or gradient (step "
+                    f"{state.step}); stopped. Lower optim.lr or check the rewards (the weights are "
+                    "those of the last update applied)"
+                ))  # fmt: skip
+            if stall is not None:
+                then = "(append the settings to change, e.g. train.stop_on_stall=false)"
+                raise run.guard_stop(policy, dist, stall, then)
             run.end_step(policy, dist, last)
             bar.update(1)
+            if health.finished:
+                break
         bar.close()
-    return {**run.finish(policy, dist, metrics), "health": health.summary()}
+    summary = {**run.finish(policy, dist, metrics), "health": health.summary()}
+    if health.converged is not None:
+        summary["converged"] = health.converged_summary()
+    return summary
+
+
+def highest_reward(cfg: Config, reward_fns) -> float | None:
+    """The highest total reward a completion can get, for the learning-health `solved` rule:
+    the weighted rewards' upper bound (`grpo.rewards.bounds.total_bounds`). None when a reward
+    declares no bounds, or with an environment (its step rewards add to the total)."""
+    if cfg.rollout.multi_turn:
+        return None
+    bounds = total_bounds(reward_fns)
+    return None if bounds is None else bounds[1]

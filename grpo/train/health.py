@@ -8,7 +8,16 @@ applies one rule per symptom over the last `train.stall_steps` steps (docs/safet
 "Learning health"). A rule that starts to hold is one WARNING line on rank 0 naming the
 symptom, its numbers and the setting to change, and one more when it stops holding; the run
 summary lists every rule that fired (`health`). With `train.stop_on_stall` the first one to
-fire stops the run (`StallError`, exit 2).
+fire stops the run (`StallError`, exit 2; the trainer saves a checkpoint first and names the
+resume command).
+
+A task can also be solved: when the rewards declare bounds (`grpo.rewards.bounds`) and every
+completion of every group scores the run's highest reward on each of the last stall_steps
+steps, the `solved` rule holds instead of the stall rules, whose symptoms a solved task
+shows (equal rewards, a flat reward, a zero gradient, unmoving weights, truncated completions
+with no signal left). It is an INFO line, not a warning; the summary's `converged` records
+it; with `train.stop_on_stall` the run ends there as at its last step (final/ weights, exit
+0, "converged at step N").
 
 `WeightChange` measures the metric the frozen-weights rule reads, `train/weight_change`.
 """
@@ -33,10 +42,12 @@ TRUNCATED_FRAC = 0.9  # "most completions": at least this fraction cut at the bu
 ZERO = 1e-12  # a grad norm or relative weight change at or below this counts as none
 FLAT = 1e-6  # a reward-mean range at or below this over the window counts as flat
 SAMPLE_BUDGET = 1 << 24  # most elements of the trainable weights WeightChange keeps (64 MiB f32)
+AT_MAX = 1e-6  # a reward mean this close (relative) to the rewards' upper bound is at it
 
 
 class StallError(GrpoError):
-    """train.stop_on_stall: a learning-health rule fired. Printed once, by rank 0."""
+    """train.stop_on_stall: a learning-health rule fired. Printed once, by rank 0; the trainer
+    adds the checkpoint it saved and the resume command to the message."""
 
     def __init__(self, message: str, rank: int = 0):
         super().__init__(message)
@@ -53,6 +64,7 @@ class Window:
     steps: tuple[int, ...]
     metrics: tuple[dict, ...]
     lowest_reward: tuple[float, ...]  # per step: the run's lowest rollout/reward_mean until then
+    reward_hi: float | None = None  # the run's highest possible reward (None: unknown)
 
     def values(self, key: str) -> list[float]:
         """`key` on every step of the window (NaN where a step lacks it)."""
@@ -177,6 +189,25 @@ def _flat_reward_message(cfg: Config, w: Window) -> str:
     )
 
 
+def _solved(cfg: Config, w: Window) -> bool:
+    """Every completion of every group at the rewards' upper bound, on every step: every group
+    has equal rewards and the reward mean is at the bound (no reward exceeds its declared
+    bounds: `grpo.rewards.compute` checks them). Never with unknown or infinite bounds."""
+    hi = w.reward_hi
+    if hi is None or not math.isfinite(hi):
+        return False
+    at_max = all(r >= hi - AT_MAX * max(1.0, abs(hi)) for r in w.values("rollout/reward_mean"))
+    return at_max and _zero_variance(cfg, w)
+
+
+def _solved_message(cfg: Config, w: Window) -> str:
+    return (
+        f"every completion in every group got the rewards' maximum ({w.reward_hi:g}) for "
+        f"{len(w.steps)} steps ({w.span}): the task is learned; harder prompts (data) would "
+        "give the policy more to learn"
+    )
+
+
 @dataclass(frozen=True)
 class Rule:
     """One symptom: `holds(cfg, window)` over the last stall_steps steps, and the warning's
@@ -196,6 +227,10 @@ RULES = (
     Rule("frozen_weights", _frozen_weights, _frozen_weights_message),
     Rule("flat_reward", _flat_reward, _flat_reward_message, min_steps=2),
 )
+# Not a stall: the task is learned. While it holds no stall rule does: each of their symptoms
+# (equal rewards, a flat reward, no gradient, unmoving weights, truncated completions that
+# leave no signal) is what a solved task looks like, and nothing is left to fix.
+SOLVED = Rule("solved", _solved, _solved_message)
 
 
 # --------------------------------------------------------------------------- the watcher
@@ -232,6 +267,8 @@ class Event:
 
     @property
     def line(self) -> str:
+        if self.fired and self.rule == SOLVED.name:
+            return f"learning health: solved at step {self.step}: {self.message}"
         if self.fired:
             return f"learning stalled at step {self.step}: {self.message}"
         return f"learning health: {self.rule} cleared at step {self.step} ({self.message})"
@@ -244,14 +281,25 @@ class LearningHealth:
     Args:
         cfg: the run config (train.stall_steps, train.stop_on_stall, and the settings named).
         rank: this process's rank: rank 0 logs the warnings and prints a stop.
+        reward_hi: the highest total reward a completion can get (`grpo.rewards.bounds.
+            total_bounds`), or None when unknown: then no run is ever `solved`.
+
+    Attributes:
+        stalls: rule name -> `Stall`, for every stall rule that fired.
+        converged: the `solved` rule's record once it fired (None before).
+        finished: train.stop_on_stall and the task solved at the step just observed: the
+            trainer ends the run there as at its last step.
     """
 
     cfg: Config
     rank: int = 0
+    reward_hi: float | None = None
     _recent: deque = field(init=False)
     _active: dict[str, int] = field(init=False, default_factory=dict)  # rule -> firing step
     _lowest: float = field(init=False, default=math.inf)
     stalls: dict[str, Stall] = field(init=False, default_factory=dict)
+    converged: Stall | None = field(init=False, default=None)
+    finished: bool = field(init=False, default=False)
 
     def __post_init__(self):
         self._recent = deque(maxlen=max(self.cfg.train.stall_steps, 2))
@@ -262,7 +310,8 @@ class LearningHealth:
 
     def observe(self, step: int, metrics: dict) -> list[Event]:
         """One step's metrics (the same on every rank): log what fired or cleared (rank 0);
-        with train.stop_on_stall raise `StallError` when a rule fired.
+        with train.stop_on_stall raise `StallError` when a stall rule fired, or set `finished`
+        when the task is solved (every rank decides the same at the same step).
 
         Returns:
             the rules that fired or cleared at this step.
@@ -274,52 +323,70 @@ class LearningHealth:
             self._lowest = min(self._lowest, r)
         self._recent.append((step, dict(metrics), self._lowest))
         events = []
-        for rule in RULES:
+        for rule in (SOLVED, *RULES):
             w = self._window(max(self.cfg.train.stall_steps, rule.min_steps))
             holds = w is not None and rule.holds(self.cfg, w)
+            if holds and rule is not SOLVED and _solved(self.cfg, w):
+                holds = False  # the task is learned: no signal is left, nothing is stuck
             if holds and rule.name not in self._active:
                 events.append(self._fire(rule, w, step))
             elif holds:
-                self.stalls[rule.name].last_step = step
+                self._record(rule.name).last_step = step
             elif rule.name in self._active:
-                since, last = self._active.pop(rule.name), self.stalls[rule.name].last_step
+                since, last = self._active.pop(rule.name), self._record(rule.name).last_step
                 what = f"it fired at step {since} and held through step {last}"
                 events.append(Event(rule.name, step, False, what))
         for e in events if self.rank == 0 else ():
-            log.warning("%s", e.line)
+            log.log(logging.INFO if e.rule == SOLVED.name else logging.WARNING, "%s", e.line)
         fired = [e for e in events if e.fired]
-        if fired and self.cfg.train.stop_on_stall:
-            also = [e.rule for e in fired[1:]]
-            more = f" (also fired: {', '.join(also)})" if also else ""
-            raise StallError(
-                f"learning stalled at step {step}: {fired[0].message}{more}; stopped by "
-                "train.stop_on_stall (checkpoints already written stay; change the setting and "
-                "continue with --resume)",
-                self.rank,
-            )
-        return events
+        if not fired or not self.cfg.train.stop_on_stall:
+            return events
+        if fired[0].rule == SOLVED.name:  # ends like the last step: no stall to report
+            self.finished = True
+            return events
+        also = [e.rule for e in fired[1:]]
+        more = f" (also fired: {', '.join(also)})" if also else ""
+        raise StallError(
+            f"learning stalled at step {step}: {fired[0].message}{more}; stopped by "
+            "train.stop_on_stall",
+            self.rank,
+        )
 
     def _window(self, n: int) -> Window | None:
         """The last n steps, or None before n steps were seen."""
         if len(self._recent) < n:
             return None
         steps, metrics, lowest = zip(*list(self._recent)[-n:])
-        return Window(steps, metrics, lowest)
+        return Window(steps, metrics, lowest, self.reward_hi)
+
+    def _record(self, name: str) -> Stall | None:
+        return self.converged if name == SOLVED.name else self.stalls.get(name)
 
     def _fire(self, rule: Rule, w: Window, step: int) -> Event:
         message = rule.message(self.cfg, w)
         self._active[rule.name] = step
-        old = self.stalls.get(rule.name)
+        old = self._record(rule.name)
         if old is None:
-            self.stalls[rule.name] = Stall(w.steps[0], step, step, 1, message)
+            new = Stall(w.steps[0], step, step, 1, message)
+            if rule.name == SOLVED.name:
+                self.converged = new
+            else:
+                self.stalls[rule.name] = new
         else:
             old.last_step, old.times = step, old.times + 1
         return Event(rule.name, step, True, message)
 
     def summary(self) -> dict[str, dict]:
         """The run summary's `health` section: rule name -> its `Stall` as a dict, for every
-        rule that fired (empty: none did)."""
+        stall rule that fired (empty: none did; `solved` is not a stall, see `converged`)."""
         return {name: vars(s).copy() for name, s in self.stalls.items()}
+
+    def converged_summary(self) -> dict | None:
+        """The run summary's `converged` section: the `solved` rule's `Stall` as a dict plus
+        `stopped` (whether it ended the run, train.stop_on_stall); None when it never fired."""
+        if self.converged is None:
+            return None
+        return {**vars(self.converged), "stopped": self.finished}
 
 
 def describe(health: dict[str, dict]) -> str:
