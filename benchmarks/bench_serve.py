@@ -127,15 +127,14 @@ def start_server(model, tok, max_batch_rows: int, max_queue: int):
     """The real app + engine on a free 127.0.0.1 port, uvicorn in a thread; (url, engine, stop)."""
     import uvicorn
 
+    from grpo.apps.serve import _listen
     from grpo.apps.serving import Engine, Service
     from grpo.apps.serving.app import build_app
 
     engine = Engine(model, tok, [tok.eos_token_id], max_queue=max_queue,
                     max_batch_rows=max_batch_rows, batch_window_ms=5.0)  # fmt: skip
     service = Service(engine, tok, NAME, max_tokens_limit=1024)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(2048)
+    sock = _listen("127.0.0.1", 0)  # grpo serve's own listening socket (TCP_NODELAY)
     server = uvicorn.Server(uvicorn.Config(build_app(service), lifespan="on", log_config=None,
                                            log_level="warning", access_log=False))  # fmt: skip
     engine.start()

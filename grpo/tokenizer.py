@@ -4,6 +4,7 @@ ChatML BPE tokenizer for offline runs and tests."""
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -307,8 +308,17 @@ def encode_pieces(tokenizer, pieces: Sequence[tuple[str, bool]]) -> list[int]:
                         "text")  # fmt: skip
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     added = set(tokenizer.get_added_vocab().values())
-    if not any(i in added and a < e and s < b for i, (s, e) in
-               zip(enc["input_ids"], enc["offset_mapping"]) for a, b in spans):  # fmt: skip
+    # does an added token overlap a content? spans are sorted and disjoint: one bisect per
+    # added token (linear in the conversation, not tokens x messages)
+    starts = [a for a, _ in spans]
+    overlap = False
+    for i, (s, e) in zip(enc["input_ids"], enc["offset_mapping"]):
+        if i in added and e > s:
+            j = bisect.bisect_right(starts, e - 1) - 1  # the last span starting before e
+            if j >= 0 and spans[j][1] > s:
+                overlap = True
+                break
+    if not overlap:
         return list(enc["input_ids"])
     template = "".join(t for t, c in pieces if not c)
     want = tokenizer(template, add_special_tokens=False)["input_ids"]

@@ -8,19 +8,24 @@ Routes: POST /v1/chat/completions (messages rendered with the model's chat templ
 POST /v1/completions (raw text or token ids), each with max_tokens, temperature, top_p, top_k,
 n, seed, stop and `stream: true` (server-sent events); GET /v1/models; GET /health; and the
 original POST /generate {text, max_tokens, temperature, top_p, top_k, seed, raw} ->
-{text, tokens, logprob, finish_reason, seed}. This module is the process: the socket (taken
-before the model loads), uvicorn, and shutdown: on SIGINT / SIGTERM new requests get 503,
-queued and running ones finish for up to --shutdown-timeout seconds (then 503), exit 0 with
-no traceback. `grpo.apps.serving` holds the parts (engine, request parsing, app);
-docs/serving.md the guarantees.
+{text, tokens, logprob, finish_reason, seed}. With --api-key (or $GRPO_API_KEY) every route
+but /health wants `Authorization: Bearer KEY` (else 401). This module is the process: the
+socket (taken before the model loads), uvicorn, and shutdown: on SIGINT / SIGTERM new requests
+get 503, queued and running ones finish for up to --shutdown-timeout seconds (then 503); a
+second signal stops at once; exit 0 with no traceback either way. `grpo.apps.serving` holds
+the parts (engine, request parsing, app); docs/serving.md the guarantees.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import logging
+import os
 import signal
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from grpo.apps.serving.engine import Engine
@@ -29,6 +34,7 @@ from grpo.errors import GrpoError
 from grpo.settings import between, check_value
 
 log = logging.getLogger(__name__)
+API_KEY_ENV = "GRPO_API_KEY"
 
 
 @dataclass
@@ -49,13 +55,51 @@ class Running:
         self.server.should_exit = True
 
 
+def api_key(flag: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The key clients must send: --api-key, else $GRPO_API_KEY; None when neither is set.
+
+    Raises:
+        GrpoError: the key is empty or not printable ASCII without white space (an HTTP
+            header carries it). The message names where the key came from, never the key.
+    """
+    source, key = "--api-key", flag
+    if flag is None:
+        source, key = API_KEY_ENV, environ.get(API_KEY_ENV)
+    if key is None:
+        return None
+    if not key:
+        raise GrpoError(f"{source} is set but empty; unset it to serve without a key")
+    if not (key.isascii() and key.isprintable()) or any(c.isspace() for c in key):
+        raise GrpoError(f"{source}: the API key must be printable ASCII without white space "
+                        "(clients send it in the Authorization header)")  # fmt: skip
+    return key
+
+
+class _NoCancelledTracebacks(logging.Filter):
+    """Drops uvicorn's "Exception in ASGI application" records of a request task cancelled
+    because the server stops now (a second signal): the stop is the expected outcome."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, asyncio.CancelledError)
+
+
 def _uvicorn_server(config, engine: Engine, shutdown_timeout: float):
     """A uvicorn.Server whose shutdown lets the engine finish its jobs (up to the timeout,
     then 503) and which does not re-raise the signal afterwards (uvicorn's default), so
-    SIGINT / SIGTERM end the process with exit code 0 and no traceback."""
+    SIGINT / SIGTERM end the process with exit code 0 and no traceback. A second signal stops
+    at once, as quietly (`_stop_now`)."""
     import uvicorn
 
     class Server(uvicorn.Server):
+        def run(self, sockets=None):
+            quiet, logger = _NoCancelledTracebacks(), logging.getLogger("uvicorn.error")
+            logger.addFilter(quiet)
+            try:
+                super().run(sockets)
+            finally:
+                logger.removeFilter(quiet)
+
         def handle_exit(self, sig, frame):
             engine.drain()
             if self.should_exit:  # a second signal: stop now, fail what is left
@@ -74,19 +118,39 @@ def _uvicorn_server(config, engine: Engine, shutdown_timeout: float):
             closing = loop.run_in_executor(None, engine.close, shutdown_timeout)
             await super().shutdown(sockets)
             await closing
+            if self.force_exit:
+                await self._stop_now()
+
+        async def _stop_now(self):
+            """After a second signal uvicorn skips the application's shutdown and leaves the
+            requests running, and asyncio.run then cancels them: a `CancelledError` traceback
+            each. Instead: end the lifespan, and the requests (every job has failed with 503
+            by now, so they end at once; connections still open after a second are cut)."""
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.lifespan.shutdown(), 5.0)
+            for cut in (False, True):
+                if cut:
+                    for conn in list(self.server_state.connections):
+                        conn.transport.close()
+                tasks = [t for t in self.server_state.tasks if not t.done()]
+                if tasks:
+                    await asyncio.wait(tasks, timeout=1.0)
 
     return Server(config)
 
 
 def _listen(host: str, port: int) -> socket.socket:
-    """A listening socket, taken before the (slow) model load so a busy port fails at once."""
+    """A listening socket, taken before the (slow) model load so a busy port fails at once.
+    Its protocol is named: asyncio sets TCP_NODELAY only on connections whose socket says
+    IPPROTO_TCP, and without it a keep-alive client (the openai client) waited 40 ms for
+    each answer (Nagle's algorithm against the client's delayed ACK)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(2048)
-    except OSError as e:
+    except (OSError, OverflowError) as e:  # in use, no such interface; a port over 65535
         sock.close()
         raise GrpoError(f"cannot listen on {host}:{port}: {e}") from None
     return sock
@@ -114,6 +178,8 @@ def cmd_serve(args) -> int:
         ("--shutdown-timeout", args.shutdown_timeout, 0),
     ):  # fmt: skip
         check_value(flag, value, between(lo))  # (nan fails too)
+    check_value("--port", args.port, between(0, 65535))
+    key = api_key(args.api_key)
     try:
         import fastapi  # noqa: F401
         import uvicorn
@@ -140,22 +206,29 @@ def cmd_serve(args) -> int:
     holder: dict = {}
 
     def on_startup():
+        auth = "; an API key on all but /health" if key is not None else ""
         print(f"serving {name} on {url} (POST /v1/chat/completions, /v1/completions, "
-              "/generate; GET /v1/models, /health)", flush=True)  # fmt: skip
+              f"/generate; GET /v1/models, /health){auth}", flush=True)  # fmt: skip
         if args.on_ready is not None:  # tests and embedders get the handle (to shut down)
             args.on_ready(holder["running"])
 
     from grpo.apps.serving.app import build_app
 
-    app = build_app(service, on_startup)
+    app = build_app(service, on_startup, api_key=key)
     config = uvicorn.Config(app, lifespan="on", log_config=None, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=None)  # fmt: skip
     server = _uvicorn_server(config, engine, args.shutdown_timeout)
     holder["running"] = Running(url, service, server)
     engine.start()
+    # the objects of torch, transformers and the model live as long as the server: frozen,
+    # full collections (set off by a request that allocates much, e.g. a 1 MiB body) skip
+    # them, instead of holding the GIL, and /health, for a third of a second
+    gc.collect()
+    gc.freeze()
     try:
         server.run(sockets=[sock])
     finally:
+        gc.unfreeze()
         engine.close(0.0)  # a no-op after a graceful shutdown; else fails what is left
         sock.close()
     log.info("server stopped")
@@ -176,6 +249,12 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="interface (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="clients must send 'Authorization: Bearer KEY' (all routes but /health); "
+        f"default ${API_KEY_ENV}, which keeps the key out of the process list",
+    )
     p.add_argument(
         "--max-queue",
         type=int,

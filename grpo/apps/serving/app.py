@@ -1,13 +1,19 @@
-"""The FastAPI application of `grpo serve`: routes, OpenAI response shapes, server-sent events.
+"""The FastAPI application of `grpo serve`: routes, OpenAI response shapes, server-sent events,
+the API key.
 
-Bodies are parsed by `Service` (protocol.py) into `Job`s that the `Engine` runs on its own
-thread; its events come back to the event loop through `call_soon_threadsafe`.
+Bodies are parsed by `Service` (protocol.py) into `Job`s on a worker thread (JSON, checks,
+chat rendering and tokenizing take seconds on a 1 MiB body; the event loop, and /health, go
+on meanwhile); the `Engine` runs the jobs on its own thread, and its events come back to the
+event loop through `call_soon_threadsafe`.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the routes' annotations at
 # definition time, and `Request` is imported inside `build_app` (fastapi is optional).
 import asyncio
+import hashlib
+import hmac
 import json
+import logging
 import time
 import uuid
 
@@ -15,8 +21,11 @@ from grpo.apps.serving.engine import Job, Unavailable
 from grpo.apps.serving.protocol import RequestError, Service
 from grpo.apps.serving.tools import ToolStream, ToolUse
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
-               413: "invalid_request_error", 503: "server_busy"}  # fmt: skip
+log = logging.getLogger(__name__)
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+               404: "invalid_request_error", 413: "invalid_request_error",
+               503: "server_busy"}  # fmt: skip
+OPEN_PATHS = ("/health",)  # answered without the API key (load balancers, probes)
 
 
 def _usage(job: Job) -> dict:
@@ -37,12 +46,44 @@ def _call_soon(loop, fn, *args) -> None:
         pass
 
 
-def build_app(service: Service, on_startup=None):
+class BearerAuth:
+    """ASGI middleware: a request to any path but `OPEN_PATHS` must carry
+    `Authorization: Bearer KEY` (what the openai client sends), else `unauthorized(path)`
+    answers (401) before its body is read. The keys are compared as SHA-256 digests with
+    `hmac.compare_digest`: constant time, and the length of the key does not show either.
+
+    Args:
+        app: the application behind.
+        key: the key (never logged nor echoed).
+        unauthorized: path -> the 401 response (an ASGI application).
+    """
+
+    def __init__(self, app, key: str, unauthorized):
+        self.app = app
+        self.digest = hashlib.sha256(key.encode()).digest()
+        self.unauthorized = unauthorized
+
+    def authorized(self, headers) -> bool:
+        value = next((v for k, v in headers if k == b"authorization"), b"")
+        scheme, _, token = value.strip().partition(b" ")
+        sent = hashlib.sha256(token.strip()).digest()
+        return hmac.compare_digest(sent, self.digest) and scheme.lower() == b"bearer"
+
+    async def __call__(self, scope, receive, send):
+        if (scope["type"] != "http" or scope["path"] in OPEN_PATHS
+                or self.authorized(scope["headers"])):  # fmt: skip
+            return await self.app(scope, receive, send)
+        await self.unauthorized(scope["path"])(scope, receive, send)
+
+
+def build_app(service: Service, on_startup=None, api_key: str | None = None):
     """The FastAPI application over `service`.
 
     Args:
         service: parses requests and holds the engine.
         on_startup: called once the application has started (before the first request).
+        api_key: when given, every route but /health answers 401 without
+            `Authorization: Bearer API_KEY` (`BearerAuth`).
 
     Returns:
         a `fastapi.FastAPI`.
@@ -52,11 +93,13 @@ def build_app(service: Service, on_startup=None):
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
 
     def error(status: int, message: str, field: str | None, openai: bool, headers=None):
         """OpenAI's error shape on /v1 routes; {"error", "field"} on /generate (its contract)."""
         if openai:
-            code = "model_not_found" if status == 404 and field == "model" else None
+            codes = {401: "invalid_api_key", 404: "model_not_found" if field == "model" else None}
+            code = codes.get(status)
             kind = ERROR_TYPES.get(status, "server_error")
             body = {"error": {"message": message, "type": kind, "param": field, "code": code}}
         else:
@@ -70,17 +113,24 @@ def build_app(service: Service, on_startup=None):
         return error(e.status, str(e), field, openai)
 
     async def read_body(request: Request) -> bytes:
-        """The body, refused (413) once over the limit, whatever Content-Length claims."""
+        """The body, refused (413) once over the limit, whatever Content-Length claims. A
+        client that disconnects before sending it all costs one log line (not Starlette's
+        `ClientDisconnect` traceback) and gets a 400 it will not read."""
         limit = service.max_body_bytes
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             raise RequestError("body", f"{length} bytes; the limit is {limit}", status=413)
-        body = b""
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise RequestError("body", f"over the limit of {limit} bytes", status=413)
-        return body
+        body = bytearray()
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise RequestError("body", f"over the limit of {limit} bytes", status=413)
+        except ClientDisconnect:
+            log.info("POST %s: the client disconnected after %d bytes of its body",
+                     request.url.path, len(body))  # fmt: skip
+            raise RequestError("body", "the client disconnected before sending it all") from None
+        return bytes(body)
 
     async def run(job: Job) -> Job:
         """Submit `job` (raises `Unavailable`) and wait until it is done."""
@@ -104,6 +154,12 @@ def build_app(service: Service, on_startup=None):
 
     app = FastAPI(title="grpo serve", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)  # fmt: skip
+    if api_key is not None:
+        message = ("a valid API key is required: send the header 'Authorization: Bearer KEY' "
+                   "(the key given to grpo serve by --api-key or $GRPO_API_KEY)")  # fmt: skip
+        headers = {"WWW-Authenticate": "Bearer"}
+        app.add_middleware(BearerAuth, key=api_key, unauthorized=lambda path: error(
+            401, message, None, path.startswith("/v1"), headers))  # fmt: skip
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
@@ -140,7 +196,7 @@ def build_app(service: Service, on_startup=None):
     @app.post("/generate")
     async def generate(request: Request):
         try:
-            job, req = service.generate_job(await read_body(request))
+            job, req = await asyncio.to_thread(service.generate_job, await read_body(request))
             await run(job)
         except (RequestError, Unavailable) as e:
             return refused(e, openai=False)
@@ -152,7 +208,8 @@ def build_app(service: Service, on_startup=None):
 
     async def openai_route(request: Request, chat: bool):
         try:
-            job, include_usage, use = service.openai_job(await read_body(request), chat)
+            body = await read_body(request)
+            job, include_usage, use = await asyncio.to_thread(service.openai_job, body, chat)
             head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
                     "object": "chat.completion" if chat else "text_completion",
                     "created": int(time.time()), "model": service.name}  # fmt: skip
@@ -200,33 +257,38 @@ def build_app(service: Service, on_startup=None):
         tool_streams = [ToolStream(use) for _ in range(job.rows)] if use else None
 
         async def body():
+            # the role chunks are one write, each delta one, the end one: after a lost
+            # connection asyncio logs a line for each write past the 5th, so a disconnected
+            # client must be noticed (this generator closed) before more writes pile up
             finished = False
             try:
                 if chat:
-                    for i in range(job.rows):
-                        yield chunk(i, {"role": "assistant", "content": ""})
+                    yield "".join(chunk(i, {"role": "assistant", "content": ""})
+                                  for i in range(job.rows))  # fmt: skip
                 while (event := await events.get())[0] == "delta":
                     text = event[2]
                     if tool_streams is not None:
                         text = tool_streams[event[1]].feed(text)
                     if text:
                         yield chunk(event[1], {"content": text})
+                        await asyncio.sleep(0)  # a lost connection is noticed here
+                end = []
                 if job.error:  # after the 200: an error event, as OpenAI's API sends one
                     status, message = job.error
-                    yield _sse({"error": {"message": message, "type": "server_error",
-                                          "param": None, "code": status}})  # fmt: skip
+                    end.append(_sse({"error": {"message": message, "type": "server_error",
+                                               "param": None, "code": status}}))  # fmt: skip
                 else:
                     for c in job.result:
                         reason = c.finish_reason
                         if tool_streams is not None:
                             stream = tool_streams[c.index]
                             deltas, reason = stream.finish(use.prefix + c.text, reason)
-                            for delta in deltas:
-                                yield chunk(c.index, delta)
-                        yield chunk(c.index, {}, reason)
+                            end += [chunk(c.index, delta) for delta in deltas]
+                        end.append(chunk(c.index, {}, reason))
                     if include_usage:
-                        yield _sse({**head, "choices": [], "usage": _usage(job)})
-                yield _sse("[DONE]")
+                        end.append(_sse({**head, "choices": [], "usage": _usage(job)}))
+                end.append(_sse("[DONE]"))
+                yield "".join(end)
                 finished = True
             finally:
                 if not finished:  # the client went away: its rows stop at the next step

@@ -7,6 +7,7 @@ enforced, and `SamplingParams` made."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from dataclasses import MISSING, dataclass
@@ -274,6 +275,7 @@ class Service:
         problem = _not_text(text)  # e.g. --system-prompt from argv's surrogateescape
         if problem:
             raise RequestError(field, problem)
+        self.check_length([text], field)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if not ids:
             raise RequestError(field, "encodes to no tokens")
@@ -329,6 +331,8 @@ class Service:
                 raise RequestError("--system-prompt", problem)
             messages, shift = [{"role": "system", "content": self.system_prompt}, *messages], 1
         kwargs = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
+        self.check_length([m["content"] for m in messages if isinstance(m.get("content"), str)],
+                          field)  # fmt: skip
         try:
             ids = encode_chat(tok, messages, tools=tools or None, **kwargs)
         except ChatStructureError as e:  # named as the request names it
@@ -392,6 +396,30 @@ class Service:
                                f"model's context of {engine.context}")  # fmt: skip
         return SamplingParams(max_tokens, req.temperature, req.top_p, req.top_k, n=n,
                               seed=req.seed, stop=req.stops)  # fmt: skip
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters in the longest string of the vocabulary (0: unknown)."""
+        vocab = getattr(self.tokenizer, "get_vocab", dict)()
+        return max(map(len, vocab), default=0)
+
+    def check_length(self, texts: list[str], field: str) -> None:
+        """Refuse texts that cannot fit the context before tokenizing them (the tokenizer holds
+        the GIL for up to a second on 1 MiB of text). A bound, not a count: a token covers at
+        most `max_token_chars` characters (bytes, for byte-level BPE), white space may be
+        dropped and normalization may shrink text up to 3x (NFC composing Hangul jamo), so
+        n characters other than white space are at least n / (4 * max_token_chars) tokens."""
+        per_token = 4 * self.max_token_chars
+        if self.engine is None or not per_token:
+            return
+        ctx = self.engine.context
+        if sum(map(len, texts)) < ctx * per_token:  # every request that could fit
+            return
+        chars = sum(len("".join(t.split())) for t in texts)
+        if chars // per_token >= ctx:
+            raise RequestError(field, f"has {chars} characters besides white space: at least "
+                               f"{chars // per_token} tokens; the model's context is "
+                               f"{ctx}")  # fmt: skip
 
     def check_model(self, model: str | None) -> None:
         if model is None:
