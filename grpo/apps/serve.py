@@ -200,7 +200,7 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or (args.model if not args.adapter
                                        else f"{args.model}+{args.adapter}")  # fmt: skip
     service = Service(engine, tok, name, args.max_tokens_limit, args.system_prompt, thinking,
-                      args.max_request_bytes)  # fmt: skip
+                      args.max_request_bytes, args.strict_requests)  # fmt: skip
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     holder: dict = {}
@@ -290,6 +290,12 @@ def add_parser(subparsers) -> None:
         "--system-prompt", default=None, help="system message for chat requests that bring none"
     )
     p.add_argument("--enable-thinking", choices=("true", "false"), default=None)
+    p.add_argument(
+        "--strict-requests",
+        action="store_true",
+        help="refuse (400) unknown fields on the OpenAI routes instead of ignoring them "
+        "(logged, named in the X-Ignored-Fields header)",
+    )
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument(

@@ -28,7 +28,12 @@ from grpo.models.kv_cache import GroupedKVCache, KVCache
 from grpo.precision import Precision, cpu_packing_missing, head_logits
 from grpo.rollout.packing import PackedLinears, packing_supported
 from grpo.rollout.prompts import check_prompts, check_settings, left_pad
-from grpo.rollout.sampling import next_tokens
+from grpo.rollout.sampling import (
+    apply_logit_bias,
+    apply_repetition_penalty,
+    next_tokens,
+    seen_tokens,
+)
 
 log = logging.getLogger(__name__)
 
@@ -411,12 +416,19 @@ class Sampler:
         seed: int,
         pad_id: int = 0,
         on_step: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+        logit_bias: torch.Tensor | None = None,
+        repetition_penalty: torch.Tensor | None = None,
     ) -> Rollout:
         """Sample `group_size` completions for each prompt; see `grpo.rollout.sample`.
 
         `on_step(t, tokens) -> tokens` (optional) sees each decode step's (B,) draw and may
         replace it (a server forcing a stop id on rows past their own limit, or aborting); the
-        log-probs stay those of the drawn tokens."""
+        log-probs stay those of the drawn tokens.
+
+        Per-row adjustments of the raw logits (a server's requests; None = off, no cost):
+        `repetition_penalty` (B,) on the tokens of each row's prompt and completion so far
+        (`apply_repetition_penalty`), then `logit_bias` (B, V) added. Log-probs are then
+        those of the adjusted distribution."""
         model = self.model
         cfg = model.config
         prompts = check_prompts(prompts, cfg.vocab_size)
@@ -435,9 +447,21 @@ class Sampler:
 
         steps = itertools.count()
 
+        seen = None
+        if repetition_penalty is not None:  # (B, V) tokens of each row's prompt, then completion
+            real = kv_mask[:, :T_p]  # (P, T_p) False on left padding
+            seen = seen_tokens(prompt_ids, real, cfg.vocab_size).repeat_interleave(G, dim=0)
+
         def draw(logits):  # (B, V) -> tokens (B,), logprobs (B,)
+            if seen is not None:
+                logits = apply_repetition_penalty(logits, seen, repetition_penalty)
+            if logit_bias is not None:
+                logits = apply_logit_bias(logits, logit_bias)
             tok, lp = next_tokens(logits, gen, temperature, top_k, top_p, min_p)
-            return (tok if on_step is None else on_step(next(steps), tok)), lp
+            tok = tok if on_step is None else on_step(next(steps), tok)
+            if seen is not None:
+                seen.scatter_(1, tok[:, None], True)  # the token fed back
+            return tok, lp
 
         stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev)
         was_training = model.training

@@ -1,12 +1,17 @@
-"""Pure logits processing for sampling: temperature, top-k, top-p, min-p, and the draw.
+"""Pure logits processing for sampling: repetition penalty, logit bias, temperature, top-k,
+top-p, min-p, and the draw.
 
 Every function takes (B, V) tensors and has no state; randomness comes only from the explicit
 `torch.Generator` passed to `next_tokens` / `sample_categorical`. The filters follow `transformers`'
 `TopKLogitsWarper`, `TopPLogitsWarper` and `MinPLogitsWarper` (keeping at least one token),
-applied in the same order: temperature, top-k, top-p, min-p.
+applied in the same order: temperature, top-k, top-p, min-p. The per-row adjustments a server
+asks for (`apply_repetition_penalty`, HF's `RepetitionPenaltyLogitsProcessor`, then
+`apply_logit_bias`, OpenAI's `logit_bias`) come before them, on the raw logits.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +20,58 @@ import torch.nn.functional as F
 # so that float64 accumulation costs O(V / BLOCK + BLOCK) per row instead of O(V).
 BLOCK = 128
 SMALL_VOCAB = 4096  # up to this V, one float64 CDF over the row
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor
+) -> torch.Tensor:
+    """HF's repetition penalty, per row: a token already in the row (prompt or completion) has
+    its logit divided by the row's penalty when positive, multiplied by it when negative.
+
+    Args:
+        logits: (B, V) raw logits.
+        seen: (B, V) bool, True where the token occurs in the row's ids.
+        penalty: (B,) > 0; 1 leaves the row unchanged.
+
+    Returns:
+        (B, V) float32 logits.
+    """
+    logits = logits.float()
+    p = penalty.to(logits)[:, None]  # (B, 1)
+    penalized = torch.where(logits > 0, logits / p, logits * p)  # (B, V)
+    return torch.where(seen, penalized, logits)
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """OpenAI's `logit_bias`: `bias` added to the raw logits (-100 bans a token in practice,
+    100 all but forces it).
+
+    Args:
+        logits: (B, V) raw logits.
+        bias: (B, V) float32, 0 where a row has no bias.
+
+    Returns:
+        (B, V) float32 logits.
+    """
+    return logits.float() + bias
+
+
+def logit_bias_tensor(
+    biases: Sequence[Mapping[int, float] | None], vocab_size: int, device=None
+) -> torch.Tensor:
+    """The (B, V) float32 bias of `apply_logit_bias` from one {token id: bias} per row."""
+    out = torch.zeros(len(biases), vocab_size)  # (B, V)
+    for b, bias in enumerate(biases):
+        if bias:
+            out[b, list(bias)] = torch.tensor(list(bias.values()), dtype=torch.float32)
+    return out.to(device)
+
+
+def seen_tokens(ids: torch.Tensor, keep: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Which tokens occur in each row: (B, T) ids with (B, T) bool `keep` (False on padding)
+    -> (B, V) bool (the `seen` of `apply_repetition_penalty`)."""
+    counts = torch.zeros(ids.shape[0], vocab_size, device=ids.device)  # (B, V)
+    return counts.scatter_add_(1, ids, keep.float()) > 0
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -18,13 +18,14 @@ import time
 import uuid
 
 from grpo.apps.serving.engine import Job, Unavailable
-from grpo.apps.serving.protocol import RequestError, Service
+from grpo.apps.serving.protocol import RequestError, ScoreRequest, Service
 from grpo.apps.serving.tools import ToolStream, ToolUse
 
 log = logging.getLogger(__name__)
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-               404: "invalid_request_error", 413: "invalid_request_error",
-               503: "server_busy"}  # fmt: skip
+               404: "invalid_request_error", 405: "invalid_request_error",
+               413: "invalid_request_error", 503: "server_busy"}  # fmt: skip
+IGNORED_HEADER = "X-Ignored-Fields"  # the unknown top-level fields a request sent (not used)
 OPEN_PATHS = ("/health",)  # answered without the API key (load balancers, probes)
 
 
@@ -91,7 +92,7 @@ def build_app(service: Service, on_startup=None, api_key: str | None = None):
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect
 
@@ -166,7 +167,8 @@ def build_app(service: Service, on_startup=None, api_key: str | None = None):
         path = request.url.path
         if exc.status_code == 404:
             message = (f"no route {path!r}; the routes are POST /v1/chat/completions, "
-                       "/v1/completions, /generate and GET /v1/models, /health")  # fmt: skip
+                       "/v1/completions, /generate and GET /v1/models, /v1/models/{id}, "
+                       "/health")  # fmt: skip
         elif exc.status_code == 405:
             message = f"{request.method} is not allowed on {path}; use {exc.headers['Allow']}"
         else:
@@ -193,6 +195,14 @@ def build_app(service: Service, on_startup=None, api_key: str | None = None):
                 "owned_by": "grpo", "max_model_len": service.engine.context}  # fmt: skip
         return {"object": "list", "data": [card]}
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        try:
+            service.check_model(model_id)
+        except RequestError as e:
+            return refused(e, openai=True)
+        return (await models())["data"][0]
+
     @app.post("/generate")
     async def generate(request: Request):
         try:
@@ -210,6 +220,12 @@ def build_app(service: Service, on_startup=None, api_key: str | None = None):
         try:
             body = await read_body(request)
             job, include_usage, use = await asyncio.to_thread(service.openai_job, body, chat)
+            if isinstance(job, ScoreRequest):  # echo: the prompt's log-probs, no generation
+                choices, usage = await asyncio.to_thread(service.score, job)
+                head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion",
+                        "created": int(time.time()), "model": service.name}  # fmt: skip
+                return {**head, "choices": choices, "usage": usage}
+            request.state.ignored = job.ignored
             head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
                     "object": "chat.completion" if chat else "text_completion",
                     "created": int(time.time()), "model": service.name}  # fmt: skip
@@ -297,12 +313,22 @@ def build_app(service: Service, on_startup=None, api_key: str | None = None):
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})  # fmt: skip
 
+    def ignored_header(request: Request, answer):
+        """The answer with `IGNORED_HEADER` naming the unknown fields the request sent."""
+        names = getattr(request.state, "ignored", ())
+        if not names:
+            return answer
+        if not isinstance(answer, Response):
+            answer = JSONResponse(answer)
+        answer.headers[IGNORED_HEADER] = ", ".join(names)
+        return answer
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await openai_route(request, chat=True)
+        return ignored_header(request, await openai_route(request, chat=True))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await openai_route(request, chat=False)
+        return ignored_header(request, await openai_route(request, chat=False))
 
     return app

@@ -39,6 +39,7 @@ from grpo.apps.serving.text import Detokenizer, find_stop, held_back
 from grpo.envs.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from grpo.errors import GrpoError
 from grpo.rollout import Sampler
+from grpo.rollout.sampling import logit_bias_tensor
 from grpo.settings import between, check_value
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,10 @@ class SamplingParams:
         n: completions per prompt.
         seed: None = the server's seed sequence (batched); else the job runs alone.
         stop: strings that end a completion (not part of its text).
+        min_p: keep tokens with p >= min_p * p_max (0 = off; part of the batch key).
+        logit_bias: (token id, bias) pairs added to the row's logits (per row, batched).
+        repetition_penalty: HF's penalty on the row's prompt and generated ids (1 = off;
+            per row, batched).
     """
 
     max_tokens: int
@@ -73,6 +78,9 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0
 
     def batch_key(self) -> tuple | None:
         """Jobs with equal keys may share a sampler call; None = run alone."""
@@ -80,7 +88,7 @@ class SamplingParams:
             return ("greedy",)  # top_p / top_k / seed play no part in an arg-max
         if self.seed is not None:
             return None
-        return ("sample", self.temperature, self.top_p, self.top_k)
+        return ("sample", self.temperature, self.top_p, self.top_k, self.min_p)
 
 
 @dataclass
@@ -116,6 +124,7 @@ class Job:
         error: (HTTP status, message) when the job failed.
         seed: the seed of the sampler call that ran the job.
         cancelled: set by the HTTP layer when the client went away; the job's rows stop.
+        ignored: unknown top-level request fields that were accepted and not used.
     """
 
     prompts: list[list[int]]
@@ -126,6 +135,7 @@ class Job:
     error: tuple[int, str] | None = None
     seed: int | None = None
     cancelled: bool = False
+    ignored: tuple[str, ...] = ()
     arrival: float = field(default_factory=time.monotonic)
 
     @property
@@ -188,6 +198,7 @@ class Engine:
         self.lock = threading.Lock()  # held around each sampler call
         self.calls = 0  # sampler calls so far
         self.running: list[Job] = []
+        self._rows: list[_Row] = []  # the running batch's rows (`active_rows`)
         self._pending: deque[Job] = deque()
         self._cond = threading.Condition()
         self._accepting = True
@@ -209,6 +220,13 @@ class Engine:
                 start = i + 1
         parts.append(decode(ids[start:], skip_special_tokens=True))
         return "".join(parts)
+
+    @property
+    def active_rows(self) -> int:
+        """Rows of the running batch still generating for their client (a row is freed when
+        it stops, reaches its limit, or its streaming client disconnects). Exact for batches
+        that sync each step (streams, stop strings); other batches count every row."""
+        return sum(not r.done for r in self._rows)
 
     @property
     def queued(self) -> int:
@@ -289,7 +307,7 @@ class Engine:
                     self._run(batch)
             finally:
                 with self._cond:
-                    self.running = []
+                    self.running, self._rows = [], []
                     self._last_end = time.monotonic()
                     self._cond.notify_all()
 
@@ -380,12 +398,27 @@ class Engine:
         for job in batch:
             job.seed = seed
         self.calls += 1
+        self._rows = rows
         rollout = self.sampler.sample(
             prompts, group_size=G, max_new_tokens=max_new, temperature=p.temperature,
-            top_k=p.top_k, top_p=p.top_p, stop_ids=self.stop_ids, seed=seed,
-            pad_id=self.pad_id, on_step=self._step_hook(rows, max_new),
+            top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, stop_ids=self.stop_ids, seed=seed,
+            pad_id=self.pad_id, on_step=self._step_hook(rows, max_new), **self._adjust(rows),
         )  # fmt: skip
         return rollout, rows
+
+    def _adjust(self, rows: list[_Row]) -> dict:
+        """The sampler's per-row `logit_bias` (B, V) and `repetition_penalty` (B,), only for
+        batches where some row asks for them (others sample as before, at no cost)."""
+        out = {}
+        dev = self.sampler.model.device
+        if any(r.job.params.logit_bias for r in rows):
+            V = self.sampler.model.config.vocab_size
+            out["logit_bias"] = logit_bias_tensor([dict(r.job.params.logit_bias) for r in rows],
+                                                  V, dev)  # fmt: skip
+        if any(r.job.params.repetition_penalty != 1.0 for r in rows):
+            penalty = [r.job.params.repetition_penalty for r in rows]
+            out["repetition_penalty"] = torch.tensor(penalty, device=dev)  # (B,)
+        return out
 
     def _step_hook(self, rows: list[_Row], max_new: int):
         """The per-step hook of a batch: limits, stop strings, streaming, cancel, abort."""
@@ -409,13 +442,15 @@ class Engine:
             ids = tok.tolist()  # the host sync of a streamed / stop-string batch
             changed = False
             for b, (r, token) in enumerate(zip(rows, ids)):
-                if r.done or r.detok is None:
+                if r.done:
                     continue
                 if r.job.cancelled:  # the client went away: stop the row next step
                     r.done, limits[b], changed = True, min(limits[b], t + 1), True
                     continue
                 if token in stop_set:  # its own stop id, or its budget ran out (above)
                     r.done = True
+                    continue
+                if r.detok is None:
                     continue
                 old = len(r.detok.text)
                 r.detok.push(token)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import time
 from dataclasses import MISSING, dataclass
 from typing import Any, Literal
@@ -26,15 +27,18 @@ from grpo.settings import (
     non_empty,
     only,
     setting,
+    setting_key,
 )
 from grpo.tokenizer import ChatStructureError, encode_chat
 
+log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20
 MAX_STOPS = 4
 TEMPERATURE = between(0.0, 2.0)
 TOP_P = between(0.0, 1.0, lo_open=True)
 TOP_K = between(0, 1 << 20)
 SEED = between(0, (1 << 63) - 1)
+MAX_TOP_LOGPROBS = 20  # alternatives per position a scoring request may ask for
 
 
 class RequestError(GrpoError):
@@ -66,14 +70,127 @@ class GenerateRequest(Body):
 
 def _stops(stop: str | tuple[str, ...]) -> str | None:
     stops = (stop,) if isinstance(stop, str) else stop
-    if 1 <= len(stops) <= MAX_STOPS and all(stops):
+    if len(stops) <= MAX_STOPS and all(stops):  # [] = no stop string
         return None
-    return f"expected a non-empty string or a list of 1-{MAX_STOPS} of them, got {brief_repr(stop)}"
+    return f"expected a non-empty string or a list of 0-{MAX_STOPS} of them, got {brief_repr(stop)}"
+
+
+def refused(why: str, *neutral):
+    """A check for an OpenAI field this server cannot honour: only a value that changes
+    nothing (`neutral`, null always) passes; any other is refused saying `why`."""
+    return lambda v: None if v is None or v in neutral else (
+        f"not supported: {why} (accepted: {' or '.join(map(repr, (None, *neutral)))}), "
+        f"got {brief_repr(v)}")  # fmt: skip
+
+
+def _logit_bias(bias: dict) -> str | None:
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit() and key.isascii()):
+            return f"keys must be token ids as decimal strings, got {brief_repr(key)}"
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return f"[{key}]: expected a number in [-100, 100], got {brief_repr(value)}"
+        if not -100 <= value <= 100:
+            return f"[{key}]: must be in [-100, 100], got {brief_repr(value)}"
+    return None
+
+
+# How this server treats every field of OpenAI's request schemas (and its own extensions):
+# "implemented"; "ignored" (accepted, and no value of it can change the output); "refused"
+# (a 400 naming the field and why, except at the value that changes nothing, given in the
+# note). docs/serving.md's field table mirrors this; tests/test_serve_fields.py checks both
+# against the installed `openai` client's request types.
+IMPLEMENTED, IGNORED, REFUSED = "implemented", "ignored", "refused"
+_SAMPLING_FIELDS = {
+    "model": (IMPLEMENTED, "required; must be the served name (else 404)"),
+    "max_tokens": (IMPLEMENTED, "completion tokens per choice, at most --max-tokens-limit"),
+    "temperature": (IMPLEMENTED, "0 = greedy, up to 2"),
+    "top_p": (IMPLEMENTED, "nucleus mass, (0, 1]"),
+    "n": (IMPLEMENTED, "completions per prompt"),
+    "seed": (IMPLEMENTED, "a sampled request with a seed runs alone, reproducibly"),
+    "stop": (IMPLEMENTED, "a string or a list of 0-4; [] = none"),
+    "stream": (IMPLEMENTED, "server-sent events"),
+    "stream_options": (IMPLEMENTED, "include_usage; include_obfuscation ignored"),
+    "user": (IGNORED, "an end-user id for abuse monitoring"),
+    "presence_penalty": (REFUSED, "not implemented; 0 accepted"),
+    "frequency_penalty": (REFUSED, "not implemented; 0 accepted"),
+    "logit_bias": (IMPLEMENTED, "{token id: bias in [-100, 100]} added to the row's logits"),
+    "logprobs": (REFUSED, "not implemented; false accepted"),
+    "top_k": (IMPLEMENTED, "extension (vLLM): keep the k most likely tokens, 0 = off"),
+    "min_p": (IMPLEMENTED, "extension (vLLM): keep tokens with p >= min_p * p_max, 0 = off"),
+    "repetition_penalty": (
+        IMPLEMENTED,
+        "extension (vLLM, HF semantics): logits of tokens in the prompt or completion "
+        "/ penalty if > 0, * penalty if < 0; 1 = off",
+    ),
+}
+FIELDS: dict[str, dict[str, tuple[str, str]]] = {
+    "chat": {
+        **_SAMPLING_FIELDS,
+        "messages": (IMPLEMENTED, "rendered with the model's chat template"),
+        "max_completion_tokens": (IMPLEMENTED, "wins over max_tokens"),
+        "tools": (IMPLEMENTED, "function calling"),
+        "tool_choice": (IMPLEMENTED, "auto, none, required, a named function"),
+        "parallel_tool_calls": (IMPLEMENTED, "false: the first call only"),
+        "top_logprobs": (REFUSED, "not implemented; 0 accepted"),
+        "store": (IGNORED, "nothing is stored"),
+        "metadata": (IGNORED, "tags for stored completions"),
+        "service_tier": (IGNORED, "a latency / pricing tier"),
+        "prompt_cache_key": (IGNORED, "a prompt-cache routing hint"),
+        "prompt_cache_options": (IGNORED, "a prompt-cache hint"),
+        "prompt_cache_retention": (IGNORED, "a prompt-cache hint"),
+        "safety_identifier": (IGNORED, "an end-user id for abuse monitoring"),
+        "prediction": (IGNORED, "predicted output: a latency hint, the reply is the model's"),
+        "verbosity": (REFUSED, 'no verbosity control; "medium" (the default) accepted'),
+        "reasoning_effort": (
+            REFUSED,
+            "no per-request reasoning control (--enable-thinking is the server's)",
+        ),
+        "response_format": (REFUSED, 'no constrained decoding; {"type": "text"} accepted'),
+        "modalities": (REFUSED, 'text only; ["text"] accepted'),
+        "audio": (REFUSED, "no audio output"),
+        "web_search_options": (REFUSED, "no web search"),
+        "moderation": (REFUSED, "no moderation"),
+        "functions": (REFUSED, "deprecated: use tools"),
+        "function_call": (REFUSED, "deprecated: use tool_choice"),
+    },
+    "completions": {
+        **_SAMPLING_FIELDS,
+        "prompt": (IMPLEMENTED, "a string, strings, token ids, or lists of them"),
+        "logprobs": (
+            IMPLEMENTED,
+            "with echo: the k most likely tokens at each prompt position (0-20); with "
+            "generated tokens refused",
+        ),
+        "echo": (
+            IMPLEMENTED,
+            "prompt scoring: each token's log-prob (lm-eval loglikelihood); max_tokens 0, or 1 "
+            "at temperature 0 (the greedy next token)",
+        ),
+        "best_of": (REFUSED, "not implemented; 1 accepted"),
+        "suffix": (REFUSED, "not implemented; null accepted"),
+    },
+    "message": {  # messages[i], as clients send them and as the client's responses dump them
+        "role": (IMPLEMENTED, "system, developer, user, assistant, tool (function refused)"),
+        "content": (IMPLEMENTED, "a string or text parts; null for tool_calls"),
+        "name": (IGNORED, "the chat templates have no place for it"),
+        "tool_calls": (IMPLEMENTED, "an assistant message's calls, rendered"),
+        "tool_call_id": (IMPLEMENTED, "a tool message's call"),
+        "annotations": (IGNORED, "citations of an earlier reply; not part of the conversation"),
+        "refusal": (REFUSED, "this server writes no refusals"),
+        "audio": (REFUSED, "no audio"),
+        "function_call": (REFUSED, "deprecated: use tool_calls"),
+    },
+    "stream_options": {
+        "include_usage": (IMPLEMENTED, "a usage chunk before [DONE]"),
+        "include_obfuscation": (IGNORED, "padding against side channels; none is sent"),
+    },
+}
 
 
 @dataclass(frozen=True, kw_only=True)
 class StreamOptions(Body):
     include_usage: bool = False
+    include_obfuscation: Any = None  # ignored
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,10 +209,12 @@ class SamplingBody(Body):
     stop: str | tuple[str, ...] | None = setting(None, check=_stops)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    min_p: float = setting(0.0, check=between(0.0, 1.0))
+    repetition_penalty: float = setting(1.0, check=between(0.0, 10.0, lo_open=True))
     user: str | None = None
     presence_penalty: float = setting(0.0, check=only(0))
     frequency_penalty: float = setting(0.0, check=only(0))
-    logit_bias: dict | None = setting(None, check=only({}))
+    logit_bias: dict | None = setting(None, check=_logit_bias)
     logprobs: bool | None = setting(None, check=only(False))
     top_logprobs: int | None = setting(None, check=only(0))
     echo: bool = setting(False, check=only(False))
@@ -129,6 +248,10 @@ class Message(Body):
     name: str | None = None
     tool_calls: tuple[MessageToolCall, ...] | None = None
     tool_call_id: str | None = None
+    annotations: Any = None  # ignored
+    refusal: Any = setting(None, check=refused("this server writes no refusals"))
+    audio: Any = setting(None, check=refused("no audio"))
+    function_call: Any = setting(None, check=refused("deprecated: use tool_calls"))
 
     def __post_init__(self):
         super().__post_init__()
@@ -165,6 +288,25 @@ class ChatBody(SamplingBody):
     tools: tuple[ToolSpec, ...] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    store: Any = None  # the fields below: FIELDS["chat"]
+    metadata: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
+    safety_identifier: Any = None
+    prediction: Any = None
+    verbosity: Any = setting(None, check=refused("no verbosity control", "medium"))
+    reasoning_effort: Any = setting(None, check=refused(
+        "no per-request reasoning control (--enable-thinking is the server's)"))  # fmt: skip
+    response_format: Any = setting(None, check=refused("no constrained decoding",
+                                                       {"type": "text"}))  # fmt: skip
+    modalities: Any = setting(None, check=refused("text only", ["text"]))
+    audio: Any = setting(None, check=refused("no audio output"))
+    web_search_options: Any = setting(None, check=refused("no web search"))
+    moderation: Any = setting(None, check=refused("no moderation"))
+    functions: Any = setting(None, check=refused("deprecated: use tools"))
+    function_call: Any = setting(None, check=refused("deprecated: use tool_choice"))
 
     def __post_init__(self):
         super().__post_init__()
@@ -180,10 +322,65 @@ class CompletionBody(SamplingBody):
     # a string, a list of strings, token ids, or lists of them: checked against the
     # vocabulary in `Service.prompts`
     prompt: Any = setting(MISSING)
+    # prompt scoring (grpo/apps/serving/scoring.py): echo the prompt with the log-prob of each
+    # token and the `logprobs` most likely at each position; max_tokens 0, or 1 at temperature
+    # 0 (the greedy next token, as lm-eval's loglikelihood requests ask)
+    max_tokens: int | None = setting(None, check=between(0))
+    echo: bool = False
+    logprobs: int | None = setting(None, check=between(0, MAX_TOP_LOGPROBS))
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.echo:
+            if self.logprobs is not None:
+                raise FieldError("logprobs: log-probs of generated tokens are not "
+                                 "implemented; with echo: true a prompt is scored",
+                                 field="logprobs")  # fmt: skip
+            if self.max_tokens == 0:
+                raise FieldError("max_tokens: 0 only with echo: true (scoring the prompt)",
+                                 field="max_tokens")  # fmt: skip
+            return
+        if self.max_tokens not in (0, 1):
+            raise FieldError(f"max_tokens: with echo, 0 (score the prompt) or 1 (and the greedy "
+                             f"next token), got {self.max_tokens}", field="max_tokens")  # fmt: skip
+        if self.max_tokens == 1 and self.temperature != 0:
+            raise FieldError("temperature: with echo and max_tokens 1, only 0 (the greedy next "
+                             f"token), got {self.temperature:g}", field="temperature")  # fmt: skip
+        if self.n != 1 or self.stream:
+            field = "n" if self.n != 1 else "stream"
+            raise FieldError(f"{field}: not with echo (one scored prompt per choice)",
+                             field=field)  # fmt: skip
 
 
-def read_body(body: bytes, cls: type):
-    """The JSON body as `cls`; raises `RequestError` naming the first offending field."""
+@dataclass(frozen=True)
+class ScoreRequest:
+    """A /v1/completions request with echo: score the prompts (`Service.score`).
+
+    Attributes:
+        prompts: token ids per prompt.
+        texts: each prompt as sent when it was a string (echoed as it is), else None.
+        top_k: `logprobs`: alternatives per position (None: no log-probs in the answer).
+        extend: append and score the greedy next token (max_tokens 1).
+    """
+
+    prompts: list[list[int]]
+    texts: list[str | None]
+    top_k: int | None
+    extend: bool
+
+
+def _top_dict(alternatives: list[tuple[int, float]], token) -> dict[str, float]:
+    """OpenAI's top_logprobs entry: token text -> log-prob, most likely first (two ids that
+    decode alike keep the likelier)."""
+    out: dict[str, float] = {}
+    for i, value in alternatives:
+        out.setdefault(token(i), value)
+    return out
+
+
+def read_body(body: bytes, cls: type, ignored: list[str] | None = None):
+    """The JSON body as `cls`; raises `RequestError` naming the first offending field. With an
+    `ignored` list, unknown top-level keys are not refused: their names go into it."""
     try:
         data = json.loads(body)
     except ValueError as e:  # bad JSON, bad UTF-8, an integer of over 4300 digits
@@ -193,6 +390,10 @@ def read_body(body: bytes, cls: type):
     if not isinstance(data, dict):
         raise RequestError("body", f"expected a JSON object, got {type(data).__name__}")
     _check_text(data, "")
+    if ignored is not None:
+        known = {setting_key(f) for f in dataclasses.fields(cls) if f.init}
+        ignored += sorted(k for k in data if k not in known)
+        data = {k: v for k, v in data.items() if k in known}
     try:
         return build_settings(cls, data, null_is_default=True)
     except ConfigError as e:
@@ -255,6 +456,8 @@ class Service:
         system_prompt: put first in chat requests that have no system message.
         enable_thinking: passed to the chat template (Qwen3).
         max_body_bytes: larger request bodies get 413.
+        strict_requests: refuse unknown fields of the OpenAI routes (else they are accepted,
+            logged and named in the answer's `X-Ignored-Fields` header).
     """
 
     engine: Engine
@@ -264,6 +467,7 @@ class Service:
     system_prompt: str | None = None
     enable_thinking: bool | None = None
     max_body_bytes: int = MAX_BODY_BYTES
+    strict_requests: bool = False
 
     def __post_init__(self):
         self.created = int(time.time())
@@ -284,8 +488,13 @@ class Service:
     def openai_job(self, body: bytes, chat: bool) -> tuple[Job, bool, ToolUse | None]:
         """A /v1/chat/completions (`chat`) or /v1/completions body -> (Job, include_usage,
         how the chat request uses tools)."""
-        req = read_body(body, ChatBody if chat else CompletionBody)
+        ignored = None if self.strict_requests else []
+        req = read_body(body, ChatBody if chat else CompletionBody, ignored)
+        if ignored:
+            log.warning("ignored unknown request fields: %s", ", ".join(map(brief_repr, ignored)))
         self.check_model(req.model)
+        if not chat and req.echo:  # prompt scoring: no generation job
+            return self.score_request(req), False, None
         use = req.tool_use if chat else None
         if chat:
             messages = [m.rendered() for m in req.messages]
@@ -297,7 +506,54 @@ class Service:
             prompts = self.prompts(req.prompt)
         # OpenAI's defaults: a chat completion may fill the context, a text completion 16 tokens
         params = self.params(req, prompts, "messages" if chat else "prompt", None if chat else 16)
-        return Job(prompts, params, stream=req.stream), req.include_usage, use
+        job = Job(prompts, params, stream=req.stream, ignored=tuple(ignored or ()))
+        return job, req.include_usage, use
+
+    def score_request(self, req: CompletionBody) -> ScoreRequest:
+        """A /v1/completions body with echo -> what `score` computes (checked against the
+        context)."""
+        prompts = self.prompts(req.prompt)
+        extend = req.max_tokens == 1
+        longest = max(len(p) for p in prompts)
+        if longest + extend > self.engine.context:
+            raise RequestError("prompt", f"has {longest} tokens; with max_tokens={int(extend)} "
+                               f"it needs {longest + extend} positions > the model's context "
+                               f"of {self.engine.context}")  # fmt: skip
+        items = [req.prompt] if isinstance(req.prompt, str) or _is_ids(req.prompt) else req.prompt
+        texts = [item if isinstance(item, str) else None for item in items]
+        return ScoreRequest(prompts, texts, req.logprobs, extend)
+
+    def score(self, request: ScoreRequest) -> tuple[list[dict], dict]:
+        """Run a scoring request (the engine's lock held: one model user at a time) -> (the
+        OpenAI completion choices with their `logprobs`, usage)."""
+        from grpo.apps.serving.scoring import score
+
+        engine = self.engine
+        with engine.lock:
+            scored = score(engine.sampler.model, request.prompts, request.top_k or 0,
+                           request.extend, engine.pad_id,
+                           engine.sampler.precision.head)  # fmt: skip
+        token = functools.lru_cache(maxsize=None)(lambda i: engine.decode([i]))
+        choices = []
+        for index, (s, text) in enumerate(zip(scored, request.texts)):
+            prompt_len = len(request.prompts[index])
+            echoed = text if text is not None else engine.decode(s.ids[:prompt_len])
+            choice = {"index": index, "text": echoed + engine.decode(s.ids[prompt_len:]),
+                      "finish_reason": "length", "logprobs": None}  # fmt: skip
+            if request.top_k is not None:
+                tokens = [token(i) for i in s.ids]
+                offsets = [0]
+                for t in tokens[:-1]:
+                    offsets.append(offsets[-1] + len(t))
+                top = [None if alts is None else _top_dict(alts, token) for alts in s.top]
+                choice["logprobs"] = {"tokens": tokens, "token_logprobs": s.logprobs,
+                                      "top_logprobs": top, "text_offset": offsets}  # fmt: skip
+            choices.append(choice)
+        prompt_tokens = sum(len(p) for p in request.prompts)
+        completion = len(request.prompts) if request.extend else 0
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                 "total_tokens": prompt_tokens + completion}  # fmt: skip
+        return choices, usage
 
     def generate_job(self, body: bytes) -> tuple[Job, GenerateRequest]:
         """A /generate body -> (Job, the parsed request)."""
@@ -394,8 +650,15 @@ class Service:
             raise RequestError(field, f"has {longest} tokens; with {key}="
                                f"{max_tokens} it needs {longest + max_tokens} positions > the "
                                f"model's context of {engine.context}")  # fmt: skip
+        V = engine.sampler.model.config.vocab_size
+        bias = tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items())
+        for t, _ in bias:
+            if t >= V:
+                raise RequestError("logit_bias", f"token id {t} is not in the vocabulary "
+                                   f"[0, {V})")  # fmt: skip
         return SamplingParams(max_tokens, req.temperature, req.top_p, req.top_k, n=n,
-                              seed=req.seed, stop=req.stops)  # fmt: skip
+                              seed=req.seed, stop=req.stops, min_p=req.min_p, logit_bias=bias,
+                              repetition_penalty=req.repetition_penalty)  # fmt: skip
 
     @functools.cached_property
     def max_token_chars(self) -> int:

@@ -1,0 +1,153 @@
+"""Prompt log-likelihoods through `grpo serve` (/v1/completions with echo), as lm-eval-harness's
+`local-completions` model asks for them: the numbers equal the trainer's own log-probs of the
+same continuation (fp32, 1e-5), the top alternatives are the float64 log-softmax's, the greedy
+next token is the sampler's, and lm-eval's parsing of the answer (its `parse_logprobs`, written
+out below) picks the choice a direct computation with the model picks."""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import openai
+import pytest
+import torch
+
+from grpo.algo.logprobs import completion_logprobs
+from grpo.rollout import sample
+
+NAME = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(shared_tiny_model, serve_cli):
+    with serve_cli("--model", str(shared_tiny_model), "--port", "0",
+                   "--served-model-name", NAME) as running:  # fmt: skip
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def post(srv, payload: dict) -> tuple[int, dict]:
+    host, port = srv.url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(payload).encode(),
+                 {"Content-Type": "application/json"})  # fmt: skip
+    resp = conn.getresponse()
+    data = json.loads(resp.read())
+    conn.close()
+    return resp.status, data
+
+
+def ids_of(srv, text: str) -> list[int]:
+    return srv.service.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def trainer_logprobs(model, context: list[int], continuation: list[int]) -> list[float]:
+    """The trainer's log-probs of `continuation` after `context` (`completion_logprobs`)."""
+    ids = torch.tensor([context + continuation])
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    cmask = torch.ones((1, len(continuation)), dtype=torch.bool)
+    with torch.no_grad():
+        return completion_logprobs(model, ids, mask, len(context), cmask)[0].tolist()
+
+
+def test_echo_scores_equal_the_trainers_logprobs(server, client):
+    model = server.engine.sampler.model
+    context, continuation = ids_of(server, "12 + 7 ="), ids_of(server, " 19 and more")
+    r = client.completions.create(model=NAME, prompt=[context + continuation], echo=True,
+                                  max_tokens=1, logprobs=3, temperature=0)  # fmt: skip
+    (choice,) = r.choices
+    lp = choice.logprobs
+    n = len(context) + len(continuation)
+    assert len(lp.token_logprobs) == n + 1 and lp.token_logprobs[0] is None  # + the next token
+    want = trainer_logprobs(model, context, continuation)
+    got = lp.token_logprobs[len(context) : n]
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
+    # the alternatives: float64 log-softmax of the same hidden states, most likely first
+    with torch.no_grad():
+        hidden = model(torch.tensor([context + continuation]), return_hidden=True)[0]
+        ref = torch.log_softmax(model.lm_head(hidden).double(), dim=-1)  # (T, V)
+    for t in range(1, n + 1):
+        top = list(lp.top_logprobs[t].values())
+        assert len(top) <= 3 and top == sorted(top, reverse=True)
+        best = ref[t - 1].topk(3).values.tolist()
+        assert max(abs(a - b) for a, b in zip(top, best[: len(top)])) <= 1e-5
+    # the appended token is the sampler's greedy choice, and is its position's top entry
+    r = sample(model, [context + continuation], group_size=1, max_new_tokens=1, temperature=0.0,
+               stop_ids=server.engine.stop_ids, pad_id=server.engine.pad_id, seed=0)  # fmt: skip
+    greedy = int(r.completion_ids[0, 0])
+    assert lp.tokens[-1] == server.engine.decode([greedy])
+    assert lp.token_logprobs[-1] == max(lp.top_logprobs[-1].values())
+    assert r.logprobs[0, 0].item() == pytest.approx(lp.token_logprobs[-1], abs=1e-5)
+    assert choice.text.startswith(server.engine.decode(context + continuation))
+
+
+def lm_eval_parse(out: dict, ctxlens: list[int]) -> list[tuple[float, bool]]:
+    """lm-eval-harness 0.4's `LocalCompletionsAPI.parse_logprobs`: the continuation's summed
+    log-prob and whether each of its tokens is its position's top one (the last token, the
+    generated one, left out)."""
+    res = []
+    for choice, ctxlen in zip(sorted(out["choices"], key=lambda c: c["index"]), ctxlens):
+        lps = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+        tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+        greedy = all(tok == max(top.values()) for tok, top in zip(lps, tops))
+        res.append((sum(lps), greedy))
+    return res
+
+
+def test_a_multiple_choice_question_as_lm_eval_asks_it(server):
+    """lm-eval's loglikelihood payload (token ids, echo, max_tokens 1, logprobs 1,
+    temperature 0) for each answer of a multiple-choice question: the choice its parsing picks
+    is the one the trainer's log-probs pick, with the same sums."""
+    model = server.engine.sampler.model
+    context = ids_of(server, "Question: 3 + 4 = ?\nAnswer:")
+    answers = [ids_of(server, f" {a}") for a in ("7", "8", "12", "34")]
+    payload = {"model": NAME, "prompt": [context + a for a in answers], "temperature": 0,
+               "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}  # fmt: skip
+    status, out = post(server, payload)
+    assert status == 200, out
+    parsed = lm_eval_parse(out, [len(context)] * len(answers))
+    direct = [sum(trainer_logprobs(model, context, a)) for a in answers]
+    for (total, _), want in zip(parsed, direct):
+        assert total == pytest.approx(want, abs=1e-4)
+    assert max(range(4), key=lambda i: parsed[i][0]) == max(range(4), key=lambda i: direct[i])
+    assert out["usage"] == {"prompt_tokens": sum(len(context + a) for a in answers),
+                            "completion_tokens": 4,
+                            "total_tokens": sum(len(context + a) for a in answers) + 4}  # fmt: skip
+
+
+def test_max_tokens_0_scores_the_prompt_alone(server):
+    prompt = "5 + 5 = 10"
+    status, out = post(server, {"model": NAME, "prompt": prompt, "echo": True, "max_tokens": 0,
+                                "logprobs": 0})  # fmt: skip
+    assert status == 200, out
+    (choice,) = out["choices"]
+    ids = ids_of(server, prompt)
+    assert choice["text"] == prompt and len(choice["logprobs"]["tokens"]) == len(ids)
+    assert choice["logprobs"]["top_logprobs"][1:] == [{}] * (len(ids) - 1)
+    assert out["usage"]["completion_tokens"] == 0
+    status, out = post(server, {"model": NAME, "prompt": prompt, "echo": True, "max_tokens": 0})
+    assert status == 200 and out["choices"][0]["logprobs"] is None
+    assert out["choices"][0]["text"] == prompt
+
+
+@pytest.mark.parametrize(
+    "payload, field",
+    [
+        ({"echo": True, "max_tokens": 2}, "max_tokens"),
+        ({"echo": True}, "max_tokens"),  # OpenAI's default of 16 new tokens
+        ({"echo": True, "max_tokens": 1, "temperature": 0.7}, "temperature"),
+        ({"echo": True, "max_tokens": 0, "n": 2}, "n"),
+        ({"logprobs": 1, "max_tokens": 4}, "logprobs"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"echo": True, "max_tokens": 0, "logprobs": 21}, "logprobs"),
+    ],
+)
+def test_what_scoring_does_not_do_is_a_400_naming_the_field(server, payload, field):
+    status, out = post(server, {"model": NAME, "prompt": "1 + 1 =", **payload})
+    assert status == 400, out
+    assert out["error"]["param"] == field and out["error"]["type"] == "invalid_request_error"
