@@ -151,3 +151,62 @@ def test_what_scoring_does_not_do_is_a_400_naming_the_field(server, payload, fie
     status, out = post(server, {"model": NAME, "prompt": "1 + 1 =", **payload})
     assert status == 400, out
     assert out["error"]["param"] == field and out["error"]["type"] == "invalid_request_error"
+
+
+# -- the real lm-eval-harness --------------------------------------------------------------
+
+MC_TASK = """task: grpo_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: choices
+doc_to_target: label
+metric_list:
+  - metric: acc
+"""
+
+
+def test_lm_eval_multiple_choice_task_equals_a_direct_computation(
+    server, shared_tiny_model, tmp_path, monkeypatch
+):
+    """lm-eval-harness's `local-completions` model (tokenized requests, the served model's
+    tokenizer) runs a multiple-choice task from a local file against the server, offline; its
+    accuracy equals picking, per question, the answer with the largest summed log-prob under
+    the trainer's own log-probs (the continuation split as lm-eval splits it)."""
+    import lm_eval  # the `clients` extra, part of `test`
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    pairs = [(1, 2), (3, 4), (12, 7), (5, 5), (20, 3), (8, 9)]
+    docs = [{"question": f"{a} + {b} = ?", "choices": [str(a + b + d) for d in (0, 1, 3, 10)],
+             "label": 0} for a, b in pairs]  # fmt: skip
+    data = tmp_path / "mc.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "grpo_mc.yaml").write_text(MC_TASK.format(data=data))
+    args = (f"model={NAME},base_url={server.url}/v1/completions,tokenizer={shared_tiny_model},"
+            "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,"
+            "max_retries=1")  # fmt: skip
+    out = lm_eval.simple_evaluate(model="local-completions", model_args=args,
+                                  tasks=["grpo_mc"], task_manager=TaskManager(
+                                      include_path=str(tasks)), batch_size=1,
+                                  log_samples=False)  # fmt: skip
+    acc = out["results"]["grpo_mc"]["acc,none"]
+    model, tok = server.engine.sampler.model, server.service.tokenizer
+    right = 0
+    for d in docs:
+        context = f"Question: {d['question']}\nAnswer:"
+        scores = []
+        for choice in d["choices"]:
+            whole = tok(context + " " + choice, add_special_tokens=False)["input_ids"]
+            ctx = tok(context, add_special_tokens=False)["input_ids"]
+            scores.append(sum(trainer_logprobs(model, ctx, whole[len(ctx) :])))
+        right += max(range(len(scores)), key=scores.__getitem__) == d["label"]
+    assert acc == pytest.approx(right / len(docs))
