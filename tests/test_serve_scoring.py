@@ -142,7 +142,6 @@ def test_max_tokens_0_scores_the_prompt_alone(server):
         ({"echo": True}, "max_tokens"),  # OpenAI's default of 16 new tokens
         ({"echo": True, "max_tokens": 1, "temperature": 0.7}, "temperature"),
         ({"echo": True, "max_tokens": 0, "n": 2}, "n"),
-        ({"logprobs": 1, "max_tokens": 4}, "logprobs"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"echo": True, "max_tokens": 0, "logprobs": 21}, "logprobs"),
     ],
@@ -210,3 +209,80 @@ def test_lm_eval_multiple_choice_task_equals_a_direct_computation(
             scores.append(sum(trainer_logprobs(model, ctx, whole[len(ctx) :])))
         right += max(range(len(scores)), key=scores.__getitem__) == d["label"]
     assert acc == pytest.approx(right / len(docs))
+
+
+# -- log-probs of generated tokens ---------------------------------------------------------
+
+
+def chat_prompt_ids(srv, text: str) -> list[int]:
+    tok = srv.service.tokenizer
+    rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                       add_generation_prompt=True)  # fmt: skip
+    return tok(rendered, add_special_tokens=False)["input_ids"]
+
+
+def greedy_ids(srv, prompt: list[int], n: int) -> list[int]:
+    r = sample(srv.engine.sampler.model, [prompt], group_size=1, max_new_tokens=n,
+               temperature=0.0, stop_ids=srv.engine.stop_ids, pad_id=srv.engine.pad_id,
+               seed=0)  # fmt: skip
+    return r.completion_ids[0, : int(r.completion_lens[0])].tolist()
+
+
+def test_completion_logprobs_of_generated_tokens(server, client):
+    """`logprobs: k` on a generation: each reply token's log-prob under the model (the
+    trainer's numbers, 1e-5) with its k most likely alternatives."""
+    model = server.engine.sampler.model
+    prompt = ids_of(server, "2 + 2 =")
+    r = client.completions.create(model=NAME, prompt=[prompt], max_tokens=6, temperature=0,
+                                  logprobs=2)  # fmt: skip
+    (choice,) = r.choices
+    reply = greedy_ids(server, prompt, 6)[: r.usage.completion_tokens]
+    want = trainer_logprobs(model, prompt, reply)
+    lp = choice.logprobs
+    assert len(lp.token_logprobs) == len(reply) == r.usage.completion_tokens
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs, want)) <= 1e-5
+    assert lp.tokens == [server.engine.decode([i]) for i in reply]
+    for got, top in zip(lp.token_logprobs, lp.top_logprobs):
+        values = list(top.values())
+        assert values == sorted(values, reverse=True) and got == values[0]  # greedy: the top
+
+
+def test_chat_logprobs_and_top_logprobs(server, client):
+    model = server.engine.sampler.model
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=5, temperature=0, logprobs=True,
+                                       top_logprobs=3)  # fmt: skip
+    (choice,) = r.choices
+    prompt = chat_prompt_ids(server, "hi")
+    reply = greedy_ids(server, prompt, 5)[: r.usage.completion_tokens]
+    content = choice.logprobs.content
+    assert len(content) == len(reply)
+    want = trainer_logprobs(model, prompt, reply)
+    assert max(abs(c.logprob - w) for c, w in zip(content, want)) <= 1e-5
+    for c, i in zip(content, reply):
+        assert c.token == server.engine.decode([i]) and bytes(c.bytes).decode() == c.token
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == c.logprob
+    hi = [{"role": "user", "content": "hi"}]
+    plain = client.chat.completions.create(model=NAME, max_tokens=2, messages=hi)
+    assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize(
+    "path, payload, field",
+    [
+        ("/v1/completions", {"prompt": "a", "logprobs": 1, "stream": True}, "stream"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                                  "logprobs": True, "stream": True}, "stream"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                                  "top_logprobs": 2}, "top_logprobs"),
+    ],
+)  # fmt: skip
+def test_logprobs_refusals_name_the_field(server, path, payload, field):
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", path, json.dumps({"model": NAME, **payload}).encode(),
+                 {"Content-Type": "application/json"})  # fmt: skip
+    resp = conn.getresponse()
+    data = json.loads(resp.read())
+    conn.close()
+    assert resp.status == 400 and data["error"]["param"] == field, data

@@ -236,6 +236,9 @@ def build_app(service: Service, on_startup=None, api_key: str | None = None):
             return refused(e, openai=True)
         if job.error:
             return error(*job.error, None, True)
+        tokens = None
+        if job.top_logprobs is not None:  # the reply's tokens scored (one more forward)
+            tokens = await asyncio.to_thread(service.choice_logprobs, job, job.top_logprobs)
         if chat:
             choices = []
             for c in job.result:
@@ -243,11 +246,13 @@ def build_app(service: Service, on_startup=None, api_key: str | None = None):
                 reason = c.finish_reason
                 if use is not None:  # the reply's tool calls, read out of its text
                     message, reason = use.message(use.prefix + c.text, reason)
-                choices.append({"index": c.index, "message": message, "logprobs": None,
+                lp = None if tokens is None else service.chat_logprobs(tokens[len(choices)])
+                choices.append({"index": c.index, "message": message, "logprobs": lp,
                                 "finish_reason": reason})  # fmt: skip
         else:
-            choices = [{"index": c.index, "text": c.text, "logprobs": None,
-                        "finish_reason": c.finish_reason} for c in job.result]  # fmt: skip
+            choices = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+                        "logprobs": None if tokens is None else service.text_logprobs(t)}
+                       for c, t in zip(job.result, tokens or [None] * len(job.result))]  # fmt: skip
         return {**head, "choices": choices, "usage": _usage(job)}
 
     def streaming(job: Job, head: dict, chat: bool, include_usage: bool, use: ToolUse | None):

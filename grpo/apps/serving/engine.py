@@ -99,6 +99,7 @@ class Choice:
         tokens: completion tokens counted (a stop token included; a stop string's tokens up to
             the one that completed it).
         logprob: their summed log-prob under the sampling distribution (see `Rollout`).
+        token_ids: the counted tokens (per-token log-probs are computed from them on request).
     """
 
     index: int
@@ -106,6 +107,7 @@ class Choice:
     finish_reason: str  # "stop" | "length"
     tokens: int
     logprob: float
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(eq=False)  # identity: two equal requests are still two jobs
@@ -125,6 +127,8 @@ class Job:
         seed: the seed of the sampler call that ran the job.
         cancelled: set by the HTTP layer when the client went away; the job's rows stop.
         ignored: unknown top-level request fields that were accepted and not used.
+        top_logprobs: the request asked for its tokens' log-probs, with this many alternatives
+            at each (None: it did not).
     """
 
     prompts: list[list[int]]
@@ -136,6 +140,7 @@ class Job:
     seed: int | None = None
     cancelled: bool = False
     ignored: tuple[str, ...] = ()
+    top_logprobs: int | None = None
     arrival: float = field(default_factory=time.monotonic)
 
     @property
@@ -500,7 +505,7 @@ class Engine:
             if cut >= 0:
                 text, reason = text[:cut], "stop"
             logprob = float(logprobs[b, :count].sum())
-            choices[id(r.job)].append(Choice(r.index, text, reason, count, logprob))
+            choices[id(r.job)].append(Choice(r.index, text, reason, count, logprob, ids[:count]))
             if r.job.stream:
                 sent = r.detok.text[: r.sent] if r.detok else ""
                 if text.startswith(sent) and len(text) > len(sent):

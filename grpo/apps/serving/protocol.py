@@ -114,7 +114,10 @@ _SAMPLING_FIELDS = {
     "presence_penalty": (REFUSED, "not implemented; 0 accepted"),
     "frequency_penalty": (REFUSED, "not implemented; 0 accepted"),
     "logit_bias": (IMPLEMENTED, "{token id: bias in [-100, 100]} added to the row's logits"),
-    "logprobs": (REFUSED, "not implemented; false accepted"),
+    "logprobs": (
+        IMPLEMENTED,
+        "true: the reply's tokens with their log-probs (the model's distribution); no streams",
+    ),
     "top_k": (IMPLEMENTED, "extension (vLLM): keep the k most likely tokens, 0 = off"),
     "min_p": (IMPLEMENTED, "extension (vLLM): keep tokens with p >= min_p * p_max, 0 = off"),
     "repetition_penalty": (
@@ -131,7 +134,7 @@ FIELDS: dict[str, dict[str, tuple[str, str]]] = {
         "tools": (IMPLEMENTED, "function calling"),
         "tool_choice": (IMPLEMENTED, "auto, none, required, a named function"),
         "parallel_tool_calls": (IMPLEMENTED, "false: the first call only"),
-        "top_logprobs": (REFUSED, "not implemented; 0 accepted"),
+        "top_logprobs": (IMPLEMENTED, "alternatives per reply token (0-20), with logprobs"),
         "store": (IGNORED, "nothing is stored"),
         "metadata": (IGNORED, "tags for stored completions"),
         "service_tier": (IGNORED, "a latency / pricing tier"),
@@ -158,8 +161,8 @@ FIELDS: dict[str, dict[str, tuple[str, str]]] = {
         "prompt": (IMPLEMENTED, "a string, strings, token ids, or lists of them"),
         "logprobs": (
             IMPLEMENTED,
-            "with echo: the k most likely tokens at each prompt position (0-20); with "
-            "generated tokens refused",
+            "k (0-20): each token's log-prob and the k most likely at its position, of the "
+            "reply (the model's distribution), or with echo of the prompt",
         ),
         "echo": (
             IMPLEMENTED,
@@ -307,10 +310,23 @@ class ChatBody(SamplingBody):
     moderation: Any = setting(None, check=refused("no moderation"))
     functions: Any = setting(None, check=refused("deprecated: use tools"))
     function_call: Any = setting(None, check=refused("deprecated: use tool_choice"))
+    # the reply's tokens with their log-probs and the `top_logprobs` most likely at each
+    logprobs: bool | None = None
+    top_logprobs: int | None = setting(None, check=between(0, MAX_TOP_LOGPROBS))
 
     def __post_init__(self):
         super().__post_init__()
         tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)  # the checks
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("top_logprobs: needs logprobs: true", field="top_logprobs")
+        if self.logprobs and self.stream:
+            raise FieldError("stream: not with logprobs (not implemented for streams)",
+                             field="stream")  # fmt: skip
+
+    @property
+    def reply_logprobs(self) -> int | None:
+        """Alternatives per generated token when log-probs were asked for, else None."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def tool_use(self) -> ToolUse | None:
@@ -332,10 +348,9 @@ class CompletionBody(SamplingBody):
     def __post_init__(self):
         super().__post_init__()
         if not self.echo:
-            if self.logprobs is not None:
-                raise FieldError("logprobs: log-probs of generated tokens are not "
-                                 "implemented; with echo: true a prompt is scored",
-                                 field="logprobs")  # fmt: skip
+            if self.logprobs is not None and self.stream:
+                raise FieldError("stream: not with logprobs (not implemented for streams)",
+                                 field="stream")  # fmt: skip
             if self.max_tokens == 0:
                 raise FieldError("max_tokens: 0 only with echo: true (scoring the prompt)",
                                  field="max_tokens")  # fmt: skip
@@ -350,6 +365,11 @@ class CompletionBody(SamplingBody):
             field = "n" if self.n != 1 else "stream"
             raise FieldError(f"{field}: not with echo (one scored prompt per choice)",
                              field=field)  # fmt: skip
+
+    @property
+    def reply_logprobs(self) -> int | None:
+        """Alternatives per generated token when log-probs were asked for, else None."""
+        return self.logprobs
 
 
 @dataclass(frozen=True)
@@ -506,7 +526,9 @@ class Service:
             prompts = self.prompts(req.prompt)
         # OpenAI's defaults: a chat completion may fill the context, a text completion 16 tokens
         params = self.params(req, prompts, "messages" if chat else "prompt", None if chat else 16)
-        job = Job(prompts, params, stream=req.stream, ignored=tuple(ignored or ()))
+        top = req.reply_logprobs  # alternatives per reply token, if log-probs were asked for
+        job = Job(prompts, params, stream=req.stream, ignored=tuple(ignored or ()),
+                  top_logprobs=top)  # fmt: skip
         return job, req.include_usage, use
 
     def score_request(self, req: CompletionBody) -> ScoreRequest:
@@ -554,6 +576,48 @@ class Service:
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                  "total_tokens": prompt_tokens + completion}  # fmt: skip
         return choices, usage
+
+    def choice_logprobs(self, job: Job, top_k: int) -> list[list]:
+        """Per choice of a finished job, its counted tokens scored after its prompt (the model's
+        own distribution, as training's log-probs: no temperature, bias or penalty): a list of
+        (token id, log-prob, [(alternative id, log-prob), ...]) per token."""
+        from grpo.apps.serving.scoring import score
+
+        engine, n = self.engine, job.params.n
+        rows = [job.prompts[c.index // n] + c.token_ids for c in job.result]
+        with engine.lock:
+            scored = score(engine.sampler.model, rows, top_k, False, engine.pad_id,
+                           engine.sampler.precision.head)  # fmt: skip
+        out = []
+        for c, s in zip(job.result, scored):
+            start = len(s.ids) - len(c.token_ids)  # the first generated position
+            out.append([(s.ids[t], s.logprobs[t], s.top[t]) for t in range(start, len(s.ids))])
+        return out
+
+    def token_text(self, token_id: int) -> str:
+        return self.engine.decode([token_id])
+
+    def text_logprobs(self, tokens: list) -> dict:
+        """A /v1/completions choice's legacy `logprobs` object for `choice_logprobs` tokens."""
+        texts = [self.token_text(i) for i, _, _ in tokens]
+        offsets = [0]
+        for t in texts[:-1]:
+            offsets.append(offsets[-1] + len(t))
+        return {"tokens": texts, "token_logprobs": [lp for _, lp, _ in tokens],
+                "top_logprobs": [_top_dict(top, self.token_text) for _, _, top in tokens],
+                "text_offset": offsets}  # fmt: skip
+
+    def chat_logprobs(self, tokens: list) -> dict:
+        """A chat choice's `logprobs` object ({"content": [...], "refusal": null}) for
+        `choice_logprobs` tokens."""
+
+        def entry(i: int, lp: float) -> dict:
+            text = self.token_text(i)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+        content = [{**entry(i, lp), "top_logprobs": [entry(j, v) for j, v in top]}
+                   for i, lp, top in tokens]  # fmt: skip
+        return {"content": content, "refusal": None}
 
     def generate_job(self, body: bytes) -> tuple[Job, GenerateRequest]:
         """A /generate body -> (Job, the parsed request)."""
