@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from grpo.apps import cli
 from grpo.config import load_config
@@ -25,6 +24,7 @@ from grpo.rewards import call_reward, get_reward
 from grpo.rewards.bounds import bounded, reward_bounds, total_bounds, with_bounds
 from grpo.run.state import latest_checkpoint
 from grpo.train.health import LearningHealth, StallError
+from tests.test_reliability import nan_at_update
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CI = str(REPO / "configs" / "tiny_ci.yaml")
@@ -267,26 +267,6 @@ def test_skipped_nonfinite_updates_save_the_intact_weights_and_resume(
     code = cli.main(["train", "--config", "run/config.yaml", "--resume"])
     out, _ = one_line(capsys)
     assert code == 0 and final_lines(out) == ["done: 3 steps; weights in run/final"]
-
-
-def nan_at_update(k: int):
-    """`build_optimizer` whose k-th optimizer step leaves a weight NaN."""
-    from grpo.run.optim import build_optimizer
-
-    def build(params, cfg):
-        opt = build_optimizer(params, cfg)
-        calls = [0]
-
-        def after_step(opt, args, kwargs):
-            calls[0] += 1
-            if calls[0] == k:
-                with torch.no_grad():
-                    opt.param_groups[0]["params"][0].view(-1)[0] = float("nan")
-
-        opt.register_step_post_hook(after_step)
-        return opt
-
-    return build
 
 
 @pytest.mark.parametrize("save_every", [1, 0])

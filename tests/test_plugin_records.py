@@ -26,6 +26,7 @@ from grpo.algo import registry as algo_registry
 from grpo.data import formats
 from grpo.envs import base as envs_base
 from grpo.rewards import registry as reward_registry
+from tests.test_plugins import dist_info
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny_ci.yaml")
@@ -87,13 +88,7 @@ def records(monkeypatch):
 
 
 def installed(root: Path, name: str, version: str, entry_points: str) -> Path:
-    """An installed distribution as importlib.metadata finds it on sys.path: a .dist-info
-    directory with METADATA and entry_points.txt (no installer involved)."""
-    d = root / f"{name.replace('-', '_')}-{version}.dist-info"
-    d.mkdir(parents=True)
-    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-    (d / "entry_points.txt").write_text(entry_points)
-    return root
+    return dist_info(root, name, entry_points, version)
 
 
 def replaced_lines(caplog) -> list[str]:

@@ -92,12 +92,12 @@ ALL_FIVE = ["loss.advantage=ext_adv", "loss.policy_loss=ext_loss", "loss.kl_esti
             "rollout.env_kwargs={bonus: 0.5}", "rollout.max_turns=2"]  # fmt: skip
 
 
-def dist_info(root: Path, name: str, entry_points: str) -> Path:
+def dist_info(root: Path, name: str, entry_points: str, version: str = "0.1") -> Path:
     """An installed distribution as importlib.metadata finds it on sys.path: a .dist-info
     directory with METADATA and entry_points.txt (no installer involved)."""
-    d = root / f"{name}-0.1.dist-info"
+    d = root / f"{name.replace('-', '_')}-{version}.dist-info"
     d.mkdir(parents=True)
-    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
     (d / "entry_points.txt").write_text(entry_points)
     return root
 

@@ -16,6 +16,7 @@ from grpo.envs.python import code_runs, isolation
 from grpo.envs.tool_calls import tool_call_text
 from grpo.errors import GrpoError
 from grpo.rewards import make_accuracy
+from tests.test_sandbox import processes_with
 
 SMALL = dict(timeout_s=2.0, cpu_s=2, memory_mb=256, max_output_chars=1024, max_file_mb=1)
 
@@ -122,19 +123,6 @@ def spawn(token: str) -> str:
     return f"import subprocess\np = subprocess.Popen(['{token}', '30'], executable='sleep')\n"
 
 
-def sleepers(token: str) -> list[int]:
-    """Host pids of running processes whose command line holds `token` (zombies left out)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and token.encode() in (entry / "cmdline").read_bytes():
-                if (entry / "status").read_text().split("State:")[1].split()[0] != "Z":
-                    pids.append(int(entry.name))
-        except (OSError, IndexError):
-            pass
-    return pids
-
-
 @pytest.mark.parametrize(
     "tail, limit",
     [
@@ -150,11 +138,11 @@ def test_processes_the_code_started_do_not_outlive_it(tail, limit):
     try:
         assert r.limit == limit and r.elapsed_s < 2.5
         end = time.monotonic() + 2
-        while sleepers(token) and time.monotonic() < end:
+        while processes_with(token) and time.monotonic() < end:
             time.sleep(0.05)
-        assert sleepers(token) == [], "a process started by the code is still running"
+        assert processes_with(token) == [], "a process started by the code is still running"
     finally:
-        for pid in sleepers(token):
+        for pid in processes_with(token):
             os.kill(pid, 9)
 
 
