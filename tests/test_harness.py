@@ -17,6 +17,7 @@ from benchmarks.harness import (
     measure_interleaved,
     write_results,
 )
+from grpo.envs import isolation
 
 MIB_200MB = 200e6 / 2**20  # 190.7 MiB
 
@@ -128,13 +129,12 @@ def test_benchmark_arguments_name_the_bad_item(capsys):
     assert "--cases: unknown 'x'; valid: ['a', 'b']" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(not isolation().complete,
+                    reason=f"the sandbox is not available here: {isolation().error}")  # fmt: skip
 def test_bench_python_env_smoke(tmp_path):
     """The sandbox-cost benchmark runs both modes on one code and writes its table."""
     from benchmarks import bench_python_env
-    from grpo.envs import isolation
 
-    if not isolation().complete:
-        pytest.skip(f"the sandbox is not available here: {isolation().error}")
     rows = bench_python_env.main(["--codes", "pass", "--repeats", "2", "--out-dir", str(tmp_path)])
     assert [r["mode"] for r in rows] == ["sandbox", "limits only"]
     assert rows[1]["ratio"] == 1.0 and rows[0]["ratio"] > 0

@@ -137,13 +137,10 @@ def kill_all(pids) -> None:
 # ---------------------------------------------------------------------- the layers
 
 
+@needs_isolation
 def test_isolation_reports_every_layer():
     """On Linux with user namespaces (this machine) every required layer applies; the report is
     one structured value and one line."""
-    if not sys.platform.startswith("linux"):
-        pytest.skip(f"isolation needs Linux, this is {sys.platform}")
-    if not ISO.complete:
-        pytest.skip(f"the sandbox is not available here: {ISO.error}")
     assert ISO.error is None and ISO.missing == []
     assert set(REQUIRED_LAYERS) <= set(ISO.layers)
     assert ISO.layers["capabilities"] == "none" and ISO.layers["nproc"] == 16
@@ -388,15 +385,18 @@ def _unprivileged_python() -> str | None:
     return None
 
 
+RUNNER = ROOT / "grpo" / "envs" / "_sandbox.py"
+NOBODY = (os.geteuid() == 0 and shutil.which("setpriv") is not None
+          and _unprivileged_python() is not None and _others_can_read(RUNNER))  # fmt: skip
+
+
 @needs_isolation
+@pytest.mark.skipif(not NOBODY, reason="needs root to become nobody, setpriv, and a python3 "
+                    "and a checkout that others can read")  # fmt: skip
 def test_the_sandbox_without_root():
     """The same layers for a caller without root (here: nobody, through setpriv): the code's
     uid maps to the caller's own, and the process cap still stops a fork loop."""
-    runner = ROOT / "grpo" / "envs" / "_sandbox.py"
-    python, setpriv = _unprivileged_python(), shutil.which("setpriv")
-    if os.geteuid() != 0 or setpriv is None or python is None or not _others_can_read(runner):
-        pytest.skip("needs root to become nobody, setpriv, and a python3 and checkout that "
-                    "others can read")  # fmt: skip
+    runner, python, setpriv = RUNNER, _unprivileged_python(), shutil.which("setpriv")
     with tempfile.TemporaryDirectory(prefix="grpo-test-") as tmp:  # pytest's is root's only
         tmp_path = Path(tmp)
         tmp_path.chmod(0o755)
