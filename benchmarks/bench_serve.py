@@ -189,6 +189,15 @@ def run_case(case: str, args, pool, tok) -> list[dict]:
                 print(f"{case} round {r} {m}: {runs[m][-1]['wall_s']:.2f} s", flush=True)
         for m in servers:
             calls[m] += servers[m][1].calls
+        # lm-eval's loglikelihood requests (the same prompts scored, with the greedy next
+        # token) on the batched server: scoring takes the engine's lock, one request a forward
+        scoring = [[{**b, "max_tokens": 1, "echo": True, "logprobs": 1} for b in client]
+                   for client in bodies]  # fmt: skip
+        url = servers["batched"][0]
+        pool.submit(client_round, url, scoring).result()  # warm-up
+        runs["loglikelihood"] = [pool.submit(client_round, url, scoring).result()
+                                 for _ in range(rounds)]  # fmt: skip
+        calls["loglikelihood"] = None
     finally:
         for _, _, stop in servers.values():
             stop()
@@ -202,11 +211,14 @@ def run_case(case: str, args, pool, tok) -> list[dict]:
             "req_per_s": statistics.median(C * R / run["wall_s"] for run in rs),
             "wall_s": statistics.median(run["wall_s"] for run in rs),
             "p50_ms": _percentile(lat, 50), "p95_ms": _percentile(lat, 95),
-            "rows_per_call": C * R * rounds / calls[m],
+            "rows_per_call": None if calls[m] is None else C * R * rounds / calls[m],
             "greedy_equal": equal, "rounds": rounds,
             "walls_s": [run["wall_s"] for run in rs],
         })  # fmt: skip
-    batched, sequential = rows
+    batched, sequential, scored = rows
+    scored["max_tokens"] = 1
+    scored["tok_per_s"] = statistics.median(C * R * T_p / run["wall_s"] for run in runs[
+        "loglikelihood"])  # prompt tokens scored per second  # fmt: skip
     batched["speedup"] = batched["tok_per_s"] / sequential["tok_per_s"]
     batched["target"] = spec["target"]
     return rows
@@ -241,6 +253,9 @@ def main(argv: list[str]) -> None:
         "batched": f"max_batch_rows={args.max_batch_rows}, batch window 5 ms",
         "sequential": "max_batch_rows=1: one request per sampler call (the pre-batching server)",
         "speedup": "batched tok_per_s / sequential tok_per_s",
+        "loglikelihood": "lm-eval's loglikelihood payload (echo, max_tokens 1, logprobs 1, "
+        "temperature 0) for the same prompts on the batched server; its tok_per_s counts "
+        "prompt tokens scored",
     }
     write_results(args.name, rows, COLUMNS, out_dir=args.out_dir, meta=meta)
 
