@@ -176,3 +176,60 @@ def serve_cli():
         assert holder.get("rc") == 0
 
     return serve
+
+
+class NetworkGuard:
+    """What `loopback_only` refused: each (address or host name) a connect or a name lookup
+    in this process tried outside the loopback interface."""
+
+    def __init__(self):
+        self.attempts: list = []
+
+
+def _is_loopback(host) -> bool:
+    import ipaddress
+
+    if host in (None, "localhost", b"localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(str(host).split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+@pytest.fixture
+def loopback_only(monkeypatch):
+    """The client tests talk to a server on 127.0.0.1 only: a socket connect (any thread of
+    this process, sync or asyncio) to an address that is not loopback, or a name lookup of a
+    host that is not, is refused (ConnectionRefusedError / gaierror) and fails the test at
+    teardown, even where the client swallowed the error (e.g. a background tracing export)."""
+    import socket
+
+    guard = NetworkGuard()
+    real_connect, real_connect_ex = socket.socket.connect, socket.socket.connect_ex
+    real_getaddrinfo = socket.getaddrinfo
+
+    def refuse(sock, address):
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and not _is_loopback(address[0]):
+            guard.attempts.append(address)
+            raise ConnectionRefusedError(f"test: a connect to {address} (not loopback)")
+
+    def connect(self, address):
+        refuse(self, address)
+        return real_connect(self, address)
+
+    def connect_ex(self, address):
+        refuse(self, address)
+        return real_connect_ex(self, address)
+
+    def getaddrinfo(host, *args, **kwargs):
+        if not _is_loopback(host):
+            guard.attempts.append(host)
+            raise socket.gaierror(socket.EAI_NONAME, f"test: a lookup of {host!r} (not loopback)")
+        return real_getaddrinfo(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.setattr(socket.socket, "connect_ex", connect_ex)
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    yield guard
+    assert not guard.attempts, f"the test tried to reach beyond loopback: {guard.attempts}"

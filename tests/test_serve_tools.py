@@ -1,13 +1,17 @@
 """grpo serve speaks OpenAI function calling, and a trained tool-using model works as an
-agent's LLM through the real `openai` client.
+agent's LLM through the real clients: the plain `openai` loop, the OpenAI Agents SDK's `Runner`
+and LangChain's `bind_tools`.
 
-The module trains a tiny model (SFT, ~45 s) to call the calculator with the tool schema
-rendered by the chat template, serves it, and runs the agent loop in the client: on the same
-held-out problems, greedy, its per-problem results equal `grpo eval --env calculator`'s (9 of
-24 two-digit products right with the tool, 0 without, on the machine this was written on).
-The rest: request checks (400s naming the field), tool_choice none / required / a named
-function, assistant tool_calls rendered back through the template exactly as the model wrote
-them, streamed tool calls equal to the non-streamed ones, malformed calls left as content.
+The module trains a tiny model (SFT) to call the calculator with the tool schema rendered by
+the chat template, each problem's schema one of 16 renderings
+(`grpo.envs.calculator.tools_for`), serves it, and runs each client's agent loop on held-out
+problems, greedy: its per-problem results equal `grpo eval --env calculator`'s on the tool
+schema that client itself generated and sent (captured from its requests), so the server
+renders what training renders, for schemas the model never saw. The rest: request checks
+(400s naming the field), tool_choice none / required / a named function, assistant tool_calls
+rendered back through the template exactly as the model wrote them, streamed tool calls equal
+to the non-streamed ones, malformed calls left as content. Every test that runs a client runs
+under `loopback_only`: nothing may connect beyond 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from grpo.apps.serving.tools import ToolStream, tool_use
 from grpo.config import load_config
 from grpo.data import register_dataset
 from grpo.data.toolmath import TOOL_TOKENS, corpus, sft_pairs, toolmath, trace
-from grpo.envs.calculator import CALCULATOR_TOOL, run_tool_call
-from grpo.envs.tool_calls import ToolCall, tool_call_text
+from grpo.apps.serving import clients
+from grpo.envs.calculator import CALCULATOR_TOOL, calculator_tool_variant, tools_for
+from grpo.envs.tool_calls import tool_call_text
 from grpo.eval import run_eval_command, score_completion
 from grpo.tiny import make_tiny_model
 from grpo.tokenizer import load_tokenizer
@@ -35,6 +40,7 @@ TOOLS = [CALCULATOR_TOOL]
 MAX_TURNS = 3
 MAX_TOKENS = 32  # per turn, as the demo's rollout.max_new_tokens
 N_TEST = 24
+VARIANTS = 16  # renderings of the calculator's schema in training (none of the clients')
 
 
 def _tool_spec(**fn) -> dict:
@@ -169,15 +175,14 @@ def tool_model(tmp_path_factory):
     root = tmp_path_factory.mktemp("tool_agent")
     train = toolmath(768, seed=0, split="train", hard_frac=1.0)
     test = toolmath(N_TEST, seed=0, split="test", hard_frac=1.0)
-    texts = corpus(train) + [json.dumps(CALCULATOR_TOOL)] * 20
-    model_dir = make_tiny_model(root / "base", size="ci", corpus=texts,
-                                extra_special_tokens=TOOL_TOKENS,
+    model_dir = make_tiny_model(root / "base", size="ci", corpus=corpus(train, VARIANTS),
+                                vocab_size=768, extra_special_tokens=TOOL_TOKENS,
                                 max_position_embeddings=1024)  # fmt: skip
     tok = load_tokenizer(model_dir)
     pairs = [
         {"question": r["question"], "answer": r["answer"], **p}
         for r in train
-        for p in sft_pairs(tok, trace(r, use_tool=True), tools=TOOLS)
+        for p in sft_pairs(tok, trace(r, use_tool=True), tools=tools_for(r["question"], VARIANTS))
     ]
     register_dataset("test-tool-agent-sft", DatasetDict(train=Dataset.from_list(pairs)),
                      overwrite=True)  # fmt: skip
@@ -209,58 +214,96 @@ def client(agent_server):
     return openai.OpenAI(base_url=agent_server.url + "/v1", api_key="unused", max_retries=0)
 
 
-def agent(client, question: str) -> tuple[str, int, int]:
-    """The agent loop an OpenAI-compatible framework runs: ask with the tools; while the
-    model answers with tool calls, run them and send the results back; at most MAX_TURNS
-    model turns. Returns (final content, tool calls made, turns)."""
-    messages = [{"role": "user", "content": question}]
-    calls = 0
-    for turn in range(1, MAX_TURNS + 1):
-        r = client.chat.completions.create(model=NAME, messages=messages, tools=TOOLS,
-                                           temperature=0, max_tokens=MAX_TOKENS)  # fmt: skip
-        msg = r.choices[0].message
-        if not msg.tool_calls:
-            return msg.content or "", calls, turn
-        assert r.choices[0].finish_reason == "tool_calls"
-        messages.append(msg.model_dump(exclude_none=True))
-        for tc in msg.tool_calls:
-            calls += 1
-            call = ToolCall(tc.function.name, json.loads(tc.function.arguments))
-            result, _ = run_tool_call(call)
-            messages.append({"role": "tool", "tool_call_id": tc.id, "content": result})
-    return "", calls, MAX_TURNS  # the turn limit: no final answer, as a cut episode scores
-
-
-def test_openai_agent_loop_equals_grpo_eval(tool_model, client, tmp_path):
-    """The acceptance test of the issue: the same problems, greedy, the same per-turn limit:
-    the client-side agent loop over HTTP gets exactly `grpo eval --env calculator`'s
-    per-problem results (and so its accuracy)."""
-    out = tmp_path / "eval.json"
+def evaluate_on(tool_model, tools: list[dict], tmp_path) -> dict:
+    """`grpo eval --env calculator` of the held-out problems, the schemas `tools` rendered."""
     payload = run_eval_command(
         model=str(tool_model["model"]), data=str(tool_model["data"]), env="calculator",
-        env_kwargs={"use_template_tools": True}, max_turns=MAX_TURNS,
-        max_new_tokens=MAX_TOKENS, batch_size=8, details=True, out=str(out),
+        env_kwargs={"use_template_tools": True, "tools": tools}, max_turns=MAX_TURNS,
+        max_new_tokens=MAX_TOKENS, batch_size=8, details=True, out=str(tmp_path / "eval.json"),
     )  # fmt: skip
-    evaluated = payload["models"]["model"]
+    return payload["models"]["model"]
+
+
+def served_tools(recorder: clients.Recorder) -> list[dict]:
+    """The tools of the client's requests as the server renders them (`ToolSpec.schema`)."""
+    body = {"model": NAME, "messages": [{"role": "user", "content": "x"}],
+            "tools": recorder.sent_tools()}  # fmt: skip
+    return read_body(json.dumps(body).encode(), ChatBody).tool_use.schemas
+
+
+def assert_same_as_eval(tool_model, episodes: list[clients.Episode], evaluated: dict):
+    """Per problem the same final answer (not only the same verdict), so the same accuracy and
+    tool calls; and the model does use the tool through the client."""
     by_question = {s["question"]: s for s in evaluated["samples"]}
-    agent_scores, agent_calls = [], 0
-    for row in tool_model["problems"]:
-        content, calls, _ = agent(client, row["question"])
-        agent_scores.append(score_completion(content, row["answer"]))
-        agent_calls += calls
-    # per problem the same final answer (not only the same verdict) and the same verdict
     problems = [by_question[r["question"]] for r in tool_model["problems"]]
-    assert [s["pred"] for s in agent_scores] == [s["pred"] for s in problems]
-    assert [s["correct"] for s in agent_scores] == [s["correct"] for s in problems]
+    scores = [score_completion(e.content, r["answer"])
+              for e, r in zip(episodes, tool_model["problems"], strict=True)]  # fmt: skip
+    assert [s["pred"] for s in scores] == [s["pred"] for s in problems]
+    assert [s["correct"] for s in scores] == [s["correct"] for s in problems]
     summary = evaluated["summary"]
-    assert summary["accuracy"] == sum(s["correct"] for s in agent_scores) / N_TEST
-    assert summary["tool_calls_mean"] == agent_calls / N_TEST
-    # the model learned the tool's protocol, so both loops execute calls on most problems and
-    # answer after the observation. How often its 400 SFT steps also learn to copy the numbers
-    # right depends on the CPU's float rounding (9/24 on an AMX Xeon, 0/24 on an AVX-512
-    # EPYC, the same code): the equality above is the acceptance, not the accuracy.
+    assert summary["accuracy"] == sum(s["correct"] for s in scores) / N_TEST
+    assert summary["tool_calls_mean"] == sum(e.calls for e in episodes) / N_TEST
+    # the model learned the tool's protocol under schemas it never saw, so the loops execute
+    # calls on most problems. How often its SFT steps also learn to copy the numbers right
+    # depends on the CPU's float rounding: the equality above is the acceptance, not accuracy.
     assert summary["tool_calls_mean"] >= 0.5, summary
-    assert all(s["pred"] is not None for s in agent_scores), agent_scores
+
+
+@pytest.mark.usefixtures("loopback_only")
+def test_openai_agent_loop_equals_grpo_eval(tool_model, client, agent_server, tmp_path):
+    """The same problems, greedy, the same per-turn limit: the plain `openai` loop over HTTP
+    (each reply echoed back with `model_dump()`, nulls and all) gets exactly `grpo eval`'s
+    per-problem results, with the library's schema and with one the model never saw."""
+    unseen = calculator_tool_variant(VARIANTS + 3)
+    for tools in ([CALCULATOR_TOOL], [unseen]):
+        recorder = clients.Recorder()
+        http = openai.OpenAI(base_url=agent_server.url + "/v1", api_key="unused",
+                             max_retries=0, http_client=recorder.client())  # fmt: skip
+        episodes = [clients.openai_episode(http, NAME, r["question"], tools,
+                                           max_turns=MAX_TURNS, max_tokens=MAX_TOKENS)
+                    for r in tool_model["problems"]]  # fmt: skip
+        assert_same_as_eval(tool_model, episodes, evaluate_on(tool_model, served_tools(recorder),
+                                                              tmp_path))  # fmt: skip
+
+
+@pytest.mark.usefixtures("loopback_only")
+def test_agents_sdk_runner_equals_grpo_eval(tool_model, agent_server, tmp_path):
+    """The OpenAI Agents SDK: `Runner.run` of an `Agent` whose `@function_tool` the SDK turns
+    into a `strict` schema (its own description, titles, key order), tracing off."""
+    recorder = clients.Recorder()
+    episodes = clients.agents_sdk_episodes(
+        agent_server.url + "/v1", NAME, [r["question"] for r in tool_model["problems"]],
+        recorder=recorder, max_turns=MAX_TURNS, max_tokens=MAX_TOKENS)  # fmt: skip
+    [sent] = recorder.sent_tools()
+    assert sent["function"]["strict"] is True
+    assert sent["function"]["parameters"]["additionalProperties"] is False
+    assert_same_as_eval(tool_model, episodes, evaluate_on(tool_model, served_tools(recorder),
+                                                          tmp_path))  # fmt: skip
+
+
+@pytest.mark.usefixtures("loopback_only")
+def test_langchain_bind_tools_equals_grpo_eval(tool_model, agent_server, tmp_path):
+    """LangChain: `ChatOpenAI(base_url=...).bind_tools([tool])`, `invoke`, `ToolMessage`s."""
+    recorder = clients.Recorder()
+    llm = clients.langchain_model(agent_server.url + "/v1", NAME, recorder=recorder,
+                                  max_tokens=MAX_TOKENS)  # fmt: skip
+    episodes = [clients.langchain_episode(llm, r["question"], max_turns=MAX_TURNS)
+                for r in tool_model["problems"]]  # fmt: skip
+    assert_same_as_eval(tool_model, episodes, evaluate_on(tool_model, served_tools(recorder),
+                                                          tmp_path))  # fmt: skip
+
+
+def test_the_guard_refuses_other_addresses(loopback_only):
+    """The fixture the client tests run under does refuse (and record) a connect beyond
+    loopback; the address is TEST-NET-1 (RFC 5737), never routed."""
+    import socket
+
+    with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+        s.connect(("192.0.2.1", 9))
+    with pytest.raises(socket.gaierror):
+        socket.getaddrinfo("example.invalid", 443)
+    assert loopback_only.attempts == [("192.0.2.1", 9), "example.invalid"]
+    loopback_only.attempts.clear()  # what this test made; the teardown checks the rest
 
 
 def test_streamed_tool_calls_equal_the_non_streamed(tool_model, client):

@@ -168,11 +168,18 @@ def register_demo_data(s: DemoSettings) -> dict[str, int]:
     return {name: len(ds) for name, ds in splits.items()}
 
 
-def register_tools_data(s: DemoSettings, tokenizer) -> dict[str, int]:
+def register_tools_data(s: DemoSettings, tokenizer, env_kwargs: dict | None = None) -> dict[str, int]:
     """--task tools: register the problems (`TOOLS_DATASET`: train / validation / test) and the
     SFT traces (`TOOLS_SFT_DATASET`: one rendered (prompt, completion) pair per assistant turn;
-    its validation and test splits are the problems', for SFT's own evaluation)."""
+    its validation and test splits are the problems', for SFT's own evaluation). With the
+    calculator's `env_kwargs` (GRPO's), each trace's prompt renders the tool schemas exactly as
+    that environment's episode of the problem does (`use_template_tools`, `tool_variants`)."""
     from grpo.data.toolmath import sft_pairs, toolmath, trace
+    from grpo.envs.calculator import tools_for
+
+    env_kwargs = env_kwargs or {}
+    template_tools = bool(env_kwargs.get("use_template_tools"))
+    variants = int(env_kwargs.get("tool_variants", 0))
 
     pool = toolmath(s.train_problems + s.validation_problems, s.data_seed, "train", s.hard_frac)
     train, validation = pool[: s.train_problems], pool[s.train_problems :]
@@ -181,7 +188,8 @@ def register_tools_data(s: DemoSettings, tokenizer) -> dict[str, int]:
     pairs = []
     for row in train:
         use_tool = row["kind"] == "hard" and rng.random() < s.tool_frac
-        for pair in sft_pairs(tokenizer, trace(row, use_tool)):  # rows keep their problem
+        tools = tools_for(row["question"], variants) if template_tools else None
+        for pair in sft_pairs(tokenizer, trace(row, use_tool), tools=tools):  # keep the problem
             pairs.append({"question": row["question"], "answer": row["answer"], **pair})
     problems = DatasetDict(train=Dataset.from_list(train),
                            validation=Dataset.from_list(validation),
@@ -426,7 +434,9 @@ def run_demo(
             from grpo.data.toolmath import TOOL_TOKENS, toolmath
             from grpo.data.toolmath import corpus as tool_corpus
 
-            corpus = tool_corpus(toolmath(2000, settings.data_seed, "train", settings.hard_frac))
+            variants = int(pcfg.grpo.rollout.env_kwargs.get("tool_variants", 0))
+            rows = toolmath(2000, settings.data_seed, "train", settings.hard_frac)
+            corpus = tool_corpus(rows, variants)
             specials = TOOL_TOKENS
         elif task == "gsm8k-tools":
             from grpo.data.gsm8k_tools import TOOL_TOKENS
@@ -445,7 +455,8 @@ def run_demo(
         if task == "tools":
             from grpo.tokenizer import load_tokenizer
 
-            sizes = register_tools_data(settings, load_tokenizer(model_dir))
+            sizes = register_tools_data(settings, load_tokenizer(model_dir),
+                                        pcfg.grpo.rollout.env_kwargs)  # fmt: skip
         elif task == "math":
             sizes = register_demo_data(settings)
         n_params = sum(p.numel() for p in load_model(model_dir, device="cpu").parameters())

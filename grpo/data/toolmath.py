@@ -106,10 +106,19 @@ def sft_pairs(
     return pairs
 
 
-def corpus(rows: list[dict]) -> list[str]:
-    """Texts for training a tokenizer on the traces (tool and mental forms of every row)."""
+def corpus(rows: list[dict], tool_variants: int = 0) -> list[str]:
+    """Texts for training a tokenizer on the traces (tool and mental forms of every row) and,
+    with `tool_variants`, each row's rendering of the calculator's schema
+    (`grpo.envs.calculator.tools_for`, as the chat template's ``tojson`` writes it)."""
+    import json
+
+    from grpo.envs.calculator import tools_for
+
     out = [TOOL_SYSTEM_PROMPT]
     for row in rows:
         for use_tool in (True, False):
             out += [m["content"] for m in trace(row, use_tool)]
+        if tool_variants:
+            out += [json.dumps(t, ensure_ascii=False)
+                    for t in tools_for(row["question"], tool_variants)]  # fmt: skip
     return out

@@ -41,7 +41,9 @@ class Environment(Protocol):
     """One trajectory's environment.
 
     Attributes:
-        tools: tool schemas (the chat template's ``tools`` format) rendered into the prompt.
+        tools: tool schemas (the chat template's ``tools`` format) rendered into the prompt;
+            read after start(), which may set them for the row (every trajectory of a group
+            renders its first environment's).
     """
 
     tools: list[dict]

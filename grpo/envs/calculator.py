@@ -19,13 +19,16 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import random
 import time
+import zlib
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from grpo.envs.base import question_messages
+from grpo.errors import GrpoError
 from grpo.envs.tool_calls import ToolCall, ToolCallError, json_type, parse_tool_calls
 
 CALCULATOR_NAME = "calculator"
@@ -51,6 +54,77 @@ CALCULATOR_TOOL: dict[str, Any] = {
         },
     },
 }
+
+# Rewordings and optional JSON-schema keywords of the calculator's schema: `tool_variants`
+# draws a schema from them, so a model trained on several renderings of one tool reads a
+# client's own rendering (the Agents SDK's `strict` schema, LangChain's) as the same tool.
+_DESCRIPTIONS = (
+    "Compute the value of an arithmetic expression.",
+    "Calculator: evaluates + - * / // % ** and parentheses, and returns the number.",
+    "Returns the exact result of a math expression such as 12 * 34.",
+    "Use this tool for arithmetic. It takes an expression and gives back its value.",
+    "Evaluate arithmetic.",
+    "A calculator for products, sums, differences and quotients of numbers.",
+)
+_ARG_DESCRIPTIONS = (
+    "An expression like 37 * 48.",
+    "Math expression to evaluate",
+    "The expression to compute, with numbers and + - * / ( ).",
+    "what to calculate",
+    None,
+)
+_TITLES = ("calculator_arguments", "CalculatorInput", "Arguments")
+_EXAMPLES = ("2 + 2", "(3 - 1) * 4", "12 * 34", "100 / 8", "7 ** 2")
+
+
+def calculator_tool_variant(index: int) -> dict[str, Any]:
+    """The calculator's schema, rendering number `index`: 0 is `CALCULATOR_TOOL`; any other
+    index draws (deterministically) a reworded description or none, the argument's description
+    or none, shuffled key orders, `strict` with ``additionalProperties: false``, and
+    ``title`` / ``examples`` keywords. The function's keys keep OpenAI's order (name,
+    description, parameters, strict), the order `grpo serve` renders a request's tools in.
+    The tool's name and its one argument, ``expression``, never change."""
+    if index == 0:
+        return CALCULATOR_TOOL
+    rng = random.Random(f"grpo-calculator-tool|{index}")
+    prop: dict[str, Any] = {"type": "string"}
+    arg_description = rng.choice(_ARG_DESCRIPTIONS)
+    if arg_description is not None:
+        prop["description"] = arg_description
+    if rng.random() < 0.5:
+        prop["title"] = "Expression"
+    if rng.random() < 0.3:
+        prop["examples"] = rng.sample(_EXAMPLES, 2)
+    params: dict[str, Any] = {"type": "object", "properties": {"expression": _shuffled(prop, rng)},
+                              "required": ["expression"]}  # fmt: skip
+    strict = rng.random() < 0.5
+    if strict:
+        params["additionalProperties"] = False
+    if rng.random() < 0.5:
+        params["title"] = rng.choice(_TITLES)
+    fn: dict[str, Any] = {"name": CALCULATOR_NAME}
+    if rng.random() < 0.9:
+        fn["description"] = rng.choice(_DESCRIPTIONS)
+    fn["parameters"] = _shuffled(params, rng)
+    if strict:
+        fn["strict"] = True
+    return {"type": "function", "function": fn}
+
+
+def _shuffled(d: dict, rng: random.Random) -> dict:
+    keys = list(d)
+    rng.shuffle(keys)
+    return {k: d[k] for k in keys}
+
+
+def tools_for(question: str, variants: int) -> list[dict[str, Any]]:
+    """The tool schemas a problem's episodes render: ``[CALCULATOR_TOOL]`` with `variants` 0,
+    else one of `calculator_tool_variant(0 .. variants - 1)` chosen by the question's text (so
+    every trajectory of a group, and the problem's SFT trace, render the same one)."""
+    if variants <= 0:
+        return [CALCULATOR_TOOL]
+    return [calculator_tool_variant(zlib.crc32(question.encode()) % variants)]
+
 
 _BINARY_OPS: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
     ast.Add: operator.add,
@@ -277,13 +351,17 @@ class CalculatorEnv:
         invalid_penalty: subtracted per invalid call.
         max_calls_per_turn: calls beyond this in one turn are answered with an error.
         timeout_s: time limit of one evaluation.
-        system_prompt: with a chat template that renders tools, start() returns the messages
-            [system (optional), user question] so the prompt carries the tool schema; without
-            it the row's own prompt is used.
-        use_template_tools: see system_prompt.
-    """
+        system_prompt: with `use_template_tools`, the system message before the question.
+        use_template_tools: start() returns the messages [system (optional), user question],
+            which the chat template renders with the tool schemas (as `grpo serve` renders a
+            request's `tools`); off: the row's own prompt is used, schemas not rendered.
+        tools: the schemas rendered (default ``[CALCULATOR_TOOL]``), e.g. a client's own
+            rendering of the calculator, to evaluate what that client's requests get.
+        tool_variants: N > 0: each problem renders one of N renderings of the calculator's
+            schema (`tools_for`; replaces `tools`), so the policy does not learn one text.
 
-    tools = [CALCULATOR_TOOL]
+    `tools` (what the sampler renders) is set by start() for the row.
+    """
 
     def __init__(
         self,
@@ -293,7 +371,19 @@ class CalculatorEnv:
         timeout_s: float = 1.0,
         system_prompt: str | None = None,
         use_template_tools: bool = False,
+        tools: list[dict] | None = None,
+        tool_variants: int = 0,
     ):
+        if tools is not None and not (isinstance(tools, list) and tools
+                                      and all(isinstance(t, dict) for t in tools)):
+            raise GrpoError(f"calculator: tools must be a non-empty list of tool schemas "
+                            f"(objects), got {tools!r:.80}")  # fmt: skip
+        if isinstance(tool_variants, bool) or not isinstance(tool_variants, int) or tool_variants < 0:
+            raise GrpoError(f"calculator: tool_variants must be an integer >= 0, got "
+                            f"{tool_variants!r}")  # fmt: skip
+        self._tools = list(tools) if tools is not None else [CALCULATOR_TOOL]
+        self.tool_variants = tool_variants
+        self.tools = self._tools
         self.tool_reward = tool_reward
         self.invalid_penalty = invalid_penalty
         self.max_calls_per_turn = max_calls_per_turn
@@ -302,6 +392,8 @@ class CalculatorEnv:
         self.use_template_tools = use_template_tools
 
     def start(self, row: dict) -> list[dict] | None:
+        if self.tool_variants:
+            self.tools = tools_for(str(row.get("question", "")), self.tool_variants)
         return question_messages(row, self.system_prompt, self.use_template_tools)
 
     def step(self, text: str, token_ids: list[int]):

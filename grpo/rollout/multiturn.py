@@ -395,7 +395,6 @@ def sample_with_env(
     G = group_size
     envs = [make_env() for _ in range(len(rows) * G)]
     cut: list[list[bool]] = [[] for _ in envs]  # per row, per observe call: content was cut
-    tools = envs[0].tools or None if envs else None
     call = EnvCalls(step_timeout_s)
 
     def late(what: str) -> GrpoError:
@@ -439,6 +438,7 @@ def sample_with_env(
             kept = tokenizer.decode(content_ids[:max_obs_tokens], skip_special_tokens=False)
             message = {**message, "content": kept + TRUNCATION_MARK}
             cut[b][-1] = True
+        tools = envs[b].tools or None  # the row's schemas, as start() set them
         delta = message_delta_ids(tokenizer, message, after_stop=stopped, tools=tools)
         return Observation(delta, step.reward, False, info)
 

@@ -57,13 +57,18 @@ class ToolSpec(Settings):
     function: FunctionSpec = setting(MISSING)
 
     def schema(self) -> dict:
-        """The tool as chat templates take it (OpenAI's shape, unset fields left out)."""
+        """The tool as chat templates take it: OpenAI's shape, keys in OpenAI's order (name,
+        description, parameters, strict), unset ones left out, `parameters` as the client sent
+        it. Training renders an environment's schemas through the same template
+        (`grpo.tokenizer.encode_chat`), so a schema in this form renders the same here."""
         f = self.function
         fn = {"name": f.name}
         if f.description is not None:
             fn["description"] = f.description
         if f.parameters is not None:
             fn["parameters"] = f.parameters
+        if f.strict is not None:
+            fn["strict"] = f.strict
         return {"type": "function", "function": fn}
 
 
