@@ -420,6 +420,9 @@ class EvalConfig:
     temperature: float = 0.8  # for the k samples
     batch_size: int = 32
     env: str | None = None  # multi-turn evaluation episodes; None: the same as rollout.env
+    # the evaluation environment's keyword arguments; None: rollout.env_kwargs when eval.env is
+    # rollout.env, else none (e.g. SFT, whose rollout.env is single_turn, evaluating episodes)
+    env_kwargs: dict | None = None
     sft_accuracy_threshold: float = 0.0  # pipeline: stop after SFT below this
 
     def __post_init__(self):

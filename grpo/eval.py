@@ -263,13 +263,16 @@ def comparison_table(results: dict[str, dict]) -> str:
 
 def eval_env_settings(cfg: Config) -> dict:
     """`evaluate` keyword arguments for the configured environment (eval.env, else rollout.env);
-    the environment's kwargs and limits are rollout.*'s."""
+    its kwargs eval.env_kwargs (default: rollout.env_kwargs for the same environment), its
+    limits rollout.*'s."""
     env = cfg.eval.env or cfg.rollout.env
     if env == "single_turn":
         return {}
     r = cfg.rollout
-    same = env == r.env
-    return {"env": env, "env_kwargs": r.env_kwargs if same else {}, "max_turns": r.max_turns,
+    kwargs = cfg.eval.env_kwargs
+    if kwargs is None:
+        kwargs = r.env_kwargs if env == r.env else {}
+    return {"env": env, "env_kwargs": kwargs, "max_turns": r.max_turns,
             "max_total_tokens": r.max_total_tokens, "max_obs_tokens": r.max_obs_tokens,
             "turn_end_tokens": r.turn_end_tokens, "env_timeout_s": r.env_timeout_s}  # fmt: skip
 

@@ -12,14 +12,18 @@ import pytest
 from grpo.envs import calculator
 from grpo.envs.calculator import (
     CALCULATOR_TOOL,
+    CalculatorEnv,
     CalculatorError,
     ToolCall,
     ToolCallError,
+    calculator_tool_variant,
     evaluate_arithmetic,
     format_number,
     parse_tool_calls,
     run_tool_call,
+    tools_for,
 )
+from grpo.errors import GrpoError
 
 FLOAT_LEAVES = ("0.5", "1.5", "2.25", "0.1", "3.0", "0.0")
 
@@ -405,3 +409,68 @@ def test_run_tool_call_enforces_timeout():
     call = ToolCall("calculator", {"expression": "1+2"})
     assert run_tool_call(call, timeout_s=0.0) == ("error: time limit exceeded", False)
     assert run_tool_call(call, timeout_s=1.0) == ("3", True)
+
+
+def test_schema_variants_describe_one_tool_many_ways():
+    """16 renderings of the calculator's schema: every one a JSON Schema of the same call
+    (name `calculator`, one required string `expression`, validating the same arguments),
+    rendered 16 different ways, with the keywords clients add among them."""
+    import jsonschema
+
+    variants = [calculator_tool_variant(i) for i in range(16)]
+    assert variants[0] == CALCULATOR_TOOL
+    assert len({json.dumps(v) for v in variants}) == 16
+    for v in variants:
+        fn = v["function"]
+        assert v["type"] == "function" and fn["name"] == "calculator"
+        assert list(fn)[:1] == ["name"] and set(fn) <= {"name", "description", "parameters",
+                                                       "strict"}  # fmt: skip
+        params = fn["parameters"]
+        jsonschema.Draft202012Validator.check_schema(params)
+        jsonschema.validate({"expression": "37 * 48"}, params)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({}, params)
+        assert list(params["properties"]) == ["expression"] and params["required"] == ["expression"]
+        if fn.get("strict"):  # OpenAI's strict mode: no other keys
+            assert params["additionalProperties"] is False
+    # what the Agents SDK and LangChain send appears: strict, titles, examples, no descriptions
+    assert sum(bool(v["function"].get("strict")) for v in variants) >= 4
+    assert any("title" in v["function"]["parameters"] for v in variants)
+    assert any("examples" in v["function"]["parameters"]["properties"]["expression"]
+               for v in variants)  # fmt: skip
+    assert any("description" not in v["function"]["parameters"]["properties"]["expression"]
+               for v in variants)  # fmt: skip
+    # the key orders differ too
+    assert len({tuple(v["function"]["parameters"]) for v in variants}) >= 4
+    assert calculator_tool_variant(5) == calculator_tool_variant(5)  # deterministic
+
+
+def test_tools_for_picks_one_variant_per_question():
+    qs = [f"What is {a} * 13?" for a in range(10, 60)]
+    assert all(tools_for(q, 0) == [CALCULATOR_TOOL] for q in qs)
+    picked = [json.dumps(tools_for(q, 16)) for q in qs]
+    assert picked == [json.dumps(tools_for(q, 16)) for q in qs]  # the same for every call
+    assert len(set(picked)) >= 8  # spread over the variants
+
+
+def test_env_renders_each_rows_schema():
+    row = {"question": "What is 37 * 48?"}
+    env = CalculatorEnv(use_template_tools=True, tool_variants=16)
+    assert env.start(row) == [{"role": "user", "content": row["question"]}]
+    assert env.tools == tools_for(row["question"], 16)
+    custom = [{"type": "function", "function": {"name": "calculator"}}]
+    env = CalculatorEnv(use_template_tools=True, tools=custom)
+    env.start(row)
+    assert env.tools == custom and CalculatorEnv().tools == [CALCULATOR_TOOL]
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [({"tools": []}, "tools must be a non-empty list"),
+     ({"tools": "calculator"}, "tools must be a non-empty list"),
+     ({"tool_variants": -1}, "tool_variants must be an integer >= 0"),
+     ({"tool_variants": 2.5}, "tool_variants must be an integer >= 0")],
+)  # fmt: skip
+def test_env_kwargs_are_checked(kwargs, fragment):
+    with pytest.raises(GrpoError, match=fragment):
+        CalculatorEnv(**kwargs)

@@ -143,3 +143,23 @@ def test_eval_command_honours_max_prompt_len(shared_tiny_model, capsys):
     assert "prompt of row 0 of 'minimath' (test)" in err and "> --max-prompt-len 8" in err
     assert cli.main([*argv, "--max-prompt-len", "0"]) == 2
     assert "--max-prompt-len: must be > 0" in capsys.readouterr().err
+
+
+def test_eval_env_kwargs_default_to_the_rollouts_for_the_same_env():
+    from grpo.config import load_config
+    from grpo.eval import eval_env_settings
+
+    calc = {"use_template_tools": True, "tool_variants": 16}
+    model = {"model": {"path": "unused"}}
+    grpo = load_config(base={**model, "rollout": {"env": "calculator", "env_kwargs": calc}})
+    assert eval_env_settings(grpo)["env_kwargs"] == calc
+    # SFT: its rollout.env is single_turn; its evaluation episodes get none unless given
+    sft = load_config(base={**model, "rollout": {"env_kwargs": calc},
+                            "eval": {"env": "calculator"}})  # fmt: skip
+    assert eval_env_settings(sft)["env_kwargs"] == {}
+    own = {"use_template_tools": True}
+    for base in ({"rollout": {"env": "calculator", "env_kwargs": calc}},
+                 {"rollout": {"env": "single_turn"}}):  # fmt: skip
+        cfg = load_config(base={**model, **base,
+                                "eval": {"env": "calculator", "env_kwargs": own}})  # fmt: skip
+        assert eval_env_settings(cfg)["env_kwargs"] == own

@@ -24,6 +24,9 @@ from grpo.apps.serve import add_parser
 from grpo.apps.serving import Engine, Job, RequestError, SamplingParams, Unavailable, parse_request
 from grpo.rollout import sample
 
+# every client here talks to 127.0.0.1 only (conftest.loopback_only)
+pytestmark = pytest.mark.usefixtures("loopback_only")
+
 NAME = "tiny"  # --served-model-name
 
 

@@ -24,6 +24,9 @@ from grpo.apps import serve
 from grpo.apps.cli import main
 from grpo.errors import GrpoError
 
+# every client here talks to 127.0.0.1 only (conftest.loopback_only)
+pytestmark = pytest.mark.usefixtures("loopback_only")
+
 NAME = "tiny"
 KEY = "sk-edge-7Qx2"  # the key of the module's server, from $GRPO_API_KEY
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -42,6 +42,9 @@ from grpo.rollout.sampling import (
 )
 from grpo.settings import setting_key
 
+# every client here talks to 127.0.0.1 only (conftest.loopback_only)
+pytestmark = pytest.mark.usefixtures("loopback_only")
+
 NAME = "tiny"
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "serving.md"
 MESSAGE_PARAMS = ("ChatCompletionAssistantMessageParam", "ChatCompletionUserMessageParam",

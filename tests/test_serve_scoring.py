@@ -16,6 +16,9 @@ import torch
 from grpo.algo.logprobs import completion_logprobs
 from grpo.rollout import sample
 
+# every client here talks to 127.0.0.1 only (conftest.loopback_only)
+pytestmark = pytest.mark.usefixtures("loopback_only")
+
 NAME = "tiny"
 
 

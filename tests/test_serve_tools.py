@@ -22,18 +22,21 @@ import openai
 import pytest
 from datasets import Dataset, DatasetDict
 
+from grpo.apps.serving import clients
 from grpo.apps.serving.protocol import ChatBody, RequestError, read_body
 from grpo.apps.serving.tools import ToolStream, tool_use
 from grpo.config import load_config
 from grpo.data import register_dataset
 from grpo.data.toolmath import TOOL_TOKENS, corpus, sft_pairs, toolmath, trace
-from grpo.apps.serving import clients
 from grpo.envs.calculator import CALCULATOR_TOOL, calculator_tool_variant, tools_for
 from grpo.envs.tool_calls import tool_call_text
 from grpo.eval import run_eval_command, score_completion
 from grpo.tiny import make_tiny_model
 from grpo.tokenizer import load_tokenizer
 from grpo.train.sft import train_sft
+
+# every client here talks to 127.0.0.1 only (conftest.loopback_only)
+pytestmark = pytest.mark.usefixtures("loopback_only")
 
 NAME = "agent"
 TOOLS = [CALCULATOR_TOOL]
@@ -249,7 +252,6 @@ def assert_same_as_eval(tool_model, episodes: list[clients.Episode], evaluated: 
     assert summary["tool_calls_mean"] >= 0.5, summary
 
 
-@pytest.mark.usefixtures("loopback_only")
 def test_openai_agent_loop_equals_grpo_eval(tool_model, client, agent_server, tmp_path):
     """The same problems, greedy, the same per-turn limit: the plain `openai` loop over HTTP
     (each reply echoed back with `model_dump()`, nulls and all) gets exactly `grpo eval`'s
@@ -266,7 +268,6 @@ def test_openai_agent_loop_equals_grpo_eval(tool_model, client, agent_server, tm
                                                               tmp_path))  # fmt: skip
 
 
-@pytest.mark.usefixtures("loopback_only")
 def test_agents_sdk_runner_equals_grpo_eval(tool_model, agent_server, tmp_path):
     """The OpenAI Agents SDK: `Runner.run` of an `Agent` whose `@function_tool` the SDK turns
     into a `strict` schema (its own description, titles, key order), tracing off."""
@@ -281,7 +282,6 @@ def test_agents_sdk_runner_equals_grpo_eval(tool_model, agent_server, tmp_path):
                                                           tmp_path))  # fmt: skip
 
 
-@pytest.mark.usefixtures("loopback_only")
 def test_langchain_bind_tools_equals_grpo_eval(tool_model, agent_server, tmp_path):
     """LangChain: `ChatOpenAI(base_url=...).bind_tools([tool])`, `invoke`, `ToolMessage`s."""
     recorder = clients.Recorder()

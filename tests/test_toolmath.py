@@ -53,3 +53,22 @@ def test_mental_trace_is_one_pair(tok):
     row = toolmath(5, 2, "train", hard_frac=0.0)[0]
     (pair,) = sft_pairs(tok, trace(row, use_tool=False))
     assert pair["completion"].endswith(f"Final Answer: {row['answer']}{tok.eos_token}")
+
+
+def test_pairs_render_each_problems_schema_as_its_episode_does():
+    """The demo's env_kwargs: each SFT prompt is, token for token, the prompt the calculator
+    environment's episode of the same problem starts from, with that problem's rendering of
+    the schema (`tools_for`), and the problems do not all render the same one."""
+    from grpo.envs.calculator import tools_for
+    from grpo.rollout.multiturn import env_prompts
+
+    rows = toolmath(12, 3, "train", hard_frac=1.0)
+    tok = train_bpe_tokenizer(corpus(rows, 16), 384, extra_special_tokens=TOOL_TOKENS)
+    envs = [CalculatorEnv(use_template_tools=True, tool_variants=16) for _ in rows]
+    prompts = env_prompts(tok, rows, envs, 1)
+    for row, prompt, env in zip(rows, prompts, envs, strict=True):
+        first, _ = sft_pairs(tok, trace(row, use_tool=True), tools=tools_for(row["question"], 16))
+        assert tok(first["prompt"], add_special_tokens=False)["input_ids"] == prompt
+        assert env.tools == tools_for(row["question"], 16)
+        assert '"name": "calculator"' in first["prompt"]
+    assert len({str(env.tools) for env in envs}) > 3

@@ -50,7 +50,9 @@ def check_before_model(cfg, trainer: str) -> None:
         if cfg.rollout.multi_turn:
             env_factory(cfg.rollout.env, cfg.rollout.env_kwargs)
         if cfg.eval.env:
-            env_factory(cfg.eval.env, key="eval.env")
+            from grpo.eval import eval_env_settings
+
+            env_factory(cfg.eval.env, eval_env_settings(cfg).get("env_kwargs"), key="eval.env")
         build_rewards([r.spec for r in cfg.rewards])
     if not Path(cfg.model.path).expanduser().exists():
         logging.getLogger(__name__).info(

@@ -168,7 +168,9 @@ def register_demo_data(s: DemoSettings) -> dict[str, int]:
     return {name: len(ds) for name, ds in splits.items()}
 
 
-def register_tools_data(s: DemoSettings, tokenizer, env_kwargs: dict | None = None) -> dict[str, int]:
+def register_tools_data(
+    s: DemoSettings, tokenizer, env_kwargs: dict | None = None
+) -> dict[str, int]:
     """--task tools: register the problems (`TOOLS_DATASET`: train / validation / test) and the
     SFT traces (`TOOLS_SFT_DATASET`: one rendered (prompt, completion) pair per assistant turn;
     its validation and test splits are the problems', for SFT's own evaluation). With the

@@ -21,15 +21,15 @@ import math
 import operator
 import random
 import time
-import zlib
 import warnings
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from grpo.envs.base import question_messages
-from grpo.errors import GrpoError
 from grpo.envs.tool_calls import ToolCall, ToolCallError, json_type, parse_tool_calls
+from grpo.errors import GrpoError
 
 CALCULATOR_NAME = "calculator"
 
@@ -374,11 +374,13 @@ class CalculatorEnv:
         tools: list[dict] | None = None,
         tool_variants: int = 0,
     ):
-        if tools is not None and not (isinstance(tools, list) and tools
-                                      and all(isinstance(t, dict) for t in tools)):
+        if tools is not None and not (
+            isinstance(tools, list) and tools and all(isinstance(t, dict) for t in tools)
+        ):
             raise GrpoError(f"calculator: tools must be a non-empty list of tool schemas "
                             f"(objects), got {tools!r:.80}")  # fmt: skip
-        if isinstance(tool_variants, bool) or not isinstance(tool_variants, int) or tool_variants < 0:
+        variants_ok = isinstance(tool_variants, int) and not isinstance(tool_variants, bool)
+        if not variants_ok or tool_variants < 0:
             raise GrpoError(f"calculator: tool_variants must be an integer >= 0, got "
                             f"{tool_variants!r}")  # fmt: skip
         self._tools = list(tools) if tools is not None else [CALCULATOR_TOOL]

@@ -433,7 +433,9 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
     )
     env_meta = env_metadata(make_env) if make_env is not None else {}
     if cfg.eval.env:
-        env_meta.update(env_metadata(env_factory(cfg.eval.env, key="eval.env"), "run/eval_env_"))
+        eval_kwargs = eval_env_settings(cfg).get("env_kwargs")
+        env_meta.update(env_metadata(env_factory(cfg.eval.env, eval_kwargs, key="eval.env"),
+                                     "run/eval_env_"))  # fmt: skip
     policy = build_policy(cfg, device, need_ref=cfg.loss.needs_reference or cfg.log.kl_every > 0)
     sharded = shard_policy(policy, cfg, dist)  # train.parallel: fsdp (before the optimizer)
     rows = load_rows(cfg.data, cfg.data.split, cfg.data.max_samples, "rl", policy.tokenizer)

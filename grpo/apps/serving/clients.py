@@ -108,8 +108,15 @@ def agents_sdk_episodes(base_url: str, model: str, questions: list[str], *,
     import os
 
     os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")
-    from agents import (Agent, MaxTurnsExceeded, ModelSettings, OpenAIChatCompletionsModel,
-                        Runner, function_tool, set_tracing_disabled)  # fmt: skip
+    from agents import (
+        Agent,
+        MaxTurnsExceeded,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)
