@@ -293,6 +293,72 @@ def test_langchain_bind_tools_equals_grpo_eval(tool_model, agent_server, tmp_pat
                                                           tmp_path))  # fmt: skip
 
 
+GEN_TASK = """task: grpo_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["Final"]
+  max_gen_toks: 12
+  do_sample: false
+  temperature: 0
+metric_list:
+  - metric: exact_match
+"""
+
+
+def test_lm_eval_chat_generation_task_equals_greedy_decoding(agent_server, tmp_path, monkeypatch):
+    """lm-eval's `local-chat-completions` model with `apply_chat_template`: each generated
+    answer is the served model's greedy continuation of the chat prompt (the sampler called
+    directly, cut at the task's stop string), so its scores are the model's own."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from grpo.rollout import sample
+    from grpo.tokenizer import encode_chat
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    docs = [{"question": f"What is {a} * {b}?", "answer": str(a * b)}
+            for a, b in [(37, 48), (12, 4), (7, 7), (23, 61)]]  # fmt: skip
+    data = tmp_path / "gen.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "grpo_gen.yaml").write_text(GEN_TASK.format(data=data))
+    args = (f"model={NAME},base_url={agent_server.url}/v1/chat/completions,num_concurrent=1,"
+            "max_retries=1")  # fmt: skip
+    out = lm_eval.simple_evaluate(model="local-chat-completions", model_args=args,
+                                  tasks=["grpo_gen"], apply_chat_template=True,
+                                  task_manager=TaskManager(include_path=str(tasks)),
+                                  batch_size=1, log_samples=True)  # fmt: skip
+    samples = sorted(out["samples"]["grpo_gen"], key=lambda s: s["doc_id"])
+    engine, tok = agent_server.engine, agent_server.service.tokenizer
+    for sample_, doc in zip(samples, docs, strict=True):
+        prompt = encode_chat(tok, [{"role": "user", "content": doc["question"]}])
+        r = sample(
+            engine.sampler.model,
+            [prompt],
+            group_size=1,
+            max_new_tokens=12,
+            temperature=0.0,
+            stop_ids=engine.stop_ids,
+            pad_id=engine.pad_id,
+            seed=0,
+        )
+        n = int(r.completion_mask[0].sum())
+        text = tok.decode(r.completion_ids[0, :n].tolist(), skip_special_tokens=False)
+        direct = text.removesuffix(tok.eos_token).split("Final")[0]
+        assert sample_["resps"][0][0] == direct, (sample_["resps"], direct)
+    assert sum(len(s["resps"][0][0].strip()) > 4 for s in samples) >= 2  # text, not nothing
+
+
 def test_the_guard_refuses_other_addresses(loopback_only):
     """The fixture the client tests run under does refuse (and record) a connect beyond
     loopback; the address is TEST-NET-1 (RFC 5737), never routed."""
