@@ -187,7 +187,8 @@ def main(argv=None) -> None:
         )
         rows.append(own)
     meta = {"model": a.model, "n": a.n, "max_turns": MAX_TURNS, "max_tokens": MAX_TOKENS,
-            "problems": questions, "schemas": schemas,
+            "problems": f"the first {a.n} of toolmath(256, {a.data_seed}, 'test', {a.hard_frac})",
+            "schemas": schemas,
             "command": "python -m benchmarks.bench_clients --model " + a.model}  # fmt: skip
     write_results(a.name, rows, COLUMNS, out_dir=a.out_dir, meta=meta)
 
