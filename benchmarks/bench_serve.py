@@ -55,7 +55,8 @@ CASES = {
 }  # fmt: skip
 COLUMNS = [
     "case", "mode", "clients", "requests", "max_tokens", "threads", "tok_per_s", "req_per_s",
-    "wall_s", "p50_ms", "p95_ms", "rows_per_call", "speedup", "target", "greedy_equal",
+    "wall_s", "p50_ms", "p95_ms", "rows_per_call", "speedup", "constrained_x", "target",
+    "greedy_equal",
 ]  # fmt: skip
 NAME = "bench"
 
@@ -80,16 +81,19 @@ def client_round(url: str, bodies: list[list[dict]]) -> dict:
         start.wait()
         lat, tokens, texts = [], 0, []
         for body in bodies[i]:
+            chat = "messages" in body
             t0 = time.perf_counter()
-            conn.request("POST", "/v1/completions", json.dumps(body),
-                         {"Content-Type": "application/json"})  # fmt: skip
+            conn.request("POST", "/v1/chat/completions" if chat else "/v1/completions",
+                         json.dumps(body), {"Content-Type": "application/json"})  # fmt: skip
             resp = conn.getresponse()
             data = json.loads(resp.read())
             lat.append(time.perf_counter() - t0)
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {data}")
             tokens += data["usage"]["completion_tokens"]
-            texts.append((data["choices"][0]["text"], data["usage"]["completion_tokens"]))
+            choice = data["choices"][0]
+            text = choice["message"]["content"] if chat else choice["text"]
+            texts.append((text, data["usage"]["completion_tokens"]))
         conn.close()
         out[i] = (lat, tokens, texts)
 
@@ -198,6 +202,20 @@ def run_case(case: str, args, pool, tok) -> list[dict]:
         runs["loglikelihood"] = [pool.submit(client_round, url, scoring).result()
                                  for _ in range(rounds)]  # fmt: skip
         calls["loglikelihood"] = None
+        # structured outputs: the same prompts as chat messages, free and under a JSON schema
+        # whose one string field a random model does not close (so both run max_tokens)
+        fmt = {"type": "json_schema", "json_schema": {"name": "bench", "strict": True, "schema": {
+            "type": "object", "properties": {"text": {"type": "string"}},
+            "required": ["text"]}}}  # fmt: skip
+        chat = [[{"model": NAME, "max_tokens": N, "temperature": 0, "messages": [
+            {"role": "user", "content": tok.decode(b["prompt"])}]} for b in client]
+            for client in bodies]  # fmt: skip
+        constrained = [[{**b, "response_format": fmt} for b in client] for client in chat]
+        for m, payload in (("chat", chat), ("chat+json_schema", constrained)):
+            pool.submit(client_round, url, payload).result()  # warm-up (compiles the schema)
+            calls[m] = -servers["batched"][1].calls
+            runs[m] = [pool.submit(client_round, url, payload).result() for _ in range(rounds)]
+            calls[m] += servers["batched"][1].calls
     finally:
         for _, _, stop in servers.values():
             stop()
@@ -215,7 +233,9 @@ def run_case(case: str, args, pool, tok) -> list[dict]:
             "greedy_equal": equal, "rounds": rounds,
             "walls_s": [run["wall_s"] for run in rs],
         })  # fmt: skip
-    batched, sequential, scored = rows
+    batched, sequential, scored, free, json_rows = rows
+    json_rows["constrained_x"] = json_rows["tok_per_s"] / free["tok_per_s"]
+    json_rows["target"] = 0.8
     scored["max_tokens"] = 1
     scored["tok_per_s"] = statistics.median(C * R * T_p / run["wall_s"] for run in runs[
         "loglikelihood"])  # prompt tokens scored per second  # fmt: skip
@@ -256,6 +276,10 @@ def main(argv: list[str]) -> None:
         "loglikelihood": "lm-eval's loglikelihood payload (echo, max_tokens 1, logprobs 1, "
         "temperature 0) for the same prompts on the batched server; its tok_per_s counts "
         "prompt tokens scored",
+        "chat / chat+json_schema": "the same prompts decoded as chat messages on the batched "
+        "server, free and with a strict json_schema response_format (one string field, which "
+        "a random model does not close, so both generate max_tokens); constrained_x = "
+        "constrained tok_per_s / free tok_per_s",
     }
     write_results(args.name, rows, COLUMNS, out_dir=args.out_dir, meta=meta)
 

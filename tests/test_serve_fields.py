@@ -272,7 +272,7 @@ def test_echoed_response_message_is_accepted(client):
 
 @pytest.mark.parametrize("key,value,why", [
     ("reasoning_effort", "high", "reasoning"), ("verbosity", "low", "verbosity"),
-    ("response_format", {"type": "json_object"}, "constrained"), ("audio", {"voice": "x"}, "audio"),
+    ("modalities", ["audio"], "text only"), ("audio", {"voice": "x"}, "audio"),
     ("functions", [{"name": "f"}], "tools"), ("web_search_options", {}, "web search"),
     ("presence_penalty", 0.5, "0"), ("logit_bias", {"5": 101}, "[-100, 100]"),
     ("logit_bias", {"a": 1}, "token ids"), ("logit_bias", {"999999": 1}, "vocabulary"),

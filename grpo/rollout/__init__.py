@@ -2,7 +2,7 @@
 sampler and its public steps (`sampler`); multi-turn rollouts build on them (`multiturn`)."""
 
 from grpo.rollout.prompts import check_prompts, check_settings, left_pad
-from grpo.rollout.sampler import Observation, Rollout, Sampler, sample
+from grpo.rollout.sampler import Observation, Rollout, Sampler, TokenConstraint, sample
 from grpo.rollout.sampling import (
     apply_min_p,
     apply_temperature,
@@ -16,6 +16,7 @@ __all__ = [
     "Observation",
     "Rollout",
     "Sampler",
+    "TokenConstraint",
     "apply_min_p",
     "apply_temperature",
     "apply_top_k",

@@ -20,6 +20,7 @@ import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -183,6 +184,22 @@ class Rollout:
 
 
 ObserveFn = Callable[[int, list[int], bool], "Observation"]
+
+
+@runtime_checkable
+class TokenConstraint(Protocol):
+    """Which tokens each row may draw next, e.g. a grammar's (`Sampler.sample(constraint=)`;
+    `grpo serve`'s structured outputs). Called once per decode step, on every row of the batch
+    (a row that has stopped keeps being called; what it draws is discarded)."""
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, V) float32 logits -> the same with the tokens each row may not draw at -inf
+        (in place or not); a row the constraint does not cover is returned unchanged."""
+        ...
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        """The (B,) tokens the rows drew (after the step hook), fed back next step."""
+        ...
 
 
 @dataclass
@@ -418,6 +435,7 @@ class Sampler:
         on_step: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
         logit_bias: torch.Tensor | None = None,
         repetition_penalty: torch.Tensor | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> Rollout:
         """Sample `group_size` completions for each prompt; see `grpo.rollout.sample`.
 
@@ -427,7 +445,8 @@ class Sampler:
 
         Per-row adjustments of the raw logits (a server's requests; None = off, no cost):
         `repetition_penalty` (B,) on the tokens of each row's prompt and completion so far
-        (`apply_repetition_penalty`), then `logit_bias` (B, V) added. Log-probs are then
+        (`apply_repetition_penalty`), then `logit_bias` (B, V) added, then `constraint`'s mask
+        (`TokenConstraint`: e.g. a grammar's; tokens it forbids get -inf). Log-probs are then
         those of the adjusted distribution."""
         model = self.model
         cfg = model.config
@@ -457,10 +476,14 @@ class Sampler:
                 logits = apply_repetition_penalty(logits, seen, repetition_penalty)
             if logit_bias is not None:
                 logits = apply_logit_bias(logits, logit_bias)
+            if constraint is not None:
+                logits = constraint.mask(logits)
             tok, lp = next_tokens(logits, gen, temperature, top_k, top_p, min_p)
             tok = tok if on_step is None else on_step(next(steps), tok)
             if seen is not None:
                 seen.scatter_(1, tok[:, None], True)  # the token fed back
+            if constraint is not None:
+                constraint.advance(tok)
             return tok, lp
 
         stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev)

@@ -69,6 +69,8 @@ class SamplingParams:
         logit_bias: (token id, bias) pairs added to the row's logits (per row, batched).
         repetition_penalty: HF's penalty on the row's prompt and generated ids (1 = off;
             per row, batched).
+        grammar: a structured output's compiled grammar (`structured.Grammar`): the rows'
+            tokens are masked to it (per row, batched with unconstrained rows).
     """
 
     max_tokens: int
@@ -81,6 +83,7 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     repetition_penalty: float = 1.0
+    grammar: object | None = None
 
     def batch_key(self) -> tuple | None:
         """Jobs with equal keys may share a sampler call; None = run alone."""
@@ -191,6 +194,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.stop_ids = sorted(set(stop_ids))
         self.context = model.config.max_position_embeddings
+        self.vocab_size = model.config.vocab_size
+        self.grammars = None  # structured outputs' engine, made by the first request asking
         self.max_queue = max_queue
         self.max_batch_rows = max_batch_rows
         self.window = batch_window_ms / 1e3
@@ -423,6 +428,8 @@ class Engine:
         if any(r.job.params.repetition_penalty != 1.0 for r in rows):
             penalty = [r.job.params.repetition_penalty for r in rows]
             out["repetition_penalty"] = torch.tensor(penalty, device=dev)  # (B,)
+        if any(r.job.params.grammar is not None for r in rows):
+            out["constraint"] = self.grammars.constraint([r.job.params.grammar for r in rows])
         return out
 
     def _step_hook(self, rows: list[_Row], max_new: int):

@@ -10,6 +10,8 @@ import dataclasses
 import functools
 import json
 import logging
+import re
+import threading
 import time
 from dataclasses import MISSING, dataclass
 from typing import Any, Literal
@@ -83,6 +85,12 @@ def refused(why: str, *neutral):
         f"got {brief_repr(v)}")  # fmt: skip
 
 
+def _format_name(name: str) -> str | None:
+    if re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+        return None
+    return f"must be 1-64 letters, digits, '_' or '-' (OpenAI's rule), got {brief_repr(name)}"
+
+
 def _logit_bias(bias: dict) -> str | None:
     for key, value in bias.items():
         if not (isinstance(key, str) and key.isdigit() and key.isascii()):
@@ -148,7 +156,11 @@ FIELDS: dict[str, dict[str, tuple[str, str]]] = {
             REFUSED,
             "no per-request reasoning control (--enable-thinking is the server's)",
         ),
-        "response_format": (REFUSED, 'no constrained decoding; {"type": "text"} accepted'),
+        "response_format": (
+            IMPLEMENTED,
+            "text, json_object, json_schema (strict or not): enforced while decoding by a "
+            "grammar; not with tools unless tool_choice is none",
+        ),
         "modalities": (REFUSED, 'text only; ["text"] accepted'),
         "audio": (REFUSED, "no audio output"),
         "web_search_options": (REFUSED, "no web search"),
@@ -285,6 +297,28 @@ class Message(Body):
 
 
 @dataclass(frozen=True, kw_only=True)
+class JsonSchemaFormat(Settings):
+    """`response_format.json_schema`: OpenAI's shape (`schema` is the JSON Schema)."""
+
+    name: str = setting(MISSING, check=_format_name)
+    description: str | None = None
+    schema: dict = setting(MISSING)
+    strict: bool | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResponseFormat(Settings):
+    type: Literal["text", "json_object", "json_schema"] = setting(MISSING)
+    json_schema: JsonSchemaFormat | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            want = "needs" if self.type == "json_schema" else "only with type json_schema"
+            raise FieldError(f"json_schema: {want} (type is {self.type!r})", field="json_schema")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ChatBody(SamplingBody):
     messages: tuple[Message, ...] = setting(MISSING, check=non_empty)
     max_completion_tokens: int | None = setting(None, check=between(1))
@@ -302,8 +336,7 @@ class ChatBody(SamplingBody):
     verbosity: Any = setting(None, check=refused("no verbosity control", "medium"))
     reasoning_effort: Any = setting(None, check=refused(
         "no per-request reasoning control (--enable-thinking is the server's)"))  # fmt: skip
-    response_format: Any = setting(None, check=refused("no constrained decoding",
-                                                       {"type": "text"}))  # fmt: skip
+    response_format: ResponseFormat | None = None
     modalities: Any = setting(None, check=refused("text only", ["text"]))
     audio: Any = setting(None, check=refused("no audio output"))
     web_search_options: Any = setting(None, check=refused("no web search"))
@@ -316,12 +349,22 @@ class ChatBody(SamplingBody):
 
     def __post_init__(self):
         super().__post_init__()
-        tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)  # the checks
+        use = tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)  # the checks
+        if use is not None and self.json_format is not None:
+            raise FieldError("response_format: not with tools (the reply would have to be both "
+                             "a tool call and JSON); send tool_choice: none or no tools",
+                             field="response_format")  # fmt: skip
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("top_logprobs: needs logprobs: true", field="top_logprobs")
         if self.logprobs and self.stream:
             raise FieldError("stream: not with logprobs (not implemented for streams)",
                              field="stream")  # fmt: skip
+
+    @property
+    def json_format(self) -> ResponseFormat | None:
+        """The response format when it asks for JSON (None: text)."""
+        f = self.response_format
+        return f if f is not None and f.type != "text" else None
 
     @property
     def reply_logprobs(self) -> int | None:
@@ -491,6 +534,7 @@ class Service:
 
     def __post_init__(self):
         self.created = int(time.time())
+        self._grammars_lock = threading.Lock()
 
     def encode(self, text: str, field: str) -> list[int]:
         """Raw text (a /v1/completions prompt, /generate with `raw`, the server's own tool-call
@@ -526,10 +570,41 @@ class Service:
             prompts = self.prompts(req.prompt)
         # OpenAI's defaults: a chat completion may fill the context, a text completion 16 tokens
         params = self.params(req, prompts, "messages" if chat else "prompt", None if chat else 16)
+        fmt = req.json_format if chat else None
+        if fmt is not None:  # structured output: the grammar rides with the job's rows
+            params = dataclasses.replace(params, grammar=self.grammar(fmt))
         top = req.reply_logprobs  # alternatives per reply token, if log-probs were asked for
         job = Job(prompts, params, stream=req.stream, ignored=tuple(ignored or ()),
                   top_logprobs=top)  # fmt: skip
         return job, req.include_usage, use
+
+    def grammar(self, fmt: ResponseFormat):
+        """A JSON response format compiled for this model (`structured.Grammars`, made on the
+        first request that asks; compiled grammars are cached by their schema's text)."""
+        from grpo.apps.serving.structured import Grammars
+
+        with self._grammars_lock:
+            if self.engine.grammars is None:
+                try:
+                    self.engine.grammars = Grammars(self.tokenizer, self.engine.vocab_size)
+                except ImportError:
+                    raise RequestError(
+                        "response_format",
+                        "structured outputs need the grammar "
+                        "engine: pip install 'grpo[serve]' (llguidance)",
+                    ) from None
+        if fmt.type == "json_object":
+            return self.engine.grammars.compile("json_object")
+        js = fmt.json_schema
+        try:
+            return self.engine.grammars.compile(
+                "json_schema",
+                js.schema,
+                bool(js.strict),
+                field="response_format.json_schema.schema",
+            )
+        except FieldError as e:
+            raise RequestError(e.field, e.problem) from None
 
     def score_request(self, req: CompletionBody) -> ScoreRequest:
         """A /v1/completions body with echo -> what `score` computes (checked against the

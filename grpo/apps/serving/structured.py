@@ -1,0 +1,164 @@
+"""Structured outputs for `grpo serve`: a request's `response_format` compiled by a grammar
+engine (llguidance) into a grammar over the model's vocabulary, enforced token by token in the
+batched sampler (`grpo.rollout.TokenConstraint`): at each decode step a constrained row's
+logits get -inf on every token the grammar does not allow next, so the reply is JSON of the
+schema by construction. Constrained and unconstrained requests share one batch; rows without a
+grammar are not touched.
+
+    formats = Grammars(tokenizer, vocab_size)
+    grammar = formats.compile("json_schema", schema, strict=True)   # cached by the schema's text
+    constraint = formats.constraint([grammar, None, grammar])       # one entry per batch row
+
+`response_format`:
+    {"type": "text"}: no constraint.
+    {"type": "json_object"}: a JSON object (any keys).
+    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}:
+        JSON valid under the schema. `strict: true` also refuses properties the schema does not
+        name (OpenAI's strict mode: ``additionalProperties: false`` where it is not given).
+
+The JSON is compact (``{"a":1,"b":[2]}``: no white space between tokens, so a model cannot
+spend its budget on it). Once the grammar is complete only the end-of-sequence token may
+follow, so a reply that ends with `finish_reason: "stop"` parses and validates; one cut by
+`max_tokens` reports "length" (its text is a prefix of such JSON). A schema the engine cannot
+compile is a 400 naming it. The engine was chosen by measuring (benchmarks/bench_grammar.py,
+docs/serving.md): xgrammar was as fast but let strings with `maxLength` hold raw control
+characters, which is not JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from grpo.settings import FieldError
+
+CACHE_SIZE = 64  # compiled grammars kept (by schema text); least recently used go first
+
+
+@dataclass(frozen=True, eq=False)
+class Grammar:
+    """A compiled response format: a matcher in its start state (each row gets a copy) and the
+    text it was compiled from."""
+
+    key: str
+    start: object
+
+
+def strict_schema(schema):
+    """OpenAI's strict mode: every object schema without ``additionalProperties`` gets
+    ``false`` (a copy; the rest unchanged)."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict_schema(v) for k, v in schema.items()}
+    is_object = out.get("type") == "object" or "properties" in out
+    if is_object and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+class Grammars:
+    """The grammar engine for one tokenizer: compiles response formats (cached by their text)
+    and makes the per-batch `TokenConstraint`.
+
+    Args:
+        tokenizer: the served model's Hugging Face tokenizer (its eos token ends a reply).
+        vocab_size: the model's vocabulary (logits width; may exceed the tokenizer's).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int):
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+
+        self._llg, self._lt = llguidance, llguidance.torch
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        self.eos_id = tokenizer.eos_token_id
+        self.vocab_size = vocab_size
+        self._executor = llguidance.LLExecutor()
+        self._cache: OrderedDict[str, Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, kind: str, schema: dict | None = None, strict: bool = False,
+                field: str = "response_format") -> Grammar:  # fmt: skip
+        """The grammar of `kind` ("json_object", or "json_schema" with `schema`); raises
+        FieldError naming `field` when the engine cannot compile the schema."""
+        if kind == "json_object":
+            schema, strict = {"type": "object"}, False
+        if strict:
+            schema = strict_schema(schema)
+        text = json.dumps(schema, sort_keys=True)
+        key = f"{kind}|{int(strict)}|{text}"
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        llg = self._llg
+        try:
+            grammar = llg.LLMatcher.grammar_from_json_schema(
+                text, defaults={"whitespace_flexible": False}
+            )
+            start = llg.LLMatcher(self._tokenizer, grammar, log_level=0)
+        except Exception as e:  # the engine's own errors (ValueError / RuntimeError)
+            raise FieldError(f"{field}: the grammar engine cannot compile this schema: "
+                             f"{_first_line(e)}", field=field) from None  # fmt: skip
+        if start.is_error():
+            raise FieldError(f"{field}: the grammar engine cannot compile this schema: "
+                             f"{_first_line(start.get_error())}", field=field)  # fmt: skip
+        out = Grammar(key, start)
+        with self._lock:
+            self._cache[key] = out
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return out
+
+    def constraint(self, grammars: Sequence[Grammar | None]) -> RowGrammars | None:
+        """The `TokenConstraint` of a batch (one entry per row; None: unconstrained), or None
+        when no row has a grammar."""
+        if not any(g is not None for g in grammars):
+            return None
+        return RowGrammars(self, grammars)
+
+
+def _first_line(e) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:300]
+
+
+class RowGrammars:
+    """One batch's grammar matchers (`grpo.rollout.TokenConstraint`): per constrained row a
+    matcher that masks its logits and reads the token it drew. A row leaves the constraint
+    once it drew the end-of-sequence token, or a token its grammar refused (the stop the
+    server forces at the row's `max_tokens`)."""
+
+    def __init__(self, engine: Grammars, grammars: Sequence[Grammar | None]):
+        self._lt, self._executor, self._eos = engine._lt, engine._executor, engine.eos_id
+        self._matchers = {b: g.start.deep_copy() for b, g in enumerate(grammars)
+                          if g is not None}  # fmt: skip
+        self._bitmask = self._lt.allocate_token_bitmask(len(grammars), engine.vocab_size)
+        self._bitmask.fill_(-1)  # every token allowed: the rows without a grammar
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self._matchers:
+            return logits
+        rows = [(m, b) for b, m in self._matchers.items()]
+        self._lt.fill_next_token_bitmask_par(self._executor, rows, self._bitmask)
+        logits = logits.float().contiguous()  # the engine writes float32, in place
+        self._lt.apply_token_bitmask_inplace(logits, self._bitmask.to(logits.device))
+        return logits
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        if not self._matchers:
+            return
+        ids = tokens.tolist()
+        for b, m in list(self._matchers.items()):
+            if ids[b] == self._eos or not m.consume_token(ids[b]):
+                del self._matchers[b]
+                self._bitmask[b].fill_(-1)

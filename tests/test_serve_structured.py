@@ -1,0 +1,224 @@
+"""Structured outputs: `response_format` json_object / json_schema enforced while decoding.
+
+A random-init model writes whatever its weights favour, so every reply that parses and
+validates does so because of the grammar: sampled at temperature 1 over several seeds, batched
+with unconstrained rows (which the grammar must leave bitwise as they were), streamed and not,
+through the raw HTTP API, the `openai` client, the Agents SDK's structured `output_type` and
+LangChain's `with_structured_output`.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+from typing import Literal
+
+import jsonschema
+import openai
+import pytest
+import torch
+from pydantic import BaseModel, Field
+
+from grpo.apps.serving.structured import Grammars, strict_schema
+from grpo.tokenizer import load_tokenizer
+
+NAME = "tiny"
+pytestmark = pytest.mark.usefixtures("loopback_only")
+
+SCHEMAS = [
+    {"type": "object",
+     "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 999},
+                    "unit": {"enum": ["apples", "pens", "dollars"]},
+                    "sure": {"type": "boolean"},
+                    "note": {"type": "string", "maxLength": 8}},
+     "required": ["answer", "unit", "sure", "note"], "additionalProperties": False},
+    {"type": "object",
+     "properties": {"steps": {"type": "array", "items": {"type": "integer", "minimum": -9,
+                                                         "maximum": 9},
+                              "minItems": 1, "maxItems": 4},
+                    "final": {"type": "object",
+                              "properties": {"value": {"type": "number", "minimum": 0,
+                                                       "maximum": 10}},
+                              "required": ["value"]}},
+     "required": ["steps", "final"]},
+]  # fmt: skip
+CHAT = {"model": NAME, "messages": [{"role": "user", "content": "Tom has 3 apples."}]}
+
+
+def response_format(schema: dict, strict: bool = True) -> dict:
+    return {"type": "json_schema",
+            "json_schema": {"name": "answer", "schema": schema, "strict": strict}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(shared_tiny_model, serve_cli):
+    with serve_cli("--model", str(shared_tiny_model), "--port", "0", "--served-model-name", NAME,
+                   "--batch-window-ms", "20") as running:  # fmt: skip
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def post(srv, payload: dict) -> tuple[int, dict]:
+    host, port = srv.url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(payload).encode(),
+                 headers={"Content-Type": "application/json"})  # fmt: skip
+    resp = conn.getresponse()
+    data = json.loads(resp.read())
+    conn.close()
+    return resp.status, data
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["flat", "nested"])
+def test_every_reply_parses_and_validates(server, client, schema):
+    """Temperature 1, four seeds, four choices each: every reply that stopped is JSON valid
+    under the schema, and every one stopped (the bounds keep a random model's JSON short)."""
+    for seed in range(4):
+        r = client.chat.completions.create(**CHAT, response_format=response_format(schema),
+                                           temperature=1.0, n=4, seed=seed,
+                                           max_tokens=120)  # fmt: skip
+        for choice in r.choices:
+            assert choice.finish_reason == "stop", choice
+            jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+def test_json_object_is_an_object(client):
+    for seed in range(3):
+        r = client.chat.completions.create(**CHAT, response_format={"type": "json_object"},
+                                           temperature=1.0, seed=seed, max_tokens=200)  # fmt: skip
+        c = r.choices[0]
+        if c.finish_reason == "stop":  # a random model's keys may run long: stop = complete
+            assert isinstance(json.loads(c.message.content), dict)
+        else:
+            assert c.message.content.startswith("{")
+
+
+def test_a_cut_reply_says_length(client):
+    """max_tokens ends the reply mid-JSON: finish_reason length, never a claim of JSON."""
+    r = client.chat.completions.create(**CHAT, response_format=response_format(SCHEMAS[0]),
+                                       temperature=1.0, seed=0, max_tokens=4)  # fmt: skip
+    c = r.choices[0]
+    assert c.finish_reason == "length" and c.message.content.startswith('{"')
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(c.message.content)
+
+
+def test_streamed_equals_non_streamed(client):
+    kw = dict(**CHAT, response_format=response_format(SCHEMAS[0]), temperature=0,
+              max_tokens=120)  # fmt: skip
+    whole = client.chat.completions.create(**kw).choices[0]
+    streamed = "".join(chunk.choices[0].delta.content or ""
+                       for chunk in client.chat.completions.create(stream=True, **kw)
+                       if chunk.choices)  # fmt: skip
+    assert streamed == whole.message.content and whole.finish_reason == "stop"
+    jsonschema.validate(json.loads(streamed), SCHEMAS[0])
+
+
+def test_constrained_and_free_rows_share_a_batch(shared_tiny_model, server):
+    """One sampler call, rows with and without a grammar: the free rows are bitwise what an
+    unconstrained call draws with the same seed; the constrained ones validate."""
+    engine = server.engine
+    sampler, stop = engine.sampler, engine.stop_ids
+    grammars = Grammars(load_tokenizer(shared_tiny_model), engine.vocab_size)
+    g = grammars.compile("json_schema", SCHEMAS[0], strict=True)
+    prompts = [[5, 6, 7, 8]] * 4
+    kw = dict(group_size=1, max_new_tokens=60, temperature=1.0, stop_ids=stop, seed=3,
+              pad_id=engine.pad_id)  # fmt: skip
+    with engine.lock:
+        free = sampler.sample(prompts, **kw)
+        mixed = sampler.sample(prompts, constraint=grammars.constraint([g, None, g, None]), **kw)
+    for b in (1, 3):
+        assert torch.equal(mixed.completion_ids[b], free.completion_ids[b])
+    for b in (0, 2):
+        n = int(mixed.completion_lens[b])
+        assert bool(mixed.finished[b])
+        text = engine.decode(mixed.completion_ids[b, : n - 1].tolist())
+        jsonschema.validate(json.loads(text), SCHEMAS[0])
+
+
+@pytest.mark.parametrize("fmt, field", [
+    ({"type": "json_schema", "json_schema": {"name": "a", "schema": {"$ref": "#/nope"}}},
+     "response_format.json_schema.schema"),
+    ({"type": "json_schema"}, "response_format.json_schema"),
+    ({"type": "json_schema", "json_schema": {"name": "bad name", "schema": {}}},
+     "response_format.json_schema.name"),
+    ({"type": "yaml"}, "response_format.type"),
+])  # fmt: skip
+def test_bad_formats_are_400s_naming_the_field(server, fmt, field):
+    status, data = post(server, {**CHAT, "response_format": fmt})
+    assert status == 400 and data["error"]["param"] == field, data
+    assert data["error"]["message"].startswith(field)
+
+
+def test_text_is_accepted_and_tools_with_json_refused(server, client):
+    r = client.chat.completions.create(**CHAT, response_format={"type": "text"}, max_tokens=4,
+                                       temperature=0)  # fmt: skip
+    plain = client.chat.completions.create(**CHAT, max_tokens=4, temperature=0)
+    assert r.choices[0].message.content == plain.choices[0].message.content
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    status, data = post(
+        server, {**CHAT, "tools": [tool], "response_format": {"type": "json_object"}}
+    )
+    assert status == 400 and data["error"]["param"] == "response_format"
+
+
+def test_strict_refuses_unnamed_properties():
+    s = strict_schema({"type": "object", "properties": {"a": {"type": "object"}},
+                       "items": [{"properties": {}}]})  # fmt: skip
+    assert s["additionalProperties"] is False
+    assert s["properties"]["a"]["additionalProperties"] is False
+    assert s["items"][0]["additionalProperties"] is False
+    kept = strict_schema({"type": "object", "additionalProperties": True})
+    assert kept["additionalProperties"] is True
+
+
+class Reading(BaseModel):
+    value: int = Field(ge=0, le=99)
+    unit: Literal["apples", "pens"]
+    checked: bool
+
+
+def test_agents_sdk_structured_output_type(server):
+    """The Agents SDK with a Pydantic `output_type` sends a strict json_schema response format
+    and parses the reply into the model class."""
+    import asyncio
+    import os
+
+    os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        set_tracing_disabled,  # fmt: skip
+    )
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+
+    async def run():
+        client = AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        agent = Agent(name="reader", output_type=Reading,
+                      model=OpenAIChatCompletionsModel(model=NAME, openai_client=client),
+                      model_settings=ModelSettings(temperature=1.0, max_tokens=60))  # fmt: skip
+        out = [await Runner.run(agent, "How many apples?", max_turns=1) for _ in range(3)]
+        await client.close()
+        return out
+
+    for result in asyncio.run(run()):
+        assert isinstance(result.final_output, Reading), result.final_output
+
+
+def test_langchain_with_structured_output(server):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=NAME, base_url=server.url + "/v1", api_key="unused",
+                     temperature=1.0, max_tokens=60, max_retries=0)  # fmt: skip
+    structured = llm.with_structured_output(Reading, method="json_schema", strict=True)
+    for _ in range(3):
+        reading = structured.invoke("How many pens?")
+        assert isinstance(reading, Reading), reading
