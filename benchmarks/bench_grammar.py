@@ -142,12 +142,13 @@ class LLGuidance:
         self.executor = llg.LLExecutor()
         self.vocab_size = vocab_size
 
-    separators = (",", ":")
+    separators = (", ", ": ")
 
     def compile(self, schema: str):
-        grammar = self.llg.LLMatcher.grammar_from_json_schema(
-            schema, defaults={"whitespace_flexible": False}
-        )
+        from grpo.apps.serving.structured import JSON_STYLE
+
+        styled = json.dumps({**json.loads(schema), "x-guidance": JSON_STYLE})
+        grammar = self.llg.LLMatcher.grammar_from_json_schema(styled)
         self.llg.LLMatcher(self.tokenizer, grammar)  # compiles (lazily, the lexer up front)
         return grammar
 

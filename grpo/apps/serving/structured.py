@@ -16,13 +16,12 @@ grammar are not touched.
         JSON valid under the schema. `strict: true` also refuses properties the schema does not
         name (OpenAI's strict mode: ``additionalProperties: false`` where it is not given).
 
-The JSON is compact (``{"a":1,"b":[2]}``: no white space between tokens, so a model cannot
-spend its budget on it). Once the grammar is complete only the end-of-sequence token may
-follow, so a reply that ends with `finish_reason: "stop"` parses and validates; one cut by
-`max_tokens` reports "length" (its text is a prefix of such JSON). A schema the engine cannot
-compile is a 400 naming it. The engine was chosen by measuring (benchmarks/bench_grammar.py,
-docs/serving.md): xgrammar was as fast but let strings with `maxLength` hold raw control
-characters, which is not JSON.
+The JSON is written as `json.dumps` writes it (``{"a": 1, "b": [2]}``), its properties in the
+schema's order (the engine fixes the order). Once the grammar is complete only the
+end-of-sequence token may follow, so a reply that ends with `finish_reason: "stop"` parses
+and validates; one cut by `max_tokens` reports "length" (its text is a prefix of such JSON).
+A schema the engine cannot compile is a 400 naming it. Why llguidance: docs/serving.md,
+"Structured outputs" (benchmarks/bench_grammar.py).
 """
 
 from __future__ import annotations
@@ -37,6 +36,9 @@ import torch
 
 from grpo.settings import FieldError
 
+# JSON as `json.dumps` writes it (one line, ", " and ": "), what models read and write most: no
+# other white space, so a model cannot spend its budget on it.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 64  # compiled grammars kept (by schema text); least recently used go first
 
 
@@ -93,7 +95,7 @@ class Grammars:
             schema, strict = {"type": "object"}, False
         if strict:
             schema = strict_schema(schema)
-        text = json.dumps(schema, sort_keys=True)
+        text = json.dumps(schema)  # key order kept: properties come out in the schema's order
         key = f"{kind}|{int(strict)}|{text}"
         with self._lock:
             hit = self._cache.get(key)
@@ -102,9 +104,8 @@ class Grammars:
                 return hit
         llg = self._llg
         try:
-            grammar = llg.LLMatcher.grammar_from_json_schema(
-                text, defaults={"whitespace_flexible": False}
-            )
+            styled = {**schema, "x-guidance": JSON_STYLE} if isinstance(schema, dict) else schema
+            grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(styled))
             start = llg.LLMatcher(self._tokenizer, grammar, log_level=0)
         except Exception as e:  # the engine's own errors (ValueError / RuntimeError)
             raise FieldError(f"{field}: the grammar engine cannot compile this schema: "
