@@ -86,7 +86,7 @@ def big_tokenizer(vocab: int, cache: Path):
                 continue
             total += len(t)
             yield t
-            if total > 150e6:
+            if total > 60e6:
                 return
 
     train_bpe_tokenizer(texts(), vocab, out_dir=cache, split_digits=False)

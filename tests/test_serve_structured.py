@@ -222,3 +222,64 @@ def test_langchain_with_structured_output(server):
     for _ in range(3):
         reading = structured.invoke("How many pens?")
         assert isinstance(reading, Reading), reading
+
+
+STRICT_TOOL = {"type": "function", "function": {
+    "name": "calculator", "strict": True,
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string",
+                                                                   "maxLength": 4}},
+                   "required": ["expression"], "additionalProperties": False}}}  # fmt: skip
+FLAG_TOOL = {"type": "function", "function": {
+    "name": "f", "strict": True,
+    "parameters": {"type": "object", "properties": {"b": {"type": "boolean"}}}}}  # fmt: skip
+LOOSE_TOOL = {"type": "function", "function": {
+    "name": "lookup", "parameters": {"type": "object",
+                                     "properties": {"q": {"type": "string"}}}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_strict_tool_arguments_are_enforced(client, choice):
+    """A forced call to a `strict` function: the wrapper is the server's fixed text and the
+    arguments are JSON of the function's parameters, even from a random model at T 1."""
+    tool_choice = ({"type": "function", "function": {"name": "calculator"}}
+                   if choice == "named" else "required")  # fmt: skip
+    tools = [STRICT_TOOL]  # two schemas would not leave room in the tiny model's context
+    for seed in range(4):
+        r = client.chat.completions.create(**CHAT, tools=tools, tool_choice=tool_choice,
+                                           temperature=1.0, seed=seed, n=2,
+                                           max_tokens=60)  # fmt: skip
+        for c in r.choices:
+            assert c.finish_reason == "tool_calls", c
+            [call] = c.message.tool_calls
+            args = json.loads(call.function.arguments)
+            [tool] = [t for t in tools if t["function"]["name"] == call.function.name]
+            jsonschema.validate(args, tool["function"]["parameters"])
+
+
+def test_loose_tools_are_not_constrained(server):
+    """Without `strict` a forced call is only started for the model (a random one then writes
+    what it likes): the grammar is for strict functions."""
+    status, data = post(server, {**CHAT, "tools": [LOOSE_TOOL], "temperature": 1.0, "seed": 0,
+                                 "tool_choice": {"type": "function",
+                                                 "function": {"name": "lookup"}},
+                                 "max_tokens": 12})  # fmt: skip
+    assert status == 200 and data["choices"][0]["finish_reason"] == "length"
+
+
+def test_required_grammar_takes_any_listed_function(shared_tiny_model):
+    """tool_choice required with two strict functions: after the server's `{"name": "` the
+    grammar accepts either function's name and its own arguments, nothing else."""
+    tok = load_tokenizer(shared_tiny_model)
+    grammars = Grammars(tok, len(tok))
+    g = grammars.tool_call([STRICT_TOOL, FLAG_TOOL], None, "</tool_call>")
+
+    def accepts(text: str) -> bool:
+        m = g.start.deep_copy()
+        ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        return all(m.consume_token(t) for t in ids) and m.is_stopped()
+
+    assert accepts('calculator", "arguments": {"expression": "6*7"}}\n</tool_call>')
+    assert accepts('f", "arguments": {"b": true}}\n</tool_call>')
+    assert not accepts('f", "arguments": {"expression": "6*7"}}\n</tool_call>')
+    assert not accepts('calculator", "arguments": {"expression": "too long"}}\n</tool_call>')
+    assert not accepts('other", "arguments": {}}\n</tool_call>')

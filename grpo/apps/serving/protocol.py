@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from grpo.apps.serving.engine import Engine, Job, SamplingParams
 from grpo.apps.serving.tools import MessageToolCall, ToolChoice, ToolSpec, ToolUse, tool_use
+from grpo.envs.tool_calls import TOOL_CALL_CLOSE
 from grpo.errors import GrpoError
 from grpo.settings import (
     ConfigError,
@@ -573,14 +574,21 @@ class Service:
         fmt = req.json_format if chat else None
         if fmt is not None:  # structured output: the grammar rides with the job's rows
             params = dataclasses.replace(params, grammar=self.grammar(fmt))
+        elif use is not None and use.strict:  # a forced call to a strict function
+            try:
+                grammar = self.grammars().tool_call(use.schemas, use.forced or None,
+                                                    TOOL_CALL_CLOSE)  # fmt: skip
+            except FieldError as e:
+                raise RequestError(e.field, e.problem) from None
+            params = dataclasses.replace(params, grammar=grammar)
         top = req.reply_logprobs  # alternatives per reply token, if log-probs were asked for
         job = Job(prompts, params, stream=req.stream, ignored=tuple(ignored or ()),
                   top_logprobs=top)  # fmt: skip
         return job, req.include_usage, use
 
-    def grammar(self, fmt: ResponseFormat):
-        """A JSON response format compiled for this model (`structured.Grammars`, made on the
-        first request that asks; compiled grammars are cached by their schema's text)."""
+    def grammars(self, field: str = "tools"):
+        """The grammar engine (`structured.Grammars`), made on the first request that needs
+        it; compiled grammars are cached by their text."""
         from grpo.apps.serving.structured import Grammars
 
         with self._grammars_lock:
@@ -588,21 +596,19 @@ class Service:
                 try:
                     self.engine.grammars = Grammars(self.tokenizer, self.engine.vocab_size)
                 except ImportError:
-                    raise RequestError(
-                        "response_format",
-                        "structured outputs need the grammar "
-                        "engine: pip install 'grpo[serve]' (llguidance)",
-                    ) from None
+                    need = "structured outputs need the grammar engine: pip install 'grpo[serve]'"
+                    raise RequestError(field, need) from None
+        return self.engine.grammars
+
+    def grammar(self, fmt: ResponseFormat):
+        """A JSON response format compiled for this model."""
+        grammars = self.grammars("response_format")
         if fmt.type == "json_object":
-            return self.engine.grammars.compile("json_object")
+            return grammars.compile("json_object")
         js = fmt.json_schema
         try:
-            return self.engine.grammars.compile(
-                "json_schema",
-                js.schema,
-                bool(js.strict),
-                field="response_format.json_schema.schema",
-            )
+            return grammars.compile("json_schema", js.schema, bool(js.strict),
+                                    field="response_format.json_schema.schema")  # fmt: skip
         except FieldError as e:
             raise RequestError(e.field, e.problem) from None
 

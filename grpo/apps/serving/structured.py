@@ -81,6 +81,7 @@ class Grammars:
 
         self._llg, self._lt = llguidance, llguidance.torch
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        self._hf_tokenizer = tokenizer
         self.eos_id = tokenizer.eos_token_id
         self.vocab_size = vocab_size
         self._executor = llguidance.LLExecutor()
@@ -112,6 +113,54 @@ class Grammars:
                              f"{_first_line(e)}", field=field) from None  # fmt: skip
         if start.is_error():
             raise FieldError(f"{field}: the grammar engine cannot compile this schema: "
+                             f"{_first_line(start.get_error())}", field=field)  # fmt: skip
+        out = Grammar(key, start)
+        with self._lock:
+            self._cache[key] = out
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return out
+
+    def tool_call(self, tools: Sequence[dict], name: str | None, close: str) -> Grammar:
+        """The rest of a forced tool call (`tool_choice` required, or the function `name`),
+        after the prefix the server writes (``<tool_call>\n{"name": "`` / ``...{"name": "N",
+        "arguments":``): the function's name (required), the arguments as JSON of its
+        `parameters` (strict ones: `strict_schema`; the others: any object), ``}\n`` and
+        the `close` tag, then the end of the reply. The wrapper is fixed text; a tag the
+        tokenizer keeps as one special token is that token."""
+        tok = self._hf_tokenizer
+        close_id = tok.convert_tokens_to_ids(close)
+        if close in getattr(tok, "all_special_tokens", ()) and isinstance(close_id, int):
+            end = f"<[{close_id}]>"
+        else:
+            end = json.dumps(close)
+        chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+        rules, alts = [], []
+        for i, fn in enumerate(chosen):
+            params = fn.get("parameters") or {"type": "object"}
+            params = strict_schema(params) if fn.get("strict") else {"type": "object"}
+            styled = json.dumps({**params, "x-guidance": JSON_STYLE})
+            head = "" if name is not None else json.dumps(fn["name"] + '", "arguments":')
+            alts.append(f'{head} " " a{i} "}}\\n" {end}'.strip())  # the lark string "}\n"
+            rules.append(f"a{i}: %json {styled}")
+        lark = "start: " + " | ".join(alts) + "\n" + "\n".join(rules) + "\n"
+        return self._compile_lark(f"tool_call|{lark}", lark, "tools")
+
+    def _compile_lark(self, key: str, lark: str, field: str) -> Grammar:
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        llg = self._llg
+        try:
+            start = llg.LLMatcher(self._tokenizer, llg.LLMatcher.grammar_from_lark(lark),
+                                  log_level=0)  # fmt: skip
+        except Exception as e:
+            raise FieldError(f"{field}: the grammar engine cannot compile these "
+                             f"parameters: {_first_line(e)}", field=field) from None  # fmt: skip
+        if start.is_error():
+            raise FieldError(f"{field}: the grammar engine cannot compile these parameters: "
                              f"{_first_line(start.get_error())}", field=field)  # fmt: skip
         out = Grammar(key, start)
         with self._lock:

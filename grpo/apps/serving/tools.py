@@ -126,6 +126,15 @@ class ToolUse:
     schemas: list[dict]
     prefix: str = ""
     parallel: bool = True
+    forced: str | None = None  # tool_choice required (""), or the named function; None: auto
+
+    @property
+    def strict(self) -> bool:
+        """A forced call whose function(s) ask for `strict` arguments (enforced by a grammar)."""
+        if self.forced is None:
+            return False
+        fns = [s["function"] for s in self.schemas]
+        return any(f.get("strict") for f in fns if not self.forced or f["name"] == self.forced)
 
     def message(self, text: str, reason: str) -> tuple[dict, str]:
         """(assistant message, finish_reason) of a finished reply `text` (prefix included)."""
@@ -157,16 +166,16 @@ def tool_use(tools, tool_choice, parallel: bool) -> ToolUse | None:
     if len(set(names)) < len(names):
         dup = next(n for n in names if names.count(n) > 1)
         raise FieldError(f"tools: the function name {dup!r} appears twice", field="tools")
-    prefix = ""
+    prefix, forced = "", None
     if tool_choice == "required":
-        prefix = f'{TOOL_CALL_OPEN}\n{{"name": "'
+        prefix, forced = f'{TOOL_CALL_OPEN}\n{{"name": "', ""
     elif isinstance(tool_choice, NamedToolChoice):
         name = tool_choice.function.name
         if name not in names:
             raise FieldError(f"tool_choice: no tool named {name!r:.80} in `tools` "
                              f"({', '.join(names)})", field="tool_choice")  # fmt: skip
-        prefix = f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments":'
-    return ToolUse([t.schema() for t in tools], prefix, parallel)
+        prefix, forced = f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments":', name
+    return ToolUse([t.schema() for t in tools], prefix, parallel, forced)
 
 
 @dataclass
