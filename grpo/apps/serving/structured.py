@@ -97,29 +97,12 @@ class Grammars:
         if strict:
             schema = strict_schema(schema)
         text = json.dumps(schema)  # key order kept: properties come out in the schema's order
-        key = f"{kind}|{int(strict)}|{text}"
-        with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit
-        llg = self._llg
-        try:
+
+        def grammar():
             styled = {**schema, "x-guidance": JSON_STYLE} if isinstance(schema, dict) else schema
-            grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(styled))
-            start = llg.LLMatcher(self._tokenizer, grammar, log_level=0)
-        except Exception as e:  # the engine's own errors (ValueError / RuntimeError)
-            raise FieldError(f"{field}: the grammar engine cannot compile this schema: "
-                             f"{_first_line(e)}", field=field) from None  # fmt: skip
-        if start.is_error():
-            raise FieldError(f"{field}: the grammar engine cannot compile this schema: "
-                             f"{_first_line(start.get_error())}", field=field)  # fmt: skip
-        out = Grammar(key, start)
-        with self._lock:
-            self._cache[key] = out
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-        return out
+            return self._llg.LLMatcher.grammar_from_json_schema(json.dumps(styled))
+
+        return self._compiled(f"{kind}|{int(strict)}|{text}", grammar, field, "schema")
 
     def tool_call(self, tools: Sequence[dict], name: str | None, close: str) -> Grammar:
         """The rest of a forced tool call (`tool_choice` required, or the function `name`),
@@ -144,24 +127,27 @@ class Grammars:
             alts.append(f'{head} " " a{i} "}}\\n" {end}'.strip())  # the lark string "}\n"
             rules.append(f"a{i}: %json {styled}")
         lark = "start: " + " | ".join(alts) + "\n" + "\n".join(rules) + "\n"
-        return self._compile_lark(f"tool_call|{lark}", lark, "tools")
+        grammar = lambda: self._llg.LLMatcher.grammar_from_lark(lark)  # noqa: E731
+        return self._compiled(f"tool_call|{lark}", grammar, "tools", "parameters")
 
-    def _compile_lark(self, key: str, lark: str, field: str) -> Grammar:
+    def _compiled(self, key: str, grammar, field: str, what: str) -> Grammar:
+        """The cached `Grammar` of `key`, else `grammar()` compiled (and cached); an engine
+        error is a FieldError naming `field`."""
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        llg = self._llg
+        problem = None
         try:
-            start = llg.LLMatcher(self._tokenizer, llg.LLMatcher.grammar_from_lark(lark),
-                                  log_level=0)  # fmt: skip
-        except Exception as e:
-            raise FieldError(f"{field}: the grammar engine cannot compile these "
-                             f"parameters: {_first_line(e)}", field=field) from None  # fmt: skip
-        if start.is_error():
-            raise FieldError(f"{field}: the grammar engine cannot compile these parameters: "
-                             f"{_first_line(start.get_error())}", field=field)  # fmt: skip
+            start = self._llg.LLMatcher(self._tokenizer, grammar(), log_level=0)
+            if start.is_error():
+                problem = start.get_error()
+        except Exception as e:  # the engine's own errors (ValueError / RuntimeError)
+            problem = e
+        if problem is not None:
+            raise FieldError(f"{field}: the grammar engine cannot compile this {what}: "
+                             f"{_first_line(problem)}", field=field)  # fmt: skip
         out = Grammar(key, start)
         with self._lock:
             self._cache[key] = out
