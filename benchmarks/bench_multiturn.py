@@ -138,10 +138,12 @@ def build_workload(
     )
 
 
-def build_model(size: str) -> Decoder:
-    """A random-init float32 `Decoder` of the `bench_sampler.CASES[size]` shape."""
+def build_model(size: str, min_vocab: int = 0) -> Decoder:
+    """A random-init float32 `Decoder` of the `bench_sampler.CASES[size]` shape (with at least
+    `min_vocab` tokens: a tokenizer's, when its text is encoded)."""
     hf = dict(CASES[size]["config"], model_type="qwen3", max_position_embeddings=40960,
               rope_theta=1000000.0, tie_word_embeddings=True)  # fmt: skip
+    hf["vocab_size"] = max(hf["vocab_size"], min_vocab)
     model = Decoder(ModelConfig.from_hf(hf))
     model.init_weights(seed=0)
     return model.eval()

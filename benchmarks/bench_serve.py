@@ -22,6 +22,10 @@ order rotates each round) so that a busy machine slows them alike. Columns:
 - `p50_ms` / `p95_ms`: latency of single requests (send to answer), pooled over rounds.
 - `rows_per_call`: requests per sampler call (the batch size the server reached).
 - `speedup`: batched tok_per_s / sequential tok_per_s of the same case; `target` the goal.
+- `chat` / `chat+json_schema` (batched server): the same prompts as chat messages, free and
+  under a strict `json_schema` response format that cannot end within max_tokens (an array of
+  at least 64 digits), so both run max_tokens; `constrained_x`: constrained tok_per_s / free
+  tok_per_s (goal 0.8). `loglikelihood`: lm-eval's scoring payload for the same prompts.
 
 Threads: the tiny case runs the model on one torch thread (at its shapes an op takes
 microseconds and OpenMP fork/join on more threads costs more than it saves), the 0.6B shape
@@ -167,7 +171,7 @@ def run_case(case: str, args, pool, tok) -> list[dict]:
     T_p = args.prompt_len or spec["prompt_len"]
     N = args.max_tokens or spec["max_tokens"]
     rounds = args.rounds or spec["rounds"]
-    model = build_model(case)
+    model = build_model(case, min_vocab=len(tok))  # chat prompts encode text: every id fits
     V = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     bodies = [[{"model": NAME, "prompt": torch.randint(3, V, (T_p,), generator=gen).tolist(),
@@ -203,10 +207,21 @@ def run_case(case: str, args, pool, tok) -> list[dict]:
                                  for _ in range(rounds)]  # fmt: skip
         calls["loglikelihood"] = None
         # structured outputs: the same prompts as chat messages, free and under a JSON schema
-        # whose one string field a random model does not close (so both run max_tokens)
-        fmt = {"type": "json_schema", "json_schema": {"name": "bench", "strict": True, "schema": {
-            "type": "object", "properties": {"text": {"type": "string"}},
-            "required": ["text"]}}}  # fmt: skip
+        # that cannot end within max_tokens (at least 64 digits), so both run max_tokens
+        digits = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                  "minItems": 64}  # fmt: skip
+        fmt = {
+            "type": "json_schema",
+            "json_schema": {
+                "name": "bench",
+                "strict": True,
+                "schema": {
+                    "type": "object",
+                    "properties": {"digits": digits},
+                    "required": ["digits"],
+                },
+            },
+        }
         chat = [[{"model": NAME, "max_tokens": N, "temperature": 0, "messages": [
             {"role": "user", "content": tok.decode(b["prompt"])}]} for b in client]
             for client in bodies]  # fmt: skip
@@ -277,9 +292,9 @@ def main(argv: list[str]) -> None:
         "temperature 0) for the same prompts on the batched server; its tok_per_s counts "
         "prompt tokens scored",
         "chat / chat+json_schema": "the same prompts decoded as chat messages on the batched "
-        "server, free and with a strict json_schema response_format (one string field, which "
-        "a random model does not close, so both generate max_tokens); constrained_x = "
-        "constrained tok_per_s / free tok_per_s",
+        "server, free and with a strict json_schema response_format that cannot end within "
+        "max_tokens (an array of at least 64 digits), so both generate max_tokens; "
+        "constrained_x = constrained tok_per_s / free tok_per_s",
     }
     write_results(args.name, rows, COLUMNS, out_dir=args.out_dir, meta=meta)
 
