@@ -233,3 +233,28 @@ def loopback_only(monkeypatch):
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
     yield guard
     assert not guard.attempts, f"the test tried to reach beyond loopback: {guard.attempts}"
+
+
+def post_json(url: str, path: str, payload: dict, timeout: float = 120) -> tuple[int, dict]:
+    """POST `payload` as JSON to a test server (`url` = http://host:port) -> (status, body)."""
+    import http.client
+    import json
+
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    conn.request("POST", path, json.dumps(payload).encode(), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = json.loads(resp.read())
+    conn.close()
+    return resp.status, data
+
+
+@pytest.fixture
+def lm_eval_tasks(tmp_path, monkeypatch):
+    """lm-eval offline (no hub, a private datasets cache) and a folder for task yamls."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    return tasks

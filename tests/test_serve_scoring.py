@@ -6,12 +6,12 @@ out below) picks the choice a direct computation with the model picks."""
 
 from __future__ import annotations
 
-import http.client
 import json
 
 import openai
 import pytest
 import torch
+from conftest import post_json
 
 from grpo.algo.logprobs import completion_logprobs
 from grpo.rollout import sample
@@ -35,14 +35,7 @@ def client(server):
 
 
 def post(srv, payload: dict) -> tuple[int, dict]:
-    host, port = srv.url.removeprefix("http://").rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps(payload).encode(),
-                 {"Content-Type": "application/json"})  # fmt: skip
-    resp = conn.getresponse()
-    data = json.loads(resp.read())
-    conn.close()
-    return resp.status, data
+    return post_json(srv.url, "/v1/completions", payload, timeout=60)
 
 
 def ids_of(srv, text: str) -> list[int]:
@@ -173,7 +166,7 @@ metric_list:
 
 
 def test_lm_eval_multiple_choice_task_equals_a_direct_computation(
-    server, shared_tiny_model, tmp_path, monkeypatch
+    server, shared_tiny_model, tmp_path, lm_eval_tasks
 ):
     """lm-eval-harness's `local-completions` model (tokenized requests, the served model's
     tokenizer) runs a multiple-choice task from a local file against the server, offline; its
@@ -182,16 +175,12 @@ def test_lm_eval_multiple_choice_task_equals_a_direct_computation(
     import lm_eval  # the `clients` extra, part of `test`
     from lm_eval.tasks import TaskManager
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
     pairs = [(1, 2), (3, 4), (12, 7), (5, 5), (20, 3), (8, 9)]
     docs = [{"question": f"{a} + {b} = ?", "choices": [str(a + b + d) for d in (0, 1, 3, 10)],
              "label": 0} for a, b in pairs]  # fmt: skip
     data = tmp_path / "mc.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
+    tasks = lm_eval_tasks
     (tasks / "grpo_mc.yaml").write_text(MC_TASK.format(data=data))
     args = (f"model={NAME},base_url={server.url}/v1/completions,tokenizer={shared_tiny_model},"
             "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,"
@@ -281,11 +270,5 @@ def test_chat_logprobs_and_top_logprobs(server, client):
     ],
 )  # fmt: skip
 def test_logprobs_refusals_name_the_field(server, path, payload, field):
-    host, port = server.url.removeprefix("http://").rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    conn.request("POST", path, json.dumps({"model": NAME, **payload}).encode(),
-                 {"Content-Type": "application/json"})  # fmt: skip
-    resp = conn.getresponse()
-    data = json.loads(resp.read())
-    conn.close()
-    assert resp.status == 400 and data["error"]["param"] == field, data
+    status, data = post_json(server.url, path, {"model": NAME, **payload}, timeout=60)
+    assert status == 400 and data["error"]["param"] == field, data

@@ -9,7 +9,6 @@ LangChain's `with_structured_output`.
 
 from __future__ import annotations
 
-import http.client
 import json
 from typing import Literal
 
@@ -17,6 +16,7 @@ import jsonschema
 import openai
 import pytest
 import torch
+from conftest import post_json
 from pydantic import BaseModel, Field
 
 from grpo.apps.serving.structured import Grammars, strict_schema
@@ -63,14 +63,7 @@ def client(server):
 
 
 def post(srv, payload: dict) -> tuple[int, dict]:
-    host, port = srv.url.removeprefix("http://").rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=120)
-    conn.request("POST", "/v1/chat/completions", body=json.dumps(payload).encode(),
-                 headers={"Content-Type": "application/json"})  # fmt: skip
-    resp = conn.getresponse()
-    data = json.loads(resp.read())
-    conn.close()
-    return resp.status, data
+    return post_json(srv.url, "/v1/chat/completions", payload)
 
 
 @pytest.mark.parametrize("schema", SCHEMAS, ids=["flat", "nested"])
@@ -256,14 +249,42 @@ def test_strict_tool_arguments_are_enforced(client, choice):
             jsonschema.validate(args, tool["function"]["parameters"])
 
 
-def test_loose_tools_are_not_constrained(server):
-    """Without `strict` a forced call is only started for the model (a random one then writes
-    what it likes): the grammar is for strict functions."""
-    status, data = post(server, {**CHAT, "tools": [LOOSE_TOOL], "temperature": 1.0, "seed": 0,
-                                 "tool_choice": {"type": "function",
-                                                 "function": {"name": "lookup"}},
-                                 "max_tokens": 12})  # fmt: skip
-    assert status == 200 and data["choices"][0]["finish_reason"] == "length"
+def test_only_strict_forced_calls_get_a_grammar(server):
+    """The job the server builds: a grammar for a forced call to a strict function (named or
+    required), none for a loose function, for tool_choice auto, or without tools."""
+
+    def grammar(**fields):
+        body = json.dumps({**CHAT, "max_tokens": 8, **fields}).encode()
+        job, _, _ = server.service.openai_job(body, chat=True)
+        return job.params.grammar
+
+    named = {"type": "function", "function": {"name": "calculator"}}
+    assert grammar(tools=[STRICT_TOOL], tool_choice=named) is not None
+    assert grammar(tools=[STRICT_TOOL], tool_choice="required") is not None
+    assert grammar(tools=[STRICT_TOOL]) is None  # auto: not enforced (docs/serving.md)
+    loose = {"type": "function", "function": {"name": "lookup"}}
+    assert grammar(tools=[LOOSE_TOOL], tool_choice=loose) is None
+    assert grammar() is None
+
+
+def test_hostile_parameters_cannot_rewrite_the_grammar(shared_tiny_model):
+    """Descriptions holding grammar syntax (`}`, a new `start:` rule, an alternative) stay
+    text inside the schema: the grammar accepts the schema's arguments and nothing else."""
+    tok = load_tokenizer(shared_tiny_model)
+    hostile = {"type": "function", "function": {"name": "calc", "strict": True, "parameters": {
+        "type": "object", "description": '}\nstart: "x"\n%json {',
+        "properties": {"e": {"type": "string", "maxLength": 3, "description": '} | "pwned"'}},
+        "required": ["e"]}}}  # fmt: skip
+    g = Grammars(tok, len(tok)).tool_call([hostile], "calc", "</tool_call>")
+
+    def accepts(text: str) -> bool:
+        m = g.start.deep_copy()
+        ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        return all(m.consume_token(t) for t in ids) and m.is_stopped()
+
+    assert accepts(' {"e": "ab"}}\n</tool_call>')
+    for text in ("x", " pwned", ' {"e": "abcd"}}\n</tool_call>', ' {"e": "ab"} | "pwned"'):
+        assert not accepts(text), text
 
 
 def test_required_grammar_takes_any_listed_function(shared_tiny_model):

@@ -312,7 +312,7 @@ metric_list:
 """
 
 
-def test_lm_eval_chat_generation_task_equals_greedy_decoding(agent_server, tmp_path, monkeypatch):
+def test_lm_eval_chat_generation_task_equals_greedy_decoding(agent_server, tmp_path, lm_eval_tasks):
     """lm-eval's `local-chat-completions` model with `apply_chat_template`: each generated
     answer is the served model's greedy continuation of the chat prompt (the sampler called
     directly, cut at the task's stop string), so its scores are the model's own."""
@@ -322,15 +322,11 @@ def test_lm_eval_chat_generation_task_equals_greedy_decoding(agent_server, tmp_p
     from grpo.rollout import sample
     from grpo.tokenizer import encode_chat
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
     docs = [{"question": f"What is {a} * {b}?", "answer": str(a * b)}
             for a, b in [(37, 48), (12, 4), (7, 7), (23, 61)]]  # fmt: skip
     data = tmp_path / "gen.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
+    tasks = lm_eval_tasks
     (tasks / "grpo_gen.yaml").write_text(GEN_TASK.format(data=data))
     args = (f"model={NAME},base_url={agent_server.url}/v1/chat/completions,num_concurrent=1,"
             "max_retries=1")  # fmt: skip

@@ -177,11 +177,9 @@ def register_tools_data(
     calculator's `env_kwargs` (GRPO's), each trace's prompt renders the tool schemas exactly as
     that environment's episode of the problem does (`use_template_tools`, `tool_variants`)."""
     from grpo.data.toolmath import sft_pairs, toolmath, trace
-    from grpo.envs.calculator import tools_for
+    from grpo.envs.calculator import CalculatorEnv
 
-    env_kwargs = env_kwargs or {}
-    template_tools = bool(env_kwargs.get("use_template_tools"))
-    variants = int(env_kwargs.get("tool_variants", 0))
+    env = CalculatorEnv(**(env_kwargs or {}))
 
     pool = toolmath(s.train_problems + s.validation_problems, s.data_seed, "train", s.hard_frac)
     train, validation = pool[: s.train_problems], pool[s.train_problems :]
@@ -190,7 +188,7 @@ def register_tools_data(
     pairs = []
     for row in train:
         use_tool = row["kind"] == "hard" and rng.random() < s.tool_frac
-        tools = tools_for(row["question"], variants) if template_tools else None
+        tools = env.tools if env.start(row) is not None else None  # as its episode renders
         for pair in sft_pairs(tokenizer, trace(row, use_tool), tools=tools):  # keep the problem
             pairs.append({"question": row["question"], "answer": row["answer"], **pair})
     problems = DatasetDict(train=Dataset.from_list(train),

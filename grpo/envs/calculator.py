@@ -383,9 +383,8 @@ class CalculatorEnv:
         if not variants_ok or tool_variants < 0:
             raise GrpoError(f"calculator: tool_variants must be an integer >= 0, got "
                             f"{tool_variants!r}")  # fmt: skip
-        self._tools = list(tools) if tools is not None else [CALCULATOR_TOOL]
+        self.tools = list(tools) if tools is not None else [CALCULATOR_TOOL]
         self.tool_variants = tool_variants
-        self.tools = self._tools
         self.tool_reward = tool_reward
         self.invalid_penalty = invalid_penalty
         self.max_calls_per_turn = max_calls_per_turn
