@@ -5,12 +5,14 @@
 
 One process serves, another one is the clients. The server is the real one (FastAPI app,
 uvicorn on 127.0.0.1, `grpo.apps.serving.Engine`) twice over the same random-init model
-(`bench_sampler.CASES` shapes, `Decoder.init_weights(seed=0)`, float32, the tiny BPE
-tokenizer): `batched` (up to --max-batch-rows rows per sampler call, a 5 ms batching window)
-and `sequential` (max_batch_rows=1: one request per sampler call, what the server did before
-batching). Each of `clients` threads sends `requests` POST /v1/completions back to back on its
-own keep-alive connection: a prompt of `prompt_len` random token ids, `max_tokens` new tokens,
-greedy (temperature 0), so both servers do the same work and must give the same answers.
+(`bench_sampler.CASES` shapes, `Decoder.init_weights(seed=0)`, float32; the tiny case with
+the 384-token BPE of `grpo.tiny`, the 0.6B shape with bench_grammar's 151,646-token BPE, so
+structured outputs mask a vocabulary of Qwen3's size): `batched` (up to --max-batch-rows rows
+per sampler call, a 5 ms batching window) and `sequential` (max_batch_rows=1: one request per
+sampler call, what the server did before batching). Each of `clients` threads sends
+`requests` POST /v1/completions back to back on its own keep-alive connection: a prompt of
+`prompt_len` random token ids, `max_tokens` new tokens, greedy (temperature 0), so both
+servers do the same work and must give the same answers.
 
 Before timing, every request of a round is sent to both servers and their completions must be
 equal (`greedy_equal`: equal / total; batched rows are left-padded, which may flip an arg-max
@@ -24,8 +26,9 @@ order rotates each round) so that a busy machine slows them alike. Columns:
 - `speedup`: batched tok_per_s / sequential tok_per_s of the same case; `target` the goal.
 - `chat` / `chat+json_schema` (batched server): the same prompts as chat messages, free and
   under a strict `json_schema` response format that cannot end within max_tokens (an array of
-  at least 64 digits), so both run max_tokens; `constrained_x`: constrained tok_per_s / free
-  tok_per_s (goal 0.8). `loglikelihood`: lm-eval's scoring payload for the same prompts.
+  at least 64 digits), so both run max_tokens, their rounds interleaved; `constrained_x`:
+  constrained tok_per_s / free tok_per_s (goal 0.8). `loglikelihood`: lm-eval's scoring
+  payload for the same prompts.
 
 Threads: the tiny case runs the model on one torch thread (at its shapes an op takes
 microseconds and OpenMP fork/join on more threads costs more than it saves), the 0.6B shape
@@ -45,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -53,9 +57,10 @@ from benchmarks.harness import _percentile, add_output_args, comma_list, write_r
 # per-case defaults (flags override): lengths in tokens, requests per client, timed rounds,
 # torch threads (0 = torch's default), the throughput goal (batched / sequential)
 CASES = {
-    "tiny": dict(prompt_len=32, max_tokens=32, requests=4, rounds=5, threads=1, target=3.0),
+    "tiny": dict(prompt_len=32, max_tokens=32, requests=4, rounds=5, threads=1, target=3.0,
+                 vocab="tiny"),
     "qwen3-0.6b": dict(prompt_len=16, max_tokens=16, requests=1, rounds=2, threads=0,
-                       target=None),
+                       target=None, vocab="big"),
 }  # fmt: skip
 COLUMNS = [
     "case", "mode", "clients", "requests", "max_tokens", "threads", "tok_per_s", "req_per_s",
@@ -122,11 +127,18 @@ def client_round(url: str, bodies: list[list[dict]]) -> dict:
 # -- the servers (this process) ----------------------------------------------------------------
 
 
-def build_tokenizer(out_dir: str):
-    """The tiny BPE tokenizer of `grpo.tiny` (prompts are token ids; it decodes the answers)."""
+def build_tokenizer(vocab: str, out_dir: str, cache: str):
+    """The tokenizer of a case (prompts are token ids; it decodes the answers and, for the
+    structured-output rows, is the vocabulary the grammar masks): "tiny", the 384-token BPE of
+    `grpo.tiny`; "big", bench_grammar's 151,646-token byte-level BPE (a stand-in for Qwen3's
+    vocabulary, cached in `cache`)."""
     from grpo.tiny import minimath_corpus
     from grpo.tokenizer import load_tokenizer, train_bpe_tokenizer
 
+    if vocab == "big":
+        from benchmarks.bench_grammar import big_tokenizer
+
+        return big_tokenizer(151646, Path(cache) / "bpe151k")
     train_bpe_tokenizer(minimath_corpus(), 384, out_dir=out_dir)
     return load_tokenizer(out_dir)
 
@@ -160,10 +172,11 @@ def start_server(model, tok, max_batch_rows: int, max_queue: int):
     return f"http://127.0.0.1:{sock.getsockname()[1]}", engine, stop
 
 
-def run_case(case: str, args, pool, tok) -> list[dict]:
+def run_case(case: str, args, pool, tmp: str) -> list[dict]:
     from benchmarks.bench_multiturn import build_model
 
     spec = CASES[case]
+    tok = build_tokenizer(spec["vocab"], str(Path(tmp) / case), args.cache)
     threads = args.threads or spec["threads"] or args.default_threads
     torch.set_num_threads(threads)
     C = args.clients
@@ -226,11 +239,16 @@ def run_case(case: str, args, pool, tok) -> list[dict]:
             {"role": "user", "content": tok.decode(b["prompt"])}]} for b in client]
             for client in bodies]  # fmt: skip
         constrained = [[{**b, "response_format": fmt} for b in client] for client in chat]
-        for m, payload in (("chat", chat), ("chat+json_schema", constrained)):
+        payloads = {"chat": chat, "chat+json_schema": constrained}
+        for m, payload in payloads.items():
             pool.submit(client_round, url, payload).result()  # warm-up (compiles the schema)
-            calls[m] = -servers["batched"][1].calls
-            runs[m] = [pool.submit(client_round, url, payload).result() for _ in range(rounds)]
-            calls[m] += servers["batched"][1].calls
+            runs[m], calls[m] = [], 0
+        names = list(payloads)
+        for r in range(rounds):  # interleaved, the order rotating, as the servers above
+            for m in names[r % 2 :] + names[: r % 2]:
+                before = servers["batched"][1].calls
+                runs[m].append(pool.submit(client_round, url, payloads[m]).result())
+                calls[m] += servers["batched"][1].calls - before
     finally:
         for _, _, stop in servers.values():
             stop()
@@ -239,7 +257,7 @@ def run_case(case: str, args, pool, tok) -> list[dict]:
         lat = [x * 1e3 for run in rs for x in run["latencies_s"]]
         rows.append({
             "case": case, "mode": m, "clients": C, "requests": C * R, "max_tokens": N,
-            "prompt_len": T_p, "threads": threads,
+            "prompt_len": T_p, "threads": threads, "tokenizer_vocab": len(tok),
             "tok_per_s": statistics.median(run["tokens"] / run["wall_s"] for run in rs),
             "req_per_s": statistics.median(C * R / run["wall_s"] for run in rs),
             "wall_s": statistics.median(run["wall_s"] for run in rs),
@@ -269,6 +287,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--rounds", type=int, default=0, help="default: per case")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: per case)")
     parser.add_argument("--max-batch-rows", type=int, default=32)
+    parser.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "grpo-bench-grammar"),
+                        help="where the 151,646-token tokenizer is kept (shared with "
+                        "bench_grammar)")  # fmt: skip
     add_output_args(parser, "serve_cpu")
     args = parser.parse_args(argv)
     cases = comma_list(parser, "--cases", args.cases, CASES)
@@ -278,8 +299,7 @@ def main(argv: list[str]) -> None:
         tempfile.TemporaryDirectory() as tmp,
         concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool,
     ):
-        tok = build_tokenizer(tmp)
-        rows = [row for case in cases for row in run_case(case, args, pool, tok)]
+        rows = [row for case in cases for row in run_case(case, args, pool, tmp)]
     meta = {
         "command": " ".join(["python -m benchmarks.bench_serve", *argv]),
         "setup": f"{args.clients} concurrent clients (one process), each sending its requests "

@@ -249,9 +249,9 @@ def test_strict_tool_arguments_are_enforced(client, choice):
             jsonschema.validate(args, tool["function"]["parameters"])
 
 
-def test_only_strict_forced_calls_get_a_grammar(server):
-    """The job the server builds: a grammar for a forced call to a strict function (named or
-    required), none for a loose function, for tool_choice auto, or without tools."""
+def test_only_strict_calls_get_a_grammar(server):
+    """The job the server builds: a grammar for calls to a strict function (named, required
+    or auto), none for a loose function, for tool_choice none, or without tools."""
 
     def grammar(**fields):
         body = json.dumps({**CHAT, "max_tokens": 8, **fields}).encode()
@@ -261,10 +261,46 @@ def test_only_strict_forced_calls_get_a_grammar(server):
     named = {"type": "function", "function": {"name": "calculator"}}
     assert grammar(tools=[STRICT_TOOL], tool_choice=named) is not None
     assert grammar(tools=[STRICT_TOOL], tool_choice="required") is not None
-    assert grammar(tools=[STRICT_TOOL]) is None  # auto: not enforced (docs/serving.md)
+    auto = grammar(tools=[STRICT_TOOL])
+    assert auto is not None and auto.key.startswith("tool_calls|")
+    assert grammar(tools=[STRICT_TOOL], tool_choice="none") is None
     loose = {"type": "function", "function": {"name": "lookup"}}
     assert grammar(tools=[LOOSE_TOOL], tool_choice=loose) is None
+    assert grammar(tools=[LOOSE_TOOL]) is None
     assert grammar() is None
+
+
+CALL = '<tool_call>\n{{"name": "{}", "arguments": {}}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_auto_grammar_frees_text_and_fixes_every_call(shared_tiny_model, parallel):
+    """tool_choice auto with a strict function: any text, and from a `<tool_call>` tag on a
+    call in the chat format to a listed function with arguments of its schema (strict ones
+    validated, loose ones any object); text may follow a call; one call at most without
+    parallel_tool_calls; the tag never appears in text outside a call."""
+    tok = load_tokenizer(shared_tiny_model)
+    g = Grammars(tok, len(tok)).tool_calls([STRICT_TOOL, FLAG_TOOL, LOOSE_TOOL], parallel,
+                                           "<tool_call>", "</tool_call>")  # fmt: skip
+
+    def accepts(text: str) -> bool:
+        m = g.start.deep_copy()
+        ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        return all(m.consume_token(t) for t in ids) and m.is_stopped()
+
+    calc = CALL.format("calculator", '{"expression": "6*7"}')
+    flag = CALL.format("f", '{"b": true}')
+    for ok in ("", "Tom has 3 apples.\n<tool_call", "a < b > c", calc, "Let me see.\n" + calc,
+               calc + " Done.", flag, CALL.format("lookup", '{"q": [1, {}]}')):  # fmt: skip
+        assert accepts(ok), ok
+    assert accepts(calc + "\n" + flag) == parallel
+    for bad in (CALL.format("calculator", '{"expression": "6*7*8"}'),  # maxLength 4
+                CALL.format("calculator", '{"expression": "6*7", "x": 1}'),  # strict
+                CALL.format("f", '{"b": 1}'), CALL.format("other", "{}"),
+                CALL.format("lookup", "[1]"),  # not an object
+                '<tool_call>{"name": "f", "arguments": {"b": true}}</tool_call>',  # no newlines
+                "text <tool_call> more text", calc + " then <tool_call>"):  # fmt: skip
+        assert not accepts(bad), bad
 
 
 def test_hostile_parameters_cannot_rewrite_the_grammar(shared_tiny_model):

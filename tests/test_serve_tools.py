@@ -17,6 +17,7 @@ under `loopback_only`: nothing may connect beyond 127.0.0.1.
 from __future__ import annotations
 
 import json
+import re
 
 import openai
 import pytest
@@ -407,3 +408,34 @@ def test_tool_choice_over_http(tool_model, client):
     assert [c.function.arguments for c in forced.message.tool_calls] == [
         c.function.arguments for c in auto.message.tool_calls
     ]
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_strict_tools_under_auto_hold_every_call_to_its_schema(tool_model, client, strict):
+    """tool_choice auto (the Agents SDK's default) with a function whose parameters the model
+    never saw (`expr`, digits and operators only, where it learned `expression`): with
+    `strict` every call it writes, at temperature 1, is JSON of that schema and is parsed as a
+    call (no `<tool_call>` left in content); without `strict` the same sampling writes its
+    habit, which the schema refuses. The grammar, not the model, makes the calls valid."""
+    params = {"type": "object", "required": ["expr"],
+              "properties": {"expr": {"type": "string", "pattern": "^[0-9*+-]{1,9}$"}}}  # fmt: skip
+    tools = [_tool_spec(description="Evaluate arithmetic.", parameters=params, strict=strict)]
+    valid, calls = 0, 0
+    for i, problem in enumerate(tool_model["problems"][:4]):
+        r = client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": problem["question"]}],
+            tools=tools, temperature=1.0, seed=i, n=4, max_tokens=MAX_TOKENS,
+        )  # fmt: skip
+        for c in r.choices:
+            if strict:
+                assert "<tool_call>" not in (c.message.content or ""), c
+            for call in c.message.tool_calls or []:
+                calls += 1
+                args = json.loads(call.function.arguments)
+                ok = call.function.name == "calculator" and set(args) == {"expr"}
+                valid += ok and bool(re.fullmatch(r"[0-9*+-]{1,9}", args["expr"]))
+    assert calls >= 8  # the model calls its tool under auto, with either setting
+    if strict:
+        assert valid == calls
+    else:
+        assert valid < calls / 2

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from grpo.apps.serving.engine import Engine, Job, SamplingParams
 from grpo.apps.serving.tools import MessageToolCall, ToolChoice, ToolSpec, ToolUse, tool_use
-from grpo.envs.tool_calls import TOOL_CALL_CLOSE
+from grpo.envs.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from grpo.errors import GrpoError
 from grpo.settings import (
     ConfigError,
@@ -574,10 +574,15 @@ class Service:
         fmt = req.json_format if chat else None
         if fmt is not None:  # structured output: the grammar rides with the job's rows
             params = dataclasses.replace(params, grammar=self.grammar(fmt))
-        elif use is not None and use.strict:  # a forced call to a strict function
+        elif use is not None and use.strict:  # calls to strict functions
             try:
-                grammar = self.grammars().tool_call(use.schemas, use.forced or None,
-                                                    TOOL_CALL_CLOSE)  # fmt: skip
+                if use.forced is None:  # auto: free text, and every call well-formed
+                    grammar = self.grammars().tool_calls(
+                        use.schemas, use.parallel, TOOL_CALL_OPEN, TOOL_CALL_CLOSE
+                    )
+                else:  # the rest of the call the server began
+                    grammar = self.grammars().tool_call(use.schemas, use.forced or None,
+                                                        TOOL_CALL_CLOSE)  # fmt: skip
             except FieldError as e:
                 raise RequestError(e.field, e.problem) from None
             params = dataclasses.replace(params, grammar=grammar)

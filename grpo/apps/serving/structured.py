@@ -27,11 +27,13 @@ A schema the engine cannot compile is a 400 naming it. Why llguidance: docs/serv
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from grpo.settings import FieldError
@@ -111,24 +113,49 @@ class Grammars:
         `parameters` (strict ones: `strict_schema`; the others: any object), ``}\n`` and
         the `close` tag, then the end of the reply. The wrapper is fixed text; a tag the
         tokenizer keeps as one special token is that token."""
-        tok = self._hf_tokenizer
-        close_id = tok.convert_tokens_to_ids(close)
-        if close in getattr(tok, "all_special_tokens", ()) and isinstance(close_id, int):
-            end = f"<[{close_id}]>"
-        else:
-            end = json.dumps(close)
         chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
         rules, alts = [], []
         for i, fn in enumerate(chosen):
-            params = fn.get("parameters") or {"type": "object"}
-            params = strict_schema(params) if fn.get("strict") else {"type": "object"}
-            styled = json.dumps({**params, "x-guidance": JSON_STYLE})
             head = "" if name is not None else json.dumps(fn["name"] + '", "arguments":')
-            alts.append(f'{head} " " a{i} "}}\\n" {end}'.strip())  # the lark string "}\n"
-            rules.append(f"a{i}: %json {styled}")
+            alts.append(f'{head} " " a{i} "}}\\n" {self._tag(close)}'.strip())  # "}\n" CLOSE
+            rules.append(f"a{i}: %json {_arguments(fn)}")
         lark = "start: " + " | ".join(alts) + "\n" + "\n".join(rules) + "\n"
         grammar = lambda: self._llg.LLMatcher.grammar_from_lark(lark)  # noqa: E731
         return self._compiled(f"tool_call|{lark}", grammar, "tools", "parameters")
+
+    def tool_calls(self, tools: Sequence[dict], parallel: bool, open: str, close: str) -> Grammar:
+        """A reply under `tool_choice` auto with strict functions: any text, in which every
+        tool call (from the `open` tag on) is ``<tool_call>\n{"name": N, "arguments": A}\n
+        </tool_call>`` with N a listed function and A JSON of its parameters (strict ones:
+        `strict_schema`; the others: any object), the format the chat template renders; text
+        may follow a call. Without `parallel` at most one call. Text that is not a call never
+        holds the `open` tag, so every call the reply begins is one the server can parse."""
+        fns = [t["function"] for t in tools]
+        alts = " | ".join(f"f{i}" for i in range(len(fns)))
+        rules = [f"call: head ({alts})"]
+        for i, fn in enumerate(fns):
+            head = json.dumps(f'\n{{"name": {json.dumps(fn["name"])}, "arguments": ')
+            rules.append(f'f{i}: {head} a{i} "}}\\n" {self._tag(close)}')
+            rules.append(f"a{i}: %json {_arguments(fn)}")
+        tag = self._tag(open)
+        if tag.startswith("<["):  # one special token: text cannot spell it
+            rules += [f"head: TEXT? {tag}", "TEXT: /(?s:.+)/", "REST: /(?s:.*)/"]
+        else:  # the shortest text ending in the tag; the last text without it
+            pattern = re.escape(open)
+            rules += [f"head[lazy]: /(?s:.*){pattern}/",
+                      f"REST: /(?s:.*)/ & ~/(?s:.*){pattern}(?s:.*)/"]  # fmt: skip
+        lark = f"start: call{'*' if parallel else '?'} REST\n" + "\n".join(rules) + "\n"
+        grammar = lambda: self._llg.LLMatcher.grammar_from_lark(lark)  # noqa: E731
+        return self._compiled(f"tool_calls|{lark}", grammar, "tools", "parameters")
+
+    def _tag(self, tag: str) -> str:
+        """A chat-format tag in lark: its token (``<[id]>``) when the tokenizer keeps it as one
+        special token, else the text."""
+        tok = self._hf_tokenizer
+        tid = tok.convert_tokens_to_ids(tag)
+        if tag in getattr(tok, "all_special_tokens", ()) and isinstance(tid, int):
+            return f"<[{tid}]>"
+        return json.dumps(tag)
 
     def _compiled(self, key: str, grammar, field: str, what: str) -> Grammar:
         """The cached `Grammar` of `key`, else `grammar()` compiled (and cached); an engine
@@ -163,6 +190,14 @@ class Grammars:
         return RowGrammars(self, grammars)
 
 
+def _arguments(fn: dict) -> str:
+    """A function's arguments as a JSON schema for the grammar: its `parameters` made strict
+    when it is `strict`, else any object."""
+    params = fn.get("parameters") or {"type": "object"}
+    params = strict_schema(params) if fn.get("strict") else {"type": "object"}
+    return json.dumps({**params, "x-guidance": JSON_STYLE})
+
+
 def _first_line(e) -> str:
     text = str(e).strip()
     return (text.splitlines()[0] if text else type(e).__name__)[:300]
@@ -172,7 +207,15 @@ class RowGrammars:
     """One batch's grammar matchers (`grpo.rollout.TokenConstraint`): per constrained row a
     matcher that masks its logits and reads the token it drew. A row leaves the constraint
     once it drew the end-of-sequence token, or a token its grammar refused (the stop the
-    server forces at the row's `max_tokens`)."""
+    server forces at the row's `max_tokens`).
+
+    Each step fills the rows' bitmasks (one row after another; with a large vocabulary and
+    several rows on the engine's thread pool), unpacks them where the logits are and sets
+    the refused tokens to -inf. Measured (docs/serving.md): a worker thread that filled the
+    next masks during the forward lost more to the GIL than it overlapped, and the engine's
+    pool at a 384-token vocabulary cost more than it saved."""
+
+    PARALLEL_VOCAB = 32768  # fill on the engine's pool from this vocabulary size up
 
     def __init__(self, engine: Grammars, grammars: Sequence[Grammar | None]):
         self._lt, self._executor, self._eos = engine._lt, engine._executor, engine.eos_id
@@ -180,15 +223,28 @@ class RowGrammars:
                           if g is not None}  # fmt: skip
         self._bitmask = self._lt.allocate_token_bitmask(len(grammars), engine.vocab_size)
         self._bitmask.fill_(-1)  # every token allowed: the rows without a grammar
+        self._vocab = engine.vocab_size
+        self._shifts = None
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         if not self._matchers:
             return logits
         rows = [(m, b) for b, m in self._matchers.items()]
-        self._lt.fill_next_token_bitmask_par(self._executor, rows, self._bitmask)
-        logits = logits.float().contiguous()  # the engine writes float32, in place
-        self._lt.apply_token_bitmask_inplace(logits, self._bitmask.to(logits.device))
-        return logits
+        if len(rows) > 1 and self._vocab >= self.PARALLEL_VOCAB:
+            self._lt.fill_next_token_bitmask_par(self._executor, rows, self._bitmask)
+        else:
+            for m, b in rows:
+                self._lt.fill_next_token_bitmask(m, self._bitmask, b)
+        if logits.device.type == "cpu":  # token i: word i // 32, bit i % 32 (little-endian)
+            bits = np.unpackbits(self._bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+            refused = torch.from_numpy(bits[:, : self._vocab] == 0)
+        else:  # the packed words go to the device, unpacked there
+            if self._shifts is None or self._shifts.device != logits.device:
+                self._shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+            words = self._bitmask.to(logits.device, non_blocking=True)
+            bits = (words[:, :, None] >> self._shifts) & 1  # (B, V / 32, 32)
+            refused = bits.view(words.shape[0], -1)[:, : self._vocab] == 0
+        return logits.float().masked_fill(refused, float("-inf"))
 
     def advance(self, tokens: torch.Tensor) -> None:
         if not self._matchers:

@@ -18,6 +18,9 @@ message's content, as text, and the finish reason stays what the sampler gave.
         space that a following word takes), so the model continues as it would have written
         it. This is a prefix, not a grammar: a model that then writes malformed JSON gets it
         back as content.
+
+A `strict` function that may be called puts the reply under a grammar (`structured.py`):
+under auto free text with every call well-formed, forced the rest of the begun call.
 """
 
 from __future__ import annotations
@@ -130,9 +133,8 @@ class ToolUse:
 
     @property
     def strict(self) -> bool:
-        """A forced call whose function(s) ask for `strict` arguments (enforced by a grammar)."""
-        if self.forced is None:
-            return False
+        """Calls whose arguments a grammar enforces: a function that may be called (any under
+        auto or required; the named one) asks for `strict` arguments."""
         fns = [s["function"] for s in self.schemas]
         return any(f.get("strict") for f in fns if not self.forced or f["name"] == self.forced)
 
