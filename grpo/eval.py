@@ -279,14 +279,17 @@ def eval_env_settings(cfg: Config) -> dict:
 
 def average_reward(cfg: Config, rows: list[dict], samples: list[dict]) -> float:
     """Mean weighted reward (cfg.rewards) of evaluation completions."""
-    from grpo.rewards import build_rewards, compute_rewards
+    from grpo.rewards import RewardContext, build_rewards, compute_rewards
 
     if not samples:
         return 0.0
     fns = build_rewards([r.spec for r in cfg.rewards])
     columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt_ids"}
     columns["completion_lengths"] = [s["n_tokens"] for s in samples]
-    total, _ = compute_rewards(fns, [s["completion"] for s in samples], columns)
+    budget = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+    cut = tuple((s["n_tokens"] or 0) >= budget for s in samples)  # at the budget: cut there
+    context = RewardContext(max_new_tokens=budget, truncated=cut)
+    total, _ = compute_rewards(fns, [s["completion"] for s in samples], columns, context=context)
     return float(total.mean())
 
 

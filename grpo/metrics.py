@@ -13,6 +13,40 @@ from grpo.io import open_text, read_text, write_text
 
 log = logging.getLogger(__name__)
 
+
+class Sum(float):
+    """A metric value summed over ranks (a count): ``{"groups_kept": Sum(3)}``. A plain float
+    is averaged over ranks; `Max` and `Min` take the extreme. Being floats, they log as such."""
+
+    op = "sum"
+
+
+class Max(float):
+    """A metric value whose max over ranks is logged."""
+
+    op = "max"
+
+
+class Min(float):
+    """A metric value whose min over ranks is logged."""
+
+    op = "min"
+
+
+REDUCTIONS = {"mean": float, "sum": Sum, "max": Max, "min": Min}
+
+
+def reduction(value) -> str:
+    """How a metric value is reduced over ranks: "sum", "max", "min" or "mean" (anything else:
+    a float, an int, a 0-d tensor)."""
+    return getattr(value, "op", "mean")
+
+
+def tagged(value: float, op: str):
+    """`value` as the metric type that `reduction` reads back as `op`."""
+    return REDUCTIONS[op](value)
+
+
 # (metric, short label, format) shown on the stdout line when present.
 STDOUT_KEYS = [
     ("rollout/reward_mean", "reward", "{:.3f}"),

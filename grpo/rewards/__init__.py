@@ -15,11 +15,14 @@ from grpo.rewards.extract import (
 )
 from grpo.rewards.functions import (
     NamedReward,
+    RewardContext,
     RewardFn,
     make_accuracy,
     make_format,
     make_length_penalty,
+    make_overlong,
     make_step,
+    wants_context,
 )
 from grpo.rewards.registry import (
     available_rewards,
@@ -32,6 +35,7 @@ from grpo.rewards.registry import (
 
 __all__ = [
     "NamedReward",
+    "RewardContext",
     "RewardFn",
     "available_rewards",
     "bounded",
@@ -47,6 +51,7 @@ __all__ = [
     "make_combined",
     "make_format",
     "make_length_penalty",
+    "make_overlong",
     "make_step",
     "parse_number",
     "register_reward",
@@ -54,5 +59,6 @@ __all__ = [
     "reward_defaults",
     "reward_name",
     "total_bounds",
+    "wants_context",
     "with_bounds",
 ]

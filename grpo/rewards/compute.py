@@ -30,7 +30,7 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -38,7 +38,7 @@ import torch
 
 from grpo.errors import GrpoError, SignalStop
 from grpo.rewards.bounds import outside, reward_bounds
-from grpo.rewards.functions import RewardFn
+from grpo.rewards.functions import RewardContext, RewardFn, wants_context
 
 # After a batch call fails, rows are retried one at a time to name the failing row; that retry
 # is bounded in rows and in wall time (each retry call runs in a worker thread under the time
@@ -59,6 +59,8 @@ def call_reward(
     columns: dict[str, Any],
     token_lengths: Sequence[int] | None = None,
     timeout_s: float | None = None,
+    context: RewardContext | None = None,
+    metrics: dict[str, float] | None = None,
 ) -> list[float | list[float]]:
     """Call one reward function on its own copy of the inputs and check what it returned.
 
@@ -70,6 +72,11 @@ def call_reward(
         token_lengths: B completion lengths in tokens; when given, a row's value may be a list
             of that many floats (token-level rewards). Without it only floats are accepted.
         timeout_s: fail when the call takes longer than this many seconds (None: no limit).
+        context: passed as ``context=`` to a function that declares that parameter
+            (`grpo.rewards.functions.wants_context`); None: an empty `RewardContext`.
+        metrics: when given, gets the metrics the function reported (it returned
+            ``(values, {"name": scalar})``) as ``rewards/<name>/<metric>``; a scalar typed
+            `grpo.metrics.Sum` / `Max` / `Min` keeps its type (its reduction over ranks).
 
     Returns:
         B floats (or per-token lists of floats).
@@ -80,8 +87,11 @@ def call_reward(
             bounds it declares.
         KeyboardInterrupt: a real Ctrl-C (SIGINT) during the call.
     """
+    if "context" in columns and wants_context(fn):
+        raise _error(name, "declares a `context` parameter and the rows have a column named "
+                     "'context': rename the column (data) or the parameter")  # fmt: skip
     try:
-        values = _guarded_call(fn, completions, columns, timeout_s)
+        values = _guarded_call(fn, completions, columns, timeout_s, context)
     except _Timeout:
         raise _error(
             name,
@@ -93,13 +103,16 @@ def call_reward(
     except BaseException as e:  # SystemExit too: a reward must not end the process
         if getattr(e, "reward_name", None):  # already checked and named (a nested reward)
             raise
-        row = _first_failing_row(fn, completions, columns, timeout_s)
+        row = _first_failing_row(fn, completions, columns, timeout_s, context)
         where = "" if row is None else f" at row {row} ({_preview(completions[row])})"
         what, detail = _describe(e)
         if timeout_s is not None and "main thread" in str(e):  # signal.signal, outside it
             detail += (" (under rewards[].timeout_s the function runs in a worker thread; "
                        "timeout_s: null runs it in the caller's)")  # fmt: skip
         raise _error(name, f"{what}{where}{detail}") from e
+    values, reported = _split_metrics(name, values)
+    if metrics is not None:
+        metrics.update({f"rewards/{name}/{k}": v for k, v in reported.items()})
     values = _as_list(values)
     if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
         raise _error(name, f"returned {type(values).__name__}, expected a list of floats")
@@ -145,6 +158,8 @@ def compute_rewards(
     completions: list[str],
     columns: dict[str, Any],
     token_width: int | None = None,
+    context: RewardContext | None = None,
+    metrics: dict[str, float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The weighted reward r = sum_k w_k * reward_k(completions, **columns), and each part.
 
@@ -157,6 +172,9 @@ def compute_rewards(
         columns: per-row dataset columns (``ground_truth``, ...) and ``completion_lengths``.
         token_width: T_c; when given (with ``completion_lengths``), functions may return
             per-token lists and the total is token-level.
+        context: what functions that declare a ``context`` parameter receive (the step, the
+            completion budget, truncation, the tokenizer, the device).
+        metrics: when given, gets what the functions reported (`call_reward`).
 
     Returns:
         total: (B,) float32, the weighted sum; or (B, T_c) when some function returned
@@ -182,7 +200,7 @@ def compute_rewards(
             k += 1
             name = f"{base}_{k}"
         timeout_s = getattr(fn, "timeout_s", None)
-        values = call_reward(name, fn, completions, columns, lengths, timeout_s=timeout_s)
+        values = call_reward(name, fn, completions, columns, lengths, timeout_s, context, metrics)
         row_sums = []
         for row, v in enumerate(values):
             if isinstance(v, list):
@@ -213,8 +231,9 @@ class _OwnInterrupt(Exception):
 
 
 def _guarded_call(
-    fn: RewardFn, completions: list[str], columns: dict[str, Any], timeout_s: float | None
-) -> Any:
+    fn: RewardFn, completions: list[str], columns: dict[str, Any], timeout_s: float | None,
+    context: RewardContext | None = None,
+) -> Any:  # fmt: skip
     """`fn` on fresh copies of the inputs, in this thread or (with `timeout_s`) a worker.
 
     Raises:
@@ -224,6 +243,8 @@ def _guarded_call(
         BaseException: whatever else the function raised (SystemExit included).
     """
     completions, columns = list(completions), _fresh(columns)
+    if wants_context(fn):  # not copied: it holds the tokenizer (its fields are read-only)
+        columns["context"] = context if context is not None else RewardContext()
     with _sigint_watch() as interrupted:
         try:
             if timeout_s is None:
@@ -321,6 +342,24 @@ def _describe(e: BaseException) -> tuple[str, str]:
 # --------------------------------------------------------------------------- value checks
 
 
+def _split_metrics(name: str, result: Any) -> tuple[Any, dict[str, float]]:
+    """(values, metrics) of what a reward returned: ``(values, {"name": scalar})`` or just the
+    values. A metric must be a finite number (or a one-element tensor); its name a string."""
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping)):
+        return result, {}
+    values, reported = result
+    out = {}
+    for key, v in reported.items():
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = float(v.item())
+        number = _finite_float(v) if isinstance(v, (int, float)) else None
+        if not isinstance(key, str) or not key or number is None:
+            raise _error(name, f"reported the metric {key!r}: {v!r}; a metric is a string name "
+                         "and a finite number")  # fmt: skip
+        out[key] = v if hasattr(v, "op") else number  # Sum / Max / Min keep their type
+    return values, out
+
+
 def _as_list(value: Any) -> Any:
     """A tensor or numpy array of one or more dimensions as a (nested) list; else as it is."""
     is_array = isinstance(value, torch.Tensor) or type(value).__module__ == "numpy"
@@ -362,8 +401,9 @@ def _token_values(name, value, row, completions, token_lengths) -> list[float]:
 
 
 def _first_failing_row(
-    fn: RewardFn, completions: list[str], columns: dict[str, Any], timeout_s: float | None
-) -> int | None:
+    fn: RewardFn, completions: list[str], columns: dict[str, Any], timeout_s: float | None,
+    context: RewardContext | None = None,
+) -> int | None:  # fmt: skip
     """The first row on which `fn`, called on that row alone, fails; None when no row or every
     tried row does (the problem is then the batch, e.g. a missing column, not a row).
 
@@ -382,7 +422,8 @@ def _first_failing_row(
         one = {k: v[row : row + 1] if _is_per_row(v, n) else v for k, v in columns.items()}
         limit = left if timeout_s is None else min(left, timeout_s)
         try:
-            _guarded_call(fn, completions[row : row + 1], one, limit)
+            at = context.select(slice(row, row + 1)) if context is not None else None
+            _guarded_call(fn, completions[row : row + 1], one, limit, at)
             any_pass = True
         except (KeyboardInterrupt, SignalStop):
             raise

@@ -16,6 +16,10 @@ Functions ignore columns they do not use, so any dataset column can reach a cust
 | ``length_penalty`` | r_acc - alpha * max(0, length - target) if correct (floored), else 0 |
 | ``step`` | r_acc + beta * min(steps, cap) |
 | ``format`` | 1 if the completion ends its reasoning with ``Final Answer: <answer>``, else 0 |
+| ``overlong`` | 0, then down to -penalty over the budget's last ``buffer`` tokens (DAPO) |
+
+A function that declares a ``context`` parameter also gets a `RewardContext` (the step, the
+completion budget, which completions were truncated, the tokenizer, the device).
 
 Each declares the bounds its values lie in (`grpo.rewards.bounds`), from its parameters, so
 the trainer can tell a solved task from a stalled one: ``accuracy`` and ``format`` [0, 1];
@@ -28,6 +32,8 @@ components by name.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,6 +44,45 @@ from grpo.rewards.bounds import Bounds, reward_bounds, with_bounds
 from grpo.rewards.extract import compare_answers, count_steps, extract_answer, has_final_answer
 
 RewardFn = Callable[..., list[float]]
+
+
+@dataclass(frozen=True)
+class RewardContext:
+    """What a reward function that declares a ``context`` parameter receives besides the
+    columns (``fn(completions, *, context, **columns)``). Outside training (``grpo eval``'s
+    average reward, ``grpo tool``) the fields not known there are None.
+
+    Attributes:
+        step: training steps completed by the policy that sampled the completions.
+        max_new_tokens: the completion budget of the sampling call (rollout.max_new_tokens).
+        truncated: per completion, whether it was cut at the budget (no stop token).
+        tokenizer: the policy's tokenizer (it decoded the completions).
+        device: where the policy runs (a reward model may run there too).
+    """
+
+    step: int | None = None
+    max_new_tokens: int | None = None
+    truncated: tuple[bool, ...] | None = None
+    tokenizer: Any = None
+    device: Any = None
+
+    def select(self, rows: slice) -> RewardContext:
+        """The context of some rows (their `truncated` entries)."""
+        if self.truncated is None:
+            return self
+        return dataclasses.replace(self, truncated=self.truncated[rows])
+
+
+def wants_context(fn: Any) -> bool:
+    """Whether a reward function declares a ``context`` parameter (a `NamedReward`'s function,
+    a partial and a callable object are looked through)."""
+    fn = getattr(fn, "fn", fn)
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature (a builtin)
+        return False
+    p = params.get("context")
+    return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
 
 
 @dataclass(frozen=True)
@@ -159,6 +204,56 @@ def make_format() -> RewardFn:
         return [float(has_final_answer(c)) for c in completions]
 
     return with_bounds(format_reward, 0.0, 1.0)
+
+
+def make_overlong(buffer: int | None = None, penalty: float = 1.0,
+                  max_length: int | None = None) -> RewardFn:  # fmt: skip
+    """DAPO's soft overlong punishment: 0 up to ``L_max - buffer`` tokens, then falling
+    linearly to ``-penalty`` at ``L_max`` (and ``-penalty`` beyond it):
+
+        r = 0                                        if L <= L_max - buffer
+        r = -penalty * (L - (L_max - buffer)) / buffer  if L_max - buffer < L <= L_max
+        r = -penalty                                 if L > L_max
+
+    L is the completion's length in tokens (the trainer's ``completion_lengths``), L_max the
+    rollout's completion budget (the reward's `context`: rollout.max_new_tokens) unless
+    `max_length` is given. Added to a correctness reward it tells a long answer from a cut one
+    without the hard cliff of a truncated completion scoring 0 (DAPO, Yu et al. 2025, sec. 3.4).
+
+    Args:
+        buffer: the length of the punished zone before L_max (None: a fifth of L_max, DAPO's
+            4096 of 20480).
+        penalty: the punishment at L_max (>= 0).
+        max_length: L_max (None: the context's max_new_tokens).
+    """
+    if buffer is not None and (isinstance(buffer, bool) or not isinstance(buffer, int)
+                               or buffer < 1):  # fmt: skip
+        raise GrpoError(f"overlong: buffer must be a whole number of tokens >= 1, got {buffer!r}")
+    if not isinstance(penalty, (int, float)) or not math.isfinite(penalty) or penalty < 0:
+        raise GrpoError(f"overlong: penalty must be a finite number >= 0, got {penalty!r}")
+
+    def overlong(completions: list[str], *, context: RewardContext | None = None,
+                 **columns: Any) -> list[float]:  # fmt: skip
+        L_max = max_length if max_length is not None else getattr(context, "max_new_tokens", None)
+        if L_max is None:
+            raise GrpoError("needs the completion budget: set max_length, or call it from the "
+                            "trainer (context.max_new_tokens)")  # fmt: skip
+        if columns.get("completion_lengths") is None:
+            raise GrpoError("needs the column 'completion_lengths' (token counts)")
+        lengths = _lengths(completions, columns["completion_lengths"], None)
+        zone = min(buffer if buffer is not None else max(L_max // 5, 1), L_max)
+        start = L_max - zone
+        out = []
+        for n in lengths:
+            if n <= start:
+                out.append(0.0)
+            elif n <= L_max:
+                out.append(-penalty * (n - start) / zone)
+            else:
+                out.append(-float(penalty))
+        return out
+
+    return with_bounds(overlong, -float(penalty), 0.0)
 
 
 def _column(columns: dict[str, Any], name: str, n: int) -> Sequence[Any]:

@@ -3,7 +3,7 @@
 A spec is one of:
 
 - a registered name: ``"accuracy"``, ``"length_penalty"``, ``"step"``, ``"format"``,
-  ``"combined"``, or a name given to `register_reward`;
+  ``"combined"``, ``"overlong"``, or a name given to `register_reward`;
 - a callable ``fn(completions, **columns) -> list[float]``;
 - a ``"package.module:function"`` path to such a callable;
 - a dict ``{"name": <one of the above>, **kwargs}`` with parameters for the factory
@@ -29,10 +29,12 @@ from grpo.rewards.bounds import total_bounds, with_bounds
 from grpo.rewards.compute import call_reward, reward_name
 from grpo.rewards.functions import (
     NamedReward,
+    RewardContext,
     RewardFn,
     make_accuracy,
     make_format,
     make_length_penalty,
+    make_overlong,
     make_step,
 )
 
@@ -176,12 +178,14 @@ def make_combined(weights: Any) -> RewardFn:
     """
     parts = build_rewards(weights)
 
-    def combined(completions: list[str], **columns: Any) -> list[float]:
+    def combined(completions: list[str], *, context: RewardContext | None = None,
+                 **columns: Any) -> list[float]:  # fmt: skip
         total = [0.0] * len(completions)
         for fn, weight in parts:
             name = f"combined/{reward_name(fn)}"
             timeout_s = getattr(fn, "timeout_s", None)
-            values = call_reward(name, fn, completions, columns, timeout_s=timeout_s)
+            values = call_reward(name, fn, completions, columns, timeout_s=timeout_s,
+                                 context=context)  # fmt: skip
             total = [t + weight * v for t, v in zip(total, values)]
         return total
 
@@ -206,6 +210,7 @@ def _builtins() -> dict[str, Callable[..., RewardFn]]:
         "step": make_step,
         "format": make_format,
         "combined": make_combined,
+        "overlong": make_overlong,
     }
 
 

@@ -40,6 +40,11 @@ class RolloutBatch:
         policy_version: training steps the sampling policy had completed (the step it was
             sampled for is policy_version + 1).
         frac_zero_std: fraction of groups with all-equal rewards in the first sampling round.
+        metrics: what producing the batch reported, logged with the step's metrics (full
+            names, e.g. ``rollout/groups_kept``; values typed for their reduction over ranks,
+            `grpo.metrics.Sum` / `Max` / `Min`, else averaged).
+        extras: named per-row tensors, (B,) or (B, T_c), that a rollout strategy or a trained
+            module attached for the later phases (an estimator reads them by name).
     """
 
     rollout: Rollout
@@ -50,6 +55,8 @@ class RolloutBatch:
     per_fn: dict[str, torch.Tensor]
     policy_version: int
     frac_zero_std: float
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    extras: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -70,6 +77,7 @@ class RolloutBatch:
             rewards=self.rewards[on_dev],
             token_rewards=self.token_rewards[on_dev],
             per_fn={k: v[on_dev] for k, v in self.per_fn.items()},
+            extras={k: v[on_dev] for k, v in self.extras.items()},
         )
 
 
@@ -93,7 +101,17 @@ def cat_batches(batches: Sequence[RolloutBatch], pad_id: int) -> RolloutBatch:
             [torch.nn.functional.pad(b.token_rewards, w) for b, w in zip(batches, widths)]
         ),
         per_fn={k: torch.cat([b.per_fn[k] for b in batches]) for k in first.per_fn},
+        extras={k: _cat_rows([b.extras[k] for b in batches]) for k in first.extras},
     )
+
+
+def _cat_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-row tensors of several batches: (B_i,) concatenated, (B_i, T_i) right-padded with
+    zeros to the longest T first."""
+    if parts[0].dim() == 1:
+        return torch.cat(parts)
+    T = max(p.shape[1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, T - p.shape[1])) for p in parts])
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,13 @@ from grpo.train.batch import (
 )
 from grpo.train.health import LearningHealth, StallError, WeightChange
 from grpo.train.producer import make_sampler, rollout_source, run_producer
-from grpo.train.stats import OnPolicyCheck, StatSums, advantage_stats, rollout_metrics
+from grpo.train.stats import (
+    OnPolicyCheck,
+    StatSums,
+    advantage_stats,
+    reduce_metrics,
+    rollout_metrics,
+)
 
 log = logging.getLogger(__name__)
 
@@ -496,7 +502,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             # the rollout's statistics and (async) the consumed batch's staleness and the time
             # each side waited, in one all-reduce (staleness is the same on every rank)
             metrics = rollout_metrics(batch, cfg.rollout.max_turns) | source.metrics()
-            metrics = all_reduce_mean_dict(metrics, dist)
+            metrics = reduce_metrics(metrics, dist)  # as each value's type says (mean default)
             metrics.update(adv_stats)
             try:
                 update = update_phase(cfg, policy, inputs, optimizer, scheduler, params, scorer,

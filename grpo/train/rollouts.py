@@ -16,6 +16,7 @@ float32 on the rollout's device from there on.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch
@@ -24,7 +25,9 @@ from grpo.algo.advantages import zero_std_groups
 from grpo.config import Config
 from grpo.distributed import SINGLE, all_reduce_sum
 from grpo.envs import env_factory
-from grpo.rewards import compute_rewards
+from grpo.metrics import Max, Sum, reduction, tagged
+from grpo.rewards import RewardContext, compute_rewards
+from grpo.rewards.bounds import total_bounds
 from grpo.rollout import Rollout
 from grpo.rollout.multiturn import sample_with_env, turn_end_ids
 from grpo.run.perf import phase_bar
@@ -98,7 +101,13 @@ def score_rollout(
         columns["num_turns"] = [len(t) for t in rollout.turn_texts]
         columns["env_info"] = rollout.infos
     T_c = rollout.completion_ids.shape[1]
-    total, per_fn = compute_rewards(reward_fns, texts, columns, token_width=T_c)  # on the host
+    context = RewardContext(
+        step=policy_version, max_new_tokens=cfg.rollout.max_new_tokens,
+        truncated=tuple(not f for f in rollout.finished.tolist()), tokenizer=tokenizer,
+        device=rollout.ids.device,
+    )  # fmt: skip
+    reported: dict[str, float] = {}  # what the reward functions reported
+    total, per_fn = compute_rewards(reward_fns, texts, columns, T_c, context, reported)
     if rollout.turn_rewards is not None:  # step rewards and the discounted return
         tokens = turn_token_rewards(total, rollout, cfg.rollout.gamma)
         total = tokens.sum(-1)
@@ -117,6 +126,7 @@ def score_rollout(
         per_fn={k: v.to(dev, torch.float32) for k, v in per_fn.items()},
         policy_version=policy_version,
         frac_zero_std=float(zero.float().mean()),
+        metrics=reported,
     )
 
 
@@ -161,6 +171,7 @@ def rollout_batches(
     G = cfg.rollout.group_size
     P = cfg.train.batch_size // G
     version = step if policy_version is None else policy_version
+    bounds = None if cfg.rollout.multi_turn else total_bounds(reward_fns)  # all right / wrong
     rounds: dict[int, list[RolloutBatch]] = {t: [] for t in ranks}
     kept: dict[int, list[tuple[int, int]]] = {t: [] for t in ranks}  # (round, group)
     spare: dict[int, list[tuple[int, int]]] = {t: [] for t in ranks}
@@ -185,11 +196,50 @@ def rollout_batches(
         short = sum(float(len(kept[t]) < P) for t in ranks)
         if all_reduce_sum(short, lockstep) == 0:
             break
-    return [_join_rounds(rounds[t], (kept[t] + spare[t])[:P], policy.tokenizer) for t in ranks]
+    return [_join_rounds(rounds[t], (kept[t] + spare[t])[:P], policy.tokenizer, round_, bounds)
+            for t in ranks]  # fmt: skip
 
 
-def _join_rounds(rounds: list[RolloutBatch], order: list[tuple[int, int]], tokenizer):
-    """One rank's batch: the groups `order` [(round, group), ...] of its sampling rounds."""
+def sampling_metrics(rounds: list[RolloutBatch], batch: RolloutBatch, refills: int,
+                     bounds: tuple[float, float] | None) -> dict[str, float]:  # fmt: skip
+    """What a step's sampling did, summed over ranks (`grpo.metrics.Sum`): groups sampled in
+    all rounds, groups with signal (unequal rewards) in the batch trained on, sampling rounds
+    after the first (`Max`: the ranks run them in lockstep), and, when the rewards declare
+    bounds, the sampled groups whose every completion got the highest (`groups_all_right`) or
+    the lowest (`groups_all_wrong`) total reward."""
+    G = rounds[0].rollout.group_size
+    sampled = sum(b.size // G for b in rounds)
+    kept = int((~zero_std_groups(batch.rewards, G)).sum())
+    out = {"rollout/groups_sampled": Sum(sampled), "rollout/groups_kept": Sum(kept),
+           "rollout/refill_rounds": Max(refills)}  # fmt: skip
+    if bounds is not None:
+        r = torch.cat([b.rewards for b in rounds]).double().view(-1, G)  # (groups, G)
+        for name, bound in (("all_right", bounds[1]), ("all_wrong", bounds[0])):
+            if math.isfinite(bound):  # an unbounded side has no such group
+                at = (r - bound).abs() <= 1e-6 * max(1.0, abs(bound))  # float32 totals
+                out[f"rollout/groups_{name}"] = Sum(int(at.all(1).sum()))
+    return out
+
+
+def round_metrics(rounds: list[RolloutBatch]) -> dict[str, float]:
+    """What the reward functions reported over all of a step's sampling rounds: sums added,
+    maxima and minima taken, means weighted by the rows of each round."""
+    out = {}
+    for k, first in rounds[0].metrics.items():
+        values = [(b.metrics[k], b.size) for b in rounds if k in b.metrics]
+        op = reduction(first)
+        if op == "mean":
+            out[k] = sum(float(v) * n for v, n in values) / sum(n for _, n in values)
+        else:
+            pick = {"sum": sum, "max": max, "min": min}[op]
+            out[k] = tagged(pick(float(v) for v, _ in values), op)
+    return out
+
+
+def _join_rounds(rounds: list[RolloutBatch], order: list[tuple[int, int]], tokenizer,
+                 last_round: int, bounds) -> RolloutBatch:  # fmt: skip
+    """One rank's batch: the groups `order` [(round, group), ...] of its sampling rounds, and
+    its `sampling_metrics` (`last_round`: the lockstep's last round)."""
     G = rounds[0].rollout.group_size
     if len(rounds) == 1 and order == [(0, p) for p in range(rounds[0].size // G)]:
         batch = rounds[0]  # every group of the one round, in order: nothing to re-join
@@ -203,4 +253,5 @@ def _join_rounds(rounds: list[RolloutBatch], order: list[tuple[int, int]], token
         batch = cat_batches([rounds[r].select_groups(gs) for r, gs in runs],
                             tokenizer.pad_token_id)  # fmt: skip
     # the step's statistic is the first round's (what the policy gave before any refill)
-    return dataclasses.replace(batch, frac_zero_std=rounds[0].frac_zero_std)
+    metrics = {**round_metrics(rounds), **sampling_metrics(rounds, batch, last_round, bounds)}
+    return dataclasses.replace(batch, frac_zero_std=rounds[0].frac_zero_std, metrics=metrics)

@@ -10,7 +10,13 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo.distributed import SINGLE, all_reduce_max_dict, all_reduce_sum_dict
+from grpo.distributed import (
+    SINGLE,
+    all_reduce_max_dict,
+    all_reduce_mean_dict,
+    all_reduce_sum_dict,
+)
+from grpo.metrics import reduction
 from grpo.rollout.multiturn import env_metrics
 from grpo.train.batch import RolloutBatch
 
@@ -56,6 +62,21 @@ class StatSums:
             v = -v if k.endswith("_min") else v
             out[f"train/{k}"] = v if math.isfinite(v) else float("nan")  # no counted token
         return out
+
+
+def reduce_metrics(values: dict, dist=SINGLE) -> dict[str, float]:
+    """Metrics of this rank -> the step's, over all ranks: each value reduced as its type
+    declares (`grpo.metrics.Sum` / `Max` / `Min`; anything else, a float or a 0-d tensor, is
+    averaged). Every rank must pass the same keys with the same types. Plain floats out."""
+    groups: dict[str, dict[str, float]] = {"mean": {}, "sum": {}, "max": {}, "min": {}}
+    for k, v in values.items():
+        groups[reduction(v)][k] = float(v)
+    out = all_reduce_mean_dict(groups["mean"], dist)
+    out.update(all_reduce_sum_dict(groups["sum"], dist))
+    both = {**groups["max"], **{k: -v for k, v in groups["min"].items()}}  # min = -max(-x)
+    for k, v in all_reduce_max_dict(both, dist).items():
+        out[k] = -v if k in groups["min"] else v
+    return {k: out[k] for k in values}  # the order given
 
 
 def _f64(x: float | torch.Tensor) -> float | torch.Tensor:
@@ -173,6 +194,7 @@ def rollout_metrics(batch: RolloutBatch, max_turns: int = 1) -> dict:
         "rollout/completion_len_min": float(lens.min()),
         "rollout/completion_len_max": float(lens.max()),
         "rollout/truncated_frac": float((~batch.rollout.finished).float().mean()),
+        **batch.metrics,  # what sampling and the rewards reported, typed for the reduction
     }
     for name, v in batch.per_fn.items():
         out[f"rewards/{name}"] = float(v.mean())

@@ -15,6 +15,7 @@ import json
 import torch
 
 from grpo.errors import GrpoError
+from grpo.metrics import reduction, tagged
 from grpo.rollout import Rollout
 from grpo.train.batch import RolloutBatch
 
@@ -74,6 +75,7 @@ def pack_batch(batch: RolloutBatch, row_index: list[int], extra: dict | None = N
     tensors["rewards"] = batch.rewards
     tensors["token_rewards"] = batch.token_rewards
     tensors.update({f"per_fn.{k}": v for k, v in batch.per_fn.items()})
+    tensors.update({f"extras.{k}": v for k, v in batch.extras.items()})
     layout, buffer = pack_tensors(tensors)
     header = {
         "layout": layout,
@@ -87,6 +89,8 @@ def pack_batch(batch: RolloutBatch, row_index: list[int], extra: dict | None = N
         "infos": r.infos,
         "policy_version": batch.policy_version,
         "frac_zero_std": batch.frac_zero_std,
+        "metrics": {k: [float(v), reduction(v)] for k, v in batch.metrics.items()},
+        "extras": list(batch.extras),
         "extra": extra or {},
     }
     try:
@@ -120,4 +124,6 @@ def unpack_batch(header: dict, buffer: torch.Tensor, rows: list[dict],
         per_fn={k: t[f"per_fn.{k}"] for k in header["per_fn"]},
         policy_version=header["policy_version"],
         frac_zero_std=header["frac_zero_std"],
+        metrics={k: tagged(v, op) for k, (v, op) in header["metrics"].items()},
+        extras={k: t[f"extras.{k}"] for k in header["extras"]},
     )
