@@ -152,6 +152,10 @@ class RolloutConfig:
     # Multi-turn (agentic) rollouts: an environment answers each model turn (docs/agentic.md).
     env: str = "single_turn"  # single_turn | calculator | a registered name | package.module:Class
     env_kwargs: dict = field(default_factory=dict)
+    # How a step's prompts become its scored batch (docs/extending.md, "Rollout strategies"):
+    # default | a registered name | package.module:function, with its keyword arguments
+    strategy: str = "default"
+    strategy_kwargs: dict = field(default_factory=dict)
     max_turns: int = 4  # model turns per trajectory (env other than single_turn)
     max_total_tokens: int | None = None  # completion-region budget; default: see total_tokens
     max_obs_tokens: int = 64  # most tokens of one observation's content (longer ones are cut)
@@ -208,6 +212,14 @@ class RolloutConfig:
                f"{self.ranks} producer ranks need rollout.async: on")  # fmt: skip
         _check_seconds(self.async_timeout_s, "rollout.async_timeout_s")
         _check_seconds(self.env_timeout_s, "rollout.env_timeout_s", nullable=True)
+        _check(isinstance(self.strategy, str) and bool(self.strategy), "rollout.strategy",
+               "must be a name")  # fmt: skip
+        from grpo.train.strategies import check_strategy  # lazy: the registry imports torch
+
+        try:  # an unknown name or parameter fails here, naming the field
+            check_strategy(self.strategy, self.strategy_kwargs)
+        except GrpoError as e:
+            raise ConfigError(str(e)) from None
 
 
 @dataclass(frozen=True)

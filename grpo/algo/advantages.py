@@ -15,12 +15,16 @@ hands it the *global* batch, all ranks concatenated, so batch statistics are exa
     turn_ids       (B, T_c) long     the turn of each token (multi-turn; all 0 for one turn)
     turn_gamma     float             rollout.gamma: token rewards of turn k already carry
                                      turn_gamma^k, so each row sums to its discounted return
+    rollout        EstimatorRollout  the sampled tokens of the global batch (below); gathered
+                                     over ranks only for an estimator that declares it
 
-plus whatever `loss.advantage_kwargs` holds. It returns (B, T_c) advantages, and only that
-shape; values outside `mask` are ignored (set to 0). Sequence-level estimators broadcast one
-value per row with `broadcast`. A 1-d result is refused, not broadcast: (B,) and (T_c,) are the
-same shape whenever T_c == B, so a per-token vector returned by mistake would pass as per-row
-values on exactly those steps.
+plus whatever `loss.advantage_kwargs` holds. It returns (B, T_c) advantages, or
+``(advantages, {"name": scalar})``: the metrics are logged as ``advantage/<name>`` (computed
+on the global batch, so the same on every rank: logged as they are). Only that shape; values
+outside `mask` are ignored (set to 0). Sequence-level estimators broadcast one value per row
+with `broadcast`. A 1-d result is refused, not broadcast: (B,) and (T_c,) are the same shape
+whenever T_c == B, so a per-token vector returned by mistake would pass as per-row values on
+exactly those steps.
 
 eps: GRPO divides by (std + eps) with eps = 1e-4 by default, as TRL does; verl uses 1e-6.
 A group of equal rewards gets advantage exactly 0 (never NaN) either way.
@@ -28,13 +32,53 @@ A group of equal rewards gets advantage exactly 0 (never NaN) either way.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
 import torch
 
 from grpo.algo.registry import ADVANTAGES, register_advantage
 from grpo.errors import GrpoError
 
 INPUTS = ("token_rewards", "scores", "mask", "group_size", "eps", "gamma", "turn_ids",
-          "turn_gamma")  # fmt: skip
+          "turn_gamma", "rollout")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class EstimatorRollout:
+    """What was sampled, for an estimator that reads more than rewards (a learned baseline, a
+    critic's values): the global batch's rows, each rank's padded to the longest T_c.
+
+    Attributes:
+        completion_ids: (B, T_c) long, the completion region's token ids (pad after a row).
+        completion_mask: (B, T_c) bool, its real tokens (multi-turn: observations too).
+        generated_mask: (B, T_c) bool, the tokens the policy generated (= `mask`).
+        turn_ids: (B, T_c) long, each token's turn (0 for one turn; -1 on holes and padding).
+        logprobs: (B, T_c) float32, the sampler's log-probs (pi_old; 0 off `generated_mask`).
+        prompt_lens: (B,) long, real prompt tokens of each row.
+        extras: the named per-row tensors a rollout strategy or trained module attached to the
+            batch (`RolloutBatch.extras`): (B,) or (B, T_c) each.
+    """
+
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    generated_mask: torch.Tensor
+    turn_ids: torch.Tensor
+    logprobs: torch.Tensor
+    prompt_lens: torch.Tensor
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def wants_rollout(name) -> bool:
+    """Whether the estimator `name` declares the `rollout` input (the trainer gathers the
+    sampled tokens over ranks only then)."""
+    import inspect
+
+    try:
+        params = inspect.signature(ADVANTAGES.get(name)).parameters
+    except (TypeError, ValueError):
+        return False
+    return "rollout" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def broadcast(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -189,6 +233,8 @@ def compute_advantages(
     turn_ids: torch.Tensor | None = None,
     turn_gamma: float = 1.0,
     params: dict | None = None,
+    rollout: EstimatorRollout | None = None,
+    metrics: dict[str, float] | None = None,
 ) -> torch.Tensor:
     """Run the estimator `name` and check what it returned.
 
@@ -200,6 +246,8 @@ def compute_advantages(
         eps, gamma, turn_gamma: as in the module docstring.
         turn_ids: (B, T_c) turn of each token (default: all 0, one turn).
         params: extra keyword arguments (``loss.advantage_kwargs``).
+        rollout: the sampled tokens (`EstimatorRollout`), for estimators that declare it.
+        metrics: when given, gets what the estimator reported, as ``advantage/<name>``.
 
     Returns:
         (B, T_c) float32 advantages, exactly 0 outside `mask`.
@@ -219,10 +267,21 @@ def compute_advantages(
         "gamma": gamma,
         "turn_ids": torch.zeros_like(mask, dtype=torch.long) if turn_ids is None else turn_ids,
         "turn_gamma": turn_gamma,
+        "rollout": rollout,
         **(params or {}),
     }
     out = ADVANTAGES.call(name, inputs)
     label = f"advantage estimator {name!r}"
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
+        out, reported = out
+        for key, v in reported.items():
+            v = float(v.item()) if isinstance(v, torch.Tensor) and v.numel() == 1 else v
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < float("inf")
+            if not isinstance(key, str) or not key or not ok:
+                raise GrpoError(f"{label} reported the metric {key!r}: {v!r}; a metric is a "
+                                "string name and a finite number")  # fmt: skip
+            if metrics is not None:
+                metrics[f"advantage/{key}"] = float(v)
     if not isinstance(out, torch.Tensor):
         raise GrpoError(f"{label} returned {type(out).__name__}, expected a (B, T_c) tensor")
     if out.shape != mask.shape:
@@ -277,6 +336,7 @@ def check_estimator(name: str, params: dict | None = None) -> None:
 
 
 __all__ = [
+    "EstimatorRollout",
     "broadcast",
     "check_estimator",
     "compute_advantages",

@@ -66,7 +66,12 @@ class RolloutBatch:
     def select_groups(self, groups: Sequence[int]) -> RolloutBatch:
         """The batch restricted to whole groups (indices of groups of G rows), in that order."""
         G = self.rollout.group_size
-        idx = torch.tensor([g * G + j for g in groups for j in range(G)], dtype=torch.long)
+        return self.select_rows([g * G + j for g in groups for j in range(G)])
+
+    def select_rows(self, rows: Sequence[int]) -> RolloutBatch:
+        """The batch restricted to rows (indices), in that order; every score and extra goes
+        with its row (the group size stays: a caller picking part of each group sets it)."""
+        idx = torch.tensor(list(rows), dtype=torch.long)
         rows = idx.tolist()
         on_dev = idx.to(self.rewards.device)  # every score lives on the rollout's device
         return dataclasses.replace(
@@ -136,6 +141,8 @@ class UpdateBatch:
         ref_logprobs: the reference policy's log-probs, when the step computed them.
         old_logprobs: pi_old as the trainer recomputed it (loss.old_logprobs: recompute or
             loss.tis_cap); None: the sampler's are pi_old.
+        metrics: what the phases before the update reported (the estimator's
+            ``advantage/<name>``), logged with the step's metrics.
     """
 
     rollout: Rollout
@@ -144,6 +151,7 @@ class UpdateBatch:
     plan: tuple[MicroBatch, ...]
     ref_logprobs: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
+    metrics: dict = dataclasses.field(default_factory=dict)
 
 
 def counted_mask(rollout: Rollout, mask_truncated: bool) -> torch.Tensor:

@@ -28,7 +28,12 @@ from collections.abc import Callable
 import torch
 from tqdm.auto import tqdm
 
-from grpo.algo.advantages import check_estimator, compute_advantages
+from grpo.algo.advantages import (
+    EstimatorRollout,
+    check_estimator,
+    compute_advantages,
+    wants_rollout,
+)
 from grpo.algo.kl import kl_penalty
 from grpo.algo.logprobs import CompletionLogprobs
 from grpo.algo.losses import (
@@ -104,9 +109,11 @@ def step_batch(
     plan = micro_batch_plan(batch.rollout, cfg.train.micro_batch_size or cfg.train.batch_size)
     show = cfg.train.progress and dist.is_main  # bars of the passes that run long
     ref = reference_phase(cfg, policy, batch.rollout, mask, plan, step, show=show)
-    advantages = advantage_phase(cfg, batch, ref, dist, step)
+    reported: dict[str, float] = {}  # what the estimator reported (the same on every rank)
+    advantages = advantage_phase(cfg, batch, ref, dist, step, metrics=reported)
     old = old_logprobs_phase(cfg, policy, batch.rollout, mask, plan, show=show)
-    return UpdateBatch(batch.rollout, mask, advantages, plan, ref_logprobs=ref, old_logprobs=old)
+    return UpdateBatch(batch.rollout, mask, advantages, plan, ref_logprobs=ref, old_logprobs=old,
+                       metrics=reported)  # fmt: skip
 
 
 def each_micro_batch(plan: tuple[MicroBatch, ...], show: bool, desc: str):
@@ -120,14 +127,16 @@ def each_micro_batch(plan: tuple[MicroBatch, ...], show: bool, desc: str):
 
 def advantage_phase(
     cfg: Config, batch: RolloutBatch, ref_logprobs: torch.Tensor | None = None, dist=SINGLE,
-    step: int | None = None,
+    step: int | None = None, metrics: dict | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """(B, T_c) advantages from the configured estimator over the *global* batch.
 
     Token rewards (minus loss.kl_in_reward * KL_t when set, which needs `ref_logprobs`) of
     every rank are gathered, padded to the longest completion, so that batch statistics
     (batch_std, reinforce_pp, ...) are those of the combined batch; each rank keeps its rows.
-    Only the generated tokens count (observations are not actions).
+    Only the generated tokens count (observations are not actions). An estimator that
+    declares `rollout` also gets the sampled tokens and the batch's extras, gathered alike
+    (`EstimatorRollout`); what it reports goes into `metrics` (``advantage/<name>``).
     """
     r = batch.rollout
     mask = r.generated_mask
@@ -139,12 +148,13 @@ def advantage_phase(
                         cfg.loss.log_ratio_clamp, cfg.loss.kl_clamp)  # fmt: skip
         token_rewards = token_rewards - cfg.loss.kl_in_reward * torch.where(mask, kl, 0.0)
     try:
-        return global_advantages(cfg, token_rewards, mask, dist, r.turn_ids)
+        return global_advantages(cfg, token_rewards, mask, dist, r.turn_ids, batch, metrics)
     except GrpoError as e:
         raise GrpoError(f"step {step}: {e}" if step is not None else str(e)) from None
 
 
-def global_advantages(cfg: Config, token_rewards, mask, dist=SINGLE, turn_ids=None):
+def global_advantages(cfg: Config, token_rewards, mask, dist=SINGLE, turn_ids=None,
+                      batch: RolloutBatch | None = None, metrics: dict | None = None):  # fmt: skip
     """This rank's (B, T_c) rows of the estimator run on all ranks' rows (rank order), each
     rank's tensors padded to the longest T_c (padding is masked out)."""
     B, T = mask.shape
@@ -152,13 +162,30 @@ def global_advantages(cfg: Config, token_rewards, mask, dist=SINGLE, turn_ids=No
     pad = (0, T_max - T)
     if turn_ids is None:
         turn_ids = torch.zeros_like(mask, dtype=torch.long)
-    all_rewards = all_gather_cat(torch.nn.functional.pad(token_rewards.float(), pad), dist)
-    all_mask = all_gather_cat(torch.nn.functional.pad(mask.float(), pad), dist).bool()
-    all_turns = all_gather_cat(torch.nn.functional.pad(turn_ids, pad, value=-1), dist)
+
+    def gather(x: torch.Tensor, value=0) -> torch.Tensor:  # (B, T_c) or (B,), all ranks
+        if x.dtype == torch.bool:
+            return gather(x.to(torch.uint8)).bool()
+        return all_gather_cat(torch.nn.functional.pad(x, pad, value=value) if x.dim() == 2
+                              else x, dist)  # fmt: skip
+
+    all_rewards = gather(token_rewards.float())
+    all_mask = gather(mask)
+    all_turns = gather(turn_ids, -1)
+    rollout = None
+    if batch is not None and wants_rollout(cfg.loss.advantage):
+        r = batch.rollout
+        rollout = EstimatorRollout(
+            completion_ids=gather(r.completion_ids), completion_mask=gather(r.completion_mask),
+            generated_mask=all_mask, turn_ids=all_turns, logprobs=gather(r.logprobs.float()),
+            prompt_lens=gather(r.prompt_lens), extras={k: gather(v) for k, v in
+                                                       sorted(batch.extras.items())},
+        )  # fmt: skip
     adv = compute_advantages(
         cfg.loss.advantage, all_rewards, all_mask, group_size=cfg.rollout.group_size,
         eps=cfg.loss.advantage_eps, gamma=cfg.loss.gamma, turn_ids=all_turns,
-        turn_gamma=cfg.rollout.gamma, params=cfg.loss.advantage_kwargs,
+        turn_gamma=cfg.rollout.gamma, params=cfg.loss.advantage_kwargs, rollout=rollout,
+        metrics=metrics,
     )  # fmt: skip
     return adv[dist.rank * B : (dist.rank + 1) * B, :T]  # (B, T_c)
 
@@ -504,6 +531,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             metrics = rollout_metrics(batch, cfg.rollout.max_turns) | source.metrics()
             metrics = reduce_metrics(metrics, dist)  # as each value's type says (mean default)
             metrics.update(adv_stats)
+            metrics.update(inputs.metrics)  # the estimator's: of the global batch, as they are
             try:
                 update = update_phase(cfg, policy, inputs, optimizer, scheduler, params, scorer,
                                       dist, state.step + 1)  # fmt: skip

@@ -1,16 +1,14 @@
 """The rollout phase of a GRPO step: prompts -> sampled completions -> scores, as one
 `RolloutBatch`.
 
-    sample_round   one sampler call: G completions (or G trajectories with an environment)
-                   for each of P dataset rows -> `Rollout`
-    score_rollout  texts, reward functions, token rewards -> `RolloutBatch`
-    rollout_phase  the step's batch: draws prompts in lockstep with the other ranks and, with
-                   loss.dynamic_sampling, refills groups that carry no signal
+    rollout_phase  the step's batch: draws prompts in lockstep with the other ranks, has the
+                   configured rollout strategy (`grpo.train.strategies`: by default
+                   `sample_round` then `score_rollout`) sample and score each rank's share
+                   and, with loss.dynamic_sampling, refills groups that carry no signal
     rollout_batches  the same for several trainer ranks at once (what a rollout producer
                    samples for the trainers it serves)
 
-`score_rollout` is the one place rewards change device and dtype: every tensor of the batch is
-float32 on the rollout's device from there on.
+`sample_round` and `score_rollout` live in `grpo.train.strategies` (re-exported here).
 """
 
 from __future__ import annotations
@@ -24,110 +22,20 @@ import torch
 from grpo.algo.advantages import zero_std_groups
 from grpo.config import Config
 from grpo.distributed import SINGLE, all_reduce_sum
-from grpo.envs import env_factory
 from grpo.metrics import Max, Sum, reduction, tagged
-from grpo.rewards import RewardContext, compute_rewards
 from grpo.rewards.bounds import total_bounds
-from grpo.rollout import Rollout
-from grpo.rollout.multiturn import sample_with_env, turn_end_ids
-from grpo.run.perf import phase_bar
 from grpo.train.batch import (
     RolloutBatch,
     cat_batches,
     derive_seed,
     next_prompts,
-    outcome_token_rewards,
-    turn_token_rewards,
 )
-
-
-def sample_round(cfg: Config, policy, sampler, rows: list[dict], seed: int, make_env=None,
-                 show: bool = False):  # fmt: skip
-    """One sampling call: G completions per row (single turn), or G trajectories per row
-    with the configured environment (multi-turn). The sampler holds the policy's precision
-    (the trainer's autocast and float32 head). `show`: a progress bar of its decode steps
-    (environment steps) when the call runs long (`grpo.run.perf.phase_bar`)."""
-    c = cfg.rollout
-    sampling = {"temperature": c.temperature, "top_k": c.top_k, "top_p": c.top_p,
-                "min_p": c.min_p, "seed": seed, "pad_id": policy.tokenizer.pad_token_id,
-                "stop_ids": policy.stop_ids}  # fmt: skip
-    B = len(rows) * c.group_size
-    if not c.multi_turn:
-        with phase_bar(show, f"rollout ({B} rows)", c.max_new_tokens, "tok") as bar:
-
-            def counted(t: int, tokens: torch.Tensor) -> torch.Tensor:  # the draw unchanged
-                bar.update(1)
-                return tokens
-
-            return sampler.sample([r["prompt_ids"] for r in rows], group_size=c.group_size,
-                                  max_new_tokens=c.max_new_tokens,
-                                  on_step=counted if show else None, **sampling)  # fmt: skip
-    with phase_bar(show, f"rollout ({B} trajectories)", B * c.max_turns, "env step") as bar:
-        return sample_with_env(
-            sampler, policy.tokenizer, rows, make_env or env_factory(c.env, c.env_kwargs),
-            env_name=c.env, group_size=c.group_size, max_new_tokens=c.max_new_tokens,
-            max_turns=c.max_turns, max_total_tokens=c.total_tokens,
-            max_obs_tokens=c.max_obs_tokens, step_timeout_s=c.env_timeout_s,
-            turn_end_ids=turn_end_ids(policy.tokenizer, c.turn_end_tokens),
-            progress=bar.update if show else None, **sampling,
-        )  # fmt: skip
-
-
-def score_rollout(
-    cfg: Config, rollout: Rollout, rows: list[dict], tokenizer, reward_fns, policy_version: int
-) -> RolloutBatch:
-    """Score a rollout of P prompts x G rows with the reward functions.
-
-    Args:
-        cfg: the run config (rollout.gamma discounts multi-turn step rewards).
-        rollout: B = P*G rows.
-        rows: the P dataset rows sampled (their columns reach the reward functions).
-        tokenizer: decodes the completions the rewards read.
-        reward_fns: (function, weight) pairs (`grpo.rewards.build_rewards`).
-        policy_version: training steps the sampling policy had completed.
-
-    Returns:
-        the `RolloutBatch`; frac_zero_std is that of this rollout's groups.
-    """
-    G = rollout.group_size
-    brows = [r for r in rows for _ in range(G)]
-    texts = rollout.decode(tokenizer, skip_special_tokens=True)
-    columns = {k: [r[k] for r in brows] for k in brows[0] if k != "prompt_ids"}
-    lengths = rollout.completion_lens.tolist()
-    columns["completion_lengths"] = lengths
-    columns["completion_ids"] = [ids[:n] for ids, n in zip(rollout.completion_ids.tolist(),
-                                                          lengths)]  # fmt: skip
-    if rollout.turn_texts is not None:  # multi-turn: what the trajectory did
-        columns["num_turns"] = [len(t) for t in rollout.turn_texts]
-        columns["env_info"] = rollout.infos
-    T_c = rollout.completion_ids.shape[1]
-    context = RewardContext(
-        step=policy_version, max_new_tokens=cfg.rollout.max_new_tokens,
-        truncated=tuple(not f for f in rollout.finished.tolist()), tokenizer=tokenizer,
-        device=rollout.ids.device,
-    )  # fmt: skip
-    reported: dict[str, float] = {}  # what the reward functions reported
-    total, per_fn = compute_rewards(reward_fns, texts, columns, T_c, context, reported)
-    if rollout.turn_rewards is not None:  # step rewards and the discounted return
-        tokens = turn_token_rewards(total, rollout, cfg.rollout.gamma)
-        total = tokens.sum(-1)
-    elif total.dim() == 1:  # (B,) sequence rewards -> on each row's last token
-        tokens = outcome_token_rewards(total, rollout.completion_mask)
-    else:  # (B, T_c) some rewards per token
-        tokens, total = total, total.sum(-1)
-    dev = rollout.ids.device
-    zero = zero_std_groups(total, G)  # (P,)
-    return RolloutBatch(
-        rollout=rollout,
-        rows=brows,
-        texts=texts,
-        rewards=total.to(dev, torch.float32),
-        token_rewards=tokens.to(dev, torch.float32),
-        per_fn={k: v.to(dev, torch.float32) for k, v in per_fn.items()},
-        policy_version=policy_version,
-        frac_zero_std=float(zero.float().mean()),
-        metrics=reported,
-    )
+from grpo.train.strategies import (  # noqa: F401  (sample_round, score_rollout: re-exported)
+    Sampling,
+    run_strategy,
+    sample_round,
+    score_rollout,
+)
 
 
 def rollout_phase(
@@ -186,8 +94,8 @@ def rollout_batches(
                 continue
             seed = derive_seed(cfg.train.seed, t, step, round_)
             picked = [rows[i] for i in idx]
-            rollout = sample_round(cfg, policy, sampler, picked, seed, make_env, show)
-            batch = score_rollout(cfg, rollout, picked, policy.tokenizer, reward_fns, version)
+            sampling = Sampling(cfg, policy, sampler, reward_fns, make_env, seed, version, show)
+            batch = run_strategy(cfg, sampling, picked, t, round_)  # rollout.strategy
             dynamic = cfg.loss.dynamic_sampling
             zero = zero_std_groups(batch.rewards, G).tolist() if dynamic else None
             for p in range(len(idx)):

@@ -1,0 +1,282 @@
+"""Rollout strategies: how one sampling round of a step turns its prompts into a scored batch.
+
+A strategy is one function, selected by ``rollout.strategy`` (a registered name or a
+``package.module:function``) with ``rollout.strategy_kwargs``:
+
+    @register_rollout_strategy("two_temperatures")
+    def two_temperatures(rows, sampling, *, low=0.6, high=1.2):
+        G = sampling.group_size
+        cold = sampling.sample(rows, group_size=G // 2, temperature=low)
+        hot = sampling.sample(rows, group_size=G - G // 2, temperature=high)
+        return sampling.score(sampling.join_groups([cold, hot]), rows)
+
+It receives the round's P dataset rows (`rows`, each with ``prompt_ids``) and a `Sampling`
+handle, and returns a `RolloutBatch` of P groups of ``rollout.group_size`` rows (a group's
+rows adjacent, in the order of `rows`); the trainer checks that shape. Inputs by name, as the
+algorithm's registries pass them: `rows`, `sampling`, `step` (updates the sampling policy
+had), `rank` (the trainer rank the batch is for), `round` (the dynamic-sampling round), plus
+its kwargs. Dynamic sampling (loss.dynamic_sampling), the advantages and the update apply to
+what it returns as to the default strategy's batch, under DDP and the asynchronous producer
+alike (each rank, or the producer for it, calls the strategy for its own rows).
+
+The default strategy is ``sampling.score(sampling.sample(rows), rows)``: G completions per row
+(or G trajectories with the configured environment) at the config's settings (`sample_round`),
+scored by the configured rewards (`score_rollout`, the one place rewards change device and
+dtype: every tensor of the batch is float32 on the rollout's device from there on).
+
+Log-probs: a rollout's log-probs are those of the settings that sampled it (its temperature).
+The trainer scores every row at ``rollout.temperature``, so rows drawn at another temperature
+are off-policy by construction and the importance ratio (clipped) corrects for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from grpo.algo.advantages import zero_std_groups
+from grpo.algo.registry import Registry
+from grpo.envs import env_factory
+from grpo.errors import GrpoError
+from grpo.rewards import RewardContext, compute_rewards
+from grpo.rollout import Rollout
+from grpo.rollout.multiturn import sample_with_env, turn_end_ids
+from grpo.run.perf import phase_bar
+from grpo.train.batch import (
+    RolloutBatch,
+    cat_batches,
+    cat_rollouts,
+    derive_seed,
+    outcome_token_rewards,
+    select_rows,
+    turn_token_rewards,
+)
+
+if TYPE_CHECKING:
+    from grpo.config import Config
+
+ROLLOUT_STRATEGIES = Registry("rollout strategy", "rollout.strategy")
+INPUTS = ("rows", "sampling", "step", "rank", "round")
+SETTINGS = ("temperature", "top_k", "top_p", "min_p", "max_new_tokens")
+
+
+def register_rollout_strategy(name: str, *, overwrite: bool = False):
+    """Decorator: a rollout strategy selectable as ``rollout.strategy: name`` (module doc)."""
+    return ROLLOUT_STRATEGIES.register(name, overwrite=overwrite)
+
+
+def check_strategy(name: str, params: dict | None = None) -> None:
+    """Fail early on an unknown strategy or a parameter it does not take (naming the field)."""
+    ROLLOUT_STRATEGIES.check_params(name, params or {}, set(INPUTS))
+
+
+def sample_round(cfg: Config, policy, sampler, rows: list[dict], seed: int, make_env=None,
+                 show: bool = False):  # fmt: skip
+    """One sampling call: G completions per row (single turn), or G trajectories per row
+    with the configured environment (multi-turn). The sampler holds the policy's precision
+    (the trainer's autocast and float32 head). `show`: a progress bar of its decode steps
+    (environment steps) when the call runs long (`grpo.run.perf.phase_bar`)."""
+    c = cfg.rollout
+    sampling = {"temperature": c.temperature, "top_k": c.top_k, "top_p": c.top_p,
+                "min_p": c.min_p, "seed": seed, "pad_id": policy.tokenizer.pad_token_id,
+                "stop_ids": policy.stop_ids}  # fmt: skip
+    B = len(rows) * c.group_size
+    if not c.multi_turn:
+        with phase_bar(show, f"rollout ({B} rows)", c.max_new_tokens, "tok") as bar:
+
+            def counted(t: int, tokens: torch.Tensor) -> torch.Tensor:  # the draw unchanged
+                bar.update(1)
+                return tokens
+
+            return sampler.sample([r["prompt_ids"] for r in rows], group_size=c.group_size,
+                                  max_new_tokens=c.max_new_tokens,
+                                  on_step=counted if show else None, **sampling)  # fmt: skip
+    with phase_bar(show, f"rollout ({B} trajectories)", B * c.max_turns, "env step") as bar:
+        return sample_with_env(
+            sampler, policy.tokenizer, rows, make_env or env_factory(c.env, c.env_kwargs),
+            env_name=c.env, group_size=c.group_size, max_new_tokens=c.max_new_tokens,
+            max_turns=c.max_turns, max_total_tokens=c.total_tokens,
+            max_obs_tokens=c.max_obs_tokens, step_timeout_s=c.env_timeout_s,
+            turn_end_ids=turn_end_ids(policy.tokenizer, c.turn_end_tokens),
+            progress=bar.update if show else None, **sampling,
+        )  # fmt: skip
+
+
+def score_rollout(
+    cfg: Config, rollout: Rollout, rows: list[dict], tokenizer, reward_fns, policy_version: int
+) -> RolloutBatch:
+    """Score a rollout of P prompts x G rows with the reward functions.
+
+    Args:
+        cfg: the run config (rollout.gamma discounts multi-turn step rewards).
+        rollout: B = P*G rows.
+        rows: the P dataset rows sampled (their columns reach the reward functions).
+        tokenizer: decodes the completions the rewards read.
+        reward_fns: (function, weight) pairs (`grpo.rewards.build_rewards`).
+        policy_version: training steps the sampling policy had completed.
+
+    Returns:
+        the `RolloutBatch`; frac_zero_std is that of this rollout's groups.
+    """
+    G = rollout.group_size
+    brows = [r for r in rows for _ in range(G)]
+    texts = rollout.decode(tokenizer, skip_special_tokens=True)
+    columns = {k: [r[k] for r in brows] for k in brows[0] if k != "prompt_ids"}
+    lengths = rollout.completion_lens.tolist()
+    columns["completion_lengths"] = lengths
+    columns["completion_ids"] = [ids[:n] for ids, n in zip(rollout.completion_ids.tolist(),
+                                                          lengths)]  # fmt: skip
+    if rollout.turn_texts is not None:  # multi-turn: what the trajectory did
+        columns["num_turns"] = [len(t) for t in rollout.turn_texts]
+        columns["env_info"] = rollout.infos
+    T_c = rollout.completion_ids.shape[1]
+    context = RewardContext(
+        step=policy_version, max_new_tokens=cfg.rollout.max_new_tokens,
+        truncated=tuple(not f for f in rollout.finished.tolist()), tokenizer=tokenizer,
+        device=rollout.ids.device,
+    )  # fmt: skip
+    reported: dict[str, float] = {}  # what the reward functions reported
+    total, per_fn = compute_rewards(reward_fns, texts, columns, T_c, context, reported)
+    if rollout.turn_rewards is not None:  # step rewards and the discounted return
+        tokens = turn_token_rewards(total, rollout, cfg.rollout.gamma)
+        total = tokens.sum(-1)
+    elif total.dim() == 1:  # (B,) sequence rewards -> on each row's last token
+        tokens = outcome_token_rewards(total, rollout.completion_mask)
+    else:  # (B, T_c) some rewards per token
+        tokens, total = total, total.sum(-1)
+    dev = rollout.ids.device
+    zero = zero_std_groups(total, G)  # (P,)
+    return RolloutBatch(
+        rollout=rollout,
+        rows=brows,
+        texts=texts,
+        rewards=total.to(dev, torch.float32),
+        token_rewards=tokens.to(dev, torch.float32),
+        per_fn={k: v.to(dev, torch.float32) for k, v in per_fn.items()},
+        policy_version=policy_version,
+        frac_zero_std=float(zero.float().mean()),
+        metrics=reported,
+    )
+
+
+@dataclasses.dataclass
+class Sampling:
+    """What a strategy samples and scores with, for one round of one rank's step.
+
+    Attributes:
+        group_size: G, the rows per group the returned batch must have (rollout.group_size).
+        settings: the config's sampling settings (temperature, top_k, top_p, min_p,
+            max_new_tokens); `sample` overrides any of them per call.
+        step: updates the sampling policy had (the batch's policy_version).
+        tokenizer: the policy's tokenizer.
+    """
+
+    cfg: Any
+    policy: Any
+    sampler: Any
+    reward_fns: Any
+    make_env: Any
+    seed: int
+    step: int
+    show: bool = False
+    calls: int = 0
+
+    @property
+    def group_size(self) -> int:
+        return self.cfg.rollout.group_size
+
+    @property
+    def settings(self) -> dict:
+        r = self.cfg.rollout
+        return {k: getattr(r, k) for k in SETTINGS}
+
+    @property
+    def tokenizer(self):
+        return self.policy.tokenizer
+
+    def sample(self, rows: Sequence[dict], *, group_size: int | None = None,
+               seed: int | None = None, **settings) -> Rollout:  # fmt: skip
+        """`group_size` completions (default G) of each row, adjacent, in the order of `rows`:
+        one sampler call (multi-turn: trajectories with the configured environment). Settings
+        not given are the config's. Each call draws from its own seed: the round's seed for
+        the first call (the default strategy is the plain rollout, bitwise), then seeds derived
+        from it; `seed` sets one."""
+        unknown = sorted(set(settings) - set(SETTINGS))
+        if unknown:
+            raise GrpoError(f"Sampling.sample: unknown settings {unknown}; settings: "
+                            f"{', '.join(SETTINGS)}")  # fmt: skip
+        if seed is None:
+            seed = self.seed if self.calls == 0 else derive_seed(self.seed, self.calls)
+        self.calls += 1
+        r = self.cfg.rollout
+        rollout_cfg = dataclasses.replace(r, group_size=group_size or r.group_size, **settings)
+        cfg = dataclasses.replace(self.cfg, rollout=rollout_cfg)
+        return sample_round(cfg, self.policy, self.sampler, list(rows), seed, self.make_env,
+                            self.show)  # fmt: skip
+
+    def score(self, rollout: Rollout, rows: Sequence[dict]) -> RolloutBatch:
+        """The rollout scored by the configured rewards (their context: this step, the
+        config's completion budget): a `RolloutBatch` (group size: the rollout's)."""
+        return score_rollout(self.cfg, rollout, list(rows), self.tokenizer, self.reward_fns,
+                             self.step)  # fmt: skip
+
+    def join_groups(self, parts: Sequence[Rollout]) -> Rollout:
+        """Rollouts of the same rows (groups of g_1, g_2, ... rows) as one rollout with groups
+        of g_1 + g_2 + ... rows: each row's completions from every part, adjacent."""
+        P = len(parts[0].ids) // parts[0].group_size
+        if any(len(p.ids) // p.group_size != P for p in parts):
+            raise GrpoError("Sampling.join_groups: the rollouts are not of the same rows")
+        joined = cat_rollouts(list(parts), self.tokenizer.pad_token_id)
+        offsets, start = [], 0
+        for p in parts:
+            offsets.append(start)
+            start += len(p.ids)
+        order = [off + q * p.group_size + j for q in range(P) for p, off in zip(parts, offsets)
+                 for j in range(p.group_size)]  # fmt: skip
+        G = sum(p.group_size for p in parts)
+        out = select_rows(joined, torch.tensor(order, dtype=torch.long))
+        return dataclasses.replace(out, group_size=G)
+
+    def cat(self, batches: Sequence[RolloutBatch]) -> RolloutBatch:
+        """Scored batches of the same group size, one after the other (the first one's
+        metrics)."""
+        if len({b.rollout.group_size for b in batches}) > 1:
+            raise GrpoError("Sampling.cat: the batches have different group sizes")
+        return cat_batches(list(batches), self.tokenizer.pad_token_id)
+
+    def keep(self, batch: RolloutBatch, rows: Sequence[int], group_size: int) -> RolloutBatch:
+        """The batch restricted to `rows` (indices, a new group every `group_size` of them):
+        e.g. the best G of each group of k * G. Scores go with their rows."""
+        if len(rows) % group_size:
+            raise GrpoError(f"Sampling.keep: {len(rows)} rows do not make groups of {group_size}")
+        out = batch.select_rows(rows)
+        return dataclasses.replace(
+            out, rollout=dataclasses.replace(out.rollout, group_size=group_size)
+        )
+
+
+@register_rollout_strategy("default")
+def default(rows, sampling: Sampling) -> RolloutBatch:
+    """G completions of each row at the config's settings, scored by the configured rewards."""
+    return sampling.score(sampling.sample(rows), rows)
+
+
+def run_strategy(cfg, sampling: Sampling, rows: list[dict], rank: int, round_: int):
+    """The configured strategy's batch for `rows`, checked: P groups of G rows, in order."""
+    r = cfg.rollout
+    inputs = {"rows": rows, "sampling": sampling, "step": sampling.step, "rank": rank,
+              "round": round_, **(r.strategy_kwargs or {})}  # fmt: skip
+    batch = ROLLOUT_STRATEGIES.call(r.strategy, inputs)
+    name = r.strategy
+    if not isinstance(batch, RolloutBatch):
+        raise GrpoError(f"rollout strategy {name!r} returned {type(batch).__name__}, expected a "
+                        "RolloutBatch (Sampling.score)")  # fmt: skip
+    G, want = r.group_size, len(rows) * r.group_size
+    if batch.rollout.group_size != G or batch.size != want:
+        raise GrpoError(f"rollout strategy {name!r} returned {batch.size} rows in groups of "
+                        f"{batch.rollout.group_size}; expected {len(rows)} groups of "
+                        f"rollout.group_size={G} ({want} rows)")  # fmt: skip
+    return batch

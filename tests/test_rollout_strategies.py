@@ -1,0 +1,205 @@
+"""Rollout strategies (`rollout.strategy`): the `Sampling` handle's parts against the sampler
+itself (per-call settings, joined groups, kept rows), the default strategy as the plain
+rollout, shape and config errors, and docs/extending.md's strategies (two temperatures,
+best-of-k, per-prompt counts from a file) as a user writes them, through `grpo train` under
+torchrun with 2 ranks and with the asynchronous producer."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo.config import load_config
+from grpo.errors import GrpoError
+from grpo.loading import load_rows
+from grpo.policy import build_policy
+from grpo.rewards import build_rewards
+from grpo.settings import ConfigError
+from grpo.tokenizer import load_tokenizer
+from grpo.train.batch import derive_seed
+from grpo.train.producer import make_sampler
+from grpo.train.strategies import Sampling, run_strategy, sample_round, score_rollout
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny_ci.yaml")
+
+
+def length_reward(completions, **_):
+    """Spread in every group, so that picking the best is visible."""
+    return [len(c) / 10 for c in completions]
+
+
+@pytest.fixture(scope="module")
+def setup(shared_tiny_model):
+    cfg = load_config(TINY, [f"model.path={shared_tiny_model}", "rollout.compile=off",
+                             "rollout.max_new_tokens=8"])  # fmt: skip
+    policy = build_policy(cfg, torch.device("cpu"), need_ref=False)
+    policy.model.eval()
+    rows = load_rows(cfg.data, cfg.data.split, 6, "rl", policy.tokenizer)[:3]
+    sampler = make_sampler(cfg, policy, policy.model)
+    rewards = build_rewards([length_reward])
+
+    def sampling(seed=7):
+        return Sampling(cfg, policy, sampler, rewards, None, seed, step=0)
+
+    return cfg, policy, sampler, rewards, rows, sampling
+
+
+def test_the_default_strategy_is_the_plain_rollout_bitwise(setup):
+    cfg, policy, sampler, rewards, rows, sampling = setup
+    got = run_strategy(cfg, sampling(), rows, rank=0, round_=0)
+    want = score_rollout(cfg, sample_round(cfg, policy, sampler, rows, 7), rows,
+                         policy.tokenizer, rewards, 0)  # fmt: skip
+    assert torch.equal(got.rollout.ids, want.rollout.ids)
+    assert torch.equal(got.rollout.logprobs, want.rollout.logprobs)
+    assert torch.equal(got.rewards, want.rewards) and got.texts == want.texts
+
+
+def test_sample_takes_per_call_settings_and_seeds(setup):
+    """Each call is the sampler at those settings: the first with the round's seed, the next
+    with seeds derived from it; greedy at temperature 0 whatever the seed."""
+    cfg, policy, sampler, rewards, rows, sampling = setup
+    s = sampling()
+    first = s.sample(rows, group_size=2, temperature=0.6)
+    second = s.sample(rows, group_size=3, temperature=1.2, max_new_tokens=4)
+    c = dataclasses.replace(cfg.rollout, group_size=2, temperature=0.6)
+    want1 = sample_round(dataclasses.replace(cfg, rollout=c), policy, sampler, rows, 7)
+    c = dataclasses.replace(cfg.rollout, group_size=3, temperature=1.2, max_new_tokens=4)
+    want2 = sample_round(dataclasses.replace(cfg, rollout=c), policy, sampler, rows,
+                         derive_seed(7, 1))  # fmt: skip
+    assert torch.equal(first.ids, want1.ids) and torch.equal(first.logprobs, want1.logprobs)
+    assert torch.equal(second.ids, want2.ids) and second.completion_ids.shape[1] <= 4
+    greedy = [s.sample(rows, group_size=2, temperature=0.0, seed=k) for k in (1, 2)]
+    assert torch.equal(greedy[0].ids, greedy[1].ids)
+    with pytest.raises(GrpoError, match="unknown settings \\['temprature'\\]"):
+        s.sample(rows, temprature=1.0)
+
+
+def test_join_groups_puts_each_rows_completions_together(setup):
+    cfg, policy, sampler, rewards, rows, sampling = setup
+    s = sampling()
+    cold = s.sample(rows, group_size=2, temperature=0.6)
+    hot = s.sample(rows, group_size=3, temperature=1.2)
+    joined = s.join_groups([cold, hot])
+    assert joined.group_size == 5 and joined.ids.shape[0] == 15
+    pad = policy.tokenizer.pad_token_id
+    for q in range(3):
+        for j in range(5):
+            part, row = (cold, q * 2 + j) if j < 2 else (hot, q * 3 + j - 2)
+            n = int(part.completion_lens[row])
+            got = joined.completion_ids[q * 5 + j]
+            assert got[:n].tolist() == part.completion_ids[row, :n].tolist()
+            assert (got[n:] == pad).all()
+            assert torch.equal(joined.logprobs[q * 5 + j, :n], part.logprobs[row, :n])
+            assert int(joined.prompt_lens[q * 5 + j]) == int(part.prompt_lens[row])
+    with pytest.raises(GrpoError, match="not of the same rows"):
+        s.join_groups([cold, s.sample(rows[:2], group_size=2)])
+
+
+def test_keep_takes_rows_with_their_scores(setup):
+    cfg, policy, sampler, rewards, rows, sampling = setup
+    s = sampling()
+    batch = s.score(s.sample(rows, group_size=6), rows)
+    best = []
+    for q in range(3):  # the 4 longest of each group of 6, in row order
+        r = batch.rewards[q * 6 : (q + 1) * 6]
+        best += sorted(q * 6 + i for i in r.topk(4).indices.tolist())
+    kept = s.keep(batch, best, 4)
+    assert kept.rollout.group_size == 4 and kept.size == 12
+    assert torch.equal(kept.rewards, batch.rewards[best])
+    assert kept.texts == [batch.texts[i] for i in best]
+    assert torch.equal(kept.rollout.ids, batch.rollout.ids[best])
+    with pytest.raises(GrpoError, match="do not make groups of 4"):
+        s.keep(batch, best[:5], 4)
+
+
+def test_a_wrong_shape_and_an_unknown_strategy_are_named(setup, shared_tiny_model):
+    cfg, policy, sampler, rewards, rows, sampling = setup
+
+    def half(rows, sampling):
+        return sampling.score(sampling.sample(rows, group_size=2), rows)
+
+    bad = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, strategy=half))
+    with pytest.raises(GrpoError, match="returned 6 rows in groups of 2; expected 3 groups of "
+                                        "rollout.group_size=4 \\(12 rows\\)"):  # fmt: skip
+        run_strategy(bad, sampling(), rows, 0, 0)
+    with pytest.raises(ConfigError, match="rollout.strategy: unknown rollout strategy 'nope'"):
+        load_config(TINY, [f"model.path={shared_tiny_model}", "rollout.strategy=nope"])
+    with pytest.raises(ConfigError, match="'kk' is not a parameter of rollout strategy"):
+        load_config(TINY, [f"model.path={shared_tiny_model}", "rollout.strategy=default",
+                           "rollout.strategy_kwargs={kk: 1}"])  # fmt: skip
+
+
+# -- docs/extending.md's strategies, through grpo train ---------------------------------------
+
+
+def doc_block(marker: str) -> str:
+    text = (REPO / "docs" / "extending.md").read_text()
+    [block] = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if b.startswith(marker)]
+    return block
+
+
+def train(tmp_path, model, out: str, *overrides, ranks: int = 2) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={ranks}", "-m", "grpo", "train", "--config", TINY,
+           f"model.path={model}", "train.progress=false", "data.eval_samples=0",
+           "rollout.compile=off", "train.save_every=0", "train.log_every=1",
+           "train.max_steps=2", "rollout.max_new_tokens=8", f"train.output_dir={out}",
+           "rewards=[{name: my_pkg.rewards:length}]", *overrides]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)}
+    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+    rows = [x for x in rows if "rollout/groups_sampled" in x]
+    assert len(rows) == 2
+    return rows
+
+
+@pytest.fixture()
+def my_pkg(tmp_path):
+    (tmp_path / "my_pkg").mkdir()
+    (tmp_path / "my_pkg" / "__init__.py").write_text("")
+    (tmp_path / "my_pkg" / "strategies.py").write_text(doc_block("# my_pkg/strategies.py"))
+    (tmp_path / "my_pkg" / "rewards.py").write_text(
+        "def length(completions, **_):\n    return [len(c) / 10 for c in completions]\n"
+    )
+    return tmp_path
+
+
+def test_two_temperatures_under_ddp_and_the_async_producer(my_pkg, shared_tiny_model):
+    """Cold rows are shorter and surer than hot ones on a random model; both halves reported
+    for the step, over both ranks, synchronous and with the producer."""
+    strategy = "rollout.strategy=my_pkg.strategies:two_temperatures"
+    for out, extra in (("ddp", []), ("async", ["rollout.async=on"])):
+        for m in train(my_pkg, shared_tiny_model, out, strategy,
+                       "rollout.strategy_kwargs={low: 0.3, high: 2.0}", *extra):  # fmt: skip
+            assert m["strategy/cold_reward"] >= 0 and m["strategy/hot_reward"] >= 0
+            assert m["rollout/groups_sampled"] == 4  # 2 ranks x 2 groups of 4
+        if out == "async":
+            assert "async/staleness" in m
+
+
+def test_best_of_k_and_counts_from_a_file_under_ddp(my_pkg, shared_tiny_model):
+    """Best-of-3 draws 3 G per prompt (all ranks: 4 prompts x 12 = 48 a step); with a counts
+    file of 4 or 8 per question, what the file says of each prompt drawn."""
+    cfg = load_config(TINY, [f"model.path={shared_tiny_model}"])
+    tok = load_tokenizer(shared_tiny_model)
+    data = load_rows(cfg.data, cfg.data.split, cfg.data.max_samples, "rl", tok)
+    questions = [r["question"] for r in data]
+    counts = {q: 8 if i % 2 else 4 for i, q in enumerate(questions)}
+    (my_pkg / "counts.json").write_text(json.dumps(counts))
+    strategy = "rollout.strategy=my_pkg.strategies:best_of"
+    for m in train(my_pkg, shared_tiny_model, "best3", strategy, "rollout.strategy_kwargs={k: 3}"):
+        assert m["strategy/drawn"] == 48
+        assert m["rollout/groups_sampled"] == 4
+    for m in train(my_pkg, shared_tiny_model, "counts", strategy,
+                   f"rollout.strategy_kwargs={{counts: {my_pkg / 'counts.json'}}}"):  # fmt: skip
+        assert 16 <= m["strategy/drawn"] <= 32 and m["strategy/drawn"] % 4 == 0
