@@ -26,7 +26,13 @@ from grpo.settings import ConfigError
 from grpo.tokenizer import load_tokenizer
 from grpo.train.batch import derive_seed
 from grpo.train.producer import make_sampler
-from grpo.train.strategies import Sampling, run_strategy, sample_round, score_rollout
+from grpo.train.strategies import (
+    Sampling,
+    register_rollout_strategy,
+    run_strategy,
+    sample_round,
+    score_rollout,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny_ci.yaml")
@@ -124,12 +130,13 @@ def test_keep_takes_rows_with_their_scores(setup):
 def test_a_wrong_shape_and_an_unknown_strategy_are_named(setup, shared_tiny_model):
     cfg, policy, sampler, rewards, rows, sampling = setup
 
+    @register_rollout_strategy("test_half", overwrite=True)
     def half(rows, sampling):
         return sampling.score(sampling.sample(rows, group_size=2), rows)
 
-    bad = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, strategy=half))
-    with pytest.raises(GrpoError, match="returned 6 rows in groups of 2; expected 3 groups of "
-                                        "rollout.group_size=4 \\(12 rows\\)"):  # fmt: skip
+    bad = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, strategy="test_half"))
+    want = "'test_half' returned 6 rows in groups of 2; expected 3 groups of rollout.group_size=4"
+    with pytest.raises(GrpoError, match=want):
         run_strategy(bad, sampling(), rows, 0, 0)
     with pytest.raises(ConfigError, match="rollout.strategy: unknown rollout strategy 'nope'"):
         load_config(TINY, [f"model.path={shared_tiny_model}", "rollout.strategy=nope"])
@@ -168,6 +175,7 @@ def my_pkg(tmp_path):
     (tmp_path / "my_pkg").mkdir()
     (tmp_path / "my_pkg" / "__init__.py").write_text("")
     (tmp_path / "my_pkg" / "strategies.py").write_text(doc_block("# my_pkg/strategies.py"))
+    (tmp_path / "my_pkg" / "estimators.py").write_text(doc_block("# my_pkg/estimators.py"))
     (tmp_path / "my_pkg" / "rewards.py").write_text(
         "def length(completions, **_):\n    return [len(c) / 10 for c in completions]\n"
     )
@@ -203,3 +211,13 @@ def test_best_of_k_and_counts_from_a_file_under_ddp(my_pkg, shared_tiny_model):
     for m in train(my_pkg, shared_tiny_model, "counts", strategy,
                    f"rollout.strategy_kwargs={{counts: {my_pkg / 'counts.json'}}}"):  # fmt: skip
         assert 16 <= m["strategy/drawn"] <= 32 and m["strategy/drawn"] % 4 == 0
+
+
+def test_an_estimator_reads_the_gathered_rollout_and_extras(my_pkg, shared_tiny_model):
+    """The docs' estimator on 2 ranks sees the global batch: both ranks' hot rows (8 of 16)
+    and all their generated tokens (a rank-local view would give half)."""
+    for m in train(my_pkg, shared_tiny_model, "est",
+                   "rollout.strategy=my_pkg.strategies:two_temperatures",
+                   "loss.advantage=my_pkg.estimators:hot_discount"):  # fmt: skip
+        assert m["advantage/hot_rows"] == 8
+        assert m["advantage/tokens"] == pytest.approx(16 * m["rollout/completion_len_mean"])
