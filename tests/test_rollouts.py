@@ -14,6 +14,7 @@ from grpo.policy import Policy
 from grpo.rollout import Sampler
 from grpo.run.state import TrainState
 from grpo.train.batch import cat_rollouts, outcome_token_rewards, select_rows
+from grpo.train.strategies import register_rollout_strategy
 
 G = 2
 
@@ -30,31 +31,29 @@ def signal_only_when_varied(completions, kind, **_):
     return [float(i % 2) if k == "varied" else 0.0 for i, k in enumerate(kind)]
 
 
-def _setup(tiny_checkpoints, tmp_path, monkeypatch, *overrides):
+def _setup(tiny_checkpoints, tmp_path, *overrides):
+    calls = []  # (rows, rollout) of every sampling round
+
+    @register_rollout_strategy("test_rollouts_recording", overwrite=True)
+    def recording(rows, sampling):  # the default strategy, recorded
+        r = sampling.sample(rows)
+        calls.append((rows, r))
+        return sampling.score(r, rows)
+
     model = load_model(tiny_checkpoints("qwen3"))
     cfg = load_config(base={"model": {"path": str(tmp_path)}}, overrides=[
         f"rollout.group_size={G}", "train.batch_size=6", "rollout.max_new_tokens=6",
-        *overrides])  # fmt: skip
+        "rollout.strategy=test_rollouts_recording", *overrides])  # fmt: skip
     policy = Policy(model, _Tok(), [3], None, tmp_path, lora=False)
     g = torch.Generator().manual_seed(0)
     kinds = ["flat", "flat", "varied", "flat", "varied", "flat", "flat", "varied"] * 2
     rows = [{"prompt_ids": torch.randint(4, 200, (2 + i % 5,), generator=g).tolist(),
              "kind": kind} for i, kind in enumerate(kinds)]  # fmt: skip
-    calls = []  # (rows, rollout) of every sampling round
-
-    def recording(*args, **kwargs):
-        r = sample_round(*args, **kwargs)
-        calls.append((args[3], r))
-        return r
-
-    sample_round = rollouts.sample_round
-    monkeypatch.setattr(rollouts, "sample_round", recording)
     return cfg, policy, Sampler(model), rows, calls
 
 
-def test_without_dynamic_sampling_the_round_is_the_batch(tiny_checkpoints, tmp_path,
-                                                          monkeypatch):  # fmt: skip
-    cfg, policy, sampler, rows, calls = _setup(tiny_checkpoints, tmp_path, monkeypatch)
+def test_without_dynamic_sampling_the_round_is_the_batch(tiny_checkpoints, tmp_path):  # fmt: skip
+    cfg, policy, sampler, rows, calls = _setup(tiny_checkpoints, tmp_path)
     fns = [(signal_only_when_varied, 1.0)]
     batch = rollouts.rollout_phase(cfg, policy, sampler, rows, TrainState(), fns, step=4)
     assert len(calls) == 1 and batch.rollout is calls[0][1]  # not split and re-joined
@@ -70,10 +69,10 @@ def test_without_dynamic_sampling_the_round_is_the_batch(tiny_checkpoints, tmp_p
 
 
 @pytest.mark.parametrize("rounds", [2, 4])
-def test_dynamic_sampling_equals_per_group_selection(tiny_checkpoints, tmp_path, monkeypatch,
+def test_dynamic_sampling_equals_per_group_selection(tiny_checkpoints, tmp_path,
                                                      rounds):  # fmt: skip
     cfg, policy, sampler, rows, calls = _setup(
-        tiny_checkpoints, tmp_path, monkeypatch, "loss.dynamic_sampling=true",
+        tiny_checkpoints, tmp_path, "loss.dynamic_sampling=true",
         f"loss.max_sampling_rounds={rounds}",
     )  # fmt: skip
     fns = [(signal_only_when_varied, 1.0)]
