@@ -16,8 +16,9 @@ import dataclasses
 import json
 import logging
 import math
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -132,6 +133,36 @@ def default_total_tokens(max_new_tokens: int, max_turns: int, max_obs_tokens: in
     """A trajectory's completion-region budget: every turn at its limit plus an observation
     (and the template's glue around it, 16 tokens) between each two."""
     return max_turns * max_new_tokens + (max_turns - 1) * (max_obs_tokens + 16)
+
+
+@dataclass(frozen=True)
+class ModuleConfig:
+    """A module trained beside the policy (grpo/train/modules.py, docs/extending.md)."""
+
+    name: str  # registered name or package.module:factory (the factory makes the module)
+    kwargs: dict = field(default_factory=dict)  # the factory's keyword arguments
+    optim: dict = field(default_factory=dict)  # its AdamW and schedule: optim's keys
+    label: str | None = None  # its name in metrics and checkpoints (default: from `name`)
+
+    @property
+    def key(self) -> str:
+        """The name metrics and checkpoints use: `label`, else the factory's name."""
+        return self.label or self.name.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+
+    def __post_init__(self):
+        _check(isinstance(self.name, str) and bool(self.name), "modules[].name", "must be a name")
+        if self.label is not None:
+            ok = isinstance(self.label, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.label)
+            want = "must be 1-64 characters of [A-Za-z0-9_.-]"
+            _check(bool(ok), "modules[].label", f"{want}, got {self.label!r}")
+        known = {f.name for f in fields(OptimConfig)}
+        for k in self.optim:
+            _check(k in known, f"modules[].optim.{k}",
+                   f"unknown key; valid keys: {', '.join(sorted(known))}")  # fmt: skip
+        try:
+            OptimConfig(**self.optim)
+        except ConfigError as e:
+            raise ConfigError(f"modules[].{e}", field=f"modules[].{e.field}") from None
 
 
 @dataclass(frozen=True)
@@ -468,6 +499,8 @@ class Config:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rewards: tuple[RewardConfig, ...] = (RewardConfig("accuracy"),)
+    # modules trained beside the policy (a value head, a learned baseline): grpo/train/modules.py
+    modules: tuple[ModuleConfig, ...] = ()
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -112,6 +112,7 @@ class Run:
     state: TrainState
     logger: MetricLogger
     rundir: RunDir
+    modules: Any = None  # the modules trained beside the policy (grpo.train.modules.ModuleSet)
 
     def end_step(self, policy: Policy, dist, last: bool) -> None:
         """Checkpoint when due (every rank's RNG state, rank 0 writes), then wait for all.
@@ -189,6 +190,7 @@ class Run:
                 save_checkpoint(
                     self.out_dir, self.state, policy.model, self.optimizer, self.scheduler,
                     config_to_dict(cfg), cfg.train.keep_last, rng_states=rngs, sharded=sharded,
+                    extra=self.modules.save if self.modules else None,
                 )  # fmt: skip
         return self.out_dir / "checkpoints" / f"step_{self.state.step:06d}"
 
@@ -221,6 +223,8 @@ class Run:
         with full_weights(policy.model), rank_local(dist, Where("final save", self.state.step)):
             if dist.is_main:
                 final = save_final(policy, self.out_dir, self.cfg)
+                if self.modules:  # the trained modules' weights beside the policy's
+                    self.modules.save(final, weights_only=True)
         return {
             "output_dir": str(self.out_dir),
             "final": str(final),
@@ -236,6 +240,7 @@ def start_run(
     total_steps: int,
     rundir: RunDir,
     header: dict[str, str] | None = None,
+    modules=None,
 ) -> Run:
     """Optimizer and schedule over `total_steps` updates, the state restored from the
     checkpoint `rundir` resumes, then (inputs all checked by now) the run directory claimed
@@ -256,6 +261,8 @@ def start_run(
     if rundir.checkpoint is not None:
         ckpt = rundir.checkpoint
         state = load_checkpoint(ckpt, policy.model, optimizer, scheduler, rank=dist.rank)
+        if modules:  # the modules trained beside the policy: theirs too
+            modules.load(ckpt)
         log.info("resumed from %s (step %d)", ckpt, state.step)
     rundir.claim(cfg, dist)
     if header and dist.is_main:
@@ -264,7 +271,7 @@ def start_run(
         rundir.path, dist.is_main, cfg.log.tensorboard, cfg.log.wandb, cfg.log.wandb_project,
         config_to_dict(cfg), resume_step=state.step if rundir.resume else None, header=header,
     )  # fmt: skip
-    return Run(cfg, rundir.path, params, optimizer, scheduler, state, logger, rundir)
+    return Run(cfg, rundir.path, params, optimizer, scheduler, state, logger, rundir, modules)
 
 
 def due(step: int, every: int, last: bool) -> bool:

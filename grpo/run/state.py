@@ -133,6 +133,7 @@ def save_checkpoint(
     keep_last: int = 2,
     rng_states: list[dict] | None = None,
     sharded: tuple[Path, list[dict]] | None = None,
+    extra=None,
 ) -> Path:
     """Write checkpoints/step_NNNNNN atomically, point `latest` at it, keep the newest K.
 
@@ -141,6 +142,8 @@ def save_checkpoint(
         sharded: (tmp, param groups) of an FSDP run: every rank has written its shards into
             tmp/shards (`save_shards`), this call writes the rest there and renames it into
             place; default: a new tmp directory, the tensors read from model and optimizer.
+        extra: called with the directory being written, to add files of its own (the trained
+            modules' states, `grpo.train.modules.ModuleSet.save`); in the manifest like the rest.
 
     Returns:
         the checkpoint directory. A failing write raises GrpoError and leaves earlier
@@ -158,6 +161,8 @@ def save_checkpoint(
             save_safetensors(trainable_state_dict(model), tmp / "trainable.safetensors")
             torch_save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
+        if extra is not None:
+            extra(tmp)
         write_text(
             tmp / "state.json",
             json.dumps({"train_state": asdict(state), "rng": rng_states or [rng_state()]}),

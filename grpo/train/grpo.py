@@ -82,6 +82,7 @@ from grpo.train.batch import (
     micro_batch_plan,
 )
 from grpo.train.health import LearningHealth, StallError, WeightChange
+from grpo.train.modules import ModuleSet, check_trained_module
 from grpo.train.producer import make_sampler, rollout_source, run_producer
 from grpo.train.stats import (
     OnPolicyCheck,
@@ -461,6 +462,8 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
     seed_everything(cfg.train.seed)
     check_estimator(cfg.loss.advantage, cfg.loss.advantage_kwargs)  # before anything is written
     check_policy_loss(cfg.loss)
+    for i, spec in enumerate(cfg.modules):  # unknown factories and kwargs, before any write
+        check_trained_module(spec, i)
     make_env = (
         env_factory(cfg.rollout.env, cfg.rollout.env_kwargs) if cfg.rollout.multi_turn else None
     )
@@ -482,10 +485,12 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
     if dist.is_main:  # limits that would act silently, said once (grpo config says them too)
         for line in start_notices(cfg, "grpo", tokenizer=policy.tokenizer):
             log.warning("%s", line)
+    modules = ModuleSet(cfg, policy, dist, device, cfg.train.max_steps)  # trained beside it
     # Only now, with model, data and rewards checked, does the run directory get written.
     run = start_run(cfg, policy, dist, cfg.train.max_steps * cfg.loss.num_iterations, rundir,
-                    header=run_header(cfg, policy.precision, policy.device,
-                                      describe_parallel(dist, sharded), env_meta))  # fmt: skip
+                    header={**run_header(cfg, policy.precision, policy.device,
+                                         describe_parallel(dist, sharded), env_meta),
+                            **modules.header()}, modules=modules)  # fmt: skip
     state, optimizer, scheduler, params = run.state, run.optimizer, run.scheduler, run.params
     policy.model.eval()
     scorer = wrap_ddp(CompletionLogprobs(policy.model, policy.precision), dist, device)
@@ -517,7 +522,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             where.step = state.step + 1
             where.phase = "waiting for rollouts" if source.asynchronous else "rollout"
             peaks.start()
-            batch = source.next(state)
+            batch = modules.attach(source.next(state))  # the modules' extras, if any
             t1 = time.perf_counter()
             peaks.end("rollout")
             where.phase = "reference / advantage"
@@ -540,6 +545,8 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
                 why = f"the weights after the update of step {state.step + 1} are not finite"
                 raise run.unsaved_stop(dist, NonfiniteWeights(what), why) from None
             metrics.update(update)
+            if modules:  # one step of each module on the same batch; means over ranks
+                metrics.update(reduce_metrics(modules.step(batch, inputs, state.step + 1), dist))
             metrics["train/weight_change"] = weight_change.measure(dist)
             t3 = time.perf_counter()
             peaks.end("update")

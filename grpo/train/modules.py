@@ -1,0 +1,258 @@
+"""Modules trained beside the policy: a value head, a learned baseline, a reward model trained
+online. Each is a `TrainedModule` made by a factory named in the config:
+
+    modules:
+      - name: my_pkg.value:ValueHead       # a registered name or package.module:factory
+        kwargs: {dim: 32}
+        optim: {lr: 3.0e-3}                # its own AdamW and schedule (optim's keys)
+
+The trainer gives each module what the policy has: its own optimizer and LR schedule (over
+the run's updates), data parallelism under torchrun (replicated, under train.parallel: fsdp
+too, as modules are small: the same initial weights on every rank, gradients averaged over
+the ranks in one all-reduce, as DDP does), the policy's precision (its autocast around
+`attach` and `loss`), checkpoints (weights as safetensors, optimizer and schedule states, in
+the step's checkpoint) and exact resume, and a line in the run's metadata (``run/modules``:
+name, class, parameters). Each step, after the
+rollout, `attach` adds per-row tensors to the batch's `extras` (an estimator that declares
+`rollout` reads them: `EstimatorRollout.extras`); after the policy's update, `loss` on the same
+batch is one optimizer step of the module (its gradient averaged over ranks, so 2 ranks of
+equal batches equal one process on both). Metrics: ``module/<name>/loss`` and what `loss`
+reports (``(loss, {"name": scalar})``), averaged over ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpo.algo.registry import Registry
+from grpo.errors import GrpoError
+from grpo.io import load_safetensors, save_safetensors, torch_load, torch_save
+from grpo.run.optim import build_optimizer, build_scheduler
+
+TRAINED_MODULES = Registry("trained module", "modules[].name")
+INPUTS = ("model_config", "tokenizer")
+
+
+def register_trained_module(name: str, *, overwrite: bool = False):
+    """Decorator: a factory of a `TrainedModule`, selectable as ``modules: [{name: ...}]``."""
+    return TRAINED_MODULES.register(name, overwrite=overwrite)
+
+
+def check_trained_module(spec, index: int = 0) -> None:
+    """Fail early on an unknown factory or a keyword it does not take (naming the field)."""
+    try:
+        TRAINED_MODULES.check_params(spec.name, spec.kwargs, set(INPUTS))
+    except GrpoError as e:  # the registry's field names, made this entry's
+        text = str(e).replace("modules[].name_kwargs", f"modules[{index}].kwargs")
+        raise GrpoError(text.replace("modules[].name", f"modules[{index}].name")) from None
+
+
+class TrainedModule(torch.nn.Module):
+    """A module trained beside the policy (module docstring). Subclass it and override:
+
+    attach(batch) -> {name: (B,) or (B, T_c) tensor}: per-row tensors added to the step's
+        `RolloutBatch.extras` (computed without gradient), before the advantages.
+    loss(batch, update) -> loss or (loss, {"name": scalar}): this rank's loss (a mean over its
+        rows) on the step's `RolloutBatch` and `UpdateBatch` (advantages, masks), after the
+        policy's update; one optimizer step follows.
+    """
+
+    def attach(self, batch) -> dict[str, torch.Tensor]:
+        return {}
+
+    def loss(self, batch, update):
+        raise NotImplementedError(f"{type(self).__name__}.loss")
+
+
+@dataclasses.dataclass
+class Trained:
+    """One module with its optimizer and schedule."""
+
+    name: str
+    module: TrainedModule
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    max_grad_norm: float | None
+
+
+class ModuleSet:
+    """The run's trained modules (possibly none): built from `cfg.modules`, stepped, saved
+    into checkpoints and restored from them."""
+
+    def __init__(self, cfg, policy, dist, device, total_steps: int):
+        from grpo.config import OptimConfig
+
+        self.items: list[Trained] = []
+        self.precision, self.device = policy.precision, device
+        seen = set()
+        for i, spec in enumerate(cfg.modules):
+            name = spec.key
+            if name in seen:
+                raise GrpoError(f"modules[{i}]: two modules named {name!r}; give one a `label`")
+            seen.add(name)
+            inputs = {"model_config": policy.model.config, "tokenizer": policy.tokenizer,
+                      **spec.kwargs}  # fmt: skip
+            torch.manual_seed(cfg.train.seed + 1000 + i)  # its own init, whatever ran before
+            module = TRAINED_MODULES.call(spec.name, inputs)
+            if not isinstance(module, TrainedModule):
+                raise GrpoError(f"modules[{i}]: {spec.name!r} made a {type(module).__name__}, "
+                                "not a grpo.train.modules.TrainedModule")  # fmt: skip
+            module = module.to(device)
+            optim = OptimConfig(**{**dataclasses.asdict(OptimConfig()), **spec.optim})
+            params = [p for p in module.parameters() if p.requires_grad]
+            if not params:
+                raise GrpoError(f"modules[{i}]: {name!r} has no trainable parameters")
+            optimizer = build_optimizer(params, optim)
+            scheduler = build_scheduler(optimizer, total_steps, optim)
+            self.items.append(Trained(name, module, optimizer, scheduler, optim.max_grad_norm))
+        self.dist = dist
+        if dist.enabled:  # the same initial weights on every rank, as DDP broadcasts them
+            import torch.distributed as td
+
+            src = 0 if dist.group is None else td.get_global_rank(dist.group, 0)
+            for t in self.items:
+                for tensor in t.module.state_dict().values():
+                    td.broadcast(tensor, src=src, group=dist.group)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def header(self) -> dict[str, str]:
+        """``run/modules``: each module's name, class and trainable parameter count."""
+        if not self.items:
+            return {}
+        parts = []
+        for t in self.items:
+            n = sum(p.numel() for p in t.module.parameters() if p.requires_grad)
+            cls = type(t.module)
+            parts.append(f"{t.name} ({cls.__module__}.{cls.__qualname__}, {n} parameters)")
+        return {"run/modules": "; ".join(parts)}
+
+    def attach(self, batch):
+        """The batch with every module's per-row tensors added to its extras."""
+        if not self.items:
+            return batch
+        extras = dict(batch.extras)
+        for t in self.items:
+            t.module.eval()
+            with torch.no_grad(), self.precision.autocast(self.device):
+                made = t.module.attach(batch) or {}
+            for k, v in made.items():
+                if not isinstance(v, torch.Tensor) or v.shape[0] != batch.size or v.dim() > 2:
+                    raise GrpoError(f"module {t.name!r}: attach returned {k!r} of "
+                                    f"{_shape(v)}; expected (B,) or (B, T_c) with B = "
+                                    f"{batch.size}")  # fmt: skip
+                extras[k] = v.float() if v.is_floating_point() else v
+        return dataclasses.replace(batch, extras=extras)
+
+    def step(self, batch, update, step: int | None = None) -> dict[str, float]:
+        """One optimizer step of every module on the step's batch; their metrics."""
+        out: dict[str, float] = {}
+        for t in self.items:
+            t.module.train()
+            t.optimizer.zero_grad(set_to_none=True)
+            with self.precision.autocast(self.device):
+                result = _module_loss(t, batch, update)
+            loss, reported = result
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
+                raise GrpoError(f"module {t.name!r}: loss returned {_shape(loss)}; expected a "
+                                "0-d tensor with a gradient")  # fmt: skip
+            loss.float().backward()
+            params = [p for p in t.module.parameters() if p.requires_grad]
+            _average_gradients(params, self.dist)  # DDP: the mean of every rank's gradient
+            norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm or math.inf)
+            value = float(loss.detach())
+            if not (math.isfinite(value) and math.isfinite(float(norm))):
+                where = f"step {step}: " if step is not None else ""
+                raise GrpoError(f"{where}module {t.name!r}: non-finite loss ({value}) or gradient "
+                                f"norm ({float(norm)})")  # fmt: skip
+            t.optimizer.step()
+            t.scheduler.step()
+            t.module.eval()
+            out[f"module/{t.name}/loss"] = value
+            out[f"module/{t.name}/grad_norm"] = float(norm)
+            out.update({f"module/{t.name}/{k}": v for k, v in reported.items()})
+        return out
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def save(self, directory: Path, weights_only: bool = False) -> None:
+        """modules/<name>/{weights.safetensors, optimizer.pt, scheduler.pt} under `directory`
+        (a checkpoint being written; the final weights: `weights_only`)."""
+        for t in self.items:
+            d = Path(directory) / "modules" / t.name
+            d.mkdir(parents=True, exist_ok=True)
+            weights = {k: v.detach().contiguous() for k, v in t.module.state_dict().items()}
+            save_safetensors(weights, d / "weights.safetensors")
+            if weights_only:
+                continue
+            torch_save(t.optimizer.state_dict(), d / "optimizer.pt")
+            torch_save(t.scheduler.state_dict(), d / "scheduler.pt")
+
+    def load(self, checkpoint: Path) -> None:
+        """Each module's state from a checkpoint (refused, naming it, when one is missing)."""
+        for t in self.items:
+            d = Path(checkpoint) / "modules" / t.name
+            if not (d / "weights.safetensors").is_file():
+                raise GrpoError(f"checkpoint {checkpoint} has no state of module {t.name!r} "
+                                "(was it trained with this module?)")  # fmt: skip
+            weights = load_safetensors(d / "weights.safetensors")
+            try:
+                t.module.load_state_dict(weights)
+            except RuntimeError as e:
+                first = str(e).strip().splitlines()[0]
+                raise GrpoError(f"checkpoint {checkpoint}: module {t.name!r} does not fit: "
+                                f"{first}") from None  # fmt: skip
+            t.module.to(self.device)
+            opt = torch_load(d / "optimizer.pt", "a module's optimizer state",
+                             map_location=self.device)  # fmt: skip
+            t.optimizer.load_state_dict(opt)
+            sched = torch_load(d / "scheduler.pt", "a module's schedule state",
+                               map_location=self.device)  # fmt: skip
+            t.scheduler.load_state_dict(sched)
+
+
+def _module_loss(t: Trained, batch, update):
+    """(loss, metrics) of the module `t`, its metrics checked."""
+    result = t.module.loss(batch, update)
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
+        loss, reported = result
+    else:
+        loss, reported = result, {}
+    metrics = {}
+    for k, v in reported.items():
+        v = float(v.detach()) if isinstance(v, torch.Tensor) and v.numel() == 1 else v
+        if not isinstance(k, str) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise GrpoError(f"module {t.name!r} reported the metric {k!r}: {v!r}; a metric is "
+                            "a string name and a finite number")  # fmt: skip
+        metrics[k] = float(v)
+    return loss, metrics
+
+
+def _average_gradients(params: list[torch.Tensor], dist) -> None:
+    """DDP's reduction, explicitly: every rank's gradients averaged, in one all-reduce of
+    their concatenation (modules are small; a parameter without a gradient counts as 0)."""
+    if not dist.enabled:
+        return
+    import torch.distributed as td
+
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    td.all_reduce(flat, op=td.ReduceOp.SUM, group=dist.group)
+    flat /= dist.world_size
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
+        offset += n
+
+
+def _shape(v) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"a tensor of shape {tuple(v.shape)}"
+    return type(v).__name__
