@@ -221,3 +221,28 @@ def test_docs_example_under_torchrun_two_ranks(shared_tiny_model, tmp_path):
         assert B // G <= m["rollout/groups_sampled"] <= (B // G) * (1 + n)
         assert 0 <= m["rollout/groups_kept"] <= B // G
         assert m["rewards/finished_right/cut"] <= m["rollout/groups_sampled"] * G
+
+
+# -- a KL estimator's metrics ----------------------------------------------------------------
+
+
+def test_a_kl_estimators_metrics_are_token_weighted_in_the_loss_stats():
+    """A KL estimator returning (kl, {"d_max": per-token, "d": per-token}): the loss stats get
+    kl_d (the mean over counted tokens) and kl_d_max (their max), by hand."""
+    from grpo.algo import register_kl
+    from grpo.algo.losses import LossSettings, policy_loss
+
+    @register_kl("test_k3_reporting", overwrite=True)
+    def k3_reporting(logprobs, ref_logprobs):
+        d = ref_logprobs - logprobs
+        return torch.exp(d) - d - 1.0, {"d": d.abs(), "d_max": d.abs()}
+
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(3, 5, generator=g, dtype=torch.float64)
+    ref = -torch.rand(3, 5, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    cfg = LossSettings(beta=0.04, kl_estimator="test_k3_reporting")
+    _, stats = policy_loss(logp.float(), logp.float(), ref.float(), torch.ones(3), mask, cfg)
+    d = (ref - logp).abs()
+    assert stats["kl_d"] == pytest.approx(float(d[mask].mean()), rel=1e-5)
+    assert stats["kl_d_max"] == pytest.approx(float(d[mask].max()), rel=1e-6)

@@ -15,9 +15,12 @@ the policy's) is an outlier whose gradient would otherwise dominate the batch.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from grpo.algo.registry import KL_ESTIMATORS, register_kl
+from grpo.errors import GrpoError
 
 
 @register_kl("k1")
@@ -42,8 +45,12 @@ def kl_penalty(
     estimator: str = "k3",
     log_ratio_clamp: float | None = None,
     kl_clamp: float | None = None,
+    metrics: dict | None = None,
 ) -> torch.Tensor:
-    """Per-token KL estimate (same shape as the inputs) with optional clamps.
+    """Per-token KL estimate (same shape as the inputs) with optional clamps. An estimator may
+    return ``(kl, {"name": value})``: the values (scalars or (B, T_c) per token) go into
+    `metrics` as ``kl_<name>`` (the loss logs them as ``train/kl_<name>``, token-weighted over
+    the batch; ``_max`` / ``_min`` names by max / min).
 
     Args:
         logprobs: log pi_theta of the sampled tokens.
@@ -60,6 +67,13 @@ def kl_penalty(
         clamped = ref_logprobs - torch.clamp(d, -log_ratio_clamp, log_ratio_clamp)
         logprobs = torch.where(over, clamped.detach(), logprobs)
     kl = KL_ESTIMATORS.call(estimator, {"logprobs": logprobs, "ref_logprobs": ref_logprobs})
+    if isinstance(kl, tuple) and len(kl) == 2 and isinstance(kl[1], Mapping):
+        kl, reported = kl
+        for name, value in reported.items():
+            if not isinstance(name, str) or not name:
+                raise GrpoError(f"KL estimator {estimator!r} reported a metric named {name!r}")
+            if metrics is not None:
+                metrics[f"kl_{name}"] = value
     if kl_clamp is not None:
         kl = torch.clamp(kl, -kl_clamp, kl_clamp)
     return kl

@@ -221,16 +221,19 @@ def policy_loss_on_device(
         stats["tis_weight_mean"] = _reduce_stat("tis_weight_mean", w, mask)
     per_token = pg
     kl = None
+    kl_stats: dict = {}  # what the KL estimator reported (train/kl_<name>)
     if cfg.beta > 0:
         if ref_logprobs is None:
             raise ValueError("beta > 0 needs ref_logprobs")
         ref = _zero_masked(ref_logprobs.to(logprobs.dtype), mask)
-        kl = kl_penalty(logprobs, ref, cfg.kl_estimator, cfg.log_ratio_clamp, cfg.kl_clamp)
+        kl = kl_penalty(logprobs, ref, cfg.kl_estimator, cfg.log_ratio_clamp, cfg.kl_clamp,
+                        kl_stats)  # fmt: skip
         per_token = per_token + cfg.beta * kl
     elif ref_logprobs is not None:  # measured for the logs only: not part of the loss
         with torch.no_grad():
             ref = _zero_masked(ref_logprobs.to(logprobs.dtype), mask)
-            kl = kl_penalty(logprobs, ref, cfg.kl_estimator, cfg.log_ratio_clamp, cfg.kl_clamp)
+            kl = kl_penalty(logprobs, ref, cfg.kl_estimator, cfg.log_ratio_clamp, cfg.kl_clamp,
+                            kl_stats)  # fmt: skip
     if entropy is not None:
         entropy = _zero_masked(entropy.to(logprobs.dtype), mask)
         if cfg.entropy_coef:
@@ -248,7 +251,7 @@ def policy_loss_on_device(
             stats["kl"] = _reduce_stat("kl", kl, mask)
         if entropy is not None:
             stats["entropy"] = _reduce_stat("entropy", entropy, mask)
-        for name, values in loss_stats.items():  # (B, T_c), or anything that broadcasts
+        for name, values in {**kl_stats, **loss_stats}.items():  # (B, T_c), or broadcasts
             values = torch.as_tensor(values, dtype=torch.float32, device=mask.device)
             stats[name] = _reduce_stat(name, values.expand(mask.shape), mask)
         stats["tokens"] = mask.sum()
