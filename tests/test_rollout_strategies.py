@@ -197,7 +197,8 @@ def test_two_temperatures_under_ddp_and_the_async_producer(my_pkg, shared_tiny_m
 
 def test_best_of_k_and_counts_from_a_file_under_ddp(my_pkg, shared_tiny_model):
     """Best-of-3 draws 3 G per prompt (all ranks: 4 prompts x 12 = 48 a step); with a counts
-    file of 4 or 8 per question, what the file says of each prompt drawn."""
+    file of 4 or 8 per question (and the asynchronous producer), what the file says of each
+    prompt drawn."""
     cfg = load_config(TINY, [f"model.path={shared_tiny_model}"])
     tok = load_tokenizer(shared_tiny_model)
     data = load_rows(cfg.data, cfg.data.split, cfg.data.max_samples, "rl", tok)
@@ -208,7 +209,7 @@ def test_best_of_k_and_counts_from_a_file_under_ddp(my_pkg, shared_tiny_model):
     for m in train(my_pkg, shared_tiny_model, "best3", strategy, "rollout.strategy_kwargs={k: 3}"):
         assert m["strategy/drawn"] == 48
         assert m["rollout/groups_sampled"] == 4
-    for m in train(my_pkg, shared_tiny_model, "counts", strategy,
+    for m in train(my_pkg, shared_tiny_model, "counts", strategy, "rollout.async=on",
                    f"rollout.strategy_kwargs={{counts: {my_pkg / 'counts.json'}}}"):  # fmt: skip
         assert 16 <= m["strategy/drawn"] <= 32 and m["strategy/drawn"] % 4 == 0
 

@@ -185,3 +185,26 @@ def test_bad_module_specs_are_named_before_anything_is_written(my_pkg, shared_ti
     assert r.returncode == 2, r.stderr[-2000:]
     assert message in r.stderr, r.stderr[-2000:]
     assert not (my_pkg / "run").exists()
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_grpo_train_with_a_module_under_torchrun(my_pkg, shared_tiny_model, parallel):
+    """2 ranks, the policy under DDP or FSDP2, the module replicated: it trains, its extras
+    reach the estimator, its checkpoint resumes."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(my_pkg)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "grpo", "train", "--config", TINY, f"model.path={shared_tiny_model}",
+           "train.progress=false", "data.eval_samples=0", "rollout.compile=off",
+           "train.log_every=1", "rollout.max_new_tokens=8", "train.save_every=1",
+           "rewards=[{name: my_pkg.rewards:length}]", f"train.parallel={parallel}",
+           "train.output_dir=run", MODULE, ESTIMATOR]  # fmt: skip
+    r = subprocess.run([*cmd, "train.max_steps=1"], cwd=my_pkg, capture_output=True, text=True,
+                       env=env, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([*cmd, "train.max_steps=2", "--resume"], cwd=my_pkg, capture_output=True,
+                       text=True, env=env, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = metrics(my_pkg / "run" / "metrics.jsonl")
+    assert [m["step"] for m in rows] == [1, 2]
+    assert all(m["module/ValueHead/loss"] >= 0 for m in rows)
+    assert (my_pkg / "run" / "final" / "modules" / "ValueHead" / "weights.safetensors").is_file()
