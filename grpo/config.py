@@ -517,6 +517,13 @@ class Config:
 
     def check_grpo(self) -> Config:
         """The rules only GRPO has (SFT configs need not follow them); returns self."""
+        from grpo.train.modules import check_trained_module  # lazy: imports torch
+
+        for i, spec in enumerate(self.modules):  # an unknown factory or keyword, named
+            try:
+                check_trained_module(spec, i)
+            except GrpoError as e:
+                raise ConfigError(str(e)) from None
         G = self.rollout.group_size
         mb = self.train.micro_batch_size or self.train.batch_size
         _check(

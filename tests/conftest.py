@@ -258,3 +258,49 @@ def lm_eval_tasks(tmp_path, monkeypatch):
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     return tasks
+
+
+def docs_example(marker: str, doc: str = "extending.md") -> str:
+    """The ```python block of docs/`doc` that begins with `marker` (a ``# my_pkg/x.py`` line):
+    the examples the tests run as written."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / doc).read_text()
+    [block] = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if b.startswith(marker)]
+    return block
+
+
+def write_package(root: Path, files: dict[str, str], name: str = "my_pkg") -> Path:
+    """`root`/`name`/ as an importable package holding `files` (module file name -> source);
+    returns `root` (what PYTHONPATH gets)."""
+    (root / name).mkdir(exist_ok=True)
+    (root / name / "__init__.py").write_text("")
+    for file, source in files.items():
+        (root / name / file).write_text(source)
+    return root
+
+
+# a reward with spread in every group (`my_pkg.rewards:length` once written by write_package)
+LENGTH_REWARD = "def length(completions, **_):\n    return [len(c) / 10 for c in completions]\n"
+
+
+def torchrun_train(cwd: Path, model, out: str, *overrides, ranks: int = 2) -> list[dict]:
+    """`grpo train` of configs/tiny_ci.yaml for 2 steps on `ranks` torchrun ranks in `cwd`
+    (on PYTHONPATH), asserted to succeed; the per-step metrics.jsonl records."""
+    import json
+    import subprocess
+    import sys
+
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny_ci.yaml"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={ranks}", "-m", "grpo", "train", "--config", str(tiny),
+           f"model.path={model}", "train.progress=false", "data.eval_samples=0",
+           "rollout.compile=off", "train.save_every=0", "train.log_every=1",
+           "train.max_steps=2", f"train.output_dir={out}", *overrides]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(cwd)}
+    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(x) for x in (Path(cwd) / out / "metrics.jsonl").read_text().splitlines()]
+    rows = [x for x in rows if "rollout/groups_sampled" in x]
+    assert len(rows) == 2
+    return rows

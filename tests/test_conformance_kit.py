@@ -25,6 +25,7 @@ from grpo.testing import (
     check_advantage,
     check_environment,
     check_policy_loss,
+    policy_loss_checks,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,8 +72,13 @@ def test_doc_example_passes_from_outside(tmp_path):
             "test_advantage[my_rloo-shift_invariant]", "test_advantage[my_rloo-group_zero_sum]",
             "test_policy_loss[my_cispo-gradient:token_mean]",
             "test_policy_loss[my_cispo-masked_garbage]"} <= set(got)  # fmt: skip
+    assert {
+        "test_policy_loss[my_cispo-gradient:token_mean@asymmetric]",
+        "test_policy_loss[my_cispo-padding_columns@dual_clip]",
+    } <= set(got)
     assert not any("[clip-" in t or "[grpo-" in t for t in got)  # only the plugin's entries
-    assert len(got) == 12, sorted(got)
+    # 5 estimator checks, 6 loss checks x 3 settings (given, asymmetric, dual clip), 2 two-rank
+    assert len(got) == 5 + 18 + 2, sorted(got)
 
 
 def test_broken_loss_fails_naming_the_check(tmp_path):
@@ -85,8 +91,9 @@ def test_broken_loss_fails_naming_the_check(tmp_path):
     r = run_documented(tmp_path, broken, command, "-k", "not two_ranks")
     assert r.returncode == 1, r.stdout[-3000:]
     failed = sorted(t for t, o in outcomes(r.stdout).items() if o != "PASSED")
-    assert failed == [f"test_policy_loss[my_cispo-gradient:{a}]" for a in
-                      ("seq_mean_token_mean", "seq_mean_token_sum_norm", "token_mean")]  # fmt: skip
+    aggregations = ("seq_mean_token_mean", "seq_mean_token_sum_norm", "token_mean")
+    assert failed == sorted(f"test_policy_loss[my_cispo-gradient:{a}{v}]" for a in aggregations
+                            for v in ("", "@asymmetric", "@dual_clip"))  # fmt: skip
     assert "policy loss 'my_cispo': gradient:token_mean failed: loss " in r.stdout
 
 
@@ -148,3 +155,76 @@ def test_the_kit_is_optional():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+# three mistakes researchers make, seeded into otherwise correct losses
+
+
+def flipped_sign(log_ratio, advantages, *, epsilon_low=0.2, epsilon_high=0.2):
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    return torch.minimum(ratio * advantages, clipped * advantages)  # the minus sign dropped
+
+
+def ratio_over_padding(log_ratio, advantages, mask, *, epsilon_low=0.2, epsilon_high=0.2):
+    seq = log_ratio.mean(-1, keepdim=True).expand_as(log_ratio)  # mean over every column
+    ratio = torch.exp(seq)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    return -torch.minimum(ratio * advantages, clipped * advantages)
+
+
+def swapped_eps(log_ratio, advantages, *, epsilon_low=0.2, epsilon_high=0.2):
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1 - epsilon_high, 1 + epsilon_low)  # the bounds swapped
+    return -torch.minimum(ratio * advantages, clipped * advantages)
+
+
+@pytest.mark.parametrize("loss, reference, first, cause", [
+    (flipped_sign, "clip", "gradient:token_mean",
+     "is the negative of its reference's (a flipped sign)"),
+    (ratio_over_padding, "gspo", "gradient:token_mean", "it reads padding"),
+    (swapped_eps, "clip", "gradient:token_mean@asymmetric",
+     "it equals the reference with epsilon_low and epsilon_high swapped"),
+])  # fmt: skip
+def test_seeded_bugs_are_caught_naming_the_cause(loss, reference, first, cause):
+    """Each mistake fails its first check with a message that names it, with the numbers and
+    the settings; the swapped clip bounds pass at the default symmetric settings (what the kit
+    alone checked before) and fail at the asymmetric pair. The references are given by path."""
+    with pytest.raises(ConformanceError) as e:
+        check_policy_loss(loss, BUILTIN_REFERENCES[reference])
+    message = str(e.value)
+    assert f": {first} failed: loss " in message and cause in message, message
+    if loss is swapped_eps:
+        assert "(at epsilon_low=0.2, epsilon_high=0.28)" in message
+        check_policy_loss(loss, BUILTIN_REFERENCES["clip"],
+                          checks=[c for c in policy_loss_checks() if "@" not in c])  # fmt: skip
+
+
+def test_settings_reach_the_loss_and_its_reference_and_paths_resolve(tmp_path, monkeypatch):
+    """`settings=` sets any loss.* field for both; a reference may be a module path; an
+    unknown setting or check is named."""
+    (tmp_path / "myref.py").write_text("from grpo.testing.references import BUILTIN_REFERENCES\n"
+                                       "clip_ref = BUILTIN_REFERENCES['clip']\n")  # fmt: skip
+    monkeypatch.syspath_prepend(str(tmp_path))
+    check_policy_loss("clip", "myref:clip_ref",
+                      settings={"epsilon_high": 0.35, "dual_clip": 2.5})  # fmt: skip
+    with pytest.raises(ConformanceError, match="swapped"):
+        check_policy_loss(swapped_eps, "myref:clip_ref", settings={"epsilon_high": 0.35},
+                          checks=["gradient:token_mean"])  # fmt: skip
+    with pytest.raises(ValueError, match="'epsilon_hi'.*not loss settings"):
+        check_policy_loss("clip", BUILTIN_REFERENCES["clip"], settings={"epsilon_hi": 0.3},
+                          checks=["gradient:token_mean"])  # fmt: skip
+    with pytest.raises(ValueError, match="unknown policy loss check 'gradient:token_mean@nope'"):
+        check_policy_loss("clip", BUILTIN_REFERENCES["clip"], checks=["gradient:token_mean@nope"])
+
+
+def test_group_zero_sum_names_the_group_and_its_sum():
+    def off_by_one_group(scores, mask, *, group_size):
+        r = scores.view(-1, group_size)
+        a = r - r.mean(1, keepdim=True)
+        a[1] += 0.5  # group 1 no longer sums to 0
+        return broadcast(a.view(-1), mask)
+
+    with pytest.raises(ConformanceError, match=r"group_zero_sum failed: group 1 of 4 rows sums "
+                       r"to 2 \(tolerance 1e-05\); 1 of 4 groups miss it"):  # fmt: skip
+        check_advantage(off_by_one_group, checks=["group_zero_sum"])

@@ -6,15 +6,11 @@ under torchrun with 2 ranks."""
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import docs_example, torchrun_train, write_package
 
 from grpo.errors import GrpoError
 from grpo.metrics import Max, Min, Sum, reduction
@@ -171,34 +167,10 @@ def test_sampling_metrics_count_groups_by_hand():
 # -- docs/extending.md's example under torchrun, 2 ranks ---------------------------------------
 
 
-def doc_block(marker: str) -> str:
-    text = (REPO / "docs" / "extending.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    [block] = [b for b in blocks if b.startswith(marker)]
-    return block
-
-
-def torchrun_train(tmp_path, model, out: str, *overrides) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "grpo", "train", "--config", TINY, f"model.path={model}",
-           "train.progress=false", "data.eval_samples=0", "rollout.compile=off",
-           "train.save_every=0", "train.log_every=1", "train.max_steps=2",
-           f"train.output_dir={out}", *overrides]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)}
-    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(x) for x in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
-    rows = [x for x in rows if "rollout/groups_sampled" in x]
-    assert len(rows) == 2
-    return rows
-
-
 def test_docs_example_under_torchrun_two_ranks(shared_tiny_model, tmp_path):
     """The example's reward on 2 ranks: its counts are sums over the ranks (a mean would give
     half), and with dynamic sampling the step's sampling counts add up over rounds."""
-    (tmp_path / "my_pkg").mkdir()
-    (tmp_path / "my_pkg" / "__init__.py").write_text("")
-    (tmp_path / "my_pkg" / "rewards.py").write_text(doc_block("# my_pkg/rewards.py"))
+    write_package(tmp_path, {"rewards.py": docs_example("# my_pkg/rewards.py")})
     rewards = (
         "rewards=[{name: my_pkg.rewards:finished_right}, {name: overlong, kwargs: {buffer: 8}}]"
     )

@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import LENGTH_REWARD, docs_example, torchrun_train, write_package
 
 from grpo.config import load_config
 from grpo.errors import GrpoError
@@ -148,49 +145,35 @@ def test_a_wrong_shape_and_an_unknown_strategy_are_named(setup, shared_tiny_mode
 # -- docs/extending.md's strategies, through grpo train ---------------------------------------
 
 
-def doc_block(marker: str) -> str:
-    text = (REPO / "docs" / "extending.md").read_text()
-    [block] = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if b.startswith(marker)]
-    return block
-
-
-def train(tmp_path, model, out: str, *overrides, ranks: int = 2) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={ranks}", "-m", "grpo", "train", "--config", TINY,
-           f"model.path={model}", "train.progress=false", "data.eval_samples=0",
-           "rollout.compile=off", "train.save_every=0", "train.log_every=1",
-           "train.max_steps=2", "rollout.max_new_tokens=8", f"train.output_dir={out}",
-           "rewards=[{name: my_pkg.rewards:length}]", *overrides]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)}
-    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(x) for x in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
-    rows = [x for x in rows if "rollout/groups_sampled" in x]
-    assert len(rows) == 2
-    return rows
+def train(tmp_path, model, out: str, *overrides) -> list[dict]:
+    return torchrun_train(tmp_path, model, out, "rollout.max_new_tokens=8",
+                          "rewards=[{name: my_pkg.rewards:length}]", *overrides)  # fmt: skip
 
 
 @pytest.fixture()
 def my_pkg(tmp_path):
-    (tmp_path / "my_pkg").mkdir()
-    (tmp_path / "my_pkg" / "__init__.py").write_text("")
-    (tmp_path / "my_pkg" / "strategies.py").write_text(doc_block("# my_pkg/strategies.py"))
-    (tmp_path / "my_pkg" / "estimators.py").write_text(doc_block("# my_pkg/estimators.py"))
-    (tmp_path / "my_pkg" / "rewards.py").write_text(
-        "def length(completions, **_):\n    return [len(c) / 10 for c in completions]\n"
-    )
-    return tmp_path
+    return write_package(tmp_path, {
+        "strategies.py": docs_example("# my_pkg/strategies.py"),
+        "estimators.py": docs_example("# my_pkg/estimators.py"),
+        "rewards.py": LENGTH_REWARD,
+    })  # fmt: skip
 
 
 def test_two_temperatures_under_ddp_and_the_async_producer(my_pkg, shared_tiny_model):
-    """Cold rows are shorter and surer than hot ones on a random model; both halves reported
-    for the step, over both ranks, synchronous and with the producer."""
+    """Both halves reported for the step, over both ranks, synchronous and with the producer;
+    synchronous, the docs' estimator reads the strategy's extra on the global batch: both
+    ranks' hot rows (8 of 16) and all their generated tokens (a rank-local view: half)."""
     strategy = "rollout.strategy=my_pkg.strategies:two_temperatures"
-    for out, extra in (("ddp", []), ("async", ["rollout.async=on"])):
+    estimator = "loss.advantage=my_pkg.estimators:hot_discount"
+    for out, extra in (("ddp", [estimator]), ("async", ["rollout.async=on"])):
         for m in train(my_pkg, shared_tiny_model, out, strategy,
                        "rollout.strategy_kwargs={low: 0.3, high: 2.0}", *extra):  # fmt: skip
             assert m["strategy/cold_reward"] >= 0 and m["strategy/hot_reward"] >= 0
             assert m["rollout/groups_sampled"] == 4  # 2 ranks x 2 groups of 4
+            if out == "ddp":
+                assert m["advantage/hot_rows"] == 8
+                assert m["advantage/tokens"] == pytest.approx(
+                    16 * m["rollout/completion_len_mean"])  # fmt: skip
         if out == "async":
             assert "async/staleness" in m
 
@@ -212,13 +195,3 @@ def test_best_of_k_and_counts_from_a_file_under_ddp(my_pkg, shared_tiny_model):
     for m in train(my_pkg, shared_tiny_model, "counts", strategy, "rollout.async=on",
                    f"rollout.strategy_kwargs={{counts: {my_pkg / 'counts.json'}}}"):  # fmt: skip
         assert 16 <= m["strategy/drawn"] <= 32 and m["strategy/drawn"] % 4 == 0
-
-
-def test_an_estimator_reads_the_gathered_rollout_and_extras(my_pkg, shared_tiny_model):
-    """The docs' estimator on 2 ranks sees the global batch: both ranks' hot rows (8 of 16)
-    and all their generated tokens (a rank-local view would give half)."""
-    for m in train(my_pkg, shared_tiny_model, "est",
-                   "rollout.strategy=my_pkg.strategies:two_temperatures",
-                   "loss.advantage=my_pkg.estimators:hot_discount"):  # fmt: skip
-        assert m["advantage/hot_rows"] == 8
-        assert m["advantage/tokens"] == pytest.approx(16 * m["rollout/completion_len_mean"])

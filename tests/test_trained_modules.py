@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import LENGTH_REWARD, docs_example, write_package
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,22 +35,12 @@ class KilledValueHead(ValueHead):
 """
 
 
-def doc_block(marker: str) -> str:
-    text = (REPO / "docs" / "extending.md").read_text()
-    [block] = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if b.startswith(marker)]
-    return block
-
-
 @pytest.fixture()
 def my_pkg(tmp_path):
-    (tmp_path / "my_pkg").mkdir()
-    (tmp_path / "my_pkg" / "__init__.py").write_text("")
-    (tmp_path / "my_pkg" / "value.py").write_text(doc_block("# my_pkg/value.py"))
-    (tmp_path / "my_pkg" / "killer.py").write_text(KILLER)
-    (tmp_path / "my_pkg" / "rewards.py").write_text(
-        "def length(completions, **_):\n    return [len(c) / 10 for c in completions]\n"
-    )
-    return tmp_path
+    return write_package(tmp_path, {
+        "value.py": docs_example("# my_pkg/value.py"), "killer.py": KILLER,
+        "rewards.py": LENGTH_REWARD,
+    })  # fmt: skip
 
 
 def grpo_train(cwd, model, *args, env=None):
@@ -187,10 +178,10 @@ def test_bad_module_specs_are_named_before_anything_is_written(my_pkg, shared_ti
     assert not (my_pkg / "run").exists()
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_grpo_train_with_a_module_under_torchrun(my_pkg, shared_tiny_model, parallel):
-    """2 ranks, the policy under DDP or FSDP2, the module replicated: it trains, its extras
-    reach the estimator, its checkpoint resumes."""
+def test_grpo_train_with_a_module_under_torchrun(my_pkg, shared_tiny_model):
+    """2 ranks, the policy sharded by FSDP2 (DDP's runs are the other torchrun tests'), the
+    module replicated: it trains, its extras reach the estimator, its checkpoint resumes."""
+    parallel = "fsdp"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(my_pkg)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "grpo", "train", "--config", TINY, f"model.path={shared_tiny_model}",

@@ -11,6 +11,7 @@ one process in `grpo.testing.two_ranks`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -32,6 +33,10 @@ from grpo.algo import (
 B, G, T = 16, 4, 9  # rows, group size, completion width of the fixed batch
 CLAIMS = ("shift_invariant", "group_zero_sum")  # what an estimator may claim (register_advantage)
 BETA = 0.05  # the KL weight every loss check runs with (k3 in the loss)
+# every policy-loss check runs at the settings given, and again with these on top: a clip
+# range that is not symmetric (a swapped epsilon_low / epsilon_high shows) and the dual clip
+VARIANTS = {"": {}, "asymmetric": {"epsilon_low": 0.2, "epsilon_high": 0.28},
+            "dual_clip": {"dual_clip": 3.0}}  # fmt: skip
 
 
 class ConformanceError(AssertionError):
@@ -60,11 +65,28 @@ def make_inputs(seed: int = 0, rows: int = B, width: int = T) -> dict[str, torch
 
 
 def loss_settings(
-    spec: str | Callable, kwargs: Mapping | None = None, aggregation: str = "seq_mean_token_mean"
-) -> LossSettings:
-    """The loss configuration every check runs a policy loss under (beta = BETA, k3)."""
-    return LossSettings(policy_loss=spec, policy_loss_kwargs=dict(kwargs or {}), beta=BETA,
-                        aggregation=aggregation)  # fmt: skip
+    spec: str | Callable, kwargs: Mapping | None = None, aggregation: str = "seq_mean_token_mean",
+    settings: Mapping | None = None,
+) -> LossSettings:  # fmt: skip
+    """The loss configuration every check runs a policy loss under (beta = BETA, k3, then
+    `settings`: any other `loss.*` field)."""
+    base = {"policy_loss": spec, "policy_loss_kwargs": dict(kwargs or {}), "beta": BETA,
+            "aggregation": aggregation}  # fmt: skip
+    known = {f.name for f in dataclasses.fields(LossSettings)}
+    unknown = sorted(set(settings or {}) - known)
+    if unknown:
+        raise ValueError(f"settings: {unknown} are not loss settings; known: "
+                         f"{', '.join(sorted(known))}")  # fmt: skip
+    return LossSettings(**{**base, **(settings or {})})
+
+
+def resolve(reference: Callable | str | None) -> Callable | None:
+    """A reference given as a ``package.module:function`` path, imported; else as it is."""
+    if isinstance(reference, str):
+        from grpo.plugins import import_callable
+
+        return import_callable(reference, f"reference {reference!r}")
+    return reference
 
 
 def spec_name(spec: Any) -> str:
@@ -139,6 +161,8 @@ def check_advantage(
             group_zero_sum (the claimed properties), reference.
     """
 
+    reference = resolve(reference)
+
     def adv(x: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return compute_advantages(spec, x["token_rewards"], x["mask"], group_size=G,
                                   params=kwargs)  # fmt: skip
@@ -186,8 +210,12 @@ def check_advantage(
     def group_zero_sum():
         x = make_inputs(2)
         per_row = adv(x)[torch.arange(B), x["mask"].sum(-1) - 1]  # the row's (constant) value
-        torch.testing.assert_close(per_row.view(-1, G).sum(-1), torch.zeros(B // G), atol=1e-5,
-                                   rtol=0)  # fmt: skip
+        sums = per_row.view(-1, G).sum(-1)
+        tol = 1e-5
+        bad = (sums.abs() > tol).nonzero().flatten().tolist()
+        expect(not bad, f"group {bad[0] if bad else -1} of {G} rows sums to "
+               f"{float(sums[bad[0]]) if bad else 0.0:.3g} (tolerance {tol:g}); "
+               f"{len(bad)} of {B // G} groups miss it")  # fmt: skip
 
     def reference_check():
         expect(reference is not None, "no float64 reference was given")
@@ -214,15 +242,20 @@ def check_advantage(
 
 def policy_loss_checks(spec: str | Callable | None = None) -> list[str]:
     """The checks of a policy loss (the same for every one): the gradient against its float64
-    reference under each aggregation, NaN/inf at masked positions, micro-batches."""
-    return [f"gradient:{a}" for a in AGGREGATIONS] + ["masked_garbage", "micro_batches"]
+    reference under each aggregation, NaN/inf at masked positions, padding columns,
+    micro-batches; each at the settings given and at every `VARIANTS` entry
+    (``gradient:token_mean@asymmetric``, ``micro_batches@dual_clip``, ...)."""
+    base = [f"gradient:{a}" for a in AGGREGATIONS] + ["masked_garbage", "padding_columns",
+                                                      "micro_batches"]  # fmt: skip
+    return [f"{c}@{v}" if v else c for v in VARIANTS for c in base]
 
 
 def check_policy_loss(
     spec: str | Callable,
-    reference: Callable | None,
+    reference: Callable | str | None,
     *,
     kwargs: Mapping | None = None,
+    settings: Mapping | None = None,
     checks: Iterable[str] | None = None,
 ) -> None:
     """Check a policy loss; raises ConformanceError naming the failed check.
@@ -230,72 +263,146 @@ def check_policy_loss(
     Args:
         spec: a registered name, a ``package.module:function`` path or the function.
         reference: the float64 twin, written from the definition, with the loss's signature
-            (inputs by name, see `grpo.algo.policy_losses`); called on float64 tensors (masked
-            positions hold 0), it returns the (B, T_c) per-token loss (or (loss, stats)).
-            Required by the gradient checks: without one they fail.
+            (inputs by name, see `grpo.algo.policy_losses`), or its ``package.module:function``
+            path; called on float64 tensors (masked positions hold 0), it returns the (B, T_c)
+            per-token loss (or (loss, stats)). Required by the gradient checks.
         kwargs: ``loss.policy_loss_kwargs``, passed to both.
+        settings: other ``loss.*`` fields (``epsilon_low``, ``epsilon_high``, ``dual_clip``,
+            ...): the loss and its reference get them (default: the config's defaults).
         checks: the checks to run (default: all of `policy_loss_checks()`):
             gradient:<aggregation> (loss within 1e-5, gradient rtol 1e-5 / atol 1e-6 of the
             reference + beta * k3 aggregated by definition), masked_garbage (a fully-masked
             row and NaN/inf at masked positions change nothing, zero gradient there),
-            micro_batches (three micro-batches sum to the full batch's loss and gradient).
+            padding_columns (masked columns appended change nothing: the loss reads only the
+            counted tokens), micro_batches (three micro-batches sum to the full batch's loss and
+            gradient); a ``@variant`` suffix runs it with `VARIANTS[variant]` on top of
+            `settings`.
     """
+    reference = resolve(reference)
+    loss_settings(spec, kwargs, settings=settings)  # an unknown setting: a ValueError now
 
-    def loss_and_grad(x, rows=slice(None), normalizer=None, aggregation="seq_mean_token_mean"):
-        cfg = loss_settings(spec, kwargs, aggregation)
-        lp = x["logprobs"][rows].clone().requires_grad_(True)
-        loss, _ = policy_loss(lp, x["old_logprobs"][rows], x["ref_logprobs"][rows],
-                              x["advantages"][rows], x["mask"][rows], cfg, normalizer=normalizer,
-                              max_new_tokens=x["mask"].shape[1])  # fmt: skip
-        (grad,) = torch.autograd.grad(loss, lp)
-        return loss.item(), grad
+    def run(check: str) -> None:
+        name, _, variant = check.partition("@")
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown settings variant {variant!r}; known: "
+                             f"{', '.join(v for v in VARIANTS if v)}")  # fmt: skip
+        chosen = {**(settings or {}), **VARIANTS[variant]}
+        try:
+            table(chosen)[name]()
+        except AssertionError as e:
+            shown = ", ".join(f"{k}={v}" for k, v in chosen.items())
+            raise AssertionError(f"{e} (at {shown})" if shown else str(e)) from None
 
-    def gradient(aggregation: str):
-        expect(reference is not None, "no float64 reference was given: pass the loss's float64 "
-               "twin (the pytest entry: CONFORMANCE_REFERENCES in the plugin module)")  # fmt: skip
-        x = make_inputs(3, rows=6, width=5)
-        x["advantages"][0] = x["advantages"][0].abs()  # a row of positive advantages
-        loss, grad = loss_and_grad(x, aggregation=aggregation)
-        lp64 = x["logprobs"].double().requires_grad_(True)
-        want = reference_loss(reference, lp64, x, aggregation, kwargs)
-        (grad64,) = torch.autograd.grad(want, lp64)
-        expect(close(loss, want.item(), atol=1e-5),
-               f"loss {loss:.8g}, its reference {want.item():.8g}")  # fmt: skip
-        torch.testing.assert_close(grad.double(), grad64, rtol=1e-5, atol=1e-6)
+    def table(chosen: Mapping) -> dict[str, Callable[[], None]]:
+        def loss_and_grad(x, rows=slice(None), normalizer=None,
+                          aggregation="seq_mean_token_mean"):  # fmt: skip
+            cfg = loss_settings(spec, kwargs, aggregation, chosen)
+            lp = x["logprobs"][rows].clone().requires_grad_(True)
+            width = x["mask"].shape[1]
+            loss, _ = policy_loss(lp, x["old_logprobs"][rows], x["ref_logprobs"][rows],
+                                  x["advantages"][rows], x["mask"][rows], cfg,
+                                  normalizer=normalizer, max_new_tokens=width)  # fmt: skip
+            (grad,) = torch.autograd.grad(loss, lp)
+            return loss.item(), grad
 
-    def masked_garbage():
-        x = make_inputs(4)
-        x["mask"][2] = False  # a fully-masked row
-        clean_loss, clean_grad = loss_and_grad(x)
-        dirty = {k: v.clone() for k, v in x.items()}
-        garbage = {"logprobs": float("nan"), "old_logprobs": float("inf"),
-                   "ref_logprobs": float("-inf"), "advantages": float("nan")}  # fmt: skip
-        for key, bad in garbage.items():
-            dirty[key][~x["mask"]] = bad
-        loss, grad = loss_and_grad(dirty)
-        expect(math.isfinite(loss) and bool(torch.isfinite(grad).all()),
-               "NaN/inf at masked positions reach the loss or its gradient")  # fmt: skip
-        expect(close(loss, clean_loss, atol=1e-6),
-               "NaN/inf at masked positions change the loss")  # fmt: skip
-        torch.testing.assert_close(grad, clean_grad, rtol=0, atol=1e-7)
-        expect(bool((grad[~x["mask"]] == 0).all()), "non-zero gradient at masked positions")
+        def gradient(aggregation: str):
+            expect(reference is not None, "no float64 reference was given: pass the loss's "
+                   "float64 twin (the pytest entry: CONFORMANCE_REFERENCES in the plugin "
+                   "module)")  # fmt: skip
+            x = make_inputs(3, rows=6, width=5)
+            x["advantages"][0] = x["advantages"][0].abs()  # a row of positive advantages
+            loss, grad = loss_and_grad(x, aggregation=aggregation)
+            lp64 = x["logprobs"].double().requires_grad_(True)
+            want = reference_loss(reference, lp64, x, aggregation, kwargs, chosen)
+            (grad64,) = torch.autograd.grad(want, lp64)
+            if not close(loss, want.item(), atol=1e-5):
+                why = _diagnose(loss, want.item(), lp64, x, aggregation)
+                raise AssertionError(f"loss {loss:.8g}, its reference {want.item():.8g}{why}")
+            torch.testing.assert_close(grad.double(), grad64, rtol=1e-5, atol=1e-6)
 
-    def micro_batches():
-        x = make_inputs(5)
-        norm = loss_normalizer(x["mask"], "seq_mean_token_mean", T)
-        full_loss, full_grad = loss_and_grad(x, normalizer=norm)
-        parts = [loss_and_grad(x, rows=sl, normalizer=norm)
-                 for sl in (slice(0, 4), slice(4, 12), slice(12, B))]  # fmt: skip
-        total = sum(p[0] for p in parts)
-        expect(close(total, full_loss, atol=1e-6),
-               f"micro-batches sum to {total:.8g}, the full batch to {full_loss:.8g}")  # fmt: skip
-        torch.testing.assert_close(torch.cat([p[1] for p in parts]), full_grad, rtol=0, atol=1e-7)
+        def _diagnose(loss, want, lp64, x, aggregation) -> str:
+            """What a mismatch looks like, where it looks like a known mistake."""
+            negated = reference_loss(reference, lp64.detach(), x, aggregation, kwargs, chosen,
+                                     negate=True)  # fmt: skip
+            if close(loss, negated.item(), atol=1e-6):
+                return ": its per-token loss is the negative of its reference's (a flipped sign)"
+            pad = {k: torch.nn.functional.pad(v, (0, 3), value=False if k == "mask" else 0.0)
+                   for k, v in x.items()}  # fmt: skip
+            if not close(loss_and_grad(pad, aggregation=aggregation)[0], loss, rtol=1e-6,
+                         atol=1e-7):  # fmt: skip
+                return (
+                    ": it also changes when masked (padding) columns are appended: it reads "
+                    "padding (a mean over every column instead of the counted tokens?)"
+                )
+            el, eh = chosen.get("epsilon_low", 0.2), chosen.get("epsilon_high", 0.2)
+            if el != eh:
+                swapped = {**chosen, "epsilon_low": eh, "epsilon_high": el}
+                other = reference_loss(reference, lp64.detach(), x, aggregation, kwargs, swapped)
+                if close(loss, other.item(), atol=1e-6):
+                    return (": it equals the reference with epsilon_low and epsilon_high "
+                            "swapped")  # fmt: skip
+            return ""
 
-    table: dict[str, Callable[[], None]] = {
-        f"gradient:{a}": (lambda a=a: gradient(a)) for a in AGGREGATIONS
-    }
-    table.update(masked_garbage=masked_garbage, micro_batches=micro_batches)
-    run_checks("policy loss", spec, table, policy_loss_checks(spec) if checks is None else checks)
+        def masked_garbage():
+            x = make_inputs(4)
+            x["mask"][2] = False  # a fully-masked row
+            clean_loss, clean_grad = loss_and_grad(x)
+            dirty = {k: v.clone() for k, v in x.items()}
+            garbage = {"logprobs": float("nan"), "old_logprobs": float("inf"),
+                       "ref_logprobs": float("-inf"), "advantages": float("nan")}  # fmt: skip
+            for key, bad in garbage.items():
+                dirty[key][~x["mask"]] = bad
+            loss, grad = loss_and_grad(dirty)
+            expect(math.isfinite(loss) and bool(torch.isfinite(grad).all()),
+                   "NaN/inf at masked positions reach the loss or its gradient")  # fmt: skip
+            expect(close(loss, clean_loss, atol=1e-6),
+                   "NaN/inf at masked positions change the loss")  # fmt: skip
+            torch.testing.assert_close(grad, clean_grad, rtol=0, atol=1e-7)
+            expect(bool((grad[~x["mask"]] == 0).all()), "non-zero gradient at masked positions")
+
+        def padding_columns():
+            x = make_inputs(9)
+            pad = 4
+            wide = {k: torch.nn.functional.pad(v, (0, pad), value=False if k == "mask" else 0.0)
+                    for k, v in x.items()}  # fmt: skip
+            for agg in ("token_mean", "seq_mean_token_mean"):  # normalizers without the width
+                loss, grad = loss_and_grad(x, aggregation=agg)
+                loss_w, grad_w = loss_and_grad(wide, aggregation=agg)
+                expect(close(loss_w, loss, rtol=1e-6, atol=1e-7),
+                       f"{pad} masked (padding) columns appended change the {agg} loss from "
+                       f"{loss:.8g} to {loss_w:.8g}: the loss reads padding (a mean over every "
+                       "column instead of the counted tokens?)")  # fmt: skip
+                torch.testing.assert_close(grad_w[:, :T], grad, rtol=1e-5, atol=1e-7)
+
+        def micro_batches():
+            x = make_inputs(5)
+            norm = loss_normalizer(x["mask"], "seq_mean_token_mean", T)
+            full_loss, full_grad = loss_and_grad(x, normalizer=norm)
+            parts = [loss_and_grad(x, rows=sl, normalizer=norm)
+                     for sl in (slice(0, 4), slice(4, 12), slice(12, B))]  # fmt: skip
+            total = sum(p[0] for p in parts)
+            expect(close(total, full_loss, atol=1e-6), f"micro-batches sum to {total:.8g}, "
+                   f"the full batch to {full_loss:.8g}")  # fmt: skip
+            torch.testing.assert_close(torch.cat([p[1] for p in parts]), full_grad, rtol=0,
+                                       atol=1e-7)  # fmt: skip
+
+        out: dict[str, Callable[[], None]] = {
+            f"gradient:{a}": (lambda a=a: gradient(a)) for a in AGGREGATIONS
+        }
+        out.update(masked_garbage=masked_garbage, padding_columns=padding_columns,
+                   micro_batches=micro_batches)  # fmt: skip
+        return out
+
+    wanted = policy_loss_checks(spec) if checks is None else list(checks)
+    known = {c.partition("@")[0] for c in policy_loss_checks(spec)}
+    runners = {c: (lambda c=c: run(c)) for c in wanted
+               if c.partition("@")[0] in known and c.partition("@")[2] in VARIANTS}  # fmt: skip
+    for c in wanted:
+        if c not in runners:
+            variants = ", ".join(v for v in VARIANTS if v)
+            raise ValueError(f"unknown policy loss check {c!r}; known: {', '.join(sorted(known))}"
+                             f" (with an optional @variant: {variants})")  # fmt: skip
+    run_checks("policy loss", spec, runners, wanted)
 
 
 def reference_loss(
@@ -304,21 +411,27 @@ def reference_loss(
     x: Mapping[str, torch.Tensor],
     aggregation: str,
     kwargs: Mapping | None = None,
+    settings: Mapping | None = None,
+    negate: bool = False,
 ) -> torch.Tensor:
     """The float64 objective: `reference` on float64 inputs (0 at masked positions, as the
-    library hands them to a loss; log_ratio unclamped) + BETA * k3, aggregated by definition."""
+    library hands them to a loss; log_ratio unclamped) + BETA * k3, aggregated by definition;
+    the clip settings from `settings` (else the config's defaults). `negate`: the reference's
+    per-token loss with its sign flipped (what a flipped sign in the loss gives)."""
     from grpo.testing.references import reference_objective
 
     mask = x["mask"]
     lp = torch.where(mask, logprobs, 0.0)
     old = torch.where(mask, x["old_logprobs"].double(), 0.0)
-    cfg = LossSettings()
+    cfg = LossSettings(**{k: v for k, v in (settings or {}).items()
+                          if k in ("epsilon_low", "epsilon_high", "dual_clip")})  # fmt: skip
     inputs = {"logprobs": lp, "old_logprobs": old, "log_ratio": lp - old,
               "advantages": torch.where(mask, x["advantages"].double(), 0.0), "mask": mask,
               "epsilon_low": cfg.epsilon_low, "epsilon_high": cfg.epsilon_high,
               "dual_clip": cfg.dual_clip, **(kwargs or {})}  # fmt: skip
     out = POLICY_LOSSES.call(reference, inputs)
     pg = out[0] if isinstance(out, tuple) else out
+    pg = -pg if negate else pg
     return reference_objective(pg, logprobs, x["ref_logprobs"].double(), mask, aggregation, BETA)
 
 
@@ -334,8 +447,10 @@ def check_kl(
     spec: str | Callable, *, reference: Callable | None = None, checks: Iterable[str] | None = None
 ) -> None:
     """Check a KL estimator ``fn(logprobs, ref_logprobs) -> (B, T_c)``: zero on-policy, finite
-    and within the clamps far from it; with a float64 `reference` (same signature), values and
-    gradient within 1e-5. Raises ConformanceError naming the failed check."""
+    and within the clamps far from it; with a float64 `reference` (same signature, or its
+    ``package.module:function`` path), values and gradient within 1e-5. Raises
+    ConformanceError naming the failed check."""
+    reference = resolve(reference)
 
     def zero_on_policy_and_clamped():
         lp = make_inputs(6)["logprobs"]

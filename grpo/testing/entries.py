@@ -13,6 +13,7 @@ from grpo.plugins import load_entry_point_plugins, load_plugins
 from grpo.testing.references import BUILTIN_REFERENCES
 
 REFERENCES_ATTR = "CONFORMANCE_REFERENCES"  # {registered name: float64 reference} in a module
+SETTINGS_ATTR = "CONFORMANCE_SETTINGS"  # {policy loss name: {loss.* field: value}} in a module
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,8 @@ class Entries:
     policy_losses: tuple[str, ...] = ()
     kl_estimators: tuple[str, ...] = ()
     environments: tuple[str, ...] = ()
-    references: dict[str, Callable] = field(default_factory=dict)
+    references: dict[str, Callable | str] = field(default_factory=dict)
+    settings: dict[str, dict] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return any((self.advantages, self.policy_losses, self.kl_estimators, self.environments))
@@ -47,7 +49,9 @@ def registered_by(plugins: Sequence[str]) -> Entries:
     built-ins and the installed entry-point plugins').
 
     References: the built-ins' (`BUILTIN_REFERENCES`), updated with each plugin module's
-    ``CONFORMANCE_REFERENCES`` dict.
+    ``CONFORMANCE_REFERENCES`` dict (a function or its ``package.module:function`` path);
+    settings: each plugin module's ``CONFORMANCE_SETTINGS`` (the ``loss.*`` fields a policy
+    loss is checked under, beside the kit's variants).
 
     Raises:
         GrpoError: a plugin failed to load (one line naming it).
@@ -57,15 +61,17 @@ def registered_by(plugins: Sequence[str]) -> Entries:
     load_plugins(plugins, "--grpo-plugin")
     after = _registered()
     modules = [spec.partition(":")[0] for spec in plugins]
-    references = dict(BUILTIN_REFERENCES)
+    references, settings = dict(BUILTIN_REFERENCES), {}
     for module in modules:
         references.update(getattr(sys.modules[module], REFERENCES_ATTR, None) or {})
+        settings.update(getattr(sys.modules[module], SETTINGS_ATTR, None) or {})
     if not plugins:
-        return Entries((), *(tuple(sorted(after[k])) for k in after), references=references)
+        return Entries((), *(tuple(sorted(after[k])) for k in after), references=references,
+                       settings=settings)  # fmt: skip
     found = {}
     for key, registry in (("advantages", ADVANTAGES), ("policy_losses", POLICY_LOSSES),
                           ("kl_estimators", KL_ESTIMATORS), ("environments", None)):  # fmt: skip
         defined_here = {n for n in after[key] if registry is not None
                         and getattr(registry.get(n), "__module__", None) in modules}  # fmt: skip
         found[key] = tuple(sorted((after[key] - before[key]) | defined_here))
-    return Entries(tuple(plugins), references=references, **found)
+    return Entries(tuple(plugins), references=references, settings=settings, **found)

@@ -45,13 +45,20 @@ def _clip_token(r, A, el, eh, dual=None):
     return -s
 
 
+def _eps(kw):
+    return kw.get("epsilon_low", 0.2), kw.get("epsilon_high", 0.2)
+
+
 def ref_clip(lp, old, A, kw):
-    return [_clip_token(torch.exp(lp[t] - old[t]), A[t], 0.2, 0.2) for t in range(len(lp))]
+    el, eh = _eps(kw)
+    return [_clip_token(torch.exp(lp[t] - old[t]), A[t], el, eh, kw.get("dual_clip"))
+            for t in range(len(lp))]  # fmt: skip
 
 
 def ref_gspo(lp, old, A, kw):
+    el, eh = _eps(kw)
     s = torch.exp(sum(lp[t] - old[t] for t in range(len(lp))) / len(lp))
-    return [_clip_token(s, A[t], 0.2, 0.2) for t in range(len(lp))]
+    return [_clip_token(s, A[t], el, eh, kw.get("dual_clip")) for t in range(len(lp))]
 
 
 def ref_gspo_token(lp, old, A, kw):
@@ -59,24 +66,30 @@ def ref_gspo_token(lp, old, A, kw):
     out = []
     for t in range(len(lp)):
         s = torch.exp(seq + lp[t] - lp[t].detach())  # value exp(seq), gradient of lp[t]
-        out.append(_clip_token(s, A[t], 0.2, 0.2))
+        out.append(_clip_token(s, A[t], *_eps(kw)))  # no dual clip in GSPO-token
     return out
 
 
 def ref_cispo(lp, old, A, kw):
-    return [
-        -min(math.exp(float(lp[t].detach() - old[t])), 1.2) * A[t] * lp[t] for t in range(len(lp))
-    ]
+    el, eh = _eps(kw)
+    out = []
+    for t in range(len(lp)):
+        w = min(math.exp(float(lp[t].detach() - old[t])), 1 + eh)
+        if kw.get("clip_low"):
+            w = max(w, 1 - el)
+        out.append(-w * A[t] * lp[t])
+    return out
 
 
 def ref_gmpo(lp, old, A, kw):
+    el, eh = _eps(kw)
     logs = []
     for t in range(len(lp)):
         lr = lp[t] - old[t]
         if A[t] > 0:  # only the increasing side is clipped
-            logs.append(torch.clamp(lr, max=0.2))
+            logs.append(torch.clamp(lr, max=eh))
         elif A[t] < 0:
-            logs.append(torch.clamp(lr, min=-0.2))
+            logs.append(torch.clamp(lr, min=-el))
         else:
             logs.append(lr * 0.0)
     ratio = torch.exp(sum(logs) / len(lp))
@@ -87,7 +100,7 @@ def ref_gmpo(lp, old, A, kw):
 def ref_sapo(lp, old, A, kw):
     out = []
     for t in range(len(lp)):
-        tau = 1.0 if A[t] > 0 else 1.05
+        tau = kw.get("tau_pos", 1.0) if A[t] > 0 else kw.get("tau_neg", 1.05)
         r = torch.exp(lp[t] - old[t])
         out.append(-torch.sigmoid(tau * (r - 1)) * 4 / tau * A[t])
     return out

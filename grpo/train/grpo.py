@@ -82,7 +82,7 @@ from grpo.train.batch import (
     micro_batch_plan,
 )
 from grpo.train.health import LearningHealth, StallError, WeightChange
-from grpo.train.modules import ModuleSet, check_trained_module
+from grpo.train.modules import ModuleSet
 from grpo.train.producer import make_sampler, rollout_source, run_producer
 from grpo.train.stats import (
     OnPolicyCheck,
@@ -462,8 +462,6 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
     seed_everything(cfg.train.seed)
     check_estimator(cfg.loss.advantage, cfg.loss.advantage_kwargs)  # before anything is written
     check_policy_loss(cfg.loss)
-    for i, spec in enumerate(cfg.modules):  # unknown factories and kwargs, before any write
-        check_trained_module(spec, i)
     make_env = (
         env_factory(cfg.rollout.env, cfg.rollout.env_kwargs) if cfg.rollout.multi_turn else None
     )

@@ -85,8 +85,6 @@ class ModuleSet:
     into checkpoints and restored from them."""
 
     def __init__(self, cfg, policy, dist, device, total_steps: int):
-        from grpo.config import OptimConfig
-
         self.items: list[Trained] = []
         self.precision, self.device = policy.precision, device
         seen = set()
@@ -103,7 +101,7 @@ class ModuleSet:
                 raise GrpoError(f"modules[{i}]: {spec.name!r} made a {type(module).__name__}, "
                                 "not a grpo.train.modules.TrainedModule")  # fmt: skip
             module = module.to(device)
-            optim = OptimConfig(**{**dataclasses.asdict(OptimConfig()), **spec.optim})
+            optim = type(cfg.optim)(**spec.optim)  # OptimConfig's defaults, then its own
             params = [p for p in module.parameters() if p.requires_grad]
             if not params:
                 raise GrpoError(f"modules[{i}]: {name!r} has no trainable parameters")
