@@ -237,6 +237,17 @@ def matmul_ceiling_tflops(
     return 2 * size**3 / (t.median_ms * 1e-3) / 1e12
 
 
+def copy_bandwidth_gbps(device: str | torch.device = "cpu", mib: int = 256) -> float:
+    """Measured memory bandwidth (GB/s) of a `mib` MiB tensor copy (read + write counted): the
+    roofline's bandwidth ceiling."""
+    is_cuda = torch.device(device).type == "cuda"
+    n = mib * 2**20 // 4
+    src = torch.ones(n, device=device)
+    dst = torch.empty_like(src)
+    t = measure(lambda: dst.copy_(src), warmup=2, repeats=10 if is_cuda else 5, device=device)
+    return 2 * n * 4 / (t.median_ms * 1e-3) / 1e9
+
+
 def _git(*args: str) -> str | None:
     try:
         res = subprocess.run(

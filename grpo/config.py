@@ -58,9 +58,19 @@ class ModelSourceConfig:
     # lm_head operands in the sampler and the trainer alike: float32 (exact) | tf32 (TF32
     # matmuls on CUDA, float32 on a CPU) | bf16 (fp32 accumulation); docs/precision.md
     head_precision: Literal["float32", "tf32", "bf16"] = "float32"
+    # the fused log-prob kernel of the trainer's passes: auto (triton on CUDA, chunked torch
+    # elsewhere) | naive | chunked | triton | a registered name | package.module:function
+    # (docs/extending.md, "Log-prob kernels")
+    logprob_impl: str = "auto"
 
     def __post_init__(self):
         _check(bool(self.path), "model.path", "is required (a local directory or a hub id)")
+        import kernels  # torch only; never grpo
+
+        try:  # an unknown name or a path that does not import fails here, naming the field
+            kernels.get_logprob_impl(self.logprob_impl)
+        except ValueError as e:
+            raise ConfigError(f"model.logprob_impl: {e}", field="model.logprob_impl") from None
 
 
 @dataclass(frozen=True)

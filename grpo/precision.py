@@ -59,11 +59,14 @@ class Precision:
         head: the lm_head's precision in the sampler and the trainer alike, one of
             `HEAD_PRECISIONS`: "float32" (exact), "tf32" (float32 operands, TF32 matmuls on
             CUDA, float32 on a CPU) or "bf16" (bfloat16 operands, float32 accumulation).
+        logprob_impl: the fused log-prob kernel of the trainer's passes (`model.logprob_impl`:
+            "auto", a built-in, a registered name or ``package.module:function``; `kernels`).
     """
 
     param_dtype: torch.dtype = torch.float32
     compute_dtype: torch.dtype = torch.float32
     head: str = "float32"
+    logprob_impl: str = "auto"
 
     trainable_dtype = torch.float32  # master weights, gradients, optimizer states
 
@@ -89,7 +92,8 @@ class Precision:
                 "eps underflow); use bfloat16, or float32 with model.autocast_bf16: true"
             )
         bf16 = model_cfg.autocast_bf16 or param == torch.bfloat16
-        return cls(param, torch.bfloat16 if bf16 else param, model_cfg.head_precision)
+        return cls(param, torch.bfloat16 if bf16 else param, model_cfg.head_precision,
+                   getattr(model_cfg, "logprob_impl", "auto"))  # fmt: skip
 
     @classmethod
     def of_model(cls, model: torch.nn.Module, autocast_bf16: bool = False) -> Precision:
@@ -131,6 +135,8 @@ class Precision:
             f"{_name(self.compute_dtype)}, KV cache {_name(self.kv_dtype)}, head "
             + _HEAD_LINES[self.head]
         )
+        if self.logprob_impl != "auto":
+            line += f", log-probs {self.logprob_impl}"
         if device is not None and torch.device(device).type == "cpu":
             missing = cpu_packing_missing(self.compute_dtype)
             line += (", CPU decode: plain matmuls (" + missing + ")" if missing

@@ -4,6 +4,7 @@ Triton is imported lazily, on the first impl="triton" call, so importing `kernel
 leaves TRITON_INTERPRET to whoever imports triton first.
 """
 
+import importlib
 import importlib.util
 import os
 
@@ -18,10 +19,19 @@ from kernels.reference import (
     tf32_matmuls,
 )
 
-IMPLS = ("auto", "naive", "chunked", "triton")
+IMPLS = ("auto", "naive", "chunked", "triton")  # the built-ins ("auto": triton on CUDA)
+
+# Implementations registered by name (`register_logprob_impl`); a kernel of your own is
+#   fn(hidden, weight, ids, temperature=1.0, return_entropy=False, *, entropy_grad=False,
+#      tf32=False) -> logprobs (N,) float32, or (logprobs, entropy) with return_entropy
+# and is selected as `model.logprob_impl: name` (or `package.module:function`, no registration)
+_REGISTERED: dict = {}
 
 __all__ = [
     "IMPLS",
+    "available_impls",
+    "get_logprob_impl",
+    "register_logprob_impl",
     "check_operands",
     "chunked_logprobs",
     "default_blocks",
@@ -31,6 +41,57 @@ __all__ = [
     "resolve_impl",
     "tf32_matmuls",
 ]
+
+
+def register_logprob_impl(name: str, fn=None, *, overwrite: bool = False):
+    """Make a log-prob implementation available by `name` (``model.logprob_impl: name``,
+    ``bench_logprobs --impls name``); as a decorator without `fn`. Its signature is that of
+    `chunked_logprobs` (inputs checked by `fused_logprobs` before it is called: 2-d
+    contiguous operands of one dtype and device, ids in range, temperature > 0)."""
+
+    def add(f):
+        if not isinstance(name, str) or not name or ":" in name:
+            raise ValueError(f"a log-prob impl name has no ':' and is not empty: {name!r}")
+        if not callable(f):
+            raise TypeError(f"log-prob impl {name!r}: expected a function, not {type(f)}")
+        taken = name in IMPLS or name in _REGISTERED
+        if taken and not overwrite and _REGISTERED.get(name) is not f:
+            raise ValueError(f"log-prob impl {name!r} exists; pass overwrite=True to replace it")
+        _REGISTERED[name] = f
+        return f
+
+    return add if fn is None else add(fn)
+
+
+def available_impls() -> list[str]:
+    """The names `fused_logprobs(impl=)` takes (besides ``package.module:function``)."""
+    return list(IMPLS) + sorted(set(_REGISTERED) - set(IMPLS))
+
+
+def get_logprob_impl(spec):
+    """The function of a registered name, a ``package.module:function`` path or a callable;
+    None for a built-in name (dispatched by `fused_logprobs` itself)."""
+    if callable(spec):
+        return spec
+    if not isinstance(spec, str):
+        raise ValueError(f"impl must be a name or a function, got {spec!r}")
+    if spec in _REGISTERED:
+        return _REGISTERED[spec]
+    if spec in IMPLS:
+        return None
+    if ":" in spec:
+        module, _, attr = spec.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"log-prob impl {spec!r}: {e}") from None
+        if not callable(fn):
+            raise ValueError(f"log-prob impl {spec!r} is a {type(fn).__name__}, not a function")
+        return fn
+    raise ValueError(
+        f"unknown log-prob impl {spec!r}; known: {', '.join(available_impls())} "
+        "(or a 'package.module:function' path)"
+    )
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
@@ -81,7 +142,9 @@ def fused_logprobs(
         weight: (V, C) lm_head weight, same dtype and device.
         ids: (N,) int32/int64 target ids in [0, V).
         temperature: sampling temperature; logits are divided by it.
-        impl: "auto" (Triton on CUDA, chunked torch elsewhere), "naive", "chunked" or "triton".
+        impl: "auto" (Triton on CUDA, chunked torch elsewhere), "naive", "chunked", "triton",
+            a name given to `register_logprob_impl`, a ``package.module:function`` path or a
+            function with `chunked_logprobs`' signature (plus ``tf32=``).
         return_entropy: also return the per-token entropy of the tempered distribution (no grad),
             for metrics.
         entropy_grad: return the entropy (implies `return_entropy`) differentiable in `hidden`
@@ -101,12 +164,24 @@ def fused_logprobs(
     # the one full check of the operands on every path (the Triton launchers only assert
     # shape, dtype and contiguity); the id range costs one host sync
     check_operands(hidden, weight, ids, temperature)
-    impl = resolve_impl(impl, hidden.device)
+    custom = get_logprob_impl(impl)
+    if custom is None:
+        impl = resolve_impl(impl, hidden.device)
     if ids.numel() > 0:
         lo, hi = torch.aminmax(ids)
         lo, hi = int(lo), int(hi)
         if lo < 0 or hi >= weight.shape[0]:
             raise ValueError(f"ids must lie in [0, V={weight.shape[0]}), got min {lo}, max {hi}")
+    if custom is not None:  # a registered or module-path kernel, on checked operands
+        return custom(
+            hidden.contiguous(),
+            weight.contiguous(),
+            ids.contiguous(),
+            temperature,
+            return_entropy or entropy_grad,
+            entropy_grad=entropy_grad,
+            tf32=tf32,
+        )
     if impl in ("naive", "chunked"):
         fn = naive_logprobs if impl == "naive" else chunked_logprobs
         with tf32_matmuls(hidden.device, tf32):

@@ -229,4 +229,5 @@ class CompletionLogprobs(torch.nn.Module):
                 self.model, ids, attention_mask, prompt_width, completion_mask, temperature,
                 return_entropy=return_entropy, entropy_grad=entropy_grad, has_holes=has_holes,
                 group_size=group_size, head_precision=self.precision.head,
+                impl=self.precision.logprob_impl,
             )  # fmt: skip
