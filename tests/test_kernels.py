@@ -297,7 +297,7 @@ def _bad_cases():
         ("weight dtype torch.float64 must equal", (h, w.double(), ids), {}),
         ("temperature must be > 0", (h, w, ids), {"temperature": 0.0}),
         ("ids must lie in", (h, w, ids + 11), {}),
-        ("impl must be one of", (h, w, ids), {"impl": "cuda"}),
+        ("unknown log-prob impl 'cuda'", (h, w, ids), {"impl": "cuda"}),
     ]
 
 
