@@ -6,18 +6,20 @@ online. Each is a `TrainedModule` made by a factory named in the config:
         kwargs: {dim: 32}
         optim: {lr: 3.0e-3}                # its own AdamW and schedule (optim's keys)
 
-The trainer gives each module what the policy has: its own optimizer and LR schedule (over
-the run's updates), data parallelism under torchrun (replicated, under train.parallel: fsdp
-too, as modules are small: the same initial weights on every rank, gradients averaged over
-the ranks in one all-reduce, as DDP does), the policy's precision (its autocast around
-`attach` and `loss`), checkpoints (weights as safetensors, optimizer and schedule states, in
-the step's checkpoint) and exact resume, and a line in the run's metadata (``run/modules``:
-name, class, parameters). Each step, after the
-rollout, `attach` adds per-row tensors to the batch's `extras` (an estimator that declares
-`rollout` reads them: `EstimatorRollout.extras`); after the policy's update, `loss` on the same
-batch is one optimizer step of the module (its gradient averaged over ranks, so 2 ranks of
-equal batches equal one process on both). Metrics: ``module/<name>/loss`` and what `loss`
-reports (``(loss, {"name": scalar})``), averaged over ranks.
+The trainer gives each module what the policy has: its own optimizer and LR schedule (over the
+run's updates); data parallelism under torchrun (replicated, under train.parallel: fsdp too, as
+modules are small: the same initial weights on every rank, gradients averaged over the ranks in
+one all-reduce, as DDP does); the policy's precision (its autocast around `attach` and `loss`);
+checkpoints (weights as safetensors, optimizer and schedule states, in the step's checkpoint)
+and exact resume; and a line in the run's metadata (``run/modules``: name, class, parameters).
+
+Each step, after the rollout, `attach` adds per-row tensors to the batch's `extras` (an
+estimator that declares `rollout` reads them: `EstimatorRollout.extras`); after the policy's
+update, `loss` on the same batch is one optimizer step of the module (its gradient averaged over
+ranks, so 2 ranks of equal batches equal one process on both). Metrics: ``module/<name>/loss``,
+``grad_norm`` and what `loss` reports (``(loss, {"name": scalar})``), averaged over ranks. A
+module's initial weights come from its own seed (train.seed + 1000 + its index), the run's RNG
+left as it was.
 """
 
 from __future__ import annotations
@@ -95,8 +97,9 @@ class ModuleSet:
             seen.add(name)
             inputs = {"model_config": policy.model.config, "tokenizer": policy.tokenizer,
                       **spec.kwargs}  # fmt: skip
-            torch.manual_seed(cfg.train.seed + 1000 + i)  # its own init, whatever ran before
-            module = TRAINED_MODULES.call(spec.name, inputs)
+            with torch.random.fork_rng(devices=[]):  # its own init; the run's RNG untouched
+                torch.manual_seed(cfg.train.seed + 1000 + i)
+                module = TRAINED_MODULES.call(spec.name, inputs)
             if not isinstance(module, TrainedModule):
                 raise GrpoError(f"modules[{i}]: {spec.name!r} made a {type(module).__name__}, "
                                 "not a grpo.train.modules.TrainedModule")  # fmt: skip
