@@ -13,7 +13,6 @@ import torch
 from grpo.distributed import (
     SINGLE,
     all_reduce_max_dict,
-    all_reduce_mean_dict,
     all_reduce_sum_dict,
 )
 from grpo.metrics import reduction
@@ -71,8 +70,10 @@ def reduce_metrics(values: dict, dist=SINGLE) -> dict[str, float]:
     groups: dict[str, dict[str, float]] = {"mean": {}, "sum": {}, "max": {}, "min": {}}
     for k, v in values.items():
         groups[reduction(v)][k] = float(v)
-    out = all_reduce_mean_dict(groups["mean"], dist)
-    out.update(all_reduce_sum_dict(groups["sum"], dist))
+    # two collectives at most: one sum (means are sums over the world size), one max
+    out = all_reduce_sum_dict({**groups["mean"], **groups["sum"]}, dist)
+    for k in groups["mean"]:
+        out[k] /= dist.world_size
     both = {**groups["max"], **{k: -v for k, v in groups["min"].items()}}  # min = -max(-x)
     for k, v in all_reduce_max_dict(both, dist).items():
         out[k] = -v if k in groups["min"] else v

@@ -211,9 +211,12 @@ class Sampling:
         if seed is None:
             seed = self.seed if self.calls == 0 else derive_seed(self.seed, self.calls)
         self.calls += 1
-        r = self.cfg.rollout
-        rollout_cfg = dataclasses.replace(r, group_size=group_size or r.group_size, **settings)
-        cfg = dataclasses.replace(self.cfg, rollout=rollout_cfg)
+        r, cfg = self.cfg.rollout, self.cfg
+        changed = {k: v for k, v in settings.items() if getattr(r, k) != v}
+        if group_size not in (None, r.group_size):
+            changed["group_size"] = group_size
+        if changed:  # the config's own settings need no new config (the default strategy)
+            cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(r, **changed))
         return sample_round(cfg, self.policy, self.sampler, list(rows), seed, self.make_env,
                             self.show)  # fmt: skip
 
