@@ -47,6 +47,27 @@ def tagged(value: float, op: str):
     return REDUCTIONS[op](value)
 
 
+def split_metrics(result, who: str) -> tuple:
+    """(value, metrics) of what a registered function returned: ``(value, {"name": scalar})``
+    or just the value. Each metric is a finite number (a one-element tensor is read); `Sum` /
+    `Max` / `Min` keep their type. Raises GrpoError naming `who` and the bad metric."""
+    from grpo.errors import GrpoError
+
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict)):
+        return result, {}
+    value, reported = result
+    out = {}
+    for key, v in reported.items():
+        if hasattr(v, "numel") and v.numel() == 1:  # a tensor
+            v = float(v.detach().item())
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if not isinstance(key, str) or not key or not ok:
+            raise GrpoError(f"{who} reported the metric {key!r}: {v!r}; a metric is a string "
+                            "name and a finite number")  # fmt: skip
+        out[key] = v if hasattr(v, "op") else float(v)
+    return value, out
+
+
 # (metric, short label, format) shown on the stdout line when present.
 STDOUT_KEYS = [
     ("rollout/reward_mean", "reward", "{:.3f}"),

@@ -321,6 +321,13 @@ def test_hostile_parameters_cannot_rewrite_the_grammar(shared_tiny_model):
     assert accepts(' {"e": "ab"}}\n</tool_call>')
     for text in ("x", " pwned", ' {"e": "abcd"}}\n</tool_call>', ' {"e": "ab"} | "pwned"'):
         assert not accepts(text), text
+    # the auto grammar (free text, then calls) holds the same schema as text
+    g = Grammars(tok, len(tok)).tool_calls([hostile], True, "<tool_call>", "</tool_call>")
+    assert accepts("pwned")  # free text is free
+    assert accepts(CALL.format("calc", '{"e": "ab"}'))
+    for text in (CALL.format("calc", '{"e": "abcd"}'), CALL.format("calc", '"pwned"'),
+                 '<tool_call>\nstart: "x"'):  # fmt: skip
+        assert not accepts(text), text
 
 
 def test_required_grammar_takes_any_listed_function(shared_tiny_model):

@@ -32,13 +32,13 @@ A group of equal rewards gets advantage exactly 0 (never NaN) either way.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from grpo.algo.registry import ADVANTAGES, register_advantage
 from grpo.errors import GrpoError
+from grpo.metrics import split_metrics
 
 INPUTS = ("token_rewards", "scores", "mask", "group_size", "eps", "gamma", "turn_ids",
           "turn_gamma", "rollout")  # fmt: skip
@@ -272,16 +272,9 @@ def compute_advantages(
     }
     out = ADVANTAGES.call(name, inputs)
     label = f"advantage estimator {name!r}"
-    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
-        out, reported = out
-        for key, v in reported.items():
-            v = float(v.item()) if isinstance(v, torch.Tensor) and v.numel() == 1 else v
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < float("inf")
-            if not isinstance(key, str) or not key or not ok:
-                raise GrpoError(f"{label} reported the metric {key!r}: {v!r}; a metric is a "
-                                "string name and a finite number")  # fmt: skip
-            if metrics is not None:
-                metrics[f"advantage/{key}"] = float(v)
+    out, reported = split_metrics(out, label)
+    if metrics is not None:
+        metrics.update({f"advantage/{k}": float(v) for k, v in reported.items()})
     if not isinstance(out, torch.Tensor):
         raise GrpoError(f"{label} returned {type(out).__name__}, expected a (B, T_c) tensor")
     if out.shape != mask.shape:

@@ -30,13 +30,14 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from grpo.errors import GrpoError, SignalStop
+from grpo.metrics import split_metrics
 from grpo.rewards.bounds import outside, reward_bounds
 from grpo.rewards.functions import RewardContext, RewardFn, wants_context
 
@@ -110,7 +111,11 @@ def call_reward(
             detail += (" (under rewards[].timeout_s the function runs in a worker thread; "
                        "timeout_s: null runs it in the caller's)")  # fmt: skip
         raise _error(name, f"{what}{where}{detail}") from e
-    values, reported = _split_metrics(name, values)
+    try:
+        values, reported = split_metrics(values, f"reward function {name!r}")
+    except GrpoError as e:
+        e.reward_name = name  # named already: an enclosing reward does not rewrap it
+        raise
     if metrics is not None:
         metrics.update({f"rewards/{name}/{k}": v for k, v in reported.items()})
     values = _as_list(values)
@@ -340,24 +345,6 @@ def _describe(e: BaseException) -> tuple[str, str]:
 
 
 # --------------------------------------------------------------------------- value checks
-
-
-def _split_metrics(name: str, result: Any) -> tuple[Any, dict[str, float]]:
-    """(values, metrics) of what a reward returned: ``(values, {"name": scalar})`` or just the
-    values. A metric must be a finite number (or a one-element tensor); its name a string."""
-    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping)):
-        return result, {}
-    values, reported = result
-    out = {}
-    for key, v in reported.items():
-        if isinstance(v, torch.Tensor) and v.numel() == 1:
-            v = float(v.item())
-        number = _finite_float(v) if isinstance(v, (int, float)) else None
-        if not isinstance(key, str) or not key or number is None:
-            raise _error(name, f"reported the metric {key!r}: {v!r}; a metric is a string name "
-                         "and a finite number")  # fmt: skip
-        out[key] = v if hasattr(v, "op") else number  # Sum / Max / Min keep their type
-    return values, out
 
 
 def _as_list(value: Any) -> Any:

@@ -34,6 +34,7 @@ import torch
 from grpo.algo.registry import Registry
 from grpo.errors import GrpoError
 from grpo.io import load_safetensors, save_safetensors, torch_load, torch_save
+from grpo.metrics import split_metrics
 from grpo.run.optim import build_optimizer, build_scheduler
 
 TRAINED_MODULES = Registry("trained module", "modules[].name")
@@ -220,19 +221,8 @@ class ModuleSet:
 
 def _module_loss(t: Trained, batch, update):
     """(loss, metrics) of the module `t`, its metrics checked."""
-    result = t.module.loss(batch, update)
-    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
-        loss, reported = result
-    else:
-        loss, reported = result, {}
-    metrics = {}
-    for k, v in reported.items():
-        v = float(v.detach()) if isinstance(v, torch.Tensor) and v.numel() == 1 else v
-        if not isinstance(k, str) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise GrpoError(f"module {t.name!r} reported the metric {k!r}: {v!r}; a metric is "
-                            "a string name and a finite number")  # fmt: skip
-        metrics[k] = float(v)
-    return loss, metrics
+    loss, reported = split_metrics(t.module.loss(batch, update), f"module {t.name!r}")
+    return loss, {k: float(v) for k, v in reported.items()}
 
 
 def _average_gradients(params: list[torch.Tensor], dist) -> None:
