@@ -7,9 +7,11 @@ gathered, and `kernels.fused_logprobs` turns them into log p(token) at a tempera
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 import kernels
+from grpo.models.varlen import PackedSegments, bucket_overhead
 from grpo.precision import Precision, head_operands, no_autocast
 
 
@@ -67,6 +69,7 @@ def completion_logprobs(
     has_holes: bool = False,
     group_size: int | None = None,
     head_precision: str = "float32",
+    packed: PackedRows | None = None,
 ):
     """Log-probs of the completion tokens of a prompt+completion batch.
 
@@ -85,10 +88,16 @@ def completion_logprobs(
         group_size: G when rows b*G .. b*G + G - 1 share one prompt: the prompt then runs once
             per group (`shared_prefix_hidden`); None runs every row in full.
         head_precision: the lm_head's precision (`head_logprobs`).
+        packed: the rows packed on one token axis (`pack_rows`, train.pack_sequences): the
+            layout then says which tokens run and which are scored; attention_mask,
+            prompt_width, completion_mask, has_holes and group_size are not read.
 
     Returns:
         (B, T_c) float32 log-probs, 0 where completion_mask is False [and the entropy].
     """
+    if packed is not None:
+        return packed_completion_logprobs(model, ids, packed, temperature, impl, return_entropy,
+                                          entropy_grad, head_precision)  # fmt: skip
     w = prompt_width
     if group_size is None:
         hidden = model(ids, attention_mask=attention_mask, return_hidden=True)  # (B, T, C)
@@ -117,6 +126,152 @@ def completion_logprobs(
     ent = torch.zeros(mask.shape, dtype=torch.float32, device=ids.device)
     entropy = entropy.float() if entropy_grad else entropy.detach().float()
     return full, ent.masked_scatter(mask, entropy)
+
+
+class PackedRows:
+    """B rows of prompt + completion packed on one token axis (`pack_rows`): the stream's
+    attention layout and where each scored token and its predicting position sit. Index
+    tensors live on the model's device; built once per micro-batch and step, read by every
+    log-prob pass (reference, pi_old, update). A plain class: DDP passes it through as is.
+
+    Attributes:
+        src: (N,) flat index into the rows' ids (B * T) of each stream token.
+        segments: the attention layout (`grpo.models.varlen.PackedSegments`).
+        pred: (N_s,) stream index of the hidden state that predicts each scored token: the
+            previous token of its own row (for a completion's first token, its prompt's last),
+            so no label crosses a row boundary.
+        target: (N_s,) flat index into the rows' ids of each scored token.
+        dst: (N_s,) flat index into the (B, T_c) output of each scored token.
+        shape: (B, T_c).
+        real_tokens: N; padded_tokens: what the padded forward would run (B x (T_p + T_c),
+            or P x T_p + B x T_c with a shared prefix).
+    """
+
+    __slots__ = ("src", "segments", "pred", "target", "dst", "shape", "real_tokens",
+                 "padded_tokens")  # fmt: skip
+
+    def __init__(self, src, segments, pred, target, dst, shape, padded_tokens):
+        self.src, self.segments, self.pred, self.target, self.dst = src, segments, pred, target, dst
+        self.shape, self.real_tokens = shape, segments.num_tokens
+        self.padded_tokens = padded_tokens
+
+
+def pack_rows(
+    attention_mask: torch.Tensor,
+    prompt_width: int,
+    scored: torch.Tensor,
+    group_size: int | None = None,
+    overhead: int = 1024,
+    device: torch.device | str = "cpu",
+) -> PackedRows:
+    """Pack B rows of left-padded prompt + completion on one token axis, padding dropped.
+
+    Each row's real tokens keep their order and rotary positions (counted over the attention
+    mask, as the padded forward counts them); holes between turns (multi-turn) simply vanish,
+    so each token is predicted by the real token before it. With `group_size` G, rows
+    b*G .. b*G + G - 1 share one prompt: it runs once, as a prefix segment all G completion
+    segments attend to in full (`train.shared_prefix`).
+
+    Args:
+        attention_mask: (B, T_p + T_c) bool, True = real token (read on the host).
+        prompt_width: T_p.
+        scored: (B, T_c) bool, the completion tokens to score (real ones).
+        group_size: G when the rows' prompts are shared per group, else None.
+        overhead: the attention buckets' per-call cost (`grpo.models.varlen.bucket_overhead`).
+        device: where the index tensors go.
+
+    Returns:
+        the `PackedRows`.
+    """
+    real = attention_mask.detach().bool().cpu().numpy()  # (B, T)
+    score = scored.detach().bool().cpu().numpy()  # (B, T_c)
+    B, T = real.shape
+    w, T_c = prompt_width, T - prompt_width
+    if score.shape != (B, T_c):
+        raise ValueError(f"scored mask {score.shape} does not match {B} rows of {T_c} tokens")
+    if (score & ~real[:, w:]).any():
+        raise ValueError("a scored token is not a real token of its row")
+    rows_flat = np.arange(B)[:, None] * T
+    if group_size is None:
+        src = np.flatnonzero(real)  # row-major: each row's tokens together
+        lens = real.sum(1)
+        starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        positions = (np.cumsum(real, 1) - 1)[real]
+        segments = [(int(s), int(n), 0, 0) for s, n in zip(starts, lens) if n]
+        padded = B * T
+    else:
+        G = group_size
+        if B % G:
+            raise ValueError(f"{B} rows do not split into groups of {G}")
+        p_real = real[::G, :w]  # (P, T_p): the group's prompt, from its first row
+        c_real = real[:, w:]  # (B, T_c)
+        p_lens, c_lens = p_real.sum(1), c_real.sum(1)
+        N_p = int(p_lens.sum())
+        p_starts = np.concatenate([[0], np.cumsum(p_lens)[:-1]])
+        c_starts = N_p + np.concatenate([[0], np.cumsum(c_lens)[:-1]])
+        src = np.concatenate([
+            (rows_flat[::G] + np.arange(w)[None])[p_real],
+            (rows_flat + w + np.arange(T_c)[None])[c_real],
+        ])  # fmt: skip
+        group_of = np.arange(B) // G
+        positions = np.concatenate([
+            (np.cumsum(p_real, 1) - 1)[p_real],
+            (p_lens[group_of][:, None] + np.cumsum(c_real, 1) - 1)[c_real],
+        ])  # fmt: skip
+        segments = [(int(s), int(n), 0, 0) for s, n in zip(p_starts, p_lens) if n]
+        segments += [(int(c_starts[r]), int(c_lens[r]), int(p_starts[group_of[r]]),
+                      int(p_lens[group_of[r]])) for r in range(B) if c_lens[r]]  # fmt: skip
+        padded = B // G * w + B * T_c
+    where = np.full(B * T, -1, dtype=np.int64)  # flat (row, column) -> stream index
+    where[src] = np.arange(len(src))
+    target = (rows_flat + w + np.arange(T_c)[None])[score]  # (N_s,) flat ids index
+    pred = where[target] - 1  # the stream token before it: the row's previous real token
+    if group_size is not None:  # a completion's first token: its group's prompt's last
+        first = score & (np.cumsum(c_real, 1) == 1)
+        prompt_last = p_starts + p_lens - 1  # (P,)
+        pred[first[score]] = prompt_last[(np.arange(B)[:, None] // G).repeat(T_c, 1)[first]]
+    row_start = (starts if group_size is None else c_starts)[target // T]  # its segment's start
+    if group_size is None and (where[target] <= row_start).any():
+        raise ValueError("a scored token has no real token before it in its row (empty prompt)")
+    dst = (np.arange(B)[:, None] * T_c + np.arange(T_c)[None])[score]
+
+    def to(x):
+        return torch.as_tensor(np.ascontiguousarray(x), dtype=torch.long).to(device)
+
+    layout = PackedSegments(segments, positions, overhead, device)
+    return PackedRows(to(src), layout, to(pred), to(target), to(dst), (B, T_c), padded)
+
+
+def packed_overhead(model: torch.nn.Module) -> int:
+    """`bucket_overhead` of a `Decoder` (its attention heads and head dim)."""
+    cfg = model.config
+    return bucket_overhead(cfg.num_attention_heads, cfg.head_dim)
+
+
+def packed_completion_logprobs(
+    model, ids, packed: PackedRows, temperature=1.0, impl="auto", return_entropy=False,
+    entropy_grad=False, head_precision="float32",
+):  # fmt: skip
+    """`completion_logprobs` of packed rows: one forward over the stream's N real tokens, the
+    head at the scored positions only. Same arguments and result; `ids` (B, T) are the rows
+    the layout was built from."""
+    B, T_c = packed.shape
+    if ids.shape[0] != B:
+        raise ValueError(f"the packed layout is of {B} rows, got ids of {ids.shape[0]}")
+    flat = ids.reshape(-1)
+    tokens = flat[packed.src][None]  # (1, N)
+    hidden = model(tokens, packed=packed.segments, return_hidden=True)[0]  # (N, C)
+    return_entropy = return_entropy or entropy_grad
+    out = head_logprobs(model.lm_head, hidden[packed.pred], flat[packed.target], temperature,
+                        impl, return_entropy, entropy_grad, head_precision)  # (N_s,)  # fmt: skip
+    logprobs, entropy = out if return_entropy else (out, None)
+    full = torch.zeros(B * T_c, dtype=torch.float32, device=ids.device)
+    full = full.index_copy(0, packed.dst, logprobs.float()).view(B, T_c)
+    if not return_entropy:
+        return full
+    entropy = entropy.float() if entropy_grad else entropy.detach().float()
+    ent = torch.zeros(B * T_c, dtype=torch.float32, device=ids.device)
+    return full, ent.index_copy(0, packed.dst, entropy).view(B, T_c)
 
 
 class _RecordKV:
@@ -223,11 +378,11 @@ class CompletionLogprobs(torch.nn.Module):
 
     def forward(self, ids, attention_mask, prompt_width, completion_mask, temperature=1.0,
                 return_entropy=False, entropy_grad=False, has_holes=False,
-                group_size=None):  # fmt: skip
+                group_size=None, packed=None):  # fmt: skip
         with self.precision.autocast(ids.device):
             return completion_logprobs(
                 self.model, ids, attention_mask, prompt_width, completion_mask, temperature,
                 return_entropy=return_entropy, entropy_grad=entropy_grad, has_holes=has_holes,
                 group_size=group_size, head_precision=self.precision.head,
-                impl=self.precision.logprob_impl,
+                impl=self.precision.logprob_impl, packed=packed,
             )  # fmt: skip

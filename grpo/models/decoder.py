@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from grpo.models.config import ModelConfig
 from grpo.models.kv_cache import GroupedKVCache, KVCache
+from grpo.models.varlen import PackedSegments
 
 
 class RMSNorm(nn.Module):
@@ -226,6 +227,10 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|H_kv, T, D)
         q = q * cos + rotate_half(q) * sin  # cos/sin: (B, 1, T, D)
         k = k * cos + rotate_half(k) * sin
+        if isinstance(mask, PackedSegments):  # rows packed on one token axis (B = 1)
+            dtype = compute_dtype(x)
+            y = mask.attend(q.to(dtype), k.to(dtype), v.to(dtype), attention)  # (1, N, H*D)
+            return self.o_proj(y)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, H_kv, S, D), S = pos + T
         # mask: (B, 1, T, S) additive, 0 = attend, -inf = not; None = causal with T == S.
@@ -308,6 +313,7 @@ class Decoder(nn.Module):
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         return_hidden: bool = False,
+        packed: PackedSegments | None = None,
     ) -> torch.Tensor:
         """Run the decoder.
 
@@ -322,13 +328,23 @@ class Decoder(nn.Module):
                 cache is advanced by T. A static cache attends over all its slots (fixed
                 shapes, for a compiled decode step).
             return_hidden: return the final-norm hidden states instead of logits.
+            packed: rows packed on one token axis (`grpo.models.varlen`): input_ids is (1, N),
+                positions and attention come from the layout (no attention_mask, no cache).
 
         Returns:
             logits (B, T, V) or hidden states (B, T, C), in the model's dtype.
         """
         B, T = input_ids.shape
         dev = input_ids.device
-        if kv_cache is not None and kv_cache.static:
+        if packed is not None:
+            extra = kv_cache is not None or attention_mask is not None
+            if (B, T) != (1, packed.num_tokens) or extra:
+                raise ValueError(
+                    f"a packed forward takes (1, {packed.num_tokens}) ids and no "
+                    f"attention mask or cache, got {tuple(input_ids.shape)}"
+                )
+            position_ids = packed.position_ids[None]  # (1, N)
+        elif kv_cache is not None and kv_cache.static:
             # Static shapes: queries sit at a tensor position, keys span the whole buffer.
             S = kv_cache.max_len
             q_pos = kv_cache.pos_tensor + torch.arange(T, device=dev)  # (T,)
@@ -341,14 +357,17 @@ class Decoder(nn.Module):
         # a caller passes attention_mask=None when it knows every token is real. Reading the
         # mask to find out (.all()) would cost a device sync per forward, and a mask with
         # padding still runs a fused kernel (memory-efficient attention, `attention`).
-        plain_causal = attention_mask is None and (
-            kv_cache is None or (not kv_cache.static and kv_cache.pos == 0)
+        plain_causal = (
+            packed is None
+            and attention_mask is None
+            and (kv_cache is None or (not kv_cache.static and kv_cache.pos == 0))
         )
-        if attention_mask is None:
-            attention_mask = torch.ones(B, S, dtype=torch.bool, device=dev)
-        attention_mask = attention_mask[:, :S].bool()
-        if position_ids is None:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, q_pos]
+        if packed is None:
+            if attention_mask is None:
+                attention_mask = torch.ones(B, S, dtype=torch.bool, device=dev)
+            attention_mask = attention_mask[:, :S].bool()
+            if position_ids is None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, q_pos]
 
         # Rotary tables, computed once per forward in float32 then cast (B, 1, T, D).
         freqs = position_ids[..., None].float() * self.inv_freq.float()  # (B, T, D/2)
@@ -356,8 +375,8 @@ class Decoder(nn.Module):
         x = self.embed_tokens(input_ids)  # (B, T, C)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
-        mask = None
-        if not plain_causal:
+        mask = packed  # a packed forward: each layer attends through the layout
+        if not plain_causal and packed is None:
             # Causal + padding mask (B, 1, T, S). Every query keeps its own key so that rows of
             # pure padding never see an all-False row (which would make softmax NaN).
             k_pos = torch.arange(S, device=dev)

@@ -1,0 +1,161 @@
+"""Attention over packed sequences: many segments on one token axis, no padding token.
+
+A packed forward runs the decoder on (1, N) tokens, the real tokens of several rows laid end
+to end, so every linear layer (projections, MLP, head) touches real tokens only. Attention
+stays inside each segment: a segment's queries see its own earlier tokens and, when it has
+one, every token of its *prefix* segment (the group's prompt, run once for G completions:
+`train.shared_prefix`). Segments are attended in buckets of similar lengths: each bucket is
+one SDPA call over its segments padded to the bucket's longest, so the scores computed are
+about sum_i len_i * (prefix_i + len_i), never (sum_i len_i)^2 (`PackedSegments.score_elements`
+counts them). The buckets come from a small dynamic program that trades padding against a
+per-call cost (`bucket_overhead`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+Segment = tuple[int, int, int, int]  # (start, length, prefix_start, prefix_length) in the stream
+
+
+def bucket_overhead(num_heads: int, head_dim: int) -> int:
+    """The fixed cost of one more attention call (launch, gathers), in score elements of one
+    row: about 2**20 multiply-adds, i.e. 2**20 / (H * D) scores (a few thousand at tiny shapes,
+    a few hundred at Qwen3-0.6B's), so small models take few buckets and large ones many."""
+    return max(1, (1 << 20) // max(1, num_heads * head_dim))
+
+
+def plan_buckets(q_lens: np.ndarray, k_lens: np.ndarray, overhead: int) -> list[np.ndarray]:
+    """Segments grouped into buckets minimizing sum over buckets of (rows x longest query x
+    longest key span + overhead): segments sorted by key span (longest first), then the best
+    split into consecutive runs (dynamic programming, O(n^2) in numpy).
+
+    Returns:
+        the segment indices of each bucket.
+    """
+    n = len(q_lens)
+    order = np.lexsort((-q_lens, -k_lens))  # key span descending, then query length
+    q, k = q_lens[order].astype(np.int64), k_lens[order].astype(np.int64)
+    best = np.zeros(n + 1, dtype=np.float64)  # best[j]: cost of the first j segments
+    cut = np.zeros(n + 1, dtype=np.int64)
+    for j in range(1, n + 1):
+        # a last bucket holding segments i .. j-1, for every i: its longest query and key span
+        q_max = np.maximum.accumulate(q[:j][::-1])[::-1]
+        k_max = k[:j]  # sorted descending: the first of the run is the longest
+        i = np.arange(j)
+        cost = best[:j] + (j - i) * q_max * k_max + overhead
+        cut[j] = int(np.argmin(cost))
+        best[j] = cost[cut[j]]
+    buckets, j = [], n
+    while j > 0:
+        buckets.append(order[cut[j] : j])
+        j = cut[j]
+    return buckets[::-1]
+
+
+class Bucket:
+    """One attention call: `rows` segments padded to T queries and S keys.
+
+    Attributes:
+        q_index: (b, T) long, the stream position of each query slot (0 on padding).
+        k_index: (b, S) long, the stream position of each key slot: the prefix's tokens, then
+            the segment's own (0 on padding).
+        keep: (b, 1, T, S) bool, True = the query attends to the key; padded query slots keep
+            key slot 0 (never a row with nothing to attend to, which would make softmax NaN).
+        valid: (b * T,) bool, the query slots that hold a token (their outputs are kept).
+    """
+
+    __slots__ = ("q_index", "k_index", "keep", "valid", "_masks")
+
+    def __init__(self, q_index, k_index, keep, valid):
+        self.q_index, self.k_index, self.keep, self.valid = q_index, k_index, keep, valid
+        self._masks: dict[torch.dtype, torch.Tensor] = {}
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """The additive mask in `dtype` (0 = attend, -inf = not), built once per dtype and
+        shared by every layer (and a checkpointed block's recompute)."""
+        if dtype not in self._masks:
+            m = torch.zeros(self.keep.shape, dtype=dtype, device=self.keep.device)
+            self._masks[dtype] = m.masked_fill_(~self.keep, float("-inf"))
+        return self._masks[dtype]
+
+
+class PackedSegments:
+    """The attention layout of a packed forward: positions, buckets and the order that puts
+    the buckets' outputs back on the token axis. Not a dataclass on purpose: DDP passes it to
+    the module untouched (it rebuilds dataclasses it finds among the inputs).
+
+    Attributes:
+        position_ids: (N,) rotary positions, restarting at each row (a completion segment
+            continues its prefix's count), as the padded forward counts them.
+        buckets: the `Bucket`s.
+        order: (N,) long: stream token i's output is row order[i] of the buckets' kept outputs
+            concatenated.
+        score_elements: attention scores computed per head (padding included): sum over
+            buckets of rows x T x S.
+    """
+
+    __slots__ = ("position_ids", "buckets", "order", "score_elements", "num_tokens")
+
+    def __init__(self, segments: list[Segment], position_ids: np.ndarray, overhead: int,
+                 device: torch.device | str = "cpu"):  # fmt: skip
+        """Args:
+        segments: (start, length, prefix_start, prefix_length) of each query segment in the
+            stream; every stream token belongs to exactly one; prefix_length 0 = none.
+        position_ids: (N,) rotary positions.
+        overhead: `bucket_overhead`.
+        device: where the index tensors live (the model's device)."""
+        seg = np.asarray(segments, dtype=np.int64).reshape(-1, 4)
+        N = len(position_ids)
+        if seg[:, 1].sum() != N:
+            raise ValueError(f"segments cover {int(seg[:, 1].sum())} tokens, the stream has {N}")
+        self.num_tokens = N
+        self.position_ids = torch.as_tensor(position_ids, dtype=torch.long).to(device)
+        q_lens, k_lens = seg[:, 1], seg[:, 1] + seg[:, 3]
+        self.buckets, kept, self.score_elements = [], [], 0
+        for idx in plan_buckets(q_lens, k_lens, overhead):
+            s = seg[idx]  # (b, 4)
+            b, T, S = len(s), int(s[:, 1].max()), int((s[:, 1] + s[:, 3]).max())
+            t, j = np.arange(T)[None, :], np.arange(S)[None, :]  # query slot, key slot
+            length, p0, plen = s[:, 1:2], s[:, 2:3], s[:, 3:4]
+            valid = t < length  # (b, T)
+            q_index = np.where(valid, s[:, 0:1] + t, 0)
+            own = j - plen  # the key slot's position in the segment's own tokens
+            k_index = np.where(j < plen, p0 + j, np.where(own < length, s[:, 0:1] + own, 0))
+            keep = (j[:, None, :] < plen[:, :, None]) | (  # (b, T, S): the whole prefix ...
+                (own[:, None, :] >= 0) & (own[:, None, :] <= t[:, :, None])  # ... causal own
+            )
+            keep &= valid[:, :, None]
+            keep[:, :, 0] |= ~valid  # padded queries: one key, outputs dropped
+            self.buckets.append(Bucket(
+                torch.as_tensor(q_index).to(device), torch.as_tensor(k_index).to(device),
+                torch.as_tensor(keep[:, None]).to(device),
+                torch.as_tensor(valid.reshape(-1)).to(device),
+            ))  # fmt: skip
+            kept.append(q_index[valid])
+            self.score_elements += b * T * S
+        inverse = np.empty(N, dtype=np.int64)
+        inverse[np.concatenate(kept)] = np.arange(N)
+        self.order = torch.as_tensor(inverse).to(device)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention) -> torch.Tensor:
+        """Attention of the packed stream, bucket by bucket.
+
+        Args:
+            q: (1, H, N, D); k, v: (1, H_kv, N, D), all in the dtype attention runs in.
+            attention: the decoder's `attention(q, k, v, mask)` (SDPA arranged per device).
+
+        Returns:
+            (1, N, H * D), the stream's attention outputs in stream order.
+        """
+        H, D = q.shape[1], q.shape[3]
+        q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)  # (N, h, D)
+        outs = []
+        for bk in self.buckets:
+            b, T = bk.q_index.shape
+            qb = q[bk.q_index].transpose(1, 2)  # (b, H, T, D)
+            kb, vb = k[bk.k_index].transpose(1, 2), v[bk.k_index].transpose(1, 2)  # (b, H_kv, S, D)
+            y = attention(qb, kb, vb, bk.mask(q.dtype))  # (b, H, T, D)
+            outs.append(y.transpose(1, 2).reshape(b * T, H * D)[bk.valid])
+        return torch.cat(outs)[self.order][None]  # (1, N, H*D)
