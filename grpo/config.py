@@ -416,6 +416,17 @@ class TrainConfig:
     # micro-batch holds whole groups). Works with model.gradient_checkpointing: both passes
     # checkpoint every block (tests/test_attention.py). docs/benchmarks.md.
     shared_prefix: Literal["auto", "on", "off"] = "auto"
+    # Sequence packing: the training passes (reference, old log-probs, update; SFT's too) run
+    # each micro-batch's real tokens on one token axis, no pad token, attention kept inside
+    # each row (grpo/models/varlen.py); log-probs and gradients equal the padded forward's
+    # (tests/test_packing.py). on | off | auto (on: faster at every length spread measured,
+    # docs/benchmarks.md). off runs the padded forward.
+    pack_sequences: Literal["auto", "on", "off"] = "auto"
+    # With packing: micro-batches of at most this many real tokens (prompt + completion; a
+    # group's prompt counted once when shared) instead of train.micro_batch_size rows. Whole
+    # groups (shared prefix) or rows, consecutive, as even as they can be, the same number on
+    # every rank; a row or group longer than this runs alone (one log line says so).
+    micro_batch_tokens: int | None = None
     # The start-up check that the run's estimated memory fits (grpo/run/preflight.py); true
     # skips it, e.g. when the estimate is too pessimistic for short prompts (docs/safety.md).
     skip_memory_check: bool = False
@@ -440,6 +451,12 @@ class TrainConfig:
                 "train.micro_batch_size",
                 f"must divide train.batch_size ({self.batch_size}), got {mb}",
             )
+        if self.micro_batch_tokens is not None:
+            _check(self.micro_batch_tokens > 0, "train.micro_batch_tokens", "must be > 0")
+            _check(mb is None, "train.micro_batch_tokens",
+                   "set it or train.micro_batch_size, not both")  # fmt: skip
+            _check(self.pack_sequences != "off", "train.micro_batch_tokens",
+                   "cuts packed micro-batches: needs train.pack_sequences on or auto")  # fmt: skip
         _check(self.log_every >= 1, "train.log_every", f"must be >= 1, got {self.log_every}")
         for name in ("eval_every", "save_every", "sample_every"):
             _check(getattr(self, name) >= 0, f"train.{name}", "must be >= 0")
@@ -575,9 +592,14 @@ class Config:
         G = self.rollout.group_size
         mb = self.train.micro_batch_size or self.train.batch_size
         mode = self.train.shared_prefix
-        if mode == "off" or mb % G:
-            return None
+        if mode == "off" or (mb % G and self.train.micro_batch_tokens is None):
+            return None  # token budgets cut whole groups
         return G
+
+    @property
+    def pack_sequences(self) -> bool:
+        """Whether the training passes pack each micro-batch's rows (train.pack_sequences)."""
+        return self.train.pack_sequences != "off"
 
 
 # --------------------------------------------------------------------------- loading

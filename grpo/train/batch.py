@@ -15,14 +15,18 @@ completion tokens.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from grpo.algo.logprobs import PackedRows, pack_rows
 from grpo.rollout import Rollout
 from grpo.run.state import TrainState
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -122,10 +126,12 @@ def _cat_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
 @dataclass(frozen=True)
 class MicroBatch:
     """One micro-batch of a step: `rows` of the batch, and the column range [lo, hi) of
-    prompt + completion that holds all their real tokens (`column_bounds`)."""
+    prompt + completion that holds all their real tokens (`column_bounds`); with sequence
+    packing (train.pack_sequences) `packed`, its rows on one token axis (`pack_rows`)."""
 
     rows: slice
     cols: tuple[int, int]
+    packed: PackedRows | None = None
 
 
 @dataclass(frozen=True)
@@ -284,12 +290,119 @@ def micro_batches(B: int, size: int):
         yield slice(start, min(B, start + size))
 
 
-def micro_batch_plan(rollout: Rollout, size: int) -> tuple[MicroBatch, ...]:
-    """The micro-batches of `size` rows of a rollout, each with its column range
-    (`column_bounds`; one host sync for all of them)."""
-    slices = list(micro_batches(rollout.ids.shape[0], size))
-    bounds = column_bounds(rollout.attention_mask(), slices, rollout.prompt_width)
-    return tuple(MicroBatch(sl, cols) for sl, cols in zip(slices, bounds))
+def micro_batch_plan(
+    rollout: Rollout,
+    size: int,
+    scored: torch.Tensor | None = None,
+    pack: bool = False,
+    group_size: int | None = None,
+    max_tokens: int | None = None,
+    overhead: int = 1024,
+    count: int | None = None,
+) -> tuple[MicroBatch, ...]:
+    """The micro-batches of a rollout.
+
+    Padded (`pack` False): slices of `size` rows, each with its column range
+    (`column_bounds`; one host sync for all of them). Packed: each micro-batch's rows packed on
+    one token axis (`pack_rows`; the attention mask read on the host once), scoring `scored`
+    (B, T_c) (the counted tokens); with `max_tokens` (train.micro_batch_tokens) the rows (whole
+    groups of `group_size` when the prompt is shared) are cut into consecutive micro-batches
+    of at most that many real tokens, as even as they can be (`token_slices`), `count` of them
+    when given (every rank the same number: `micro_batch_count`).
+    """
+    B = rollout.ids.shape[0]
+    if not pack:
+        slices = list(micro_batches(B, size))
+        bounds = column_bounds(rollout.attention_mask(), slices, rollout.prompt_width)
+        return tuple(MicroBatch(sl, cols) for sl, cols in zip(slices, bounds))
+    attn = rollout.attention_mask().cpu()
+    T_p, T = rollout.prompt_width, rollout.ids.shape[1]
+    if scored is None:
+        scored = rollout.generated_mask
+    scored = scored.cpu()
+    if max_tokens is None:
+        slices = list(micro_batches(B, size))
+    else:
+        unit = group_size or 1
+        costs = unit_tokens(attn, T_p, group_size)
+        what = "row" if unit == 1 else "group"
+        cuts = token_slices(costs, max_tokens, count, what)
+        slices = [slice(a.start * unit, a.stop * unit) for a in cuts]
+    return tuple(
+        MicroBatch(sl, (0, T), pack_rows(attn[sl], T_p, scored[sl], group_size, overhead,
+                                         rollout.ids.device))  # fmt: skip
+        for sl in slices
+    )
+
+
+def unit_tokens(attention_mask: torch.Tensor, prompt_width: int, group_size: int | None):
+    """The real tokens a packed forward runs per row, or per group of `group_size` rows when
+    the group's prompt runs once (prompt + its G completions). A list of ints."""
+    real = attention_mask.bool()
+    if group_size is None:
+        return real.sum(1).tolist()
+    G, w = group_size, prompt_width
+    prompts = real[::G, :w].sum(1)  # (P,)
+    completions = real[:, w:].sum(1).view(-1, G).sum(1)  # (P,)
+    return (prompts + completions).tolist()
+
+
+def micro_batch_count(costs: Sequence[int], max_tokens: int) -> int:
+    """The fewest consecutive micro-batches of at most `max_tokens` tokens (a unit longer than
+    that is a micro-batch of its own)."""
+    n, filled = 0, max_tokens + 1
+    for c in costs:
+        if filled + c > max_tokens or c > max_tokens:
+            n, filled = n + 1, c
+        else:
+            filled += c
+    return n
+
+
+def token_slices(costs: Sequence[int], max_tokens: int, count: int | None = None,
+                 unit: str = "row") -> list[slice]:  # fmt: skip
+    """Consecutive slices of units (rows or groups) of `costs` tokens each: `count` of them
+    (default: the fewest, `micro_batch_count`), the largest as small as it can be and none
+    over `max_tokens` but a unit that alone exceeds it (said in one log line per step).
+
+    The smallest cap X <= max_tokens that a greedy fill splits into at most `count` slices is
+    found by bisection; slices are then split further (the one of most tokens first) until
+    there are `count`. `count` may not exceed the number of units."""
+    n = len(costs)
+    if count is None:
+        count = micro_batch_count(costs, max_tokens)
+    if not 1 <= count <= n:
+        raise ValueError(f"cannot cut {n} {unit}s into {count} micro-batches")
+    longest = max(costs)
+    if longest > max_tokens:
+        log.info("a %s of %d tokens exceeds train.micro_batch_tokens (%d): it runs as a "
+                 "micro-batch of its own", unit, longest, max_tokens)  # fmt: skip
+
+    def greedy(cap: int) -> list[list[int]]:
+        parts: list[list[int]] = []
+        filled = cap + 1
+        for i, c in enumerate(costs):
+            if filled + c > cap or c > cap:
+                parts.append([i])
+                filled = c
+            else:
+                parts[-1].append(i)
+                filled += c
+        return parts
+
+    lo, hi = 1, max_tokens  # greedy(max_tokens) has the fewest slices, <= count
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if len(greedy(mid)) <= count else (mid + 1, hi)
+    parts = greedy(lo)
+    while len(parts) < count:  # split the part of most tokens (of two units or more) in two
+        i = max((j for j in range(len(parts)) if len(parts[j]) > 1),
+                key=lambda j: sum(costs[u] for u in parts[j]))  # fmt: skip
+        part = parts[i]
+        before = np.cumsum([costs[u] for u in part])  # tokens up to and including each unit
+        cut = 1 + int(np.argmin(np.abs(2 * before[:-1] - before[-1])))  # nearest to half
+        parts[i : i + 1] = [part[:cut], part[cut:]]
+    return [slice(p[0], p[-1] + 1) for p in parts]
 
 
 def column_bounds(attention_mask: torch.Tensor, slices: list[slice], prompt_width: int):

@@ -35,7 +35,7 @@ from grpo.algo.advantages import (
     wants_rollout,
 )
 from grpo.algo.kl import kl_penalty
-from grpo.algo.logprobs import CompletionLogprobs
+from grpo.algo.logprobs import CompletionLogprobs, packed_overhead
 from grpo.algo.losses import (
     check_bad_row,
     check_policy_loss,
@@ -79,7 +79,9 @@ from grpo.train.batch import (
     RolloutBatch,
     UpdateBatch,
     counted_mask,
+    micro_batch_count,
     micro_batch_plan,
+    unit_tokens,
 )
 from grpo.train.health import LearningHealth, StallError, WeightChange
 from grpo.train.modules import ModuleSet
@@ -107,7 +109,7 @@ def step_batch(
     reference log-probs (on the steps that measure the KL), advantages over the global batch,
     and pi_old recomputed by the trainer (when configured)."""
     mask = counted_mask(batch.rollout, cfg.loss.mask_truncated_completions)
-    plan = micro_batch_plan(batch.rollout, cfg.train.micro_batch_size or cfg.train.batch_size)
+    plan = step_plan(cfg, policy, batch.rollout, mask, dist)
     show = cfg.train.progress and dist.is_main  # bars of the passes that run long
     ref = reference_phase(cfg, policy, batch.rollout, mask, plan, step, show=show)
     reported: dict[str, float] = {}  # what the estimator reported (the same on every rank)
@@ -115,6 +117,22 @@ def step_batch(
     old = old_logprobs_phase(cfg, policy, batch.rollout, mask, plan, show=show)
     return UpdateBatch(batch.rollout, mask, advantages, plan, ref_logprobs=ref, old_logprobs=old,
                        metrics=reported)  # fmt: skip
+
+
+def step_plan(cfg: Config, policy, rollout: Rollout, mask: torch.Tensor, dist=SINGLE):
+    """The step's micro-batches (`micro_batch_plan`): packed when train.pack_sequences says so,
+    by train.micro_batch_tokens when set (every rank cuts as many micro-batches as the rank
+    that needs the most, so FSDP's per-block collectives pair up), else by
+    train.micro_batch_size rows."""
+    size = cfg.train.micro_batch_size or cfg.train.batch_size
+    if not cfg.pack_sequences:
+        return micro_batch_plan(rollout, size)
+    groups, budget, count = cfg.shared_prefix_groups, cfg.train.micro_batch_tokens, None
+    if budget is not None:
+        costs = unit_tokens(rollout.attention_mask().cpu(), rollout.prompt_width, groups)
+        count = int(all_reduce_max(micro_batch_count(costs, budget), dist))
+    return micro_batch_plan(rollout, size, mask, pack=True, group_size=groups, max_tokens=budget,
+                            overhead=packed_overhead(policy.model), count=count)  # fmt: skip
 
 
 def each_micro_batch(plan: tuple[MicroBatch, ...], show: bool, desc: str):
@@ -198,6 +216,10 @@ def micro_logprobs(cfg: Config, scorer, rollout: Rollout, mask: torch.Tensor, mb
     counted tokens of `mask` (B, T_c), zero-padded back to T_c; with `entropy`, also the
     entropies."""
     r, sl = rollout, mb.rows
+    if mb.packed is not None:  # the rows on one token axis: (mb, T_c) out, as scored
+        temperature = cfg.rollout.temperature or 1.0
+        return scorer(r.ids[sl], None, r.prompt_width, None, temperature, return_entropy=entropy,
+                      entropy_grad=entropy_grad, packed=mb.packed)  # fmt: skip
     lo, hi = mb.cols
     T_p, T_c = r.prompt_width, r.ids.shape[1] - r.prompt_width
     out = scorer(  # autocast as the policy's precision says (CompletionLogprobs)
