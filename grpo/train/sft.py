@@ -16,10 +16,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from grpo.algo.logprobs import CompletionLogprobs
+from grpo.algo.logprobs import CompletionLogprobs, pack_rows, packed_overhead
 from grpo.config import Config
 from grpo.distributed import (
     Where,
+    all_reduce_max,
     all_reduce_sum,
     clip_grad_norm,
     device_for,
@@ -37,7 +38,7 @@ from grpo.run.perf import peak_mem_mib, reset_peak_mem
 from grpo.run.preflight import check_prompt_room, preflight
 from grpo.run.rundir import check_resume_step
 from grpo.run.state import seed_everything
-from grpo.train.batch import micro_batches, next_prompts
+from grpo.train.batch import micro_batch_count, micro_batches, next_prompts, token_slices
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +51,16 @@ def tokenize_sft(rows: list[dict], tokenizer, max_completion: int) -> list[dict]
     return rows
 
 
-def collate(rows: list[dict], pad_id: int, device) -> dict:
+def collate(rows: list[dict], pad_id: int, device, packed_overhead: int | None = None) -> dict:
     """Left-padded prompts + right-padded completions, with masks from lengths.
+
+    Args:
+        packed_overhead: pack the rows (train.pack_sequences) with this attention-bucket cost
+            (`grpo.algo.logprobs.packed_overhead`); None: padded.
 
     Returns:
         ids (B, T_p + T_c), attention_mask (same, bool), completion_mask (B, T_c) bool,
-        prompt_width T_p.
+        prompt_width T_p, and `packed` (`grpo.algo.logprobs.PackedRows`) or None.
     """
     T_p = max(len(r["prompt_ids"]) for r in rows)
     T_c = max(len(r["completion_ids"]) for r in rows)
@@ -67,11 +72,15 @@ def collate(rows: list[dict], pad_id: int, device) -> dict:
         ids[b, T_p - len(p) : T_p] = torch.tensor(p)
         ids[b, T_p : T_p + len(c)] = torch.tensor(c)
         attn[b, T_p - len(p) : T_p + len(c)] = True
+    packed = None
+    if packed_overhead is not None:
+        packed = pack_rows(attn, T_p, attn[:, T_p:], None, packed_overhead, device)
     return {
         "ids": ids.to(device),
         "attention_mask": attn.to(device),
         "completion_mask": attn[:, T_p:].to(device),
         "prompt_width": T_p,
+        "packed": packed,
     }
 
 
@@ -86,6 +95,7 @@ def sft_loss(cfg: Config, scorer, batch: dict, normalizer: float) -> tuple[torch
         batch["attention_mask"],
         batch["prompt_width"],
         batch["completion_mask"],
+        packed=batch.get("packed"),
     )  # (B, T_c), 0 where masked
     return -logprobs.sum() / normalizer, int(batch["completion_mask"].sum())
 
@@ -107,9 +117,10 @@ def sft_update(cfg: Config, policy, scorer, batch_rows, optimizer, scheduler, pa
     policy.model.train()
     optimizer.zero_grad(set_to_none=True)
     total, tokens = torch.zeros((), dtype=torch.float64, device=device), 0  # summed on device
-    slices = list(micro_batches(len(batch_rows), cfg.train.micro_batch_size or len(batch_rows)))
+    slices = sft_slices(cfg, batch_rows, dist)
+    overhead = packed_overhead(policy.model) if cfg.pack_sequences else None
     for i, sl in enumerate(slices):
-        batch = collate(batch_rows[sl], policy.tokenizer.pad_token_id, device)
+        batch = collate(batch_rows[sl], policy.tokenizer.pad_token_id, device, overhead)
         with no_sync(scorer, skip=i < len(slices) - 1):
             loss, n = sft_loss(cfg, scorer, batch, norm)
             (loss * dist.world_size).backward()  # DDP averages; we want the sum
@@ -128,6 +139,17 @@ def sft_update(cfg: Config, policy, scorer, batch_rows, optimizer, scheduler, pa
     if all_reduce_sum(float(not weights_finite(params)), dist):  # before any checkpoint of it
         raise nonfinite_weights_error(step, total, grad_norm, lr)
     return total, tokens, grad_norm
+
+
+def sft_slices(cfg: Config, batch_rows: list[dict], dist) -> list[slice]:
+    """This rank's micro-batches: train.micro_batch_size rows, or (train.micro_batch_tokens)
+    consecutive rows of at most that many tokens, as many on every rank (`token_slices`)."""
+    budget = cfg.train.micro_batch_tokens
+    if budget is None:
+        return list(micro_batches(len(batch_rows), cfg.train.micro_batch_size or len(batch_rows)))
+    costs = [len(r["prompt_ids"]) + len(r["completion_ids"]) for r in batch_rows]
+    count = int(all_reduce_max(micro_batch_count(costs, budget), dist))
+    return token_slices(costs, budget, count)
 
 
 def total_sft_steps(cfg: Config, n_rows: int) -> int:
