@@ -13,6 +13,8 @@ Rank 0 writes the updated trainable parameters to OUT_DIR/<case>.safetensors.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -33,11 +35,13 @@ from grpo.train.batch import (
     RolloutBatch,
     UpdateBatch,
     counted_mask,
+    micro_batch_count,
     micro_batch_plan,
     select_rows,
     turn_token_rewards,
+    unit_tokens,
 )
-from grpo.train.grpo import advantage_phase, update_phase
+from grpo.train.grpo import advantage_phase, step_plan, update_phase
 from grpo.train.sft import sft_update
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
@@ -164,6 +168,29 @@ def run_cases(ckpt: str, out: Path, dist, fsdp: bool = False) -> None:
     inputs = UpdateBatch(r, counted_mask(r, False), advantages, plan)
     update_phase(cfg, policy, inputs, opt, sched, params, scorer, dist)
     save_trainable(model, dist, out / "grpo_multiturn.safetensors")
+    # sequence packing: micro-batches of at most 22 real tokens, which this rank's rows (of
+    # other lengths than the other rank's) need more or fewer of: every rank cuts as many
+    for name, tokens in (("grpo_packed_tokens", "22"), ("grpo_packed_shared", None)):
+        model = copy.deepcopy(base)
+        size = [f"train.micro_batch_tokens={tokens}", "train.shared_prefix=off"] if tokens else [
+            "train.micro_batch_size=4", "train.shared_prefix=on"]  # fmt: skip
+        cfg = load_config(
+            base={"model": {"path": ckpt}},
+            overrides=["loss.beta=0", "optim.lr=1e-3", "train.batch_size=16",
+                       "train.pack_sequences=on", *size],
+        )  # fmt: skip
+        policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=True)
+        padded = fixed_batch(model, dist.rank, dist.world_size, 4)
+        plan = step_plan(cfg, policy, padded.rollout, padded.counted_mask, dist)
+        batch = dataclasses.replace(padded, plan=plan)
+        scorer, params, opt, sched = trainer(model, cfg, dist, fsdp)
+        update_phase(cfg, policy, batch, opt, sched, params, scorer, dist)
+        save_trainable(model, dist, out / f"{name}.safetensors")
+        if tokens:
+            r = padded.rollout
+            costs = unit_tokens(r.attention_mask(), r.prompt_width, None)
+            counts = {"needed": micro_batch_count(costs, int(tokens)), "used": len(plan)}
+            (out / f"{name}_counts_{dist.rank}.json").write_text(json.dumps(counts))
     for name, start in (("sft", base), ("sft_full", full)):
         model = copy.deepcopy(start)
         # Adam's first step is about g / (|g| + eps): a gradient near eps, whose last bits

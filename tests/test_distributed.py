@@ -40,10 +40,12 @@ def test_two_ranks_equal_one_process(tiny_checkpoints, tmp_path):
         err.seek(0)
         assert single.returncode == 0, err.read()[-3000:]
     assert r.returncode == 0, r.stderr[-3000:]
-    cases = sorted(p.name for p in (tmp_path / "single").iterdir())
+    cases = sorted(p.name for p in (tmp_path / "single").iterdir() if p.suffix != ".json")
     assert cases == [
         "grpo_full.safetensors",
         "grpo_multiturn.safetensors",
+        "grpo_packed_shared.safetensors",
+        "grpo_packed_tokens.safetensors",
         "grpo_seq_mean_token_mean.safetensors",
         "grpo_seq_mean_token_sum_norm.safetensors",
         "grpo_shared_prefix.safetensors",
@@ -63,6 +65,11 @@ def test_two_ranks_equal_one_process(tiny_checkpoints, tmp_path):
             assert a.keys() == b.keys(), (mode, name)
             diff = max((a[k] - b[k]).abs().max().item() for k in a)
             assert diff <= 1e-6, (mode, name, diff)
+    for mode in ("ddp", "fsdp"):  # packed by tokens: unequal needs, equal micro-batch counts
+        counts = [json.loads((tmp_path / mode / f"grpo_packed_tokens_counts_{r}.json").read_text())
+                  for r in (0, 1)]  # fmt: skip
+        assert counts[0]["needed"] != counts[1]["needed"], counts
+        assert counts[0]["used"] == counts[1]["used"] == max(c["needed"] for c in counts)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ import torch
 from conftest import live_lora
 from test_shared_prefix import logprobs_and_grads, multiturn, rollout
 
-from grpo.algo.logprobs import completion_logprobs, pack_rows, packed_overhead
+from grpo.algo.logprobs import CompletionLogprobs, completion_logprobs, pack_rows, packed_overhead
+from grpo.distributed import SINGLE
 from grpo.models import load_model
 from grpo.models.varlen import PackedSegments, plan_buckets
 
@@ -253,3 +254,65 @@ def test_micro_batch_tokens_equal_row_micro_batches(tiny_checkpoints, tmp_path):
     assert sum(sizes) == 9 and len(set(sizes)) > 1  # not the row cut
     assert all(mb.packed.real_tokens <= 24 for mb in i_toks.plan)
     assert_same_update(rows, toks)
+
+
+def test_token_slices_cut_even_and_within_budget(caplog):
+    """Hand-checked cuts: the fewest micro-batches under the budget, the largest as small as
+    it can be, a forced count split at the middle of the heaviest, a unit over the budget alone
+    with one log line naming both numbers."""
+    import logging
+
+    from grpo.train.batch import micro_batch_count, token_slices
+
+    assert micro_batch_count([10] * 8, 40) == 2
+    assert token_slices([10] * 8, 40) == [slice(0, 4), slice(4, 8)]
+    # 3 slices of [10]*8 under 40: the greedy at cap 30 gives 30/30/20 (not 40/40/0)
+    assert token_slices([10] * 8, 40, count=3) == [slice(0, 3), slice(3, 6), slice(6, 8)]
+    costs = [5, 100, 3, 3, 40, 40, 7, 1, 1]
+    with caplog.at_level(logging.INFO, logger="grpo.train.batch"):
+        cuts = token_slices(costs, 64)
+    assert cuts == [slice(0, 1), slice(1, 2), slice(2, 5), slice(5, 9)]
+    assert "a row of 100 tokens exceeds train.micro_batch_tokens (64)" in caplog.text
+    assert token_slices(costs, 64, count=9) == [slice(i, i + 1) for i in range(9)]
+    with pytest.raises(ValueError, match="cannot cut 3 rows into 4"):
+        token_slices([1, 2, 3], 10, count=4)
+
+
+@pytest.mark.parametrize("budget", [None, 12])
+def test_sft_packed_step_equals_padded(tiny_checkpoints, tmp_path, budget):
+    """One SFT step (LoRA, micro-batches accumulated) moves the weights the same packed and
+    padded; with train.micro_batch_tokens the rows are cut by tokens, same update."""
+    from grpo.config import load_config
+    from grpo.lora import apply_lora
+    from grpo.policy import Policy
+    from grpo.run.optim import build_optimizer, build_scheduler
+    from grpo.train.sft import sft_slices, sft_update
+
+    g = torch.Generator().manual_seed(1)
+    rows = [{"prompt_ids": torch.randint(4, 250, (2 + i % 3,), generator=g).tolist(),
+             "completion_ids": torch.randint(4, 250, (1 + 3 * (i % 4),), generator=g).tolist()}
+            for i in range(8)]  # fmt: skip
+    moved = {}
+    for mode in ("off", "on"):
+        model = load_model(tiny_checkpoints("qwen3"))
+        apply_lora(model, rank=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"], seed=0)
+        size = [f"train.micro_batch_tokens={budget}"] if budget and mode == "on" else [
+            "train.micro_batch_size=2"]  # fmt: skip
+        cfg = load_config(base={"model": {"path": str(tmp_path)}}, overrides=[
+            "train.batch_size=8", "optim.lr=1e-3", f"train.pack_sequences={mode}",
+            *size])  # fmt: skip
+        policy = Policy(model, type("T", (), {"pad_token_id": 0})(), [3], None, tmp_path,
+                        lora=True)  # fmt: skip
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = build_optimizer(params, cfg.optim)
+        scorer = CompletionLogprobs(model)
+        if budget and mode == "on":
+            cuts = sft_slices(cfg, rows, SINGLE)
+            assert len({c.stop - c.start for c in cuts}) > 1  # uneven rows, even tokens
+        sched = build_scheduler(opt, 10, cfg.optim)
+        total, tokens, _ = sft_update(cfg, policy, scorer, rows, opt, sched, params, SINGLE)
+        moved[mode] = ({n: p.detach().clone() for n, p in model.named_parameters()
+                        if p.requires_grad}, total, tokens)  # fmt: skip
+    assert moved["on"][2] == moved["off"][2]
+    assert moved["on"][1] == pytest.approx(moved["off"][1], rel=1e-6)
+    assert_same_update(moved["off"][0], moved["on"][0])
