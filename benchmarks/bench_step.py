@@ -3,12 +3,21 @@
     python -m benchmarks.bench_step                 # tiny models on CPU
     python -m benchmarks.bench_step --sizes demo --repeats 5
     python -m benchmarks.bench_step --sizes qwen3-0.6b --device cuda --out-dir DIR  # gpu_check.sh
+    python -m benchmarks.bench_step --lengths gsm8k,uniform --sizes ci,qwen3-0.6b  # packing
 
 Each phase of `grpo.train.grpo` is timed on its own with the shared harness, for LoRA and
 full fine-tuning, on tiny random-init Qwen3 models written by `grpo.tiny.make_tiny_model`, or
 (`qwen3-0.6b`) a random-init model of Qwen3-0.6B's shape with the same tokenizer
 (`benchmarks.bench_trl.make_checkpoint`). Results are written after each case, so a run stopped
 by a timeout keeps the cases that finished.
+
+`--lengths` compares the padded and the packed training passes (train.pack_sequences off / on,
+reference log-probs + the update, interleaved in one run) on rollouts of controlled lengths:
+`gsm8k`, completion lengths drawn from a lognormal fitted to GSM8K's reference solutions
+(median 90 tokens, sigma 0.41, clipped to [8, T_c]) with 5% of the rows at the cap, prompts the
+real GSM8K questions in the chat template; `uniform`, every prompt and completion of one length
+(the mean of the gsm8k draw: no padding at all, packing's worst case). It reports the padding
+share (pad tokens / tokens the padded forward runs), both times, their ratio and peak memory.
 """
 
 from __future__ import annotations
@@ -18,26 +27,38 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from benchmarks.bench_trl import DATA, make_checkpoint
-from benchmarks.harness import add_output_args, comma_list, measure, write_results
+from benchmarks.harness import (
+    add_output_args,
+    comma_list,
+    measure,
+    measure_interleaved,
+    write_results,
+)
 from grpo.config import load_config
 from grpo.loading import load_rows
 from grpo.policy import build_policy
 from grpo.rewards import build_rewards
-from grpo.rollout import Sampler
+from grpo.rollout import Rollout, Sampler
 from grpo.rollout.sampler import resolve_compile
 from grpo.run.optim import build_optimizer, build_scheduler
 from grpo.run.state import TrainState
 from grpo.tiny import SIZES, make_tiny_model
+from grpo.train.batch import RolloutBatch, outcome_token_rewards
 from grpo.train.grpo import reference_phase, step_batch, update_phase
 from grpo.train.rollouts import rollout_phase
 
+GSM8K_LENGTHS = {"median": 90.0, "sigma": 0.41, "at_cap": 0.05}  # see the module docstring
 
-def build_case(model_dir: Path, lora: bool, args, shared: str = "off") -> dict:
+
+def build_case(model_dir: Path, lora: bool, args, shared: str = "off", extra=(),
+               sample: bool = True) -> dict:  # fmt: skip
     """Policy, optimizer, sampler and one rolled-out batch (with reference log-probs and
-    advantages) for the bench's settings; `rollout` samples a fresh batch."""
+    advantages) for the bench's settings (plus `extra` overrides); `rollout` samples a fresh
+    batch. `sample` False: no sampler and no batch."""
     cfg = load_config(
         base={"model": {"path": str(model_dir), "device": args.device}},
         overrides=[
@@ -52,6 +73,7 @@ def build_case(model_dir: Path, lora: bool, args, shared: str = "off") -> dict:
             f"train.shared_prefix={shared}",
             *DATA[args.data],
             f"rollout.compile={getattr(args, 'rollout_compile', 'auto')}",
+            *extra,
         ],
     )
     device = torch.device(args.device)
@@ -61,6 +83,8 @@ def build_case(model_dir: Path, lora: bool, args, shared: str = "off") -> dict:
     params = policy.trainable_parameters()
     opt = build_optimizer(params, cfg.optim)
     sched = build_scheduler(opt, 1000, cfg.optim)
+    if not sample:
+        return dict(cfg=cfg, policy=policy, rows=rows, params=params, opt=opt, sched=sched)
     sampler = Sampler(
         policy.model, compile=resolve_compile(cfg.rollout.compile, device), fallback=True
     )  # what `grpo train` builds (rollout.compile: auto)
@@ -109,6 +133,103 @@ def bench_case(model_dir: Path, size: str, lora: bool, args, shared: str = "off"
     }
 
 
+def controlled_rollout(prompts: list[list[int]], G: int, T_c: int, spread: str, vocab: int,
+                       eos: int, device, seed: int = 0) -> Rollout:  # fmt: skip
+    """A rollout of P prompts x G completions of random tokens whose lengths follow `spread`
+    (module docstring); rows below the cap end in `eos` (finished)."""
+    rng = np.random.default_rng(seed)
+    B = len(prompts) * G
+    if spread == "gsm8k":
+        lens = gsm8k_lengths(rng, B, T_c)
+    else:  # uniform: prompts cut to one length, completions the gsm8k draw's mean
+        n = min(len(p) for p in prompts)
+        prompts = [p[-n:] for p in prompts]
+        lens = np.full(B, round(gsm8k_lengths(np.random.default_rng(1), 100_000, T_c).mean()))
+    T_p = max(len(p) for p in prompts)
+    ids = torch.zeros(B, T_p + T_c, dtype=torch.long)
+    cmask = torch.zeros(B, T_c, dtype=torch.bool)
+    for b in range(B):
+        p, n = prompts[b // G], int(lens[b])
+        ids[b, T_p - len(p) : T_p] = torch.tensor(p)
+        ids[b, T_p : T_p + n] = torch.from_numpy(rng.integers(4, vocab, n))
+        if n < T_c:
+            ids[b, T_p + n - 1] = eos
+        cmask[b, :n] = True
+    lens_t = torch.from_numpy(lens)
+    return Rollout(
+        ids=ids.to(device), prompt_lens=torch.tensor([len(prompts[b // G]) for b in range(B)],
+                                                     device=device),
+        prompt_width=T_p, completion_ids=ids[:, T_p:].to(device), completion_mask=cmask.to(device),
+        completion_lens=lens_t.to(device), finished=(lens_t < T_c).to(device),
+        logprobs=torch.zeros(B, T_c, device=device), group_size=G,
+    )  # fmt: skip
+
+
+def gsm8k_lengths(rng, n: int, T_c: int) -> np.ndarray:
+    """n completion lengths of the gsm8k spread (module docstring) at cap T_c."""
+    g = GSM8K_LENGTHS
+    lens = np.exp(rng.normal(np.log(g["median"]), g["sigma"], n)).round().astype(np.int64)
+    lens = lens.clip(8, T_c)
+    lens[rng.choice(n, max(1, round(g["at_cap"] * n)), replace=False)] = T_c  # 5%, at least one
+    return lens
+
+
+def padded_tokens(r: Rollout, plan, groups: int | None) -> int:
+    """Tokens the padded forward runs: each micro-batch's rows x its columns, or with a shared
+    prefix its prompts once (P_mb x prompt columns) and its rows x completion columns."""
+    total = 0
+    for mb in plan:
+        rows, (lo, hi), w = mb.rows.stop - mb.rows.start, mb.cols, r.prompt_width
+        total += rows * (hi - lo) if not groups else rows // groups * (w - lo) + rows * (hi - w)
+    return total
+
+
+def packing_case(model_dir: Path, size: str, lora: bool, spread: str, args) -> dict:
+    """Padded vs packed training passes (reference + update) on one controlled rollout."""
+    cases = {mode: build_case(model_dir, lora, args, "auto", [f"train.pack_sequences={mode}"],
+                              sample=False) for mode in ("off", "on")}  # fmt: skip
+    policy, cfg, rows = cases["off"]["policy"], cases["off"]["cfg"], cases["off"]["rows"]
+    G, P = args.group_size, args.prompts
+    prompts = [rows[i]["prompt_ids"] for i in range(P)]
+    vocab = min(policy.model.config.vocab_size, len(policy.tokenizer))
+    r = controlled_rollout(prompts, G, args.max_new_tokens, spread, vocab, policy.stop_ids[0],
+                           args.device)  # fmt: skip
+    rewards = torch.randn(P * G, generator=torch.Generator().manual_seed(0)).to(args.device)
+    batch = RolloutBatch(rollout=r, rows=[rows[i // G] for i in range(P * G)],
+                         texts=[""] * (P * G), rewards=rewards,
+                         token_rewards=outcome_token_rewards(rewards, r.completion_mask),
+                         per_fn={}, policy_version=0, frac_zero_std=0.0)  # fmt: skip
+    first = step_batch(cfg, policy, batch)
+    # the sampler's log-probs: the policy's own (a first-pass ratio of 1, as in a run)
+    r.logprobs = reference_phase(cfg, policy, r, first.counted_mask, first.plan)
+    inputs = {m: step_batch(c["cfg"], c["policy"], batch) for m, c in cases.items()}
+    fns = {}
+    for m, c in cases.items():
+        inp = inputs[m]
+        fns[f"{m}_ref"] = lambda c=c, inp=inp: reference_phase(
+            c["cfg"], c["policy"], r, inp.counted_mask, inp.plan)  # fmt: skip
+        fns[f"{m}_update"] = lambda c=c, inp=inp: update_phase(
+            c["cfg"], c["policy"], inp, c["opt"], c["sched"], c["params"])  # fmt: skip
+    t = measure_interleaved(fns, warmup=1, repeats=args.repeats, device=args.device)
+    padded = padded_tokens(r, inputs["off"].plan, cfg.shared_prefix_groups)
+    packed = sum(mb.packed.real_tokens for mb in inputs["on"].plan)
+    ms = {m: t[f"{m}_ref"].median_ms + t[f"{m}_update"].median_ms for m in ("off", "on")}
+    lens = r.completion_lens.float()
+    peak = {m: max(t[f"{m}_ref"].peak_mem_mib, t[f"{m}_update"].peak_mem_mib) for m in ms}
+    return {
+        "size": size, "mode": "lora r16" if lora else "full", "lengths": spread,
+        "completion_len": f"{lens.mean():.0f} (max {int(lens.max())})",
+        "prompt_len": round(float(r.prompt_lens.float().mean()), 1),
+        "pad_share": round(1 - packed / padded, 3),
+        "padded_ms": round(ms["off"], 1), "packed_ms": round(ms["on"], 1),
+        "packed_vs_padded": round(ms["on"] / ms["off"], 3),
+        "ref_ratio": round(t["on_ref"].median_ms / t["off_ref"].median_ms, 3),
+        "update_ratio": round(t["on_update"].median_ms / t["off_update"].median_ms, 3),
+        "padded_peak_mib": round(peak["off"], 1), "packed_peak_mib": round(peak["on"], 1),
+        "real_tokens_per_s": round(packed / (ms["on"] / 1e3), 1),
+    }  # fmt: skip
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="ci,demo",
@@ -131,8 +252,14 @@ def main(argv=None) -> None:
     p.add_argument("--shared-prefix", default="off",
                    help="train.shared_prefix settings side by side (e.g. off,on); "
                         "ref_update_speedup = off's (ref + update) / this one's")  # fmt: skip
+    p.add_argument("--lengths", default=None,
+                   help="compare padded and packed training passes at these completion-length "
+                        "spreads instead (gsm8k, uniform); see the module docstring")  # fmt: skip
+    p.add_argument("--modes", default="lora,full", help="--lengths: lora, full or both")
     args = p.parse_args(argv)
     sizes = comma_list(p, "--sizes", args.sizes, [*SIZES, "qwen3-0.6b"])
+    if args.lengths is not None:
+        return packing_main(args, sizes, argv)
     cols = ["size", "mode", "shared_prefix", "prompt_len", "trainable_params", "rollout_ms",
             "ref_logprob_ms", "update_ms", "step_ms", "ref_update_speedup", "rollout_frac",
             "tokens_per_s", "peak_mem_mib", "spread_ms"]  # fmt: skip
@@ -157,6 +284,40 @@ def main(argv=None) -> None:
                     rows.append(bench_case(model_dir, size, lora, args, shared))
                     add_speedups(rows)  # written after every case: a timeout keeps the rest
                     write_results(args.name or f"step_{args.device}", rows, cols,
+                                  out_dir=args.out_dir, meta=meta)  # fmt: skip
+
+
+def packing_main(args, sizes: list[str], argv) -> None:
+    """--lengths: padded vs packed, each size x mode x spread, written after every case."""
+    spreads = [x for x in args.lengths.split(",") if x]
+    bad = [x for x in spreads if x not in ("gsm8k", "uniform")]
+    if bad:
+        raise SystemExit(f"--lengths: unknown spread {bad[0]!r} (expected gsm8k or uniform)")
+    cols = ["size", "mode", "lengths", "completion_len", "prompt_len", "pad_share", "padded_ms",
+            "packed_ms", "packed_vs_padded", "ref_ratio", "update_ratio", "padded_peak_mib",
+            "packed_peak_mib", "real_tokens_per_s"]  # fmt: skip
+    meta = {
+        "command": "python -m benchmarks.bench_step "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "shape": f"P={args.prompts} G={args.group_size} T_c<={args.max_new_tokens} "
+        f"micro={args.micro_batch_size} rows, beta=0.04, train.shared_prefix auto, "
+        f"prompts: {args.data}",
+        "lengths": f"gsm8k: lognormal {GSM8K_LENGTHS}, clipped to [8, T_c]; uniform: one "
+        "prompt length and one completion length (the gsm8k mean)",
+        "timed": "reference log-probs + update (mu=1), padded and packed interleaved; the "
+        "rollout is the same either way and not timed",
+    }
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in sizes:
+            if size == "qwen3-0.6b":
+                model_dir = make_checkpoint(Path(tmp), size)
+            else:
+                model_dir = make_tiny_model(Path(tmp) / size, size=size)
+            for mode in args.modes.split(","):
+                for spread in spreads:
+                    rows.append(packing_case(model_dir, size, mode == "lora", spread, args))
+                    write_results(args.name or f"packing_{args.device}", rows, cols,
                                   out_dir=args.out_dir, meta=meta)  # fmt: skip
 
 
