@@ -34,6 +34,7 @@ from benchmarks.bench_trl import DATA, make_checkpoint
 from benchmarks.harness import (
     add_output_args,
     comma_list,
+    matmul_ceiling_tflops,
     measure,
     measure_interleaved,
     write_results,
@@ -184,7 +185,20 @@ def padded_tokens(r: Rollout, plan, groups: int | None) -> int:
     return total
 
 
-def packing_case(model_dir: Path, size: str, lora: bool, spread: str, args) -> dict:
+def floor_ms(model, real_tokens: int, scored: int, lora: bool, tflops: float) -> float:
+    """The training passes' matmul floor from real tokens only: the reference forward and the
+    update's forward + backward (backward = 2 forwards with full weights, 1 with LoRA: no
+    weight gradients but the adapters'), 2 FLOPs per weight per token in the blocks and per
+    head weight per scored token, at the measured matmul rate (attention scores left out)."""
+    block = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers."))
+    cfg = model.config
+    forward = 2 * block * real_tokens + 2 * cfg.vocab_size * cfg.hidden_size * scored
+    flops = forward + forward * (2 if lora else 3)  # reference, then forward + backward
+    return flops / (tflops * 1e12) * 1e3
+
+
+def packing_case(model_dir: Path, size: str, lora: bool, spread: str, args,
+                 tflops: float) -> dict:  # fmt: skip
     """Padded vs packed training passes (reference + update) on one controlled rollout."""
     cases = {mode: build_case(model_dir, lora, args, "auto", [f"train.pack_sequences={mode}"],
                               sample=False) for mode in ("off", "on")}  # fmt: skip
@@ -215,6 +229,7 @@ def packing_case(model_dir: Path, size: str, lora: bool, spread: str, args) -> d
     packed = sum(mb.packed.real_tokens for mb in inputs["on"].plan)
     ms = {m: t[f"{m}_ref"].median_ms + t[f"{m}_update"].median_ms for m in ("off", "on")}
     lens = r.completion_lens.float()
+    floor = floor_ms(policy.model, packed, int(inputs["on"].counted_mask.sum()), lora, tflops)
     peak = {m: max(t[f"{m}_ref"].peak_mem_mib, t[f"{m}_update"].peak_mem_mib) for m in ms}
     return {
         "size": size, "mode": "lora r16" if lora else "full", "lengths": spread,
@@ -227,6 +242,7 @@ def packing_case(model_dir: Path, size: str, lora: bool, spread: str, args) -> d
         "update_ratio": round(t["on_update"].median_ms / t["off_update"].median_ms, 3),
         "padded_peak_mib": round(peak["off"], 1), "packed_peak_mib": round(peak["on"], 1),
         "real_tokens_per_s": round(packed / (ms["on"] / 1e3), 1),
+        "floor_ms": round(floor, 1), "packed_vs_floor": round(ms["on"] / floor, 2),
     }  # fmt: skip
 
 
@@ -295,7 +311,9 @@ def packing_main(args, sizes: list[str], argv) -> None:
         raise SystemExit(f"--lengths: unknown spread {bad[0]!r} (expected gsm8k or uniform)")
     cols = ["size", "mode", "lengths", "completion_len", "prompt_len", "pad_share", "padded_ms",
             "packed_ms", "packed_vs_padded", "ref_ratio", "update_ratio", "padded_peak_mib",
-            "packed_peak_mib", "real_tokens_per_s"]  # fmt: skip
+            "packed_peak_mib", "real_tokens_per_s", "floor_ms", "packed_vs_floor"]  # fmt: skip
+    dtype = torch.float32  # the passes' default precision (model.dtype float32, no autocast)
+    tflops = matmul_ceiling_tflops(args.device, dtype)
     meta = {
         "command": "python -m benchmarks.bench_step "
         + " ".join(sys.argv[1:] if argv is None else argv),
@@ -306,6 +324,8 @@ def packing_main(args, sizes: list[str], argv) -> None:
         "prompt length and one completion length (the gsm8k mean)",
         "timed": "reference log-probs + update (mu=1), padded and packed interleaved; the "
         "rollout is the same either way and not timed",
+        "floor": "floor_ms: matmul FLOPs of the real tokens only (floor_ms docstring) at the "
+        f"measured float32 matmul rate, {tflops:.3f} TFLOP/s",
     }
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -316,7 +336,8 @@ def packing_main(args, sizes: list[str], argv) -> None:
                 model_dir = make_tiny_model(Path(tmp) / size, size=size)
             for mode in args.modes.split(","):
                 for spread in spreads:
-                    rows.append(packing_case(model_dir, size, mode == "lora", spread, args))
+                    rows.append(packing_case(model_dir, size, mode == "lora", spread, args,
+                                             tflops))  # fmt: skip
                     write_results(args.name or f"packing_{args.device}", rows, cols,
                                   out_dir=args.out_dir, meta=meta)  # fmt: skip
 

@@ -37,7 +37,8 @@ H / H_kv heads of D, V vocabulary):
               + B * V * 4 * 2            (P*G per rank); fp32 logits and probabilities of a step
     training    M * L * A * e            activations kept for backward over M tokens of one
               + 2**23 * 4                micro-batch (train.micro_batch_size rows of S tokens;
-                                         a shared prefix counts each group's prompt once),
+                                         a shared prefix counts each group's prompt once; or
+                                         train.micro_batch_tokens, at least one row or group),
                                          A = 2C + 2H*D + 2H_kv*D + 3I per token and layer (with
                                          gradient checkpointing C, plus one layer's A, plus
                                          2*H_kv*D per shared prompt token and layer); one
@@ -571,6 +572,9 @@ def estimate_memory(
     groups = cfg.shared_prefix_groups if kind == "grpo" else None
     prompt_rows = mb // groups if groups else mb  # a shared prefix runs once per group
     tokens = prompt_rows * prompt(budget) + mb * budget  # M
+    if cfg.train.micro_batch_tokens is not None:  # packed micro-batches of at most this many
+        unit = prompt(budget) + (groups or 1) * budget  # but a longer row or group runs alone
+        tokens = max(cfg.train.micro_batch_tokens, unit)
     per_layer = 2 * C + 2 * H * D + 2 * H_kv * D + 3 * I  # A
     act = prec.compute_dtype.itemsize  # activations are bf16 under autocast
     if cfg.model.gradient_checkpointing:
