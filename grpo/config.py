@@ -427,6 +427,10 @@ class TrainConfig:
     # groups (shared prefix) or rows, consecutive, as even as they can be, the same number on
     # every rank; a row or group longer than this runs alone (one log line says so).
     micro_batch_tokens: int | None = None
+    # GRPO under torchrun: after sampling, move whole groups between ranks so each runs about
+    # as many real tokens (longest first to the emptiest rank, P groups each;
+    # grpo/train/balance.py). The global batch, and so the update, is the same either way.
+    balance_ranks: bool = True
     # The start-up check that the run's estimated memory fits (grpo/run/preflight.py); true
     # skips it, e.g. when the estimate is too pessimistic for short prompts (docs/safety.md).
     skip_memory_check: bool = False

@@ -31,17 +31,19 @@ from grpo.rollout import sample
 from grpo.rollout.multiturn import sample_turns
 from grpo.rollout.sampler import Observation, Sampler
 from grpo.run.optim import build_optimizer, build_scheduler
+from grpo.train.balance import balance_ranks
 from grpo.train.batch import (
     RolloutBatch,
     UpdateBatch,
     counted_mask,
     micro_batch_count,
     micro_batch_plan,
+    outcome_token_rewards,
     select_rows,
     turn_token_rewards,
     unit_tokens,
 )
-from grpo.train.grpo import advantage_phase, step_plan, update_phase
+from grpo.train.grpo import advantage_phase, step_batch, step_plan, update_phase
 from grpo.train.sft import sft_update
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
@@ -191,6 +193,30 @@ def run_cases(ckpt: str, out: Path, dist, fsdp: bool = False) -> None:
             costs = unit_tokens(r.attention_mask(), r.prompt_width, None)
             counts = {"needed": micro_batch_count(costs, int(tokens)), "used": len(plan)}
             (out / f"{name}_counts_{dist.rank}.json").write_text(json.dumps(counts))
+    # token balancing: the ranks swap whole groups before the step (one process: nothing to
+    # swap); advantages and the update are of the same global batch
+    model = copy.deepcopy(base)
+    cfg = load_config(
+        base={"model": {"path": ckpt}},
+        overrides=["loss.beta=0", "optim.lr=1e-3", "train.batch_size=16",
+                   "train.micro_batch_size=4", "train.pack_sequences=on"],
+    )  # fmt: skip
+    policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=True)
+    half = fixed_batch(model, dist.rank, dist.world_size, 4)
+    rewards = torch.randn(16, generator=torch.Generator().manual_seed(1))
+    mine = rewards[dist.rank * (16 // dist.world_size) : (dist.rank + 1) * (16 // dist.world_size)]
+    r = half.rollout
+    batch = RolloutBatch(rollout=r, rows=[{"i": i} for i in range(r.ids.shape[0])],
+                         texts=[""] * r.ids.shape[0], rewards=mine,
+                         token_rewards=outcome_token_rewards(mine, r.completion_mask), per_fn={},
+                         policy_version=0, frac_zero_std=0.0)  # fmt: skip
+    if dist.enabled:
+        batch, moved = balance_ranks(batch, dist, 0, shared=True)
+        (out / f"balance_{dist.rank}.json").write_text(json.dumps(moved))
+    scorer, params, opt, sched = trainer(model, cfg, dist, fsdp)
+    inputs = step_batch(cfg, policy, batch, dist)
+    update_phase(cfg, policy, inputs, opt, sched, params, scorer, dist)
+    save_trainable(model, dist, out / "grpo_balanced.safetensors")
     for name, start in (("sft", base), ("sft_full", full)):
         model = copy.deepcopy(start)
         # Adam's first step is about g / (|g| + eps): a gradient near eps, whose last bits

@@ -42,6 +42,7 @@ def test_two_ranks_equal_one_process(tiny_checkpoints, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     cases = sorted(p.name for p in (tmp_path / "single").iterdir() if p.suffix != ".json")
     assert cases == [
+        "grpo_balanced.safetensors",
         "grpo_full.safetensors",
         "grpo_multiturn.safetensors",
         "grpo_packed_shared.safetensors",
@@ -70,6 +71,11 @@ def test_two_ranks_equal_one_process(tiny_checkpoints, tmp_path):
                   for r in (0, 1)]  # fmt: skip
         assert counts[0]["needed"] != counts[1]["needed"], counts
         assert counts[0]["used"] == counts[1]["used"] == max(c["needed"] for c in counts)
+        moved = json.loads((tmp_path / mode / "balance_0.json").read_text())  # same on rank 1
+        assert moved == json.loads((tmp_path / mode / "balance_1.json").read_text())
+        before = moved["perf/rank_tokens_max_ratio_before"]
+        after = moved["perf/rank_tokens_max_ratio"]
+        assert 1 <= after < before, moved  # the ranks sampled unequal tokens; now more even
 
 
 @pytest.fixture(scope="module")

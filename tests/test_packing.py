@@ -316,3 +316,14 @@ def test_sft_packed_step_equals_padded(tiny_checkpoints, tmp_path, budget):
     assert moved["on"][2] == moved["off"][2]
     assert moved["on"][1] == pytest.approx(moved["off"][1], rel=1e-6)
     assert_same_update(moved["off"][0], moved["on"][0])
+
+
+def test_assign_groups_longest_first_to_the_emptiest_rank():
+    """Hand-checked: 10 -> r0, 9 -> r1, 8 -> r1 (9 < 10), 1 -> r0 (10 < 17), 1 -> r0 (11),
+    r0 is full (3 groups), 1 -> r1: tokens 12 and 18 (sampled as is: 27 and 3)."""
+    from grpo.train.balance import assign_groups
+
+    assert assign_groups([10, 9, 8, 1, 1, 1], 2) == [[0, 3, 4], [1, 2, 5]]
+    assert assign_groups([5, 5, 5, 5], 4) == [[0], [1], [2], [3]]
+    with pytest.raises(ValueError, match="5 groups do not split over 2 ranks"):
+        assign_groups([1] * 5, 2)

@@ -328,9 +328,9 @@ def micro_batch_plan(
         what = "row" if unit == 1 else "group"
         cuts = token_slices(costs, max_tokens, count, what)
         slices = [slice(a.start * unit, a.stop * unit) for a in cuts]
+    dev = rollout.ids.device
     return tuple(
-        MicroBatch(sl, (0, T), pack_rows(attn[sl], T_p, scored[sl], group_size, overhead,
-                                         rollout.ids.device))  # fmt: skip
+        MicroBatch(sl, (0, T), pack_rows(attn[sl], T_p, scored[sl], group_size, overhead, dev))
         for sl in slices
     )
 

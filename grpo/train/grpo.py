@@ -74,6 +74,7 @@ from grpo.run.optim import nonfinite_weights_error, weights_finite
 from grpo.run.perf import PhasePeaks, phase_bar
 from grpo.run.preflight import check_prompt_room, preflight, start_notices
 from grpo.run.state import seed_everything
+from grpo.train.balance import balance_ranks
 from grpo.train.batch import (
     MicroBatch,
     RolloutBatch,
@@ -542,7 +543,12 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             where.step = state.step + 1
             where.phase = "waiting for rollouts" if source.asynchronous else "rollout"
             peaks.start()
-            batch = modules.attach(source.next(state))  # the modules' extras, if any
+            batch = source.next(state)
+            balanced: dict = {}
+            if dist.world_size > 1 and cfg.train.balance_ranks:  # tokens even over ranks
+                batch, balanced = balance_ranks(batch, dist, policy.tokenizer.pad_token_id,
+                                                cfg.shared_prefix_groups is not None)  # fmt: skip
+            batch = modules.attach(batch)  # the modules' extras, if any
             t1 = time.perf_counter()
             peaks.end("rollout")
             where.phase = "reference / advantage"
@@ -556,6 +562,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             metrics = rollout_metrics(batch, cfg.rollout.max_turns) | source.metrics()
             metrics = reduce_metrics(metrics, dist)  # as each value's type says (mean default)
             metrics.update(adv_stats)
+            metrics.update(balanced)  # the same on every rank
             metrics.update(inputs.metrics)  # the estimator's: of the global batch, as they are
             try:
                 update = update_phase(cfg, policy, inputs, optimizer, scheduler, params, scorer,
