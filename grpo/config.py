@@ -20,7 +20,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
@@ -28,6 +28,9 @@ from grpo.errors import GrpoError
 from grpo.io import read_text, write_text
 from grpo.plugins import load_plugins
 from grpo.settings import ConfigError, _build, _check, _coerce, _hints, setting, setting_key
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -419,8 +422,8 @@ class TrainConfig:
     # Sequence packing: the training passes (reference, old log-probs, update; SFT's too) run
     # each micro-batch's real tokens on one token axis, no pad token, attention kept inside
     # each row (grpo/models/varlen.py); log-probs and gradients equal the padded forward's
-    # (tests/test_packing.py). on | off | auto (on: faster at every length spread measured,
-    # docs/benchmarks.md). off runs the padded forward.
+    # (tests/test_packing.py). on | off | auto: on where measured faster (a CPU, and wherever
+    # train.micro_batch_tokens is set; CUDA not measured yet: padded, docs/benchmarks.md).
     pack_sequences: Literal["auto", "on", "off"] = "auto"
     # With packing: micro-batches of at most this many real tokens (prompt + completion; a
     # group's prompt counted once when shared) instead of train.micro_batch_size rows. Whole
@@ -600,10 +603,13 @@ class Config:
             return None  # token budgets cut whole groups
         return G
 
-    @property
-    def pack_sequences(self) -> bool:
-        """Whether the training passes pack each micro-batch's rows (train.pack_sequences)."""
-        return self.train.pack_sequences != "off"
+    def packs_sequences(self, device: torch.device | str) -> bool:
+        """Whether the training passes on `device` pack each micro-batch's rows
+        (train.pack_sequences; auto: where measured faster, a CPU, docs/benchmarks.md)."""
+        mode = self.train.pack_sequences
+        if mode == "auto":
+            return self.train.micro_batch_tokens is not None or str(device).startswith("cpu")
+        return mode == "on"
 
 
 # --------------------------------------------------------------------------- loading

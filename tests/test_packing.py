@@ -327,3 +327,27 @@ def test_assign_groups_longest_first_to_the_emptiest_rank():
     assert assign_groups([5, 5, 5, 5], 4) == [[0], [1], [2], [3]]
     with pytest.raises(ValueError, match="5 groups do not split over 2 ranks"):
         assign_groups([1] * 5, 2)
+
+
+def test_config_says_where_packing_runs(tmp_path):
+    """auto packs where it was measured faster (a CPU) and wherever a token budget is set;
+    a budget with micro_batch_size, or with packing off, is one line naming the field."""
+    from grpo.config import load_config
+    from grpo.settings import ConfigError
+
+    def cfg(*over):
+        return load_config(base={"model": {"path": str(tmp_path)}}, overrides=list(over))
+
+    auto = cfg()
+    assert auto.train.pack_sequences == "auto"
+    assert auto.packs_sequences("cpu") and not auto.packs_sequences("cuda:0")
+    assert cfg("train.micro_batch_tokens=4096").packs_sequences("cuda")
+    assert cfg("train.pack_sequences=on").packs_sequences("cuda")
+    assert not cfg("train.pack_sequences=off").packs_sequences("cpu")
+    with pytest.raises(ConfigError, match="train.micro_batch_tokens: set it or "
+                                          "train.micro_batch_size, not both"):  # fmt: skip
+        cfg("train.micro_batch_tokens=64", "train.micro_batch_size=4")
+    with pytest.raises(ConfigError, match="train.micro_batch_tokens: cuts packed"):
+        cfg("train.micro_batch_tokens=64", "train.pack_sequences=off")
+    with pytest.raises(ConfigError, match="train.micro_batch_tokens: must be > 0"):
+        cfg("train.micro_batch_tokens=0")

@@ -126,7 +126,7 @@ def step_plan(cfg: Config, policy, rollout: Rollout, mask: torch.Tensor, dist=SI
     that needs the most, so FSDP's per-block collectives pair up), else by
     train.micro_batch_size rows."""
     size = cfg.train.micro_batch_size or cfg.train.batch_size
-    if not cfg.pack_sequences:
+    if not cfg.packs_sequences(rollout.ids.device):
         return micro_batch_plan(rollout, size)
     groups, budget, count = cfg.shared_prefix_groups, cfg.train.micro_batch_tokens, None
     if budget is not None:

@@ -118,7 +118,7 @@ def sft_update(cfg: Config, policy, scorer, batch_rows, optimizer, scheduler, pa
     optimizer.zero_grad(set_to_none=True)
     total, tokens = torch.zeros((), dtype=torch.float64, device=device), 0  # summed on device
     slices = sft_slices(cfg, batch_rows, dist)
-    overhead = packed_overhead(policy.model) if cfg.pack_sequences else None
+    overhead = packed_overhead(policy.model) if cfg.packs_sequences(device) else None
     for i, sl in enumerate(slices):
         batch = collate(batch_rows[sl], policy.tokenizer.pad_token_id, device, overhead)
         with no_sync(scorer, skip=i < len(slices) - 1):
