@@ -79,7 +79,7 @@ def build_case(model_dir: Path, lora: bool, args, shared: str = "off", extra=(),
     )
     device = torch.device(args.device)
     policy = build_policy(cfg, device, need_ref=True)
-    rows = load_rows(cfg.data, "train", 256, "rl", policy.tokenizer)
+    rows = load_rows(cfg.data, cfg.data.split, 256, "rl", policy.tokenizer)
     rewards = build_rewards([{"name": "accuracy"}])
     params = policy.trainable_parameters()
     opt = build_optimizer(params, cfg.optim)

@@ -58,10 +58,15 @@ QWEN3_06B = CASES["qwen3-0.6b"]["config"]  # the shape every benchmark here uses
 
 # Prompts: mini-math (~57 tokens with the tiny tokenizer) or real GSM8K questions (~200 tokens,
 # 85-358: the prompt lengths the shared prefix is for), from the repo's shared data directory.
+# gsm8k-test: the GSM8K test split the repository carries (tests/data/gsm8k), for machines
+# without the shared data directory.
 GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+GSM8K_TEST_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "gsm8k"
 DATA = {
     "minimath": [],
     "gsm8k": ["data.dataset=gsm8k", f"data.source={GSM8K_DIR}", "data.max_prompt_len=440"],
+    "gsm8k-test": ["data.dataset=gsm8k", f"data.source={GSM8K_TEST_DIR}", "data.split=test",
+                   "data.max_prompt_len=440"],
 }
 
 

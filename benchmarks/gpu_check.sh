@@ -35,6 +35,9 @@
 #   precision            bench_precision at the Qwen3-0.6B shape: sampler vs trainer and bf16
 #                        vs float32 log-probs (docs/precision.md)
 #   step                 bench_step at the Qwen3-0.6B shape, LoRA and full
+#   packing              bench_step --lengths gsm8k,uniform at the Qwen3-0.6B shape (LoRA):
+#                        padded vs packed training passes, the measurement that decides
+#                        train.pack_sequences: auto on CUDA (docs/benchmarks.md)
 # Output: $OUT (default runs/gpu_check) gets gpu_check.log, gpu_summary.md (every step's exit
 # and last line, then every table) and gpu_results.tar.gz (every JSON/MD, the runs'
 # metrics.jsonl, pytest's JUnit XML: three files to copy back), rewritten after each step so a
@@ -169,7 +172,7 @@ BACKEND=$([[ "$DRY_RUN" == 1 ]] && echo gloo || echo nccl)
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc_per_node=1)
 step 10 tiny-model "$PY" -m grpo tiny-model --out "$WORK/tiny-model"
 TINY=(--config configs/tiny_ci.yaml "model.path=$WORK/tiny-model" "model.device=$DEV")
-step 50 grpo-ddp "$PY" -m benchmarks.gpu_run --name "grpo_ddp_$TAG" --out-dir "$RES" \
+step 40 grpo-ddp "$PY" -m benchmarks.gpu_run --name "grpo_ddp_$TAG" --out-dir "$RES" \
     --metrics "$WORK/grpo-ddp/metrics.jsonl" --accept 1e-4 \
     --parallel "ddp over 1 rank ($BACKEND)" -- "${TORCHRUN[@]}" -m grpo train "${TINY[@]}" \
     "train.output_dir=$WORK/grpo-ddp" "train.max_steps=$STEPS" train.parallel=ddp
@@ -204,7 +207,7 @@ step 60 tutorial-grpo "$PY" -m benchmarks.gpu_run --name "grpo_tutorial_$TAG" \
 # the same run with asynchronous rollouts (colocated producer thread, max_staleness 1): the
 # step time next to tutorial-grpo's; log-probs differ from the sampler's by design (stale
 # batches), so no acceptance bound on them
-step 40 tutorial-async "$PY" -m benchmarks.gpu_run --name "grpo_tutorial_async_$TAG" \
+step 30 tutorial-async "$PY" -m benchmarks.gpu_run --name "grpo_tutorial_async_$TAG" \
     --out-dir "$RES" --metrics "$WORK/tutorial-async/metrics.jsonl" --accept inf \
     -- "${TORCHRUN[@]}" -m grpo train "${TUT[@]}" train.output_dir="$WORK/tutorial-async" \
     rollout.async=on rollout.max_staleness=1
@@ -220,6 +223,14 @@ fi
 # two more 0.6B compiles (LoRA and full) would not fit
 step 35 step "$PY" -m benchmarks.bench_step --sizes "$SIZE" --device "$DEV" "${STEP[@]}" \
     --rollout-compile off --name "step_${TAG}_$SIZE" --out-dir "$RES"
+if [[ "$DRY_RUN" == 1 ]]; then
+    PACK=(--prompts 2 --group-size 2 --max-new-tokens 32 --micro-batch-size 4 --repeats 1)
+else
+    PACK=(--prompts 4 --group-size 8 --max-new-tokens 256 --micro-batch-size 16 --repeats 3)
+fi
+step 20 packing "$PY" -m benchmarks.bench_step --lengths gsm8k,uniform --modes lora \
+    --sizes "$SIZE" --device "$DEV" --data gsm8k-test "${PACK[@]}" --name "packing_${TAG}_$SIZE" \
+    --out-dir "$RES"
 
 failed=0
 for i in "${!CODES[@]}"; do [[ "${CODES[$i]}" == 0 ]] || failed=$((failed + 1)); done
