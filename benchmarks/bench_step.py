@@ -16,8 +16,9 @@ reference log-probs + the update, interleaved in one run) on rollouts of control
 `gsm8k`, completion lengths drawn from a lognormal fitted to GSM8K's reference solutions
 (median 90 tokens, sigma 0.41, clipped to [8, T_c]) with 5% of the rows at the cap, prompts the
 real GSM8K questions in the chat template; `uniform`, every prompt and completion of one length
-(the mean of the gsm8k draw: no padding at all, packing's worst case). It reports the padding
-share (pad tokens / tokens the padded forward runs), both times, their ratio and peak memory.
+(the mean of the gsm8k draw: no padding at all, packing's worst case); `sft`, one SFT step
+(`sft_update`) on the dataset's own worked solutions. It reports the padding share (pad tokens
+/ tokens the padded forward runs), both times, their ratio, peak memory and the floor.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ from benchmarks.harness import (
     measure_interleaved,
     write_results,
 )
+from grpo.algo.logprobs import CompletionLogprobs
 from grpo.config import load_config
+from grpo.distributed import SINGLE
 from grpo.loading import load_rows
 from grpo.policy import build_policy
 from grpo.rewards import build_rewards
@@ -51,6 +54,7 @@ from grpo.tiny import SIZES, make_tiny_model
 from grpo.train.batch import RolloutBatch, outcome_token_rewards
 from grpo.train.grpo import reference_phase, step_batch, update_phase
 from grpo.train.rollouts import rollout_phase
+from grpo.train.sft import sft_update, tokenize_sft
 
 GSM8K_LENGTHS = {"median": 90.0, "sigma": 0.41, "at_cap": 0.05}  # see the module docstring
 
@@ -303,12 +307,48 @@ def main(argv=None) -> None:
                                   out_dir=args.out_dir, meta=meta)  # fmt: skip
 
 
+def sft_packing_case(model_dir: Path, size: str, lora: bool, args, tflops: float) -> dict:
+    """One SFT step (`sft_update`), padded vs packed, on the dataset's own worked solutions
+    (their real length spread): P x G rows, micro-batches of --micro-batch-size rows."""
+    cases = {mode: build_case(model_dir, lora, args, "auto", [f"train.pack_sequences={mode}"],
+                              sample=False) for mode in ("off", "on")}  # fmt: skip
+    cfg, policy = cases["off"]["cfg"], cases["off"]["policy"]
+    B = args.prompts * args.group_size
+    rows = load_rows(cfg.data, cfg.data.split, B, "sft", policy.tokenizer)
+    rows = tokenize_sft(rows, policy.tokenizer, args.max_new_tokens)
+    fns = {m: (lambda c=c: sft_update(c["cfg"], c["policy"], CompletionLogprobs(c["policy"].model),
+                                      rows, c["opt"], c["sched"], c["params"], SINGLE))
+           for m, c in cases.items()}  # fmt: skip
+    t = measure_interleaved(fns, warmup=1, repeats=args.repeats, device=args.device)
+    lens = [len(r["completion_ids"]) for r in rows]
+    real = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
+    mb = args.micro_batch_size
+    padded = sum(  # `collate`: prompts left-padded to the longest, completions right-padded
+        len(part) * (max(len(r["prompt_ids"]) for r in part) + max(len(r["completion_ids"])
+                                                                   for r in part))
+        for part in (rows[i : i + mb] for i in range(0, B, mb)))  # fmt: skip
+    floor = floor_ms(policy.model, real, sum(lens), lora, tflops) * 3 / 4  # no reference pass
+    on, off = t["on"].median_ms, t["off"].median_ms
+    return {
+        "size": size, "mode": "lora r16" if lora else "full", "lengths": "sft (dataset's)",
+        "completion_len": f"{np.mean(lens):.0f} (max {max(lens)})",
+        "prompt_len": round(float(np.mean([len(r["prompt_ids"]) for r in rows])), 1),
+        "pad_share": round(1 - real / padded, 3), "padded_ms": round(off, 1),
+        "packed_ms": round(on, 1), "packed_vs_padded": round(on / off, 3),
+        "update_ratio": round(on / off, 3),
+        "padded_peak_mib": round(t["off"].peak_mem_mib, 1),
+        "packed_peak_mib": round(t["on"].peak_mem_mib, 1),
+        "real_tokens_per_s": round(real / (on / 1e3), 1),
+        "floor_ms": round(floor, 1), "packed_vs_floor": round(on / floor, 2),
+    }  # fmt: skip
+
+
 def packing_main(args, sizes: list[str], argv) -> None:
     """--lengths: padded vs packed, each size x mode x spread, written after every case."""
     spreads = [x for x in args.lengths.split(",") if x]
-    bad = [x for x in spreads if x not in ("gsm8k", "uniform")]
+    bad = [x for x in spreads if x not in ("gsm8k", "uniform", "sft")]
     if bad:
-        raise SystemExit(f"--lengths: unknown spread {bad[0]!r} (expected gsm8k or uniform)")
+        raise SystemExit(f"--lengths: unknown spread {bad[0]!r} (expected gsm8k, uniform or sft)")
     cols = ["size", "mode", "lengths", "completion_len", "prompt_len", "pad_share", "padded_ms",
             "packed_ms", "packed_vs_padded", "ref_ratio", "update_ratio", "padded_peak_mib",
             "packed_peak_mib", "real_tokens_per_s", "floor_ms", "packed_vs_floor"]  # fmt: skip
@@ -336,8 +376,11 @@ def packing_main(args, sizes: list[str], argv) -> None:
                 model_dir = make_tiny_model(Path(tmp) / size, size=size)
             for mode in args.modes.split(","):
                 for spread in spreads:
-                    rows.append(packing_case(model_dir, size, mode == "lora", spread, args,
-                                             tflops))  # fmt: skip
+                    lora = mode == "lora"
+                    if spread == "sft":
+                        rows.append(sft_packing_case(model_dir, size, lora, args, tflops))
+                    else:
+                        rows.append(packing_case(model_dir, size, lora, spread, args, tflops))
                     write_results(args.name or f"packing_{args.device}", rows, cols,
                                   out_dir=args.out_dir, meta=meta)  # fmt: skip
 

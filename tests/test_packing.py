@@ -109,10 +109,13 @@ def test_attention_scores_scale_with_each_rows_square():
             dense[s + t, s : s + t + 1] = True
     seen = np.zeros((N, N), dtype=bool)
     for bk in layout.buckets:
-        q, k, keep, valid = bk.q_index.numpy(), bk.k_index.numpy(), bk.keep[:, 0].numpy(), bk.valid
-        for i in range(q.shape[0]):
-            for t in range(q.shape[1]):
-                if valid.view(q.shape)[i, t]:
+        keep = bk.keep[:, 0].numpy()  # (b, T, S)
+        b, T, S = keep.shape
+        q, k = bk.q_index.view(b, T).numpy(), bk.k_index.view(b, S).numpy()
+        valid = set(bk.valid.tolist())
+        for i in range(b):
+            for t in range(T):
+                if i * T + t in valid:
                     seen[q[i, t], k[i][keep[i, t]]] = True
     assert (seen == dense).all()
 

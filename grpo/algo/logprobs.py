@@ -262,8 +262,9 @@ def packed_completion_logprobs(
     tokens = flat[packed.src][None]  # (1, N)
     hidden = model(tokens, packed=packed.segments, return_hidden=True)[0]  # (N, C)
     return_entropy = return_entropy or entropy_grad
-    out = head_logprobs(model.lm_head, hidden[packed.pred], flat[packed.target], temperature,
-                        impl, return_entropy, entropy_grad, head_precision)  # (N_s,)  # fmt: skip
+    h = hidden.index_select(0, packed.pred)  # (N_s, C): each scored token's predictor
+    out = head_logprobs(model.lm_head, h, flat[packed.target], temperature, impl,
+                        return_entropy, entropy_grad, head_precision)  # (N_s,)  # fmt: skip
     logprobs, entropy = out if return_entropy else (out, None)
     full = torch.zeros(B * T_c, dtype=torch.float32, device=ids.device)
     full = full.index_copy(0, packed.dst, logprobs.float()).view(B, T_c)

@@ -63,13 +63,18 @@ class Bucket:
             the segment's own (0 on padding).
         keep: (b, 1, T, S) bool, True = the query attends to the key; padded query slots keep
             key slot 0 (never a row with nothing to attend to, which would make softmax NaN).
-        valid: (b * T,) bool, the query slots that hold a token (their outputs are kept).
+        valid: (n,) long, the flat query slots (of b * T) that hold a token, in slot order
+            (their outputs are kept).
+
+    Gathers and scatters go through `index_select` (backward: `index_add_`), which a CPU runs
+    several times faster than advanced indexing's backward (`index_put_` with accumulate).
     """
 
     __slots__ = ("q_index", "k_index", "keep", "valid", "_masks")
 
     def __init__(self, q_index, k_index, keep, valid):
-        self.q_index, self.k_index, self.keep, self.valid = q_index, k_index, keep, valid
+        self.q_index, self.k_index = q_index.reshape(-1), k_index.reshape(-1)  # flat
+        self.keep, self.valid = keep, valid
         self._masks: dict[torch.dtype, torch.Tensor] = {}
 
     def mask(self, dtype: torch.dtype) -> torch.Tensor:
@@ -131,7 +136,7 @@ class PackedSegments:
             self.buckets.append(Bucket(
                 torch.as_tensor(q_index).to(device), torch.as_tensor(k_index).to(device),
                 torch.as_tensor(keep[:, None]).to(device),
-                torch.as_tensor(valid.reshape(-1)).to(device),
+                torch.as_tensor(np.flatnonzero(valid)).to(device),
             ))  # fmt: skip
             kept.append(q_index[valid])
             self.score_elements += b * T * S
@@ -153,9 +158,10 @@ class PackedSegments:
         q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)  # (N, h, D)
         outs = []
         for bk in self.buckets:
-            b, T = bk.q_index.shape
-            qb = q[bk.q_index].transpose(1, 2)  # (b, H, T, D)
-            kb, vb = k[bk.k_index].transpose(1, 2), v[bk.k_index].transpose(1, 2)  # (b, H_kv, S, D)
+            b, _, T, S = bk.keep.shape
+            qb = q.index_select(0, bk.q_index).view(b, T, H, D).transpose(1, 2)  # (b, H, T, D)
+            kb = k.index_select(0, bk.k_index).view(b, S, -1, D).transpose(1, 2)  # (b, H_kv, S, D)
+            vb = v.index_select(0, bk.k_index).view(b, S, -1, D).transpose(1, 2)
             y = attention(qb, kb, vb, bk.mask(q.dtype))  # (b, H, T, D)
-            outs.append(y.transpose(1, 2).reshape(b * T, H * D)[bk.valid])
-        return torch.cat(outs)[self.order][None]  # (1, N, H*D)
+            outs.append(y.transpose(1, 2).reshape(b * T, H * D).index_select(0, bk.valid))
+        return torch.cat(outs).index_select(0, self.order)[None]  # (1, N, H*D)
