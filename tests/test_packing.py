@@ -354,3 +354,21 @@ def test_config_says_where_packing_runs(tmp_path):
         cfg("train.micro_batch_tokens=64", "train.pack_sequences=off")
     with pytest.raises(ConfigError, match="train.micro_batch_tokens: must be > 0"):
         cfg("train.micro_batch_tokens=0")
+
+
+def test_packed_with_cuda_attention_arrangement(tiny_checkpoints, monkeypatch):
+    """The arrangement CUDA's fused kernels need (grouped key/value heads repeated for a masked
+    call, `expand_kv_heads`), run on the CPU: packed = padded, forward and gradients."""
+    from grpo.models import decoder as decoder_mod
+
+    monkeypatch.setattr(decoder_mod, "expand_kv_heads", lambda device: True)  # CUDA's layout
+    model = load_model(tiny_checkpoints("qwen3"))
+    r = rollout(model)
+    model.train()
+    pad_lp, pad_g = logprobs_and_grads(model, r, shared=False)
+    lp, g, _ = packed_logprobs_and_grads(model, r, shared=True)
+    m = r.generated_mask
+    assert (lp - pad_lp)[m].abs().max().item() <= 1e-5
+    for n in pad_g:
+        scale = pad_g[n].abs().max().clamp(min=1e-12)
+        assert ((g[n] - pad_g[n]).abs().max() / scale).item() <= 1e-5, n

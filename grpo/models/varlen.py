@@ -81,8 +81,11 @@ class Bucket:
         """The additive mask in `dtype` (0 = attend, -inf = not), built once per dtype and
         shared by every layer (and a checkpointed block's recompute)."""
         if dtype not in self._masks:
-            m = torch.zeros(self.keep.shape, dtype=dtype, device=self.keep.device)
-            self._masks[dtype] = m.masked_fill_(~self.keep, float("-inf"))
+            # rows padded to a multiple of 8 elements, a view of the first S, as the decoder's
+            # own mask: memory-efficient attention would copy a mask of other strides per call
+            b, _, T, S = self.keep.shape
+            m = torch.zeros(b, 1, T, -(-S // 8) * 8, dtype=dtype, device=self.keep.device)
+            self._masks[dtype] = m[..., :S].masked_fill_(~self.keep, float("-inf"))
         return self._masks[dtype]
 
 
