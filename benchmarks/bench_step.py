@@ -294,11 +294,7 @@ def main(argv=None) -> None:
     }
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for size in sizes:
-            if size == "qwen3-0.6b":
-                model_dir = make_checkpoint(Path(tmp), size)
-            else:
-                model_dir = make_tiny_model(Path(tmp) / size, size=size)
+        for size, model_dir in model_dirs(sizes, Path(tmp)):
             for lora in (True, False):
                 for shared in args.shared_prefix.split(","):
                     rows.append(bench_case(model_dir, size, lora, args, shared))
@@ -369,11 +365,7 @@ def packing_main(args, sizes: list[str], argv) -> None:
     }
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for size in sizes:
-            if size == "qwen3-0.6b":
-                model_dir = make_checkpoint(Path(tmp), size)
-            else:
-                model_dir = make_tiny_model(Path(tmp) / size, size=size)
+        for size, model_dir in model_dirs(sizes, Path(tmp)):
             for mode in args.modes.split(","):
                 for spread in spreads:
                     lora = mode == "lora"
@@ -383,6 +375,15 @@ def packing_main(args, sizes: list[str], argv) -> None:
                         rows.append(packing_case(model_dir, size, lora, spread, args, tflops))
                     write_results(args.name or f"packing_{args.device}", rows, cols,
                                   out_dir=args.out_dir, meta=meta)  # fmt: skip
+
+
+def model_dirs(sizes: list[str], tmp: Path):
+    """(size, checkpoint dir) of each size, written under `tmp` one at a time."""
+    for size in sizes:
+        if size == "qwen3-0.6b":
+            yield size, make_checkpoint(tmp, size)
+        else:
+            yield size, make_tiny_model(tmp / size, size=size)
 
 
 def add_speedups(rows: list[dict]) -> None:

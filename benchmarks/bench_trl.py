@@ -65,8 +65,12 @@ GSM8K_TEST_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "gsm8k
 DATA = {
     "minimath": [],
     "gsm8k": ["data.dataset=gsm8k", f"data.source={GSM8K_DIR}", "data.max_prompt_len=440"],
-    "gsm8k-test": ["data.dataset=gsm8k", f"data.source={GSM8K_TEST_DIR}", "data.split=test",
-                   "data.max_prompt_len=440"],
+    "gsm8k-test": [
+        "data.dataset=gsm8k",
+        f"data.source={GSM8K_TEST_DIR}",
+        "data.split=test",
+        "data.max_prompt_len=440",
+    ],
 }
 
 
