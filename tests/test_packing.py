@@ -372,3 +372,26 @@ def test_packed_with_cuda_attention_arrangement(tiny_checkpoints, monkeypatch):
     for n in pad_g:
         scale = pad_g[n].abs().max().clamp(min=1e-12)
         assert ((g[n] - pad_g[n]).abs().max() / scale).item() <= 1e-5, n
+
+
+def test_balance_in_one_process_round_trips_and_names_a_bad_row(tiny_checkpoints):
+    """One rank: the batch comes back bitwise (through the wire format); a dataset row JSON
+    cannot carry is one error naming the setting to turn off."""
+    from grpo.errors import GrpoError
+    from grpo.train.balance import balance_ranks
+    from grpo.train.batch import RolloutBatch, outcome_token_rewards
+
+    model = load_model(tiny_checkpoints("qwen3"))
+    r = rollout(model)
+    rewards = torch.randn(9, generator=torch.Generator().manual_seed(0))
+    batch = RolloutBatch(rollout=r, rows=[{"q": i} for i in range(9)], texts=["t"] * 9,
+                         rewards=rewards, token_rewards=outcome_token_rewards(rewards,
+                                                                              r.completion_mask),
+                         per_fn={}, policy_version=3, frac_zero_std=0.0)  # fmt: skip
+    out, moved = balance_ranks(batch, SINGLE, 0)
+    assert moved["perf/rank_tokens_max_ratio"] == moved["perf/rank_tokens_max_ratio_before"] == 1
+    assert torch.equal(out.rollout.ids, r.ids) and torch.equal(out.rewards, rewards)
+    assert out.rows == batch.rows and out.policy_version == 3
+    bad = RolloutBatch(**{**batch.__dict__, "rows": [{"q": {1, 2}}] * 9})
+    with pytest.raises(GrpoError, match="train.balance_ranks: .*set train.balance_ranks=false"):
+        balance_ranks(bad, SINGLE, 0)

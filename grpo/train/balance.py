@@ -17,6 +17,7 @@ import heapq
 import torch
 
 from grpo.distributed import Dist, gather_objects
+from grpo.errors import GrpoError
 from grpo.train.batch import RolloutBatch, cat_batches, unit_tokens
 from grpo.train.wire import decode_header, pack_batch, unpack_batch
 
@@ -56,7 +57,10 @@ def balance_ranks(batch: RolloutBatch, dist: Dist, pad_id: int, shared: bool = T
     costs = unit_tokens(r.attention_mask().cpu(), r.prompt_width, G if shared else None)
     if not shared:  # per row -> per group
         costs = [sum(costs[i : i + G]) for i in range(0, len(costs), G)]
-    header, buffer = pack_batch(batch, list(range(batch.size)), {"rows": batch.rows})
+    try:
+        header, buffer = pack_batch(batch, list(range(batch.size)), {"rows": batch.rows})
+    except GrpoError as e:  # a dataset row or an environment's info JSON cannot carry
+        raise GrpoError(f"train.balance_ranks: {e}; set train.balance_ranks=false") from None
     parts = gather_objects((bytes(header.tolist()), buffer.numpy().tobytes(), costs), dist)
     all_costs = [c for _, _, cs in parts for c in cs]
     plan = assign_groups(all_costs, dist.world_size)

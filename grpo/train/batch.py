@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from grpo.algo.logprobs import PackedRows, pack_rows
+from grpo.distributed import SINGLE, Dist, all_reduce_max
 from grpo.rollout import Rollout
 from grpo.run.state import TrainState
 
@@ -298,7 +299,7 @@ def micro_batch_plan(
     group_size: int | None = None,
     max_tokens: int | None = None,
     overhead: int = 1024,
-    count: int | None = None,
+    dist: Dist = SINGLE,
 ) -> tuple[MicroBatch, ...]:
     """The micro-batches of a rollout.
 
@@ -307,8 +308,9 @@ def micro_batch_plan(
     one token axis (`pack_rows`; the attention mask read on the host once), scoring `scored`
     (B, T_c) (the counted tokens); with `max_tokens` (train.micro_batch_tokens) the rows (whole
     groups of `group_size` when the prompt is shared) are cut into consecutive micro-batches
-    of at most that many real tokens, as even as they can be (`token_slices`), `count` of them
-    when given (every rank the same number: `micro_batch_count`).
+    of at most that many real tokens, as even as they can be (`token_slices`), as many on every
+    rank of `dist` as the rank that needs the most (one all-reduce), so that FSDP's per-block
+    collectives pair up.
     """
     B = rollout.ids.shape[0]
     if not pack:
@@ -325,6 +327,7 @@ def micro_batch_plan(
     else:
         unit = group_size or 1
         costs = unit_tokens(attn, T_p, group_size)
+        count = int(all_reduce_max(micro_batch_count(costs, max_tokens), dist))
         what = "row" if unit == 1 else "group"
         cuts = token_slices(costs, max_tokens, count, what)
         slices = [slice(a.start * unit, a.stop * unit) for a in cuts]

@@ -80,9 +80,7 @@ from grpo.train.batch import (
     RolloutBatch,
     UpdateBatch,
     counted_mask,
-    micro_batch_count,
     micro_batch_plan,
-    unit_tokens,
 )
 from grpo.train.health import LearningHealth, StallError, WeightChange
 from grpo.train.modules import ModuleSet
@@ -121,19 +119,15 @@ def step_batch(
 
 
 def step_plan(cfg: Config, policy, rollout: Rollout, mask: torch.Tensor, dist=SINGLE):
-    """The step's micro-batches (`micro_batch_plan`): packed when train.pack_sequences says so,
-    by train.micro_batch_tokens when set (every rank cuts as many micro-batches as the rank
-    that needs the most, so FSDP's per-block collectives pair up), else by
+    """The step's micro-batches (`micro_batch_plan`): packed when train.pack_sequences says so
+    (by train.micro_batch_tokens when set, as many on every rank), else padded, by
     train.micro_batch_size rows."""
     size = cfg.train.micro_batch_size or cfg.train.batch_size
     if not cfg.packs_sequences(rollout.ids.device):
         return micro_batch_plan(rollout, size)
-    groups, budget, count = cfg.shared_prefix_groups, cfg.train.micro_batch_tokens, None
-    if budget is not None:
-        costs = unit_tokens(rollout.attention_mask().cpu(), rollout.prompt_width, groups)
-        count = int(all_reduce_max(micro_batch_count(costs, budget), dist))
-    return micro_batch_plan(rollout, size, mask, pack=True, group_size=groups, max_tokens=budget,
-                            overhead=packed_overhead(policy.model), count=count)  # fmt: skip
+    return micro_batch_plan(rollout, size, mask, pack=True, group_size=cfg.shared_prefix_groups,
+                            max_tokens=cfg.train.micro_batch_tokens,
+                            overhead=packed_overhead(policy.model), dist=dist)  # fmt: skip
 
 
 def each_micro_batch(plan: tuple[MicroBatch, ...], show: bool, desc: str):
