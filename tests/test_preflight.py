@@ -93,6 +93,15 @@ def test_memory_estimate_follows_its_formula_and_the_real_sizes():
                               "train.shared_prefix=off"])  # fmt: skip
     est_ckpt = pf.estimate_memory(ckpt, TINY, "grpo")
     assert est_ckpt.training == 4 * 48 * (2 * 64 + 704) * 2 + 2**25
+    # packed micro-batches of at most 500 tokens (train.micro_batch_tokens), and a budget
+    # under one group's worst case (32 + 4 x 16 = 96 tokens: it runs alone)
+    for budget, tokens in ((500, 500), (50, 96)):
+        packed = load_config(None, ["model.path=m", "train.batch_size=8",
+                                    f"train.micro_batch_tokens={budget}",
+                                    "rollout.max_new_tokens=16",
+                                    "data.max_prompt_len=32"])  # fmt: skip
+        assert pf.estimate_memory(packed, TINY, "grpo").training == (
+            tokens * 2 * 704 * 4 + 2**25)
 
 
 def test_memory_estimate_under_fsdp_is_per_rank():
