@@ -56,7 +56,7 @@ def test_packed_equals_padded(tiny_checkpoints, lora, turns, shared):
             + int(attn[:, r.prompt_width :].sum())
         )
     )
-    assert packed.real_tokens == real < packed.padded_tokens
+    assert packed.real_tokens == real < attn.numel()
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -157,6 +157,11 @@ def test_bad_layouts_are_refused(tiny_checkpoints):
     with pytest.raises(ValueError, match="not a real token"):
         every = torch.ones_like(holes.completion_mask)
         pack_rows(holes.attention_mask(), holes.prompt_width, every)
+    # a row with no prompt token: its first token's predictor would be the previous row's
+    attn = torch.tensor([[True, True, True, True], [False, False, True, True]])
+    for groups in (None, 1):
+        with pytest.raises(ValueError, match="a row with scored tokens has an empty prompt"):
+            pack_rows(attn, 2, attn[:, 2:], groups)
     packed = pack_rows(r.attention_mask(), r.prompt_width, r.generated_mask)
     with pytest.raises(ValueError, match="packed layout is of 9 rows"):
         completion_logprobs(model, r.ids[:3], None, r.prompt_width, None, packed=packed)
@@ -208,8 +213,9 @@ def assert_same_update(a, b, tol=1e-6):
         assert (a[n] - b[n]).abs().max().item() <= tol, n
 
 
-@pytest.mark.parametrize("aggregation",
-                         ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize(
+    "aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+)
 @pytest.mark.parametrize("shared", ["on", "off"])
 def test_packed_update_equals_padded(tiny_checkpoints, tmp_path, aggregation, shared):
     """A whole step (reference log-probs, advantages, mu = 2 updates with KL, micro-batches

@@ -100,8 +100,7 @@ def test_memory_estimate_follows_its_formula_and_the_real_sizes():
                                     f"train.micro_batch_tokens={budget}",
                                     "rollout.max_new_tokens=16",
                                     "data.max_prompt_len=32"])  # fmt: skip
-        assert pf.estimate_memory(packed, TINY, "grpo").training == (
-            tokens * 2 * 704 * 4 + 2**25)
+        assert pf.estimate_memory(packed, TINY, "grpo").training == (tokens * 2 * 704 * 4 + 2**25)
 
 
 def test_memory_estimate_under_fsdp_is_per_rank():

@@ -143,17 +143,14 @@ class PackedRows:
         target: (N_s,) flat index into the rows' ids of each scored token.
         dst: (N_s,) flat index into the (B, T_c) output of each scored token.
         shape: (B, T_c).
-        real_tokens: N; padded_tokens: what the padded forward would run (B x (T_p + T_c),
-            or P x T_p + B x T_c with a shared prefix).
+        real_tokens: N, the tokens the forward runs.
     """
 
-    __slots__ = ("src", "segments", "pred", "target", "dst", "shape", "real_tokens",
-                 "padded_tokens")  # fmt: skip
+    __slots__ = ("src", "segments", "pred", "target", "dst", "shape", "real_tokens")
 
-    def __init__(self, src, segments, pred, target, dst, shape, padded_tokens):
+    def __init__(self, src, segments, pred, target, dst, shape):
         self.src, self.segments, self.pred, self.target, self.dst = src, segments, pred, target, dst
         self.shape, self.real_tokens = shape, segments.num_tokens
-        self.padded_tokens = padded_tokens
 
 
 def pack_rows(
@@ -191,6 +188,8 @@ def pack_rows(
         raise ValueError(f"scored mask {score.shape} does not match {B} rows of {T_c} tokens")
     if (score & ~real[:, w:]).any():
         raise ValueError("a scored token is not a real token of its row")
+    if (real[:, :w].sum(1)[score.any(1)] == 0).any():  # its first token would have no predictor
+        raise ValueError("a row with scored tokens has an empty prompt")
     rows_flat = np.arange(B)[:, None] * T
     if group_size is None:
         src = np.flatnonzero(real)  # row-major: each row's tokens together
@@ -198,7 +197,6 @@ def pack_rows(
         starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
         positions = (np.cumsum(real, 1) - 1)[real]
         segments = [(int(s), int(n), 0, 0) for s, n in zip(starts, lens) if n]
-        padded = B * T
     else:
         G = group_size
         if B % G:
@@ -221,7 +219,6 @@ def pack_rows(
         segments = [(int(s), int(n), 0, 0) for s, n in zip(p_starts, p_lens) if n]
         segments += [(int(c_starts[r]), int(c_lens[r]), int(p_starts[group_of[r]]),
                       int(p_lens[group_of[r]])) for r in range(B) if c_lens[r]]  # fmt: skip
-        padded = B // G * w + B * T_c
     where = np.full(B * T, -1, dtype=np.int64)  # flat (row, column) -> stream index
     where[src] = np.arange(len(src))
     target = (rows_flat + w + np.arange(T_c)[None])[score]  # (N_s,) flat ids index
@@ -230,16 +227,13 @@ def pack_rows(
         first = score & (np.cumsum(c_real, 1) == 1)
         prompt_last = p_starts + p_lens - 1  # (P,)
         pred[first[score]] = prompt_last[(np.arange(B)[:, None] // G).repeat(T_c, 1)[first]]
-    row_start = (starts if group_size is None else c_starts)[target // T]  # its segment's start
-    if group_size is None and (where[target] <= row_start).any():
-        raise ValueError("a scored token has no real token before it in its row (empty prompt)")
     dst = (np.arange(B)[:, None] * T_c + np.arange(T_c)[None])[score]
 
     def to(x):
         return torch.as_tensor(np.ascontiguousarray(x), dtype=torch.long).to(device)
 
     layout = PackedSegments(segments, positions, overhead, device)
-    return PackedRows(to(src), layout, to(pred), to(target), to(dst), (B, T_c), padded)
+    return PackedRows(to(src), layout, to(pred), to(target), to(dst), (B, T_c))
 
 
 def packed_overhead(model: torch.nn.Module) -> int:

@@ -58,9 +58,10 @@ class Bucket:
     """One attention call: `rows` segments padded to T queries and S keys.
 
     Attributes:
-        q_index: (b, T) long, the stream position of each query slot (0 on padding).
-        k_index: (b, S) long, the stream position of each key slot: the prefix's tokens, then
-            the segment's own (0 on padding).
+        q_index: (b * T,) long, the stream position of each query slot, row-major (0 on
+            padding).
+        k_index: (b * S,) long, the stream position of each key slot: the prefix's tokens,
+            then the segment's own (0 on padding).
         keep: (b, 1, T, S) bool, True = the query attends to the key; padded query slots keep
             key slot 0 (never a row with nothing to attend to, which would make softmax NaN).
         valid: (n,) long, the flat query slots (of b * T) that hold a token, in slot order

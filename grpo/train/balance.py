@@ -61,7 +61,7 @@ def balance_ranks(batch: RolloutBatch, dist: Dist, pad_id: int, shared: bool = T
         header, buffer = pack_batch(batch, list(range(batch.size)), {"rows": batch.rows})
     except GrpoError as e:  # a dataset row or an environment's info JSON cannot carry
         raise GrpoError(f"train.balance_ranks: {e}; set train.balance_ranks=false") from None
-    parts = gather_objects((bytes(header.tolist()), buffer.numpy().tobytes(), costs), dist)
+    parts = gather_objects((header.numpy().tobytes(), buffer.numpy().tobytes(), costs), dist)
     all_costs = [c for _, _, cs in parts for c in cs]
     plan = assign_groups(all_costs, dist.world_size)
     mine = plan[dist.rank]

@@ -353,13 +353,22 @@ def unit_tokens(attention_mask: torch.Tensor, prompt_width: int, group_size: int
 def micro_batch_count(costs: Sequence[int], max_tokens: int) -> int:
     """The fewest consecutive micro-batches of at most `max_tokens` tokens (a unit longer than
     that is a micro-batch of its own)."""
-    n, filled = 0, max_tokens + 1
-    for c in costs:
-        if filled + c > max_tokens or c > max_tokens:
-            n, filled = n + 1, c
+    return len(_fill(costs, max_tokens))
+
+
+def _fill(costs: Sequence[int], cap: int) -> list[list[int]]:
+    """Units in order into consecutive parts of at most `cap` tokens, each as full as it can
+    be (a unit over `cap` alone): the fewest parts under that cap."""
+    parts: list[list[int]] = []
+    filled = cap + 1
+    for i, c in enumerate(costs):
+        if filled + c > cap or c > cap:
+            parts.append([i])
+            filled = c
         else:
+            parts[-1].append(i)
             filled += c
-    return n
+    return parts
 
 
 def token_slices(costs: Sequence[int], max_tokens: int, count: int | None = None,
@@ -381,23 +390,11 @@ def token_slices(costs: Sequence[int], max_tokens: int, count: int | None = None
         log.info("a %s of %d tokens exceeds train.micro_batch_tokens (%d): it runs as a "
                  "micro-batch of its own", unit, longest, max_tokens)  # fmt: skip
 
-    def greedy(cap: int) -> list[list[int]]:
-        parts: list[list[int]] = []
-        filled = cap + 1
-        for i, c in enumerate(costs):
-            if filled + c > cap or c > cap:
-                parts.append([i])
-                filled = c
-            else:
-                parts[-1].append(i)
-                filled += c
-        return parts
-
-    lo, hi = 1, max_tokens  # greedy(max_tokens) has the fewest slices, <= count
+    lo, hi = 1, max_tokens  # _fill(max_tokens) has the fewest slices, <= count
     while lo < hi:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if len(greedy(mid)) <= count else (mid + 1, hi)
-    parts = greedy(lo)
+        lo, hi = (lo, mid) if len(_fill(costs, mid)) <= count else (mid + 1, hi)
+    parts = _fill(costs, lo)
     while len(parts) < count:  # split the part of most tokens (of two units or more) in two
         i = max((j for j in range(len(parts)) if len(parts[j]) > 1),
                 key=lambda j: sum(costs[u] for u in parts[j]))  # fmt: skip
