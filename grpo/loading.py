@@ -121,6 +121,10 @@ def load_trained_model(
 
     dev = resolve_device(device)
     model = load_model(spec.path, dtype=dtype, device=dev)
+    if model.config.num_labels:
+        raise GrpoError(f"{spec.path} is a sequence classifier (a reward model: "
+                        f"{model.config.to_hf()['architectures'][0]}); a policy is a causal LM. "
+                        "A reward model is used as a reward (docs/rewards.md)")  # fmt: skip
     for adapter in spec.adapters:
         load_adapter(model, adapter)
         unwrap_lora(model)

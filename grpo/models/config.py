@@ -15,6 +15,13 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+# Sequence classifiers (reward models): the same decoder with a `score` head (num_labels
+# outputs, no bias) in place of the lm_head, read at each row's last non-pad token.
+CLASSIFIER_ARCHITECTURES = {
+    "LlamaForSequenceClassification": "llama",
+    "Qwen2ForSequenceClassification": "qwen2",
+    "Qwen3ForSequenceClassification": "qwen3",
+}
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _REQUIRED_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -46,6 +53,11 @@ class ModelConfig:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # A sequence classifier (`*ForSequenceClassification`, a reward model): its head's outputs
+    # (None: a causal LM) and the pad id that marks the token it scores (the last one that is
+    # not pad_token_id, as `transformers` reads it)
+    num_labels: int | None = None
+    pad_token_id: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -78,18 +90,19 @@ class ModelConfig:
             if not isinstance(config, dict):
                 raise GrpoError(f"{path}: holds a {type(config).__name__}; expected an object")
         archs = config.get("architectures") or []
-        family = None
+        family, classifier = None, False
         for arch in archs:
             family = SUPPORTED_ARCHITECTURES.get(arch)
+            if family is None and arch in CLASSIFIER_ARCHITECTURES:
+                family, classifier = CLASSIFIER_ARCHITECTURES[arch], True
             if family:
                 break
         if family is None and not archs:
             family = _MODEL_TYPES.get(config.get("model_type", ""))
         if family is None:
             name = archs[0] if archs else config.get("model_type")
-            raise GrpoError(
-                f"unsupported architecture {name!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-            )
+            known = sorted(SUPPORTED_ARCHITECTURES) + sorted(CLASSIFIER_ARCHITECTURES)
+            raise GrpoError(f"unsupported architecture {name!r}; supported: {known}")
         for key in _REQUIRED_FIELDS:
             value = config.get(key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -106,6 +119,9 @@ class ModelConfig:
         rope_scaling = config.get("rope_scaling") or rope_params or None
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
+        num_labels = None
+        if classifier:  # transformers writes id2label; num_labels only when given explicitly
+            num_labels = config.get("num_labels") or len(config.get("id2label") or {}) or 2
         return cls(
             family=family,
             vocab_size=config["vocab_size"],
@@ -126,11 +142,14 @@ class ModelConfig:
             qk_norm=family == "qwen3",
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=config.get("eos_token_id"),
+            num_labels=num_labels,
+            pad_token_id=config.get("pad_token_id"),
         )
 
     def to_hf(self) -> dict[str, Any]:
         """The HF `config.json` dict that `transformers.AutoConfig` reads back."""
-        arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[self.family]
+        names = CLASSIFIER_ARCHITECTURES if self.num_labels else SUPPORTED_ARCHITECTURES
+        arch = {v: k for k, v in names.items()}[self.family]
         out = {
             "architectures": [arch],
             "model_type": self.family,
@@ -145,7 +164,7 @@ class ModelConfig:
             "rope_theta": self.rope_theta,
             "rope_scaling": self.rope_scaling,
             "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings and not self.num_labels,
             "hidden_act": "silu",
             "torch_dtype": "float32",
         }
@@ -159,6 +178,12 @@ class ModelConfig:
             out["bos_token_id"] = self.bos_token_id
         if self.eos_token_id is not None:
             out["eos_token_id"] = self.eos_token_id
+        if self.pad_token_id is not None:
+            out["pad_token_id"] = self.pad_token_id
+        if self.num_labels:
+            out["num_labels"] = self.num_labels
+            out["id2label"] = {str(i): f"LABEL_{i}" for i in range(self.num_labels)}
+            out["label2id"] = {f"LABEL_{i}": i for i in range(self.num_labels)}
         return out
 
     def to_dict(self) -> dict[str, Any]:

@@ -284,9 +284,12 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        if cfg.num_labels:  # a sequence classifier (a reward model): `score`, never tied
+            self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False)
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            if cfg.tie_word_embeddings:
+                self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.gradient_checkpointing = False
 
@@ -314,6 +317,7 @@ class Decoder(nn.Module):
         kv_cache: KVCache | None = None,
         return_hidden: bool = False,
         packed: PackedSegments | None = None,
+        select: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the decoder.
 
@@ -330,9 +334,13 @@ class Decoder(nn.Module):
             return_hidden: return the final-norm hidden states instead of logits.
             packed: rows packed on one token axis (`grpo.models.varlen`): input_ids is (1, N),
                 positions and attention come from the layout (no attention_mask, no cache).
+            select: (B,) one position per row: only those are normed and go through the head,
+                (B, out) returned (a classifier's scored tokens, `grpo.models.classifier`;
+                inside the forward, so an FSDP-sharded head is gathered for it).
 
         Returns:
-            logits (B, T, V) or hidden states (B, T, C), in the model's dtype.
+            logits (B, T, V) (a classifier's: (B, T, num_labels)) or hidden states (B, T, C),
+            in the model's dtype.
         """
         B, T = input_ids.shape
         dev = input_ids.device
@@ -402,5 +410,12 @@ class Decoder(nn.Module):
                 x = block(x, cos, sin, mask, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(T)
+        if select is not None:
+            x = x[torch.arange(B, device=dev), select]  # (B, C)
         x = self.norm(x)
-        return x if return_hidden else self.lm_head(x)
+        return x if return_hidden else self.head(x)
+
+    @property
+    def head(self) -> nn.Linear:
+        """The output head: `lm_head` (V logits), or a classifier's `score` (num_labels)."""
+        return self.score if self.config.num_labels else self.lm_head

@@ -1,11 +1,13 @@
 """Checkpoint I/O in Hugging Face format: the only file that knows HF tensor names.
 
 HF names are ours with a `model.` prefix (`model.layers.0.self_attn.q_proj.weight`), except
-`lm_head.weight`, which is absent from checkpoints with tied embeddings.
+`lm_head.weight`, which is absent from checkpoints with tied embeddings, and a sequence
+classifier's `score.weight` (`*ForSequenceClassification`, a reward model).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -37,9 +39,12 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+_HEADS = ("lm_head.", "score.")  # top-level names in HF checkpoints
+
+
 def hf_name(name: str) -> str:
     """Our parameter name -> the HF checkpoint name."""
-    return name if name.startswith("lm_head.") else "model." + name
+    return name if name.startswith(_HEADS) else "model." + name
 
 
 def our_name(name: str) -> str:
@@ -94,24 +99,39 @@ def load_model(
     path_or_id: str | Path,
     dtype: str | torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    num_labels: int | None = None,
+    pad_token_id: int | None = None,
 ) -> Decoder:
-    """Load a HF-format Llama / Qwen2 / Qwen3 checkpoint (single or sharded safetensors).
+    """Load a HF-format Llama / Qwen2 / Qwen3 checkpoint (single or sharded safetensors): a
+    causal LM, or a sequence classifier (`*ForSequenceClassification`) as it is stored.
 
     Args:
         path_or_id: a local directory with config.json + *.safetensors, or a hub id.
         dtype: parameter dtype (weights are cast on load).
         device: where the parameters live.
+        num_labels: a sequence classifier with this many outputs: a causal LM's decoder with a
+            new zero `score` head (its lm_head dropped), or a classifier's own (which must
+            have as many).
+        pad_token_id: a new classifier's pad id (`ModelConfig.pad_token_id`; default: the
+            checkpoint's).
 
     Returns:
         a `Decoder` in eval mode.
     """
     model_dir = resolve_model_dir(path_or_id)
     cfg = ModelConfig.from_hf(model_dir)
+    new_head = bool(num_labels) and not cfg.num_labels
+    if num_labels and cfg.num_labels and cfg.num_labels != num_labels:
+        raise GrpoError(f"{model_dir} is a classifier with {cfg.num_labels} outputs, not "
+                        f"{num_labels}")  # fmt: skip
+    if new_head:
+        pad = cfg.pad_token_id if pad_token_id is None else pad_token_id
+        cfg = dataclasses.replace(cfg, num_labels=num_labels, pad_token_id=pad)
     dtype = parse_dtype(dtype)
     with torch.device("meta"):
         model = Decoder(cfg)
     model = model.to_empty(device=device).to(dtype)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and not cfg.num_labels:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)
 
@@ -121,7 +141,7 @@ def load_model(
         with safetensors_file(file) as f:
             for key in f.keys():
                 name = our_name(key)
-                if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                if name == "lm_head.weight" and (cfg.tie_word_embeddings or new_head):
                     continue
                 if name not in params:
                     raise GrpoError(f"{file}: unexpected tensor {key!r} for a {cfg.family}")
@@ -134,6 +154,10 @@ def load_model(
                 with torch.no_grad():
                     params[name].copy_(t)
                 loaded.add(name)
+    if new_head:  # a reward model starts neutral: every score 0
+        with torch.no_grad():
+            model.score.weight.zero_()
+        loaded.add("score.weight")
     missing = sorted(set(params) - loaded)
     if missing:
         raise GrpoError(f"checkpoint {model_dir} is missing tensors: {missing[:5]}...")
@@ -141,7 +165,8 @@ def load_model(
 
 
 def save_pretrained(model: Decoder, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write config.json + model.safetensors that `transformers.AutoModelForCausalLM` loads."""
+    """Write config.json + model.safetensors that `transformers.AutoModelForCausalLM` loads
+    (a classifier's: `AutoModelForSequenceClassification`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = model.config.to_hf()
