@@ -526,6 +526,30 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class RewardModelConfig:
+    """`grpo rm`: a Bradley-Terry reward model on preference pairs (grpo/train/rm.py,
+    docs/rewards.md). Its data are data.dataset / split / max_samples (train) and
+    data.eval_split / eval_samples (held-out pairs); the model starts from model.path."""
+
+    # the longest pair side in tokens (prompt + completion): a longer one keeps the end of
+    # its prompt (the completions are never cut); a completion longer than this is skipped
+    max_length: int = 1024
+    # loss += center_coef * mean((r_chosen + r_rejected)^2): keeps rewards centred on 0
+    center_coef: float = 0.0
+    # the pad id the model scores around (its last real token that is not this id, as
+    # transformers' *ForSequenceClassification reads it) and its config.json names; None:
+    # the tokenizer's pad token, else its eos
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        _check(self.max_length > 1, "rm.max_length", f"must be > 1, got {self.max_length}")
+        ok = math.isfinite(self.center_coef) and self.center_coef >= 0
+        _check(ok, "rm.center_coef", f"must be >= 0, got {self.center_coef}")
+        if self.pad_token_id is not None:
+            _check(self.pad_token_id >= 0, "rm.pad_token_id", "must be >= 0 or null")
+
+
+@dataclass(frozen=True)
 class Config:
     """Everything one run needs."""
 
@@ -541,6 +565,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    rm: RewardModelConfig = field(default_factory=RewardModelConfig)  # `grpo rm` only
     # Modules imported before the rest of the config is checked, so the names they register
     # (advantage, policy loss, KL, reward, environment) are valid in it: `package.module`, or
     # `package.module:function` (called with no arguments). grpo/plugins.py, docs/extending.md.

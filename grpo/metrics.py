@@ -73,6 +73,7 @@ STDOUT_KEYS = [
     ("rollout/reward_mean", "reward", "{:.3f}"),
     ("rollout/accuracy", "acc", "{:.2f}"),
     ("train/loss", "loss", "{:.4f}"),
+    ("train/accuracy", "pair_acc", "{:.3f}"),  # grpo rm
     ("train/kl", "kl", "{:.4f}"),
     ("train/clip_frac_high", "clip+", "{:.3f}"),
     ("rollout/completion_len_mean", "len", "{:.1f}"),

@@ -95,11 +95,20 @@ def build_policy(cfg: Config, device: torch.device, need_ref: bool, adapter: str
 
 def save_final(policy: Policy, out_dir: Path, cfg: Config) -> Path:
     """Write the trained weights: a PEFT-format adapter for LoRA, a full HF checkpoint else,
-    plus the tokenizer, into out_dir/final."""
+    plus the tokenizer, into out_dir/final. A reward model (a sequence classifier) is always
+    a full `*ForSequenceClassification` checkpoint, its LoRA merged in."""
     final = out_dir / "final"
     tmp = out_dir / ".final.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    if policy.lora:
+    if policy.model.config.num_labels:
+        from grpo.lora import merge_lora, unmerge_lora
+
+        merge_lora(policy.model)  # the end of the run: unmerged again after the write
+        try:
+            save_pretrained(policy.model, tmp)
+        finally:
+            unmerge_lora(policy.model)
+    elif policy.lora:
         save_adapter(policy.model, tmp, base_model_name_or_path=str(cfg.model.path))
     else:
         save_pretrained(policy.model, tmp)

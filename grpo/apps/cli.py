@@ -60,6 +60,11 @@ def check_before_model(cfg, trainer: str) -> None:
             "(context, LoRA shapes, memory) run when training starts", cfg.model.path,
         )  # fmt: skip
         return
+    if trainer == "rm":
+        from grpo.train.rm import check_rm
+
+        check_rm(cfg)
+        return
     from grpo.run.preflight import preflight
 
     preflight(cfg, trainer)
@@ -118,6 +123,16 @@ def cmd_sft(args) -> int:
 
     cfg = load_config(args.config, args.overrides, plugins=args.plugin)
     summary = train_sft(cfg, resume=args.resume, overwrite=args.overwrite)
+    print_done(summary, job_rank())
+    return 0
+
+
+def cmd_rm(args) -> int:
+    from grpo.config import load_config
+    from grpo.train.rm import train_rm
+
+    cfg = load_config(args.config, args.overrides, plugins=args.plugin)
+    summary = train_rm(cfg, resume=args.resume, overwrite=args.overwrite)
     print_done(summary, job_rank())
     return 0
 
@@ -228,8 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
         "config", help="check a config as `grpo train` does before loading the model; print it"
     )
     _add_config_args(p)
-    p.add_argument("--trainer", default="grpo", choices=("grpo", "sft"),
-                   help="check it for `grpo train` (grpo, default) or `grpo sft`")  # fmt: skip
+    p.add_argument("--trainer", default="grpo", choices=("grpo", "sft", "rm"),
+                   help="check it for `grpo train` (grpo, default), `grpo sft` or `grpo rm`")  # fmt: skip
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("sft", help="supervised fine-tuning on worked solutions")
@@ -237,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(func=cmd_sft)
+
+    p = sub.add_parser("rm", help="train a reward model (Bradley-Terry) on preference pairs")
+    _add_config_args(p)
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    p.set_defaults(func=cmd_rm)
 
     p = sub.add_parser("train", help="GRPO training")
     _add_config_args(p)

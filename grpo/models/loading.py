@@ -172,6 +172,8 @@ def save_pretrained(model: Decoder, out_dir: str | Path, dtype: torch.dtype | No
     cfg = model.config.to_hf()
     tensors = {}
     for name, p in model.named_parameters():  # tied lm_head is skipped (same Parameter)
+        if name.rsplit(".", 1)[-1] in ("lora_a", "lora_b"):  # merged in (`merge_lora`) first
+            continue
         t = p.detach()
         if dtype is not None:
             t = t.to(dtype)

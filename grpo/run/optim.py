@@ -61,6 +61,7 @@ def weights_finite(params) -> torch.Tensor:
     in `params` is finite. FSDP's DTensor parameters count with this rank's shards (reduce the
     answer over ranks). Run once after each optimizer step; read it with the step's numbers."""
     local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    local = [t for t in local if t.numel()]  # an FSDP shard may be empty (a (1, C) head)
     if not local:
         return torch.ones((), dtype=torch.bool)
     # the largest |w| of each tensor (one multi-tensor kernel): inf or NaN iff some w is
