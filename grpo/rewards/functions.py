@@ -19,7 +19,8 @@ Functions ignore columns they do not use, so any dataset column can reach a cust
 | ``overlong`` | 0, then down to -penalty over the budget's last ``buffer`` tokens (DAPO) |
 
 A function that declares a ``context`` parameter also gets a `RewardContext` (the step, the
-completion budget, which completions were truncated, the tokenizer, the device).
+completion budget, which completions were truncated, the tokenizer, the device, the precision
+policy).
 
 Each declares the bounds its values lie in (`grpo.rewards.bounds`), from its parameters, so
 the trainer can tell a solved task from a stalled one: ``accuracy`` and ``format`` [0, 1];
@@ -58,6 +59,8 @@ class RewardContext:
         truncated: per completion, whether it was cut at the budget (no stop token).
         tokenizer: the policy's tokenizer (it decoded the completions).
         device: where the policy runs (a reward model may run there too).
+        precision: the run's precision policy (`grpo.precision.Precision`: its `autocast`
+            is what a reward model computes under).
     """
 
     step: int | None = None
@@ -65,6 +68,7 @@ class RewardContext:
     truncated: tuple[bool, ...] | None = None
     tokenizer: Any = None
     device: Any = None
+    precision: Any = None
 
     def select(self, rows: slice) -> RewardContext:
         """The context of some rows (their `truncated` entries)."""

@@ -32,6 +32,7 @@ are off-policy by construction and the importance ratio (clipped) corrects for i
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,8 @@ from grpo.algo.advantages import zero_std_groups
 from grpo.algo.registry import Registry
 from grpo.envs import env_factory
 from grpo.errors import GrpoError
+from grpo.metrics import Sum
+from grpo.precision import Precision
 from grpo.rewards import RewardContext, compute_rewards
 from grpo.rollout import Rollout
 from grpo.rollout.multiturn import sample_with_env, turn_end_ids
@@ -136,10 +139,14 @@ def score_rollout(
     context = RewardContext(
         step=policy_version, max_new_tokens=cfg.rollout.max_new_tokens,
         truncated=tuple(not f for f in rollout.finished.tolist()), tokenizer=tokenizer,
-        device=rollout.ids.device,
+        device=rollout.ids.device, precision=Precision.from_config(cfg.model, training=False),
     )  # fmt: skip
     reported: dict[str, float] = {}  # what the reward functions reported
+    t0 = time.perf_counter()
     total, per_fn = compute_rewards(reward_fns, texts, columns, T_c, context, reported)
+    # seconds the rewards took (a reward model's forwards, a judge's requests): summed over a
+    # step's sampling rounds and over ranks
+    reported["perf/reward_s"] = Sum(time.perf_counter() - t0)
     if rollout.turn_rewards is not None:  # step rewards and the discounted return
         tokens = turn_token_rewards(total, rollout, cfg.rollout.gamma)
         total = tokens.sum(-1)

@@ -1,0 +1,163 @@
+"""A learned reward: a sequence classifier (a reward model from `grpo rm`, or any Hugging Face
+Llama / Qwen2 / Qwen3 `*ForSequenceClassification` checkpoint) scores each completion.
+
+    rewards:
+      - name: reward_model
+        weight: 1.0
+        kwargs:
+          path: runs/rm/final          # the classifier checkpoint (with its tokenizer) or hub id
+          batch_size: 16               # rows per forward
+          max_length: 1024             # tokens per row: a longer prompt keeps its end
+          normalize: none              # none | batch: (r - mean) / std over the call's rows
+          system_prompt: null          # the system message the reward model's pairs had
+
+Each row is rendered with the reward model's OWN tokenizer and chat template (it may differ
+from the policy's): [system?, user: the row's question, assistant: the completion], encoded as
+`grpo.data.preferences.encode_prompt_completion` encodes a training pair, so the model scores
+what it was trained on; the question and completion are plain text (no special-token text in
+them forges a turn). Scoring runs batched, without gradients, on the policy's device under the
+run's precision policy (`RewardContext.device` / `precision`). The model is loaded once per
+process (shared by every reward entry and the async producer naming the same checkpoint).
+Reported metrics: ``rewards/reward_model/score_mean`` (raw scores, before normalization) and
+``rows_per_s``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from typing import Any
+
+import torch
+
+from grpo.errors import GrpoError
+from grpo.rewards.functions import RewardContext
+
+NORMALIZE = ("none", "batch")
+_CACHE: dict[tuple, Any] = {}  # (path, device, dtype) -> (model, tokenizer): one per process
+_LOCK = threading.Lock()
+
+
+def load_reward_model(path: str, device, dtype: str = "float32"):
+    """(model, tokenizer) of a classifier checkpoint, loaded once per process and device."""
+    from grpo.models import load_model
+    from grpo.models.loading import resolve_model_dir
+    from grpo.tokenizer import load_tokenizer
+
+    key = (str(path), str(device), dtype)
+    with _LOCK:
+        if key not in _CACHE:
+            model_dir = resolve_model_dir(path)
+            model = load_model(model_dir, dtype, device)
+            if not model.config.num_labels:
+                raise GrpoError(
+                    f"reward_model: {path} is a causal LM, not a sequence classifier; train one "
+                    "with `grpo rm` (or give a *ForSequenceClassification checkpoint)"
+                )
+            if model.config.num_labels != 1:
+                raise GrpoError(f"reward_model: {path} has {model.config.num_labels} outputs; "
+                                "a reward model has 1")  # fmt: skip
+            for p in model.parameters():
+                p.requires_grad_(False)
+            _CACHE[key] = (model.eval(), load_tokenizer(model_dir))
+        return _CACHE[key]
+
+
+def make_reward_model(
+    path: str,
+    batch_size: int = 16,
+    max_length: int = 1024,
+    normalize: str = "none",
+    system_prompt: str | None = None,
+    dtype: str = "float32",
+):
+    """The `reward_model` reward (module docstring); nothing is loaded until its first call."""
+    if not isinstance(path, str) or not path:
+        raise GrpoError("reward_model: `path` is required (a classifier checkpoint directory)")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise GrpoError(f"reward_model: batch_size must be a positive integer, got {batch_size!r}")
+    if not isinstance(max_length, int) or max_length < 2:
+        raise GrpoError(f"reward_model: max_length must be an integer >= 2, got {max_length!r}")
+    if normalize not in NORMALIZE:
+        raise GrpoError(f"reward_model: normalize must be one of {', '.join(NORMALIZE)}, "
+                        f"got {normalize!r}")  # fmt: skip
+    if dtype not in ("float32", "bfloat16"):
+        raise GrpoError(f"reward_model: dtype must be float32 or bfloat16, got {dtype!r}")
+
+    def reward_model(completions: list[str], *, context: RewardContext | None = None,
+                     question: list[str] | None = None, **columns):  # fmt: skip
+        if question is None:
+            raise GrpoError("reward_model: the rows have no 'question' column (the prompt the "
+                            "reward model reads with each completion)")  # fmt: skip
+        context = context or RewardContext()
+        device = context.device if context.device is not None else torch.device("cpu")
+        model, tok = load_reward_model(path, device, dtype)
+        t0 = time.perf_counter()
+        scores = score_completions(model, tok, list(question), completions, batch_size,
+                                   max_length, system_prompt, context.precision)  # fmt: skip
+        dt = time.perf_counter() - t0
+        raw = scores.tolist()
+        values = raw
+        if normalize == "batch" and len(raw) > 1:
+            std = scores.std().item()
+            values = ((scores - scores.mean()) / (std if std > 1e-6 else 1.0)).tolist()
+        return values, {"score_mean": sum(raw) / max(len(raw), 1),
+                        "rows_per_s": len(raw) / max(dt, 1e-9)}  # fmt: skip
+
+    reward_model.__name__ = "reward_model"
+    return reward_model
+
+
+def encode_rows(tokenizer, questions: list[str], completions: list[str], max_length: int,
+                system_prompt: str | None) -> list[list[int]]:  # fmt: skip
+    """Each row's ids as the reward model's training pairs were encoded (a chat, or plain
+    text for a tokenizer without a chat template), the prompt cut from the left to fit
+    `max_length`, the completion cut at its end only when it alone is longer."""
+    from grpo.data.preferences import encode_prompt_completion
+
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    out = []
+    for q, c in zip(questions, completions):
+        if chat:
+            prompt = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+            prompt = prompt + [{"role": "user", "content": q}]
+            p_ids, c_ids = encode_prompt_completion(tokenizer, prompt, c)
+        else:
+            p_ids, c_ids = encode_prompt_completion(tokenizer, q, c)
+        c_ids = c_ids[:max_length]  # a completion alone over the limit: its start is scored
+        p_ids = p_ids[len(p_ids) - (max_length - len(c_ids)) :] if max_length > len(c_ids) else []
+        out.append(p_ids + c_ids)
+    return out
+
+
+@torch.no_grad()
+def score_completions(model, tokenizer, questions: list[str], completions: list[str],
+                      batch_size: int = 16, max_length: int = 1024,
+                      system_prompt: str | None = None, precision=None) -> torch.Tensor:  # fmt: skip
+    """(B,) float32 scores on the CPU of a classifier `Decoder`, `batch_size` rows per
+    forward (right-padded; rows sorted by length so a batch pads little)."""
+    from grpo.models.classifier import sequence_scores
+
+    seqs = encode_rows(tokenizer, questions, completions, max_length, system_prompt)
+    pad = model.config.pad_token_id
+    pad = pad if pad is not None else (tokenizer.pad_token_id or 0)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    out = torch.empty(len(seqs), dtype=torch.float32)
+    dev = model.device
+    autocast = precision.autocast(dev) if precision is not None else contextlib.nullcontext()
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        T = max(len(seqs[i]) for i in rows)
+        ids = torch.full((len(rows), T), pad, dtype=torch.long)
+        mask = torch.zeros(len(rows), T, dtype=torch.bool)
+        for b, i in enumerate(rows):
+            ids[b, : len(seqs[i])] = torch.tensor(seqs[i])
+            mask[b, : len(seqs[i])] = True
+        with autocast:
+            s = sequence_scores(model, ids.to(dev), mask.to(dev), pad)[:, 0]
+        out[rows] = s.float().cpu()
+    if not all(math.isfinite(x) for x in out.tolist()):
+        raise GrpoError("reward_model: a score is not finite (the checkpoint's weights?)")
+    return out
