@@ -4,6 +4,7 @@
     python -m benchmarks.bench_step --sizes demo --repeats 5
     python -m benchmarks.bench_step --sizes qwen3-0.6b --device cuda --out-dir DIR  # gpu_check.sh
     python -m benchmarks.bench_step --lengths gsm8k,uniform --sizes ci,qwen3-0.6b  # packing
+    python -m benchmarks.bench_step --reward-model --sizes ci,qwen3-0.6b  # reward-model scoring
 
 Each phase of `grpo.train.grpo` is timed on its own with the shared harness, for LoRA and
 full fine-tuning, on tiny random-init Qwen3 models written by `grpo.tiny.make_tiny_model`, or
@@ -121,6 +122,7 @@ def bench_case(model_dir: Path, size: str, lora: bool, args, shared: str = "off"
     )
     tokens = int(batch.rollout.completion_mask.sum())
     total = t_roll.median_ms + t_ref.median_ms + t_upd.median_ms
+    scoring = reward_model_case(model_dir, case, t_roll.median_ms, args) if args.reward_model else {}
     return {
         "size": size,
         "mode": "lora r16" if lora else "full",
@@ -135,7 +137,35 @@ def bench_case(model_dir: Path, size: str, lora: bool, args, shared: str = "off"
         "tokens_per_s": round(tokens / (total / 1e3), 1),
         "peak_mem_mib": round(max(t_roll.peak_mem_mib, t_ref.peak_mem_mib, t_upd.peak_mem_mib), 1),
         "spread_ms": f"{t_upd.p20_ms:.0f}-{t_upd.p80_ms:.0f}",
+        **scoring,
     }
+
+
+def reward_model_case(model_dir: Path, case: dict, rollout_ms: float, args) -> dict:
+    """--reward-model: the `reward_model` reward scoring the case's rolled-out rows with a
+    classifier of the policy's own size (its checkpoint, a random score head), timed like the
+    phases: rows/s and its time over the rollout's (the rollout phase already includes the
+    rule rewards)."""
+    from grpo.models import load_model
+    from grpo.precision import Precision
+    from grpo.rewards.model import score_completions
+
+    cfg, policy, batch = case["cfg"], case["policy"], case["rollout"]()  # rows and texts
+    device = torch.device(args.device)
+    rm = load_model(model_dir, cfg.model.dtype, device, num_labels=1,
+                    pad_token_id=policy.tokenizer.pad_token_id)  # fmt: skip
+    with torch.no_grad():
+        rm.score.weight.normal_(0, 0.02, generator=torch.Generator(device).manual_seed(0))
+    rm.requires_grad_(False)
+    questions = [r["question"] for r in batch.rows]
+    precision = Precision.from_config(cfg.model, training=False)
+    t = measure(lambda: score_completions(rm, policy.tokenizer, questions, batch.texts,
+                                          args.rm_batch_size, 1024, None, precision),
+                warmup=1, repeats=args.repeats, device=device)  # fmt: skip
+    del rm
+    return {"rm_score_ms": round(t.median_ms, 1),
+            "rm_rows_per_s": round(len(questions) / (t.median_ms / 1e3), 1),
+            "rm_vs_rollout": round(t.median_ms / rollout_ms, 3)}  # fmt: skip
 
 
 def controlled_rollout(prompts: list[list[int]], G: int, T_c: int, spread: str, vocab: int,
@@ -276,6 +306,10 @@ def main(argv=None) -> None:
                    help="compare padded and packed training passes at these completion-length "
                         "spreads instead (gsm8k, uniform); see the module docstring")  # fmt: skip
     p.add_argument("--modes", default="lora,full", help="--lengths: lora, full or both")
+    p.add_argument("--reward-model", action="store_true",
+                   help="also time a same-size reward model (the reward_model reward) scoring "
+                        "each case's rollout: rows/s and its time over the rollout's")  # fmt: skip
+    p.add_argument("--rm-batch-size", type=int, default=32, help="--reward-model: rows/forward")
     args = p.parse_args(argv)
     sizes = comma_list(p, "--sizes", args.sizes, [*SIZES, "qwen3-0.6b"])
     if args.lengths is not None:
@@ -283,6 +317,8 @@ def main(argv=None) -> None:
     cols = ["size", "mode", "shared_prefix", "prompt_len", "trainable_params", "rollout_ms",
             "ref_logprob_ms", "update_ms", "step_ms", "ref_update_speedup", "rollout_frac",
             "tokens_per_s", "peak_mem_mib", "spread_ms"]  # fmt: skip
+    if args.reward_model:
+        cols += ["rm_score_ms", "rm_rows_per_s", "rm_vs_rollout"]
     meta = {
         "command": "python -m benchmarks.bench_step "
         + " ".join(sys.argv[1:] if argv is None else argv),

@@ -224,14 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--task",
         default=None,
-        choices=["math", "tools", "gsm8k-tools"],
+        choices=["math", "tools", "gsm8k-tools", "rlhf"],
         help="math (default); tools: products with a calculator tool, multi-turn; gsm8k-tools: "
-        "GSM8K with a Python interpreter (pass base.data.source=DIR)",
+        "GSM8K with a Python interpreter (pass base.data.source=DIR); rlhf: a reward model "
+        "trained on preference pairs is GRPO's only reward",
     )
     p.add_argument(
         "overrides", nargs="*",
-        help="pipeline overrides, stage.section.key=value (stage: base, sft, grpo), e.g. "
-        "grpo.rollout.async=on",
+        help="pipeline overrides, stage.section.key=value (stage: base, sft, grpo; rm with "
+        "--task rlhf), e.g. grpo.rollout.async=on",
     )  # fmt: skip
     p.set_defaults(func=cmd_demo)
 

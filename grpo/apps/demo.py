@@ -48,6 +48,7 @@ TASK_CONFIGS = {
     "math": DEFAULT_CONFIG,
     "tools": CONFIGS / "demo_tools_cpu.yaml",
     "gsm8k-tools": CONFIGS / "gsm8k_tools_cpu.yaml",
+    "rlhf": CONFIGS / "demo_rlhf_cpu.yaml",
 }
 DATASET = "demo-minimath"  # the name the demo registers its three splits under
 TOOLS_DATASET = "demo-toolmath"  # --task tools: problems (RL and evaluation)
@@ -61,9 +62,11 @@ UNIT = between(0, 1)
 class DemoSettings(Settings):
     """What the demo builds before training (the `demo` section of the config)."""
 
-    task: Literal["math", "tools", "gsm8k-tools"] = "math"  # math: mini-math word problems;
-    # tools: products with a calculator; gsm8k-tools: GSM8K (the pipeline's data.source) with a
-    # Python interpreter, the tokenizer trained on SFT's traces (TASK_CONFIGS)
+    task: Literal["math", "tools", "gsm8k-tools", "rlhf"] = "math"  # math: mini-math word
+    # problems; tools: products with a calculator; gsm8k-tools: GSM8K (the pipeline's
+    # data.source) with a Python interpreter, the tokenizer trained on SFT's traces; rlhf:
+    # mini-math with a reward model trained on preference pairs as GRPO's only reward
+    # (grpo/apps/demo_rlhf.py) (TASK_CONFIGS)
     model_size: str = setting("demo", check=one_of(SIZES))  # a key of grpo.tiny.SIZES
     vocab_size: int = 384
     context: int = setting(512, check=between(64))  # the model's max_position_embeddings
@@ -87,6 +90,9 @@ class DemoSettings(Settings):
     # trick the model cannot learn): GRPO is left to find out which works.
     hard_frac: float = setting(0.7, check=UNIT)
     tool_frac: float = setting(0.5, check=UNIT)
+    # --task rlhf: preference pairs per problem, each a different error kind
+    # (grpo.data.preferences.math_preferences)
+    pairs_per_problem: int = setting(2, check=between(1, 5))
 
     def __post_init__(self):  # types are checked by `build_settings`
         super().__post_init__()
@@ -116,6 +122,7 @@ class DemoFile:
 
     demo: dict = dataclasses.field(default_factory=dict)
     pipeline: dict = dataclasses.field(default_factory=dict)
+    rm: dict = dataclasses.field(default_factory=dict)  # --task rlhf: the `grpo rm` config
     quick: QuickSection = QuickSection()
 
 
@@ -142,6 +149,13 @@ def load_demo_config(
         overrides = list(f.quick.overrides)
     where = "quick.demo" if quick else "demo"
     return build_settings(DemoSettings, values, where), f.pipeline, overrides
+
+
+def _demo_file(path: str | Path | None) -> DemoFile:
+    """The demo config file's sections (already checked by `load_demo_config`)."""
+    p = Path(path) if path is not None else DEFAULT_CONFIG
+    data = yaml.safe_load(read_text(p, "a YAML demo config")) or {}
+    return build_settings(DemoFile, data, null_is_default=True)
 
 
 def demo_problems(n: int, seed: int, split: str, level: Level) -> Dataset:
@@ -350,7 +364,7 @@ def summary_table(results: dict) -> str:
 
 def _clean(out: Path) -> None:
     """Remove what an earlier demo wrote to `out` (and nothing else)."""
-    for name in ("model", "sft", "grpo"):
+    for name in ("model", "sft", "rm", "grpo"):
         shutil.rmtree(out / name, ignore_errors=True)
     written = ("pipeline.yaml", "training_results.json", "metrics.jsonl", "results.json")
     for name in (*written, "curves.png"):
@@ -423,6 +437,14 @@ def run_demo(
         if stage in STAGE_TITLES:
             print(f"\n== {STAGE_TITLES[stage]}", flush=True)
 
+    if settings.task == "rlhf":  # its own chain: SFT -> reward model -> GRPO
+        from grpo.apps.demo_rlhf import run_rlhf_demo
+
+        rm_section = _demo_file(config).rm
+        try:
+            return run_rlhf_demo(out, settings, pipeline, rm_section, overrides, seed, quick)
+        finally:
+            torch.set_num_threads(threads_before)
     try:
         print("\n== 1/5 tokenizer and model", flush=True)
         task = settings.task

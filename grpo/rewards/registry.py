@@ -3,7 +3,8 @@
 A spec is one of:
 
 - a registered name: ``"accuracy"``, ``"length_penalty"``, ``"step"``, ``"format"``,
-  ``"combined"``, ``"overlong"``, or a name given to `register_reward`;
+  ``"combined"``, ``"overlong"``, ``"judge"`` (`grpo.rewards.judge`), or a name given to
+  `register_reward`;
 - a callable ``fn(completions, **columns) -> list[float]``;
 - a ``"package.module:function"`` path to such a callable;
 - a dict ``{"name": <one of the above>, **kwargs}`` with parameters for the factory
@@ -37,6 +38,8 @@ from grpo.rewards.functions import (
     make_overlong,
     make_step,
 )
+from grpo.rewards.judge import make_judge
+from grpo.rewards.model import make_reward_model
 
 RewardSpec = str | RewardFn | Mapping[str, Any]
 
@@ -211,6 +214,8 @@ def _builtins() -> dict[str, Callable[..., RewardFn]]:
         "format": make_format,
         "combined": make_combined,
         "overlong": make_overlong,
+        "judge": make_judge,
+        "reward_model": make_reward_model,
     }
 
 

@@ -178,7 +178,8 @@ def evaluate_pairs(cfg: Config, scorer, pairs: list, device, dist) -> dict[str, 
         totals += stats
     loss, accuracy, margin, score = (all_reduce_sum(x, dist) / len(pairs)
                                      for x in totals.tolist())  # fmt: skip
-    return {"loss": loss, "accuracy": accuracy, "margin": margin, "score": score / 2}
+    return {"loss": loss, "accuracy": accuracy, "margin": margin, "score": score / 2,
+            "pairs": len(pairs)}
 
 
 def build_reward_model(cfg: Config, device: torch.device) -> Policy:

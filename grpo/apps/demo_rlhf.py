@@ -1,0 +1,212 @@
+"""`grpo demo --task rlhf`: the tutorial's SFT -> reward model -> RL chain on a CPU, offline,
+where the policy never sees a rule-based reward.
+
+    tokenizer + tiny Qwen3 (random init)  -> SFT on worked solutions     (out/sft)
+      -> preference pairs: a correct worked solution against a wrong one (5 error kinds)
+      -> `grpo rm` from the SFT model: Bradley-Terry, held-out pair accuracy   (out/rm)
+      -> evaluate the SFT model: true (rule-checked) greedy accuracy, reward-model score
+      -> GRPO from the SFT model, the reward model its ONLY reward            (out/grpo)
+         (the strict accuracy reward rides along at weight 0: logged, never trained on)
+      -> evaluate the GRPO model the same way
+      -> results.json, metrics.jsonl, curves.png (true accuracy beside the reward model's
+         score, so reward hacking would show: the score rising while accuracy falls)
+
+Settings: configs/demo_rlhf_cpu.yaml (the math demo's `demo` and `pipeline` sections, plus an
+`rm` section: the `grpo rm` config over the pipeline's `base`). Overrides: the pipeline's
+``stage.section.key=value`` and ``rm.section.key=value`` for the reward model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+PREFERENCES = "demo-preferences"  # the pairs the demo registers (train / test)
+STEPS = 6
+
+
+def _say(i: int, what: str) -> None:
+    print(f"\n== {i}/{STEPS} {what}", flush=True)
+
+
+def register_preferences(settings, seed: int) -> dict[str, Any]:
+    """Pairs from the demo's training problems (train) and validation problems (test, held
+    out: no question shared with train), registered as `PREFERENCES`; counts per kind."""
+    from collections import Counter
+
+    from datasets import DatasetDict
+
+    from grpo.apps.demo import DATASET
+    from grpo.data import get_dataset, register_dataset
+    from grpo.data.preferences import math_preferences
+
+    n = settings.pairs_per_problem
+    train = math_preferences(get_dataset(DATASET, "train").to_list(), seed, n)
+    test = math_preferences(get_dataset(DATASET, "validation").to_list(), seed + 1, n)
+    keep = ("prompt", "chosen", "rejected")
+    register_dataset(PREFERENCES, DatasetDict(
+        train=_dataset([{k: r[k] for k in keep} for r in train]),
+        test=_dataset([{k: r[k] for k in keep} for r in test]),
+    ), overwrite=True)  # fmt: skip
+    return {"train": len(train), "test": len(test),
+            "kinds": dict(sorted(Counter(r["kind"] for r in train).items()))}  # fmt: skip
+
+
+def _dataset(rows: list[dict]):
+    from datasets import Dataset
+
+    return Dataset.from_list(rows)
+
+
+def rm_config(base: dict, section: dict, sft_final: str, out: Path, seed: int,
+              overrides: list[str]):  # fmt: skip
+    """The reward model's `grpo rm` config: the pipeline's base, the demo's `rm` section, the
+    SFT model as its start and the registered pairs as its data."""
+    from grpo.apps.pipeline import _deep_merge
+    from grpo.config import load_config
+
+    data = _deep_merge(base, section)
+    data["model"] = {**(data.get("model") or {}), "path": sft_final, "tokenizer": sft_final}
+    data["data"] = {**(data.get("data") or {}), "dataset": PREFERENCES, "split": "train",
+                    "eval_split": "test"}  # fmt: skip
+    data["train"] = {**(data.get("train") or {}), "seed": seed, "output_dir": str(out)}
+    return load_config(base=data, overrides=overrides)
+
+
+def run_rlhf_demo(out: Path, settings, pipeline: dict, rm_section: dict, overrides: list[str],
+                  seed: int, quick: bool) -> dict:  # fmt: skip
+    """Run the demo (module docstring) into `out`; returns what it writes to results.json."""
+    import torch
+
+    from grpo.apps.demo import _combined_metrics, _pipeline_file, _print_eval, register_demo_data
+    from grpo.apps.pipeline import grpo_config_from_sft, load_pipeline_config
+    from grpo.apps.plot import plot_run
+    from grpo.eval import evaluate_config
+    from grpo.loading import trained_model
+    from grpo.models import load_model
+    from grpo.tiny import make_tiny_model
+    from grpo.train.grpo import train_grpo
+    from grpo.train.rm import train_rm
+    from grpo.train.sft import train_sft
+
+    t_start, cpu_start = time.perf_counter(), time.process_time()
+    times: dict[str, float] = {}
+    rm_over = [o.removeprefix("rm.") for o in overrides if o.startswith("rm.")]
+    pipe_over = [o for o in overrides if not o.startswith("rm.")]
+
+    _say(1, "tokenizer, model and problems")
+    model_dir = out / "model"
+    rm_final = out / "rm" / "final"
+    pipeline = json.loads(json.dumps(pipeline))
+    for spec in pipeline.get("grpo", {}).get("rewards") or []:  # the reward model to train
+        if spec.get("name") == "reward_model":
+            spec.setdefault("kwargs", {})["path"] = str(rm_final)
+    pcfg = load_pipeline_config(_pipeline_file(out, pipeline, model_dir, seed, "math"), pipe_over)
+    make_tiny_model(model_dir, size=settings.model_size, vocab_size=settings.vocab_size,
+                    seed=seed, max_position_embeddings=settings.context)  # fmt: skip
+    sizes = register_demo_data(settings)
+    n_params = sum(p.numel() for p in load_model(model_dir, device="cpu").parameters())
+    print(f"model: {settings.model_size} ({n_params / 1e6:.2f}M parameters); problems: {sizes}",
+          flush=True)  # fmt: skip
+    times["setup"] = time.perf_counter() - t_start
+
+    _say(2, "SFT on worked solutions")
+    t = time.perf_counter()
+    sft_cfg = pcfg.sft
+    sft = train_sft(sft_cfg, overwrite=True)
+    times["sft"] = time.perf_counter() - t
+
+    _say(3, "preference pairs and the reward model (grpo rm, from the SFT model)")
+    t = time.perf_counter()
+    pairs = register_preferences(settings, settings.data_seed)
+    print(f"preference pairs: {pairs}", flush=True)
+    base = json.loads(json.dumps(pipeline.get("base") or {}))
+    rcfg = rm_config(base, rm_section, sft["final"], out / "rm", seed, rm_over)
+    rm = train_rm(rcfg, overwrite=True)
+    rm_eval = {k.removeprefix("eval/"): v for k, v in rm.items() if k.startswith("eval/")}
+    print(f"reward model: held-out pair accuracy {rm_eval.get('accuracy', float('nan')):.3f} "
+          f"on {rm_eval.get('pairs', 0)} pairs", flush=True)  # fmt: skip
+    times["rm"] = time.perf_counter() - t
+
+    grpo_cfg = grpo_config_from_sft(pcfg.grpo, sft_cfg, sft["final"])
+    _say(4, "evaluate the SFT model: true accuracy and the reward model's score")
+    t = time.perf_counter()
+    # GRPO's config: its rewards (the reward model; accuracy at weight 0) score the greedy
+    # completions, so average_reward is the reward model's mean score
+    sft_eval = evaluate_config(grpo_cfg, trained_model(grpo_cfg, sft["final"]), details=True)
+    sft_samples = sft_eval.pop("samples")
+    _print_eval("SFT", sft_eval, grpo_cfg.eval.k)
+    times["eval_sft"] = time.perf_counter() - t
+
+    _say(5, "GRPO from the SFT model, the reward model its only reward")
+    t = time.perf_counter()
+    grpo = train_grpo(grpo_cfg, overwrite=True)
+    times["grpo"] = time.perf_counter() - t
+
+    _say(6, "evaluate the GRPO model on the same problems")
+    t = time.perf_counter()
+    grpo_eval = evaluate_config(grpo_cfg, trained_model(grpo_cfg, grpo["final"]), details=True)
+    grpo_samples = grpo_eval.pop("samples")
+    _print_eval("GRPO", grpo_eval, grpo_cfg.eval.k)
+    times["eval_grpo"] = time.perf_counter() - t
+    times["total"] = time.perf_counter() - t_start
+    times["cpu"] = time.process_time() - cpu_start
+
+    metrics = _combined_metrics(out, sft["step"], grpo["step"], {"sft": sft_eval,
+                                                                 "grpo": grpo_eval})  # fmt: skip
+    curves = plot_run(out)
+    from grpo.apps.demo import _examples
+
+    results = {
+        "task": "rlhf",
+        "quick": quick,
+        "seed": seed,
+        "settings": dataclasses.asdict(settings),
+        "problems": sizes,
+        "preference_pairs": pairs,
+        "reward_model": {"eval": rm_eval, "steps": rm["step"],
+                         "train_accuracy_last": rm.get("train/accuracy")},  # fmt: skip
+        "eval": {"split": grpo_cfg.data.eval_split, "n": sft_eval["n"], "k": grpo_cfg.eval.k,
+                 "decoding": "greedy for accuracy and the reward model's score"},  # fmt: skip
+        "sft": {"eval": sft_eval, "rm_score": sft_eval["average_reward"]},
+        "grpo": {"eval": grpo_eval, "rm_score": grpo_eval["average_reward"],
+                 "steps": grpo["step"], "reward_last": grpo.get("rollout/reward_mean"),
+                 "kl_last": grpo.get("train/kl")},  # fmt: skip
+        "accuracy_gain": grpo_eval["accuracy"] - sft_eval["accuracy"],
+        "rm_score_gain": grpo_eval["average_reward"] - sft_eval["average_reward"],
+        "examples": _examples(sft_samples, grpo_samples),
+        "time_s": {k: round(v, 2) for k, v in times.items()},
+        "threads": torch.get_num_threads(),
+        "paths": {"model": str(model_dir), "sft": sft["final"], "rm": rm["final"],
+                  "grpo": grpo["final"], "metrics": str(metrics), "curves": str(curves)},
+    }  # fmt: skip
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    print("\n" + summary_table(results))
+    print(f"results.json, metrics.jsonl and curves.png are in {out}", flush=True)
+    return results
+
+
+def summary_table(results: dict) -> str:
+    """The closing table: true accuracy and the reward model's score, before and after."""
+    from grpo.apps.demo import _fmt_s
+
+    rm = results["reward_model"]["eval"]
+    lines = ["| model | true greedy accuracy | reward-model score | format | length | train time |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for name in ("sft", "grpo"):
+        e = results[name]["eval"]
+        lines.append(f"| {name.upper()} | {e['accuracy']:.3f} | {results[name]['rm_score']:+.3f} "
+                     f"| {e['format_rate']:.3f} | {e['avg_length']:.1f} | "
+                     f"{_fmt_s(results['time_s'][name])} |")  # fmt: skip
+    lines += ["", f"reward model: held-out pair accuracy {rm.get('accuracy', float('nan')):.3f} "
+              f"({rm.get('pairs', 0)} pairs), trained in "
+              f"{_fmt_s(results['time_s']['rm'])}",
+              f"GRPO - SFT: {100 * results['accuracy_gain']:+.1f} points of true accuracy, "
+              f"{results['rm_score_gain']:+.3f} reward-model score on {results['eval']['n']} "
+              f"held-out problems; total {_fmt_s(results['time_s']['total'])} on "
+              f"{os.cpu_count()} core(s)"]  # fmt: skip
+    return "\n".join(lines)

@@ -1,0 +1,521 @@
+"""The LLM-judge reward (RLAIF): an OpenAI-compatible chat endpoint grades each completion.
+
+    rewards:
+      - name: judge
+        weight: 1.0
+        kwargs:
+          base_url: http://127.0.0.1:8000/v1  # required: the endpoint (grpo serve, vLLM, ...)
+          model: my-judge                     # required: the served model name
+          template: "..."                     # {question}, {completion}, {reference} fields
+          parser: number                      # number | yes_no | package.module:function
+          pattern: null                       # parser number: a regex read instead
+          scale: [0, 10]                      # optional: [lo, hi] mapped linearly to [0, 1]
+          concurrency: 4                      # requests in flight at once
+          request_timeout_s: 30               # one attempt
+          retries: 2                          # more attempts on transient errors
+          backoff_s: 0.5                      # first retry's wait, doubling after
+          on_failure: error                   # or a number: the reward of a failed row
+          max_tokens: 64                      # sent with the request
+          temperature: 0.0                    # sent with the request
+          api_key_env: null                   # env var holding a bearer token
+
+Each completion is one POST ``{base_url}/chat/completions`` with a single user message: the
+template filled from the row, {question} from the ``question`` column, {reference} from
+``ground_truth`` (else ``answer``), {completion} the completion (`DEFAULT_TEMPLATE` asks for a
+0-10 score). The reply's text is read by the parser (`score_parser`): ``number`` takes the last
+number of the reply that is not a denominator ("Score: 7/10" reads 7), or with ``pattern`` the
+last match of that regex (its group 1 when it has one); ``yes_no`` the first whole word yes
+(1.0) or no (0.0); ``package.module:function`` is a function text -> float. With ``scale`` a
+score s in [lo, hi] becomes (s - lo) / (hi - lo).
+
+A row fails when its request fails after the retries (connection errors, timeouts, HTTP 5xx
+and 429 are retried; other HTTP errors are not), when the reply has no text or no score, or
+when the score lies outside ``scale`` (the judge did not follow the scale: not clamped). With
+``on_failure: error`` the first failure stops the call with one `GrpoError` naming the row, the
+URL and the cause; with a number the failed rows get that reward, a warning is logged and
+``failures`` counts them. The reward reports (logged as ``rewards/judge/<metric>``):
+``failures`` and ``retries`` (`grpo.metrics.Sum`: counts) and ``latency_s``, the mean seconds
+of one row's judgment, its retries included.
+
+The whole batch runs under the reward's ``rewards[].timeout_s`` (300 s by default in a config):
+raise it for large batches or slow judges. HTTP is the standard library's (urllib and a thread
+pool), so the reward needs no client package.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import math
+import numbers
+import os
+import re
+import string
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from typing import Any
+
+from grpo.errors import GrpoError
+from grpo.metrics import Sum
+from grpo.plugins import import_callable
+from grpo.rewards.bounds import with_bounds
+from grpo.rewards.functions import RewardContext, RewardFn
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TEMPLATE = (
+    "You are grading an answer to a math problem.\n\n"
+    "Problem:\n{question}\n\n"
+    "Reference answer: {reference}\n\n"
+    "Answer to grade:\n{completion}\n\n"
+    "Is the final answer correct and the reasoning sound? Give a score from 0 (wrong or "
+    "missing) to 10 (correct, with clear reasoning). Reply with the score only, as "
+    '"Score: N".'
+)
+FIELDS = ("question", "completion", "reference")  # what a template may use
+# a number not glued to a word or a decimal point, and not a denominator ("7/10" reads 7)
+_NUMBER = re.compile(r"(?<![\w./])-?\d+(?:\.\d+)?")
+_YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
+MAX_REPLY_BYTES = 4 << 20  # a larger reply body is a failure, not memory spent
+RETRY_AFTER_MAX_S = 30.0  # the longest Retry-After header (429 / 503) that is honoured
+
+
+class _Failure(Exception):
+    """One row's judgment failed: the message is the cause, for the error or the warning."""
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """One row's judgment: its reward (None when it failed), the cause, time and retries."""
+
+    value: float | None
+    cause: str
+    latency_s: float
+    retries: int
+
+
+def make_judge(
+    base_url: str | None = None,
+    model: str | None = None,
+    template: str = DEFAULT_TEMPLATE,
+    parser: str = "number",
+    pattern: str | None = None,
+    scale: Sequence[float] | None = None,
+    concurrency: int = 4,
+    request_timeout_s: float = 30.0,
+    retries: int = 2,
+    backoff_s: float = 0.5,
+    on_failure: str | float = "error",
+    max_tokens: int = 64,
+    temperature: float = 0.0,
+    api_key_env: str | None = None,
+) -> RewardFn:
+    """A reward that asks an OpenAI-compatible chat endpoint to grade each completion.
+
+    Args:
+        base_url: the endpoint's base, ``http(s)://host:port/v1`` (required).
+        model: the model name the endpoint serves (required).
+        template: the user message, with ``{question}``, ``{completion}`` and ``{reference}``
+            fields (any subset).
+        parser: ``"number"``, ``"yes_no"`` or ``"package.module:function"`` (`score_parser`).
+        pattern: with parser ``"number"``, a regex whose last match is the score.
+        scale: ``[lo, hi]``: a score in it maps linearly to [0, 1]; outside it is a failure.
+        concurrency: most requests in flight at once (>= 1).
+        request_timeout_s: seconds one attempt may take (> 0).
+        retries: further attempts after a connection error, a timeout, HTTP 5xx or 429.
+        backoff_s: wait before the first retry, doubled before each next one (a 429 or 503's
+            ``Retry-After`` header of up to 30 s is waited instead).
+        on_failure: ``"error"`` (a failed row raises) or the reward a failed row gets.
+        max_tokens, temperature: sent with each request.
+        api_key_env: the environment variable holding a bearer token (read now).
+
+    Returns:
+        ``judge(completions, *, question=None, ground_truth=None, context=None, **columns)
+        -> (values, {"failures": Sum, "retries": Sum, "latency_s": float})``, B floats; it
+        declares bounds [0, 1] (the failure reward included) when `scale` is given or the
+        parser is ``yes_no``.
+
+    Raises:
+        GrpoError: a missing or malformed parameter, naming it.
+    """
+    url = _check_url(base_url) + "/chat/completions"
+    if not isinstance(model, str) or not model.strip():
+        raise GrpoError(f"judge: model is required: the name the endpoint serves, got {model!r}")
+    used = _check_template(template)
+    read = score_parser(parser, pattern)
+    lo_hi = _check_scale(scale)
+    _check_int("concurrency", concurrency, 1)
+    _check_int("retries", retries, 0)
+    _check_int("max_tokens", max_tokens, 1)
+    _check_number("request_timeout_s", request_timeout_s, 0.0, strict=True)
+    _check_number("backoff_s", backoff_s, 0.0)
+    _check_number("temperature", temperature, 0.0)
+    fallback = _check_on_failure(on_failure)
+    headers = {"Content-Type": "application/json", "Accept": "application/json"}
+    if api_key_env is not None:
+        headers["Authorization"] = f"Bearer {_api_key(api_key_env)}"
+    settings = {"model": model, "max_tokens": max_tokens, "temperature": float(temperature)}
+
+    def score(reply: str) -> float:
+        """The reward of a reply: parsed, checked against the scale, mapped."""
+        try:
+            s = read(reply)
+        except Exception as e:  # a user's parser: its error is the row's cause
+            raise _Failure(f"parser {parser!r} raised {type(e).__name__}: {e} on "
+                           f"{_excerpt(reply)}") from None  # fmt: skip
+        if s is None:
+            raise _Failure(f"no score in the reply {_excerpt(reply)} (parser {parser!r})")
+        if not _is_number(s):
+            raise _Failure(f"parser {parser!r} returned {s!r} for {_excerpt(reply)}; "
+                           "expected a finite number")  # fmt: skip
+        if lo_hi is None:
+            return float(s)
+        lo, hi = lo_hi
+        if not lo <= s <= hi:
+            raise _Failure(f"score {s:g} is outside scale [{lo:g}, {hi:g}]: the judge did not "
+                           f"follow the scale (reply {_excerpt(reply)})")  # fmt: skip
+        return (float(s) - lo) / (hi - lo)
+
+    def judge_one(prompt: str) -> _Outcome:
+        """One row: POST with retries, then read the score."""
+        body = json.dumps({**settings, "messages": [{"role": "user", "content": prompt}]})
+        start, attempt = time.monotonic(), 0
+        while True:
+            try:
+                reply = _post(url, body.encode(), headers, request_timeout_s)
+                value = score(reply)
+                return _Outcome(value, "", time.monotonic() - start, attempt)
+            except _Retryable as e:
+                if attempt >= retries:
+                    tries = f" after {attempt + 1} attempts" if attempt else ""
+                    cause = f"POST {url} failed{tries}: {e}"
+                    return _Outcome(None, cause, time.monotonic() - start, attempt)
+                time.sleep(e.wait_s if e.wait_s is not None else backoff_s * 2**attempt)
+                attempt += 1
+            except _Failure as e:
+                cause = f"POST {url}: {e}"
+                return _Outcome(None, cause, time.monotonic() - start, attempt)
+
+    def judge(completions: list[str], *, question: Sequence[Any] | None = None,
+              ground_truth: Sequence[Any] | None = None, context: RewardContext | None = None,
+              **columns: Any) -> tuple[list[float], dict[str, float]]:  # fmt: skip
+        rows = _fields(used, completions, question, ground_truth, columns)
+        prompts = [template.format_map(row) for row in rows]
+        outcomes: list[_Outcome | None] = [None] * len(prompts)
+        if prompts:
+            pool = ThreadPoolExecutor(min(concurrency, len(prompts)), thread_name_prefix="judge")
+            try:
+                futures = {pool.submit(judge_one, p): row for row, p in enumerate(prompts)}
+                for future in as_completed(futures):
+                    row, outcome = futures[future], future.result()
+                    outcomes[row] = outcome
+                    if outcome.value is None and fallback is None:  # fail fast
+                        raise _row_error(row, completions[row], outcome.cause)
+            finally:  # after a failure: queued rows are dropped, running ones end on their own
+                pool.shutdown(wait=False, cancel_futures=True)
+        failed = [row for row, o in enumerate(outcomes) if o.value is None]
+        if failed:
+            first = failed[0]
+            log.warning("judge: %d of %d judgments failed (first: row %d: %s); they get "
+                        "reward %g (on_failure)", len(failed), len(outcomes), first,
+                        outcomes[first].cause, fallback)  # fmt: skip
+        values = [fallback if o.value is None else o.value for o in outcomes]
+        latency = sum(o.latency_s for o in outcomes) / max(1, len(outcomes))
+        metrics = {"failures": Sum(len(failed)), "retries": Sum(sum(o.retries for o in outcomes)),
+                   "latency_s": latency}  # fmt: skip
+        return values, metrics
+
+    if lo_hi is None and parser != "yes_no":
+        return judge
+    return with_bounds(judge, min(0.0, fallback or 0.0), max(1.0, fallback or 0.0))
+
+
+def score_parser(parser: str, pattern: str | None = None) -> Callable[[str], float | None]:
+    """The function that reads a score from a judge's reply (None: the reply has none).
+
+    Args:
+        parser: ``"number"``: the last number of the reply not glued to a word and not after
+            a ``/`` (``"Score: 7/10"`` -> 7.0, ``"8.5"`` -> 8.5, ``"-2"`` -> -2.0); with
+            `pattern`, the last match of that regex instead (its group 1 when it has groups,
+            read as a float). ``"yes_no"``: the first whole word "yes" (1.0) or "no" (0.0),
+            any case. ``"package.module:function"``: a function ``text -> float`` (returning
+            None, or raising, for a reply it cannot read).
+        pattern: a regex, with parser ``"number"`` only.
+
+    Raises:
+        GrpoError: an unknown parser, a pattern that is not a regex or comes with another
+            parser, or a function that cannot be imported.
+    """
+    if pattern is not None and parser != "number":
+        raise GrpoError(f"judge: pattern is read by parser 'number', not {parser!r}")
+    if parser == "number":
+        if pattern is None:
+            return _last_number
+        if not isinstance(pattern, str):
+            raise GrpoError(f"judge: pattern must be a regex string, got {pattern!r}")
+        try:
+            regex = re.compile(pattern)
+        except re.error as e:
+            raise GrpoError(f"judge: pattern {pattern!r} is not a valid regex: {e}") from None
+        return lambda text: _last_match(regex, text)
+    if parser == "yes_no":
+        return _yes_no
+    if isinstance(parser, str) and ":" in parser:
+        return import_callable(parser, f"judge: parser {parser!r}")
+    raise GrpoError(f"judge: parser must be 'number', 'yes_no' or a 'package.module:function' "
+                    f"path, got {parser!r}")  # fmt: skip
+
+
+# --------------------------------------------------------------------------- parsers
+
+
+def _last_number(text: str) -> float | None:
+    found = _NUMBER.findall(text)
+    return float(found[-1]) if found else None
+
+
+def _last_match(regex: re.Pattern, text: str) -> float | None:
+    matches = list(regex.finditer(text))
+    if not matches:
+        return None
+    m = matches[-1]
+    found = m.group(1) if regex.groups else m.group(0)
+    try:
+        return float(found)
+    except (TypeError, ValueError):  # group 1 did not take part, or is not a number
+        return None
+
+
+def _yes_no(text: str) -> float | None:
+    m = _YES_NO.search(text)
+    return None if m is None else float(m.group(1).lower() == "yes")
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+class _Retryable(Exception):
+    """A transient failure of one attempt; `wait_s` is the server's Retry-After, if any."""
+
+    def __init__(self, cause: str, wait_s: float | None = None):
+        super().__init__(cause)
+        self.wait_s = wait_s
+
+
+def _post(url: str, body: bytes, headers: dict[str, str], timeout_s: float) -> str:
+    """The text of the reply to one chat-completions request (one attempt).
+
+    Raises:
+        _Retryable: a connection error, a timeout, HTTP 5xx or 429.
+        _Failure: another HTTP error, a reply that is not JSON or has no message text.
+    """
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    deadline = time.monotonic() + timeout_s  # bounds the body too, however slowly it comes
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            data = _read(resp, deadline, timeout_s)
+    except _Failure:
+        raise
+    except urllib.error.HTTPError as e:
+        cause = f"HTTP {e.code}{_error_detail(e)}"
+        if e.code == 429 or e.code >= 500:
+            raise _Retryable(cause, _retry_after(e.headers)) from None
+        raise _Failure(cause) from None
+    except urllib.error.URLError as e:  # connecting, sending
+        raise _Retryable(_connection_cause(e.reason, timeout_s)) from None
+    except OSError as e:  # waiting for or reading the reply: a timeout, a reset
+        raise _Retryable(_connection_cause(e, timeout_s)) from None
+    except http.client.HTTPException as e:  # a broken reply (RemoteDisconnected is an OSError)
+        raise _Retryable(f"{type(e).__name__}: {e}") from None
+    try:
+        reply = json.loads(data)
+        content = reply["choices"][0]["message"]["content"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise _Failure(f"the reply has no choices[0].message.content: "
+                       f"{_excerpt(data.decode('utf-8', 'replace'))}") from None  # fmt: skip
+    if not isinstance(content, str):
+        raise _Failure(f"the reply's choices[0].message.content is {content!r}, not text")
+    return content
+
+
+def _read(resp: Any, deadline: float, timeout_s: float) -> bytes:
+    """The body of `resp`, read by chunks as they come, until `deadline` at the latest."""
+    chunks, size = [], 0
+    while chunk := resp.read1(65536):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > MAX_REPLY_BYTES:
+            raise _Failure(f"the reply is larger than {MAX_REPLY_BYTES >> 20} MiB")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no complete reply within request_timeout_s={timeout_s:g} s")
+    return b"".join(chunks)
+
+
+def _connection_cause(reason: Any, timeout_s: float) -> str:
+    """A short cause for a connection error or timeout."""
+    if isinstance(reason, TimeoutError) or "timed out" in str(reason):
+        return f"no complete reply within request_timeout_s={timeout_s:g} s"
+    if isinstance(reason, ConnectionRefusedError):
+        return "connection refused (is the judge server running?)"
+    if isinstance(reason, BaseException):
+        return f"{type(reason).__name__}: {reason}"
+    return str(reason)
+
+
+def _error_detail(e: urllib.error.HTTPError) -> str:
+    """': <message>' of an HTTP error's body (OpenAI's ``{"error": {"message": ...}}`` or the
+    text), shortened; empty when there is none."""
+    try:
+        text = e.read(4096).decode("utf-8", "replace")
+    except Exception:
+        return ""
+    try:
+        error = json.loads(text).get("error")
+        text = error.get("message", text) if isinstance(error, dict) else str(error or text)
+    except (ValueError, AttributeError):
+        pass
+    return f": {_excerpt(text)}" if text.strip() else ""
+
+
+def _retry_after(headers: Any) -> float | None:
+    """The seconds of a Retry-After header, when it is a number of at most 30 s."""
+    try:
+        wait = float(headers.get("Retry-After"))
+    except (TypeError, ValueError):
+        return None
+    return wait if 0 <= wait <= RETRY_AFTER_MAX_S else None
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _fields(
+    used: frozenset[str],
+    completions: list[str],
+    question: Sequence[Any] | None,
+    ground_truth: Sequence[Any] | None,
+    columns: dict[str, Any],
+) -> list[dict[str, str]]:
+    """Per row, the template's fields as strings; a column the template needs and the rows
+    lack, or of the wrong length, is a GrpoError naming it."""
+    n = len(completions)
+    given = sorted({*columns, *(["question"] if question is not None else []),
+                    *(["ground_truth"] if ground_truth is not None else [])})  # fmt: skip
+    out: dict[str, Sequence[Any]] = {"completion": completions}
+    if "question" in used:
+        if question is None:
+            raise GrpoError(f"judge: the template uses {{question}} and the rows have no "
+                            f"'question' column (columns: {', '.join(given) or 'none'})"
+                            )  # fmt: skip
+        out["question"] = question
+    if "reference" in used:
+        reference = ground_truth if ground_truth is not None else columns.get("answer")
+        if reference is None:
+            raise GrpoError(f"judge: the template uses {{reference}} and the rows have no "
+                            f"'ground_truth' or 'answer' column (columns: "
+                            f"{', '.join(given) or 'none'})")  # fmt: skip
+        out["reference"] = reference
+    for name, values in out.items():
+        if len(values) != n:
+            raise GrpoError(f"judge: the {name} column has {len(values)} values for {n} "
+                            "completions")  # fmt: skip
+    return [{name: str(values[i]) for name, values in out.items()} for i in range(n)]
+
+
+def _row_error(row: int, completion: str, cause: str) -> GrpoError:
+    """The error of a failed row under on_failure: error (named: `call_reward` passes it on
+    without calling the reward again row by row, which would send the requests again)."""
+    shown = completion if len(completion) <= 60 else completion[:57] + "..."
+    err = GrpoError(f"reward 'judge' failed at row {row} (completion {shown!r}): {cause} "
+                    "(kwargs.on_failure: a number gives failed rows that reward instead)"
+                    )  # fmt: skip
+    err.reward_name = "judge"
+    return err
+
+
+def _check_url(base_url: Any) -> str:
+    if base_url is None:
+        raise GrpoError("judge: base_url is required: the judge's OpenAI-compatible endpoint, "
+                        "e.g. http://127.0.0.1:8000/v1")  # fmt: skip
+    parts = urllib.parse.urlsplit(base_url) if isinstance(base_url, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise GrpoError(f"judge: base_url must be an http(s):// URL such as "
+                        f"http://127.0.0.1:8000/v1, got {base_url!r}")  # fmt: skip
+    return base_url.rstrip("/")
+
+
+def _check_template(template: Any) -> frozenset[str]:
+    """The fields `template` uses, checked to be among FIELDS and to render."""
+    if not isinstance(template, str) or not template.strip():
+        raise GrpoError(f"judge: template must be a non-empty string, got {template!r}")
+    try:
+        names = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+        unknown = sorted(names - set(FIELDS))
+        if not unknown:
+            template.format(**{f: "x" for f in FIELDS})  # format specs and conversions
+    except (ValueError, IndexError, KeyError, AttributeError) as e:
+        raise GrpoError(f"judge: template is not a valid format string ({e}); write a literal "
+                        "brace as {{ or }}") from None  # fmt: skip
+    if unknown:
+        raise GrpoError(f"judge: template has unknown fields {unknown} (fields: "
+                        f"{', '.join('{' + f + '}' for f in FIELDS)}; a literal brace: {{{{ "
+                        "or }})")  # fmt: skip
+    return frozenset(names)
+
+
+def _check_scale(scale: Any) -> tuple[float, float] | None:
+    if scale is None:
+        return None
+    ok = isinstance(scale, (list, tuple)) and len(scale) == 2 and all(map(_is_number, scale))
+    if not ok or not scale[0] < scale[1]:
+        raise GrpoError(f"judge: scale must be [lo, hi], two finite numbers with lo < hi, "
+                        f"got {scale!r}")  # fmt: skip
+    return float(scale[0]), float(scale[1])
+
+
+def _check_on_failure(value: Any) -> float | None:
+    """None for "error", else the reward of a failed row."""
+    if value == "error":
+        return None
+    if not _is_number(value):
+        raise GrpoError(f"judge: on_failure must be 'error' or a finite number (the reward of a "
+                        f"failed row), got {value!r}")  # fmt: skip
+    return float(value)
+
+
+def _check_int(name: str, value: Any, lo: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise GrpoError(f"judge: {name} must be a whole number >= {lo}, got {value!r}")
+
+
+def _check_number(name: str, value: Any, lo: float, strict: bool = False) -> None:
+    if not _is_number(value) or value < lo or (strict and value == lo):
+        raise GrpoError(f"judge: {name} must be a finite number {'>' if strict else '>='} "
+                        f"{lo:g}, got {value!r}")  # fmt: skip
+
+
+def _is_number(value: Any) -> bool:
+    """A finite real number (numpy's too), not a bool."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return ok and math.isfinite(value)
+
+
+def _api_key(env: Any) -> str:
+    if not isinstance(env, str) or not env:
+        raise GrpoError(f"judge: api_key_env must name an environment variable, got {env!r}")
+    key = os.environ.get(env)
+    if not key:
+        raise GrpoError(f"judge: api_key_env: the environment variable {env} is not set or "
+                        "empty")  # fmt: skip
+    return key
+
+
+def _excerpt(text: str, limit: int = 80) -> str:
+    """A short quoted view of a reply for messages."""
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")

@@ -1,0 +1,527 @@
+"""The `judge` reward (grpo/rewards/judge.py): against `grpo serve` on 127.0.0.1 it scores the
+replies the server gives a direct request, and parallel requests share its batches; parsers and
+scale by hand; failures are loud or counted (closed port, 5xx / 429 retries, a timeout, a bad
+reply), never silent; bad parameters fail at construction; one `grpo train` step is scored by
+a fake judge and logs its metrics."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import post_json, write_package
+
+from grpo.config import load_config
+from grpo.errors import GrpoError
+from grpo.metrics import Sum, read_metrics
+from grpo.rewards import build_rewards, compute_rewards, get_reward, reward_bounds
+from grpo.rewards.judge import DEFAULT_TEMPLATE, score_parser
+
+REPO = Path(__file__).resolve().parents[1]
+NAME = "judge-tiny"  # --served-model-name
+
+# every request here goes to 127.0.0.1 only (conftest.loopback_only)
+pytestmark = pytest.mark.usefixtures("loopback_only")
+
+
+def judge(base_url: str, **kwargs):
+    """The `judge` reward as a config builds it (the registry path)."""
+    return get_reward({"name": "judge", "base_url": base_url, "model": NAME, **kwargs})
+
+
+def chat_reply(text: str) -> dict:
+    return {"object": "chat.completion", "model": NAME, "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+    ]}  # fmt: skip
+
+
+class FakeJudge:
+    """An OpenAI-style server on 127.0.0.1 in a thread: ``respond(body, n)`` (the request's
+    JSON and its 1-based number) -> (status, JSON-able or str, headers). Records each request
+    (path, body, Authorization) and the most requests it held at once."""
+
+    def __init__(self, respond):
+        self.respond, self.requests = respond, []
+        self.lock, self.release = threading.Lock(), threading.Event()
+        self.in_flight = self.max_in_flight = 0
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with fake.lock:
+                    fake.requests.append({"path": self.path, "body": body,
+                                          "auth": self.headers.get("Authorization")})  # fmt: skip
+                    n = len(fake.requests)
+                    fake.in_flight += 1
+                    fake.max_in_flight = max(fake.max_in_flight, fake.in_flight)
+                try:
+                    status, payload, headers = fake.respond(body, n)
+                finally:
+                    with fake.lock:
+                        fake.in_flight -= 1
+                data = (payload if isinstance(payload, str) else json.dumps(payload)).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                for key, value in headers.items():
+                    self.send_header(key, value)
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+
+            def handle_error(self, request, client_address):
+                pass  # a client that gave up (timeout tests) closed the socket: expected
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,),
+                                       daemon=True)  # fmt: skip
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}/v1"
+
+    def contents(self) -> list[str]:
+        return [r["body"]["messages"][0]["content"] for r in self.requests]
+
+    def close(self):
+        self.release.set()  # handlers that wait stop waiting
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
+
+
+@pytest.fixture
+def fake_judge():
+    """fake_judge(respond) -> a running `FakeJudge`, closed after the test."""
+    started = []
+
+    def start(respond):
+        started.append(FakeJudge(respond))
+        return started[-1]
+
+    yield start
+    for fake in started:
+        fake.close()
+
+
+@pytest.fixture
+def echo(fake_judge):
+    """A judge whose reply is the message it got: with template "{completion}", the
+    completions are the replies."""
+    return fake_judge(lambda body, n: (200, chat_reply(body["messages"][0]["content"]), {}))
+
+
+def closed_port() -> int:
+    """A port of 127.0.0.1 nothing listens on (bound, then closed)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+# -- against grpo serve ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def judge_model(tmp_path_factory):
+    """A ci-size model with weights drawn at std 0.3: the init's std 0.02 makes a random
+    model echo the prompt's last token (every reply "\\n\\n..."); these replies differ by
+    prompt and hold digits now and then."""
+    from grpo.models import load_model, save_pretrained
+    from grpo.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path_factory.mktemp("judge_model"), size="ci")
+    model = load_model(path)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    save_pretrained(model, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(judge_model, serve_cli):
+    """`grpo serve` of the judge model; requests arriving within 200 ms share a batch."""
+    with serve_cli("--model", str(judge_model), "--port", "0", "--served-model-name", NAME,
+                   "--batch-window-ms", "200", "--max-tokens-limit", "16") as running:  # fmt: skip
+        yield running
+
+
+COMPLETIONS = ["Step 1: 3 + 5 = 8\nFinal Answer: 8", "I think it is 12.", "no idea",
+               "Final Answer: 6", "7", "Tom has 8 apples, so 8 - 2 = 6"]  # fmt: skip
+QUESTIONS = ["Tom has 3 apples and buys 5 more. How many?"] * 3 + ["What is 2 * 3?"] * 3
+TRUTHS = ["8"] * 3 + ["6"] * 3
+
+
+def direct_replies(served, max_tokens: int) -> list[str]:
+    """What /v1/chat/completions answers, one request at a time, greedy, to each row's
+    rendered default template."""
+    out = []
+    for c, q, t in zip(COMPLETIONS, QUESTIONS, TRUTHS):
+        content = DEFAULT_TEMPLATE.format(question=q, reference=t, completion=c)
+        status, data = post_json(served.url, "/v1/chat/completions", {
+            "model": NAME, "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens, "temperature": 0})  # fmt: skip
+        assert status == 200, data
+        out.append(data["choices"][0]["message"]["content"])
+    return out
+
+
+def test_scores_are_the_parsed_replies_of_grpo_serve(served, tmp_path, monkeypatch):
+    write_package(tmp_path, {"parse.py": "def length(text):\n    return float(len(text))\n"},
+                  name="judge_parsers")  # fmt: skip
+    monkeypatch.syspath_prepend(str(tmp_path))
+    replies = direct_replies(served, max_tokens=12)
+    assert len({len(r) for r in replies}) > 1, replies  # the rows can be told apart
+
+    by_length = judge(served.url + "/v1", parser="judge_parsers.parse:length", max_tokens=12,
+                      concurrency=4)  # fmt: skip
+    values, metrics = by_length(COMPLETIONS, question=QUESTIONS, ground_truth=TRUTHS)
+    assert values == [float(len(r)) for r in replies]
+    assert metrics["failures"] == 0 and metrics["retries"] == 0 and metrics["latency_s"] > 0
+
+    # parser number, on_failure 0.5: the last number of each reply where it has one
+    numbers = [score_parser("number")(r) for r in replies]
+    values, metrics = judge(served.url + "/v1", max_tokens=12, on_failure=0.5)(
+        COMPLETIONS, question=QUESTIONS, ground_truth=TRUTHS)  # fmt: skip
+    assert values == [0.5 if x is None else x for x in numbers]
+    assert metrics["failures"] == sum(x is None for x in numbers)
+
+
+def health_batches(served) -> int:
+    host, port = served.url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("GET", "/health")
+    batches = json.loads(conn.getresponse().read())["batches"]
+    conn.close()
+    return batches
+
+
+def test_parallel_requests_share_the_servers_batches(served):
+    """concurrency 1: one sampler call per row; concurrency 6: the rows arrive together and
+    share calls (the server batches requests that wait at the same time)."""
+    n = len(COMPLETIONS)
+    counts, results = {}, {}
+    for concurrency in (1, n):
+        before = health_batches(served)
+        fn = judge(served.url + "/v1", max_tokens=4, on_failure=-1.0, concurrency=concurrency)
+        results[concurrency] = fn(COMPLETIONS, question=QUESTIONS, ground_truth=TRUTHS)[0]
+        counts[concurrency] = health_batches(served) - before
+    assert counts[1] == n and counts[n] < n, counts
+    assert results[1] == results[n]  # greedy: the same replies either way
+
+
+def test_an_unknown_model_is_one_request_and_names_the_status(served):
+    fn = judge(served.url + "/v1", model="not-served", retries=3, backoff_s=0.01)
+    with pytest.raises(GrpoError, match=r"HTTP 404: .*not served here") as err:
+        fn(["x"], question=["q"], ground_truth=["1"])
+    assert f"{served.url}/v1/chat/completions" in str(err.value)
+    assert "after" not in str(err.value)  # a 404 is not retried
+
+
+# -- parsing and scale, by hand ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reply, score", [
+    ("Score: 7", 7.0),
+    ("Score: 7/10", 7.0),  # a denominator is not the score
+    ("**8**", 8.0),
+    ("I give it 8.5 out of 10", 10.0),  # the last number: `pattern` reads such replies
+    ("Score: -1", -1.0),
+    ("gpt4 rates it 6.", 6.0),  # a number glued to a word is not one
+    ("1-10 scale, answer 3", 3.0),
+    ("no score here", None),
+    ("", None),
+])  # fmt: skip
+def test_number_parser(reply, score):
+    assert score_parser("number")(reply) == score
+
+
+@pytest.mark.parametrize("pattern, reply, score", [
+    (r"(\d+(?:\.\d+)?) out of", "I give it 8.5 out of 10", 8.5),
+    (r"Score:\s*(\d+)", "Score: 3\nOn reflection, Score: 9", 9.0),  # the last match
+    (r"Score:\s*(\d+)", "score 3", None),  # case matters
+    (r"\d+", "a 12 b 3", 3.0),  # no group: the whole match
+    (r"verdict: (\w+)", "verdict: good", None),  # group 1 is not a number
+])  # fmt: skip
+def test_number_parser_with_a_pattern(pattern, reply, score):
+    assert score_parser("number", pattern)(reply) == score
+
+
+@pytest.mark.parametrize("reply, score", [
+    ("Yes, the answer is right.", 1.0),
+    ("NO.", 0.0),
+    ("The answer is not correct, so: no", 0.0),  # 'not' is not the word 'no'
+    ("yes and no", 1.0),  # the first one decides
+    ("Yesterday I knew", None),
+    ("", None),
+])  # fmt: skip
+def test_yes_no_parser(reply, score):
+    assert score_parser("yes_no")(reply) == score
+
+
+@pytest.mark.parametrize("scale, reply, value", [
+    ([0, 10], "Score: 7", 0.7),
+    ([0, 10], "Score: 0", 0.0),
+    ([0, 10], "Score: 10/10", 1.0),
+    ([1, 5], "4", 0.75),  # (4 - 1) / (5 - 1)
+    ([-1, 1], "0", 0.5),
+])  # fmt: skip
+def test_scale_maps_linearly_to_0_1(echo, scale, reply, value):
+    fn = judge(echo.url, template="{completion}", scale=scale)
+    values, metrics = fn([reply])
+    assert values == [pytest.approx(value, abs=1e-12)] and metrics["failures"] == 0
+    assert reward_bounds(fn) == (0.0, 1.0)
+
+
+@pytest.mark.parametrize("reply, cause", [
+    ("Score: 12", r"score 12 is outside scale \[0, 10\]: the judge did not follow the scale"),
+    ("Score: -3", r"score -3 is outside scale \[0, 10\]"),
+    ("I cannot grade this.", r"no score in the reply 'I cannot grade this.' \(parser 'number'\)"),
+])  # fmt: skip
+def test_an_unreadable_or_out_of_scale_score_is_a_failure(echo, reply, cause):
+    fn = judge(echo.url, template="{completion}", scale=[0, 10])
+    with pytest.raises(GrpoError, match=rf"row 1 .*{cause}"):
+        fn(["Score: 5", reply])
+    values, metrics = judge(echo.url, template="{completion}", scale=[0, 10],
+                            on_failure=-1.0)(["Score: 5", reply])  # fmt: skip
+    assert values == [0.5, -1.0]
+    assert metrics["failures"] == 1 and isinstance(metrics["failures"], Sum)
+
+
+def test_a_custom_parser_that_raises_fails_the_row(echo, tmp_path, monkeypatch):
+    write_package(tmp_path, {"parse.py": "def strict(text):\n    return float(text)\n"},
+                  name="judge_strict")  # fmt: skip
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = judge(echo.url, template="{completion}", parser="judge_strict.parse:strict",
+               on_failure=0.0)  # fmt: skip
+    assert fn(["2.5", "two"])[0] == [2.5, 0.0]
+    with pytest.raises(GrpoError, match=r"row 0 .*parser 'judge_strict.parse:strict' raised "
+                                        r"ValueError"):  # fmt: skip
+        judge(echo.url, template="{completion}", parser="judge_strict.parse:strict")(["two"])
+
+
+# -- the request -----------------------------------------------------------------------------
+
+
+def test_the_request_carries_the_rendered_template_and_settings(fake_judge, monkeypatch):
+    monkeypatch.setenv("GRPO_TEST_JUDGE_KEY", "sekret")
+    fake = fake_judge(lambda body, n: (200, chat_reply("Score: 4"), {}))
+    fn = judge(fake.url + "/", template="Q={question} R={reference} A={completion}",
+               max_tokens=7, temperature=0.5, api_key_env="GRPO_TEST_JUDGE_KEY")  # fmt: skip
+    values, _ = fn(["x {y}", "z"], question=["q1", "q2"], answer=["1", "2"])  # answer: reference
+    assert values == [4.0, 4.0]
+    assert sorted(fake.contents()) == ["Q=q1 R=1 A=x {y}", "Q=q2 R=2 A=z"]
+    for r in fake.requests:
+        assert r["path"] == "/v1/chat/completions" and r["auth"] == "Bearer sekret"
+        assert {k: v for k, v in r["body"].items() if k != "messages"} == {
+            "model": NAME, "max_tokens": 7, "temperature": 0.5}  # fmt: skip
+    # ground_truth comes before answer
+    fn(["z"], question=["q"], ground_truth=["gt"], answer=["a"])
+    assert fake.contents()[-1] == "Q=q R=gt A=z"
+
+
+def test_a_field_the_rows_lack_is_named_at_the_first_call(echo):
+    with pytest.raises(GrpoError, match=r"uses \{question\} and the rows have no 'question' "
+                                        r"column \(columns: ground_truth\)"):  # fmt: skip
+        judge(echo.url)(["x"], ground_truth=["1"])
+    with pytest.raises(GrpoError, match=r"uses \{reference\} .* no 'ground_truth' or 'answer'"):
+        judge(echo.url)(["x"], question=["q"])
+    assert not echo.requests
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"base_url": None}, r"base_url is required"),
+    ({"base_url": "file:///etc/passwd"}, r"base_url must be an http\(s\):// URL"),
+    ({"model": None}, r"model is required"),
+    ({"parser": "score"}, r"parser must be 'number', 'yes_no' or a 'package.module:function'"),
+    ({"parser": "no_such_judge_pkg.mod:fn"}, r"cannot import module 'no_such_judge_pkg.mod'"),
+    ({"parser": "yes_no", "pattern": r"\d"}, r"pattern is read by parser 'number'"),
+    ({"pattern": "(unclosed"}, r"pattern '\(unclosed' is not a valid regex"),
+    ({"template": "{question} {score}"}, r"template has unknown fields \['score'\]"),
+    ({"template": "{question"}, r"template is not a valid format string"),
+    ({"template": "{question:>x}"}, r"template is not a valid format string"),
+    ({"scale": [10, 0]}, r"scale must be \[lo, hi\]"),
+    ({"scale": [0]}, r"scale must be \[lo, hi\]"),
+    ({"concurrency": 0}, r"concurrency must be a whole number >= 1, got 0"),
+    ({"retries": -1}, r"retries must be a whole number >= 0"),
+    ({"request_timeout_s": 0}, r"request_timeout_s must be a finite number > 0"),
+    ({"on_failure": "skip"}, r"on_failure must be 'error' or a finite number"),
+    ({"on_failure": True}, r"on_failure must be 'error' or a finite number"),
+    ({"max_tokens": 0}, r"max_tokens must be a whole number >= 1"),
+    ({"temperature": -1}, r"temperature must be a finite number >= 0"),
+    ({"api_key_env": "GRPO_TEST_JUDGE_UNSET"}, r"GRPO_TEST_JUDGE_UNSET is not set"),
+    ({"temperatur": 0.0}, r"reward 'judge': .*temperatur.* \(parameters: base_url, model"),
+])  # fmt: skip
+def test_bad_parameters_fail_at_construction(kwargs, message, monkeypatch):
+    monkeypatch.delenv("GRPO_TEST_JUDGE_UNSET", raising=False)
+    spec = {"name": "judge", "base_url": "http://127.0.0.1:1/v1", "model": NAME, **kwargs}
+    with pytest.raises(GrpoError, match=message):
+        get_reward({k: v for k, v in spec.items() if v is not None})
+
+
+# -- failing loudly --------------------------------------------------------------------------
+
+
+def test_a_closed_port_raises_naming_the_url_or_counts_failures(caplog):
+    url = f"http://127.0.0.1:{closed_port()}/v1"
+    fn = judge(url, retries=1, backoff_s=0.01)
+    with pytest.raises(GrpoError, match=r"reward 'judge' failed at row 0 \(completion 'x'\): "
+                       rf"POST {url}/chat/completions failed after 2 attempts: connection "
+                       r"refused"):  # fmt: skip
+        fn(["x"], question=["q"], ground_truth=["1"])
+
+    fn = judge(url, retries=1, backoff_s=0.01, on_failure=0.0)
+    with caplog.at_level(logging.WARNING, logger="grpo.rewards.judge"):
+        values, metrics = fn(["a", "b", "c"], question=["q"] * 3, ground_truth=["1"] * 3)
+    assert values == [0.0, 0.0, 0.0]
+    assert metrics["failures"] == 3 and metrics["retries"] == 3  # one retry each
+    assert "3 of 3 judgments failed" in caplog.text and url in caplog.text
+
+
+@pytest.mark.parametrize("status", [500, 503, 429])
+def test_transient_errors_are_retried(fake_judge, status):
+    """Two errors, then a reply: retries 2 succeed on the third attempt, retries 1 fail."""
+
+    def flaky(body, n):
+        if n % 3 in (1, 2):
+            return status, {"error": {"message": "busy"}}, {}
+        return 200, chat_reply("Score: 5"), {}
+
+    fake = fake_judge(flaky)
+    values, metrics = judge(fake.url, template="{completion}", retries=2, backoff_s=0.01)(["x"])
+    assert values == [5.0] and metrics["retries"] == 2 and len(fake.requests) == 3
+    fn = judge(fake.url, template="{completion}", retries=1, backoff_s=0.01)
+    with pytest.raises(GrpoError, match=rf"failed after 2 attempts: HTTP {status}: 'busy'"):
+        fn(["x"])
+    assert len(fake.requests) == 5
+
+
+def test_retry_after_is_waited(fake_judge):
+    fake = fake_judge(lambda body, n: (429, "", {"Retry-After": "1"}) if n == 1
+                      else (200, chat_reply("3"), {}))  # fmt: skip
+    start = time.monotonic()
+    values, _ = judge(fake.url, template="{completion}", backoff_s=0.0)(["x"])
+    assert values == [3.0] and time.monotonic() - start >= 1.0
+
+
+def test_a_client_error_is_not_retried(fake_judge):
+    fake = fake_judge(lambda body, n: (401, {"error": {"message": "bad key"}}, {}))
+    with pytest.raises(GrpoError, match=r"POST .*/v1/chat/completions: HTTP 401: 'bad key'"):
+        judge(fake.url, template="{completion}", retries=3)(["x"])
+    assert len(fake.requests) == 1
+
+
+@pytest.mark.parametrize("payload, cause", [
+    ("not json", r"the reply has no choices\[0\].message.content: 'not json'"),
+    ({"choices": []}, r"the reply has no choices\[0\].message.content"),
+    ({"choices": [{"message": {"content": None}}]}, r"content is None, not text"),
+])  # fmt: skip
+def test_a_malformed_reply_is_a_failure(fake_judge, payload, cause):
+    fake = fake_judge(lambda body, n: (200, payload, {}))
+    with pytest.raises(GrpoError, match=cause):
+        judge(fake.url, template="{completion}")(["x"])
+    assert len(fake.requests) == 1  # the judge misbehaved: not retried
+
+
+def test_a_slow_judge_fails_within_the_timeout(fake_judge):
+    fake = fake_judge(lambda body, n: (fake.release.wait(10), (200, chat_reply("1"), {}))[1])
+    fn = judge(fake.url, template="{completion}", request_timeout_s=0.5, retries=0)
+    start = time.monotonic()
+    with pytest.raises(GrpoError, match=r"no complete reply within request_timeout_s=0.5 s"):
+        fn(["x"])
+    assert time.monotonic() - start < 3.0
+
+    fn = judge(fake.url, template="{completion}", request_timeout_s=0.5, retries=1,
+               backoff_s=0.01, on_failure=0.25, concurrency=2)  # fmt: skip
+    start = time.monotonic()
+    values, metrics = fn(["x", "y"])
+    assert values == [0.25, 0.25] and metrics["failures"] == 2 and metrics["retries"] == 2
+    assert time.monotonic() - start < 4.0  # two attempts of 0.5 s per row, rows in parallel
+
+
+def test_concurrency_bounds_the_requests_in_flight(fake_judge):
+    """With concurrency 3 the judge holds exactly 3 requests at once: a barrier of 3 in the
+    server passes only when 3 are in flight (else every request would time out)."""
+    barrier = threading.Barrier(3, timeout=10)
+
+    def together(body, n):
+        barrier.wait()
+        time.sleep(0.02)
+        return 200, chat_reply(body["messages"][0]["content"]), {}
+
+    fake = fake_judge(together)
+    fn = judge(fake.url, template="{completion}", concurrency=3, retries=0)
+    values, metrics = fn([str(i) for i in range(6)])
+    assert values == [float(i) for i in range(6)]  # each row its own reply, in row order
+    assert fake.max_in_flight == 3 and metrics["failures"] == 0
+
+
+def test_the_trainer_does_not_send_the_requests_again_to_name_a_row(fake_judge):
+    """A failed judgment names its row itself: compute_rewards does not call the reward again
+    row by row to find it (which would send the requests again)."""
+    barrier = threading.Barrier(3, timeout=10)  # the 3 rows' requests all arrive, then fail
+
+    def refuse(body, n):
+        barrier.wait()
+        return 400, {"error": {"message": "no"}}, {}
+
+    fake = fake_judge(refuse)
+    fns = build_rewards([{"name": "judge", "base_url": fake.url, "model": NAME,
+                          "template": "{completion}", "concurrency": 3}])  # fmt: skip
+    with pytest.raises(GrpoError, match=r"^reward 'judge' failed at row \d .*HTTP 400: 'no'"):
+        compute_rewards(fns, ["a", "b", "c"], {})
+    assert len(fake.requests) == 3
+
+
+# -- through the trainer ---------------------------------------------------------------------
+
+
+def test_one_grpo_step_is_scored_by_the_judge(shared_tiny_model, tmp_path, fake_judge):
+    """A fake judge scores each completion len(completion) % 11 out of 10: the step's reward
+    is the mean of those scores / 10, and the judge's metrics are logged."""
+
+    def grade(body, n):
+        completion = body["messages"][0]["content"].split("\nA: ", 1)[1]
+        return 200, chat_reply(f"Score: {len(completion) % 11}"), {}
+
+    fake = fake_judge(grade)
+    spec = [{"name": "judge", "weight": 1.0, "kwargs": {
+        "base_url": fake.url, "model": NAME, "template": "Q: {question}\nR: {reference}\nA: "
+        "{completion}", "scale": [0, 10]}}]  # fmt: skip
+    cfg = load_config(REPO / "configs" / "tiny_ci.yaml", [
+        f"model.path={shared_tiny_model}", f"train.output_dir={tmp_path / 'run'}",
+        "train.max_steps=1", "train.save_every=0", "train.log_every=1", "data.eval_samples=0",
+        "train.progress=false", "loss.num_iterations=1", f"rewards={json.dumps(spec)}",
+    ])  # fmt: skip
+    from grpo.train.grpo import train_grpo
+
+    train_grpo(cfg)
+    (row,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    B = cfg.train.batch_size
+    assert len(fake.requests) == B
+    scores = []
+    for content in fake.contents():
+        question, rest = content.removeprefix("Q: ").split("\nR: ", 1)
+        reference, completion = rest.split("\nA: ", 1)
+        assert question.strip() and reference.strip().isdigit()  # a minimath row's columns
+        scores.append(len(completion) % 11 / 10)
+    assert row["rewards/judge"] == pytest.approx(sum(scores) / B, rel=1e-6)
+    assert row["rollout/reward_mean"] == pytest.approx(sum(scores) / B, rel=1e-6)
+    assert row["rewards/judge/failures"] == 0 and row["rewards/judge/retries"] == 0
+    assert row["rewards/judge/latency_s"] > 0
