@@ -117,7 +117,7 @@ def test_demo_config_is_valid_and_strict(tmp_path):
         ("demo: {threads: two}", "demo.threads: expected an integer, got 'two'"),
         (
             "demo: {task: chess}",
-            "demo.task: must be one of ['math', 'tools', 'gsm8k-tools'], got 'chess'",
+            "demo.task: must be one of ['math', 'tools', 'gsm8k-tools', 'rlhf'], got 'chess'",
         ),
         ("demo: {hard_frac: .nan}", "demo.hard_frac: must be a finite number"),
         (
@@ -160,6 +160,34 @@ def test_tools_demo_quick_writes_every_output(tmp_path, capsys):
         assert "turns_mean" not in results["without_tool"][stage]  # one turn, no tool
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("env/turns_mean" in r for r in records if r["stage"] == "grpo")
+
+
+def test_rlhf_demo_quick_writes_every_output(tmp_path, capsys):
+    """SFT -> reward model -> GRPO on the reward model alone: the reward model's held-out
+    pairs, the true accuracy beside its score before and after, the weight-0 accuracy logged
+    (never in the total), and `rm` overrides reaching `grpo rm`."""
+    out = tmp_path / "demo-rlhf"
+    assert main(["demo", "--task", "rlhf", "--out", str(out), "--quick",
+                 "rm.rm.center_coef=0.01"]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "held-out pair accuracy" in printed and "reward-model score" in printed
+    results = json.loads((out / "results.json").read_text())
+    rm = results["reward_model"]
+    assert rm["eval"]["pairs"] == 8 and 0 <= rm["eval"]["accuracy"] <= 1 and rm["steps"] == 4
+    assert set(rm["accuracy_by_kind"]) <= {"arithmetic", "operation", "operand",
+                                           "final_answer", "no_final_answer"}  # fmt: skip
+    rm_cfg = (out / "rm" / "config.yaml").read_text()
+    assert "center_coef: 0.01" in rm_cfg and "demo-preferences" in rm_cfg
+    for stage in ("sft", "grpo"):
+        assert results[stage]["rm_score"] == results[stage]["eval"]["average_reward"]
+    assert (out / "rm" / "final" / "config.json").is_file()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    grpo = [r for r in records if r["stage"] == "grpo" and "rollout/reward_mean" in r]
+    assert grpo
+    for r in grpo:  # the total is the reward model's score alone; accuracy only logged
+        assert r["rollout/reward_mean"] == pytest.approx(r["rewards/reward_model"], abs=1e-6)
+        assert "rollout/accuracy" in r and "rewards/reward_model/score_mean" in r
+    assert _is_png(out / "curves.png")
 
 
 def test_task_and_config_must_agree(tmp_path, capsys):

@@ -53,7 +53,37 @@ def register_preferences(settings, seed: int) -> dict[str, Any]:
         test=_dataset([{k: r[k] for k in keep} for r in test]),
     ), overwrite=True)  # fmt: skip
     return {"train": len(train), "test": len(test),
-            "kinds": dict(sorted(Counter(r["kind"] for r in train).items()))}  # fmt: skip
+            "kinds": dict(sorted(Counter(r["kind"] for r in train).items())),
+            "test_rows": test}  # fmt: skip
+
+
+def accuracy_by_kind(rm_dir: str, rows: list[dict], max_length: int) -> dict[str, float]:
+    """The reward model's held-out pair accuracy per error kind (r_chosen > r_rejected)."""
+    from grpo.data.preferences import preference_pairs
+    from grpo.rewards.model import load_reward_model
+    from grpo.models.classifier import sequence_scores
+
+    import torch
+
+    model, tok = load_reward_model(rm_dir, "cpu")
+    pad = model.config.pad_token_id
+    out: dict[str, list[int]] = {}
+    for kind in sorted({r["kind"] for r in rows}):
+        some = [r for r in rows if r["kind"] == kind]
+        pairs, _ = preference_pairs(some, tok, max_length)
+        wins = []
+        for p in pairs:
+            seqs = [p.prompt_ids + p.chosen_ids, p.prompt_ids + p.rejected_ids]
+            T = max(map(len, seqs))
+            ids = torch.full((2, T), pad, dtype=torch.long)
+            mask = torch.zeros(2, T, dtype=torch.bool)
+            for b, q in enumerate(seqs):
+                ids[b, : len(q)], mask[b, : len(q)] = torch.tensor(q), True
+            with torch.no_grad():
+                s = sequence_scores(model, ids, mask, pad)[:, 0]
+            wins.append(int(s[0] > s[1]))
+        out[kind] = wins
+    return {k: round(sum(v) / len(v), 3) for k, v in out.items() if v}
 
 
 def _dataset(rows: list[dict]):
@@ -123,13 +153,16 @@ def run_rlhf_demo(out: Path, settings, pipeline: dict, rm_section: dict, overrid
     _say(3, "preference pairs and the reward model (grpo rm, from the SFT model)")
     t = time.perf_counter()
     pairs = register_preferences(settings, settings.data_seed)
+    test_rows = pairs.pop("test_rows")
     print(f"preference pairs: {pairs}", flush=True)
     base = json.loads(json.dumps(pipeline.get("base") or {}))
     rcfg = rm_config(base, rm_section, sft["final"], out / "rm", seed, rm_over)
     rm = train_rm(rcfg, overwrite=True)
     rm_eval = {k.removeprefix("eval/"): v for k, v in rm.items() if k.startswith("eval/")}
+    by_kind = accuracy_by_kind(rm["final"], test_rows, rcfg.rm.max_length)
     print(f"reward model: held-out pair accuracy {rm_eval.get('accuracy', float('nan')):.3f} "
-          f"on {rm_eval.get('pairs', 0)} pairs", flush=True)  # fmt: skip
+          f"on {rm_eval.get('pairs', 0)} pairs; by error kind on all {len(test_rows)}: "
+          f"{by_kind}", flush=True)  # fmt: skip
     times["rm"] = time.perf_counter() - t
 
     grpo_cfg = grpo_config_from_sft(pcfg.grpo, sft_cfg, sft["final"])
@@ -168,7 +201,7 @@ def run_rlhf_demo(out: Path, settings, pipeline: dict, rm_section: dict, overrid
         "settings": dataclasses.asdict(settings),
         "problems": sizes,
         "preference_pairs": pairs,
-        "reward_model": {"eval": rm_eval, "steps": rm["step"],
+        "reward_model": {"eval": rm_eval, "steps": rm["step"], "accuracy_by_kind": by_kind,
                          "train_accuracy_last": rm.get("train/accuracy")},  # fmt: skip
         "eval": {"split": grpo_cfg.data.eval_split, "n": sft_eval["n"], "k": grpo_cfg.eval.k,
                  "decoding": "greedy for accuracy and the reward model's score"},  # fmt: skip

@@ -29,6 +29,7 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
             ("rollout/reward_mean", "total"),
             ("rewards/accuracy", "accuracy"),
             ("rewards/format", "format"),
+            ("rewards/reward_model", "reward model"),
         ],
     ),  # fmt: skip
     (

@@ -394,6 +394,10 @@ def describe_reward(spec: dict) -> str:
         return f"step reward: accuracy + {kw['beta']} per reasoning step{cap}"
     if name == "format":
         return "format: 1.0 when the completion ends with 'Final Answer: <answer>', else 0.0"
+    if name == "reward_model":
+        return f"reward model: the score of the classifier {kw.get('path')!r} (grpo rm)"
+    if name == "judge":
+        return f"LLM judge: the score {kw.get('model')!r} at {kw.get('base_url')!r} gives"
     doc = (getattr(get_reward(name).fn, "__doc__", None) or "").strip().splitlines()
     return f"{name}: {doc[0]}" if doc else f"custom reward function {name!r}"
 

@@ -46,10 +46,13 @@ def load_reward_model(path: str, device, dtype: str = "float32"):
     from grpo.models.loading import resolve_model_dir
     from grpo.tokenizer import load_tokenizer
 
-    key = (str(path), str(device), dtype)
+    model_dir = resolve_model_dir(path)
+    # the files' identity too: a checkpoint rewritten in place (a rerun) is loaded again
+    stamp = tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size)
+                  for f in sorted(model_dir.glob("*.safetensors")))  # fmt: skip
+    key = (str(path), str(device), dtype, stamp)
     with _LOCK:
         if key not in _CACHE:
-            model_dir = resolve_model_dir(path)
             model = load_model(model_dir, dtype, device)
             if not model.config.num_labels:
                 raise GrpoError(
