@@ -138,10 +138,13 @@ def cmd_rm(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from grpo.apps.demo import run_demo
+    from grpo.apps.demo import demo_task, run_demo
 
-    run_demo(args.out, quick=args.quick, seed=args.seed, config=args.config, task=args.task,
-             overrides=args.overrides)  # fmt: skip
+    run = run_demo
+    if demo_task(args.config, args.task) == "rlhf":  # SFT -> reward model -> GRPO
+        from grpo.apps.demo_rlhf import run_rlhf as run
+    run(args.out, quick=args.quick, seed=args.seed, config=args.config, task=args.task,
+        overrides=args.overrides)  # fmt: skip
     return 0
 
 

@@ -151,6 +151,29 @@ def load_demo_config(
     return build_settings(DemoSettings, values, where), f.pipeline, overrides
 
 
+def demo_config_path(config: str | Path | None, task: str | None) -> Path:
+    """The demo config to read: `config`, else the task's (`TASK_CONFIGS`), else the math
+    demo's."""
+    if config is None and task is not None:
+        if task not in TASK_CONFIGS:
+            raise ConfigError(f"--task: one of {sorted(TASK_CONFIGS)}, got {task!r}")
+        return TASK_CONFIGS[task]
+    return Path(config) if config is not None else DEFAULT_CONFIG
+
+
+def check_task(settings: DemoSettings, task: str | None) -> None:
+    """--task, when given, must be the config's demo.task."""
+    if task is not None and task != settings.task:
+        raise ConfigError(f"--task {task} but the config's demo.task is {settings.task!r}")
+
+
+def demo_task(config: str | Path | None, task: str | None) -> str:
+    """The task `grpo demo --config C --task T` runs (checked as the demo checks it)."""
+    settings = load_demo_config(demo_config_path(config, task))[0]
+    check_task(settings, task)
+    return settings.task
+
+
 def _demo_file(path: str | Path | None) -> DemoFile:
     """The demo config file's sections (already checked by `load_demo_config`)."""
     p = Path(path) if path is not None else DEFAULT_CONFIG
@@ -418,14 +441,13 @@ def run_demo(
     from grpo.models import load_model
     from grpo.tiny import make_tiny_model
 
-    if config is None and task is not None:
-        if task not in TASK_CONFIGS:
-            raise ConfigError(f"--task: one of {sorted(TASK_CONFIGS)}, got {task!r}")
-        config = TASK_CONFIGS[task]
+    config = demo_config_path(config, task)
     settings, pipeline, quick_overrides = load_demo_config(config, quick)
     overrides = [*quick_overrides, *overrides]
-    if task is not None and task != settings.task:
-        raise ConfigError(f"--task {task} but the config's demo.task is {settings.task!r}")
+    check_task(settings, task)
+    if settings.task == "rlhf":
+        raise ConfigError("demo.task rlhf runs through grpo.apps.demo_rlhf.run_rlhf "
+                          "(`grpo demo --task rlhf`)")  # fmt: skip
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     _clean(out)
@@ -437,14 +459,6 @@ def run_demo(
         if stage in STAGE_TITLES:
             print(f"\n== {STAGE_TITLES[stage]}", flush=True)
 
-    if settings.task == "rlhf":  # its own chain: SFT -> reward model -> GRPO
-        from grpo.apps.demo_rlhf import run_rlhf_demo
-
-        rm_section = _demo_file(config).rm
-        try:
-            return run_rlhf_demo(out, settings, pipeline, rm_section, overrides, seed, quick)
-        finally:
-            torch.set_num_threads(threads_before)
     try:
         print("\n== 1/5 tokenizer and model", flush=True)
         task = settings.task

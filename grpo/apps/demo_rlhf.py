@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from grpo.settings import ConfigError
+
 PREFERENCES = "demo-preferences"  # the pairs the demo registers (train / test)
 STEPS = 6
 
@@ -105,6 +107,38 @@ def rm_config(base: dict, section: dict, sft_final: str, out: Path, seed: int,
                     "eval_split": "test"}  # fmt: skip
     data["train"] = {**(data.get("train") or {}), "seed": seed, "output_dir": str(out)}
     return load_config(base=data, overrides=overrides)
+
+
+def run_rlhf(out: str | Path = "runs/rlhf", quick: bool = False, seed: int = 0,
+             config: str | Path | None = None, task: str | None = "rlhf",
+             overrides: list[str] | tuple[str, ...] = ()) -> dict:  # fmt: skip
+    """`grpo demo --task rlhf`: the arguments of `grpo.apps.demo.run_demo`; returns what it
+    writes to out/results.json."""
+    import torch
+
+    from grpo.apps.demo import (
+        _clean,
+        _demo_file,
+        check_task,
+        demo_config_path,
+        load_demo_config,
+    )
+
+    path = demo_config_path(config, task or "rlhf")
+    settings, pipeline, quick_overrides = load_demo_config(path, quick)
+    check_task(settings, task)
+    if settings.task != "rlhf":
+        raise ConfigError(f"{path}: demo.task is {settings.task!r}, not 'rlhf'")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    _clean(out)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(settings.threads, os.cpu_count() or 1)))
+    try:
+        return run_rlhf_demo(out, settings, pipeline, _demo_file(path).rm,
+                             [*quick_overrides, *overrides], seed, quick)  # fmt: skip
+    finally:
+        torch.set_num_threads(threads_before)
 
 
 def run_rlhf_demo(out: Path, settings, pipeline: dict, rm_section: dict, overrides: list[str],
