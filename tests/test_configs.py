@@ -32,12 +32,14 @@ GSM8K_SPLIT = ["data.split=test", "data.eval_split=test"]
 RUN_ELSEWHERE = {
     "demo_cpu.yaml": "tests/test_demo.py::test_demo_quick_writes_every_output",
     "demo_tools_cpu.yaml": "tests/test_demo.py::test_tools_demo_quick_writes_every_output",
+    "demo_rlhf_cpu.yaml": "tests/test_demo.py::test_rlhf_demo_quick_writes_every_output",
     "gsm8k_tools_cpu.yaml":
         "tests/test_gsm8k_tools.py::test_gsm8k_tools_demo_quick_writes_every_output",
     "pipeline_tiny.yaml": "tests/test_pipeline.py::test_tiny_pipeline_writes_complete_results",
 }  # fmt: skip
 RUN_HERE = ("gsm8k_qwen3_0.6b_sft.yaml", "gsm8k_qwen3_0.6b_grpo.yaml", "pipeline_gsm8k.yaml",
-            "gsm8k_qwen3_0.6b_tools.yaml", "tiny_ci.yaml", "quickstart.yaml")  # fmt: skip
+            "gsm8k_qwen3_0.6b_tools.yaml", "tiny_ci.yaml", "quickstart.yaml",
+            "rm_qwen3_0.6b.yaml")  # fmt: skip
 # Sizes and lengths only: one step, a few rows, short prompts and completions.
 SMALL = ["train.max_steps=1", "data.max_samples=8", "data.eval_samples=2", "eval.max_samples=2",
          "eval.max_new_tokens=8", "rollout.max_new_tokens=12",
@@ -94,6 +96,32 @@ def test_gsm8k_grpo_config_runs_from_the_sft_adapter(gsm8k_sft, shared_tiny_mode
     m = check_metrics(out)
     assert m["train/grad_norm"] > 0
     assert m["rollout/logprob_diff_max"] <= 1e-2  # bf16 budget (tests/test_precision.py)
+
+
+def test_rm_config_runs(shared_tiny_model, tmp_path):
+    """configs/rm_qwen3_0.6b.yaml for one step on pairs in the hub dataset's form (chosen /
+    rejected conversations), a local file in its place: LoRA + the head, bf16 autocast,
+    gradient checkpointing, a held-out evaluation; final/ a sequence classifier."""
+    from grpo.train.rm import train_rm
+
+    rows = [{"chosen": [{"role": "user", "content": f"Is {i} even?"},
+                        {"role": "assistant", "content": "yes" if i % 2 == 0 else "no"}],
+             "rejected": [{"role": "user", "content": f"Is {i} even?"},
+                          {"role": "assistant", "content": "no" if i % 2 == 0 else "yes"}]}
+            for i in range(12)]  # fmt: skip
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    cfg = load_config(CONFIGS / "rm_qwen3_0.6b.yaml", [
+        f"model.path={shared_tiny_model}", f"data.dataset={data}", "data.split=train[:8]",
+        "data.eval_split=train[8:]", f"train.output_dir={out}", "train.epochs=null",
+        "train.batch_size=4", "train.micro_batch_size=2", "rm.max_length=128", *SMALL])  # fmt: skip
+    assert cfg.model.autocast_bf16 and cfg.lora.enabled and cfg.model.gradient_checkpointing
+    assert train_rm(cfg)["step"] == 1
+    m = check_metrics(out)
+    assert m["train/grad_norm"] > 0 and m["eval/pairs"] == 2
+    arch = json.loads((out / "final" / "config.json").read_text())["architectures"]
+    assert arch == ["Qwen3ForSequenceClassification"]
 
 
 def test_gsm8k_qwen3_tools_config_runs(tmp_path):
