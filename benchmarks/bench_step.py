@@ -305,7 +305,7 @@ def main(argv=None) -> None:
     p.add_argument("--lengths", default=None,
                    help="compare padded and packed training passes at these completion-length "
                         "spreads instead (gsm8k, uniform); see the module docstring")  # fmt: skip
-    p.add_argument("--modes", default="lora,full", help="--lengths: lora, full or both")
+    p.add_argument("--modes", default="lora,full", help="lora, full or both")
     p.add_argument("--reward-model", action="store_true",
                    help="also time a same-size reward model (the reward_model reward) scoring "
                         "each case's rollout: rows/s and its time over the rollout's")  # fmt: skip
@@ -331,7 +331,7 @@ def main(argv=None) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for size, model_dir in model_dirs(sizes, Path(tmp)):
-            for lora in (True, False):
+            for lora in [m == "lora" for m in args.modes.split(",")]:
                 for shared in args.shared_prefix.split(","):
                     rows.append(bench_case(model_dir, size, lora, args, shared))
                     add_speedups(rows)  # written after every case: a timeout keeps the rest

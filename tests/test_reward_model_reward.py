@@ -80,6 +80,20 @@ def test_normalize_system_prompt_and_max_length(reward_ckpt):
     assert short != pytest.approx(raw)
 
 
+def test_reference_column_caps_each_reward_at_its_references_score(reward_ckpt):
+    spec = {"name": "reward_model", "path": str(reward_ckpt)}
+    raw, _ = call(get_reward(spec))
+    refs = ["Final Answer: 7", "Final Answer: 42", "Final Answer: 8", "Final Answer: 4"]
+    ref_scores, _ = call(get_reward(spec), completions=refs)
+    fn = get_reward({**spec, "reference_column": "solution"})
+    values, metrics = fn(COMPLETIONS, question=QUESTIONS, solution=refs, context=RewardContext())
+    assert values == pytest.approx([min(a, b) for a, b in zip(raw, ref_scores)], rel=1e-5)
+    assert metrics["capped_frac"] == sum(a > b for a, b in zip(raw, ref_scores)) / 4
+    assert metrics["reference_score_mean"] == pytest.approx(sum(ref_scores) / 4, rel=1e-5)
+    with pytest.raises(GrpoError, match="reference_column 'solution' is not a column"):
+        fn(COMPLETIONS, question=QUESTIONS, context=RewardContext())
+
+
 def test_bad_specs_and_checkpoints(reward_ckpt, shared_tiny_model):
     with pytest.raises(GrpoError, match="missing a required argument: .path."):
         get_reward({"name": "reward_model"})

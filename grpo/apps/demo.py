@@ -189,11 +189,13 @@ def demo_problems(n: int, seed: int, split: str, level: Level) -> Dataset:
     return Dataset.from_list(rows)
 
 
-def register_demo_data(s: DemoSettings) -> dict[str, int]:
+def register_demo_data(s: DemoSettings, solutions: bool = False) -> dict[str, int]:
     """Register the demo's mini-math splits as dataset `DATASET`: train, validation, test.
 
     Validation is the `validation_problems` problems that train's generator makes after its
     first `train_problems` (so the two never share a question); test is the held-out split.
+    `solutions`: each row also gets a ``solution`` column, its worked solution as SFT writes
+    it (the reference a `reward_model` with ``reference_column: solution`` reads).
     """
     pool = demo_problems(s.train_problems + s.validation_problems, s.data_seed, "train", s.level())
     splits = DatasetDict(
@@ -201,6 +203,14 @@ def register_demo_data(s: DemoSettings) -> dict[str, int]:
         validation=pool.select(range(s.train_problems, len(pool))),
         test=demo_problems(s.test_problems, s.data_seed, "test", s.level()),
     )
+    if solutions:
+        from grpo.data.formats import sft_solution, split_solution
+
+        def add(rows: list[dict]) -> Dataset:
+            return Dataset.from_list([{**r, "solution": sft_solution(*split_solution(
+                r["answer"], row=i))} for i, r in enumerate(rows)])  # fmt: skip
+
+        splits = DatasetDict({k: add(v.to_list()) for k, v in splits.items()})
     register_dataset(DATASET, splits, overwrite=True)
     return {name: len(ds) for name, ds in splits.items()}
 

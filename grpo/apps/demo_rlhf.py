@@ -35,49 +35,9 @@ def _say(i: int, what: str) -> None:
     print(f"\n== {i}/{STEPS} {what}", flush=True)
 
 
-def sampled_pairs(model_dir: str, problems: list[dict], k: int, temperature: float,
-                  max_new_tokens: int, seed: int) -> list[dict]:  # fmt: skip
-    """Pairs whose rejected side the model itself wrote: `k` samples per problem from the
-    model at `model_dir` (the SFT model), each one the strict accuracy reward marks wrong
-    against the problem's worked solution (kind ``sampled``), as a labeler would collect
-    preferences on a model's own answers."""
-    from grpo.data.preferences import math_preferences, math_prompt_messages
-    from grpo.loading import TrainedModel, load_trained_model
-    from grpo.rewards import get_reward
-    from grpo.rollout import sample
-    from grpo.tokenizer import encode_prompt
-
-    if k == 0 or not problems:
-        return []
-    model, tok, stops, _ = load_trained_model(TrainedModel(model_dir), device="cpu")
-    solutions = {r["question"]: r["chosen"] for r in math_preferences(problems, seed, 1)}
-    accuracy = get_reward({"name": "accuracy", "strict": True})
-    rows = []
-    chunk = 64
-    for start in range(0, len(problems), chunk):
-        part = problems[start : start + chunk]
-        prompts = [encode_prompt(tok, p["question"]) for p in part]
-        r = sample(model, prompts, group_size=k, max_new_tokens=max_new_tokens,
-                   temperature=temperature, stop_ids=stops, seed=seed + start,
-                   pad_id=tok.pad_token_id or 0)  # fmt: skip
-        texts = r.decode(tok, skip_special_tokens=True)
-        truth = [p["answer"].rsplit("####", 1)[-1].strip() for p in part for _ in range(k)]
-        right = accuracy(texts, ground_truth=truth)
-        for i, (text, ok) in enumerate(zip(texts, right)):
-            p = part[i // k]
-            if ok or not text.strip() or text.strip() == solutions[p["question"]].strip():
-                continue
-            rows.append({"prompt": math_prompt_messages(p["question"]),
-                         "chosen": solutions[p["question"]], "rejected": text,
-                         "kind": "sampled"})  # fmt: skip
-    return rows
-
-
-def register_preferences(settings, seed: int, model_dir: str | None = None, k: int = 0,
-                         temperature: float = 1.0, max_new_tokens: int = 40) -> dict[str, Any]:  # fmt: skip
+def register_preferences(settings, seed: int) -> dict[str, Any]:
     """Pairs from the demo's training problems (train) and validation problems (test, held
-    out: no question shared with train), registered as `PREFERENCES`; counts per kind. With
-    `model_dir` and `k`: also the pairs of `sampled_pairs` (the model's own wrong answers)."""
+    out: no question shared with train), registered as `PREFERENCES`; counts per kind."""
     from collections import Counter
 
     from datasets import DatasetDict
@@ -91,9 +51,6 @@ def register_preferences(settings, seed: int, model_dir: str | None = None, k: i
     test_problems = get_dataset(DATASET, "validation").to_list()
     train = math_preferences(train_problems, seed, n)
     test = math_preferences(test_problems, seed + 1, n)
-    if model_dir is not None:
-        train += sampled_pairs(model_dir, train_problems, k, temperature, max_new_tokens, seed)
-        test += sampled_pairs(model_dir, test_problems, k, temperature, max_new_tokens, seed + 1)
     keep = ("prompt", "chosen", "rejected")
     register_dataset(PREFERENCES, DatasetDict(
         train=_dataset([{k: r[k] for k in keep} for r in train]),
@@ -217,7 +174,7 @@ def run_rlhf_demo(out: Path, settings, pipeline: dict, rm_section: dict, overrid
     pcfg = load_pipeline_config(_pipeline_file(out, pipeline, model_dir, seed, "math"), pipe_over)
     make_tiny_model(model_dir, size=settings.model_size, vocab_size=settings.vocab_size,
                     seed=seed, max_position_embeddings=settings.context)  # fmt: skip
-    sizes = register_demo_data(settings)
+    sizes = register_demo_data(settings, solutions=True)
     n_params = sum(p.numel() for p in load_model(model_dir, device="cpu").parameters())
     print(f"model: {settings.model_size} ({n_params / 1e6:.2f}M parameters); problems: {sizes}",
           flush=True)  # fmt: skip

@@ -10,6 +10,8 @@ Llama / Qwen2 / Qwen3 `*ForSequenceClassification` checkpoint) scores each compl
           max_length: 1024             # tokens per row: a longer prompt keeps its end
           normalize: none              # none | batch: (r - mean) / std over the call's rows
           system_prompt: null          # the system message the reward model's pairs had
+          reference_column: null       # a column of reference completions: each reward is
+                                       # capped at its reference's score (a hacking guard)
 
 Each row is rendered with the reward model's OWN tokenizer and chat template (it may differ
 from the policy's): [system?, user: the row's question, assistant: the completion], encoded as
@@ -75,8 +77,13 @@ def make_reward_model(
     normalize: str = "none",
     system_prompt: str | None = None,
     dtype: str = "float32",
+    reference_column: str | None = None,
 ):
-    """The `reward_model` reward (module docstring); nothing is loaded until its first call."""
+    """The `reward_model` reward (module docstring); nothing is loaded until its first call.
+
+    `reference_column` names a column holding a reference completion per row (a worked
+    solution): each reward is capped at that completion's score, min(r(x, y), r(x, y_ref)), so
+    writing what the reward model likes better than the reference gains nothing."""
     if not isinstance(path, str) or not path:
         raise GrpoError("reward_model: `path` is required (a classifier checkpoint directory)")
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -88,6 +95,10 @@ def make_reward_model(
                         f"got {normalize!r}")  # fmt: skip
     if dtype not in ("float32", "bfloat16"):
         raise GrpoError(f"reward_model: dtype must be float32 or bfloat16, got {dtype!r}")
+    if reference_column is not None and (not isinstance(reference_column, str)
+                                         or not reference_column):  # fmt: skip
+        raise GrpoError(f"reward_model: reference_column must be a column name, got "
+                        f"{reference_column!r}")  # fmt: skip
 
     def reward_model(completions: list[str], *, context: RewardContext | None = None,
                      question: list[str] | None = None, **columns):  # fmt: skip
@@ -96,10 +107,27 @@ def make_reward_model(
                             "reward model reads with each completion)")  # fmt: skip
         context = context or RewardContext()
         device = context.device if context.device is not None else torch.device("cpu")
+        refs = None
+        if reference_column is not None:
+            refs = columns.get(reference_column)
+            if refs is None:
+                raise GrpoError(f"reward_model: reference_column {reference_column!r} is not a "
+                                f"column of the rows ({', '.join(sorted(columns))})")  # fmt: skip
         model, tok = load_reward_model(path, device, dtype)
         t0 = time.perf_counter()
         scores = score_completions(model, tok, list(question), completions, batch_size,
                                    max_length, system_prompt, context.precision)  # fmt: skip
+        reported = {}
+        if refs is not None:  # each distinct (question, reference) scored once
+            pairs = sorted(set(zip(question, map(str, refs))))
+            bound = score_completions(model, tok, [q for q, _ in pairs], [r for _, r in pairs],
+                                      batch_size, max_length, system_prompt,
+                                      context.precision)  # fmt: skip
+            cap = dict(zip(pairs, bound.tolist()))
+            caps = torch.tensor([cap[(q, str(r))] for q, r in zip(question, refs)])
+            reported["capped_frac"] = float((scores > caps).float().mean())
+            reported["reference_score_mean"] = float(caps.mean())
+            scores = torch.minimum(scores, caps)
         dt = time.perf_counter() - t0
         raw = scores.tolist()
         values = raw
@@ -107,7 +135,7 @@ def make_reward_model(
             std = scores.std().item()
             values = ((scores - scores.mean()) / (std if std > 1e-6 else 1.0)).tolist()
         return values, {"score_mean": sum(raw) / max(len(raw), 1),
-                        "rows_per_s": len(raw) / max(dt, 1e-9)}  # fmt: skip
+                        "rows_per_s": len(raw) / max(dt, 1e-9), **reported}  # fmt: skip
 
     reward_model.__name__ = "reward_model"
     return reward_model
