@@ -34,7 +34,8 @@
 #                        step time and the trainer's wait next to the synchronous run's
 #   precision            bench_precision at the Qwen3-0.6B shape: sampler vs trainer and bf16
 #                        vs float32 log-probs (docs/precision.md)
-#   step                 bench_step at the Qwen3-0.6B shape, LoRA and full
+#   step                 bench_step at the Qwen3-0.6B shape, LoRA and full, with a same-size
+#                        reward model scoring each rollout (--reward-model)
 #   packing              bench_step --lengths gsm8k,uniform at the Qwen3-0.6B shape (LoRA):
 #                        padded vs packed training passes, the measurement that decides
 #                        train.pack_sequences: auto on CUDA (docs/benchmarks.md)
@@ -222,7 +223,7 @@ fi
 # rollouts eager: the compiled step's cost at this shape is measured by sampler-compiled, and
 # two more 0.6B compiles (LoRA and full) would not fit
 step 35 step "$PY" -m benchmarks.bench_step --sizes "$SIZE" --device "$DEV" "${STEP[@]}" \
-    --rollout-compile off --name "step_${TAG}_$SIZE" --out-dir "$RES"
+    --rollout-compile off --reward-model --name "step_${TAG}_$SIZE" --out-dir "$RES"
 if [[ "$DRY_RUN" == 1 ]]; then
     PACK=(--prompts 2 --group-size 2 --max-new-tokens 32 --micro-batch-size 4 --repeats 1)
 else

@@ -67,6 +67,26 @@ def test_scores_equal_transformers_on_the_reward_models_chat(reward_ckpt):
     assert one == pytest.approx(values, rel=1e-5, abs=1e-6)  # batching and padding: no change
 
 
+@pytest.mark.parametrize("group", [1, 3])
+def test_packed_scoring_equals_padded(reward_ckpt, group):
+    """On a CPU rows are scored packed (a GRPO batch's shared prompt once per group): the
+    scores of the padded forward, within float32 rounding, in any batch size."""
+    from grpo.models import load_model
+    from grpo.rewards.model import score_completions, shared_group_size
+
+    model = load_model(reward_ckpt).eval()
+    tok = load_tokenizer(reward_ckpt)
+    questions = [q for q in QUESTIONS for _ in range(group)]
+    completions = [c + " ok" * j for c in COMPLETIONS for j in range(group)]
+    padded = score_completions(model, tok, questions, completions, 5, 64, None, None, pack=False)
+    for size in (1, 4, 16):
+        packed = score_completions(model, tok, questions, completions, size, 64, None, None,
+                                   pack=True)  # fmt: skip
+        torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)
+    assert shared_group_size([[1, 2]] * 6) == 6 and shared_group_size([[1], [1], [2]]) is None
+    assert shared_group_size([[1], [2]]) is None  # runs of one: nothing shared
+
+
 def test_normalize_system_prompt_and_max_length(reward_ckpt):
     spec = {"name": "reward_model", "path": str(reward_ckpt)}
     raw, _ = call(get_reward(spec))

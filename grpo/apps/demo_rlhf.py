@@ -193,7 +193,9 @@ def run_rlhf_demo(out: Path, settings, pipeline: dict, rm_section: dict, overrid
     print(f"preference pairs: {pairs}", flush=True)
     base = json.loads(json.dumps(pipeline.get("base") or {}))
     rcfg = rm_config(base, rm_section, sft["final"], out / "rm", seed, rm_over)
+    t_rm = time.perf_counter()
     rm = train_rm(rcfg, overwrite=True)
+    times["rm_train"] = time.perf_counter() - t_rm
     rm_eval = {k.removeprefix("eval/"): v for k, v in rm.items() if k.startswith("eval/")}
     by_kind = accuracy_by_kind(rm["final"], test_rows, rcfg.rm.max_length)
     print(f"reward model: held-out pair accuracy {rm_eval.get('accuracy', float('nan')):.3f} "
@@ -273,7 +275,7 @@ def summary_table(results: dict) -> str:
                      f"{_fmt_s(results['time_s'][name])} |")  # fmt: skip
     lines += ["", f"reward model: held-out pair accuracy {rm.get('accuracy', float('nan')):.3f} "
               f"({rm.get('pairs', 0)} pairs), trained in "
-              f"{_fmt_s(results['time_s']['rm'])}",
+              f"{_fmt_s(results['time_s']['rm_train'])}",
               f"GRPO - SFT: {100 * results['accuracy_gain']:+.1f} points of true accuracy, "
               f"{results['rm_score_gain']:+.3f} reward-model score on {results['eval']['n']} "
               f"held-out problems; total {_fmt_s(results['time_s']['total'])} on "

@@ -336,7 +336,8 @@ class Decoder(nn.Module):
                 positions and attention come from the layout (no attention_mask, no cache).
             select: (B,) one position per row: only those are normed and go through the head,
                 (B, out) returned (a classifier's scored tokens, `grpo.models.classifier`;
-                inside the forward, so an FSDP-sharded head is gathered for it).
+                inside the forward, so an FSDP-sharded head is gathered for it); packed: (K,)
+                positions on the token axis, (K, out) returned.
 
         Returns:
             logits (B, T, V) (a classifier's: (B, T, num_labels)) or hidden states (B, T, C),
@@ -410,8 +411,8 @@ class Decoder(nn.Module):
                 x = block(x, cos, sin, mask, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(T)
-        if select is not None:
-            x = x[torch.arange(B, device=dev), select]  # (B, C)
+        if select is not None:  # packed: (K,) positions on the token axis
+            x = x[0, select] if packed is not None else x[torch.arange(B, device=dev), select]
         x = self.norm(x)
         return x if return_hidden else self.head(x)
 

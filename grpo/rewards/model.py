@@ -142,10 +142,11 @@ def make_reward_model(
 
 
 def encode_rows(tokenizer, questions: list[str], completions: list[str], max_length: int,
-                system_prompt: str | None) -> list[list[int]]:  # fmt: skip
-    """Each row's ids as the reward model's training pairs were encoded (a chat, or plain
-    text for a tokenizer without a chat template), the prompt cut from the left to fit
-    `max_length`, the completion cut at its end only when it alone is longer."""
+                system_prompt: str | None) -> list[tuple[list[int], list[int]]]:  # fmt: skip
+    """Each row's (prompt ids, completion ids) as the reward model's training pairs were
+    encoded (a chat, or plain text for a tokenizer without a chat template), the prompt cut
+    from the left to fit `max_length`, the completion cut at its end only when it alone is
+    longer."""
     from grpo.data.preferences import encode_prompt_completion
 
     chat = bool(getattr(tokenizer, "chat_template", None))
@@ -159,36 +160,81 @@ def encode_rows(tokenizer, questions: list[str], completions: list[str], max_len
             p_ids, c_ids = encode_prompt_completion(tokenizer, q, c)
         c_ids = c_ids[:max_length]  # a completion alone over the limit: its start is scored
         p_ids = p_ids[len(p_ids) - (max_length - len(c_ids)) :] if max_length > len(c_ids) else []
-        out.append(p_ids + c_ids)
+        out.append((p_ids, c_ids))
     return out
+
+
+def shared_group_size(prompts: list[list[int]]) -> int | None:
+    """G when the rows come in runs of G > 1 equal prompts (a GRPO batch), else None."""
+    runs, start = [], 0
+    for i in range(1, len(prompts) + 1):
+        if i == len(prompts) or prompts[i] != prompts[start]:
+            runs.append(i - start)
+            start = i
+    return runs[0] if len(set(runs)) == 1 and runs[0] > 1 else None
 
 
 @torch.no_grad()
 def score_completions(model, tokenizer, questions: list[str], completions: list[str],
                       batch_size: int = 16, max_length: int = 1024,
-                      system_prompt: str | None = None, precision=None) -> torch.Tensor:  # fmt: skip
-    """(B,) float32 scores on the CPU of a classifier `Decoder`, `batch_size` rows per
-    forward (right-padded; rows sorted by length so a batch pads little)."""
-    from grpo.models.classifier import sequence_scores
+                      system_prompt: str | None = None, precision=None,
+                      pack: bool | None = None) -> torch.Tensor:  # fmt: skip
+    """(B,) float32 scores on the CPU of a classifier `Decoder`, `batch_size` rows per forward.
 
-    seqs = encode_rows(tokenizer, questions, completions, max_length, system_prompt)
+    `pack` (None: on a CPU, as `train.pack_sequences: auto`): the rows of a forward run on one
+    token axis without padding (`grpo.models.classifier.packed_sequence_scores`), and when
+    they come in groups of one prompt (a GRPO batch) each prompt runs once for its group
+    (a forward then holds whole groups). Otherwise right-padded rows, sorted by length so a
+    forward pads little. Both score alike (tests/test_reward_model_reward.py)."""
+    from grpo.algo.logprobs import packed_overhead
+    from grpo.models.classifier import packed_sequence_scores, sequence_scores
+
+    rows = encode_rows(tokenizer, questions, completions, max_length, system_prompt)
     pad = model.config.pad_token_id
     pad = pad if pad is not None else (tokenizer.pad_token_id or 0)
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    out = torch.empty(len(seqs), dtype=torch.float32)
+    out = torch.empty(len(rows), dtype=torch.float32)
     dev = model.device
+    pack = dev.type == "cpu" if pack is None else pack
     autocast = precision.autocast(dev) if precision is not None else contextlib.nullcontext()
-    for start in range(0, len(order), batch_size):
-        rows = order[start : start + batch_size]
-        T = max(len(seqs[i]) for i in rows)
-        ids = torch.full((len(rows), T), pad, dtype=torch.long)
-        mask = torch.zeros(len(rows), T, dtype=torch.bool)
-        for b, i in enumerate(rows):
-            ids[b, : len(seqs[i])] = torch.tensor(seqs[i])
-            mask[b, : len(seqs[i])] = True
-        with autocast:
-            s = sequence_scores(model, ids.to(dev), mask.to(dev), pad)[:, 0]
-        out[rows] = s.float().cpu()
+    # a packed row is scored in its completion: one without a non-pad token runs padded
+    packable = pack and all(any(t != pad for t in c) and p for p, c in rows)
+    G = shared_group_size([p for p, _ in rows]) if packable else None
+    if packable:
+        size = max(G or 1, batch_size // (G or 1) * (G or 1))  # whole groups per forward
+        batches = [list(range(i, min(i + size, len(rows)))) for i in range(0, len(rows), size)]
+    else:
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]) + len(rows[i][1]))
+        batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    for batch in batches:
+        if packable:
+            ids, mask, width = _prompt_completion(rows, batch, pad)
+            with autocast:
+                s = packed_sequence_scores(model, ids.to(dev), mask.to(dev), width, pad, G,
+                                           packed_overhead(model))[:, 0]  # fmt: skip
+        else:
+            T = max(len(rows[i][0]) + len(rows[i][1]) for i in batch)
+            ids = torch.full((len(batch), T), pad, dtype=torch.long)
+            mask = torch.zeros(len(batch), T, dtype=torch.bool)
+            for b, i in enumerate(batch):
+                seq = rows[i][0] + rows[i][1]
+                ids[b, : len(seq)] = torch.tensor(seq)
+                mask[b, : len(seq)] = True
+            with autocast:
+                s = sequence_scores(model, ids.to(dev), mask.to(dev), pad)[:, 0]
+        out[batch] = s.float().cpu()
     if not all(math.isfinite(x) for x in out.tolist()):
         raise GrpoError("reward_model: a score is not finite (the checkpoint's weights?)")
     return out
+
+
+def _prompt_completion(rows, batch: list[int], pad: int):
+    """Left-padded prompts + right-padded completions of `batch`: ids, mask, prompt width."""
+    width = max(len(rows[i][0]) for i in batch)
+    T_c = max(len(rows[i][1]) for i in batch)
+    ids = torch.full((len(batch), width + T_c), pad, dtype=torch.long)
+    mask = torch.zeros(len(batch), width + T_c, dtype=torch.bool)
+    for b, i in enumerate(batch):
+        p, c = rows[i]
+        ids[b, width - len(p) : width], mask[b, width - len(p) : width] = torch.tensor(p), True
+        ids[b, width : width + len(c)], mask[b, width : width + len(c)] = torch.tensor(c), True
+    return ids, mask, width
