@@ -122,7 +122,9 @@ def bench_case(model_dir: Path, size: str, lora: bool, args, shared: str = "off"
     )
     tokens = int(batch.rollout.completion_mask.sum())
     total = t_roll.median_ms + t_ref.median_ms + t_upd.median_ms
-    scoring = reward_model_case(model_dir, case, t_roll.median_ms, args) if args.reward_model else {}
+    scoring = {}
+    if args.reward_model:
+        scoring = reward_model_case(model_dir, case, t_roll.median_ms, args)
     return {
         "size": size,
         "mode": "lora r16" if lora else "full",
@@ -162,7 +164,6 @@ def reward_model_case(model_dir: Path, case: dict, rollout_ms: float, args) -> d
     t = measure(lambda: score_completions(rm, policy.tokenizer, questions, batch.texts,
                                           args.rm_batch_size, 1024, None, precision),
                 warmup=1, repeats=args.repeats, device=device)  # fmt: skip
-    del rm
     return {"rm_score_ms": round(t.median_ms, 1),
             "rm_rows_per_s": round(len(questions) / (t.median_ms / 1e3), 1),
             "rm_vs_rollout": round(t.median_ms / rollout_ms, 3)}  # fmt: skip

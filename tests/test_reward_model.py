@@ -8,8 +8,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import make_hf_checkpoint, tiny_hf_config
+
 from grpo.errors import GrpoError
 from grpo.loading import TrainedModel, load_trained_model
 from grpo.models import load_model, save_pretrained

@@ -248,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(p)
     p.add_argument("--trainer", default="grpo", choices=("grpo", "sft", "rm"),
-                   help="check it for `grpo train` (grpo, default), `grpo sft` or `grpo rm`")  # fmt: skip
+                   help="check it for `grpo train` (grpo, default), `grpo sft` or "
+                        "`grpo rm`")  # fmt: skip
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("sft", help="supervised fine-tuning on worked solutions")

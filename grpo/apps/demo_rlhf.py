@@ -63,11 +63,11 @@ def register_preferences(settings, seed: int) -> dict[str, Any]:
 
 def accuracy_by_kind(rm_dir: str, rows: list[dict], max_length: int) -> dict[str, float]:
     """The reward model's held-out pair accuracy per error kind (r_chosen > r_rejected)."""
-    from grpo.data.preferences import preference_pairs
-    from grpo.rewards.model import load_reward_model
-    from grpo.models.classifier import sequence_scores
-
     import torch
+
+    from grpo.data.preferences import preference_pairs
+    from grpo.models.classifier import sequence_scores
+    from grpo.rewards.model import load_reward_model
 
     model, tok = load_reward_model(rm_dir, "cpu")
     pad = model.config.pad_token_id

@@ -153,7 +153,7 @@ def encode_rows(tokenizer, questions: list[str], completions: list[str], max_len
     out = []
     for q, c in zip(questions, completions):
         if chat:
-            prompt = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+            prompt = [{"role": "system", "content": system_prompt}] if system_prompt else []
             prompt = prompt + [{"role": "user", "content": q}]
             p_ids, c_ids = encode_prompt_completion(tokenizer, prompt, c)
         else:

@@ -69,6 +69,19 @@ def weights_finite(params) -> torch.Tensor:
     return torch.stack([p.to(peaks[0].device) for p in peaks]).isfinite().all()
 
 
+def nonfinite_streak(bad_steps: int, loss: float, grad_norm: float, limit: int,
+                     step: int) -> int:  # fmt: skip
+    """The consecutive skipped (non-finite) updates after this one: 0 after a finite update.
+    Raises GrpoError at `limit` (train.max_nonfinite_steps): SFT's and `grpo rm`'s stop."""
+    bad_steps = 0 if math.isfinite(loss) and math.isfinite(grad_norm) else bad_steps + 1
+    if bad_steps >= limit:
+        raise GrpoError(
+            f"{bad_steps} consecutive updates had a non-finite loss or gradient (step "
+            f"{step}); stopped. Lower optim.lr; resume from the last checkpoint with --resume"
+        )
+    return bad_steps
+
+
 def nonfinite_weights_error(step: int | None, loss: float, grad_norm: float, lr: float):
     """The one line that stops a run whose update left a weight NaN or inf (raised before the
     step's checkpoint, so the last one written holds finite weights)."""

@@ -42,11 +42,12 @@ from grpo.models.classifier import sequence_scores
 from grpo.policy import Policy, shard_policy
 from grpo.precision import Precision
 from grpo.run.loop import RunDir, due, run_training, start_run
-from grpo.run.optim import nonfinite_weights_error, weights_finite
+from grpo.run.optim import nonfinite_streak, nonfinite_weights_error, weights_finite
 from grpo.run.perf import peak_mem_mib, reset_peak_mem
 from grpo.run.rundir import check_resume_step
 from grpo.run.state import seed_everything
 from grpo.train.batch import micro_batches, next_prompts
+from grpo.train.sft import total_sft_steps
 
 log = logging.getLogger(__name__)
 
@@ -178,8 +179,13 @@ def evaluate_pairs(cfg: Config, scorer, pairs: list, device, dist) -> dict[str, 
         totals += stats
     loss, accuracy, margin, score = (all_reduce_sum(x, dist) / len(pairs)
                                      for x in totals.tolist())  # fmt: skip
-    return {"loss": loss, "accuracy": accuracy, "margin": margin, "score": score / 2,
-            "pairs": len(pairs)}
+    return {
+        "loss": loss,
+        "accuracy": accuracy,
+        "margin": margin,
+        "score": score / 2,
+        "pairs": len(pairs),
+    }
 
 
 def build_reward_model(cfg: Config, device: torch.device) -> Policy:
@@ -230,8 +236,13 @@ def reward_pad_id(cfg: Config, tokenizer) -> int:
 def check_rm(cfg: Config) -> None:
     """What `grpo rm` checks before loading anything: the output directory, and that a pair
     fits the model's context (rm.max_length)."""
-    from grpo.run.preflight import PreflightError, check_lora, check_output_dir
-    from grpo.run.preflight import _meta_decoder, read_model_config
+    from grpo.run.preflight import (
+        PreflightError,
+        _meta_decoder,
+        check_lora,
+        check_output_dir,
+        read_model_config,
+    )
 
     problems = []
     try:
@@ -266,12 +277,6 @@ def load_pairs(cfg: Config, split: str, max_samples: int | None, tokenizer) -> l
     return pairs
 
 
-def total_rm_steps(cfg: Config, n_pairs: int) -> int:
-    if cfg.train.epochs is None:
-        return cfg.train.max_steps
-    return max(1, math.ceil(cfg.train.epochs * n_pairs / cfg.train.batch_size))
-
-
 def train_rm(
     cfg: Config,
     resume: bool = False,
@@ -294,7 +299,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
     eval_pairs = []
     if cfg.data.eval_samples:
         eval_pairs = load_pairs(cfg, cfg.data.eval_split, cfg.data.eval_samples, tok)
-    steps = total_rm_steps(cfg, len(pairs) // dist.world_size)
+    steps = total_sft_steps(cfg, len(pairs) // dist.world_size)  # pairs count as rows
     if cfg.train.epochs is not None and rundir.checkpoint is not None:
         limit = f"train.epochs={cfg.train.epochs:g} ({steps} steps)"
         check_resume_step(rundir.path, rundir.checkpoint, steps, limit, dist.rank)
@@ -320,13 +325,8 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             cfg, policy, scorer, batch, optimizer, scheduler, params, dist, state.step + 1
         )
         state.step += 1
-        bad_steps = 0 if math.isfinite(loss) and math.isfinite(grad_norm) else bad_steps + 1
-        if bad_steps >= cfg.train.max_nonfinite_steps:
-            raise GrpoError(
-                f"{bad_steps} consecutive updates had a non-finite loss or gradient (step "
-                f"{state.step}); stopped. Lower optim.lr; resume from the last checkpoint "
-                "with --resume"
-            )
+        bad_steps = nonfinite_streak(bad_steps, loss, grad_norm, cfg.train.max_nonfinite_steps,
+                                     state.step)  # fmt: skip
         dt = time.perf_counter() - t0
         tokens = sum(2 * len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids)
                      for p in batch)  # fmt: skip

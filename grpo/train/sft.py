@@ -29,11 +29,10 @@ from grpo.distributed import (
     rank_local,
     wrap_ddp,
 )
-from grpo.errors import GrpoError
 from grpo.loading import load_rows, resolve_device
 from grpo.policy import build_policy, shard_policy
 from grpo.run.loop import RunDir, due, run_training, start_run
-from grpo.run.optim import nonfinite_weights_error, weights_finite
+from grpo.run.optim import nonfinite_streak, nonfinite_weights_error, weights_finite
 from grpo.run.perf import peak_mem_mib, reset_peak_mem
 from grpo.run.preflight import check_prompt_room, preflight
 from grpo.run.rundir import check_resume_step
@@ -212,13 +211,8 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             cfg, policy, scorer, batch_rows, optimizer, scheduler, params, dist, state.step + 1
         )
         state.step += 1
-        bad_steps = 0 if math.isfinite(total) and math.isfinite(grad_norm) else bad_steps + 1
-        if bad_steps >= cfg.train.max_nonfinite_steps:
-            raise GrpoError(
-                f"{bad_steps} consecutive updates had a non-finite loss or gradient (step "
-                f"{state.step}); stopped. Lower optim.lr; resume from the last checkpoint "
-                "with --resume"
-            )
+        bad_steps = nonfinite_streak(bad_steps, total, grad_norm, cfg.train.max_nonfinite_steps,
+                                     state.step)  # fmt: skip
         dt = time.perf_counter() - t0
         metrics = {
             "train/loss": all_reduce_sum(total, dist),
