@@ -281,7 +281,8 @@ class LossConfig:
     beta: float = 0.04  # KL coefficient in the loss; 0 skips the reference model entirely
     kl_estimator: str = "k3"  # k1 | k2 | k3 | a registered name
     kl_in_reward: float = 0.0  # > 0: subtract this * KL_t from the token rewards (REINFORCE++)
-    gamma: float = 1.0  # discount of token rewards in returns (reinforce_pp)
+    gamma: float = 1.0  # discount per token of token rewards in returns (reinforce_pp, gae)
+    gae_lambda: float = 0.95  # GAE's lambda (advantage: gae, PPO with a critic)
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2  # > epsilon_low is DAPO's clip-higher
     dual_clip: float | None = None  # c > 1: bound -A*rho at -c*A for A < 0
@@ -314,6 +315,8 @@ class LossConfig:
         _check(self.max_sampling_rounds >= 1, "loss.max_sampling_rounds", "must be >= 1")
         _check(self.kl_in_reward >= 0, "loss.kl_in_reward", f"must be >= 0: {self.kl_in_reward}")
         _check(0 < self.gamma <= 1, "loss.gamma", f"must be in (0, 1], got {self.gamma}")
+        _check(0 <= self.gae_lambda <= 1, "loss.gae_lambda",
+               f"must be in [0, 1], got {self.gae_lambda}")  # fmt: skip
         _check(self.entropy_coef >= 0, "loss.entropy_coef", "must be >= 0")
         if self.tis_cap is not None:
             _check(self.tis_cap >= 1, "loss.tis_cap", f"must be >= 1 (or null), got {self.tis_cap}")
@@ -434,6 +437,10 @@ class TrainConfig:
     # as many real tokens (longest first to the emptiest rank, P groups each;
     # grpo/train/balance.py). The global batch, and so the update, is the same either way.
     balance_ranks: bool = True
+    # GRPO with trained modules (modules:): the first N steps update only the modules, not the
+    # policy: PPO's critic warm-up (a fresh value head learns the returns before they steer the
+    # policy; docs/algorithm.md "PPO with a critic")
+    critic_warmup_steps: int = 0
     # The start-up check that the run's estimated memory fits (grpo/run/preflight.py); true
     # skips it, e.g. when the estimate is too pessimistic for short prompts (docs/safety.md).
     skip_memory_check: bool = False
@@ -470,6 +477,7 @@ class TrainConfig:
         _check(self.keep_last >= 1, "train.keep_last", "must be >= 1")
         _check(self.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", "must be >= 1")
         _check(self.stall_steps >= 0, "train.stall_steps", "must be >= 0 (0 = no checks)")
+        _check(self.critic_warmup_steps >= 0, "train.critic_warmup_steps", "must be >= 0")
         _check(not self.stop_on_stall or self.stall_steps > 0, "train.stop_on_stall",
                "needs train.stall_steps > 0 (0 turns the checks off)")  # fmt: skip
         _check_seconds(self.dist_timeout_s, "train.dist_timeout_s")
@@ -615,6 +623,23 @@ class Config:
             "'on' cannot run under train.parallel: fsdp yet (a producer needs whole weights); "
             "use train.parallel: ddp",
         )
+        _check(
+            not self.train.critic_warmup_steps or bool(self.modules),
+            "train.critic_warmup_steps",
+            "needs a module to train during the warm-up (modules:, e.g. [{name: critic}])",
+        )
+        if self.loss.advantage == "gae":
+            _check(
+                bool(self.modules),
+                "loss.advantage",
+                "'gae' needs a value model: add modules: [{name: critic}] (docs/algorithm.md)",
+            )
+            _check(
+                self.rollout.gamma == 1.0,
+                "rollout.gamma",
+                f"must be 1 with loss.advantage: gae ({self.rollout.gamma}): GAE discounts per "
+                "token with loss.gamma; a per-turn discount on top would discount twice",
+            )
         return self
 
     @property

@@ -15,6 +15,7 @@ hands it the *global* batch, all ranks concatenated, so batch statistics are exa
     turn_ids       (B, T_c) long     the turn of each token (multi-turn; all 0 for one turn)
     turn_gamma     float             rollout.gamma: token rewards of turn k already carry
                                      turn_gamma^k, so each row sums to its discounted return
+    gae_lambda     float             loss.gae_lambda, GAE's lambda (the `gae` estimator)
     rollout        EstimatorRollout  the sampled tokens of the global batch (below); gathered
                                      over ranks only for an estimator that declares it
 
@@ -32,6 +33,7 @@ A group of equal rewards gets advantage exactly 0 (never NaN) either way.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -41,7 +43,7 @@ from grpo.errors import GrpoError
 from grpo.metrics import split_metrics
 
 INPUTS = ("token_rewards", "scores", "mask", "group_size", "eps", "gamma", "turn_ids",
-          "turn_gamma", "rollout")  # fmt: skip
+          "turn_gamma", "gae_lambda", "rollout")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,100 @@ def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: f
     return torch.where(mask, out, 0.0)
 
 
+def gae_returns(
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation (Schulman et al. 2016) over each row's counted tokens.
+
+    Over the row's consecutive counted tokens t_1 < t_2 < ... (a masked stretch, e.g. a tool's
+    output, is skipped: neither a step nor a reset), with V(t_{n+1}) = 0 after the last one:
+
+        delta_i = r_{t_i} + gamma * V(t_{i+1}) - V(t_i)
+        A_i     = delta_i + gamma * lam * A_{i+1}
+        R_i     = A_i + V(t_i)          (the value target, lambda-returns)
+
+    gamma = lam = 1 gives A = returns-to-go minus values. Computed in the inputs' dtype (pass
+    float64 for a reference).
+
+    Args:
+        token_rewards: (B, T_c) reward of each token (0 off the mask is assumed, never read).
+        values: (B, T_c) V(s_t), the value of the state before token t (never read off the mask).
+        mask: (B, T_c) bool, the tokens that are actions.
+        gamma, lam: the discount per counted token and GAE's lambda.
+
+    Returns:
+        (advantages, returns), (B, T_c) each, 0 off the mask.
+    """
+    mask = mask.bool()
+    r = torch.where(mask, token_rewards, torch.zeros((), dtype=token_rewards.dtype))
+    v = torch.where(mask, values.to(r.dtype), torch.zeros((), dtype=r.dtype))
+    adv = torch.zeros_like(r)
+    next_value = torch.zeros_like(r[:, 0])  # V(t_{i+1}) of each row: 0 after its last token
+    running = torch.zeros_like(r[:, 0])  # A_{i+1}
+    for t in range(r.shape[1] - 1, -1, -1):
+        m = mask[:, t]
+        a = r[:, t] + gamma * next_value - v[:, t] + gamma * lam * running
+        adv[:, t] = torch.where(m, a, 0.0)
+        running = torch.where(m, a, running)
+        next_value = torch.where(m, v[:, t], next_value)
+    returns = torch.where(mask, adv + v, 0.0)
+    return adv, returns
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(R - V) / Var(R) over the masked tokens: 1 a perfect critic, 0 one no better than
+    the mean return, < 0 worse; NaN when the returns do not vary (or fewer than 2 tokens)."""
+    v, r = values[mask].double(), returns[mask].double()
+    if r.numel() < 2 or float(r.var()) == 0.0:
+        return float("nan")
+    return float(1.0 - (r - v).var() / r.var())
+
+
+@register_advantage("gae")
+def gae(
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    rollout: EstimatorRollout | None,
+    *,
+    gamma: float,
+    gae_lambda: float,
+    eps: float,
+    whiten: bool = True,
+    values_key: str = "values",
+):
+    """PPO's advantages: GAE (`gae_returns`, loss.gamma and loss.gae_lambda) over the token
+    rewards (with the KL in them under loss.kl_in_reward, the classic PPO objective) and a
+    critic's values, read from the batch's extras (`values_key`, (B, T_c): the `critic` module
+    attaches them, grpo/train/critic.py). `whiten`: (A - mean) / (std + eps) over the counted
+    tokens of the global batch (all ranks), as verl and TRL do. Group structure is not used.
+
+    Reports (global batch, before whitening): explained_variance of the values against the
+    returns (left out on a step where the returns do not vary), value_mean, return_mean."""
+    extras = rollout.extras if rollout is not None else {}
+    if values_key not in extras:
+        have = ", ".join(sorted(extras)) or "none"
+        raise GrpoError(f"loss.advantage=gae reads the critic's values from the batch's extras "
+                        f"({values_key!r}; extras here: {have}): add the value model, "
+                        "modules: [{name: critic}] (docs/algorithm.md)")  # fmt: skip
+    values = extras[values_key]
+    if values.shape != mask.shape:
+        raise GrpoError(f"loss.advantage=gae: extras[{values_key!r}] has shape "
+                        f"{tuple(values.shape)}, expected (B, T_c) = "
+                        f"{tuple(mask.shape)}")  # fmt: skip
+    adv, returns = gae_returns(token_rewards.float(), values.float(), mask, gamma, gae_lambda)
+    n = max(int(mask.sum()), 1)
+    metrics = {
+        "value_mean": float(torch.where(mask, values.float(), 0.0).sum()) / n,
+        "return_mean": float(returns.sum()) / n,
+    }
+    ev = explained_variance(values.float(), returns, mask)
+    if math.isfinite(ev):  # undefined (left out) when every return is the same
+        metrics["explained_variance"] = ev
+    if whiten:
+        adv = torch.where(mask, _masked_whiten(adv, mask, eps), 0.0)
+    return adv, metrics
+
+
 @register_advantage("reinforce_pp", claims=("shift_invariant",))
 def reinforce_pp(token_rewards: torch.Tensor, mask: torch.Tensor, *, eps: float, gamma: float):
     """REINFORCE++ (Hu 2025): discounted returns of the token rewards (which carry the KL
@@ -232,6 +328,7 @@ def compute_advantages(
     gamma: float = 1.0,
     turn_ids: torch.Tensor | None = None,
     turn_gamma: float = 1.0,
+    gae_lambda: float = 1.0,
     params: dict | None = None,
     rollout: EstimatorRollout | None = None,
     metrics: dict[str, float] | None = None,
@@ -243,7 +340,7 @@ def compute_advantages(
         token_rewards: (B, T_c) float rewards per completion token.
         mask: (B, T_c) bool, True on completion tokens.
         group_size: G.
-        eps, gamma, turn_gamma: as in the module docstring.
+        eps, gamma, turn_gamma, gae_lambda: as in the module docstring.
         turn_ids: (B, T_c) turn of each token (default: all 0, one turn).
         params: extra keyword arguments (``loss.advantage_kwargs``).
         rollout: the sampled tokens (`EstimatorRollout`), for estimators that declare it.
@@ -267,6 +364,7 @@ def compute_advantages(
         "gamma": gamma,
         "turn_ids": torch.zeros_like(mask, dtype=torch.long) if turn_ids is None else turn_ids,
         "turn_gamma": turn_gamma,
+        "gae_lambda": gae_lambda,
         "rollout": rollout,
         **(params or {}),
     }
@@ -334,6 +432,8 @@ __all__ = [
     "check_estimator",
     "compute_advantages",
     "discounted_returns",
+    "explained_variance",
+    "gae_returns",
     "group_advantages",
     "register_advantage",
     "zero_std_groups",

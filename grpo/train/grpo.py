@@ -34,7 +34,7 @@ from grpo.algo.advantages import (
     compute_advantages,
     wants_rollout,
 )
-from grpo.algo.kl import kl_penalty
+from grpo.algo.kl import reward_minus_kl
 from grpo.algo.logprobs import CompletionLogprobs, packed_overhead
 from grpo.algo.losses import (
     check_bad_row,
@@ -154,13 +154,8 @@ def advantage_phase(
     """
     r = batch.rollout
     mask = r.generated_mask
-    token_rewards = batch.token_rewards
-    if cfg.loss.kl_in_reward > 0:  # REINFORCE++: KL(pi_old || ref) per token in the reward
-        if ref_logprobs is None:
-            raise GrpoError("loss.kl_in_reward needs reference log-probs (reference_phase)")
-        kl = kl_penalty(r.logprobs, ref_logprobs, cfg.loss.kl_estimator,
-                        cfg.loss.log_ratio_clamp, cfg.loss.kl_clamp)  # fmt: skip
-        token_rewards = token_rewards - cfg.loss.kl_in_reward * torch.where(mask, kl, 0.0)
+    # REINFORCE++, classic PPO: KL(pi_old || ref) per token in the reward (loss.kl_in_reward)
+    token_rewards = reward_minus_kl(batch.token_rewards, r.logprobs, ref_logprobs, mask, cfg.loss)
     try:
         return global_advantages(cfg, token_rewards, mask, dist, r.turn_ids, batch, metrics)
     except GrpoError as e:
@@ -198,8 +193,8 @@ def global_advantages(cfg: Config, token_rewards, mask, dist=SINGLE, turn_ids=No
     adv = compute_advantages(
         cfg.loss.advantage, all_rewards, all_mask, group_size=cfg.rollout.group_size,
         eps=cfg.loss.advantage_eps, gamma=cfg.loss.gamma, turn_ids=all_turns,
-        turn_gamma=cfg.rollout.gamma, params=cfg.loss.advantage_kwargs, rollout=rollout,
-        metrics=metrics,
+        turn_gamma=cfg.rollout.gamma, gae_lambda=cfg.loss.gae_lambda,
+        params=cfg.loss.advantage_kwargs, rollout=rollout, metrics=metrics,
     )  # fmt: skip
     return adv[dist.rank * B : (dist.rank + 1) * B, :T]  # (B, T_c)
 
@@ -410,6 +405,13 @@ def update_phase(
     return out
 
 
+def frozen_policy_metrics(scheduler) -> dict:
+    """The update's metrics on a step that does not update the policy (train.
+    critic_warmup_steps): its learning rate, no update, ``train/policy_frozen`` 1."""
+    return {"train/lr": scheduler.get_last_lr()[0], "train/nonfinite_skipped": 0,
+            "train/policy_frozen": 1.0}  # fmt: skip
+
+
 def run_header(
     cfg: Config, precision, device=None, parallel: str = "single process",
     env: dict[str, str] | None = None,
@@ -558,9 +560,11 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             metrics.update(adv_stats)
             metrics.update(balanced)  # the same on every rank
             metrics.update(inputs.metrics)  # the estimator's: of the global batch, as they are
+            warm_up = state.step < cfg.train.critic_warmup_steps  # the modules alone train
             try:
-                update = update_phase(cfg, policy, inputs, optimizer, scheduler, params, scorer,
-                                      dist, state.step + 1)  # fmt: skip
+                update = frozen_policy_metrics(scheduler) if warm_up else update_phase(
+                    cfg, policy, inputs, optimizer, scheduler, params, scorer, dist,
+                    state.step + 1)  # fmt: skip
             except NonfiniteWeights as e:  # every rank, at this update: never saved
                 what = str(e).split("; the checkpoints already written", 1)[0]
                 why = f"the weights after the update of step {state.step + 1} are not finite"
@@ -593,7 +597,8 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             skipped = int(metrics["train/nonfinite_skipped"])
             bad_steps = bad_steps + skipped if skipped else 0
             try:  # warns (rank 0); every rank decides alike (reduced metrics)
-                health.observe(state.step, metrics)
+                if not warm_up:  # a frozen policy is not a stall
+                    health.observe(state.step, metrics)
                 stall = None
             except StallError as e:  # train.stop_on_stall: raised once this step is logged
                 stall = e

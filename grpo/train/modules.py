@@ -16,34 +16,38 @@ and exact resume; and a line in the run's metadata (``run/modules``: name, class
 Each step, after the rollout, `attach` adds per-row tensors to the batch's `extras` (an
 estimator that declares `rollout` reads them: `EstimatorRollout.extras`); after the policy's
 update, `loss` on the same batch is one optimizer step of the module (its gradient averaged over
-ranks, so 2 ranks of equal batches equal one process on both). Metrics: ``module/<name>/loss``,
-``grad_norm`` and what `loss` reports (``(loss, {"name": scalar})``), averaged over ranks. A
-module's initial weights come from its own seed (train.seed + 1000 + its index), the run's RNG
-left as it was.
+ranks, so 2 ranks of equal batches equal one process on both). `loss` may also be a generator
+that yields one loss per micro-batch: each is backpropagated as it comes (one graph alive at a
+time), the step's loss is their sum. Metrics: ``module/<name>/loss``, ``grad_norm`` and what
+`loss` reports (``(loss, {"name": scalar})``), averaged over ranks. A module's initial weights
+come from its own seed (train.seed + 1000 + its index), the run's RNG left as it was.
+
+A factory takes its `kwargs` and any of these inputs by name: ``model_config`` (the policy's
+`ModelConfig`), ``tokenizer``, ``config`` (the run's `Config`), ``dist`` (the trainer ranks'
+`grpo.distributed.Dist`, for a loss normalized over the global batch) and ``policy`` (the
+`grpo.policy.Policy`, e.g. to share its frozen weights). The PPO critic (`grpo.train.critic`)
+is one such module.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from grpo.algo.registry import Registry
 from grpo.errors import GrpoError
 from grpo.io import load_safetensors, save_safetensors, torch_load, torch_save
 from grpo.metrics import split_metrics
 from grpo.run.optim import build_optimizer, build_scheduler
+from grpo.train import critic as _critic  # noqa: F401  (registers the PPO critic, "critic")
+from grpo.train.module_base import TRAINED_MODULES, TrainedModule, register_trained_module
 
-TRAINED_MODULES = Registry("trained module", "modules[].name")
-INPUTS = ("model_config", "tokenizer")
-
-
-def register_trained_module(name: str, *, overwrite: bool = False):
-    """Decorator: a factory of a `TrainedModule`, selectable as ``modules: [{name: ...}]``."""
-    return TRAINED_MODULES.register(name, overwrite=overwrite)
+_DONE = object()  # the end of a module's loss parts
+INPUTS = ("model_config", "tokenizer", "config", "dist", "policy")
 
 
 def check_trained_module(spec, index: int = 0) -> None:
@@ -53,23 +57,6 @@ def check_trained_module(spec, index: int = 0) -> None:
     except GrpoError as e:  # the registry's field names, made this entry's
         text = str(e).replace("modules[].name_kwargs", f"modules[{index}].kwargs")
         raise GrpoError(text.replace("modules[].name", f"modules[{index}].name")) from None
-
-
-class TrainedModule(torch.nn.Module):
-    """A module trained beside the policy (module docstring). Subclass it and override:
-
-    attach(batch) -> {name: (B,) or (B, T_c) tensor}: per-row tensors added to the step's
-        `RolloutBatch.extras` (computed without gradient), before the advantages.
-    loss(batch, update) -> loss or (loss, {"name": scalar}): this rank's loss (a mean over its
-        rows) on the step's `RolloutBatch` and `UpdateBatch` (advantages, masks), after the
-        policy's update; one optimizer step follows.
-    """
-
-    def attach(self, batch) -> dict[str, torch.Tensor]:
-        return {}
-
-    def loss(self, batch, update):
-        raise NotImplementedError(f"{type(self).__name__}.loss")
 
 
 @dataclasses.dataclass
@@ -97,7 +84,7 @@ class ModuleSet:
                 raise GrpoError(f"modules[{i}]: two modules named {name!r}; give one a `label`")
             seen.add(name)
             inputs = {"model_config": policy.model.config, "tokenizer": policy.tokenizer,
-                      **spec.kwargs}  # fmt: skip
+                      "config": cfg, "dist": dist, "policy": policy, **spec.kwargs}  # fmt: skip
             with torch.random.fork_rng(devices=[]):  # its own init; the run's RNG untouched
                 torch.manual_seed(cfg.train.seed + 1000 + i)
                 module = TRAINED_MODULES.call(spec.name, inputs)
@@ -110,7 +97,7 @@ class ModuleSet:
             if not params:
                 raise GrpoError(f"modules[{i}]: {name!r} has no trainable parameters")
             optimizer = build_optimizer(params, optim)
-            scheduler = build_scheduler(optimizer, total_steps, optim)
+            scheduler = build_scheduler(optimizer, total_steps * _updates(module), optim)
             self.items.append(Trained(name, module, optimizer, scheduler, optim.max_grad_norm))
         self.dist = dist
         if dist.enabled:  # the same initial weights on every rank, as DDP broadcasts them
@@ -118,7 +105,7 @@ class ModuleSet:
 
             src = 0 if dist.group is None else td.get_global_rank(dist.group, 0)
             for t in self.items:
-                for tensor in t.module.state_dict().values():
+                for tensor in t.module.checkpoint_state().values():
                     td.broadcast(tensor, src=src, group=dist.group)
 
     def __bool__(self) -> bool:
@@ -153,33 +140,56 @@ class ModuleSet:
         return dataclasses.replace(batch, extras=extras)
 
     def step(self, batch, update, step: int | None = None) -> dict[str, float]:
-        """One optimizer step of every module on the step's batch; their metrics."""
+        """`updates` optimizer steps of every module on the step's batch; their metrics (the
+        means over those updates)."""
         out: dict[str, float] = {}
         for t in self.items:
             t.module.train()
-            t.optimizer.zero_grad(set_to_none=True)
-            with self.precision.autocast(self.device):
-                result = _module_loss(t, batch, update)
-            loss, reported = result
+            n = _updates(t.module)
+            sums: dict[str, float] = {}
+            for _ in range(n):
+                for k, v in self._update(t, batch, update, step).items():
+                    sums[k] = sums.get(k, 0.0) + v
+            t.module.eval()
+            out.update({f"module/{t.name}/{k}": v / n for k, v in sums.items()})
+        return out
+
+    def _update(self, t: Trained, batch, update, step: int | None) -> dict[str, float]:
+        """One optimizer step of `t`: its loss, grad_norm and reported metrics."""
+        t.optimizer.zero_grad(set_to_none=True)
+        total, reported = 0.0, {}
+        for loss, got in self._losses(t, batch, update):  # forwards under autocast
+            loss.float().backward()  # one micro-batch's graph at a time
+            total = total + loss.detach().float()
+            reported.update(got)
+        params = [p for p in t.module.parameters() if p.requires_grad]
+        _average_gradients(params, self.dist)  # DDP: the mean of every rank's gradient
+        norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm or math.inf)
+        value = float(total)
+        if not (math.isfinite(value) and math.isfinite(float(norm))):
+            where = f"step {step}: " if step is not None else ""
+            raise GrpoError(f"{where}module {t.name!r}: non-finite loss ({value}) or gradient "
+                            f"norm ({float(norm)})")  # fmt: skip
+        t.optimizer.step()
+        t.scheduler.step()
+        return {"loss": value, "grad_norm": float(norm), **reported}
+
+    def _losses(self, t: Trained, batch, update):
+        """(loss, metrics) of each of `t`'s loss parts (one, or what its generator yields),
+        each computed under the policy's autocast, checked."""
+        with self.precision.autocast(self.device):
+            result = t.module.loss(batch, update)
+        parts = iter(result) if inspect.isgenerator(result) else iter((result,))
+        while True:
+            with self.precision.autocast(self.device):  # a generator's part runs in next()
+                part = next(parts, _DONE)
+            if part is _DONE:
+                return
+            loss, got = split_metrics(part, f"module {t.name!r}")
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
                 raise GrpoError(f"module {t.name!r}: loss returned {_shape(loss)}; expected a "
                                 "0-d tensor with a gradient")  # fmt: skip
-            loss.float().backward()
-            params = [p for p in t.module.parameters() if p.requires_grad]
-            _average_gradients(params, self.dist)  # DDP: the mean of every rank's gradient
-            norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm or math.inf)
-            value = float(loss.detach())
-            if not (math.isfinite(value) and math.isfinite(float(norm))):
-                where = f"step {step}: " if step is not None else ""
-                raise GrpoError(f"{where}module {t.name!r}: non-finite loss ({value}) or gradient "
-                                f"norm ({float(norm)})")  # fmt: skip
-            t.optimizer.step()
-            t.scheduler.step()
-            t.module.eval()
-            out[f"module/{t.name}/loss"] = value
-            out[f"module/{t.name}/grad_norm"] = float(norm)
-            out.update({f"module/{t.name}/{k}": v for k, v in reported.items()})
-        return out
+            yield loss, {k: float(v) for k, v in got.items()}
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -189,7 +199,8 @@ class ModuleSet:
         for t in self.items:
             d = Path(directory) / "modules" / t.name
             d.mkdir(parents=True, exist_ok=True)
-            weights = {k: v.detach().contiguous() for k, v in t.module.state_dict().items()}
+            state = t.module.checkpoint_state()
+            weights = {k: v.detach().contiguous() for k, v in state.items()}
             save_safetensors(weights, d / "weights.safetensors")
             if weights_only:
                 continue
@@ -205,7 +216,7 @@ class ModuleSet:
                                 "(was it trained with this module?)")  # fmt: skip
             weights = load_safetensors(d / "weights.safetensors")
             try:
-                t.module.load_state_dict(weights)
+                t.module.load_checkpoint_state(weights)
             except RuntimeError as e:
                 first = str(e).strip().splitlines()[0]
                 raise GrpoError(f"checkpoint {checkpoint}: module {t.name!r} does not fit: "
@@ -219,10 +230,12 @@ class ModuleSet:
             t.scheduler.load_state_dict(sched)
 
 
-def _module_loss(t: Trained, batch, update):
-    """(loss, metrics) of the module `t`, its metrics checked."""
-    loss, reported = split_metrics(t.module.loss(batch, update), f"module {t.name!r}")
-    return loss, {k: float(v) for k, v in reported.items()}
+def _updates(module: TrainedModule) -> int:
+    """A module's optimizer steps per training step (`TrainedModule.updates`), checked."""
+    n = getattr(module, "updates", 1)
+    if not isinstance(n, int) or n < 1:
+        raise GrpoError(f"{type(module).__name__}.updates must be an int >= 1, got {n!r}")
+    return n
 
 
 def _average_gradients(params: list[torch.Tensor], dist) -> None:
@@ -247,3 +260,7 @@ def _shape(v) -> str:
     if isinstance(v, torch.Tensor):
         return f"a tensor of shape {tuple(v.shape)}"
     return type(v).__name__
+
+
+__all__ = ["TRAINED_MODULES", "ModuleSet", "TrainedModule", "check_trained_module",
+           "register_trained_module"]  # fmt: skip

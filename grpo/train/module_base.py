@@ -1,0 +1,47 @@
+"""The base class and registry of modules trained beside the policy (grpo.train.modules
+has the trainer's side: building, stepping, checkpoints). Kept apart so that a built-in module
+(the PPO critic, grpo.train.critic) registers without importing the trainer's side."""
+
+from __future__ import annotations
+
+import torch
+
+from grpo.algo.registry import Registry
+
+TRAINED_MODULES = Registry("trained module", "modules[].name")
+
+
+def register_trained_module(name: str, *, overwrite: bool = False):
+    """Decorator: a factory of a `TrainedModule`, selectable as ``modules: [{name: ...}]``."""
+    return TRAINED_MODULES.register(name, overwrite=overwrite)
+
+
+class TrainedModule(torch.nn.Module):
+    """A module trained beside the policy (module docstring). Subclass it and override:
+
+    attach(batch) -> {name: (B,) or (B, T_c) tensor}: per-row tensors added to the step's
+        `RolloutBatch.extras` (computed without gradient), before the advantages.
+    loss(batch, update) -> loss or (loss, {"name": scalar}): this rank's loss (a mean over its
+        rows) on the step's `RolloutBatch` and `UpdateBatch` (advantages, masks), after the
+        policy's update; one optimizer step follows. Or a generator yielding one of those per
+        micro-batch (each backpropagated as it is yielded; metrics: the last reported wins).
+    updates: optimizer steps per training step on the same batch (default 1; PPO's critic
+        takes loss.num_iterations, as the policy; its schedule counts them all).
+    checkpoint_state() -> {name: tensor}: what checkpoints hold and ranks broadcast at the start
+        (default: the whole `state_dict`; a module on frozen shared weights returns only what
+        it trains); load_checkpoint_state(weights) puts it back (default: `load_state_dict`).
+    """
+
+    updates: int = 1
+
+    def attach(self, batch) -> dict[str, torch.Tensor]:
+        return {}
+
+    def loss(self, batch, update):
+        raise NotImplementedError(f"{type(self).__name__}.loss")
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        return self.state_dict()
+
+    def load_checkpoint_state(self, weights: dict[str, torch.Tensor]) -> None:
+        self.load_state_dict(weights)
