@@ -44,7 +44,9 @@ from grpo.train.batch import (
     unit_tokens,
 )
 from grpo.train.grpo import advantage_phase, step_batch, step_plan, update_phase
+from grpo.train.modules import ModuleSet
 from grpo.train.sft import sft_update
+from grpo.train.stats import reduce_metrics
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
@@ -170,6 +172,32 @@ def run_cases(ckpt: str, out: Path, dist, fsdp: bool = False) -> None:
     inputs = UpdateBatch(r, counted_mask(r, False), advantages, plan)
     update_phase(cfg, policy, inputs, opt, sched, params, scorer, dist)
     save_trainable(model, dist, out / "grpo_multiturn.safetensors")
+    # PPO: the critic (a trained module: replicated; on the policy's shared frozen base, or
+    # under FSDP its own copy) and GAE over both ranks' multi-turn rows, whitened globally;
+    # two critic updates, so the value clip acts on the second
+    model = copy.deepcopy(base)
+    cfg = load_config(
+        base={"model": {"path": ckpt}, "modules": [{
+            "name": "critic", "kwargs": {"micro_batch_size": 3, "updates": 2},
+            "optim": {"lr": 1e-2, "warmup_ratio": 0.0}}]},
+        overrides=["loss.advantage=gae", "loss.gae_lambda=0.9", "loss.gamma=0.95",
+                   "loss.beta=0", "optim.lr=1e-3", "train.batch_size=16",
+                   "train.micro_batch_size=4", f"train.parallel={'fsdp' if fsdp else 'ddp'}"],
+    )  # fmt: skip
+    policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=True)
+    batch = multiturn_batch(model, dist.rank, dist.world_size)
+    scorer, params, opt, sched = trainer(model, cfg, dist, fsdp)  # FSDP: the policy sharded
+    modules = ModuleSet(cfg, policy, dist, torch.device("cpu"), total_steps=10)
+    batch = modules.attach(batch)
+    inputs = step_batch(cfg, policy, batch, dist)
+    update_phase(cfg, policy, inputs, opt, sched, params, scorer, dist)
+    reported = reduce_metrics(modules.step(batch, inputs), dist)  # as the trainer logs them
+    save_trainable(model, dist, out / "ppo_policy.safetensors")
+    state = modules.items[0].module.checkpoint_state()
+    if dist.is_main:
+        save_file({k: v.detach().clone().contiguous() for k, v in state.items()},
+                  str(out / "ppo_critic.safetensors"))  # fmt: skip
+        (out / "ppo_metrics.json").write_text(json.dumps({**reported, **inputs.metrics}))
     # sequence packing: micro-batches of at most 22 real tokens, which this rank's rows (of
     # other lengths than the other rank's) need more or fewer of: every rank cuts as many
     for name, tokens in (("grpo_packed_tokens", "22"), ("grpo_packed_shared", None)):

@@ -51,6 +51,8 @@ def test_two_ranks_equal_one_process(tiny_checkpoints, tmp_path):
         "grpo_seq_mean_token_sum_norm.safetensors",
         "grpo_shared_prefix.safetensors",
         "grpo_token_mean.safetensors",
+        "ppo_critic.safetensors",
+        "ppo_policy.safetensors",
         "sft.safetensors",
         "sft_full.safetensors",
     ]
@@ -66,6 +68,18 @@ def test_two_ranks_equal_one_process(tiny_checkpoints, tmp_path):
             assert a.keys() == b.keys(), (mode, name)
             diff = max((a[k] - b[k]).abs().max().item() for k in a)
             assert diff <= 1e-6, (mode, name, diff)
+    # PPO: the critic trained (its head moved, the second update clipped some values) and
+    # the estimator's and critic's metrics (of the global batch) equal one process's
+    critic = load_file(tmp_path / "single" / "ppo_critic.safetensors")
+    assert float(critic["model.score.weight"].abs().max()) > 0
+    assert all("lora_" in k or k == "model.score.weight" for k in critic), sorted(critic)[:4]
+    want = json.loads((tmp_path / "single" / "ppo_metrics.json").read_text())
+    assert want["module/critic/clip_frac"] > 0 and "advantage/return_mean" in want, want
+    for mode in ("ddp", "fsdp"):
+        got = json.loads((tmp_path / mode / "ppo_metrics.json").read_text())
+        assert got.keys() == want.keys(), mode
+        for k in want:
+            assert abs(got[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k])), (mode, k, got, want)
     for mode in ("ddp", "fsdp"):  # packed by tokens: unequal needs, equal micro-batch counts
         counts = [json.loads((tmp_path / mode / f"grpo_packed_tokens_counts_{r}.json").read_text())
                   for r in (0, 1)]  # fmt: skip

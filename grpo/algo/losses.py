@@ -299,5 +299,25 @@ def check_policy_loss(cfg) -> None:
     KL_ESTIMATORS.check_params(cfg.kl_estimator, {}, {"logprobs", "ref_logprobs"})
 
 
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+               clip: float | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """PPO's per-token value loss (a critic's, grpo.train.critic), before aggregation:
+
+        1/2 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)
+
+    (unclipped, `clip` None: 1/2 (V - R)^2), as verl's and TRL's; the clipped branch keeps one
+    update from moving a value further than c from the value that computed the advantages.
+
+    Returns:
+        (loss, clipped): (B, T_c) per-token losses and where the clipped branch was the larger.
+    """
+    err = (values - returns) ** 2
+    if clip is None:
+        return 0.5 * err, torch.zeros_like(err, dtype=torch.bool)
+    v_clip = old_values + (values - old_values).clamp(-clip, clip)
+    err_clip = (v_clip - returns) ** 2
+    return 0.5 * torch.maximum(err, err_clip), err_clip > err
+
+
 __all__ = ["AGGREGATIONS", "LossSettings", "aggregate", "check_bad_row", "loss_normalizer",
-           "policy_loss", "policy_loss_on_device", "reduce_stat"]  # fmt: skip
+           "policy_loss", "policy_loss_on_device", "reduce_stat", "value_loss"]  # fmt: skip

@@ -29,6 +29,7 @@ from grpo.algo import (
     loss_normalizer,
     policy_loss,
 )
+from grpo.algo.advantages import EstimatorRollout, wants_rollout
 
 B, G, T = 16, 4, 9  # rows, group size, completion width of the fixed batch
 CLAIMS = ("shift_invariant", "group_zero_sum")  # what an estimator may claim (register_advantage)
@@ -148,6 +149,7 @@ def check_advantage(
     reference: Callable | None = None,
     kwargs: Mapping | None = None,
     checks: Iterable[str] | None = None,
+    extras: Iterable[str] = (),
 ) -> None:
     """Check an advantage estimator; raises ConformanceError naming the failed check.
 
@@ -159,13 +161,33 @@ def check_advantage(
         checks: the checks to run (default: `advantage_checks(spec, reference)`): claims (only
             known claims), shape_and_equal_groups, masked_rows_and_padding, shift_invariant,
             group_zero_sum (the claimed properties), reference.
+        extras: names of (B, T_c) per-row tensors the estimator reads from its `rollout`
+            (e.g. a critic's ``values``): an estimator that declares `rollout` gets an
+            `EstimatorRollout` of the kit's batch with these filled with seeded values (the
+            padding check pads them with NaN, as it pads the rewards).
     """
 
     reference = resolve(reference)
+    names = tuple(extras)
+
+    def rollout_of(x: Mapping[str, torch.Tensor]) -> EstimatorRollout | None:
+        if not wants_rollout(spec):
+            return None
+        mask = x["mask"]
+        rows, width = mask.shape
+        g = torch.Generator().manual_seed(11)
+        made = {n: torch.randn(rows, T, generator=g) for n in names}
+        made = {n: torch.nn.functional.pad(v, (0, width - T), value=float("nan"))
+                for n, v in made.items()}  # fmt: skip
+        return EstimatorRollout(
+            completion_ids=torch.where(mask, 5, 0), completion_mask=mask, generated_mask=mask,
+            turn_ids=torch.where(mask, 0, -1), logprobs=torch.where(mask, -1.0, 0.0),
+            prompt_lens=torch.full((rows,), 3), extras=made,
+        )  # fmt: skip
 
     def adv(x: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return compute_advantages(spec, x["token_rewards"], x["mask"], group_size=G,
-                                  params=kwargs)  # fmt: skip
+                                  params=kwargs, rollout=rollout_of(x))  # fmt: skip
 
     def claims():
         unknown = sorted(ADVANTAGES.claims(spec) - set(CLAIMS)) if isinstance(spec, str) else []
@@ -224,7 +246,7 @@ def check_advantage(
         inputs = {"token_rewards": rewards, "scores": rewards.sum(-1), "mask": x["mask"],
                   "group_size": G, "eps": 1e-4, "gamma": 1.0,
                   "turn_ids": torch.zeros(B, T, dtype=torch.long), "turn_gamma": 1.0,
-                  **(kwargs or {})}  # fmt: skip
+                  "gae_lambda": 1.0, "rollout": rollout_of(x), **(kwargs or {})}  # fmt: skip
         want = ADVANTAGES.call(reference, inputs)  # (B, T_c), like the estimator
         m = x["mask"]
         torch.testing.assert_close(adv(x).double()[m], want.double()[m], rtol=1e-5, atol=1e-5)

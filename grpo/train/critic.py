@@ -35,7 +35,7 @@ import torch
 
 from grpo.algo.advantages import gae_returns
 from grpo.algo.kl import reward_minus_kl
-from grpo.algo.losses import aggregate, loss_normalizer
+from grpo.algo.losses import aggregate, loss_normalizer, value_loss
 from grpo.distributed import all_reduce_sum
 from grpo.errors import GrpoError
 from grpo.lora import apply_lora, load_adapter, unwrap_lora
@@ -121,14 +121,9 @@ class Critic(TrainedModule):
         for sl in self._slices(batch.size):
             m = mask[sl]
             v = self.values(batch.rollout, sl)
-            err = (v - target[sl]) ** 2
-            if self.value_clip is not None:
-                c = self.value_clip
-                v_clip = old[sl] + (v - old[sl]).clamp(-c, c)
-                err_clip = (v_clip - target[sl]) ** 2
-                clipped_n += float(((err_clip > err) & m).sum())
-                err = torch.maximum(err, err_clip)
-            part = 0.5 * scale * aggregate(err, m, agg, norm)
+            per_token, clipped = value_loss(v, old[sl], target[sl], self.value_clip)
+            clipped_n += float((clipped & m).sum())
+            part = scale * aggregate(per_token, m, agg, norm)
             # each rank's share of the fraction of tokens clipped: their mean over ranks is
             # the global batch's (as the loss's)
             yield part, {"clip_frac": clipped_n * dist.world_size / n_tokens}
