@@ -5,12 +5,18 @@
     python -m benchmarks.bench_step --sizes qwen3-0.6b --device cuda --out-dir DIR  # gpu_check.sh
     python -m benchmarks.bench_step --lengths gsm8k,uniform --sizes ci,qwen3-0.6b  # packing
     python -m benchmarks.bench_step --reward-model --sizes ci,qwen3-0.6b  # reward-model scoring
+    python -m benchmarks.bench_step --critic --sizes ci,qwen3-0.6b  # PPO's step beside GRPO's
 
 Each phase of `grpo.train.grpo` is timed on its own with the shared harness, for LoRA and
 full fine-tuning, on tiny random-init Qwen3 models written by `grpo.tiny.make_tiny_model`, or
 (`qwen3-0.6b`) a random-init model of Qwen3-0.6B's shape with the same tokenizer
 (`benchmarks.bench_trl.make_checkpoint`). Results are written after each case, so a run stopped
 by a timeout keeps the cases that finished.
+
+`--critic` adds PPO's work on the same rolled-out batch: the critic (`modules: [{name:
+critic}]`, a value model of the policy's size on its shared base under LoRA) computing values
+(attach), GAE, and its update (loss.num_iterations optimizer steps); `ppo_step_ms` is the GRPO
+step plus those, `ppo_vs_grpo` their ratio, with the peak memory of both.
 
 `--lengths` compares the padded and the packed training passes (train.pack_sequences off / on,
 reference log-probs + the update, interleaved in one run) on rollouts of controlled lengths:
@@ -125,6 +131,10 @@ def bench_case(model_dir: Path, size: str, lora: bool, args, shared: str = "off"
     scoring = {}
     if args.reward_model:
         scoring = reward_model_case(model_dir, case, t_roll.median_ms, args)
+    peak = max(t_roll.peak_mem_mib, t_ref.peak_mem_mib, t_upd.peak_mem_mib)
+    if args.critic:  # PPO's peak: the GRPO phases' and the critic's
+        scoring.update(critic_case(case, total, args))
+        scoring["ppo_peak_mem_mib"] = max(scoring["ppo_peak_mem_mib"], round(peak, 1))
     return {
         "size": size,
         "mode": "lora r16" if lora else "full",
@@ -137,7 +147,7 @@ def bench_case(model_dir: Path, size: str, lora: bool, args, shared: str = "off"
         "step_ms": round(total, 1),
         "rollout_frac": round(t_roll.median_ms / total, 3),
         "tokens_per_s": round(tokens / (total / 1e3), 1),
-        "peak_mem_mib": round(max(t_roll.peak_mem_mib, t_ref.peak_mem_mib, t_upd.peak_mem_mib), 1),
+        "peak_mem_mib": round(peak, 1),
         "spread_ms": f"{t_upd.p20_ms:.0f}-{t_upd.p80_ms:.0f}",
         **scoring,
     }
@@ -167,6 +177,34 @@ def reward_model_case(model_dir: Path, case: dict, rollout_ms: float, args) -> d
     return {"rm_score_ms": round(t.median_ms, 1),
             "rm_rows_per_s": round(len(questions) / (t.median_ms / 1e3), 1),
             "rm_vs_rollout": round(t.median_ms / rollout_ms, 3)}  # fmt: skip
+
+
+def critic_case(case: dict, grpo_step_ms: float, args) -> dict:
+    """--critic: PPO's extra work on a rolled-out batch of the case: the critic's values
+    (`attach`), the step's phases with the `gae` estimator, and the critic's update."""
+    import dataclasses
+
+    from grpo.config import ModuleConfig
+    from grpo.train.modules import ModuleSet
+
+    cfg, policy = case["cfg"], case["policy"]
+    device = torch.device(args.device)
+    ppo = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, advantage="gae"),
+                              modules=(ModuleConfig(name="critic"),))  # fmt: skip
+    modules = ModuleSet(ppo.check_grpo(), policy, SINGLE, device, 1000)
+    batch = case["rollout"]()
+    t_attach = measure(lambda: modules.attach(batch), warmup=1, repeats=args.repeats,
+                       device=device)  # fmt: skip
+    batch = modules.attach(batch)
+    inputs = step_batch(ppo, policy, batch)  # reference log-probs, GAE
+    t_fit = measure(lambda: modules.step(batch, inputs), warmup=1, repeats=args.repeats,
+                    device=device)  # fmt: skip
+    ppo_ms = grpo_step_ms + t_attach.median_ms + t_fit.median_ms
+    return {"critic_values_ms": round(t_attach.median_ms, 1),
+            "critic_update_ms": round(t_fit.median_ms, 1), "ppo_step_ms": round(ppo_ms, 1),
+            "ppo_vs_grpo": round(ppo_ms / grpo_step_ms, 3),
+            "ppo_peak_mem_mib": round(max(t_attach.peak_mem_mib, t_fit.peak_mem_mib),
+                                      1)}  # fmt: skip
 
 
 def controlled_rollout(prompts: list[list[int]], G: int, T_c: int, spread: str, vocab: int,
@@ -311,6 +349,9 @@ def main(argv=None) -> None:
                    help="also time a same-size reward model (the reward_model reward) scoring "
                         "each case's rollout: rows/s and its time over the rollout's")  # fmt: skip
     p.add_argument("--rm-batch-size", type=int, default=32, help="--reward-model: rows/forward")
+    p.add_argument("--critic", action="store_true",
+                   help="also time PPO's critic (values, GAE, its update) on each case's "
+                        "batch: the PPO step beside GRPO's")  # fmt: skip
     args = p.parse_args(argv)
     sizes = comma_list(p, "--sizes", args.sizes, [*SIZES, "qwen3-0.6b"])
     if args.lengths is not None:
@@ -320,6 +361,9 @@ def main(argv=None) -> None:
             "tokens_per_s", "peak_mem_mib", "spread_ms"]  # fmt: skip
     if args.reward_model:
         cols += ["rm_score_ms", "rm_rows_per_s", "rm_vs_rollout"]
+    if args.critic:
+        cols += ["critic_values_ms", "critic_update_ms", "ppo_step_ms", "ppo_vs_grpo",
+                 "ppo_peak_mem_mib"]  # fmt: skip
     meta = {
         "command": "python -m benchmarks.bench_step "
         + " ".join(sys.argv[1:] if argv is None else argv),
