@@ -35,7 +35,8 @@
 #   precision            bench_precision at the Qwen3-0.6B shape: sampler vs trainer and bf16
 #                        vs float32 log-probs (docs/precision.md)
 #   step                 bench_step at the Qwen3-0.6B shape, LoRA and full, with a same-size
-#                        reward model scoring each rollout (--reward-model)
+#                        reward model scoring each rollout (--reward-model) and PPO's critic
+#                        (--critic: values, GAE, its update) beside GRPO's step
 #   packing              bench_step --lengths gsm8k,uniform at the Qwen3-0.6B shape (LoRA):
 #                        padded vs packed training passes, the measurement that decides
 #                        train.pack_sequences: auto on CUDA (docs/benchmarks.md)
@@ -135,7 +136,7 @@ then
 fi
 
 mapfile -t CUDA_TESTS < <(grep -l "pytest.mark.cuda" tests/test_*.py)
-step 65 pytest-cuda "$PY" -m pytest -m cuda "${CUDA_TESTS[@]}" -q -rs -p no:cacheprovider \
+step 60 pytest-cuda "$PY" -m pytest -m cuda "${CUDA_TESTS[@]}" -q -rs -p no:cacheprovider \
     --continue-on-collection-errors --junitxml="$RES/pytest_cuda_$TAG.xml"
 
 if [[ "$DRY_RUN" == 1 ]]; then
@@ -201,7 +202,7 @@ TUT=(--config configs/gsm8k_qwen3_0.6b_grpo.yaml model.path="$WORK/tutorial/$TUT
     model.adapter=null model.device="$DEV" data.source=tests/data/gsm8k data.split=test
     data.max_samples=64 data.eval_samples=0 rollout.max_new_tokens="$TUT_NEW"
     rollout.compile=off train.max_steps="$TUT_STEPS" train.log_every=1)
-step 60 tutorial-grpo "$PY" -m benchmarks.gpu_run --name "grpo_tutorial_$TAG" \
+step 50 tutorial-grpo "$PY" -m benchmarks.gpu_run --name "grpo_tutorial_$TAG" \
     --out-dir "$RES" --metrics "$WORK/tutorial-run/metrics.jsonl" --accept 1e-2 \
     --parallel "ddp over 1 rank ($BACKEND)" -- "${TORCHRUN[@]}" -m grpo train "${TUT[@]}" \
     train.output_dir="$WORK/tutorial-run"
@@ -222,8 +223,8 @@ else
 fi
 # rollouts eager: the compiled step's cost at this shape is measured by sampler-compiled, and
 # two more 0.6B compiles (LoRA and full) would not fit
-step 35 step "$PY" -m benchmarks.bench_step --sizes "$SIZE" --device "$DEV" "${STEP[@]}" \
-    --rollout-compile off --reward-model --name "step_${TAG}_$SIZE" --out-dir "$RES"
+step 50 step "$PY" -m benchmarks.bench_step --sizes "$SIZE" --device "$DEV" "${STEP[@]}" \
+    --rollout-compile off --reward-model --critic --name "step_${TAG}_$SIZE" --out-dir "$RES"
 if [[ "$DRY_RUN" == 1 ]]; then
     PACK=(--prompts 2 --group-size 2 --max-new-tokens 32 --micro-batch-size 4 --repeats 1)
 else
