@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     ap.add_argument("--save", action="store_true",
                     help="also write benchmarks/results/ and docs/img/ copies")  # fmt: skip
+    ap.add_argument("--tag", default="", help="--save: a suffix of the saved files' names")
     ap.add_argument("overrides", nargs="*", help="pipeline overrides for both runs")
     args = ap.parse_args(argv)
 
@@ -86,7 +88,8 @@ def main(argv: list[str] | None = None) -> dict:
     times["sft"] = time.perf_counter() - t
 
     results: dict = {"seed": args.seed, "quick": args.quick, "overrides": over, "ppo": PPO,
-                     "runs": {}}  # fmt: skip
+                     "command": "python -m benchmarks.ppo_vs_grpo " + " ".join(
+                         sys.argv[1:] if argv is None else argv), "runs": {}}  # fmt: skip
     sft_eval = None
     for name, extra in (("grpo", []), ("ppo", PPO)):
         p = load_pipeline_config(out / "pipeline.yaml", [*over, *extra])
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     png = plot(results, out / "curves.png")
     if args.save:
-        tag = f"seed{args.seed}" + ("_quick" if args.quick else "")
+        tag = f"seed{args.seed}" + ("_quick" if args.quick else "") + args.tag
         (REPO / "benchmarks" / "results" / f"ppo_vs_grpo_{tag}.json").write_text(
             json.dumps(results, indent=2) + "\n")  # fmt: skip
         plot(results, REPO / "docs" / "img" / f"ppo_vs_grpo_{tag}.png")

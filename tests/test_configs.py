@@ -39,7 +39,7 @@ RUN_ELSEWHERE = {
 }  # fmt: skip
 RUN_HERE = ("gsm8k_qwen3_0.6b_sft.yaml", "gsm8k_qwen3_0.6b_grpo.yaml", "pipeline_gsm8k.yaml",
             "gsm8k_qwen3_0.6b_tools.yaml", "tiny_ci.yaml", "quickstart.yaml",
-            "rm_qwen3_0.6b.yaml")  # fmt: skip
+            "rm_qwen3_0.6b.yaml", "gsm8k_qwen3_0.6b_ppo.yaml")  # fmt: skip
 # Sizes and lengths only: one step, a few rows, short prompts and completions.
 SMALL = ["train.max_steps=1", "data.max_samples=8", "data.eval_samples=2", "eval.max_samples=2",
          "eval.max_new_tokens=8", "rollout.max_new_tokens=12",
@@ -95,6 +95,24 @@ def test_gsm8k_grpo_config_runs_from_the_sft_adapter(gsm8k_sft, shared_tiny_mode
     assert train_grpo(cfg)["step"] == 1
     m = check_metrics(out)
     assert m["train/grad_norm"] > 0
+    assert m["rollout/logprob_diff_max"] <= 1e-2  # bf16 budget (tests/test_precision.py)
+
+
+def test_gsm8k_ppo_config_runs_from_the_sft_adapter(gsm8k_sft, shared_tiny_model, tmp_path):
+    """The PPO recipe from SFT's adapter: GAE, KL in the reward, the critic on the policy's
+    base; one step past its critic-only warm-up (the warm-up shortened to 1 step)."""
+    sft_out, _ = gsm8k_sft
+    out = tmp_path / "run"
+    cfg = load_config(CONFIGS / "gsm8k_qwen3_0.6b_ppo.yaml", [
+        f"model.path={shared_tiny_model}", f"model.adapter={sft_out / 'final'}",
+        f"data.source={GSM8K}", *GSM8K_SPLIT, f"train.output_dir={out}", *SMALL,
+        "train.max_steps=2", "train.critic_warmup_steps=1"])  # fmt: skip
+    assert cfg.loss.advantage == "gae" and cfg.modules[0].name == "critic"
+    assert cfg.model.autocast_bf16 and cfg.lora.enabled
+    assert train_grpo(cfg)["step"] == 2
+    first, m = check_metrics(out, 1), check_metrics(out, 2)
+    assert first["train/policy_frozen"] == 1.0 and "train/policy_frozen" not in m
+    assert m["train/grad_norm"] > 0 and m["module/critic/grad_norm"] > 0
     assert m["rollout/logprob_diff_max"] <= 1e-2  # bf16 budget (tests/test_precision.py)
 
 
