@@ -32,6 +32,8 @@ from grpo.algo import (
 from grpo.algo.advantages import EstimatorRollout, wants_rollout
 
 B, G, T = 16, 4, 9  # rows, group size, completion width of the fixed batch
+# the batch extras a built-in estimator reads (`check_advantage` fills them for it)
+BUILTIN_EXTRAS = {"gae": ("values",)}
 CLAIMS = ("shift_invariant", "group_zero_sum")  # what an estimator may claim (register_advantage)
 BETA = 0.05  # the KL weight every loss check runs with (k3 in the loss)
 # every policy-loss check runs at the settings given, and again with these on top: a clip
@@ -135,6 +137,24 @@ def run_checks(
 # ----------------------------------------------------------------------------- estimators
 
 
+def kit_rollout(spec, mask: torch.Tensor, names: Iterable[str]) -> EstimatorRollout | None:
+    """The `EstimatorRollout` of the kit's batch for an estimator that declares `rollout`
+    (None for one that does not): its extras `names` seeded (B, T) values, NaN in the columns
+    past T (the padding check's)."""
+    if not wants_rollout(spec):
+        return None
+    rows, width = mask.shape
+    g = torch.Generator().manual_seed(11)
+    made = {n: torch.randn(rows, T, generator=g) for n in names}
+    made = {n: torch.nn.functional.pad(v, (0, width - T), value=float("nan"))
+            for n, v in made.items()}  # fmt: skip
+    return EstimatorRollout(
+        completion_ids=torch.where(mask, 5, 0), completion_mask=mask, generated_mask=mask,
+        turn_ids=torch.where(mask, 0, -1), logprobs=torch.where(mask, -1.0, 0.0),
+        prompt_lens=torch.full((rows,), 3), extras=made,
+    )  # fmt: skip
+
+
 def advantage_checks(spec: str | Callable, reference: Callable | None = None) -> list[str]:
     """The checks that apply to an estimator: its claims switch on the claimed properties."""
     claims = ADVANTAGES.claims(spec) if isinstance(spec, str) else frozenset()
@@ -149,7 +169,7 @@ def check_advantage(
     reference: Callable | None = None,
     kwargs: Mapping | None = None,
     checks: Iterable[str] | None = None,
-    extras: Iterable[str] = (),
+    extras: Iterable[str] | None = None,
 ) -> None:
     """Check an advantage estimator; raises ConformanceError naming the failed check.
 
@@ -164,26 +184,17 @@ def check_advantage(
         extras: names of (B, T_c) per-row tensors the estimator reads from its `rollout`
             (e.g. a critic's ``values``): an estimator that declares `rollout` gets an
             `EstimatorRollout` of the kit's batch with these filled with seeded values (the
-            padding check pads them with NaN, as it pads the rewards).
+            padding check pads them with NaN, as it pads the rewards). Default: what a
+            built-in reads (`BUILTIN_EXTRAS`), else none.
     """
 
     reference = resolve(reference)
+    if extras is None:
+        extras = BUILTIN_EXTRAS.get(spec, ()) if isinstance(spec, str) else ()
     names = tuple(extras)
 
     def rollout_of(x: Mapping[str, torch.Tensor]) -> EstimatorRollout | None:
-        if not wants_rollout(spec):
-            return None
-        mask = x["mask"]
-        rows, width = mask.shape
-        g = torch.Generator().manual_seed(11)
-        made = {n: torch.randn(rows, T, generator=g) for n in names}
-        made = {n: torch.nn.functional.pad(v, (0, width - T), value=float("nan"))
-                for n, v in made.items()}  # fmt: skip
-        return EstimatorRollout(
-            completion_ids=torch.where(mask, 5, 0), completion_mask=mask, generated_mask=mask,
-            turn_ids=torch.where(mask, 0, -1), logprobs=torch.where(mask, -1.0, 0.0),
-            prompt_lens=torch.full((rows,), 3), extras=made,
-        )  # fmt: skip
+        return kit_rollout(spec, x["mask"], names)
 
     def adv(x: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return compute_advantages(spec, x["token_rewards"], x["mask"], group_size=G,

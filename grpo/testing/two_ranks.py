@@ -28,11 +28,13 @@ import torch
 from grpo.algo import compute_advantages, policy_loss
 from grpo.plugins import load_plugins
 from grpo.testing.conformance import (
+    BUILTIN_EXTRAS,
     G,
     T,
     checking,
     close,
     expect,
+    kit_rollout,
     label,
     loss_settings,
     make_inputs,
@@ -125,7 +127,9 @@ def check_two_ranks(
         expect(kw is not None, "the two-rank job did not run this entry")
         x = make_inputs()
         if kind == "advantage":
-            want = compute_advantages(name, x["token_rewards"], x["mask"], group_size=G, params=kw)
+            rollout = kit_rollout(name, x["mask"], BUILTIN_EXTRAS.get(name, ()))
+            want = compute_advantages(name, x["token_rewards"], x["mask"], group_size=G,
+                                      params=kw, rollout=rollout)  # fmt: skip
             got = torch.tensor(result["advantages"][name])
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
             return

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -18,9 +19,33 @@ from grpo.algo import loss_normalizer, policy_loss
 from grpo.config import load_config
 from grpo.distributed import all_reduce_sum, gather_objects, init_distributed, teardown
 from grpo.plugins import load_plugins
-from grpo.testing.conformance import B, G, T, loss_settings, make_inputs
+from grpo.testing.conformance import (
+    BUILTIN_EXTRAS,
+    B,
+    G,
+    T,
+    kit_rollout,
+    loss_settings,
+    make_inputs,
+)
 from grpo.testing.two_ranks import reduced_stats
 from grpo.train.grpo import global_advantages
+
+
+def _batch(name: str, mask: torch.Tensor, rows: slice, width: int):
+    """This rank's part of the kit's rollout (`kit_rollout`: a built-in's extras) in the shape
+    `global_advantages` reads, or None for an estimator that reads no rollout."""
+    r = kit_rollout(name, mask, BUILTIN_EXTRAS.get(name, ()))
+    if r is None:
+        return None
+    rollout = SimpleNamespace(
+        completion_ids=r.completion_ids[rows, :width],
+        completion_mask=r.completion_mask[rows, :width],
+        logprobs=r.logprobs[rows, :width],
+        prompt_lens=r.prompt_lens[rows],
+    )
+    return SimpleNamespace(rollout=rollout,
+                           extras={k: v[rows, :width] for k, v in r.extras.items()})  # fmt: skip
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -36,8 +61,11 @@ def main(spec_path: str, out_path: str) -> None:
     result: dict = {"advantages": {}, "grads": {}, "losses": {}, "stats": {}}
     for name, kw in spec["advantages"].items():
         base = {"model": {"path": "unused"}, "rollout": {"group_size": G},
-                "loss": {"advantage": name, "advantage_kwargs": kw}}  # fmt: skip
-        adv = global_advantages(load_config(base=base), mine["token_rewards"], mine["mask"], dist)
+                "loss": {"advantage": name, "advantage_kwargs": kw, "gamma": 1.0,
+                         "gae_lambda": 1.0}}  # compute_advantages' defaults  # fmt: skip
+        batch = _batch(name, x["mask"], rows, width)  # what the estimator reads beyond rewards
+        adv = global_advantages(load_config(base=base), mine["token_rewards"], mine["mask"], dist,
+                                batch=batch)  # fmt: skip
         parts = gather_objects(torch.nn.functional.pad(adv, (0, T - width)).tolist(), dist)
         result["advantages"][name] = [row for part in parts for row in part]
     for name, kw in spec["losses"].items():
