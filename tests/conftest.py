@@ -284,6 +284,23 @@ def write_package(root: Path, files: dict[str, str], name: str = "my_pkg") -> Pa
 LENGTH_REWARD = "def length(completions, **_):\n    return [len(c) / 10 for c in completions]\n"
 
 
+def tiny_train(cwd: Path, model, *args, env=None):
+    """`grpo train` of configs/tiny_ci.yaml in `cwd` (on PYTHONPATH: a `write_package` with
+    LENGTH_REWARD as my_pkg/rewards.py), 8 new tokens, the length reward, no evaluation;
+    `args` override on top. The CompletedProcess (not asserted)."""
+    import subprocess
+    import sys
+
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny_ci.yaml"
+    cmd = [sys.executable, "-m", "grpo", "train", "--config", str(tiny), f"model.path={model}",
+           "train.progress=false", "data.eval_samples=0", "rollout.compile=off",
+           "train.log_every=1", "rollout.max_new_tokens=8",
+           "rewards=[{name: my_pkg.rewards:length}]", *args]  # fmt: skip
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(cwd), **(env or {})}
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=full_env,
+                          timeout=300)  # fmt: skip
+
+
 def torchrun_train(cwd: Path, model, out: str, *overrides, ranks: int = 2) -> list[dict]:
     """`grpo train` of configs/tiny_ci.yaml for 2 steps on `ranks` torchrun ranks in `cwd`
     (on PYTHONPATH), asserted to succeed; the per-step metrics.jsonl records."""

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import LENGTH_REWARD, write_package
+from conftest import LENGTH_REWARD, tiny_train, write_package
 from safetensors.torch import load_file
 
 from grpo.algo.advantages import EstimatorRollout, compute_advantages, gae_returns
@@ -296,14 +293,8 @@ def my_pkg(tmp_path):
 
 
 def grpo_train(cwd, model, *args, env=None):
-    cmd = [sys.executable, "-m", "grpo", "train", "--config", TINY, f"model.path={model}",
-           "train.progress=false", "data.eval_samples=0", "rollout.compile=off",
-           "train.log_every=1", "rollout.max_new_tokens=8", "loss.advantage=gae",
-           "loss.kl_in_reward=0.05", "rewards=[{name: my_pkg.rewards:length}]",
-           "plugins=[my_pkg.killer]", *args]  # fmt: skip
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(cwd), **(env or {})}
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=full_env,
-                          timeout=300)  # fmt: skip
+    return tiny_train(cwd, model, "loss.advantage=gae", "loss.kl_in_reward=0.05",
+                      "plugins=[my_pkg.killer]", *args, env=env)  # fmt: skip
 
 
 def step_rows(path: Path) -> list[dict]:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import LENGTH_REWARD, docs_example, write_package
+from conftest import LENGTH_REWARD, docs_example, tiny_train, write_package
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,13 +44,7 @@ def my_pkg(tmp_path):
 
 
 def grpo_train(cwd, model, *args, env=None):
-    cmd = [sys.executable, "-m", "grpo", "train", "--config", TINY, f"model.path={model}",
-           "train.progress=false", "data.eval_samples=0", "rollout.compile=off",
-           "train.log_every=1", "rollout.max_new_tokens=8",
-           "rewards=[{name: my_pkg.rewards:length}]", *args]  # fmt: skip
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(cwd), **(env or {})}
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=full_env,
-                          timeout=300)  # fmt: skip
+    return tiny_train(cwd, model, *args, env=env)
 
 
 def metrics(path: Path) -> list[dict]:
