@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
             "reward_curve": curve(metrics, "rollout/reward_mean"),
             "explained_variance_curve": ev,
             "explained_variance_last_20pct": sum(last) / len(last) if last else None,
+            # groups of G rollouts sampled on the logged steps (dynamic sampling refills more)
+            "groups_sampled_logged": sum(v for _, v in curve(metrics, "rollout/groups_sampled")),
             "steps": run["step"],
             "train_s": round(took, 1),
             "step_s_median": sorted(step_s)[len(step_s) // 2] if step_s else None,
