@@ -21,6 +21,7 @@ from grpo.algo.advantages import EstimatorRollout, compute_advantages, gae_retur
 from grpo.algo.losses import value_loss
 from grpo.config import load_config
 from grpo.distributed import SINGLE
+from grpo.errors import GrpoError
 from grpo.settings import ConfigError
 from grpo.testing.conformance import check_advantage
 
@@ -149,7 +150,7 @@ def test_the_gae_estimator_passes_the_conformance_kit(kwargs):
 
 def test_the_gae_estimator_without_values_names_the_critic():
     rewards, _, mask = random_batch(4)
-    with pytest.raises(Exception, match=r"modules: \[\{name: critic\}\]"):
+    with pytest.raises(GrpoError, match=r"modules: \[\{name: critic\}\]"):
         compute_advantages("gae", rewards.float(), mask, group_size=2)
 
 

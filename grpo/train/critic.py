@@ -29,6 +29,7 @@ copy, replicated on every rank). `init` names any checkpoint instead: a reward m
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -117,16 +118,20 @@ class Critic(TrainedModule):
         n_tokens = max(all_reduce_sum(float(mask.sum()), dist), 1.0)
         # each rank's share of the global loss; ModuleSet averages gradients over ranks
         scale = self.coef * dist.world_size
-        clipped_n = 0.0
-        for sl in self._slices(batch.size):
+        clipped = torch.zeros((), device=mask.device)  # on the device: one host read
+        slices = list(self._slices(batch.size))
+        for i, sl in enumerate(slices):
             m = mask[sl]
             v = self.values(batch.rollout, sl)
-            per_token, clipped = value_loss(v, old[sl], target[sl], self.value_clip)
-            clipped_n += float((clipped & m).sum())
+            per_token, was_clipped = value_loss(v, old[sl], target[sl], self.value_clip)
+            clipped = clipped + (was_clipped & m).sum()
             part = scale * aggregate(per_token, m, agg, norm)
-            # each rank's share of the fraction of tokens clipped: their mean over ranks is
+            if i < len(slices) - 1:
+                yield part
+                continue
+            # this rank's share of the fraction of tokens clipped: their mean over ranks is
             # the global batch's (as the loss's)
-            yield part, {"clip_frac": clipped_n * dist.world_size / n_tokens}
+            yield part, {"clip_frac": float(clipped) * dist.world_size / n_tokens}
 
     # checkpoints: with LoRA, what trains (adapter and head); the shared base is the policy's
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
@@ -159,8 +164,6 @@ def value_model_on(source: Decoder) -> Decoder:
     final norm (a LoRA-wrapped linear contributes its frozen base weight only), and a new zero
     one-output `score` head in float32."""
     cfg = source.config
-    import dataclasses
-
     vcfg = dataclasses.replace(cfg, num_labels=1)
     with torch.device("meta"):
         model = Decoder(vcfg)
@@ -250,8 +253,6 @@ def critic(
 
 def _lora_settings(policy_lora, lora):
     """The critic's LoRA: the policy's section, overridden as `lora` says."""
-    import dataclasses
-
     if lora is None:
         return policy_lora
     if lora is False:
