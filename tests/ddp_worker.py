@@ -148,7 +148,7 @@ def run_cases(ckpt: str, out: Path, dist, fsdp: bool = False) -> None:
         model = copy.deepcopy(start)
         cfg = load_config(
             base={"model": {"path": ckpt}},
-            overrides=[f"loss.aggregation={agg}", "loss.beta=0", "optim.lr=1e-3",
+            overrides=[f"loss.aggregation={agg}", "loss.beta=0", "optim.lr=1e-3", "optim.eps=1.0",
                        "train.batch_size=16", "train.micro_batch_size=4",
                        f"train.shared_prefix={shared}"],
         )  # fmt: skip
@@ -161,7 +161,7 @@ def run_cases(ckpt: str, out: Path, dist, fsdp: bool = False) -> None:
     cfg = load_config(
         base={"model": {"path": ckpt}},
         overrides=["loss.advantage=grpo_turn", "rollout.gamma=0.9", "loss.beta=0",
-                   "optim.lr=1e-3", "train.batch_size=16", "train.micro_batch_size=4"],
+                   "optim.lr=1e-3", "optim.eps=1.0", "train.batch_size=16", "train.micro_batch_size=4"],
     )  # fmt: skip
     policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=True)
     batch = multiturn_batch(model, dist.rank, dist.world_size)
@@ -179,9 +179,9 @@ def run_cases(ckpt: str, out: Path, dist, fsdp: bool = False) -> None:
     cfg = load_config(
         base={"model": {"path": ckpt}, "modules": [{
             "name": "critic", "kwargs": {"micro_batch_size": 3, "updates": 2},
-            "optim": {"lr": 1e-2, "warmup_ratio": 0.0}}]},
+            "optim": {"lr": 1e-2, "warmup_ratio": 0.0, "eps": 1.0}}]},
         overrides=["loss.advantage=gae", "loss.gae_lambda=0.9", "loss.gamma=0.95",
-                   "loss.beta=0", "optim.lr=1e-3", "train.batch_size=16",
+                   "loss.beta=0", "optim.lr=1e-3", "optim.eps=1.0", "train.batch_size=16",
                    "train.micro_batch_size=4", f"train.parallel={'fsdp' if fsdp else 'ddp'}"],
     )  # fmt: skip
     policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=True)
@@ -206,7 +206,7 @@ def run_cases(ckpt: str, out: Path, dist, fsdp: bool = False) -> None:
             "train.micro_batch_size=4", "train.shared_prefix=on"]  # fmt: skip
         cfg = load_config(
             base={"model": {"path": ckpt}},
-            overrides=["loss.beta=0", "optim.lr=1e-3", "train.batch_size=16",
+            overrides=["loss.beta=0", "optim.lr=1e-3", "optim.eps=1.0", "train.batch_size=16",
                        "train.pack_sequences=on", *size],
         )  # fmt: skip
         policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=True)
@@ -226,7 +226,7 @@ def run_cases(ckpt: str, out: Path, dist, fsdp: bool = False) -> None:
     model = copy.deepcopy(base)
     cfg = load_config(
         base={"model": {"path": ckpt}},
-        overrides=["loss.beta=0", "optim.lr=1e-3", "train.batch_size=16",
+        overrides=["loss.beta=0", "optim.lr=1e-3", "optim.eps=1.0", "train.batch_size=16",
                    "train.micro_batch_size=4", "train.pack_sequences=on"],
     )  # fmt: skip
     policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=True)
@@ -252,7 +252,7 @@ def run_cases(ckpt: str, out: Path, dist, fsdp: bool = False) -> None:
         # weight by a visible fraction of lr either way; eps 1e-6 bounds that amplification
         cfg = load_config(
             base={"model": {"path": ckpt}},
-            overrides=["optim.lr=1e-3", "train.batch_size=8", "train.micro_batch_size=2",
+            overrides=["optim.lr=1e-3", "optim.eps=1.0", "train.batch_size=8", "train.micro_batch_size=2",
                        "optim.eps=1e-6"],
         )  # fmt: skip
         policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=start is base)

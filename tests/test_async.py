@@ -335,6 +335,7 @@ def length(completions, **_):
 """
 
 
+@pytest.mark.process
 def test_kill_9_then_resume_consumes_each_batch_once(shared_tiny_model, tmp_path, monkeypatch):
     """kill -9 while the producer is a batch ahead; --resume restarts from the last checkpoint,
     and the data position after every step is that of a run never killed (no batch consumed
@@ -392,6 +393,7 @@ def torchrun(n: int, cwd: Path, *args, env=None, timeout=300):
     )  # fmt: skip
 
 
+@pytest.mark.process
 def test_producer_rank_staleness_zero_is_the_synchronous_run_bitwise(shared_tiny_model,
                                                                      tmp_path):  # fmt: skip
     """1 producer rank + 1 trainer rank with max_staleness 0: bitwise the weights and metrics
@@ -425,6 +427,7 @@ def length(completions, **_):
 """
 
 
+@pytest.mark.process
 def test_producer_rank_faults(shared_tiny_model, tmp_path):
     """A producer rank whose reward raises: the job fails, its line says why and the
     trainer's line names the producer rank. SIGTERM to the job: the trainer checkpoints, the

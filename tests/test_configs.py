@@ -253,10 +253,20 @@ def aot_eager_sampler(monkeypatch):
         Sampler, compile_options={"backend": "aot_eager"}))  # fmt: skip
 
 
-@pytest.mark.parametrize("turns", ["single", "tools"])
-@pytest.mark.parametrize("shared_prefix", ["on", "off"])
-@pytest.mark.parametrize("compile_", ["on", "off"])
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+# LoRA on/off x compiled decode on/off x shared prefix on/off x single turn / tools; the default
+# tier runs the one that meets all four (LoRA, compiled, shared prefix, tools), the process tier
+# the other 15
+BF16_MATRIX = [
+    pytest.param(lora, compile_, shared, turns,
+                 id=f"{'lora' if lora else 'full'}-{compile_}-{shared}-{turns}",
+                 marks=() if (lora, compile_, shared, turns) == (True, "on", "on", "tools")
+                 else pytest.mark.process)
+    for lora in (True, False) for compile_ in ("on", "off") for shared in ("on", "off")
+    for turns in ("single", "tools")
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("lora, compile_, shared_prefix, turns", BF16_MATRIX)
 def test_grpo_step_under_bf16_autocast(shared_tiny_model, tmp_path, monkeypatch, lora, compile_,
                                        shared_prefix, turns):  # fmt: skip
     import grpo.envs.base

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
@@ -49,6 +51,7 @@ if os.environ.get("GRPO_TEST_FULL_DISK"):
 '''
 
 
+@pytest.mark.process
 def test_full_disk_during_a_sharded_save(shared_tiny_model, tmp_path):
     (tmp_path / "full_disk.py").write_text(FULL_DISK)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)}

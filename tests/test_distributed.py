@@ -100,14 +100,19 @@ def tiny_model_dir(tmp_path_factory):
     return d / "m"
 
 
+P = pytest.mark.process  # the variants of `grpo train` under torchrun (the default tier: train)
+
+
 @pytest.mark.parametrize(
     "command, precision",
-    [("train", []), ("sft", []),
-     ("train", ["model.autocast_bf16=true", "train.shared_prefix=on"]),  # the tutorial's
-     ("sft", ["model.dtype=bfloat16"]),  # bf16 base, float32 adapters: mixed-dtype DDP
-     ("train", ["train.parallel=fsdp", "model.autocast_bf16=true",
-                "model.gradient_checkpointing=true"]),
-     ("sft", ["train.parallel=fsdp", "model.dtype=bfloat16", "train.fsdp_offload=true"])],
+    [("train", []), pytest.param("sft", [], marks=P),
+     pytest.param("train", ["model.autocast_bf16=true", "train.shared_prefix=on"],
+                  marks=P),  # the tutorial's
+     pytest.param("sft", ["model.dtype=bfloat16"], marks=P),  # bf16 base, float32 adapters
+     pytest.param("train", ["train.parallel=fsdp", "model.autocast_bf16=true",
+                            "model.gradient_checkpointing=true"], marks=P),
+     pytest.param("sft", ["train.parallel=fsdp", "model.dtype=bfloat16",
+                          "train.fsdp_offload=true"], marks=P)],
     ids=["train", "sft", "train-bf16-autocast", "sft-bf16-weights", "train-fsdp-bf16-autocast",
          "sft-fsdp-bf16-weights-offload"],
 )  # fmt: skip
@@ -364,6 +369,7 @@ except (GrpoError, ValueError) as e:
 """
 
 
+@pytest.mark.process
 def test_on_step_failing_on_rank_0_stops_every_rank_within_seconds(tiny_model_dir, tmp_path):
     """The on_step callback (main rank only) raises after step 1, with train.dist_timeout_s=300:
     rank 1 must not sit in the step's next collective for 300 s but stop at once with one line
@@ -380,6 +386,7 @@ def test_on_step_failing_on_rank_0_stops_every_rank_within_seconds(tiny_model_di
                              ), err1[-3000:]  # fmt: skip
 
 
+@pytest.mark.process
 def test_bad_eval_split_on_rank_0_fails_every_rank_with_one_line(tiny_model_dir, tmp_path):
     """Rank 0 alone loads the evaluation rows; a bad eval split fails it at start-up. Through
     the CLI, with train.dist_timeout_s=300, both ranks exit 2 within seconds, each with one
@@ -416,6 +423,7 @@ def test_fsdp_settings_that_cannot_work_are_one_line(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.process
 def test_torchrun_with_one_rank_joins_a_process_group(shared_tiny_model, tmp_path):
     """`torchrun --nproc_per_node=1` joins a process group (gloo here; NCCL on one GPU, the
     GPU check's case) and trains through DDP or FSDP as a larger job does, which the run's

@@ -322,6 +322,7 @@ def test_done_is_printed_by_rank_0_only(monkeypatch, capsys):
     assert capsys.readouterr().out == ""
 
 
+@pytest.mark.process
 def test_a_solved_task_stops_every_torchrun_rank_at_the_same_step(shared_tiny_model,
                                                                    guard_rewards):  # fmt: skip
     """Two DDP ranks read the same reduced metrics: both end at step 2 with exit 0, after the

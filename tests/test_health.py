@@ -313,6 +313,7 @@ def test_too_small_lr_is_caught_as_frozen_weights(shared_tiny_model, tmp_path, c
     assert "optim.lr=1e-30" in warning and "raise optim.lr" in warning
 
 
+@pytest.mark.process
 def test_stop_on_stall_stops_every_torchrun_rank_at_the_same_step(shared_tiny_model, tmp_path):
     """Two DDP ranks read the same reduced metrics: both stop at step 2 with exit 2 (torchrun
     reports each), after the checkpoint of step 2 (collective); rank 0 alone logs the warnings

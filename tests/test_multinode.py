@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.process  # multinode: the two-rank contracts' variant (docs/testing.md)
+
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 TIMEOUT_S = 240

@@ -183,6 +183,7 @@ except (ValueError, RankFailed, JobError) as e:
 """
 
 
+@pytest.mark.process
 def test_a_rank_that_fails_leaves_the_group_to_its_exit(tmp_path):
     """Rank 0 raises inside `rank_local`, rank 1 learns of it (RankFailed): neither destroys
     the process group on its way out (on NCCL, destroying under a peer still in a collective

@@ -301,6 +301,7 @@ def test_plugin_hanging_on_rank_1_is_one_line_naming_the_rank_and_the_plugin(tmp
     assert seconds < 60, seconds
 
 
+@pytest.mark.process
 def test_plugin_hanging_on_rank_1_under_torchrun(tmp_path):
     """The same under torchrun, in `grpo train`'s config plugins: one line of ours, which
     torchrun's summary carries as the root cause; no DistStoreError."""

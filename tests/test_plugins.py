@@ -178,6 +178,7 @@ def test_entry_point_plugin_trains_and_its_function_is_called(
     assert summary["turns_mean"] == 2.0 and summary["step_reward_mean"] == 0.5
 
 
+@pytest.mark.process
 def test_two_ranks_train_with_a_cli_plugin(plugin_paths, shared_tiny_model, tmp_path):
     args = train_args(shared_tiny_model, "loss.advantage=ext_adv", "loss.policy_loss=ext_loss")
     r = grpo([*args, "--plugin", "grpo_test_ext"], tmp_path, [plugin_paths["mods"]],

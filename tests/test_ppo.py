@@ -328,6 +328,7 @@ def test_ppo_trains_with_its_critic_and_warms_the_critic_up_first(my_pkg, shared
     assert any(float(v.abs().max()) > 0 for k, v in final.items() if "lora_B" in k)
 
 
+@pytest.mark.process
 def test_a_killed_ppo_run_resumes_bitwise(my_pkg, shared_tiny_model):
     """SIGKILL at step 3 (after the step-2 checkpoint); `--resume` ends where the run never
     stopped ends: the policy's adapter and the critic (adapter and head), bitwise."""

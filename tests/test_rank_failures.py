@@ -85,7 +85,8 @@ def check_clean(stderr: str) -> None:
 @pytest.mark.parametrize(
     "reward, cause",
     [("raises", "reward function 'raises' raised ValueError: boom on rank 1"),
-     ("nan", "reward function 'nan' returned nan at row 0 (")],
+     pytest.param("nan", "reward function 'nan' returned nan at row 0 (",
+                  marks=pytest.mark.process)],
     ids=["raises", "nan"],
 )  # fmt: skip
 def test_rank_whose_reward_fails_names_itself_and_the_other_rank_relays_it(
@@ -104,6 +105,7 @@ def test_rank_whose_reward_fails_names_itself_and_the_other_rank_relays_it(
     check_clean(err)
 
 
+@pytest.mark.process
 def test_rank_that_exits_without_a_word_is_named_by_the_other(shared_tiny_model, tmp_path):
     code, err, _ = launch(tmp_path, shared_tiny_model, "rewards=[{name: 'faults:exits'}]")
     assert code != 0
@@ -116,6 +118,7 @@ def test_rank_that_exits_without_a_word_is_named_by_the_other(shared_tiny_model,
     check_clean(err)
 
 
+@pytest.mark.process
 def test_hung_rank_is_named_by_the_rank_that_timed_out_and_says_where_it_hung(
     shared_tiny_model, tmp_path
 ):
@@ -137,6 +140,7 @@ def test_hung_rank_is_named_by_the_rank_that_timed_out_and_says_where_it_hung(
     assert seconds < 60, seconds
 
 
+@pytest.mark.process
 def test_checkpoint_of_one_rank_resumed_on_two_is_one_line(shared_tiny_model, tmp_path, capsys):
     """Saved by one process, resumed by 2 ranks: refused before the model loads, one line
     naming both world sizes, every rank exits non-zero."""

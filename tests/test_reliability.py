@@ -96,7 +96,7 @@ def final_weights(run: Path, step: int) -> dict:
 
 CASES = [
     ("train", "grpo-lora", []),
-    ("sft", "sft-full", ["lora.enabled=false"]),
+    pytest.param("sft", "sft-full", ["lora.enabled=false"], marks=pytest.mark.process),
 ]
 
 
@@ -118,6 +118,7 @@ def test_sigkill_then_resume_is_bitwise_identical(model_dir, tmp_path, command, 
     assert [r["step"] for r in rows] == list(range(1, steps + 1))  # no duplicated steps
 
 
+@pytest.mark.process
 def test_sigkill_then_resume_under_torchrun(model_dir, tmp_path):
     steps = 3
     common = ["train", "--config", TINY_CI, f"model.path={model_dir}", *FAST,
@@ -134,6 +135,7 @@ def test_sigkill_then_resume_under_torchrun(model_dir, tmp_path):
 QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
 
 
+@pytest.mark.process
 def test_fsdp_sigkill_resume_is_exact_and_resumes_on_one_process(
     model_dir, tmp_path, monkeypatch, capsys
 ):
@@ -688,6 +690,7 @@ def length(completions, **_):
 """
 
 
+@pytest.mark.process
 def test_sigterm_in_an_evaluation_stage_records_interrupted(model_dir, tmp_path):
     """`grpo pipeline` SIGTERMed inside its SFT evaluation (in the stage's reward, which runs
     in a worker thread under its timeout): one line, exit 143, the stage and the pipeline

@@ -167,6 +167,7 @@ def test_sampling_metrics_count_groups_by_hand():
 # -- docs/extending.md's example under torchrun, 2 ranks ---------------------------------------
 
 
+@pytest.mark.process
 def test_docs_example_under_torchrun_two_ranks(shared_tiny_model, tmp_path):
     """The example's reward on 2 ranks: its counts are sums over the ranks (a mean would give
     half), and with dynamic sampling the step's sampling counts add up over rounds."""

@@ -155,6 +155,7 @@ def test_grpo_trains_on_the_reward_model(reward_ckpt, shared_tiny_model, tmp_pat
         assert r["perf/reward_s"] > 0 and r["rollout/reward_std"] > 0
 
 
+@pytest.mark.process
 def test_two_ranks_each_score_their_rows(reward_ckpt, shared_tiny_model, tmp_path):
     rows = torchrun_train(tmp_path, shared_tiny_model, "ddp", reward_override(reward_ckpt))
     for r in rows:

@@ -125,6 +125,7 @@ def test_resume_is_exact(shared_tiny_model, tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_equal_one_process(shared_tiny_model, tmp_path, parallel):
     data = write_jsonl(tmp_path / "pairs.jsonl", toy_pairs(32, 2))

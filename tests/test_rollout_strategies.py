@@ -159,6 +159,7 @@ def my_pkg(tmp_path):
     })  # fmt: skip
 
 
+@pytest.mark.process
 def test_two_temperatures_under_ddp_and_the_async_producer(my_pkg, shared_tiny_model):
     """Both halves reported for the step, over both ranks, synchronous and with the producer;
     synchronous, the docs' estimator reads the strategy's extra on the global batch: both
@@ -178,6 +179,7 @@ def test_two_temperatures_under_ddp_and_the_async_producer(my_pkg, shared_tiny_m
             assert "async/staleness" in m
 
 
+@pytest.mark.process
 def test_best_of_k_and_counts_from_a_file_under_ddp(my_pkg, shared_tiny_model):
     """Best-of-3 draws 3 G per prompt (all ranks: 4 prompts x 12 = 48 a step); with a counts
     file of 4 or 8 per question (and the asynchronous producer), what the file says of each

@@ -397,6 +397,7 @@ def test_sigterm_saves_at_the_step_boundary_and_resumes_exactly(
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.process
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(shared_tiny_model, tmp_path):
     (tmp_path / "handshake_reward.py").write_text(HANDSHAKE)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path),

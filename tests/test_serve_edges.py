@@ -334,6 +334,7 @@ def test_bad_or_busy_port_is_one_line_and_exit_2(shared_tiny_model, capfd):
         taken.close()
 
 
+@pytest.mark.process
 def test_second_sigterm_stops_at_once_without_traceback(shared_tiny_model):
     """`python -m grpo serve` with a streamed request running and two queued: the first
     SIGTERM starts the graceful stop, a second one stops at once: what was left gets 503, the

@@ -73,6 +73,7 @@ def test_the_docs_value_head_trains_beside_the_policy(my_pkg, shared_tiny_model)
     assert any((saved[k] != final[k]).any() for k in saved)  # step 3 moved it
 
 
+@pytest.mark.process
 def test_a_killed_run_resumes_bitwise(my_pkg, shared_tiny_model):
     """SIGKILL at step 3 (after the step-2 checkpoint); `--resume` then ends where the run that
     was never stopped ends: the policy's adapter and the module's weights, bitwise."""
@@ -131,6 +132,7 @@ teardown()
 """
 
 
+@pytest.mark.process
 def test_two_ranks_train_a_module_as_one_process(my_pkg, shared_tiny_model):
     (my_pkg / "worker.py").write_text(WORKER)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(my_pkg)}
@@ -172,6 +174,7 @@ def test_bad_module_specs_are_named_before_anything_is_written(my_pkg, shared_ti
     assert not (my_pkg / "run").exists()
 
 
+@pytest.mark.process
 def test_grpo_train_with_a_module_under_torchrun(my_pkg, shared_tiny_model):
     """2 ranks, the policy sharded by FSDP2 (DDP's runs are the other torchrun tests'), the
     module replicated: it trains, its extras reach the estimator, its checkpoint resumes."""

@@ -11,6 +11,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from grpo.models.config import ModelConfig
@@ -36,7 +37,10 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies (D/2,) of rotary embeddings, with optional llama3 scaling."""
     D = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+    # on the CPU whatever the default device: computed on the meta device, these few ops would
+    # run Python reference kernels (see `meta_decoder`); the caller moves the table
+    steps = torch.arange(0, D, 2, dtype=torch.int64, device="cpu").float()
+    inv_freq = 1.0 / (cfg.rope_theta ** (steps / D))
     rs = cfg.rope_scaling
     if rs is None:
         return inv_freq
@@ -420,3 +424,31 @@ class Decoder(nn.Module):
     def head(self) -> nn.Linear:
         """The output head: `lm_head` (V logits), or a classifier's `score` (num_labels)."""
         return self.score if self.config.num_labels else self.lm_head
+
+
+# in-place fills an initializer runs: on a meta tensor there is nothing to fill
+_FILLS = (torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.zero_, torch.Tensor.fill_)
+
+
+class _SkipInit(TorchFunctionMode):
+    """Initializers (`torch.nn.init.*`, the in-place fills) of meta tensors do nothing."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        x = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes it by keyword
+        if isinstance(x, torch.Tensor) and x.is_meta and (
+            func in _FILLS or getattr(func, "__module__", None) == "torch.nn.init"
+        ):
+            return x
+        return func(*args, **kwargs)
+
+
+def meta_decoder(cfg: ModelConfig) -> Decoder:
+    """`cfg`'s module tree on the meta device (shapes, no memory), its initializers skipped.
+
+    A fill of a meta tensor runs a Python reference kernel, and the first one imports
+    `torch._dynamo` (over a second of every command's cold start when nothing compiles); a
+    module built here is filled by its loader. The rotary table (`inv_freq`) stays on the CPU.
+    """
+    with torch.device("meta"), _SkipInit():
+        return Decoder(cfg)

@@ -17,7 +17,7 @@ import torch
 from grpo.errors import GrpoError
 from grpo.io import read_json, safetensors_file, save_safetensors, write_text
 from grpo.models.config import ModelConfig
-from grpo.models.decoder import Decoder, rope_inv_freq
+from grpo.models.decoder import Decoder, meta_decoder, rope_inv_freq
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +128,7 @@ def load_model(
         pad = cfg.pad_token_id if pad_token_id is None else pad_token_id
         cfg = dataclasses.replace(cfg, num_labels=num_labels, pad_token_id=pad)
     dtype = parse_dtype(dtype)
-    with torch.device("meta"):
-        model = Decoder(cfg)
+    model = meta_decoder(cfg)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings and not cfg.num_labels:
         model.lm_head.weight = model.embed_tokens.weight

@@ -161,7 +161,7 @@ def _turn_loop(sampler: Sampler, logits, cache, kv_mask, pos, T_p, observe, max_
     dev = logits.device
     T = total
     tokens = torch.full((B, T), pad_id, dtype=torch.long, device=dev)
-    logprobs = torch.zeros(B, T, device=dev)
+    logprobs = torch.zeros(B, T, dtype=torch.float32, device=dev)  # as the sampler's
     exists = torch.zeros(B, T, dtype=torch.bool, device=dev)
     scored = torch.zeros_like(exists)
     turn_ids = torch.full((B, T), -1, dtype=torch.long, device=dev)

@@ -80,6 +80,7 @@ from torch import nn
 from grpo.config import Config, default_total_tokens
 from grpo.errors import GrpoError
 from grpo.models import Decoder, ModelConfig
+from grpo.models.decoder import meta_decoder
 from grpo.precision import Precision
 from grpo.settings import ConfigError
 
@@ -168,7 +169,7 @@ def preflight(
     check(check_budget, rollout_budget, ctx, rollout_field, source)
     for ev in evaluations:
         check(check_budget, ev.budget, ctx, ev.field, source)
-    meta = _meta_decoder(mc)
+    meta = meta_decoder(mc)
     check(check_lora, cfg, meta)
     check(check_generated_sizes, cfg, pipeline)
     if not problems and not cfg.train.skip_memory_check:
@@ -462,12 +463,6 @@ def turn_budget_notices(
 # --------------------------------------------------------------------------- LoRA and data
 
 
-def _meta_decoder(mc: ModelConfig) -> Decoder:
-    """The model's module tree on the meta device: shapes without memory."""
-    with torch.device("meta"):
-        return Decoder(mc)
-
-
 def _lora_layers(cfg: Config, meta: Decoder) -> dict[str, nn.Linear]:
     """The linear layers lora.targets select (PEFT's rule, as `apply_lora`)."""
     from grpo.lora.layers import _matches
@@ -537,7 +532,7 @@ def estimate_memory(
         meta: the model on the meta device (built from `mc` if not given).
         world_size: ranks of the job (train.parallel: fsdp shards over them).
     """
-    meta = meta if meta is not None else _meta_decoder(mc)
+    meta = meta if meta is not None else meta_decoder(mc)
     prec = Precision.from_config(cfg.model, training=False)  # the dtypes the run will use
     e = prec.param_dtype.itemsize
     n_params = sum(p.numel() for p in meta.parameters())  # a tied head counts once
@@ -763,7 +758,7 @@ def check_eval_rows(
         return
     tokens = max(len(r["prompt_ids"]) for r in rows) + budget
     for mc in configs:
-        weights = sum(p.numel() for p in _meta_decoder(mc).parameters()) * 4  # float32 load
+        weights = sum(p.numel() for p in meta_decoder(mc).parameters()) * 4  # float32 load
         estimate = MemoryEstimate(weights, 0, 0, 0, 0, sampling_bytes(mc, rows_per_call, tokens, 4))
         fields = dict.fromkeys(("weights", "reference", "optimizer", "rollout", "training"),
                                "--model")  # fmt: skip

@@ -41,7 +41,7 @@ from grpo.distributed import all_reduce_sum
 from grpo.errors import GrpoError
 from grpo.lora import apply_lora, load_adapter, unwrap_lora
 from grpo.models import Decoder, load_model
-from grpo.models.decoder import rope_inv_freq
+from grpo.models.decoder import meta_decoder, rope_inv_freq
 from grpo.train.module_base import TrainedModule, register_trained_module
 
 log = logging.getLogger(__name__)
@@ -165,8 +165,7 @@ def value_model_on(source: Decoder) -> Decoder:
     one-output `score` head in float32."""
     cfg = source.config
     vcfg = dataclasses.replace(cfg, num_labels=1)
-    with torch.device("meta"):
-        model = Decoder(vcfg)
+    model = meta_decoder(vcfg)
     theirs = dict(source.named_parameters())
     for name, _ in list(model.named_parameters()):
         if name == "score.weight":
