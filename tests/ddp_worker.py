@@ -49,6 +49,12 @@ from grpo.train.sft import sft_update
 from grpo.train.stats import reduce_metrics
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+# AdamW's first step is g / (|g| + eps) x lr: with the default eps (1e-8) a gradient near 0,
+# whose last bits depend on the order of the reduction (one process, DDP's all-reduce, FSDP's
+# reduce-scatter, and each CPU's float32 kernels), moves its weight by a large fraction of lr
+# either way. At eps 1 the step is about g x lr, so the two layouts differ by lr x their
+# gradients' float32 rounding (~1e-7 |g|), whatever the CPU, and the test's bound holds with room.
+EPS = "optim.eps=1.0"
 
 
 class _Tok:
@@ -148,7 +154,7 @@ def run_cases(ckpt: str, out: Path, dist, fsdp: bool = False) -> None:
         model = copy.deepcopy(start)
         cfg = load_config(
             base={"model": {"path": ckpt}},
-            overrides=[f"loss.aggregation={agg}", "loss.beta=0", "optim.lr=1e-3", "optim.eps=1.0",
+            overrides=[f"loss.aggregation={agg}", "loss.beta=0", "optim.lr=1e-3", EPS,
                        "train.batch_size=16", "train.micro_batch_size=4",
                        f"train.shared_prefix={shared}"],
         )  # fmt: skip
@@ -161,7 +167,7 @@ def run_cases(ckpt: str, out: Path, dist, fsdp: bool = False) -> None:
     cfg = load_config(
         base={"model": {"path": ckpt}},
         overrides=["loss.advantage=grpo_turn", "rollout.gamma=0.9", "loss.beta=0",
-                   "optim.lr=1e-3", "optim.eps=1.0", "train.batch_size=16", "train.micro_batch_size=4"],
+                   "optim.lr=1e-3", EPS, "train.batch_size=16", "train.micro_batch_size=4"],
     )  # fmt: skip
     policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=True)
     batch = multiturn_batch(model, dist.rank, dist.world_size)
@@ -179,9 +185,9 @@ def run_cases(ckpt: str, out: Path, dist, fsdp: bool = False) -> None:
     cfg = load_config(
         base={"model": {"path": ckpt}, "modules": [{
             "name": "critic", "kwargs": {"micro_batch_size": 3, "updates": 2},
-            "optim": {"lr": 1e-2, "warmup_ratio": 0.0, "eps": 1.0}}]},
+            "optim": {"lr": 1.0, "warmup_ratio": 0.0, "eps": 1.0}}]},
         overrides=["loss.advantage=gae", "loss.gae_lambda=0.9", "loss.gamma=0.95",
-                   "loss.beta=0", "optim.lr=1e-3", "optim.eps=1.0", "train.batch_size=16",
+                   "loss.beta=0", "optim.lr=1e-3", EPS, "train.batch_size=16",
                    "train.micro_batch_size=4", f"train.parallel={'fsdp' if fsdp else 'ddp'}"],
     )  # fmt: skip
     policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=True)
@@ -206,7 +212,7 @@ def run_cases(ckpt: str, out: Path, dist, fsdp: bool = False) -> None:
             "train.micro_batch_size=4", "train.shared_prefix=on"]  # fmt: skip
         cfg = load_config(
             base={"model": {"path": ckpt}},
-            overrides=["loss.beta=0", "optim.lr=1e-3", "optim.eps=1.0", "train.batch_size=16",
+            overrides=["loss.beta=0", "optim.lr=1e-3", EPS, "train.batch_size=16",
                        "train.pack_sequences=on", *size],
         )  # fmt: skip
         policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=True)
@@ -226,7 +232,7 @@ def run_cases(ckpt: str, out: Path, dist, fsdp: bool = False) -> None:
     model = copy.deepcopy(base)
     cfg = load_config(
         base={"model": {"path": ckpt}},
-        overrides=["loss.beta=0", "optim.lr=1e-3", "optim.eps=1.0", "train.batch_size=16",
+        overrides=["loss.beta=0", "optim.lr=1e-3", EPS, "train.batch_size=16",
                    "train.micro_batch_size=4", "train.pack_sequences=on"],
     )  # fmt: skip
     policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=True)
@@ -247,13 +253,9 @@ def run_cases(ckpt: str, out: Path, dist, fsdp: bool = False) -> None:
     save_trainable(model, dist, out / "grpo_balanced.safetensors")
     for name, start in (("sft", base), ("sft_full", full)):
         model = copy.deepcopy(start)
-        # Adam's first step is about g / (|g| + eps): a gradient near eps, whose last bits
-        # depend on the order of the reduction (DDP all-reduce, FSDP reduce-scatter), moves its
-        # weight by a visible fraction of lr either way; eps 1e-6 bounds that amplification
         cfg = load_config(
             base={"model": {"path": ckpt}},
-            overrides=["optim.lr=1e-3", "optim.eps=1.0", "train.batch_size=8", "train.micro_batch_size=2",
-                       "optim.eps=1e-6"],
+            overrides=["optim.lr=1e-3", EPS, "train.batch_size=8", "train.micro_batch_size=2"],
         )  # fmt: skip
         policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=start is base)
         scorer, params, opt, sched = trainer(model, cfg, dist, fsdp)

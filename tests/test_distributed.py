@@ -62,7 +62,7 @@ def test_two_ranks_equal_one_process(tiny_checkpoints, tmp_path):
         if name.endswith("full.safetensors"):  # the update moved the weights
             moved = [(b[k] - start[f"model.{k}"]).abs().max().item()
                      for k in b if f"model.{k}" in start]  # fmt: skip
-            assert moved and max(moved) > 1e-4, name
+            assert moved and max(moved) > 1e-5, name  # ten times the bound below
         for mode in ("ddp", "fsdp"):
             a = load_file(tmp_path / mode / name)
             assert a.keys() == b.keys(), (mode, name)
