@@ -17,6 +17,72 @@ os.environ.setdefault("GRPO_COMPILE", "0")
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
+# -- tiers and durations -----------------------------------------------------------------------
+# The default tier (the README's command) must stay under 8 minutes on 2 cores: a default-tier
+# test over SLOW_TEST_S is named at the end of the run. GRPO_TEST_DURATIONS=tests/durations.json
+# writes each test's seconds (setup + call + teardown) into that file, keeping the entries of
+# tests this run did not run (so the default and process tiers, run apart, fill one table).
+SLOW_TEST_S = 15.0
+_seconds: dict[str, float] = {}
+_tiers: dict[str, str] = {}
+
+
+def tier(item) -> str:
+    """The test's tier: "slow", "process" (the second) or "default"."""
+    return next((m for m in ("slow", "process") if item.get_closest_marker(m)), "default")
+
+
+def pytest_runtest_setup(item):
+    _tiers[item.nodeid] = tier(item)
+
+
+def pytest_runtest_logreport(report):
+    _seconds[report.nodeid] = _seconds.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    slow = sorted(((s, n) for n, s in _seconds.items()
+                   if s > SLOW_TEST_S and _tiers.get(n) == "default"), reverse=True)  # fmt: skip
+    if slow:
+        terminalreporter.write_sep("=", f"default-tier tests over {SLOW_TEST_S:.0f} s "
+                                        "(a fixture's cost counts where it is built)")  # fmt: skip
+        for s, n in slow:
+            terminalreporter.write_line(f"{s:6.1f} s  {n}")
+    if path := os.environ.get("GRPO_TEST_DURATIONS"):
+        write_durations(Path(path))
+
+
+def write_durations(path: Path) -> None:
+    """Merge this run's per-test seconds into `path` (JSON: per tier, the tests' total and
+    each test's seconds, slowest first), stamped with the CPU and the date."""
+    import datetime
+    import json
+    import platform
+
+    old = json.loads(path.read_text()) if path.is_file() else {"tiers": {}}
+    tests = {n: s for t in old["tiers"].values() for n, s in t["tests"].items()}
+    tiers = {n: t for t, v in old["tiers"].items() for n in v["tests"]}
+    tests.update({n: round(s, 2) for n, s in _seconds.items() if n in _tiers})
+    tiers.update(_tiers)
+    out = {"cpu": _cpu_name() or platform.processor(), "cores": os.cpu_count(),
+           "updated": datetime.date.today().isoformat(), "tiers": {}}  # fmt: skip
+    for t in ("default", "process", "slow"):
+        mine = sorted(((s, n) for n, s in tests.items() if tiers[n] == t), reverse=True)
+        if mine:
+            out["tiers"][t] = {"tests_s": round(sum(s for s, _ in mine), 1),
+                               "tests": {n: s for s, n in mine}}  # fmt: skip
+    path.write_text(json.dumps(out, indent=1) + "\n")
+
+
+def _cpu_name() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():

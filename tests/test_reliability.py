@@ -34,8 +34,8 @@ FAST = ["train.progress=false", "data.eval_samples=0", "train.save_every=1"]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("rel") / "tiny", size="ci")
+def model_dir(shared_tiny_model):
+    return shared_tiny_model  # read only: runs write to their own directories
 
 
 def grpo_cmd(*args, torchrun=False):

@@ -143,11 +143,13 @@ def big_bodies() -> dict[str, tuple[str, bytes]]:
 
 
 @pytest.mark.parametrize("case", list(big_bodies()))
-def test_health_answers_within_100ms_while_a_1mib_body_is_parsed(server, case):
+def test_health_answers_while_a_1mib_body_is_parsed(server, case):
     """JSON, field checks, chat rendering and tokenizing run on a worker thread: /health,
-    asked every 10 ms meanwhile, answers within 100 ms (it waited for the whole parse, 0.3-2
-    s, when that ran on the event loop). One answer may take up to 250 ms: on a shared 2-core
-    machine a scheduling hiccup once took 111 ms; a parse on the loop would still fail it."""
+    asked every 10 ms meanwhile, keeps answering (it waited for the whole parse, 0.3-2 s, when
+    that ran on the event loop). The bound is the parse's own time in this run, not a number
+    of milliseconds, so a busy machine slows both sides alike: the slowest answer but one
+    waits under a fifth of the parse, the slowest under half (a parse on the loop holds one
+    answer for all of it)."""
     path, body = big_bodies()[case]
     assert (1 << 20) * 0.8 < len(body) <= 1 << 20
     out = {}
@@ -175,7 +177,9 @@ def test_health_answers_within_100ms_while_a_1mib_body_is_parsed(server, case):
     conn.close()
     assert out["status"] == 400, out["data"]  # each is too long or too many for the server
     slowest = sorted(latencies)[-2:]
-    assert slowest[0] < 0.1 and slowest[-1] < 0.25, (case, out["seconds"], slowest)
+    assert len(latencies) >= 2, (case, out["seconds"], latencies)
+    assert slowest[0] < out["seconds"] / 5 and slowest[-1] < out["seconds"] / 2, (
+        case, out["seconds"], slowest)  # fmt: skip
 
 
 def test_keep_alive_answers_are_not_held_back(server):

@@ -173,9 +173,9 @@ def test_template_renders_an_assistant_call_as_the_model_wrote_it(tool_model):
 
 @pytest.fixture(scope="module")
 def tool_model(tmp_path_factory):
-    """A ci-size model SFT-trained on calculator traces whose prompts render the tool schema
-    through the chat template (as `calculator` with use_template_tools), and held-out
-    problems as a .jsonl file."""
+    """A ci-size model SFT-trained (200 steps) on calculator traces whose prompts render the
+    tool schema through the chat template (as `calculator` with use_template_tools), and
+    held-out problems as a .jsonl file."""
     root = tmp_path_factory.mktemp("tool_agent")
     train = toolmath(768, seed=0, split="train", hard_frac=1.0)
     test = toolmath(N_TEST, seed=0, split="test", hard_frac=1.0)
@@ -194,8 +194,8 @@ def tool_model(tmp_path_factory):
     cfg = load_config(base={"model": {"path": str(model_dir), "device": "cpu"}}, overrides=[
         "lora.enabled=false", "data.dataset=test-tool-agent-sft", "data.split=train",
         "data.eval_samples=0", "data.max_prompt_len=512", "rollout.max_new_tokens=32",
-        "optim.lr=6e-3", "optim.warmup_ratio=0.05", "optim.min_lr_ratio=0.1",
-        "train.max_steps=400", "train.batch_size=32", "train.log_every=100",
+        "optim.lr=8e-3", "optim.warmup_ratio=0.05", "optim.min_lr_ratio=0.1",
+        "train.max_steps=200", "train.batch_size=32", "train.log_every=100",
         "train.save_every=0", "train.progress=false", f"train.output_dir={out}", "train.seed=0",
     ])  # fmt: skip
     train_sft(cfg)
