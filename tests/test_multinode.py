@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.process  # multinode: the two-rank contracts' variant (docs/testing.md)
+pytestmark = pytest.mark.process  # a variant of 2 ranks = 1 process (ARCHITECTURE.md, Test tiers)
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]

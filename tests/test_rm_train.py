@@ -132,6 +132,7 @@ def test_two_ranks_equal_one_process(shared_tiny_model, tmp_path, parallel):
     common = [f"model.path={shared_tiny_model}", f"data.dataset={data}", "model.device=cpu",
               "data.eval_samples=8", "data.eval_split=train[24:]", "data.split=train[:24]",
               "train.max_steps=2", "train.progress=false", "optim.lr=1e-2", "lora.rank=4",
+              "optim.eps=1.0",  # an update linear in the gradient (tests/ddp_worker.py's EPS)
               "rm.max_length=64", "rm.center_coef=0.01", "train.micro_batch_size=2"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 

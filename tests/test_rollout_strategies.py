@@ -159,6 +159,45 @@ def my_pkg(tmp_path):
     })  # fmt: skip
 
 
+def test_the_docs_strategies_train_in_one_process(shared_tiny_model, tmp_path, monkeypatch):
+    """The docs' strategies through `grpo train`'s recipe in this process (their torchrun and
+    producer runs are the process tier's, below): two temperatures with the docs' estimator
+    reading the strategy's extra (hot rows: 4 of 8; every generated token), and best-of-3
+    (2 prompts x 12 drawn a step)."""
+    from grpo.metrics import read_metrics
+    from grpo.train.grpo import train_grpo
+
+    pkg = "strategies_inproc"  # a name of its own: this process keeps what it imported
+    write_package(tmp_path, {"strategies.py": docs_example("# my_pkg/strategies.py"),
+                             "estimators.py": docs_example("# my_pkg/estimators.py"),
+                             "rewards.py": LENGTH_REWARD}, name=pkg)  # fmt: skip
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def run(out: str, *overrides: str) -> list[dict]:
+        cfg = load_config(TINY, [
+            f"model.path={shared_tiny_model}", f"train.output_dir={tmp_path / out}",
+            "train.progress=false", "data.eval_samples=0", "rollout.compile=off",
+            "train.save_every=0", "train.log_every=1", "train.max_steps=2",
+            "rollout.max_new_tokens=8", f"rewards=[{{name: {pkg}.rewards:length}}]",
+            *overrides])  # fmt: skip
+        train_grpo(cfg)
+        rows = read_metrics(tmp_path / out / "metrics.jsonl")
+        return [r for r in rows if "rollout/groups_sampled" in r]
+
+    rows = run("two", f"rollout.strategy={pkg}.strategies:two_temperatures",
+               "rollout.strategy_kwargs={low: 0.3, high: 2.0}",
+               f"loss.advantage={pkg}.estimators:hot_discount")  # fmt: skip
+    assert len(rows) == 2
+    for m in rows:
+        assert m["strategy/cold_reward"] >= 0 and m["strategy/hot_reward"] >= 0
+        assert m["rollout/groups_sampled"] == 2 and m["advantage/hot_rows"] == 4
+        assert m["advantage/tokens"] == pytest.approx(8 * m["rollout/completion_len_mean"])
+    rows = run("best3", f"rollout.strategy={pkg}.strategies:best_of",
+               "rollout.strategy_kwargs={k: 3}")  # fmt: skip
+    assert len(rows) == 2
+    assert all(m["strategy/drawn"] == 24 and m["rollout/groups_sampled"] == 2 for m in rows)
+
+
 @pytest.mark.process
 def test_two_temperatures_under_ddp_and_the_async_producer(my_pkg, shared_tiny_model):
     """Both halves reported for the step, over both ranks, synchronous and with the producer;
