@@ -14,6 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # rollout.compile: auto would compile each test run's decode step (seconds of C++ per shape);
 # the compiled path has its own tests (tests/test_sampler.py), which ask for it explicitly.
 os.environ.setdefault("GRPO_COMPILE", "0")
+from rank_pool import rank_pool  # noqa: E402,F401  (2 gloo ranks kept for the session)
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -350,21 +351,41 @@ def write_package(root: Path, files: dict[str, str], name: str = "my_pkg") -> Pa
 LENGTH_REWARD = "def length(completions, **_):\n    return [len(c) / 10 for c in completions]\n"
 
 
+def tiny_train_argv(model, *args) -> list[str]:
+    """`grpo train`'s arguments for configs/tiny_ci.yaml on `model`: 8 new tokens, the length
+    reward of my_pkg/rewards.py (a `write_package` with LENGTH_REWARD), no evaluation, every
+    step logged; `args` override on top."""
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny_ci.yaml"
+    return ["train", "--config", str(tiny), f"model.path={model}", "train.progress=false",
+            "data.eval_samples=0", "rollout.compile=off", "train.log_every=1",
+            "rollout.max_new_tokens=8", "rewards=[{name: my_pkg.rewards:length}]",
+            *args]  # fmt: skip
+
+
 def tiny_train(cwd: Path, model, *args, env=None):
-    """`grpo train` of configs/tiny_ci.yaml in `cwd` (on PYTHONPATH: a `write_package` with
-    LENGTH_REWARD as my_pkg/rewards.py), 8 new tokens, the length reward, no evaluation;
-    `args` override on top. The CompletedProcess (not asserted)."""
+    """`tiny_train_argv`'s `grpo train` as a process in `cwd` (on PYTHONPATH). The
+    CompletedProcess (not asserted)."""
     import subprocess
     import sys
 
-    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny_ci.yaml"
-    cmd = [sys.executable, "-m", "grpo", "train", "--config", str(tiny), f"model.path={model}",
-           "train.progress=false", "data.eval_samples=0", "rollout.compile=off",
-           "train.log_every=1", "rollout.max_new_tokens=8",
-           "rewards=[{name: my_pkg.rewards:length}]", *args]  # fmt: skip
+    cmd = [sys.executable, "-m", "grpo", *tiny_train_argv(model, *args)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(cwd), **(env or {})}
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=full_env,
                           timeout=300)  # fmt: skip
+
+
+def tiny_train_here(monkeypatch, cwd: Path, model, *args) -> int:
+    """`tiny_train`'s run in this process (the exit code): in `cwd`, first on sys.path with its
+    my_pkg, imported afresh (not another test's my_pkg)."""
+    import sys
+
+    from grpo.apps import cli
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.syspath_prepend(str(cwd))
+    for name in [m for m in sys.modules if m == "my_pkg" or m.startswith("my_pkg.")]:
+        monkeypatch.delitem(sys.modules, name)
+    return cli.main(tiny_train_argv(model, *args))
 
 
 def torchrun_train(cwd: Path, model, out: str, *overrides, ranks: int = 2) -> list[dict]:

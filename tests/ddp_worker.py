@@ -23,7 +23,14 @@ from safetensors.torch import save_file
 
 from grpo.algo.logprobs import CompletionLogprobs
 from grpo.config import load_config
-from grpo.distributed import full_weights, init_distributed, shard_model, teardown, wrap_ddp
+from grpo.distributed import (
+    Dist,
+    full_weights,
+    init_distributed,
+    shard_model,
+    teardown,
+    wrap_ddp,
+)
 from grpo.lora import apply_lora
 from grpo.models import load_model
 from grpo.policy import Policy
@@ -113,13 +120,19 @@ def sft_rows(rank: int, world: int) -> list[dict]:
     return rows[rank * B : (rank + 1) * B]
 
 
-def main(ckpt: str, out_dir: str, parallel: str = "ddp") -> None:
-    dist = init_distributed("cpu")
+def run_modes(dist: Dist, ckpt: str, out_dir: str, parallel: str = "ddp") -> None:
+    """Every case in each mode of `parallel` (collective: every rank calls it). The test runs
+    it in the session's ranks (tests/rank_pool.py), `main` under torchrun."""
     modes = parallel.split(",")  # "ddp,fsdp": both in one launch, into OUT_DIR/ddp, OUT_DIR/fsdp
     for mode in modes:
         out = Path(out_dir) / mode if len(modes) > 1 else Path(out_dir)
         out.mkdir(exist_ok=True)
         run_cases(ckpt, out, dist, mode == "fsdp" and dist.enabled)
+
+
+def main(ckpt: str, out_dir: str, parallel: str = "ddp") -> None:
+    dist = init_distributed("cpu")
+    run_modes(dist, ckpt, out_dir, parallel)
     teardown()  # after run_cases returned: its DDP wrappers are gone (see grpo.distributed)
 
 

@@ -5,6 +5,7 @@ row (ranks differ in T_c).
     torchrun --nproc_per_node=2 tests/limits_ddp_worker.py OUT.json
 
 Rank 0 writes the reduced stats; the test compares them with one process on the whole batch.
+The test runs `rank_stats` in the session's ranks (tests/rank_pool.py) instead of torchrun.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 
 import torch
 
-from grpo.distributed import init_distributed, teardown
+from grpo.distributed import Dist, init_distributed, teardown
 from grpo.train.stats import advantage_stats
 
 B, T = 8, 7
@@ -33,13 +34,18 @@ def make_inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return adv, mask
 
 
-def main(out_path: str) -> None:
-    dist = init_distributed("cpu")
+def rank_stats(dist: Dist) -> dict[str, float]:
+    """This rank's rows of the batch (its own T_c), reduced over every rank (collective)."""
     adv, mask = make_inputs()
     half = B // dist.world_size
     rows = slice(dist.rank * half, (dist.rank + 1) * half)
     width = int(mask[rows].sum(-1).max())  # this rank's own T_c
-    stats = advantage_stats(adv[rows, :width], mask[rows, :width], dist)
+    return advantage_stats(adv[rows, :width], mask[rows, :width], dist)
+
+
+def main(out_path: str) -> None:
+    dist = init_distributed("cpu")
+    stats = rank_stats(dist)
     if dist.rank == 0:
         with open(out_path, "w") as f:
             json.dump(stats, f)

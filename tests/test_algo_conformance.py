@@ -25,8 +25,8 @@ from grpo.testing import (
     check_policy_loss,
     check_two_ranks,
     policy_loss_checks,
-    run_two_ranks,
 )
+from grpo.testing.two_ranks import two_ranks_spec, with_kwargs
 
 ESTIMATORS = ADVANTAGES.names()
 LOSSES = POLICY_LOSSES.names()
@@ -60,8 +60,11 @@ def test_kl_estimator(name):
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return run_two_ranks(advantages=ESTIMATORS, losses=LOSSES)  # one torchrun job for all
+def two_ranks(rank_pool):
+    # `run_two_ranks`' job for every entry, in the session's ranks instead of a torchrun launch
+    spec = two_ranks_spec(ESTIMATORS, LOSSES)
+    [result, _] = rank_pool.run("grpo.testing.two_ranks_worker:run_rank", spec)
+    return with_kwargs(result, spec)
 
 
 @pytest.mark.parametrize(

@@ -7,9 +7,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +14,7 @@ import torch
 from conftest import update_batch
 
 from grpo.algo import compute_advantages, kl_penalty
+from grpo.apps import cli
 from grpo.config import load_config
 from grpo.models import load_model
 from grpo.policy import Policy
@@ -176,14 +174,14 @@ VARIANTS = [
 
 
 @pytest.mark.parametrize("overrides", VARIANTS, ids=lambda o: o[0].split("=")[1])
-def test_variants_run_from_the_command_line(shared_tiny_model, tmp_path, overrides):
+def test_variants_run_from_the_command_line(shared_tiny_model, tmp_path, monkeypatch, capsys,
+                                            overrides):  # fmt: skip
     # the step reward (lines of reasoning) varies even for a random-init model's replies
-    cmd = [sys.executable, "-m", "grpo", "train", "--config", str(REPO / "configs/tiny_ci.yaml"),
-           f"model.path={shared_tiny_model}", "train.output_dir=run", "train.max_steps=2",
-           "train.progress=false", "data.eval_samples=0", "rewards=[{name: step}]",
-           *overrides]  # fmt: skip
-    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
-    assert r.returncode == 0, r.stderr[-2000:]
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["train", "--config", str(REPO / "configs/tiny_ci.yaml"),
+                     f"model.path={shared_tiny_model}", "train.output_dir=run",
+                     "train.max_steps=2", "train.progress=false", "data.eval_samples=0",
+                     "rewards=[{name: step}]", *overrides])  # fmt: skip
+    assert code == 0, capsys.readouterr().err[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(math.isfinite(row["train/loss"]) for row in rows)

@@ -1,5 +1,6 @@
-"""DDP under torchrun (gloo, CPU): 2 processes equal 1 process on the combined batch, the CLI
-runs end to end under torchrun, and a failing rank fails the job instead of hanging it."""
+"""DDP and FSDP2 over gloo (CPU): 2 ranks (the session's rank pool) equal 1 process on the
+combined batch, the CLI runs end to end under torchrun, and a failing rank fails the job
+instead of hanging it."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def run(cmd, cwd, timeout=300, env=None):
     )
 
 
-def test_two_ranks_equal_one_process(tiny_checkpoints, tmp_path):
+def test_two_ranks_equal_one_process(tiny_checkpoints, tmp_path, rank_pool):
     """DDP and FSDP2 (every weight sharded over the 2 ranks) each equal one process on the
     combined batch: GRPO (LoRA, full fine-tuning, shared prefix, multi-turn) and SFT (LoRA,
     full), micro-batches accumulated, gradients clipped."""
@@ -31,15 +32,17 @@ def test_two_ranks_equal_one_process(tiny_checkpoints, tmp_path):
     worker = str(REPO / "tests" / "ddp_worker.py")
     (tmp_path / "single").mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(tmp_path / "single.err", "w+") as err:  # the reference, beside the launch
+    with open(tmp_path / "single.err", "w+") as err:  # the reference, beside the two ranks
         single = subprocess.Popen([sys.executable, worker, ckpt, str(tmp_path / "single")],
                                   cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
                                   stderr=err)  # fmt: skip
-        r = run([*TORCHRUN, worker, ckpt, str(tmp_path), "ddp,fsdp"], cwd=tmp_path)  # one launch
-        single.wait(timeout=300)
+        try:  # the session's ranks (tests/rank_pool.py): ddp, then fsdp
+            rank_pool.run("ddp_worker:run_modes", ckpt, str(tmp_path), "ddp,fsdp")
+            single.wait(timeout=300)
+        finally:
+            single.kill()  # a no-op once it exited
         err.seek(0)
         assert single.returncode == 0, err.read()[-3000:]
-    assert r.returncode == 0, r.stderr[-3000:]
     cases = sorted(p.name for p in (tmp_path / "single").iterdir() if p.suffix != ".json")
     assert cases == [
         "grpo_balanced.safetensors",
@@ -92,14 +95,6 @@ def test_two_ranks_equal_one_process(tiny_checkpoints, tmp_path):
         assert 1 <= after < before, moved  # the ranks sampled unequal tokens; now more even
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ddp_model")
-    r = run([sys.executable, "-m", "grpo", "tiny-model", "--out", str(d / "m")], cwd=d)
-    assert r.returncode == 0, r.stderr
-    return d / "m"
-
-
 P = pytest.mark.process  # the variants of `grpo train` under torchrun (the default tier: train)
 
 
@@ -116,10 +111,10 @@ P = pytest.mark.process  # the variants of `grpo train` under torchrun (the defa
     ids=["train", "sft", "train-bf16-autocast", "sft-bf16-weights", "train-fsdp-bf16-autocast",
          "sft-fsdp-bf16-weights-offload"],
 )  # fmt: skip
-def test_torchrun_cli_end_to_end(tiny_model_dir, tmp_path, command, precision):
+def test_torchrun_cli_end_to_end(shared_tiny_model, tmp_path, command, precision):
     cfg = str(REPO / "configs" / "tiny_ci.yaml")
     r = run(
-        [*TORCHRUN, "-m", "grpo", command, "--config", cfg, f"model.path={tiny_model_dir}",
+        [*TORCHRUN, "-m", "grpo", command, "--config", cfg, f"model.path={shared_tiny_model}",
          "train.output_dir=out", "train.progress=false", "train.max_steps=2", *precision],
         cwd=tmp_path,
     )  # fmt: skip
@@ -370,13 +365,13 @@ except (GrpoError, ValueError) as e:
 
 
 @pytest.mark.process
-def test_on_step_failing_on_rank_0_stops_every_rank_within_seconds(tiny_model_dir, tmp_path):
+def test_on_step_failing_on_rank_0_stops_every_rank_within_seconds(shared_tiny_model, tmp_path):
     """The on_step callback (main rank only) raises after step 1, with train.dist_timeout_s=300:
     rank 1 must not sit in the step's next collective for 300 s but stop at once with one line
     naming rank 0, the phase, the step and the cause; rank 0 keeps its own error."""
     (tmp_path / "on_step_job.py").write_text(ON_STEP_SCRIPT)
     cmd = [sys.executable, "on_step_job.py", str(REPO / "configs" / "tiny_ci.yaml"),
-           f"model.path={tiny_model_dir}", "train.output_dir=out", "train.progress=false",
+           f"model.path={shared_tiny_model}", "train.output_dir=out", "train.progress=false",
            "train.dist_timeout_s=300", "data.eval_samples=0"]  # fmt: skip
     (code0, out0, err0), (code1, out1, err1) = launch_ranks(cmd, tmp_path, deadline_s=90)
     last0 = out0.splitlines()[-1] if out0 else ""  # after rank 0's metrics line of step 1
@@ -387,12 +382,12 @@ def test_on_step_failing_on_rank_0_stops_every_rank_within_seconds(tiny_model_di
 
 
 @pytest.mark.process
-def test_bad_eval_split_on_rank_0_fails_every_rank_with_one_line(tiny_model_dir, tmp_path):
+def test_bad_eval_split_on_rank_0_fails_every_rank_with_one_line(shared_tiny_model, tmp_path):
     """Rank 0 alone loads the evaluation rows; a bad eval split fails it at start-up. Through
     the CLI, with train.dist_timeout_s=300, both ranks exit 2 within seconds, each with one
     error line: rank 0 the cause, rank 1 that rank 0 failed and why."""
     cmd = [sys.executable, "-m", "grpo", "train", "--config",
-           str(REPO / "configs" / "tiny_ci.yaml"), f"model.path={tiny_model_dir}",
+           str(REPO / "configs" / "tiny_ci.yaml"), f"model.path={shared_tiny_model}",
            "train.output_dir=out", "train.progress=false", "train.dist_timeout_s=300",
            "data.eval_split=nope"]  # fmt: skip
     results = launch_ranks(cmd, tmp_path, deadline_s=60)

@@ -4,14 +4,13 @@ and the discounted return, and multi-turn training / evaluation end to end from 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from grpo.apps import cli
 from grpo.envs import CalculatorEnv, Step, check_step, env_factory
 from grpo.errors import GrpoError
 from grpo.rollout.sampler import Rollout
@@ -95,20 +94,23 @@ class Broken(Echo):
 '''
 
 
-def cli(tmp_path, *args):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)}
-    return subprocess.run([sys.executable, "-m", "grpo", *args], cwd=tmp_path,
-                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+def grpo_here(monkeypatch, tmp_path, *argv) -> int:
+    """`python -m grpo ARGV` in this process, run in `tmp_path` with it first on sys.path: its
+    echo_env.py is imported afresh (not another test's module of that name)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "echo_env", raising=False)
+    return cli.main(list(argv))
 
 
-def test_multi_turn_training_end_to_end(shared_tiny_model, tmp_path):
+def test_multi_turn_training_end_to_end(shared_tiny_model, tmp_path, monkeypatch, capsys):
     (tmp_path / "echo_env.py").write_text(ECHO_ENV)
-    r = cli(tmp_path, "train", "--config", str(REPO / "configs/tiny_ci.yaml"),
-            f"model.path={shared_tiny_model}", "train.output_dir=run", "train.max_steps=2",
-            "train.progress=false", "data.eval_samples=4", "rewards=[{name: step}]",
-            "rollout.env=echo_env:Echo", "rollout.max_turns=3", "rollout.max_new_tokens=8",
-            "rollout.gamma=0.9")  # fmt: skip
-    assert r.returncode == 0, r.stderr[-2000:]
+    code = grpo_here(monkeypatch, tmp_path, "train", "--config", str(REPO / "configs/tiny_ci.yaml"),
+                     f"model.path={shared_tiny_model}", "train.output_dir=run",
+                     "train.max_steps=2", "train.progress=false", "data.eval_samples=4",
+                     "rewards=[{name: step}]", "rollout.env=echo_env:Echo", "rollout.max_turns=3",
+                     "rollout.max_new_tokens=8", "rollout.gamma=0.9")  # fmt: skip
+    assert code == 0, capsys.readouterr().err[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     last = rows[-1]
     assert last["env/turns_mean"] == 2.0 and last["env/tool_calls_mean"] == 1.0
@@ -117,28 +119,28 @@ def test_multi_turn_training_end_to_end(shared_tiny_model, tmp_path):
     assert "eval/turns_mean" in last and "eval/accuracy" in last
 
 
-def test_broken_environment_is_one_line(shared_tiny_model, tmp_path):
+def test_broken_environment_is_one_line(shared_tiny_model, tmp_path, monkeypatch, capsys):
     (tmp_path / "echo_env.py").write_text(ECHO_ENV)
-    r = cli(tmp_path, "train", "--config", str(REPO / "configs/tiny_ci.yaml"),
-            f"model.path={shared_tiny_model}", "train.output_dir=run", "train.progress=false",
-            "rollout.env=echo_env:Broken")  # fmt: skip
-    assert r.returncode == 2
-    assert r.stderr.strip().splitlines()[-1] == (
+    code = grpo_here(monkeypatch, tmp_path, "train", "--config", str(REPO / "configs/tiny_ci.yaml"),
+                     f"model.path={shared_tiny_model}", "train.output_dir=run",
+                     "train.progress=false", "rollout.env=echo_env:Broken")  # fmt: skip
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "grpo train: error: environment 'echo_env:Broken': step() returned str, expected a "
         "grpo.envs.Step"
     )
-    r = cli(tmp_path, "train", "--config", str(REPO / "configs/tiny_ci.yaml"),
-            f"model.path={shared_tiny_model}", "train.output_dir=run2",
-            "rollout.env=nope")  # fmt: skip
-    assert r.returncode == 2 and "unknown environment 'nope'" in r.stderr
+    code = cli.main(["train", "--config", str(REPO / "configs/tiny_ci.yaml"),
+                     f"model.path={shared_tiny_model}", "train.output_dir=run2",
+                     "rollout.env=nope"])  # fmt: skip
+    assert code == 2 and "unknown environment 'nope'" in capsys.readouterr().err
     assert not (tmp_path / "run2").exists()
 
 
-def test_eval_with_calculator_env(shared_tiny_model, tmp_path):
-    r = cli(tmp_path, "eval", "--model", str(shared_tiny_model), "--data", "minimath:test",
-            "--max-samples", "4", "--max-new-tokens", "8", "--env", "calculator",
-            "--max-turns", "2", "--out", "res.json")  # fmt: skip
-    assert r.returncode == 0, r.stderr[-2000:]
+def test_eval_with_calculator_env(shared_tiny_model, tmp_path, monkeypatch, capsys):
+    code = grpo_here(monkeypatch, tmp_path, "eval", "--model", str(shared_tiny_model), "--data",
+                     "minimath:test", "--max-samples", "4", "--max-new-tokens", "8", "--env",
+                     "calculator", "--max-turns", "2", "--out", "res.json")  # fmt: skip
+    assert code == 0, capsys.readouterr().err[-2000:]
     summary = json.loads((tmp_path / "res.json").read_text())["models"]["model"]["summary"]
     for key in ("accuracy", "turns_mean", "tool_calls_mean", "invalid_call_rate",
                 "turn_limit_frac"):  # fmt: skip

@@ -5,13 +5,14 @@ is named in one line with the step, exit 2, and the checkpoint already saved sur
 from __future__ import annotations
 
 import json
-import os
+import logging
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from grpo.apps import cli
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny_ci.yaml")
@@ -25,26 +26,32 @@ def doc_module() -> str:
     return block
 
 
-def train(tmp_path, model, *overrides):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)}
-    cmd = [sys.executable, "-m", "grpo", "train", "--config", TINY, f"model.path={model}",
-           "train.progress=false", "data.eval_samples=0", *overrides]  # fmt: skip
-    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+def train(model, *overrides) -> int:
+    """`grpo train` of tiny_ci in this process (in the `my_pkg` fixture's directory); the exit
+    code."""
+    return cli.main(["train", "--config", TINY, f"model.path={model}", "train.progress=false",
+                     "data.eval_samples=0", *overrides])  # fmt: skip
 
 
 @pytest.fixture()
-def my_pkg(tmp_path):
+def my_pkg(tmp_path, monkeypatch):
+    """tmp_path, the working directory, first on sys.path, holding the docs' module as
+    my_pkg/my_mod.py (imported afresh: not another test's my_pkg)."""
     (tmp_path / "my_pkg").mkdir()
     (tmp_path / "my_pkg" / "__init__.py").write_text("")
     (tmp_path / "my_pkg" / "my_mod.py").write_text(doc_module())
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "my_pkg" or m.startswith("my_pkg.")]:
+        monkeypatch.delitem(sys.modules, name)
     return tmp_path
 
 
-def test_extending_example_runs_end_to_end(my_pkg, shared_tiny_model):
-    r = train(my_pkg, shared_tiny_model, "train.output_dir=run", "train.max_steps=2",
-              "loss.advantage=my_pkg.my_mod:my_adv", "loss.policy_loss=my_pkg.my_mod:my_loss",
-              "loss.policy_loss_kwargs={cap: 1.5}")  # fmt: skip
-    assert r.returncode == 0, r.stderr[-2000:]
+def test_extending_example_runs_end_to_end(my_pkg, shared_tiny_model, capsys):
+    code = train(shared_tiny_model, "train.output_dir=run", "train.max_steps=2",
+                 "loss.advantage=my_pkg.my_mod:my_adv", "loss.policy_loss=my_pkg.my_mod:my_loss",
+                 "loss.policy_loss_kwargs={cap: 1.5}")  # fmt: skip
+    assert code == 0, capsys.readouterr().err[-2000:]
     lines = (my_pkg / "run" / "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
     assert len(rows) == 2
@@ -54,19 +61,21 @@ def test_extending_example_runs_end_to_end(my_pkg, shared_tiny_model):
     assert "my_pkg.my_mod:my_adv" in saved and "cap: 1.5" in saved
 
 
-def test_bad_kwarg_fails_before_anything_is_written(my_pkg, shared_tiny_model):
-    r = train(my_pkg, shared_tiny_model, "train.output_dir=run",
-              "loss.policy_loss=my_pkg.my_mod:my_loss",
-              "loss.policy_loss_kwargs={kap: 1.5}")  # fmt: skip
-    assert r.returncode == 2
-    assert r.stderr.strip().splitlines() == [
+def test_bad_kwarg_fails_before_anything_is_written(my_pkg, shared_tiny_model, capsys, caplog):
+    caplog.set_level(logging.INFO)  # what `python -m grpo` logs to stderr
+    code = train(shared_tiny_model, "train.output_dir=run",
+                 "loss.policy_loss=my_pkg.my_mod:my_loss",
+                 "loss.policy_loss_kwargs={kap: 1.5}")  # fmt: skip
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
         "grpo train: error: loss.policy_loss_kwargs: 'kap' is not a parameter of policy loss "
         "'my_pkg.my_mod:my_loss' (parameters: logprobs, log_ratio, advantages, cap)"
     ]
+    assert caplog.records == []  # the error line is all the user sees
     assert not (my_pkg / "run").exists()
 
 
-def test_broken_estimator_named_with_step_and_checkpoint_kept(my_pkg, shared_tiny_model):
+def test_broken_estimator_named_with_step_and_checkpoint_kept(my_pkg, shared_tiny_model, capsys):
     # fine for two steps (a checkpoint is saved at step 2), then the wrong shape
     (my_pkg / "my_pkg" / "flaky.py").write_text(
         "from grpo.algo.advantages import grpo\n"
@@ -76,10 +85,10 @@ def test_broken_estimator_named_with_step_and_checkpoint_kept(my_pkg, shared_tin
         "    out = grpo(scores, mask, group_size=group_size, eps=eps)\n"
         "    return out if len(calls) <= 2 else out[:, :1]\n"
     )
-    r = train(my_pkg, shared_tiny_model, "train.output_dir=run", "train.max_steps=4",
-              "train.save_every=2", "loss.advantage=my_pkg.flaky:adv")  # fmt: skip
-    assert r.returncode == 2
-    last = r.stderr.strip().splitlines()[-1]
+    code = train(shared_tiny_model, "train.output_dir=run", "train.max_steps=4",
+                 "train.save_every=2", "loss.advantage=my_pkg.flaky:adv")  # fmt: skip
+    assert code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("grpo train: error: step 3: advantage estimator 'my_pkg.flaky:adv' "
                            "returned shape (8, 1), expected (B, T_c) = (8, "), last  # fmt: skip
     assert (my_pkg / "run" / "checkpoints" / "step_000002").is_dir()

@@ -7,6 +7,7 @@ import copy
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 from conftest import live_lora, update_batch
 
 from grpo.algo.logprobs import completion_logprobs
+from grpo.apps import cli
 from grpo.config import load_config
 from grpo.models import load_model
 from grpo.policy import Policy
@@ -319,6 +321,9 @@ def test_tiny_ci_end_to_end_and_resume(tmp_path):
     cfg = str(REPO / "configs" / "tiny_ci.yaml")
     r = grpo_cli("train", "--config", cfg, "train.progress=false", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
+    # the command logs to stderr, a line per event (the in-process tests read caplog)
+    assert re.search(r"^\d\d:\d\d:\d\d INFO grpo\.run\.loop: run: advantage grpo \|", r.stderr,
+                     re.M), r.stderr[-2000:]  # fmt: skip
     run = tmp_path / "runs" / "tiny-ci"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
@@ -335,14 +340,15 @@ def test_tiny_ci_end_to_end_and_resume(tmp_path):
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
 
 
-def test_resume_without_checkpoint_is_one_line(tmp_path):
-    r = grpo_cli("tiny-model", "--out", "m", cwd=tmp_path)
-    assert r.returncode == 0
+def test_resume_without_checkpoint_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["tiny-model", "--out", "m"]) == 0
     cfg = str(REPO / "configs" / "tiny_ci.yaml")
-    r = grpo_cli("train", "--config", cfg, "model.path=m", "train.output_dir=empty", "--resume",
-                 cwd=tmp_path)  # fmt: skip
-    assert r.returncode == 2
-    assert "no checkpoint" in r.stderr and "Traceback" not in r.stderr
+    code = cli.main(["train", "--config", cfg, "model.path=m", "train.output_dir=empty",
+                     "--resume"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "no checkpoint" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("lora", [True, False])

@@ -228,24 +228,27 @@ def test_weight_change_is_the_relative_norm_of_the_step():
 # ----------------------------------------------------------------------- grpo train, end to end
 
 
-def test_truncated_run_warns_in_the_log_and_the_summary(shared_tiny_model, tmp_path):
+def test_truncated_run_warns_in_the_log_and_the_summary(
+    shared_tiny_model, tmp_path, monkeypatch, capsys, caplog
+):
     """tiny_ci, greedy, 4 new tokens: the random model's completions are all cut and score 0;
     its LoRA B starts at 0 and the KL's gradient at policy = reference is 0, so nothing moves.
     With stall_steps 2 every rule fires at step 2: one WARNING line each (in the order of
     cause), and the summary line after `done:`."""
-    r = subprocess.run(
-        [sys.executable, "-m", "grpo", "train", "--config", TINY_CI, *FAST, *TRUNCATING,
-         f"model.path={shared_tiny_model}", "train.output_dir=run", "train.max_steps=3",
-         "train.stall_steps=2"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    warned = [x.split(" WARNING grpo.train.health: ", 1)[1] for x in r.stderr.splitlines()
-              if " WARNING grpo.train.health: " in x]  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="grpo.train.health"):
+        code = cli.main(["train", "--config", TINY_CI, *FAST, *TRUNCATING,
+                         f"model.path={shared_tiny_model}", "train.output_dir=run",
+                         "train.max_steps=3", "train.stall_steps=2"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
+    warned = [r.getMessage() for r in caplog.records
+              if r.name == "grpo.train.health" and r.levelname == "WARNING"]  # fmt: skip
+    assert all(len(w.splitlines()) == 1 for w in warned), warned
     assert [w.split(": ", 2)[1] for w in warned] == [
         "completions truncated", "no reward variance", "zero gradient", "weights unchanged",
         "reward flat",
-    ], r.stderr  # fmt: skip
+    ], warned  # fmt: skip
     assert warned[0] == (
         "learning stalled at step 2: completions truncated: 100% of completions hit "
         "rollout.max_new_tokens=4 for 2 steps (steps 1-2; reward mean 0.000, 100% of groups "
@@ -254,7 +257,7 @@ def test_truncated_run_warns_in_the_log_and_the_summary(shared_tiny_model, tmp_p
     )
     assert warned[3].startswith("learning stalled at step 2: weights unchanged: the trainable "
                                 "weights moved by at most 0 (relative")  # fmt: skip
-    done = r.stdout.splitlines()[-2:]
+    done = out.splitlines()[-2:]
     assert done[0].startswith("done: 3 steps; weights in ")
     assert done[1].startswith("learning stalled: truncated (steps 1-3), zero_variance (steps "
                               "1-3), zero_gradient (steps 1-3), frozen_weights (steps 1-3), "

@@ -7,9 +7,7 @@ are caught naming the check and the numbers."""
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from conftest import LENGTH_REWARD, docs_example, write_package
 
 import kernels
 from benchmarks import bench_logprobs
+from grpo.apps import cli
 from grpo.config import load_config
 from grpo.settings import ConfigError
 from grpo.testing import ConformanceError, check_logprob_impl
@@ -99,17 +98,16 @@ def test_seeded_kernel_bugs_are_caught(kernel, check, detail):
     assert "the same-dtype torch reference's" in message or "allowed" in message
 
 
-def test_training_calls_the_configured_kernel(my_pkg, shared_tiny_model):
+def test_training_calls_the_configured_kernel(my_pkg, shared_tiny_model, monkeypatch, capsys):
     calls = my_pkg / "calls.txt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(my_pkg),
-           "KERNEL_CALLS": str(calls)}  # fmt: skip
-    cmd = [sys.executable, "-m", "grpo", "train", "--config", TINY,
-           f"model.path={shared_tiny_model}", "train.progress=false", "data.eval_samples=0",
-           "rollout.compile=off", "train.log_every=1", "train.max_steps=2",
-           "train.output_dir=run", "rewards=[{name: my_pkg.rewards:length}]",
-           "model.logprob_impl=my_pkg.counting:logprobs"]  # fmt: skip
-    r = subprocess.run(cmd, cwd=my_pkg, capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    monkeypatch.setenv("KERNEL_CALLS", str(calls))
+    monkeypatch.chdir(my_pkg)
+    code = cli.main(["train", "--config", TINY, f"model.path={shared_tiny_model}",
+                     "train.progress=false", "data.eval_samples=0", "rollout.compile=off",
+                     "train.log_every=1", "train.max_steps=2", "train.output_dir=run",
+                     "rewards=[{name: my_pkg.rewards:length}]",
+                     "model.logprob_impl=my_pkg.counting:logprobs"])  # fmt: skip
+    assert code == 0, capsys.readouterr().err[-3000:]
     rows = [json.loads(x) for x in (my_pkg / "run" / "metrics.jsonl").read_text().splitlines()]
     assert "log-probs my_pkg.counting:logprobs" in rows[0]["run/precision"]
     steps = [m for m in rows if "rollout/logprob_diff_max" in m]

@@ -6,12 +6,9 @@ and in metrics.jsonl's first record, and estimator results accepted only as (B, 
 
 from __future__ import annotations
 
-import json
+import logging
 import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +16,7 @@ import torch
 
 from grpo.algo import compute_advantages, register_advantage
 from grpo.algo.advantages import broadcast
+from grpo.apps import cli
 from grpo.config import load_config
 from grpo.envs import Step
 from grpo.errors import GrpoError
@@ -90,20 +88,12 @@ def test_advantage_stats_by_hand():
     assert all(math.isnan(v) for v in none.values()) and len(none) == 5
 
 
-def test_advantage_stats_two_ranks_equal_one_process(tmp_path):
-    sys.path.insert(0, str(REPO / "tests"))
+def test_advantage_stats_two_ranks_equal_one_process(rank_pool):
     from limits_ddp_worker import make_inputs
 
-    out = tmp_path / "stats.json"
-    r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(REPO / "tests" / "limits_ddp_worker.py"), str(out)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
+    [got, _] = rank_pool.run("limits_ddp_worker:rank_stats")
     adv, mask = make_inputs()
     want = advantage_stats(adv, mask)
-    got = json.loads(out.read_text())
     assert got.keys() == want.keys()
     for k in want:
         assert got[k] == pytest.approx(want[k], abs=1e-12), k
@@ -307,26 +297,30 @@ class Long:
 """
 
 
-def test_train_states_limits_and_logs_the_header(shared_tiny_model, tmp_path):
+def test_train_states_limits_and_logs_the_header(
+    shared_tiny_model, tmp_path, monkeypatch, capsys, caplog
+):
     """`grpo train` with a custom environment, a reward that is not accuracy and the default
     budget: both notices once before the run, the run header in the log and in the first
     record, advantage statistics and the limit metrics per step."""
     (tmp_path / "long_env.py").write_text(LONG_ENV)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)}
-    r = subprocess.run(
-        [sys.executable, "-m", "grpo", "train", "--config", str(TINY_CI),
-         f"model.path={shared_tiny_model}", "train.output_dir=run", "train.max_steps=1",
-         "train.progress=false", "data.eval_samples=2", "rewards=[{name: format}]",
-         "rollout.env=long_env:Long", "rollout.max_turns=3", "rollout.max_new_tokens=8",
-         "rollout.max_obs_tokens=8", "eval.max_new_tokens=8"],
-        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    budget = [x for x in r.stderr.splitlines() if "guarantees a rollout 2 of" in x]
-    fit = [x for x in r.stderr.splitlines() if "eval.env: evaluation episodes run in" in x]
-    assert len(budget) == 1 and len(fit) == 1 and " WARNING " in budget[0], r.stderr
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    caplog.set_level(logging.INFO)  # what `python -m grpo` logs to stderr
+    code = cli.main(["train", "--config", str(TINY_CI), f"model.path={shared_tiny_model}",
+                     "train.output_dir=run", "train.max_steps=1", "train.progress=false",
+                     "data.eval_samples=2", "rewards=[{name: format}]",
+                     "rollout.env=long_env:Long", "rollout.max_turns=3",
+                     "rollout.max_new_tokens=8", "rollout.max_obs_tokens=8",
+                     "eval.max_new_tokens=8"])  # fmt: skip
+    assert code == 0, capsys.readouterr().err[-3000:]
+    lines = [x for r in caplog.records for x in f"{r.levelname} {r.getMessage()}".splitlines()]
+    budget = [x for x in lines if "guarantees a rollout 2 of" in x]
+    fit = [x for x in lines if "eval.env: evaluation episodes run in" in x]
+    assert len(budget) == 1 and len(fit) == 1 and budget[0].startswith("WARNING "), lines
     assert "'long_env:Long' (rollout.env's, as eval.env is unset)" in fit[0]
-    assert "run: advantage grpo | policy_loss clip | kl_estimator k3 | aggregation" in r.stderr
+    assert any("run: advantage grpo | policy_loss clip | kl_estimator k3 | aggregation" in x
+               for x in lines), lines  # fmt: skip
     (row,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert row["step"] == 1
     assert row["run/advantage"] == "grpo" and row["run/policy_loss"] == "clip"

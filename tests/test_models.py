@@ -186,3 +186,27 @@ def test_logits_match_transformers_on_cuda(tiny_checkpoints, family):
     assert got.is_cuda and got.dtype == torch.float32 and got.shape == (3, 17, 257)
     assert (got - want)[mask].abs().max().item() <= 1e-5
     assert (got1 - want1).abs().max().item() <= 1e-5
+
+
+def test_meta_decoder_builds_the_modules_without_running_an_initializer(tiny_checkpoints):
+    """`meta_decoder` (what load_model fills): the Decoder's parameters, shapes only, and the
+    CPU rotary table; loading a model runs no meta-tensor kernel, so a fresh process that only
+    loads (eval, serve, merge) never imports torch._dynamo (over a second of a cold start)."""
+    import subprocess
+    import sys
+
+    from grpo.models.decoder import meta_decoder, rope_inv_freq
+
+    path = tiny_checkpoints("qwen3")
+    cfg = ModelConfig.from_hf(path)
+    meta = meta_decoder(cfg)
+    want = {n: p.shape for n, p in Decoder(cfg).named_parameters()}
+    assert {n: p.shape for n, p in meta.named_parameters()} == want
+    assert all(p.is_meta for p in meta.parameters())
+    assert torch.equal(meta.inv_freq, rope_inv_freq(cfg)) and meta.inv_freq.device.type == "cpu"
+    code = ("import sys; from grpo.models import load_model; load_model(sys.argv[1]); "
+            "print([m for m in sys.modules if m.startswith('torch._dynamo')][:3])")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]"

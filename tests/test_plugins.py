@@ -6,12 +6,17 @@ registers work in `grpo train` (one process and two torchrun ranks), `grpo eval`
 `grpo train` checks before the model loads, and an error line never shares a line with a
 progress bar.
 
-The plugin modules are imported only in subprocesses: registered in this process, their entries
-would join the registries that tests/test_algo_conformance.py parametrizes over."""
+Each command runs in this process as in a new one (`new_process`): no plugin loaded yet, the
+plugin modules imported afresh, and copies of the registries that are dropped after the test,
+so nothing registered here joins the registries tests/test_algo_conformance.py parametrizes
+over."""
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -20,9 +25,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from grpo import plugins
+from grpo.algo import registry as algo_registry
 from grpo.apps import cli
 from grpo.config import load_config
+from grpo.data import formats
+from grpo.envs import base as envs_base
 from grpo.errors import GrpoError
+from grpo.rewards import registry as reward_registry
 from grpo.settings import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -120,6 +130,53 @@ def grpo(args, cwd, pythonpath, timeout=300, prefix=(sys.executable, "-m", "grpo
                           env=env, timeout=timeout)  # fmt: skip
 
 
+@pytest.fixture
+def new_process(monkeypatch, tmp_path, caplog):
+    """A function `run(argv, pythonpath) -> exit code`: `python -m grpo ARGV` with PYTHONPATH
+    `pythonpath`, in this process as in a new one: in tmp_path, `pythonpath` first on sys.path
+    (and no earlier command's), no plugin loaded (the process's plugin records and its
+    once-per-process entry-point and plugin caches start empty; the plugin modules are imported
+    afresh) and the registries as they were before the test (copies, dropped after it). Logs
+    reach caplog at INFO, the level `python -m grpo` prints them to stderr at."""
+    saved = {(reg, attr): getattr(reg, attr)
+             for reg in (algo_registry.ADVANTAGES, algo_registry.POLICY_LOSSES,
+                         algo_registry.KL_ESTIMATORS) for attr in ("_fns", "_claims")}  # fmt: skip
+    for owner in (reward_registry, envs_base, formats):
+        saved[owner, "_REGISTERED"] = owner._REGISTERED
+    activate = plugins._activate.__wrapped__
+    entry_points = plugins.load_entry_point_plugins.__wrapped__
+    path = list(sys.path)
+    ours = ("grpo_test_ext", "grpo_test_missing")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RANK", raising=False)
+    caplog.set_level(logging.INFO)
+
+    def run(argv: list[str], pythonpath: list[str]) -> int:
+        for (owner, attr), value in saved.items():
+            monkeypatch.setattr(owner, attr, dict(value))
+        monkeypatch.setattr(plugins, "_LOADED", {})
+        monkeypatch.setattr(plugins, "_REPLACED", [])
+        monkeypatch.setattr(plugins, "_activate", functools.cache(activate))
+        monkeypatch.setattr(plugins, "load_entry_point_plugins", functools.cache(entry_points))
+        monkeypatch.setattr(sys, "path", [*pythonpath, *path])
+        importlib.invalidate_caches()
+        for name in ours:
+            sys.modules.pop(name, None)
+        return cli.main(argv)
+
+    yield run
+    for name in ours:
+        sys.modules.pop(name, None)
+
+
+def stderr(capsys, caplog) -> str:
+    """What `python -m grpo` would have printed to stderr since the last call: its log lines
+    (INFO and up), then what it wrote there."""
+    logged = "".join(f"{r.levelname} {r.name}: {r.getMessage()}\n" for r in caplog.records)
+    caplog.clear()
+    return logged + capsys.readouterr().err
+
+
 def train_args(model, *overrides, config=TINY):
     return ["train", "--config", str(config), f"model.path={model}", "train.output_dir=run",
             "train.max_steps=1", "train.progress=false", "data.eval_samples=0",
@@ -131,14 +188,14 @@ def metrics(run: Path) -> list[dict]:
 
 
 def test_config_plugins_train_and_the_saved_config_imports_them(
-    plugin_paths, shared_tiny_model, tmp_path
+    plugin_paths, shared_tiny_model, tmp_path, new_process, capsys, caplog
 ):
     cfg = yaml.safe_load(TINY.read_text())
     cfg["plugins"] = ["grpo_test_ext"]
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     args = train_args(shared_tiny_model, *ALL_FIVE, config=tmp_path / "c.yaml")
-    r = grpo(args, tmp_path, [plugin_paths["mods"]])
-    assert r.returncode == 0, r.stderr[-3000:]
+    code = new_process(args, [plugin_paths["mods"]])
+    assert code == 0, stderr(capsys, caplog)[-3000:]
     (row,) = metrics(tmp_path / "run")
     assert row["train/ext_adv"] == 1.0  # the estimator's advantages reached the loss
     assert row["train/kl"] == pytest.approx(0.125)
@@ -147,24 +204,29 @@ def test_config_plugins_train_and_the_saved_config_imports_them(
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["plugins"] == ["grpo_test_ext"]
     # the saved config is valid on its own: its plugins are imported again (no --plugin)
-    r = grpo(["config", "--config", "run/config.yaml"], tmp_path, [plugin_paths["mods"]])
-    assert r.returncode == 0, r.stderr
-    assert yaml.safe_load(r.stdout)["loss"]["advantage"] == "ext_adv"
+    stderr(capsys, caplog)
+    code = new_process(["config", "--config", "run/config.yaml"], [plugin_paths["mods"]])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert yaml.safe_load(out)["loss"]["advantage"] == "ext_adv"
     # `grpo config` rejects the plugin environment's unknown kwargs, as `grpo train` does
-    r = grpo(["config", "--config", "run/config.yaml", "rollout.env_kwargs={bonsu: 1}"],
-             tmp_path, [plugin_paths["mods"]])  # fmt: skip
-    assert r.returncode == 2
-    assert r.stderr.strip() == ("grpo config: error: rollout.env_kwargs: got an unexpected "
-                                "keyword argument 'bonsu' (environment 'ext_env')")  # fmt: skip
+    stderr(capsys, caplog)
+    code = new_process(["config", "--config", "run/config.yaml", "rollout.env_kwargs={bonsu: 1}"],
+                       [plugin_paths["mods"]])  # fmt: skip
+    assert code == 2
+    assert stderr(capsys, caplog).strip() == (
+        "grpo config: error: rollout.env_kwargs: got an unexpected keyword argument 'bonsu' "
+        "(environment 'ext_env')"
+    )
 
 
 def test_entry_point_plugin_trains_and_its_function_is_called(
-    plugin_paths, shared_tiny_model, tmp_path
+    plugin_paths, shared_tiny_model, tmp_path, new_process, capsys
 ):
     overrides = [o.replace("=ext_adv", "=ext_hooked") for o in ALL_FIVE]
-    r = grpo(train_args(shared_tiny_model, *overrides), tmp_path,
-             [plugin_paths["mods"], plugin_paths["ep"]])  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
+    code = new_process(train_args(shared_tiny_model, *overrides),
+                       [plugin_paths["mods"], plugin_paths["ep"]])  # fmt: skip
+    assert code == 0, capsys.readouterr().err[-3000:]
     (row,) = metrics(tmp_path / "run")
     assert row["train/ext_adv"] == 2.0  # registered by the hook the entry point names
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["plugins"] == []
@@ -172,8 +234,8 @@ def test_entry_point_plugin_trains_and_its_function_is_called(
     args = ["eval", "--model", str(shared_tiny_model), "--adapter", "run/final", "--env",
             "ext_env", "--max-turns", "2", "--max-samples", "2", "--max-new-tokens", "4",
             "--out", "eval.json"]  # fmt: skip
-    r = grpo(args, tmp_path, [plugin_paths["mods"], plugin_paths["ep"]])
-    assert r.returncode == 0, r.stderr[-3000:]
+    code = new_process(args, [plugin_paths["mods"], plugin_paths["ep"]])
+    assert code == 0, capsys.readouterr().err[-3000:]
     summary = json.loads((tmp_path / "eval.json").read_text())["models"]["model"]["summary"]
     assert summary["turns_mean"] == 2.0 and summary["step_reward_mean"] == 0.5
 
@@ -190,18 +252,18 @@ def test_two_ranks_train_with_a_cli_plugin(plugin_paths, shared_tiny_model, tmp_
     assert saved["plugins"] == ["grpo_test_ext"]  # --plugin kept for a resume or `grpo eval`
 
 
-def test_failing_plugins_are_one_line(plugin_paths, tmp_path):
-    r = grpo(["config", "--config", str(TINY)], tmp_path, [plugin_paths["bad_ep"]])
-    assert r.returncode == 2
-    assert r.stderr == (
+def test_failing_plugins_are_one_line(plugin_paths, new_process, capsys, caplog):
+    code = new_process(["config", "--config", str(TINY)], [plugin_paths["bad_ep"]])
+    assert code == 2
+    assert stderr(capsys, caplog) == (
         "grpo config: error: entry point 'bad' of group 'grpo.plugins': cannot import "
         "'grpo_test_missing': ModuleNotFoundError: No module named 'grpo_test_missing'\n"
     )
-    r = grpo(["sft", "--config", str(TINY), "--plugin", "grpo_test_ext", "--plugin", "nope.mod"],
-             tmp_path, [plugin_paths["mods"]])  # fmt: skip
-    assert r.returncode == 2
-    assert r.stderr == ("grpo sft: error: --plugin[1]: cannot import 'nope.mod': "
-                        "ModuleNotFoundError: No module named 'nope'\n")  # fmt: skip
+    code = new_process(["sft", "--config", str(TINY), "--plugin", "grpo_test_ext", "--plugin",
+                        "nope.mod"], [plugin_paths["mods"]])  # fmt: skip
+    assert code == 2
+    assert stderr(capsys, caplog) == ("grpo sft: error: --plugin[1]: cannot import 'nope.mod': "
+                                      "ModuleNotFoundError: No module named 'nope'\n")  # fmt: skip
 
 
 # -- in this process: plugins that register nothing -------------------------------------------

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LENGTH_REWARD, tiny_train, write_package
+from conftest import LENGTH_REWARD, tiny_train, tiny_train_here, write_package
 from safetensors.torch import load_file
 
 from grpo.algo.advantages import EstimatorRollout, compute_advantages, gae_returns
@@ -303,11 +303,13 @@ def step_rows(path: Path) -> list[dict]:
     return [r for r in rows if "module/critic/loss" in r]
 
 
-def test_ppo_trains_with_its_critic_and_warms_the_critic_up_first(my_pkg, shared_tiny_model):
-    r = grpo_train(my_pkg, shared_tiny_model, "train.output_dir=run", "train.max_steps=3",
-                   "train.critic_warmup_steps=2", "train.save_every=2",
-                   "modules=[{name: critic, optim: {lr: 0.01}}]")  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
+def test_ppo_trains_with_its_critic_and_warms_the_critic_up_first(my_pkg, shared_tiny_model,
+                                                                  monkeypatch, capsys):  # fmt: skip
+    code = tiny_train_here(monkeypatch, my_pkg, shared_tiny_model, "loss.advantage=gae",
+                           "loss.kl_in_reward=0.05", "train.output_dir=run", "train.max_steps=3",
+                           "train.critic_warmup_steps=2", "train.save_every=2",
+                           "modules=[{name: critic, optim: {lr: 0.01}}]")  # fmt: skip
+    assert code == 0, capsys.readouterr().err[-3000:]
     rows = step_rows(my_pkg / "run" / "metrics.jsonl")
     assert [m["step"] for m in rows] == [1, 2, 3]
     assert [m.get("train/policy_frozen") for m in rows] == [1.0, 1.0, None]

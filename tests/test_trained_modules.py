@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import LENGTH_REWARD, docs_example, tiny_train, write_package
+from conftest import LENGTH_REWARD, docs_example, tiny_train, tiny_train_here, write_package
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,10 +52,12 @@ def metrics(path: Path) -> list[dict]:
     return [r for r in rows if "module/ValueHead/loss" in r]
 
 
-def test_the_docs_value_head_trains_beside_the_policy(my_pkg, shared_tiny_model):
-    r = grpo_train(my_pkg, shared_tiny_model, "train.output_dir=run", "train.max_steps=3",
-                   "train.save_every=2", MODULE, ESTIMATOR)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
+def test_the_docs_value_head_trains_beside_the_policy(my_pkg, shared_tiny_model, monkeypatch,
+                                                      capsys):  # fmt: skip
+    code = tiny_train_here(monkeypatch, my_pkg, shared_tiny_model, "train.output_dir=run",
+                           "train.max_steps=3", "train.save_every=2", MODULE,
+                           ESTIMATOR)  # fmt: skip
+    assert code == 0, capsys.readouterr().err[-3000:]
     rows = metrics(my_pkg / "run" / "metrics.jsonl")
     assert [m["step"] for m in rows] == [1, 2, 3]
     for m in rows:
@@ -167,10 +169,13 @@ def test_two_ranks_train_a_module_as_one_process(my_pkg, shared_tiny_model):
      "modules[].optim.lrr: unknown key"),
 ])  # fmt: skip
 def test_bad_module_specs_are_named_before_anything_is_written(my_pkg, shared_tiny_model,
-                                                               spec, message):  # fmt: skip
-    r = grpo_train(my_pkg, shared_tiny_model, "train.output_dir=run", "train.max_steps=1", spec)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert message in r.stderr, r.stderr[-2000:]
+                                                               monkeypatch, capsys, spec,
+                                                               message):  # fmt: skip
+    code = tiny_train_here(monkeypatch, my_pkg, shared_tiny_model, "train.output_dir=run",
+                           "train.max_steps=1", spec)  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    assert message in err, err[-2000:]
     assert not (my_pkg / "run").exists()
 
 

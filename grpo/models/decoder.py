@@ -436,8 +436,10 @@ class _SkipInit(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         x = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes it by keyword
-        if isinstance(x, torch.Tensor) and x.is_meta and (
-            func in _FILLS or getattr(func, "__module__", None) == "torch.nn.init"
+        if (
+            isinstance(x, torch.Tensor)
+            and x.is_meta
+            and (func in _FILLS or getattr(func, "__module__", None) == "torch.nn.init")
         ):
             return x
         return func(*args, **kwargs)

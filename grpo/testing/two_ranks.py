@@ -73,8 +73,7 @@ def run_two_ranks(
     Raises:
         RuntimeError: the job failed (its stderr's tail included).
     """
-    spec = {"plugins": list(plugins), "advantages": _entries(advantages),
-            "losses": _entries(losses)}  # fmt: skip
+    spec = two_ranks_spec(advantages, losses, plugins)
     with tempfile.TemporaryDirectory(prefix="grpo_two_ranks_") as tmp:
         spec_path, out = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec))
@@ -89,9 +88,23 @@ def run_two_ranks(
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
         if r.returncode != 0:
             raise RuntimeError(f"two-rank job failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
-        result = json.loads(out.read_text())
-    result["kwargs"] = {"advantage": spec["advantages"], "policy_loss": spec["losses"]}
-    return result
+        return with_kwargs(json.loads(out.read_text()), spec)
+
+
+def two_ranks_spec(
+    advantages: Iterable[str] | Mapping[str, Mapping] = (),
+    losses: Iterable[str] | Mapping[str, Mapping] = (),
+    plugins: Iterable[str] = (),
+) -> dict:
+    """What every rank runs (`two_ranks_worker.run_rank`, as `run_two_ranks` takes them): the
+    plugins to load first and each entry's kwargs."""
+    return {"plugins": list(plugins), "advantages": _entries(advantages),
+            "losses": _entries(losses)}  # fmt: skip
+
+
+def with_kwargs(result: dict, spec: dict) -> dict:
+    """Rank 0's result of `spec` as `check_two_ranks` reads it: with each entry's kwargs."""
+    return {**result, "kwargs": {"advantage": spec["advantages"], "policy_loss": spec["losses"]}}
 
 
 def check_two_ranks(

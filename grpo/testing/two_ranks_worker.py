@@ -4,6 +4,8 @@
 
 SPEC names the plugins to load first and the entries to run (with their kwargs);
 rank 0 writes the gathered advantages and gradients, the summed losses and the reduced stats.
+A rank's work is `run_rank(dist, spec)`, which the repo's tests also call in ranks they keep for
+the whole session (tests/rank_pool.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 from grpo.algo import loss_normalizer, policy_loss
 from grpo.config import load_config
-from grpo.distributed import all_reduce_sum, gather_objects, init_distributed, teardown
+from grpo.distributed import Dist, all_reduce_sum, gather_objects, init_distributed, teardown
 from grpo.plugins import load_plugins
 from grpo.testing.conformance import (
     BUILTIN_EXTRAS,
@@ -48,11 +50,11 @@ def _batch(name: str, mask: torch.Tensor, rows: slice, width: int):
                            extras={k: v[rows, :width] for k, v in r.extras.items()})  # fmt: skip
 
 
-def main(spec_path: str, out_path: str) -> None:
-    """Run SPEC's entries on this rank's half of the conformance batch; rank 0 writes OUT."""
-    spec = json.loads(Path(spec_path).read_text())
-    load_plugins(spec["plugins"], "plugins")
-    dist = init_distributed("cpu")
+def run_rank(dist: Dist, spec: dict) -> dict | None:
+    """Run `spec`'s entries (`two_ranks_spec`) on this rank's half of the conformance batch.
+    Collective: every rank calls it. Returns the gathered advantages and gradients, summed
+    losses and reduced stats on rank 0, None on the others."""
+    load_plugins(spec["plugins"], "plugins")  # loaded already under torchrun (`main`)
     x = make_inputs()
     half = B // dist.world_size
     rows = slice(dist.rank * half, (dist.rank + 1) * half)
@@ -81,7 +83,16 @@ def main(spec_path: str, out_path: str) -> None:
         result["grads"][name] = [row for part in parts for row in part]
         result["losses"][name] = all_reduce_sum(float(loss), dist)
         result["stats"][name] = reduced_stats(st, dist)
-    if dist.is_main:
+    return result if dist.is_main else None
+
+
+def main(spec_path: str, out_path: str) -> None:
+    """Run SPEC's entries on this rank's half of the conformance batch; rank 0 writes OUT."""
+    spec = json.loads(Path(spec_path).read_text())
+    load_plugins(spec["plugins"], "plugins")  # every rank, before the group (their agreement)
+    dist = init_distributed("cpu")
+    result = run_rank(dist, spec)
+    if result is not None:
         Path(out_path).write_text(json.dumps(result))
     teardown()
 
