@@ -14,7 +14,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # rollout.compile: auto would compile each test run's decode step (seconds of C++ per shape);
 # the compiled path has its own tests (tests/test_sampler.py), which ask for it explicitly.
 os.environ.setdefault("GRPO_COMPILE", "0")
-from rank_pool import rank_pool  # noqa: E402,F401  (2 gloo ranks kept for the session)
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -141,6 +140,17 @@ def make_hf_checkpoint(path: Path, family: str, seed: int = 0, **kw) -> Path:
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(str(path), safe_serialization=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def rank_pool():
+    """Two gloo ranks kept for the session (tests/rank_pool.py), closed at its end."""
+    from rank_pool import RankPool  # imported here: subprocesses import this file too
+
+    pool = RankPool()
+    pool.start()
+    yield pool
+    pool.close()
 
 
 @pytest.fixture(scope="session")

@@ -20,8 +20,6 @@ import traceback
 from multiprocessing import get_context, parent_process
 from multiprocessing.connection import wait
 
-import pytest
-
 # after one rank failed, how long the others get to answer before the pool is stopped: a rank
 # left waiting in a collective for the failed one would wait for the group's timeout (600 s)
 FAILURE_GRACE_S = 10.0
@@ -276,12 +274,3 @@ def _task(dist, seed: int, target: str, args: tuple) -> tuple:
         torch.set_default_dtype(torch.float32)
         torch.set_grad_enabled(True)
         gc.collect()
-
-
-@pytest.fixture(scope="session")
-def rank_pool():
-    """A started `RankPool` of 2 ranks for the session, closed at its end."""
-    pool = RankPool()
-    pool.start()
-    yield pool
-    pool.close()

@@ -146,10 +146,9 @@ def big_bodies() -> dict[str, tuple[str, bytes]]:
 def test_health_answers_while_a_1mib_body_is_parsed(server, case):
     """JSON, field checks, chat rendering and tokenizing run on a worker thread: /health,
     asked every 10 ms meanwhile, keeps answering (it waited for the whole parse, 0.3-2 s, when
-    that ran on the event loop). The bound is the parse's own time in this run, not a number
-    of milliseconds, so a busy machine slows both sides alike: the slowest answer but one
-    waits under a fifth of the parse, the slowest under half (a parse on the loop holds one
-    answer for all of it)."""
+    that ran on the event loop). The slowest answer takes under half the parse's own time in
+    this run (a parse on the loop holds one answer for all of it), so a busy machine, which
+    slows both, does not fail it; a parse faster than 0.5 s (an idle machine) has 250 ms."""
     path, body = big_bodies()[case]
     assert (1 << 20) * 0.8 < len(body) <= 1 << 20
     out = {}
@@ -176,10 +175,7 @@ def test_health_answers_while_a_1mib_body_is_parsed(server, case):
     big.join()
     conn.close()
     assert out["status"] == 400, out["data"]  # each is too long or too many for the server
-    slowest = sorted(latencies)[-2:]
-    assert len(latencies) >= 2, (case, out["seconds"], latencies)
-    assert slowest[0] < out["seconds"] / 5 and slowest[-1] < out["seconds"] / 2, (
-        case, out["seconds"], slowest)  # fmt: skip
+    assert max(latencies) < max(out["seconds"] / 2, 0.25), (case, out["seconds"], latencies)
 
 
 def test_keep_alive_answers_are_not_held_back(server):

@@ -236,9 +236,9 @@ def reward_pad_id(cfg: Config, tokenizer) -> int:
 def check_rm(cfg: Config) -> None:
     """What `grpo rm` checks before loading anything: the output directory, and that a pair
     fits the model's context (rm.max_length)."""
+    from grpo.models.decoder import meta_decoder
     from grpo.run.preflight import (
         PreflightError,
-        _meta_decoder,
         check_lora,
         check_output_dir,
         read_model_config,
@@ -254,7 +254,7 @@ def check_rm(cfg: Config) -> None:
         problems.append(f"rm.max_length: {cfg.rm.max_length} tokens exceed the model's "
                         f"context ({mc.max_position_embeddings}, {source})")  # fmt: skip
     try:
-        check_lora(cfg, _meta_decoder(mc))
+        check_lora(cfg, meta_decoder(mc))
     except PreflightError as e:
         problems.append(str(e))
     if problems:
