@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # rollout.compile: auto would compile each test run's decode step (seconds of C++ per shape);
 # the compiled path has its own tests (tests/test_sampler.py), which ask for it explicitly.
 os.environ.setdefault("GRPO_COMPILE", "0")
+# inductor's cache does not key its CPU kernels on the ISA that ATEN_CPU_CAPABILITY /
+# ONEDNN_MAX_CPU_ISA cap: a run capped at AVX2 that loads the kernels an uncapped run built (or
+# the reverse) decodes NaN logits or crashes (docs/gpu.md). One cache per setting.
+_ISA = "-".join(os.environ.get(k, "native") for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"))
+_INDUCTOR_CACHE = Path(tempfile.gettempdir()) / f"torchinductor_grpo_tests_{_ISA}"
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_INDUCTOR_CACHE))
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
