@@ -189,8 +189,8 @@ def test_logits_match_transformers_on_cuda(tiny_checkpoints, family):
 
 
 def test_meta_decoder_builds_the_modules_without_running_an_initializer(tiny_checkpoints):
-    """`meta_decoder` (what load_model fills): the Decoder's parameters, shapes only, and the
-    CPU rotary table; loading a model runs no meta-tensor kernel, so a fresh process that only
+    """`meta_decoder` (what load_model fills): the Decoder's parameters and rotary table,
+    shapes only; loading a model runs no meta-tensor kernel, so a fresh process that only
     loads (eval, serve, merge) never imports torch._dynamo (over a second of a cold start)."""
     import subprocess
     import sys
@@ -203,7 +203,7 @@ def test_meta_decoder_builds_the_modules_without_running_an_initializer(tiny_che
     want = {n: p.shape for n, p in Decoder(cfg).named_parameters()}
     assert {n: p.shape for n, p in meta.named_parameters()} == want
     assert all(p.is_meta for p in meta.parameters())
-    assert torch.equal(meta.inv_freq, rope_inv_freq(cfg)) and meta.inv_freq.device.type == "cpu"
+    assert meta.inv_freq.is_meta and meta.inv_freq.shape == rope_inv_freq(cfg).shape
     code = ("import sys; from grpo.models import load_model; load_model(sys.argv[1]); "
             "print([m for m in sys.modules if m.startswith('torch._dynamo')][:3])")  # fmt: skip
     r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,

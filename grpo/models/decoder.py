@@ -37,8 +37,8 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies (D/2,) of rotary embeddings, with optional llama3 scaling."""
     D = cfg.head_dim
-    # on the CPU whatever the default device: computed on the meta device, these few ops would
-    # run Python reference kernels (see `meta_decoder`); the caller moves the table
+    # on the CPU whatever the default device (the caller moves the table): on the meta device
+    # these few ops would run Python reference kernels (see `meta_decoder`)
     steps = torch.arange(0, D, 2, dtype=torch.int64, device="cpu").float()
     inv_freq = 1.0 / (cfg.rope_theta ** (steps / D))
     rs = cfg.rope_scaling
@@ -294,7 +294,8 @@ class Decoder(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
             if cfg.tie_word_embeddings:
                 self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        inv_freq = rope_inv_freq(cfg).to(torch.get_default_device())  # (D/2,) where we build
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.gradient_checkpointing = False
 
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:
@@ -450,7 +451,7 @@ def meta_decoder(cfg: ModelConfig) -> Decoder:
 
     A fill of a meta tensor runs a Python reference kernel, and the first one imports
     `torch._dynamo` (over a second of every command's cold start when nothing compiles); a
-    module built here is filled by its loader. The rotary table (`inv_freq`) stays on the CPU.
+    module built here is filled by its loader (`inv_freq` included).
     """
     with torch.device("meta"), _SkipInit():
         return Decoder(cfg)
