@@ -293,7 +293,7 @@ def test_a_failure_after_the_first_call_of_a_shape_falls_back_too(qwen3, caplog)
     def broken(*args):
         raise RuntimeError("recompiling failed")
 
-    sampler._compiled = broken
+    sampler._compiled = sampler._compiled_iteration = broken  # `decode`'s and `sample`'s
     with caplog.at_level("WARNING", logger="grpo.rollout.sampler"):
         out = sampler.sample(prompts, **kw)
     assert torch.equal(out.ids, eager.ids)

@@ -297,6 +297,7 @@ class Decoder(nn.Module):
         inv_freq = rope_inv_freq(cfg).to(torch.get_default_device())  # (D/2,) where we build
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.gradient_checkpointing = False
+        self._rope: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # `rotary`'s table
 
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:
         """Random init (normal(0, std) for matrices, ones for norms, zeros for biases)."""
@@ -313,6 +314,26 @@ class Decoder(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
+
+    def rotary(self, position_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary cos and sin (B, 1, T, D) float32 of `position_ids` (B, T), looked up in a
+        table built once (not per forward: a decode step would rebuild them from its positions
+        every token) and rebuilt only when it is too short, on another device, or `inv_freq`
+        changed (a load). Every position must be below `length` (the forward's key slots S:
+        a real token's position never exceeds its slot); the table holds a power of two >= S
+        rows, at most max_position_embeddings (never fewer than S). A compiled forward reads
+        the table its eager prefill built."""
+        if not torch.compiler.is_compiling():
+            f = self.inv_freq
+            key = (f.device, f.data_ptr(), f._version)
+            n = max(length, min(self.config.max_position_embeddings, 1 << (length - 1).bit_length()))
+            if self._rope is None or self._rope[0] != key or self._rope[1].shape[0] < length:
+                pos = torch.arange(n, device=f.device, dtype=torch.float32)
+                freqs = pos[:, None] * f.float()  # (n, D/2)
+                emb = torch.cat((freqs, freqs), dim=-1)  # (n, D)
+                self._rope = (key, emb.cos(), emb.sin())
+        _, cos, sin = self._rope
+        return cos[position_ids][:, None], sin[position_ids][:, None]  # (B, 1, T, D)
 
     def forward(
         self,
@@ -332,7 +353,11 @@ class Decoder(nn.Module):
                 (so left padding does not shift positions).
             attention_mask: (B, S) bool, True = real token, over all key positions: S = T
                 without a cache, S >= kv_cache.pos + T with one (S >= kv_cache.max_len for a
-                static cache). Default: all True.
+                static cache). Default: all True. Or a float (B, 1, T, >= S) additive mask
+                (0 = attend, -inf = not) in the dtype attention runs in, used as it is (its
+                first S columns; causality is then the caller's: a sampler's decode step,
+                whose one query sees every written slot, builds it once per rollout);
+                `position_ids` must then be given.
             kv_cache: a `KVCache`; the T new positions are written at kv_cache.pos and the
                 cache is advanced by T. A static cache attends over all its slots (fixed
                 shapes, for a compiled decode step).
@@ -376,21 +401,27 @@ class Decoder(nn.Module):
             and attention_mask is None
             and (kv_cache is None or (not kv_cache.static and kv_cache.pos == 0))
         )
-        if packed is None:
+        additive = attention_mask is not None and attention_mask.dtype.is_floating_point
+        if additive:
+            if attention_mask.dim() != 4 or position_ids is None or packed is not None:
+                raise ValueError("an additive attention_mask is (B, 1, T, >= S) and needs "
+                                 "position_ids (and no packed layout)")  # fmt: skip
+        elif packed is None:
             if attention_mask is None:
                 attention_mask = torch.ones(B, S, dtype=torch.bool, device=dev)
             attention_mask = attention_mask[:, :S].bool()
             if position_ids is None:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, q_pos]
 
-        # Rotary tables, computed once per forward in float32 then cast (B, 1, T, D).
-        freqs = position_ids[..., None].float() * self.inv_freq.float()  # (B, T, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        # Rotary cos / sin (B, 1, T, D), float32 from the table, in the residual's dtype.
+        cos, sin = self.rotary(position_ids, packed.num_tokens if packed is not None else S)
         x = self.embed_tokens(input_ids)  # (B, T, C)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
 
         mask = packed  # a packed forward: each layer attends through the layout
-        if not plain_causal and packed is None:
+        if additive:  # the caller's (B, 1, T, >= S) additive mask, as it is
+            mask = attention_mask[..., :S]
+        elif not plain_causal and packed is None:
             # Causal + padding mask (B, 1, T, S). Every query keeps its own key so that rows of
             # pure padding never see an all-False row (which would make softmax NaN).
             k_pos = torch.arange(S, device=dev)

@@ -13,6 +13,8 @@ T_c completion tokens, V vocab. Row b belongs to prompt b // G (a group's rows a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -33,6 +35,7 @@ from grpo.rollout.sampling import (
     apply_logit_bias,
     apply_repetition_penalty,
     next_tokens,
+    row_uniforms,
     seen_tokens,
 )
 
@@ -308,9 +311,14 @@ class Sampler:
                 options["mode"] = "reduce-overhead"
             options.update(compile_options or {})
             self._compiled = torch.compile(self._decode_step, **options)
+            # a whole decode iteration of `sample` (forward, head, draw, stop test, position
+            # update) as one graph: one CUDA-graph replay per token on CUDA
+            self._compiled_iteration = torch.compile(self._iteration, **options)
             self._decode_fn = self._decode_compiled  # `decode` calls it; eager after a fallback
         else:
             self._decode_fn = self._decode_step
+        self._loops: dict[tuple, _LoopState] = {}  # the compiled iteration's kept state
+        self._iterate_compiled = compile  # `sample` runs whole compiled iterations
 
     @property
     def kept_cache_bytes(self) -> int:
@@ -327,6 +335,7 @@ class Sampler:
         the same blocks."""
         freed = self.kept_cache_bytes
         self._caches.clear()
+        self._loops.clear()
         return freed
 
     def decode(
@@ -359,14 +368,21 @@ class Sampler:
         """The compiled step; the first call for each new shape (rows, cache length) is timed
         into `compile_s`. With `fallback`, a failure to compile switches to eager for good
         (the static cache works eagerly too)."""
+        _mark_dynamic(tokens, position_ids, attention_mask, cache)
+        args = (tokens, position_ids, attention_mask, cache)
+        shape = (tokens.shape[0], cache.max_len, cache.dtype)
+        return self._run_compiled(self._compiled, self._decode_step, shape, *args)
+
+    def _run_compiled(self, compiled, eager, shape, *args, **kwargs):
+        """`compiled(*args)`, its first call for each `shape` timed into `compile_s`; with
+        `fallback`, a failure to compile switches this sampler to eager for good and runs
+        `eager(*args)` instead."""
         if self._cuda:  # a new step: the previous replay's outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
-        shape = (tokens.shape[0], cache.max_len, cache.dtype)
         new = shape not in self._compiled_shapes
-        _mark_dynamic(tokens, position_ids, attention_mask, cache)
         t0 = time.perf_counter()
         try:
-            out = self._compiled(tokens, position_ids, attention_mask, cache)
+            out = compiled(*args, **kwargs)
         except Exception as e:  # inductor raises many types; any of them means "cannot compile"
             if not self.fallback:
                 raise
@@ -374,7 +390,8 @@ class Sampler:
                         "(set rollout.compile: off to skip the attempt)", type(e).__name__,
                         str(e).splitlines()[0] if str(e) else "")  # fmt: skip
             self._decode_fn = self._decode_step
-            return self._decode_step(tokens, position_ids, attention_mask, cache)
+            self._iterate_compiled = False
+            return eager(*args, **kwargs)
         finally:
             if new:  # a first call of a shape: a compile or at least a new CUDA graph
                 self.compile_s += time.perf_counter() - t0
@@ -462,7 +479,11 @@ class Sampler:
         kv_mask[:, T_p:] = True
 
         prompt_lens = prompt_lens.repeat_interleave(G)  # (B,): row b <- prompt b // G
-        gen = torch.Generator(device=dev).manual_seed(seed)
+        B = prompt_lens.shape[0]
+        # Each row's own random stream, keyed by (seed, row, step): a row draws the same
+        # tokens whatever runs beside it (`row_uniforms`). One (B, T_c) table per rollout.
+        uniforms = row_uniforms(seed, B, max_new_tokens, dev)
+        sampling = (temperature, top_k, top_p, min_p)
 
         steps = itertools.count()
 
@@ -471,14 +492,16 @@ class Sampler:
             real = kv_mask[:, :T_p]  # (P, T_p) False on left padding
             seen = seen_tokens(prompt_ids, real, cfg.vocab_size).repeat_interleave(G, dim=0)
 
-        def draw(logits):  # (B, V) -> tokens (B,), logprobs (B,)
+        hooked = any(x is not None for x in (seen, logit_bias, constraint, on_step))
+
+        def draw(logits, t):  # (B, V) at step t -> tokens (B,), logprobs (B,)
             if seen is not None:
                 logits = apply_repetition_penalty(logits, seen, repetition_penalty)
             if logit_bias is not None:
                 logits = apply_logit_bias(logits, logit_bias)
             if constraint is not None:
                 logits = constraint.mask(logits)
-            tok, lp = next_tokens(logits, gen, temperature, top_k, top_p, min_p)
+            tok, lp = next_tokens(logits, None, *sampling, uniforms=uniforms[:, t])
             tok = tok if on_step is None else on_step(next(steps), tok)
             if seen is not None:
                 seen.scatter_(1, tok[:, None], True)  # the token fed back
@@ -496,10 +519,13 @@ class Sampler:
                 # 0.99x at 512, interleaved in one process)
                 shared = not self.compile and G > 1
                 logits, cache = self.prefill(prompt_ids, kv_mask, G, shared=shared)
-                out = self._decode_loop(
-                    logits, cache, kv_mask.repeat_interleave(G, dim=0), prompt_lens,
-                    max_new_tokens, draw, stops,
-                )  # fmt: skip
+                kv_mask = kv_mask.repeat_interleave(G, dim=0)  # (B, max_len)
+                if self.compile and self._iterate_compiled and not hooked:
+                    out = self._compiled_loop(logits, cache, kv_mask, prompt_lens, uniforms,
+                                              draw, stops, sampling)  # fmt: skip
+                else:
+                    out = self._decode_loop(logits, cache, kv_mask, prompt_lens,
+                                            max_new_tokens, draw, stops)  # fmt: skip
         finally:
             model.train(was_training)
         # Inference-mode tensors may not enter autograd later (a training forward embeds the
@@ -589,7 +615,10 @@ class Sampler:
         """Sample from `logits` (B, V), feed the tokens back, repeat; all rows in one batch.
 
         Rows that have stopped keep decoding (the batch keeps its shape) but what they draw
-        is discarded afterwards: it only ever affects their own row.
+        is discarded afterwards: it only ever affects their own row. Eager decoding (and
+        compiled forwards with an eager draw, when the call has hooks: a server's penalties,
+        biases, constraints or `on_step`): what is fixed for the rollout is built here once,
+        not per step (the additive attention mask of eager caches).
 
         Args:
             logits: (B, V) float32 logits of each row's first completion token.
@@ -597,27 +626,133 @@ class Sampler:
             kv_mask: (B, max_len) bool attention mask over every cache slot.
             prompt_lens: (B,) real prompt tokens per row (= first rotary position to write).
             max_new_tokens: step limit.
-            draw: (B, V) logits -> (tokens (B,), logprobs (B,)), holding the generator.
+            draw: ((B, V) logits, step t) -> (tokens (B,), logprobs (B,)).
             stops: (S,) stop ids.
 
         Returns:
             tokens (B, T_run), their logprobs (B, T_run) float32 and done (B,) bool (the row
             drew a stop id); T_run <= max_new_tokens steps were run.
         """
-        tokens, logprobs = [], []
-        done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        if not cache.static:  # one query per row sees every slot written so far
+            kv_mask = self.decode_mask(kv_mask)
+        tok, lp = draw(logits, 0)  # every row draws its own token from the first one on
+        tokens, logprobs = [tok], [lp]
+        done = torch.isin(tok, stops)  # (B,)
         position_ids = prompt_lens[:, None].clone()  # (B, 1) next rotary position per row
-        for t in range(max_new_tokens):
-            # Every row draws its own token (rows of a group differ from the first one on).
-            tok, lp = draw(logits)  # (B,), (B,)
-            tokens.append(tok)
-            logprobs.append(lp)
-            done |= torch.isin(tok, stops)
-            if t == max_new_tokens - 1 or ((t + 1) % self.sync_every == 0 and bool(done.all())):
+        for t in range(1, max_new_tokens):
+            if t % self.sync_every == 0 and bool(done.all()):  # the loop's only host sync
                 break
             logits = self.decode(tok[:, None], position_ids, kv_mask, cache)  # (B, V)
             position_ids += 1
+            tok, lp = draw(logits, t)  # (B,), (B,)
+            tokens.append(tok)
+            logprobs.append(lp)
+            done |= torch.isin(tok, stops)
         return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), done
+
+    def decode_mask(self, kv_mask: torch.Tensor) -> torch.Tensor:
+        """(B, S) bool over every cache slot -> the (B, 1, 1, S) additive mask a decode step
+        of an eager (dynamic or grouped) cache attends with, built once per rollout in the
+        dtype attention runs in: the step's one query sees every slot written so far, so only
+        padding and holes are hidden (`Decoder.forward` takes it as it is). Rows are padded to
+        a multiple of 8 elements (a view of the first S), as the forward's own masks are."""
+        B, S = kv_mask.shape
+        S_8 = -(-S // 8) * 8
+        out = torch.zeros(B, 1, 1, S_8, dtype=self.precision.compute_dtype,
+                          device=kv_mask.device)[..., :S]  # fmt: skip
+        return out.masked_fill_(~kv_mask[:, None, None, :], float("-inf"))
+
+    def _compiled_loop(self, logits, cache, kv_mask, prompt_lens, uniforms, draw, stops,
+                       sampling):  # fmt: skip
+        """`_decode_loop` with each iteration after the first one compiled call
+        (`_iteration`: forward, head, draw, stop test, position update), its state in tensors
+        kept across calls of the same shape (CUDA graphs replay in place); same returns."""
+        B, T = uniforms.shape
+        st = self._loop_state(B, T, logits.device)
+        tok, lp = draw(logits, 0)
+        st.reset(tok, lp, torch.isin(tok, stops), prompt_lens, uniforms)
+        steps = 1
+        for t in range(1, T):
+            if t % self.sync_every == 0 and bool(st.done.all()):  # the loop's only host sync
+                break
+            if self._iterate_compiled:
+                _mark_dynamic_state(st, kv_mask, cache)
+                self._run_compiled(self._compiled_iteration, self._iteration,
+                                   ("iteration", B, T, cache.max_len, cache.dtype), st, cache,
+                                   kv_mask, stops, sampling)  # fmt: skip
+            else:  # a fallback in this call
+                self._iteration(st, cache, kv_mask, stops, sampling)
+            steps += 1
+        return st.tokens[:, :steps], st.logprobs[:, :steps], st.done
+
+    def _loop_state(self, rows: int, steps: int, device) -> _LoopState:
+        key = (rows, steps)
+        st = self._loops.get(key)
+        if st is None:
+            st = self._loops[key] = _LoopState.empty(rows, steps, device)
+            if self._cuda:  # mutated in place by the graph: fixed addresses, no input copies
+                for x in st.tensors():
+                    torch._dynamo.mark_static_address(x, guard=False)
+        return st
+
+    def _iteration(self, st: _LoopState, cache, kv_mask, stops, sampling) -> None:
+        """One decode iteration on device tensors only (no host sync, no Python value that
+        changes per step): the last tokens through the model, the next ones drawn with the
+        rows' uniforms of this step, written at column `st.step`; stop test, positions and
+        the step advanced in place. What `torch.compile` turns into one graph."""
+        logits = self._decode_step(st.last, st.positions, kv_mask, cache)  # (B, V)
+        u = st.uniforms.index_select(1, st.step)[:, 0]  # (B,) this step's uniforms
+        tok, lp = next_tokens(logits, None, *sampling, uniforms=u)
+        st.tokens.index_copy_(1, st.step, tok[:, None])
+        st.logprobs.index_copy_(1, st.step, lp[:, None])
+        st.done |= torch.isin(tok, stops)
+        st.last.copy_(tok[:, None])
+        st.positions.add_(1)
+        st.step.add_(1)
+
+
+@dataclass
+class _LoopState:
+    """What one compiled decode iteration reads and writes: B rows, T steps."""
+
+    tokens: torch.Tensor  # (B, T) long, column t = the tokens drawn at step t
+    logprobs: torch.Tensor  # (B, T) float32
+    done: torch.Tensor  # (B,) bool, the row drew a stop id
+    last: torch.Tensor  # (B, 1) long, the tokens to feed next
+    positions: torch.Tensor  # (B, 1) long, their rotary positions
+    step: torch.Tensor  # (1,) long, the next column
+    uniforms: torch.Tensor  # (B, T) float64, the rows' random numbers (`row_uniforms`)
+
+    @classmethod
+    def empty(cls, B: int, T: int, device) -> _LoopState:
+        z = functools.partial(torch.zeros, device=device)
+        return cls(z(B, T, dtype=torch.long), z(B, T), z(B, dtype=torch.bool),
+                   z(B, 1, dtype=torch.long), z(B, 1, dtype=torch.long),
+                   z(1, dtype=torch.long), z(B, T, dtype=torch.float64))  # fmt: skip
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+    def reset(self, tok, lp, done, prompt_lens, uniforms) -> None:
+        """Step 0's draw in place (column 0), the first positions, this call's uniforms."""
+        self.tokens[:, 0] = tok
+        self.logprobs[:, 0] = lp
+        self.done.copy_(done)
+        self.last.copy_(tok[:, None])
+        self.positions.copy_(prompt_lens[:, None])
+        self.step.fill_(1)
+        self.uniforms.copy_(uniforms)
+
+
+def _mark_dynamic_state(st: _LoopState, kv_mask, cache: KVCache) -> None:
+    """The compiled iteration's dynamic dimensions: rows everywhere, cache slots."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    for t in (st.tokens, st.logprobs, st.done, st.last, st.positions, st.uniforms, kv_mask):
+        mark(t, 0)
+    mark(kv_mask, 1)
+    for t in (*cache.k_layers, *cache.v_layers):
+        mark(t, 0)
+        mark(t, 2)
 
 
 def _mark_dynamic(tokens, position_ids, attention_mask, cache: KVCache) -> None:

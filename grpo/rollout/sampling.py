@@ -1,8 +1,10 @@
 """Pure logits processing for sampling: repetition penalty, logit bias, temperature, top-k,
 top-p, min-p, and the draw.
 
-Every function takes (B, V) tensors and has no state; randomness comes only from the explicit
-`torch.Generator` passed to `next_tokens` / `sample_categorical`. The filters follow `transformers`'
+Every function takes (B, V) tensors and has no state; randomness comes only from what the
+caller passes to `next_tokens` / `sample_categorical`: one uniform per row (`row_uniforms`: a
+counter-based stream keyed by seed, row and step, what the sampler uses) or an explicit
+`torch.Generator`. The filters follow `transformers`'
 `TopKLogitsWarper`, `TopPLogitsWarper` and `MinPLogitsWarper` (keeping at least one token),
 applied in the same order: temperature, top-k, top-p, min-p. The per-row adjustments a server
 asks for (`apply_repetition_penalty`, HF's `RepetitionPenaltyLogitsProcessor`, then
@@ -20,6 +22,49 @@ import torch.nn.functional as F
 # so that float64 accumulation costs O(V / BLOCK + BLOCK) per row instead of O(V).
 BLOCK = 128
 SMALL_VOCAB = 4096  # up to this V, one float64 CDF over the row
+
+
+_MASK32 = 0xFFFFFFFF
+# odd multipliers below 2**31, so that a 32-bit value times one fits an int64 (no overflow)
+_MIX = (0x7FEB352D, 0x2C1B3C6D, 0x297A2D39, 0x68E31DA5)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply rounds) of int64 values in [0, 2**32)."""
+    for c in _MIX[:2]:
+        x = ((x ^ (x >> 16)) * c) & _MASK32
+    return x ^ (x >> 15)
+
+
+def row_uniforms(
+    seed: int, rows: torch.Tensor | int, steps: int, device=None
+) -> torch.Tensor:
+    """Uniforms in [0, 1) keyed by (seed, row, step): one per row and decode step.
+
+    A counter-based stream (a hash of the three integers, no generator state): the number
+    row r draws at step t depends only on (seed, r, t), not on which batch or slot the row
+    runs in, how many rows run beside it, or the device. Built once per rollout (a few
+    launches for the whole (rows, steps) table), read one column per step.
+
+    Args:
+        seed: the rollout's seed (an int below 2**64 in absolute value).
+        rows: (B,) long row keys (a row's index in its sample call), or B for 0 .. B-1.
+        steps: T, the number of steps to draw for.
+        device: where to build the table (default: the rows' device, or the CPU).
+
+    Returns:
+        (B, T) float64 uniforms with 53 random bits each.
+    """
+    if isinstance(rows, int):
+        rows = torch.arange(rows, device=device)
+    rows = rows.to(device=device or rows.device, dtype=torch.long)
+    t = torch.arange(steps, device=rows.device)[None, :]  # (1, T)
+    s = _mix32(_mix32(torch.full_like(rows, seed & _MASK32)) ^ ((seed >> 32) & _MASK32))
+    key = _mix32(s ^ (rows & _MASK32))  # (B,)
+    h = _mix32(key[:, None] ^ t)  # (B, T)
+    hi = _mix32(h ^ _MIX[2]) >> 5  # 27 bits
+    lo = _mix32((h * _MIX[3]) & _MASK32 ^ _MIX[3]) >> 6  # 26 bits
+    return ((hi << 26) | lo).double() * 2.0**-53  # 53 bits: exact in float64
 
 
 def apply_repetition_penalty(
@@ -170,7 +215,10 @@ def process_logits(
 
 
 def sample_categorical(
-    probs: torch.Tensor, generator: torch.Generator | None, small_vocab: int = SMALL_VOCAB
+    probs: torch.Tensor,
+    generator: torch.Generator | None,
+    small_vocab: int = SMALL_VOCAB,
+    uniforms: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One draw per row from unnormalized probabilities, by inverse CDF in two levels.
 
@@ -185,14 +233,18 @@ def sample_categorical(
 
     Args:
         probs: (B, V) non-negative, each row with a positive sum.
-        generator: the explicit source of randomness.
+        generator: the explicit source of randomness (when `uniforms` is None).
         small_vocab: largest V sampled with a one-level CDF.
+        uniforms: (B,) float64 in [0, 1), one per row (`row_uniforms`); no generator needed.
 
     Returns:
         (B,) long token ids.
     """
     B, V = probs.shape
-    u = torch.rand(B, 1, generator=generator, dtype=torch.float64, device=probs.device)
+    if uniforms is not None:
+        u = uniforms.to(torch.float64)[:, None]  # (B, 1)
+    else:
+        u = torch.rand(B, 1, generator=generator, dtype=torch.float64, device=probs.device)
     if V <= small_vocab:  # one level: a float64 CDF over a short row is cheap
         cdf = probs.double().cumsum(-1)  # (B, V)
         j = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
@@ -222,6 +274,7 @@ def next_tokens(
     top_k: int = 0,
     top_p: float = 1.0,
     min_p: float = 0.0,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row and return its log-probability.
 
@@ -233,9 +286,10 @@ def next_tokens(
 
     Args:
         logits: (B, V) raw logits of the next position.
-        generator: the explicit source of randomness (unused when greedy).
+        generator: the explicit source of randomness (unused when greedy or given `uniforms`).
         temperature: 0 for greedy, else > 0.
         top_k, top_p, min_p: filters, see `process_logits`.
+        uniforms: (B,) float64, one uniform per row (`row_uniforms`) instead of the generator.
 
     Returns:
         tokens (B,) long and logprobs (B,) float32.
@@ -251,5 +305,5 @@ def next_tokens(
         probs = logprobs.exp()  # no filter: reuse the log-softmax
     else:
         probs = process_logits(scaled, 1.0, top_k, top_p, min_p).softmax(dim=-1)
-    tokens = sample_categorical(probs, generator)  # (B,)
+    tokens = sample_categorical(probs, generator, uniforms=uniforms)  # (B,)
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
