@@ -326,7 +326,8 @@ class Decoder(nn.Module):
         if not torch.compiler.is_compiling():
             f = self.inv_freq
             key = (f.device, f.data_ptr(), f._version)
-            n = max(length, min(self.config.max_position_embeddings, 1 << (length - 1).bit_length()))
+            pow2 = 1 << (length - 1).bit_length()
+            n = max(length, min(self.config.max_position_embeddings, pow2))
             if self._rope is None or self._rope[0] != key or self._rope[1].shape[0] < length:
                 pos = torch.arange(n, device=f.device, dtype=torch.float32)
                 freqs = pos[:, None] * f.float()  # (n, D/2)

@@ -36,9 +36,7 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
-def row_uniforms(
-    seed: int, rows: torch.Tensor | int, steps: int, device=None
-) -> torch.Tensor:
+def row_uniforms(seed: int, rows: torch.Tensor | int, steps: int, device=None) -> torch.Tensor:
     """Uniforms in [0, 1) keyed by (seed, row, step): one per row and decode step.
 
     A counter-based stream (a hash of the three integers, no generator state): the number

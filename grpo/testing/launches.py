@@ -86,9 +86,7 @@ def count_ops(fn: Callable[[], object]) -> OpCounter:
     return c
 
 
-def per_decode_step(
-    run: Callable[[int], object], n1: int = 4, n2: int = 12
-) -> dict[str, float]:
+def per_decode_step(run: Callable[[int], object], n1: int = 4, n2: int = 12) -> dict[str, float]:
     """Launches, casts and host syncs of one steady-state decode step.
 
     Args:
