@@ -104,7 +104,8 @@ class Precision:
 
     @property
     def autocast_enabled(self) -> bool:
-        return self.compute_dtype != torch.float32
+        """Autocast runs for a 16-bit compute dtype (float64 weights compute as they are)."""
+        return self.compute_dtype in (torch.bfloat16, torch.float16)
 
     @property
     def kv_dtype(self) -> torch.dtype:

@@ -223,9 +223,12 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, kv_cache: KVCache | None):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.H, self.D)
-        k = self.k_proj(x).view(B, T, self.H_kv, self.D)
-        v = self.v_proj(x).view(B, T, self.H_kv, self.D)
+        fused = self.__dict__.get("_fused_qkv")  # a sampler's stacked copy (decode_weights)
+        q, k, v = fused(x) if fused is not None else (self.q_proj(x), self.k_proj(x),
+                                                      self.v_proj(x))  # fmt: skip
+        q = q.view(B, T, self.H, self.D)
+        k = k.view(B, T, self.H_kv, self.D)
+        v = v.view(B, T, self.H_kv, self.D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|H_kv, T, D)
@@ -263,7 +266,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(I, C, bias=bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        fused = self.__dict__.get("_fused_gate_up")  # a sampler's stacked copy (decode_weights)
+        gate, up = fused(x) if fused is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):

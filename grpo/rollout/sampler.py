@@ -29,6 +29,7 @@ import torch
 from grpo.errors import GrpoError
 from grpo.models.kv_cache import GroupedKVCache, KVCache
 from grpo.precision import Precision, cpu_packing_missing, head_logits
+from grpo.rollout.decode_weights import DecodeWeights
 from grpo.rollout.packing import PackedLinears, packing_supported
 from grpo.rollout.prompts import check_prompts, check_settings, left_pad
 from grpo.rollout.sampling import (
@@ -51,6 +52,15 @@ def compile_supported(device: torch.device | str) -> bool:
     if torch.device(device).type == "cuda":
         return True
     return any(shutil.which(c) for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c)
+
+
+def share_prompt_kv(device: torch.device) -> bool:
+    """Whether eager decoding holds each prompt's keys and values once for its G rows
+    (`GroupedKVCache`, `grouped_decode_attention`): on the CPU, where the step's own work
+    dominates and reading each prompt once pays. Elsewhere (CUDA) the rows get copies and the
+    step attends in one fused kernel (`decode_sdpa`): the grouped arrangement costs 12 more
+    launches per layer, and a GPU decode step is bound by its launches."""
+    return device.type == "cpu"
 
 
 def resolve_compile(mode: str | bool, device: torch.device | str, multi_turn: bool = False) -> bool:
@@ -302,6 +312,11 @@ class Sampler:
                 f"({cpu_packing_missing(self.precision.compute_dtype) or 'not plain CPU tensors'})"
             )
         self.packed: PackedLinears | None = PackedLinears(model, self.precision) if pack else None
+        # the layers not packed: weights cast once per rollout (and q/k/v, gate/up stacked
+        # when eager)
+        self.decode_weights: DecodeWeights | None = None
+        if DecodeWeights.supported(model):
+            self.decode_weights = DecodeWeights(model, self.precision, fuse=not compile)
         if compile:
             # Rows and cache slots are dynamic dimensions (`_mark_dynamic`): one graph serves
             # every batch size (dynamic sampling's refills change it) and cache bucket, where
@@ -413,12 +428,14 @@ class Sampler:
 
     @contextlib.contextmanager
     def packing(self):
-        """While inside, the model computes with the packed weights (when the sampler packs:
-        `pack`); `sample` and multi-turn rollouts enter it around their forwards."""
-        if self.packed is None:
-            yield
-            return
-        with self.packed.installed():
+        """While inside, the model computes with the decode step's weights: oneDNN-packed
+        copies of the large ones (when the sampler packs: `pack`), the others cast once and
+        stacked (`grpo.rollout.decode_weights`); `sample` and multi-turn rollouts enter it
+        around their forwards."""
+        with contextlib.ExitStack() as stack:
+            for weights in (self.packed, self.decode_weights):  # packed first: it has priority
+                if weights is not None:
+                    stack.enter_context(weights.installed())
             yield
 
     def hidden_states(self, ids: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -517,7 +534,7 @@ class Sampler:
                 # eager: each prompt's KV held once for its G rows (G = 1: nothing to share;
                 # at the tiny shape, dispatch-bound, sharing measured 1.08x at 64 new tokens and
                 # 0.99x at 512, interleaved in one process)
-                shared = not self.compile and G > 1
+                shared = not self.compile and G > 1 and share_prompt_kv(dev)
                 logits, cache = self.prefill(prompt_ids, kv_mask, G, shared=shared)
                 kv_mask = kv_mask.repeat_interleave(G, dim=0)  # (B, max_len)
                 if self.compile and self._iterate_compiled and not hooked:
