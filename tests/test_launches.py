@@ -170,8 +170,9 @@ def test_a_rows_tokens_do_not_depend_on_the_rows_beside_it():
     beside = s.sample(PROMPTS, **kw)
     n = alone.completion_ids.shape[1]
     assert torch.equal(beside.completion_ids[:2, :n], alone.completion_ids)
-    # log-probs are float32 by contract (`Rollout.logprobs`): within a unit in their last place
-    assert (beside.logprobs[:2, :n] - alone.logprobs).abs().max().item() <= 1e-6
+    # log-probs: the head multiplies in float32 (`model.head_precision`) over other batch
+    # shapes, so the float32 log-probs agree to a few units in their last place
+    assert (beside.logprobs[:2, :n] - alone.logprobs).abs().max().item() <= 4e-6
 
 
 @pytest.mark.parametrize("cuda", [False, True])

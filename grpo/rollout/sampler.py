@@ -32,6 +32,7 @@ from grpo.precision import Precision, cpu_packing_missing, head_logits
 from grpo.rollout.decode_weights import DecodeWeights
 from grpo.rollout.packing import PackedLinears, packing_supported
 from grpo.rollout.prompts import check_prompts, check_settings, left_pad
+from grpo.rollout.refill import refill_loop
 from grpo.rollout.sampling import (
     apply_logit_bias,
     apply_repetition_penalty,
@@ -272,6 +273,9 @@ class Sampler:
             (`grpo.rollout.packing`; repacked when the weights change); None = where supported
             and not compiled (a CPU that cannot pack the compute dtype decodes plainly);
             True where it cannot raises `GrpoError`.
+        max_rows: decode at most this many rows of a `sample` call at once, refilling the
+            slots of finished rows with waiting ones (`grpo.rollout.refill`; eager, calls
+            without hooks); 0 = every row at once.
 
     `compile_s` adds up the wall time of the decode calls that compiled a new shape (the
     first call for each row count and cache length, one decode step included): the warm-up
@@ -288,9 +292,13 @@ class Sampler:
         fallback: bool = False,
         precision: Precision | None = None,
         pack: bool | None = None,
+        max_rows: int = 0,
     ):
         if sync_every < 1:
             raise GrpoError(f"sync_every must be >= 1, got {sync_every}")
+        if max_rows < 0:
+            raise GrpoError(f"max_rows must be >= 0 (0 = every row at once), got {max_rows}")
+        self.max_rows = max_rows
         self.model = model
         self.precision = precision or Precision.of_model(model)
         self.compile = compile
@@ -499,7 +507,11 @@ class Sampler:
         B = prompt_lens.shape[0]
         # Each row's own random stream, keyed by (seed, row, step): a row draws the same
         # tokens whatever runs beside it (`row_uniforms`). One (B, T_c) table per rollout.
-        uniforms = row_uniforms(seed, B, max_new_tokens, dev)
+        hooked = any(x is not None
+                     for x in (repetition_penalty, logit_bias, constraint, on_step))  # fmt: skip
+        refill = 0 < self.max_rows < B and not hooked
+        # refill: k more steps per row, drawn by a finished row until the next sync frees it
+        uniforms = row_uniforms(seed, B, max_new_tokens + self.sync_every * refill, dev)
         sampling = (temperature, top_k, top_p, min_p)
 
         steps = itertools.count()
@@ -508,8 +520,6 @@ class Sampler:
         if repetition_penalty is not None:  # (B, V) tokens of each row's prompt, then completion
             real = kv_mask[:, :T_p]  # (P, T_p) False on left padding
             seen = seen_tokens(prompt_ids, real, cfg.vocab_size).repeat_interleave(G, dim=0)
-
-        hooked = any(x is not None for x in (seen, logit_bias, constraint, on_step))
 
         def draw(logits, t):  # (B, V) at step t -> tokens (B,), logprobs (B,)
             if seen is not None:
@@ -535,14 +545,16 @@ class Sampler:
                 # at the tiny shape, dispatch-bound, sharing measured 1.08x at 64 new tokens and
                 # 0.99x at 512, interleaved in one process)
                 shared = not self.compile and G > 1 and share_prompt_kv(dev)
-                logits, cache = self.prefill(prompt_ids, kv_mask, G, shared=shared)
-                kv_mask = kv_mask.repeat_interleave(G, dim=0)  # (B, max_len)
-                if self.compile and self._iterate_compiled and not hooked:
-                    out = self._compiled_loop(logits, cache, kv_mask, prompt_lens, uniforms,
-                                              draw, stops, sampling)  # fmt: skip
+                if refill:  # at most max_rows rows at once, finished ones replaced
+                    out = refill_loop(self, prompt_ids, kv_mask[:, :T_p], G, uniforms,
+                                      sampling, stops, self.max_rows)  # fmt: skip
                 else:
-                    out = self._decode_loop(logits, cache, kv_mask, prompt_lens,
-                                            max_new_tokens, draw, stops)  # fmt: skip
+                    logits, cache = self.prefill(prompt_ids, kv_mask, G, shared=shared)
+                    kv_mask = kv_mask.repeat_interleave(G, dim=0)  # (B, max_len)
+                    loop = (self._compiled_loop if self.compile and self._iterate_compiled
+                            and not hooked else self._decode_loop)  # fmt: skip
+                    out = loop(logits, cache, kv_mask, prompt_lens, uniforms, draw, stops,
+                               sampling)  # fmt: skip
         finally:
             model.train(was_training)
         # Inference-mode tensors may not enter autograd later (a training forward embeds the
@@ -628,7 +640,7 @@ class Sampler:
             self._caches[key] = c
         return c
 
-    def _decode_loop(self, logits, cache, kv_mask, prompt_lens, max_new_tokens, draw, stops):
+    def _decode_loop(self, logits, cache, kv_mask, prompt_lens, uniforms, draw, stops, sampling):
         """Sample from `logits` (B, V), feed the tokens back, repeat; all rows in one batch.
 
         Rows that have stopped keep decoding (the batch keeps its shape) but what they draw
@@ -642,9 +654,10 @@ class Sampler:
             cache: the KV cache holding the B rows' prompts.
             kv_mask: (B, max_len) bool attention mask over every cache slot.
             prompt_lens: (B,) real prompt tokens per row (= first rotary position to write).
-            max_new_tokens: step limit.
+            uniforms: (B, T) the rows' random numbers; T = max_new_tokens, the step limit.
             draw: ((B, V) logits, step t) -> (tokens (B,), logprobs (B,)).
             stops: (S,) stop ids.
+            sampling: (temperature, top_k, top_p, min_p), what `draw` applies.
 
         Returns:
             tokens (B, T_run), their logprobs (B, T_run) float32 and done (B,) bool (the row
@@ -656,7 +669,7 @@ class Sampler:
         tokens, logprobs = [tok], [lp]
         done = torch.isin(tok, stops)  # (B,)
         position_ids = prompt_lens[:, None].clone()  # (B, 1) next rotary position per row
-        for t in range(1, max_new_tokens):
+        for t in range(1, uniforms.shape[1]):
             if t % self.sync_every == 0 and bool(done.all()):  # the loop's only host sync
                 break
             logits = self.decode(tok[:, None], position_ids, kv_mask, cache)  # (B, V)

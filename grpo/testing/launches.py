@@ -7,7 +7,7 @@ of weight reads at 0.6B). The number of launches is a property of the code, not 
 composite-implicit decompositions that run no kernel of their own are not counted) under a
 `TorchDispatchMode`, so the count taken on a CPU with CUDA's code paths forced is the count a
 GPU would launch eagerly. `_local_scalar_dense` (`.item()`, `bool(t)`, `int(t)` of a device
-tensor) is a host sync: the host waits for the device to catch up.
+tensor) and `tolist` / `numpy` are host syncs: the host waits for the device to catch up.
 
 `per_decode_step` gives the steady-state cost of one decode step of `Sampler.sample`, the
 difference of two rollouts of n1 and n2 steps divided by n2 - n1, so prefill and per-rollout
@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # ops that run no kernel: shape and stride changes, metadata reads, aliasing
@@ -79,9 +80,25 @@ class OpCounter(TorchDispatchMode):
         return self.counts["_to_copy"]
 
 
+class _HostReads(TorchFunctionMode):
+    """Counts reads of a whole tensor into Python (`tolist`, `numpy`): a host sync on a GPU,
+    but no aten op on a CPU, so `OpCounter` alone would not see them."""
+
+    def __init__(self, counter: OpCounter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.tolist, torch.Tensor.numpy):
+            self.counter.counts[SYNC] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def count_ops(fn: Callable[[], object]) -> OpCounter:
-    """Run `fn` under an `OpCounter`; return the counter."""
-    with OpCounter() as c:
+    """Run `fn` under an `OpCounter` (host reads of whole tensors counted as syncs too);
+    return the counter."""
+    c = OpCounter()
+    with _HostReads(c), c:
         fn()
     return c
 

@@ -1,0 +1,93 @@
+"""Continuous refill (`Sampler(max_rows=S)`, grpo.rollout.refill): the same completions as
+decoding every row at once, fewer decode steps at a spread of lengths, one host sync per
+`sync_every` steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo.errors import GrpoError
+from grpo.models.config import ModelConfig
+from grpo.models.decoder import Decoder
+from grpo.models.kv_cache import RowKVCache
+from grpo.rollout import Sampler
+from grpo.testing.launches import count_ops
+
+PROMPTS = [[5 + 3 * i + j for j in range(3 + 4 * i)] for i in range(5)]  # widths 3..19
+
+
+@pytest.fixture(scope="module")
+def model64():
+    cfg = ModelConfig(family="qwen3", qk_norm=True, max_position_embeddings=256,
+                      tie_word_embeddings=False)  # fmt: skip
+    m = Decoder(cfg)
+    m.init_weights(std=0.2, seed=0)  # peaked logits: stop ids get drawn at varied steps
+    return m.double().eval()
+
+
+def stops_for(model):
+    return list(range(3, 40))  # ~15% of the vocabulary: lengths spread from 1 to the limit
+
+
+@pytest.mark.parametrize("max_rows,sync_every", [(3, 4), (7, 1), (4, 3)])
+def test_refill_gives_the_completions_of_one_batch(model64, max_rows, sync_every):
+    """float64: every row's tokens identical whatever slot it ran in and whoever ran beside it."""
+    kw = dict(group_size=3, max_new_tokens=20, temperature=1.0, stop_ids=stops_for(model64),
+              seed=11)  # fmt: skip
+    whole = Sampler(model64, sync_every=sync_every).sample(PROMPTS, **kw)
+    refilled = Sampler(model64, sync_every=sync_every, max_rows=max_rows).sample(PROMPTS, **kw)
+    lens = whole.completion_lens
+    assert lens.min() < 5 and lens.max() == 20  # a real spread: some stop early, some never
+    assert torch.equal(refilled.completion_lens, lens)
+    assert torch.equal(refilled.finished, whole.finished)
+    assert torch.equal(refilled.ids, whole.ids)
+    assert torch.equal(refilled.completion_mask, whole.completion_mask)
+    # log-probs: the head multiplies in float32 (`model.head_precision`) over other batch
+    # shapes, so the float32 log-probs agree to a few units in their last place
+    assert (refilled.logprobs - whole.logprobs).abs().max().item() <= 4e-6
+
+
+def test_refill_takes_about_sum_of_lengths_over_slots_decode_steps(model64, monkeypatch):
+    kw = dict(group_size=4, max_new_tokens=24, temperature=1.0, stop_ids=stops_for(model64),
+              seed=2)  # fmt: skip
+    steps = []
+    sampler = Sampler(model64, sync_every=2, max_rows=5)
+    real = sampler._decode_step
+    monkeypatch.setattr(sampler, "_decode_step", lambda *a: steps.append(1) or real(*a))
+    r = sampler.sample(PROMPTS, **kw)
+    B, S = 20, 5
+    lens = r.completion_lens
+    ideal = lens.sum().item() / S
+    batched = -(-B // S) * lens.max().item()  # ceil(B / S) batches, each to its longest row
+    # each row holds its slot until the next sync (< sync_every steps after it finished)
+    print(f"refill: {len(steps)} decode steps, sum/S = {ideal:.1f}, batches {batched}")
+    assert len(steps) <= ideal + B / S * 2 + lens.max().item()
+    assert len(steps) < 0.8 * batched
+
+
+def test_refill_syncs_once_per_sync_every_steps(model64):
+    kw = dict(group_size=2, max_new_tokens=12, temperature=1.0, stop_ids=[], seed=0)
+    s = Sampler(model64, sync_every=4, max_rows=4)
+    c = count_ops(lambda: s.sample(PROMPTS, **kw))  # 10 rows, none stops: 3 waves of 12
+    # one sync before each 4 steps (3 waves x 3 + the final check) and the trim to the longest
+    assert c.syncs == 3 * 3 + 1 + 1
+
+
+def test_row_cache_writes_each_slot_at_its_own_length():
+    c = RowKVCache(1, 3, 1, 8, 2, torch.float32, "cpu")
+    c.lens[:] = torch.tensor([0, 2, 5])
+    c.lens_host = [0, 2, 5]
+    k = torch.arange(6.0).view(3, 1, 1, 2)
+    keys, _ = c.update(0, k, k)
+    assert keys.shape == (3, 1, 6, 2)  # attends over [0, longest + 1)
+    assert torch.equal(c.k_layers[0][[0, 1, 2], 0, [0, 2, 5]], k[:, 0, 0])
+    c.advance(1)
+    assert c.lens.tolist() == [1, 3, 6] and c.pos == 6
+    with pytest.raises(ValueError, match="one token per slot"):
+        c.update(0, torch.zeros(3, 1, 2, 2), torch.zeros(3, 1, 2, 2))
+
+
+def test_max_rows_must_not_be_negative(model64):
+    with pytest.raises(GrpoError, match="max_rows must be >= 0"):
+        Sampler(model64, max_rows=-1)
