@@ -48,6 +48,7 @@ import torch
 from benchmarks.harness import (
     add_output_args,
     comma_list,
+    copy_bandwidth_gbps,
     matmul_ceiling_tflops,
     measure,
     write_results,
@@ -92,7 +93,7 @@ CASES = {
 COLUMNS = [
     "case", "batch", "impl", "threads", "tok_per_s", "ms_per_step", "prefill_ms", "total_ms",
     "p20_ms", "p80_ms", "peak_mib", "cpu_ms", "x_hf_dyn", "x_hf_static", "x_cpu", "target",
-    "greedy_match", "greedy_ok", "floor_ms", "of_floor",
+    "greedy_match", "greedy_ok", "floor_ms", "of_floor", "launches", "syncs",
 ]  # fmt: skip
 HF_DYNAMIC, HF_STATIC = "hf generate (dynamic cache)", "hf generate (static cache)"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -250,6 +251,9 @@ def run_case(case: str, args, default_threads: int):
                 t_first = measure(first, warmup=0, repeats=1, device=device)
                 runs[name]["first"].append(t_first.median_ms)
         rows = batch_rows(case, f"{P}x{G}", B, N, threads, spec, runs, checks, rounds, warmup)
+        for r in rows:  # what one eager decode step launches and syncs (compiled: a replay)
+            if r["impl"] == "ours":
+                r.update(step_cost(samplers["ours"], prompts, G, never))
         if rate is not None:
             floor = decode_floor_ms(ours, B, T_p + N / 2, rate, bw)
             for r in rows:
@@ -258,9 +262,23 @@ def run_case(case: str, args, default_threads: int):
         yield rows
 
 
+def step_cost(sampler, prompts, G: int, never: int) -> dict:
+    """Kernel launches, weight casts and host syncs of one steady-state decode step of
+    `sampler` (`grpo.testing.launches.per_decode_step`: aten ops counted on this device)."""
+    from grpo.testing.launches import per_decode_step
+
+    cost = per_decode_step(
+        lambda n: sampler.sample(prompts, group_size=G, max_new_tokens=n, temperature=1.0,
+                                 stop_ids=[never], seed=0),  # fmt: skip
+        n1=4, n2=8,
+    )  # fmt: skip
+    return {"launches": cost["launches"], "syncs": cost["syncs"], "casts": cost["casts"]}
+
+
 def decode_floor_ms(model, B: int, context: float, tflops: float, gbs: float) -> float:
     """This machine's floor for one decode step of B rows: the larger of reading every weight
-    once at the measured memory bandwidth and the step's FLOPs (2 per weight per row, the head
+    and the KV cache (B rows x `context` positions, in the weights' dtype) once at the
+    measured bandwidth of this device, and the step's FLOPs (2 per weight per row, the head
     included, plus attention's score and value products over `context` keys) at the measured
     matmul rate."""
     seen, weight_bytes, matmul_params = set(), 0, 0
@@ -276,7 +294,9 @@ def decode_floor_ms(model, B: int, context: float, tflops: float, gbs: float) ->
     c = model.config
     attn = 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * context
     flops = B * (2 * matmul_params + attn)
-    return max(weight_bytes / (gbs * 1e9), flops / (tflops * 1e12)) * 1e3
+    elem = next(model.parameters()).element_size()
+    kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * context * B * elem
+    return max((weight_bytes + kv_bytes) / (gbs * 1e9), flops / (tflops * 1e12)) * 1e3
 
 
 def batch_rows(case, batch, B, N, threads, spec, runs, checks, rounds, warmup) -> list[dict]:
@@ -424,13 +444,12 @@ def main(argv: list[str]) -> None:
 
     args.floor = [c for c in args.floor.split(",") if c in cases]
     args.floor_rates = (None, None)
-    if args.floor:  # measured before any model is built: the machine's matmul rate, bandwidth
-        from benchmarks.bench_trl import memory_bandwidth_gbs
-
+    if args.floor:  # measured before any model is built: the device's matmul rate, bandwidth
         args.floor_rates = (matmul_ceiling_tflops(args.device, DTYPES[args.dtype]),
-                            memory_bandwidth_gbs())  # fmt: skip
-        print(f"floor: {args.floor_rates[0] * 1e3:.0f} GFLOP/s ({args.dtype} 2048^3 matmul), "
-              f"{args.floor_rates[1]:.1f} GB/s (1 GiB copy)", flush=True)  # fmt: skip
+                            copy_bandwidth_gbps(args.device, mib=1024))  # fmt: skip
+        gflops, gbs = args.floor_rates[0] * 1e3, args.floor_rates[1]
+        print(f"floor: {gflops:.0f} GFLOP/s ({args.dtype} 2048^3 matmul), {gbs:.1f} GB/s "
+              f"(1 GiB copy on {args.device})", flush=True)  # fmt: skip
 
     import transformers
 
@@ -445,9 +464,11 @@ def main(argv: list[str]) -> None:
         "ms_per_step": "(t(N tokens) - t(1 token)) / (N - 1): prefill excluded",
         "x_hf_dyn / x_hf_static": "our tok_per_s over generate's with a dynamic / static cache",
         "x_cpu": "hf generate (dynamic cache) cpu_ms / our cpu_ms",
-        "floor_ms / of_floor": "this machine's decode-step floor (max of every weight read once "
-        "at the measured bandwidth, the step's FLOPs at the measured matmul rate; "
-        "`decode_floor_ms`) and floor_ms / ms_per_step",
+        "floor_ms / of_floor": "this device's decode-step floor (max of every weight and the KV "
+        "cache read once at the device's measured copy bandwidth, the step's FLOPs at the "
+        "measured matmul rate; `decode_floor_ms`) and floor_ms / ms_per_step",
+        "launches / syncs": "aten ops that launch a kernel, and host syncs, per eager decode "
+        "step of ours (`grpo.testing.launches.per_decode_step`; a compiled step replays a graph)",
         "greedy_match": f"greedy tokens vs generate over {args.check_tokens} steps on the "
         "timed B rows: mean fraction of steps before the first difference (1 = identical)",
     }

@@ -193,6 +193,9 @@ class RolloutConfig:
     # they save; falls back to eager if compiling fails; GRPO_COMPILE=0 in the environment turns
     # auto off). docs/sampler.md.
     compile: Literal["auto", "on", "off"] = "auto"
+    # Decode at most this many rows of a rollout at once; as rows finish, waiting rows take
+    # their slots (continuous refill, single-turn; docs/sampler.md). 0 = every row at once.
+    max_rows: int = 0
     # Multi-turn (agentic) rollouts: an environment answers each model turn (docs/agentic.md).
     env: str = "single_turn"  # single_turn | calculator | a registered name | package.module:Class
     env_kwargs: dict = field(default_factory=dict)
@@ -245,6 +248,8 @@ class RolloutConfig:
                    f"must be >= rollout.max_new_tokens ({self.max_new_tokens})")  # fmt: skip
         _check(isinstance(self.env, str) and bool(self.env), "rollout.env", "must be a name")
         _check(self.max_new_tokens > 0, "rollout.max_new_tokens", "must be > 0")
+        _check(self.max_rows >= 0, "rollout.max_rows",
+               f"must be >= 0 (0 = every row at once), got {self.max_rows}")  # fmt: skip
         _check(self.temperature >= 0, "rollout.temperature", "must be >= 0")
         _check(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)")
         _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")

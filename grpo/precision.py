@@ -129,8 +129,10 @@ class Precision:
         return model
 
     def describe(self, device: torch.device | str | None = None) -> str:
-        """One line naming every dtype; on a CPU `device`, also how eager decoding multiplies
-        (oneDNN-packed weights, or plain matmuls where this CPU cannot pack the compute dtype)."""
+        """One line naming every dtype; with a `device`, also that the sampler casts weights
+        once per rollout (when they compute in another dtype) and, on a CPU, how eager
+        decoding multiplies (oneDNN-packed weights, or plain matmuls where this CPU cannot pack
+        the compute dtype)."""
         line = (
             f"weights {_name(self.param_dtype)} (trainable float32), compute "
             f"{_name(self.compute_dtype)}, KV cache {_name(self.kv_dtype)}, head "
@@ -138,6 +140,9 @@ class Precision:
         )
         if self.logprob_impl != "auto":
             line += f", log-probs {self.logprob_impl}"
+        if device is not None and self.param_dtype != self.compute_dtype:
+            # grpo.rollout.decode_weights: never per decode step
+            line += f", decode weights cast to {_name(self.compute_dtype)} once per rollout"
         if device is not None and torch.device(device).type == "cpu":
             missing = cpu_packing_missing(self.compute_dtype)
             line += (", CPU decode: plain matmuls (" + missing + ")" if missing

@@ -217,8 +217,10 @@ def test_a_stall_with_unknown_bounds_saves_first_and_resumes(shared_tiny_model, 
                                "train.max_steps=4", "train.stall_steps=2",
                                "train.stop_on_stall=true"))  # fmt: skip
     _, err = one_line(capsys)
-    assert code == 2 and err.startswith("grpo train: error: learning stalled at step 2: no "
-                                        "reward variance: "), err  # fmt: skip
+    # the flat reward stalls the run (which rule the line leads with depends on the draws:
+    # truncation fires too when no completion of the tiny model stops within 4 tokens)
+    assert code == 2 and err.startswith("grpo train: error: learning stalled at step 2: "), err
+    assert "no reward variance: " in err or "zero_variance" in err, err
     tail = ("stopped by train.stop_on_stall; checkpoint saved in run/checkpoints/step_000002; "
             "resume with: grpo train --config run/config.yaml --resume (append the settings to "
             "change, e.g. train.stop_on_stall=false)")  # fmt: skip

@@ -203,3 +203,32 @@ def test_decode_weights_draw_from_the_adapted_policy(cuda, monkeypatch):
     gap = (r.logprobs - adapted).abs().max().item()
     assert gap <= 0.05  # bf16 compute on both sides
     assert (r.logprobs - base).abs().max().item() > 4 * gap
+
+
+def test_a_compiled_step_attends_over_the_filled_slots_only():
+    """The static cache's forwards read `limit` slots, the filled ones rounded up to 64 (the
+    host counts them: no sync), not the whole buffer; same logits as over every slot."""
+    from grpo.models import KVCache
+
+    model = tiny(dtype=torch.float64)
+    cache = KVCache.for_model(model, rows=2, max_len=256, static=True)
+    ids = torch.randint(3, 200, (2, 70), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 256, dtype=torch.bool)
+    with torch.no_grad():
+        model(ids[:, :69], attention_mask=mask, kv_cache=cache)
+        whole = model(ids[:, 69:], attention_mask=mask, kv_cache=cache)
+        cache.pos_tensor.sub_(1)
+        cache.limit = 128
+        k, _ = cache.update(0, *(torch.zeros(2, 2, 1, 16, dtype=torch.float64),) * 2)
+        assert k.shape[2] == 128
+        bounded = model(ids[:, 69:], attention_mask=mask, kv_cache=cache)
+    assert torch.allclose(bounded, whole, rtol=0, atol=1e-12)
+
+    seen = []
+    s = Sampler(model, compile=True, compile_options={"backend": "eager"})
+    real = s._bound
+    s._bound = lambda cache, filled: seen.append(filled) or real(cache, filled)
+    s.sample([list(range(3, 63))], group_size=2, max_new_tokens=8, temperature=1.0,
+             stop_ids=[], seed=0)  # fmt: skip
+    assert seen == list(range(61, 68))  # T_p + t for t = 1 .. 7
+    assert next(iter(s._caches.values())).limit is None  # reset after the call

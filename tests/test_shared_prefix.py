@@ -75,7 +75,9 @@ def test_rows_must_form_groups(tiny_checkpoints):
 
 def test_update_with_shared_prefix_equals_full_rows(tiny_checkpoints, tmp_path):
     """A whole update (micro-batches of whole groups, mu 2, KL to the reference) moves the
-    weights the same with train.shared_prefix on and off."""
+    weights the same with train.shared_prefix on and off. AdamW's eps 1 makes the step
+    linear in the gradient (eps 1e-8 turns float32 rounding of a near-zero gradient into a
+    full lr-sized step either way)."""
     import copy
 
     from grpo.config import load_config
@@ -94,7 +96,7 @@ def test_update_with_shared_prefix_equals_full_rows(tiny_checkpoints, tmp_path):
         cfg = load_config(base={"model": {"path": str(tmp_path)}}, overrides=[
             f"train.shared_prefix={mode}", "train.batch_size=9", "train.micro_batch_size=3",
             "rollout.group_size=3", "rollout.temperature=0.7", "loss.num_iterations=2",
-            "loss.beta=0.04", "optim.lr=1e-3"])  # fmt: skip
+            "loss.beta=0.04", "optim.lr=0.1", "optim.eps=1.0"])  # fmt: skip
         assert cfg.shared_prefix_groups == (3 if mode == "on" else None)
         policy = Policy(model, None, [3], None, tmp_path, lora=True)
         batch = RolloutBatch(rollout=r, rows=[{}] * 9, texts=[""] * 9, rewards=rewards,
@@ -110,7 +112,8 @@ def test_update_with_shared_prefix_equals_full_rows(tiny_checkpoints, tmp_path):
     start = dict(base.named_parameters())
     assert max((moved["off"][n] - start[n]).abs().max() for n in moved["off"]) > 1e-4
     for n in moved["off"]:
-        assert (moved["on"][n] - moved["off"][n]).abs().max().item() <= 1e-6, n
+        diff = (moved["on"][n] - moved["off"][n]).abs().max().item()
+        assert diff <= 1e-6, n
 
 
 def test_on_needs_whole_groups_per_micro_batch(tmp_path):

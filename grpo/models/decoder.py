@@ -18,6 +18,9 @@ from grpo.models.config import ModelConfig
 from grpo.models.kv_cache import GroupedKVCache, KVCache
 from grpo.models.varlen import PackedSegments
 
+# rotary table rows kept whole (cos and sin, float32): at D=128, 64 MiB
+ROPE_TABLE_MAX = 65536
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 and cast back (as the HF families do)."""
@@ -331,8 +334,9 @@ class Decoder(nn.Module):
         if not torch.compiler.is_compiling():
             f = self.inv_freq
             key = (f.device, f.data_ptr(), f._version)
-            pow2 = 1 << (length - 1).bit_length()
-            n = max(length, min(self.config.max_position_embeddings, pow2))
+            n = max(length, self.config.max_position_embeddings)
+            if n > ROPE_TABLE_MAX:  # a long context: the powers of two up to what is needed
+                n = max(length, 1 << (length - 1).bit_length())
             if self._rope is None or self._rope[0] != key or self._rope[1].shape[0] < length:
                 pos = torch.arange(n, device=f.device, dtype=torch.float32)
                 freqs = pos[:, None] * f.float()  # (n, D/2)
@@ -391,7 +395,7 @@ class Decoder(nn.Module):
             position_ids = packed.position_ids[None]  # (1, N)
         elif kv_cache is not None and kv_cache.static:
             # Static shapes: queries sit at a tensor position, keys span the whole buffer.
-            S = kv_cache.max_len
+            S = kv_cache.attend_len  # every slot, or the caller's bound on the filled ones
             q_pos = kv_cache.pos_tensor + torch.arange(T, device=dev)  # (T,)
         else:
             start = kv_cache.pos if kv_cache is not None else 0

@@ -36,7 +36,10 @@ class KVCache(_LayerBuffers):
       tensor and a forward attends over all `max_len` slots (unwritten ones are hidden by the
       causal mask), so a decode step has the same shapes and guards at every position and
       compiles once. Writes are not bounds-checked on the host (that would need a sync);
-      an index past `max_len` fails inside `index_copy_`.
+      an index past `max_len` fails inside `index_copy_`. A caller that knows how far the
+      cache is filled (the sampler counts its steps on the host) sets `limit`: forwards then
+      attend over the first `limit` slots only (`attend_len`), so a step's attention costs
+      what is filled, rounded up to the caller's bucket, not the whole buffer.
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class KVCache(_LayerBuffers):
         self._pos = 0
         # static mode: the write position as a tensor, advanced in place (no Python int).
         self.pos_tensor = torch.zeros((), dtype=torch.long, device=device) if static else None
+        self.limit: int | None = None  # static mode: attend over this many slots (None: all)
 
     @classmethod
     def for_model(
@@ -96,9 +100,15 @@ class KVCache(_LayerBuffers):
     def max_len(self) -> int:
         return self.k_layers[0].shape[2]
 
+    @property
+    def attend_len(self) -> int:
+        """Static mode: the slots a forward attends over (`limit`, else all `max_len`)."""
+        return self.max_len if self.limit is None else self.limit
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Write k, v (B, H_kv, T, D) at [pos, pos+T) of `layer`; return the keys/values to
-        attend over: (B, H_kv, pos+T, D) in dynamic mode, (B, H_kv, max_len, D) in static mode.
+        attend over: (B, H_kv, pos+T, D) in dynamic mode, (B, H_kv, attend_len, D) in static
+        mode.
         """
         T = k.shape[2]
         k_buf, v_buf = self.k_layers[layer], self.v_layers[layer]  # (B, H_kv, S, D)
@@ -109,6 +119,8 @@ class KVCache(_LayerBuffers):
             idx = self.pos_tensor + torch.arange(T, device=k.device)  # (T,)
             k_buf.index_copy_(2, idx, k)
             v_buf.index_copy_(2, idx, v)
+            if self.limit is not None:
+                return k_buf[:, :, : self.limit], v_buf[:, :, : self.limit]
             return k_buf, v_buf
         end = self._pos + T
         if end > self.max_len:
@@ -132,6 +144,7 @@ class KVCache(_LayerBuffers):
         out.static = self.static
         out._pos = self._pos
         out.pos_tensor = self.pos_tensor.clone() if self.static else None
+        out.limit = None
         return out
 
     def repeat_rows(self, G: int, out: KVCache | None = None) -> KVCache:
@@ -154,6 +167,7 @@ class KVCache(_LayerBuffers):
             if self.static:
                 out.pos_tensor.copy_(self.pos_tensor)
             out._pos = self._pos
+            out.limit = None
             return out
         out = KVCache.__new__(KVCache)
         out.k_layers = [k.repeat_interleave(G, dim=0) for k in self.k_layers]  # (B*G, H_kv, S, D)
@@ -161,6 +175,7 @@ class KVCache(_LayerBuffers):
         out.static = self.static
         out._pos = self._pos
         out.pos_tensor = self.pos_tensor.clone() if self.static else None
+        out.limit = None
         return out
 
 

@@ -553,8 +553,11 @@ class Sampler:
                     kv_mask = kv_mask.repeat_interleave(G, dim=0)  # (B, max_len)
                     loop = (self._compiled_loop if self.compile and self._iterate_compiled
                             and not hooked else self._decode_loop)  # fmt: skip
-                    out = loop(logits, cache, kv_mask, prompt_lens, uniforms, draw, stops,
-                               sampling)  # fmt: skip
+                    try:
+                        out = loop(logits, cache, kv_mask, prompt_lens, uniforms, draw, stops,
+                                   sampling, T_p)  # fmt: skip
+                    finally:
+                        cache.limit = None  # a kept cache: the next call sets its own
         finally:
             model.train(was_training)
         # Inference-mode tensors may not enter autograd later (a training forward embeds the
@@ -640,7 +643,8 @@ class Sampler:
             self._caches[key] = c
         return c
 
-    def _decode_loop(self, logits, cache, kv_mask, prompt_lens, uniforms, draw, stops, sampling):
+    def _decode_loop(self, logits, cache, kv_mask, prompt_lens, uniforms, draw, stops, sampling,
+                     T_p):  # fmt: skip
         """Sample from `logits` (B, V), feed the tokens back, repeat; all rows in one batch.
 
         Rows that have stopped keep decoding (the batch keeps its shape) but what they draw
@@ -658,6 +662,7 @@ class Sampler:
             draw: ((B, V) logits, step t) -> (tokens (B,), logprobs (B,)).
             stops: (S,) stop ids.
             sampling: (temperature, top_k, top_p, min_p), what `draw` applies.
+            T_p: the prompt width (the cache's first completion slot).
 
         Returns:
             tokens (B, T_run), their logprobs (B, T_run) float32 and done (B,) bool (the row
@@ -672,6 +677,7 @@ class Sampler:
         for t in range(1, uniforms.shape[1]):
             if t % self.sync_every == 0 and bool(done.all()):  # the loop's only host sync
                 break
+            self._bound(cache, T_p + t)
             logits = self.decode(tok[:, None], position_ids, kv_mask, cache)  # (B, V)
             position_ids += 1
             tok, lp = draw(logits, t)  # (B,), (B,)
@@ -693,7 +699,7 @@ class Sampler:
         return out.masked_fill_(~kv_mask[:, None, None, :], float("-inf"))
 
     def _compiled_loop(self, logits, cache, kv_mask, prompt_lens, uniforms, draw, stops,
-                       sampling):  # fmt: skip
+                       sampling, T_p):  # fmt: skip
         """`_decode_loop` with each iteration after the first one compiled call
         (`_iteration`: forward, head, draw, stop test, position update), its state in tensors
         kept across calls of the same shape (CUDA graphs replay in place); same returns."""
@@ -705,6 +711,7 @@ class Sampler:
         for t in range(1, T):
             if t % self.sync_every == 0 and bool(st.done.all()):  # the loop's only host sync
                 break
+            self._bound(cache, T_p + t)
             if self._iterate_compiled:
                 _mark_dynamic_state(st, kv_mask, cache)
                 self._run_compiled(self._compiled_iteration, self._iteration,
@@ -714,6 +721,13 @@ class Sampler:
                 self._iteration(st, cache, kv_mask, stops, sampling)
             steps += 1
         return st.tokens[:, :steps], st.logprobs[:, :steps], st.done
+
+    def _bound(self, cache, filled: int) -> None:
+        """A static cache's forwards attend over the filled slots (`filled`, counted on the
+        host), rounded up to a multiple of SLOT_MULTIPLE: a step's attention costs what is
+        filled, and a compiled step sees a handful of lengths (a graph each on CUDA)."""
+        if cache.static:
+            cache.limit = min(cache.max_len, -(-filled // SLOT_MULTIPLE) * SLOT_MULTIPLE)
 
     def _loop_state(self, rows: int, steps: int, device) -> _LoopState:
         key = (rows, steps)

@@ -591,4 +591,5 @@ def make_sampler(cfg: Config, policy, model, sharded: bool = False,
                                                cfg.rollout.multi_turn)  # fmt: skip
     options = {"mode": "default"} if producer_thread else None
     return Sampler(model, compile=compile_, fallback=cfg.rollout.compile == "auto",
-                   precision=policy.precision, compile_options=options)  # fmt: skip
+                   precision=policy.precision, compile_options=options,
+                   max_rows=cfg.rollout.max_rows)  # fmt: skip
