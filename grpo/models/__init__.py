@@ -2,7 +2,7 @@
 
 from grpo.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from grpo.models.decoder import Decoder
-from grpo.models.kv_cache import KVCache
+from grpo.models.kv_cache import KVCache, RowKVCache
 from grpo.models.loading import load_model, parse_dtype, save_pretrained
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "Decoder",
     "KVCache",
     "ModelConfig",
+    "RowKVCache",
     "load_model",
     "parse_dtype",
     "save_pretrained",

@@ -1,5 +1,6 @@
 """Rollouts: pure logits processing (`sampling`), prompt batching (`prompts`), the batched
-sampler and its public steps (`sampler`); multi-turn rollouts build on them (`multiturn`)."""
+sampler and its public steps (`sampler`), its decode weights (`decode_weights`) and continuous
+refill (`refill`); multi-turn rollouts build on them (`multiturn`)."""
 
 from grpo.rollout.prompts import check_prompts, check_settings, left_pad
 from grpo.rollout.sampler import Observation, Rollout, Sampler, TokenConstraint, sample
@@ -10,6 +11,7 @@ from grpo.rollout.sampling import (
     apply_top_p,
     next_tokens,
     process_logits,
+    row_uniforms,
 )
 
 __all__ = [
@@ -26,5 +28,6 @@ __all__ = [
     "left_pad",
     "next_tokens",
     "process_logits",
+    "row_uniforms",
     "sample",
 ]

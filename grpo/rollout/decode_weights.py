@@ -30,6 +30,7 @@ in the compute dtype.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn as nn
@@ -68,6 +69,9 @@ class _Stacked:
         self.sizes = [m.weight.shape[0] for m in layers]
         self.stamp = None
         self.weight = self.bias = self.a_t = self.b_t = None
+        # a single layer's forward: the same callable every rollout, so a compiled step that
+        # traced it keeps its graph (a new function object fails its guards: a recompile)
+        self.first = functools.partial(_first, self)
 
     def sources(self):
         for m in self.layers:
@@ -192,7 +196,7 @@ class DecodeWeights:
                 if s is None or s.layers != layers:
                     s = self._copies[name] = _Stacked(layers, self.dtype)
                 s.refresh()
-                setattr(owner, attr, s if attr != "forward" else _single(s))
+                setattr(owner, attr, s if attr != "forward" else s.first)
                 patched.append((owner, attr))
             self.active = True
             yield self
@@ -202,8 +206,5 @@ class DecodeWeights:
                 m.__dict__.pop(attr, None)
 
 
-def _single(s: _Stacked):
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return s(x)[0]
-
-    return forward
+def _first(s: _Stacked, x: torch.Tensor) -> torch.Tensor:
+    return s(x)[0]

@@ -831,11 +831,12 @@ def sample(
 
     The P prompts are left-padded and prefilled once; each prompt's KV rows are copied G
     times and all B = P*G rows decode together with a static KV cache. Each row draws its own
-    tokens, from the first one on, from an explicit generator seeded with `seed` (same seed,
-    same rollout, bit for bit). A row that emits a stop id stops there: its later tokens are
-    pad_id, masked out, with log-prob 0. The loop ends when every row has stopped or after
-    `max_new_tokens`. The model runs in eval mode under torch.inference_mode (its mode is
-    restored); the returned tensors are ordinary ones that training can use.
+    tokens, from the first one on, from its own random stream keyed by `seed`, the row and the
+    step (`row_uniforms`: same seed, same rollout, bit for bit). A row that emits a stop id
+    stops there: its later tokens are pad_id, masked out, with log-prob 0. The loop ends when
+    every row has stopped or after `max_new_tokens`. The model runs in eval mode under
+    torch.inference_mode (its mode is restored); the returned tensors are ordinary ones that
+    training can use.
 
     Args:
         model: a `Decoder`.
@@ -848,7 +849,7 @@ def sample(
         top_p: nucleus sampling mass (1.0 = off).
         min_p: keep tokens with p >= min_p * p_max (0 = off).
         stop_ids: token ids that end a completion (the stop token counts in the mask).
-        seed: seeds the sampling generator.
+        seed: keys the rows' random streams (`row_uniforms`).
         pad_id: the id of left padding and of tokens after a stop (never used to build masks).
         compile: `torch.compile` the decode step. To reuse the compiled step across calls,
             hold a `Sampler(model, compile=True)` instead of calling this function.
