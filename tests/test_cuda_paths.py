@@ -35,8 +35,8 @@ def test_a_producer_thread_compiles_without_cuda_graphs(monkeypatch, shared_tiny
     for thread in (False, True):
         s = producer.make_sampler(cfg, policy, model, producer_thread=thread)
         assert s.compile and s._cuda
-    # two compiled callables each: `decode`'s step and `sample`'s whole iteration
-    assert seen == ["reduce-overhead"] * 2 + ["default"] * 2
+    # three compiled callables each: `decode`'s step, `sample`'s whole iteration, refill's
+    assert seen == ["reduce-overhead"] * 3 + ["default"] * 3
 
 
 def test_a_produced_batch_is_marked_used_on_the_trainers_stream(monkeypatch, shared_tiny_model):

@@ -77,13 +77,13 @@ def test_refill_syncs_once_per_sync_every_steps(model64):
 def test_row_cache_writes_each_slot_at_its_own_length():
     c = RowKVCache(1, 3, 1, 8, 2, torch.float32, "cpu")
     c.lens[:] = torch.tensor([0, 2, 5])
-    c.lens_host = [0, 2, 5]
+    c.limit = 6  # the caller's bound: the longest slot + 1
     k = torch.arange(6.0).view(3, 1, 1, 2)
     keys, _ = c.update(0, k, k)
-    assert keys.shape == (3, 1, 6, 2)  # attends over [0, longest + 1)
+    assert keys.shape == (3, 1, 6, 2)
     assert torch.equal(c.k_layers[0][[0, 1, 2], 0, [0, 2, 5]], k[:, 0, 0])
     c.advance(1)
-    assert c.lens.tolist() == [1, 3, 6] and c.pos == 6
+    assert c.lens.tolist() == [1, 3, 6] and c.pos_tensor is c.lens
     with pytest.raises(ValueError, match="one token per slot"):
         c.update(0, torch.zeros(3, 1, 2, 2), torch.zeros(3, 1, 2, 2))
 
@@ -91,3 +91,30 @@ def test_row_cache_writes_each_slot_at_its_own_length():
 def test_max_rows_must_not_be_negative(model64):
     with pytest.raises(GrpoError, match="max_rows must be >= 0"):
         Sampler(model64, max_rows=-1)
+
+
+def test_compiled_refill_is_one_graph_per_step_and_equals_eager(model64):
+    """A compiling sampler runs each refill step as one graph (no sync, no tensor from Python
+    values): the same completions as eager refill, rows coming and going without a
+    recompile once the call's attended lengths were seen."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    kw = dict(group_size=3, max_new_tokens=20, temperature=1.0, stop_ids=stops_for(model64),
+              seed=11)  # fmt: skip
+    eager = Sampler(model64, max_rows=4).sample(PROMPTS, **kw)
+    s = Sampler(model64, max_rows=4, compile=True, compile_options={"backend": backend})
+    out = s.sample(PROMPTS, **kw)
+    assert torch.equal(out.ids, eager.ids) and torch.equal(out.finished, eager.finished)
+    steps = [g for g in graphs if any("isin" in str(n.target) for n in g.graph.nodes)]
+    assert steps  # the whole step, draw and stop test included
+    for g in steps:
+        calls = [n for n in g.graph.nodes if n.op in ("call_function", "call_method")]
+        names = {getattr(n.target, "__name__", str(n.target)) for n in calls}
+        assert not names & {"_local_scalar_dense", "item", "tolist", "nonzero", "tensor"}
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        again = s.sample(PROMPTS, **{**kw, "seed": 12})  # other rows finish at other steps
+    assert again.ids.shape[0] == eager.ids.shape[0]

@@ -254,20 +254,22 @@ class RowKVCache(_LayerBuffers):
     own `lens[s]`, so a row can leave a slot and another row take it mid-call
     (`grpo.rollout.refill`): the newcomer's prompt is copied in at slots [0, T_p) (`load`),
     laid out as the prefill laid it out (left-padded to the call's T_p), and its tokens
-    follow. One token per slot per forward (decode steps); each forward attends over the
-    slots [0, pos + 1) with pos the longest slot (`pos`, kept on the host: no sync), the
-    caller's additive mask hiding each slot's padding and unwritten slots.
+    follow. One token per slot per forward (decode steps). Static-style for `Decoder.forward`
+    (a compiled step sees no host value change): positions live on the device (`lens`,
+    advanced in place) and each forward attends over the first `limit` slots, a bound the
+    caller keeps on the host (the longest slot + 1, rounded up to its bucket); the caller's
+    additive mask hides each slot's padding and unwritten slots.
     """
 
-    static = False
-    pos_tensor = None
+    static = True
 
     def __init__(self, num_layers, rows, num_kv_heads, max_len, head_dim, dtype, device):
         shape = (rows, num_kv_heads, max_len, head_dim)
         self.k_layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lens = torch.zeros(rows, dtype=torch.long, device=device)  # (S,) next slot to write
-        self.lens_host = [0] * rows  # the same on the host, kept in step without syncs
+        self.pos_tensor = self.lens  # what a static forward reads (queries at each slot's own)
+        self.limit = max_len  # slots a forward attends over, set by the caller
         self._rows = torch.arange(rows, device=device)
 
     @classmethod
@@ -277,44 +279,30 @@ class RowKVCache(_LayerBuffers):
                    dtype, model.device)  # fmt: skip
 
     @property
-    def pos(self) -> int:
-        """The longest slot's written length: a forward attends over [0, pos + T)."""
-        return max(self.lens_host)
-
-    @property
     def max_len(self) -> int:
         return self.k_layers[0].shape[2]
 
+    @property
+    def attend_len(self) -> int:
+        return self.limit
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Write k, v (S, H_kv, 1, D) at each slot's own next position; return (S, H_kv,
-        pos + 1, D) keys and values."""
+        limit, D) keys and values. Not bounds-checked on the host (a sync): a slot written
+        past `max_len` fails inside the indexing."""
         if k.shape[2] != 1:
             raise ValueError(f"a RowKVCache takes one token per slot, got {k.shape[2]}")
-        end = self.pos + 1
-        if end > self.max_len:
-            raise ValueError(f"KV cache overflow: {end} positions > max_len {self.max_len}")
         k_buf, v_buf = self.k_layers[layer], self.v_layers[layer]
         k_buf[self._rows, :, self.lens] = k[:, :, 0].to(k_buf.dtype)  # (S, H_kv, D)
         v_buf[self._rows, :, self.lens] = v[:, :, 0].to(v_buf.dtype)
-        return k_buf[:, :, :end], v_buf[:, :, :end]
+        return k_buf[:, :, : self.limit], v_buf[:, :, : self.limit]
 
     def advance(self, T: int) -> None:
-        self.lens += T
-        self.lens_host = [n + T for n in self.lens_host]
+        self.lens.add_(T)
 
-    def load(self, slots: list[int], prefix: KVCache, rows: torch.Tensor, T_p: int) -> None:
+    def load(self, slots: torch.Tensor, prefix: KVCache, rows: torch.Tensor, T_p: int) -> None:
         """Copy rows `rows` (n,) of a prefill's cache (its first T_p slots written) into
-        `slots` (n slot indices), which then hold T_p positions."""
-        idx = torch.tensor(slots, device=self.lens.device)
+        slots `slots` (n,), which then hold T_p positions."""
         for src, dst in zip(prefix.k_layers + prefix.v_layers, self.k_layers + self.v_layers):
-            dst[:, :, :T_p].index_copy_(0, idx, src[:, :, :T_p].index_select(0, rows))
-        self.lens[idx] = T_p
-        for s in slots:
-            self.lens_host[s] = T_p
-
-    def reset(self, slots: list[int]) -> None:
-        """Slots left idle start over at 0 (what they then compute is never read)."""
-        if slots:
-            self.lens[torch.tensor(slots, device=self.lens.device)] = 0
-            for s in slots:
-                self.lens_host[s] = 0
+            dst[:, :, :T_p].index_copy_(0, slots, src[:, :, :T_p].index_select(0, rows))
+        self.lens[slots] = T_p

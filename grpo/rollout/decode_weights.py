@@ -82,9 +82,17 @@ class _Stacked:
                 yield from a[:2]
 
     def refresh(self) -> None:
+        """Rebuild the copies from the layers if any source changed (version or identity)."""
         stamp = _stamp(self.sources())
         if stamp == self.stamp:
             return
+        # ordinary tensors (not inference ones, whatever the caller's mode): updated in place
+        # by later refreshes inside or outside inference mode
+        with torch.inference_mode(False), torch.no_grad():
+            self._rebuild()
+        self.stamp = stamp
+
+    def _rebuild(self) -> None:
         dt, layers = self.dtype, self.layers
         w = torch.cat([m.weight.detach() for m in layers]).to(dt)  # (sum out, in)
         has_bias = any(m.bias is not None for m in layers)
@@ -114,7 +122,6 @@ class _Stacked:
                     y.copy_(x)
         else:
             self.weight, self.bias, self.a_t, self.b_t = new
-        self.stamp = stamp
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x (..., in) -> one (..., out_i) view per layer."""

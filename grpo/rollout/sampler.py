@@ -27,12 +27,12 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from grpo.errors import GrpoError
-from grpo.models.kv_cache import GroupedKVCache, KVCache
+from grpo.models.kv_cache import GroupedKVCache, KVCache, RowKVCache
 from grpo.precision import Precision, cpu_packing_missing, head_logits
 from grpo.rollout.decode_weights import DecodeWeights
 from grpo.rollout.packing import PackedLinears, packing_supported
 from grpo.rollout.prompts import check_prompts, check_settings, left_pad
-from grpo.rollout.refill import refill_loop
+from grpo.rollout.refill import RefillState, refill_loop, refill_step
 from grpo.rollout.sampling import (
     apply_logit_bias,
     apply_repetition_penalty,
@@ -274,8 +274,9 @@ class Sampler:
             and not compiled (a CPU that cannot pack the compute dtype decodes plainly);
             True where it cannot raises `GrpoError`.
         max_rows: decode at most this many rows of a `sample` call at once, refilling the
-            slots of finished rows with waiting ones (`grpo.rollout.refill`; eager, calls
-            without hooks); 0 = every row at once.
+            slots of finished rows with waiting ones (`grpo.rollout.refill`; calls without
+            hooks; compiled as one graph per step when the sampler compiles); 0 = every row
+            at once.
 
     `compile_s` adds up the wall time of the decode calls that compiled a new shape (the
     first call for each row count and cache length, one decode step included): the warm-up
@@ -337,6 +338,7 @@ class Sampler:
             # a whole decode iteration of `sample` (forward, head, draw, stop test, position
             # update) as one graph: one CUDA-graph replay per token on CUDA
             self._compiled_iteration = torch.compile(self._iteration, **options)
+            self._compiled_refill = torch.compile(self._refill_step, **options)  # max_rows
             self._decode_fn = self._decode_compiled  # `decode` calls it; eager after a fallback
         else:
             self._decode_fn = self._decode_step
@@ -547,7 +549,8 @@ class Sampler:
                 shared = not self.compile and G > 1 and share_prompt_kv(dev)
                 if refill:  # at most max_rows rows at once, finished ones replaced
                     out = refill_loop(self, prompt_ids, kv_mask[:, :T_p], G, uniforms,
-                                      sampling, stops, self.max_rows)  # fmt: skip
+                                      sampling, stops, self.max_rows,
+                                      functools.partial(self._refill, sampling))  # fmt: skip
                 else:
                     logits, cache = self.prefill(prompt_ids, kv_mask, G, shared=shared)
                     kv_mask = kv_mask.repeat_interleave(G, dim=0)  # (B, max_len)
@@ -728,6 +731,29 @@ class Sampler:
         filled, and a compiled step sees a handful of lengths (a graph each on CUDA)."""
         if cache.static:
             cache.limit = min(cache.max_len, -(-filled // SLOT_MULTIPLE) * SLOT_MULTIPLE)
+
+    def _refill(self, sampling, st: RefillState, cache: RowKVCache, bucket: int) -> None:
+        """One refill decode step (`grpo.rollout.refill`), compiled when the sampler compiles:
+        the same S slots every step, so rows coming and going never recompile."""
+        if not (self.compile and self._iterate_compiled):
+            return self._refill_step(st, cache, sampling)
+        mark = torch._dynamo.maybe_mark_dynamic
+        for t in (st.out_tok, st.out_lp, st.uniforms):  # the call's rows and columns
+            mark(t, 0)
+            mark(t, 1)
+        mark(st.mask, 3)  # cache positions: the prompt width varies by call
+        mark(st.cols, 0)
+        for t in (*cache.k_layers, *cache.v_layers):
+            mark(t, 2)
+        if self._cuda:  # mutated in place by the graph: fixed addresses (a new call's
+            # tensors re-record the CUDA graphs, never recompile)
+            for t in [*st.tensors(), *cache.k_layers, *cache.v_layers, cache.lens]:
+                torch._dynamo.mark_static_address(t, guard=False)
+        shape = ("refill", st.row_of.shape[0], cache.max_len, cache.dtype, bucket)
+        self._run_compiled(self._compiled_refill, self._refill_step, shape, st, cache, sampling)
+
+    def _refill_step(self, st: RefillState, cache: RowKVCache, sampling) -> None:
+        refill_step(self, st, cache, sampling)
 
     def _loop_state(self, rows: int, steps: int, device) -> _LoopState:
         key = (rows, steps)
