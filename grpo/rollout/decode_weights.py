@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from grpo.lora import LoRALinear
 from grpo.precision import Precision
+from grpo.rollout.packing import instance_attributes
 
 
 def _plain_tensors(model: nn.Module) -> bool:
@@ -194,23 +195,19 @@ class DecodeWeights:
         if self.active:
             yield self
             return
-        patched = []
-        try:
-            for name, owner, attr, layers in self._plan():
-                if attr in owner.__dict__:
-                    continue
-                s = self._copies.get(name)
-                if s is None or s.layers != layers:
-                    s = self._copies[name] = _Stacked(layers, self.dtype)
-                s.refresh()
-                setattr(owner, attr, s if attr != "forward" else s.first)
-                patched.append((owner, attr))
-            self.active = True
+        with instance_attributes(self, self._installs()):
             yield self
-        finally:
-            self.active = False
-            for m, attr in patched:
-                m.__dict__.pop(attr, None)
+
+    def _installs(self):
+        """(module, attribute, value) to install, each copy refreshed as it is reached."""
+        for name, owner, attr, layers in self._plan():
+            if attr in owner.__dict__:
+                continue
+            s = self._copies.get(name)
+            if s is None or s.layers != layers:
+                s = self._copies[name] = _Stacked(layers, self.dtype)
+            s.refresh()
+            yield owner, attr, s if attr != "forward" else s.first
 
 
 def _first(s: _Stacked, x: torch.Tensor) -> torch.Tensor:

@@ -129,21 +129,31 @@ class PackedLinears:
             return
         self.refresh()
         layers = dict(self._layers())
-        patched = []
-        try:
-            for name, (_, _, packed, bias) in self._packs.items():
-                m = layers[name]
-                # a LoRA layer's base matmul reads `_packed_base` (grpo.lora.layers)
-                attr = "_packed_base" if isinstance(m, LoRALinear) else "forward"
-                if attr not in m.__dict__:
-                    setattr(m, attr, _bind(packed, bias))
-                    patched.append((m, attr))
-            self.active = True
+        # a LoRA layer's base matmul reads `_packed_base` (grpo.lora.layers)
+        items = ((layers[name], "_packed_base" if isinstance(layers[name], LoRALinear)
+                  else "forward", _bind(packed, bias))
+                 for name, (_, _, packed, bias) in self._packs.items())  # fmt: skip
+        with instance_attributes(self, items):
             yield self
-        finally:
-            self.active = False
-            for m, attr in patched:
-                m.__dict__.pop(attr, None)
+
+
+@contextlib.contextmanager
+def instance_attributes(holder, items):
+    """Set each (module, attribute, value) of `items` on the instance for the block (one the
+    instance already has, a user's patch, is left as it is), with `holder.active` True; all
+    removed after, also on an error. `items` may be lazy (a generator runs inside)."""
+    patched = []
+    try:
+        for m, attr, value in items:
+            if attr not in m.__dict__:
+                setattr(m, attr, value)
+                patched.append((m, attr))
+        holder.active = True
+        yield holder
+    finally:
+        holder.active = False
+        for m, attr in patched:
+            m.__dict__.pop(attr, None)
 
 
 def _bind(packed: torch.Tensor, bias: torch.Tensor | None):
