@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import LENGTH_REWARD, tiny_train_here, write_package
 
 from grpo.errors import GrpoError
 from grpo.models.config import ModelConfig
@@ -118,3 +119,27 @@ def test_compiled_refill_is_one_graph_per_step_and_equals_eager(model64):
     with torch._dynamo.config.patch(error_on_recompile=True):
         again = s.sample(PROMPTS, **{**kw, "seed": 12})  # other rows finish at other steps
     assert again.ids.shape[0] == eager.ids.shape[0]
+
+
+def test_grpo_train_refills_with_rollout_max_rows(tmp_path, shared_tiny_model, monkeypatch,
+                                                  capsys):  # fmt: skip
+    """`rollout.max_rows` reaches the run's sampler: `grpo train` samples through refill (the
+    tiny config's 8 rows through 3 slots) and trains; a negative value is one line, exit 2."""
+    import json
+
+    import grpo.rollout.sampler as sampler_mod
+
+    calls = []
+    real = sampler_mod.refill_loop
+    monkeypatch.setattr(sampler_mod, "refill_loop", lambda *a: calls.append(a[7]) or real(*a))
+    pkg = write_package(tmp_path, {"rewards.py": LENGTH_REWARD})
+    code = tiny_train_here(monkeypatch, pkg, shared_tiny_model, "train.output_dir=run",
+                           "train.max_steps=1", "rollout.max_rows=3")  # fmt: skip
+    assert code == 0, capsys.readouterr().err[-3000:]
+    assert calls and set(calls) == {3}
+    rows = [json.loads(x) for x in (pkg / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("train/policy_loss" in r for r in rows)
+    capsys.readouterr()
+    code = tiny_train_here(monkeypatch, pkg, shared_tiny_model, "rollout.max_rows=-1")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "rollout.max_rows" in err[0], err
