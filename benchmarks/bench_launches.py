@@ -27,33 +27,13 @@ COLUMNS = ["path", "config", "per_layer", "fixed", "at_28", "casts_per_layer", "
            "syncs"]  # fmt: skip
 
 
-@contextlib.contextmanager
-def cuda_paths(on: bool):
-    """CUDA's decode code paths on the CPU (what tests/test_launches.py forces too)."""
-    import grpo.models.decoder as decoder_mod
-    import grpo.rollout.sampler as sampler_mod
-
-    # (share_prompt_kv: since issue #60; before it eager decoding always held prompts once)
-    share = getattr(sampler_mod, "share_prompt_kv", None)
-    saved = (decoder_mod.sdpa_decode, decoder_mod.expand_kv_heads, share)
-    if on:
-        decoder_mod.sdpa_decode = decoder_mod.expand_kv_heads = lambda device: True
-        sampler_mod.share_prompt_kv = lambda device: False
-    try:
-        yield
-    finally:
-        decoder_mod.sdpa_decode, decoder_mod.expand_kv_heads, share = saved
-        if share is not None:
-            sampler_mod.share_prompt_kv = share
-
-
 def step_cost(layers: int, config: str, cuda: bool) -> dict:
     from grpo.lora import apply_lora
     from grpo.models.config import ModelConfig
     from grpo.models.decoder import Decoder
     from grpo.precision import Precision
     from grpo.rollout import Sampler
-    from grpo.testing.launches import per_decode_step
+    from grpo.testing.launches import cuda_decode_paths, per_decode_step
 
     cfg = ModelConfig(family="qwen3", qk_norm=True, num_hidden_layers=layers,
                       max_position_embeddings=512, tie_word_embeddings=False)  # fmt: skip
@@ -66,7 +46,7 @@ def step_cost(layers: int, config: str, cuda: bool) -> dict:
         apply_lora(model, 8, 16, **({"targets": targets} if targets else {}), seed=0)
     precision = Precision(torch.float32, torch.bfloat16) if config == "tutorial" else Precision()
     prompts = [[5 + i + j for j in range(7 + 3 * i)] for i in range(4)]
-    with cuda_paths(cuda):
+    with cuda_decode_paths() if cuda else contextlib.nullcontext():
         sampler = Sampler(model, precision=precision, pack=False if cuda else None)
         return per_decode_step(
             lambda n: sampler.sample(

@@ -425,3 +425,15 @@ def torchrun_train(cwd: Path, model, out: str, *overrides, ranks: int = 2) -> li
     rows = [x for x in rows if "rollout/groups_sampled" in x]
     assert len(rows) == 2
     return rows
+
+
+def head_rounding(model) -> float:
+    """Worst-case gap of a log-prob between two float32 evaluations of the head on the same
+    float64 hidden state (other batch shapes round in another order): each logit is a C-term
+    float32 dot of the rounded operands, off by at most (C + 2) eps32 sum|h_i w_i| <=
+    (C + 2) eps32 |h| |w_v|, with |h| = sqrt(C) after the final RMSNorm (weight ones); the
+    log-softmax moves by at most twice the largest logit error."""
+    C = model.config.hidden_size
+    w = model.lm_head.weight.double().norm(dim=1).max().item()
+    norm = model.norm.weight.double().abs().max().item()
+    return 2 * (C + 2) * torch.finfo(torch.float32).eps * C**0.5 * norm * w

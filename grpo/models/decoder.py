@@ -328,9 +328,10 @@ class Decoder(nn.Module):
         table built once (not per forward: a decode step would rebuild them from its positions
         every token) and rebuilt only when it is too short, on another device, or `inv_freq`
         changed (a load). Every position must be below `length` (the forward's key slots S:
-        a real token's position never exceeds its slot); the table holds a power of two >= S
-        rows, at most max_position_embeddings (never fewer than S). A compiled forward reads
-        the table its eager prefill built."""
+        a real token's position never exceeds its slot). The table holds every position up to
+        max_position_embeddings when that is at most ROPE_TABLE_MAX (else a power of two >= S),
+        built in one call whatever the forward, so a position's value never depends on which
+        forward built the table. A compiled forward reads the table its eager prefill built."""
         if not torch.compiler.is_compiling():
             f = self.inv_freq
             key = (f.device, f.data_ptr(), f._version)

@@ -18,6 +18,11 @@ class _LayerBuffers:
     def dtype(self) -> torch.dtype:
         return self.k_layers[0].dtype
 
+    @property
+    def max_len(self) -> int:
+        """Slots per row."""
+        return self.k_layers[0].shape[2]
+
 
 class KVCache(_LayerBuffers):
     """Keys and values of every layer for B rows and up to `max_len` positions.
@@ -95,10 +100,6 @@ class KVCache(_LayerBuffers):
     def v(self) -> torch.Tensor:
         """(L, B, H_kv, S, D) copy of all values, for inspection."""
         return torch.stack(self.v_layers)
-
-    @property
-    def max_len(self) -> int:
-        return self.k_layers[0].shape[2]
 
     @property
     def attend_len(self) -> int:
@@ -277,10 +278,6 @@ class RowKVCache(_LayerBuffers):
         cfg = model.config
         return cls(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, max_len, cfg.head_dim,
                    dtype, model.device)  # fmt: skip
-
-    @property
-    def max_len(self) -> int:
-        return self.k_layers[0].shape[2]
 
     @property
     def attend_len(self) -> int:

@@ -146,9 +146,6 @@ class DecodeWeights:
 
     def __init__(self, model: nn.Module, precision: Precision, fuse: bool = True):
         self.model, self.dtype, self.fuse = model, precision.compute_dtype, fuse
-        self.cast = precision.compute_dtype != precision.param_dtype or any(
-            p.dtype != precision.compute_dtype for p in model.parameters()
-        )
         self._copies: dict[str, _Stacked] = {}  # module path (+ stack) -> its copies
         self.active = False
 
@@ -180,8 +177,8 @@ class DecodeWeights:
                     if all(_free(x) for x in layers):
                         stacked.update(id(x) for x in layers)
                         yield f"{name}.{attr}", m, attr, layers
-        if not self.cast:
-            return
+        if all(p.dtype == self.dtype for p in self.model.parameters()):
+            return  # nothing to cast (asked at each install: trainability may change dtypes)
         for name, m in self.model.named_modules():
             if m is head or id(m) in stacked or not _free(m):
                 continue

@@ -70,11 +70,12 @@ def refill_step(sampler, st: RefillState, cache: RowKVCache, sampling) -> None:
     st.step_of.add_(1)
 
 
-def refill_loop(sampler, prompt_ids, kv_mask, G, uniforms, sampling, stops, max_rows, step):
+def refill_loop(sampler, prompt_ids, kv_mask, G, uniforms, sampling, stops, max_rows, step,
+                prepare):  # fmt: skip
     """Decode B = P*G rows through `max_rows` slots, refilling finished slots.
 
     Args:
-        sampler: the `Sampler` (its `prefill`, `decode_mask`, `_decode_step`, `sync_every`).
+        sampler: the `Sampler` (its `prefill`, `decode_mask`, `_bound`, `sync_every`).
         prompt_ids: (P, T_p) left-padded prompts.
         kv_mask: (P, T_p) bool, True on real prompt tokens.
         G: rows per prompt; row b samples prompt b // G.
@@ -82,7 +83,8 @@ def refill_loop(sampler, prompt_ids, kv_mask, G, uniforms, sampling, stops, max_
         sampling: (temperature, top_k, top_p, min_p).
         stops: (n,) stop ids.
         max_rows: S, the slots decoding together.
-        step: (state, cache, bucket) -> None, runs `refill_step` (compiled or not).
+        step: (state, cache) -> None, runs `refill_step` (compiled or not).
+        prepare: (state, cache) -> None, called once on the call's new tensors.
 
     Returns:
         tokens (B, T) long, logprobs (B, T) float32, done (B,) bool (the row drew a stop id)
@@ -110,6 +112,7 @@ def refill_loop(sampler, prompt_ids, kv_mask, G, uniforms, sampling, stops, max_
         stops=stops,
         T=torch.tensor(T, device=dev),
     )
+    prepare(st, cache)
     lens = [0] * S  # host: each slot's written length (cache.lens, counted without syncs)
     in_slot = [B] * S  # host: the row in each slot (B = none)
     waiting = deque(range(B))
@@ -158,10 +161,10 @@ def refill_loop(sampler, prompt_ids, kv_mask, G, uniforms, sampling, stops, max_
         else:  # finished rows' slots go idle
             fill([s for s in free if in_slot[s] != B])
         for _ in range(k):
-            # attend over the longest slot's written positions + the one written now, in
-            # buckets of 64 (a compiled step sees a handful of lengths)
-            cache.limit = min(L, -(-(max(lens) + 1) // 64) * 64)
-            step(st, cache, cache.limit)
+            # attend over the longest slot's written positions + the one written now, bucketed
+            # as the plain loop's static cache (a compiled step sees a handful of lengths)
+            sampler._bound(cache, max(lens) + 1)
+            step(st, cache)
             lens = [n + 1 for n in lens]
     tokens = st.out_tok[:B, :T]
     return tokens, st.out_lp[:B, :T], torch.isin(tokens, stops).any(dim=1)

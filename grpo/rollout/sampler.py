@@ -550,7 +550,8 @@ class Sampler:
                 if refill:  # at most max_rows rows at once, finished ones replaced
                     out = refill_loop(self, prompt_ids, kv_mask[:, :T_p], G, uniforms,
                                       sampling, stops, self.max_rows,
-                                      functools.partial(self._refill, sampling))  # fmt: skip
+                                      functools.partial(self._refill, sampling),
+                                      self._prepare_refill)  # fmt: skip
                 else:
                     logits, cache = self.prefill(prompt_ids, kv_mask, G, shared=shared)
                     kv_mask = kv_mask.repeat_interleave(G, dim=0)  # (B, max_len)
@@ -710,13 +711,13 @@ class Sampler:
         st = self._loop_state(B, T, logits.device)
         tok, lp = draw(logits, 0)
         st.reset(tok, lp, torch.isin(tok, stops), prompt_lens, uniforms)
+        _mark_dynamic_state(st, kv_mask, cache)  # once: the marks stay on the tensors
         steps = 1
         for t in range(1, T):
             if t % self.sync_every == 0 and bool(st.done.all()):  # the loop's only host sync
                 break
             self._bound(cache, T_p + t)
             if self._iterate_compiled:
-                _mark_dynamic_state(st, kv_mask, cache)
                 self._run_compiled(self._compiled_iteration, self._iteration,
                                    ("iteration", B, T, cache.max_len, cache.dtype), st, cache,
                                    kv_mask, stops, sampling)  # fmt: skip
@@ -732,25 +733,32 @@ class Sampler:
         if cache.static:
             cache.limit = min(cache.max_len, -(-filled // SLOT_MULTIPLE) * SLOT_MULTIPLE)
 
-    def _refill(self, sampling, st: RefillState, cache: RowKVCache, bucket: int) -> None:
+    def _refill(self, sampling, st: RefillState, cache: RowKVCache) -> None:
         """One refill decode step (`grpo.rollout.refill`), compiled when the sampler compiles:
         the same S slots every step, so rows coming and going never recompile."""
         if not (self.compile and self._iterate_compiled):
             return self._refill_step(st, cache, sampling)
+        shape = ("refill", st.row_of.shape[0], cache.max_len, cache.dtype, cache.limit)
+        self._run_compiled(self._compiled_refill, self._refill_step, shape, st, cache, sampling)
+
+    def _prepare_refill(self, st: RefillState, cache: RowKVCache) -> None:
+        """Once per refill call, what its compiled steps need of the new tensors: dynamic
+        dimensions (the call's rows, columns and cache positions vary between calls) and, on
+        CUDA, fixed addresses for what the graph mutates (a new call re-records its CUDA
+        graphs, never recompiles)."""
+        if not self.compile:
+            return
         mark = torch._dynamo.maybe_mark_dynamic
-        for t in (st.out_tok, st.out_lp, st.uniforms):  # the call's rows and columns
+        for t in (st.out_tok, st.out_lp, st.uniforms):
             mark(t, 0)
             mark(t, 1)
-        mark(st.mask, 3)  # cache positions: the prompt width varies by call
+        mark(st.mask, 3)
         mark(st.cols, 0)
         for t in (*cache.k_layers, *cache.v_layers):
             mark(t, 2)
-        if self._cuda:  # mutated in place by the graph: fixed addresses (a new call's
-            # tensors re-record the CUDA graphs, never recompile)
+        if self._cuda:
             for t in [*st.tensors(), *cache.k_layers, *cache.v_layers, cache.lens]:
                 torch._dynamo.mark_static_address(t, guard=False)
-        shape = ("refill", st.row_of.shape[0], cache.max_len, cache.dtype, bucket)
-        self._run_compiled(self._compiled_refill, self._refill_step, shape, st, cache, sampling)
 
     def _refill_step(self, st: RefillState, cache: RowKVCache, sampling) -> None:
         refill_step(self, st, cache, sampling)

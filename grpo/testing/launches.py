@@ -17,6 +17,7 @@ budgets.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Callable
 
@@ -31,7 +32,6 @@ _FREE = {
     "chunk", "unbind", "narrow", "view_as", "diagonal", "unfold", "lift_fresh", "empty",
     "empty_strided", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size",
     "stride", "numel", "dim", "is_same_size", "_reshape_alias", "resize_", "set_",
-    "_to_copy_free", "contiguous_free",
 }  # fmt: skip
 # composite ops that run one fused kernel where it matters (CUDA): counted once, not decomposed
 _FUSED = {"rms_norm", "_fused_rms_norm"}
@@ -123,3 +123,27 @@ def per_decode_step(run: Callable[[int], object], n1: int = 4, n2: int = 12) -> 
         "casts": (b.casts - a.casts) / d,
         "syncs": (b.syncs - a.syncs) / d,
     }
+
+
+@contextlib.contextmanager
+def cuda_decode_paths():
+    """CUDA's decode code paths on a CPU, for counting what a GPU step launches: attention
+    through SDPA's fused decode call (`decode_sdpa`) with grouped heads expanded as CUDA
+    needs, and prompt keys and values copied per row rather than held once per group
+    (`share_prompt_kv`). The three deciding functions are swapped for the block, restored
+    after. (`getattr`: a tree before issue 60 had no `share_prompt_kv`.)"""
+    import grpo.models.decoder as decoder_mod
+    import grpo.rollout.sampler as sampler_mod
+
+    saved = (decoder_mod.sdpa_decode, decoder_mod.expand_kv_heads,
+             getattr(sampler_mod, "share_prompt_kv", None))  # fmt: skip
+    decoder_mod.sdpa_decode = decoder_mod.expand_kv_heads = lambda device: True
+    sampler_mod.share_prompt_kv = lambda device: False
+    try:
+        yield
+    finally:
+        decoder_mod.sdpa_decode, decoder_mod.expand_kv_heads, share = saved
+        if share is None:
+            del sampler_mod.share_prompt_kv
+        else:
+            sampler_mod.share_prompt_kv = share
