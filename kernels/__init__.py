@@ -16,6 +16,7 @@ from kernels.reference import (
     default_blocks,
     matmul_fp32,
     naive_logprobs,
+    round_to_tf32,
     tf32_matmuls,
 )
 
@@ -39,6 +40,7 @@ __all__ = [
     "matmul_fp32",
     "naive_logprobs",
     "resolve_impl",
+    "round_to_tf32",
     "tf32_matmuls",
 ]
 

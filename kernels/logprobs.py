@@ -32,7 +32,9 @@ backward one (N, v_chunk) grad buffer (512 MiB by default) plus an fp32 (N, C) a
 Input precision: 16-bit inputs multiply on the tensor cores; float32 inputs in IEEE float32 on the
 CUDA cores (exact, an order of magnitude slower), or in TF32 on the tensor cores with the
 `tf32=True` config key (the dots and the backward's two GEMMs). The accumulation is float32 in
-every case.
+every case. For TF32 the kernels round their float32 operands to the nearest TF32 value first
+(`_round_tf32`): the tensor cores truncate what they are given, cuBLAS rounds, and the sampler's
+head (cuBLAS) and the trainer's (these kernels) must agree.
 """
 
 import contextlib
@@ -48,6 +50,20 @@ _CONFIG_KEYS = (
     "block_n", "block_v", "block_c", "num_warps", "num_stages", "num_splits", "grad_buffer_mib",
     "tf32",
 )  # fmt: skip
+
+
+@triton.jit
+def _round_tf32(x):
+    """float32 -> the nearest TF32 value (10 mantissa bits; ties away from zero), still a
+    float32. A TF32 `tl.dot` on the tensor cores reads only the operands' top 19 bits, i.e. it
+    truncates, where cuBLAS's TF32 GEMMs round (an emulation at N=300, C=512, V=32003: 8.4x
+    the float64 error of rounded operands). Rounding first makes the truncation exact, so the
+    kernel's TF32 equals the sampler's cuBLAS TF32 head up to summation order. Infinities and
+    NaNs pass unchanged; the torch twin is `kernels.reference.round_to_tf32`."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x1000) & 0xFFFFE000
+    special = (bits & 0x7F800000) == 0x7F800000
+    return tl.where(special, bits, rounded).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -71,6 +87,7 @@ def _fwd_kernel(
     BLOCK_C: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
     PRECISION: tl.constexpr,
+    ROUND_TF32: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
@@ -105,6 +122,8 @@ def _fwd_kernel(
                 mask=col_mask[None, :] & c_mask[:, None],
                 other=0.0,
             )  # (BC, BV) = W_tile^T
+            if ROUND_TF32:
+                h, w = _round_tf32(h), _round_tf32(w)
             acc = tl.dot(h, w, acc, input_precision=PRECISION)
         z = tl.where(col_mask[None, :], acc / temperature, float("-inf"))  # (BN, BV) fp32
         m_new = tl.maximum(m, tl.max(z, axis=1))
@@ -151,6 +170,7 @@ def _grad_logits_kernel(
     BLOCK_C: tl.constexpr,
     WITH_ENTROPY_GRAD: tl.constexpr,
     PRECISION: tl.constexpr,
+    ROUND_TF32: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
@@ -177,6 +197,8 @@ def _grad_logits_kernel(
             mask=col_mask[None, :] & c_mask[:, None],
             other=0.0,
         )  # (BC, BV)
+        if ROUND_TF32:
+            h, w = _round_tf32(h), _round_tf32(w)
         acc = tl.dot(h, w, acc, input_precision=PRECISION)
     ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
@@ -212,6 +234,12 @@ def _input_precision(dtype: torch.dtype, tf32: bool) -> str:
     cores; 16-bit inputs multiply natively on the tensor cores (the value is ignored). The
     accumulator is float32 in every case."""
     return "tf32" if tf32 else _TL_PRECISION[dtype]
+
+
+def _rounds_tf32(dtype: torch.dtype, tf32: bool) -> bool:
+    """Whether the kernels round float32 operands to TF32 before `tl.dot` (`_round_tf32`): with
+    `tf32` on float32 inputs, so that the tensor cores' truncation changes nothing."""
+    return tf32 and dtype == torch.float32
 
 
 def _num_splits(n_tok: int, v_total: int, block_n: int, block_v: int, device: torch.device) -> int:
@@ -308,6 +336,7 @@ def logprobs_forward(
             BLOCK_N=cfg["block_n"], BLOCK_V=cfg["block_v"], BLOCK_C=cfg["block_c"],
             WITH_ENTROPY=return_entropy,
             PRECISION=_input_precision(hidden.dtype, cfg.get("tf32", False)),
+            ROUND_TF32=_rounds_tf32(hidden.dtype, cfg.get("tf32", False)),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
     lse = torch.logsumexp(m + torch.log(s), dim=0)  # (N,) merge of the splits
@@ -390,6 +419,7 @@ def logprobs_backward(
                 hidden.stride(0), weight.stride(0), grad.stride(0),
                 BLOCK_N=cfg["block_n"], BLOCK_V=bv, BLOCK_C=cfg["block_c"],
                 WITH_ENTROPY_GRAD=with_entropy, PRECISION=_input_precision(hidden.dtype, tf32),
+                ROUND_TF32=_rounds_tf32(hidden.dtype, tf32),
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             )  # fmt: skip
         w_chunk = weight[v0 : v0 + v_len]  # (v_len, C)

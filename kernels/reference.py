@@ -47,6 +47,19 @@ def tf32_matmuls(device: torch.device | str, enabled: bool = True):
     return _matmul_precision("high")
 
 
+def round_to_tf32(x: torch.Tensor) -> torch.Tensor:
+    """float32 `x` rounded to the nearest TF32 value (10 mantissa bits, ties away from zero),
+    as a float32 tensor: what the Triton kernels feed their TF32 dots (`_round_tf32`), so a
+    float32 matmul of rounded operands is what a TF32 dot computes, up to summation order.
+    Infinities and NaNs pass unchanged."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"round_to_tf32 takes float32, got {x.dtype}")
+    bits = x.view(torch.int32)
+    rounded = (bits + 0x1000) & -0x2000  # -0x2000 = 0xFFFFE000: clear the 13 low bits
+    special = (bits & 0x7F800000) == 0x7F800000
+    return torch.where(special, bits, rounded).view(torch.float32)
+
+
 # device type -> whether torch.mm(bf16, bf16, out_dtype=float32) exists there (CUDA, torch >=
 # 2.8); a plain dict, not functools.cache, so that a compiled caller reads it without tracing
 _MM_OUT_DTYPE: dict[str, bool] = {}

@@ -333,25 +333,115 @@ ids = torch.randint(0, 1003, (37,), generator=gen)
 grad = torch.randn(37, generator=gen)
 lp = kernels.fused_logprobs(h, w, ids, 0.7, impl="triton", tf32=True)
 got = [lp, *torch.autograd.grad(lp, [h, w], grad)]
-x, y = h.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+# float64 on the TF32-rounded operands the kernels multiply (the interpreter's dots are plain
+# float32); the CPU's gradient GEMMs take the unrounded ones, at most 2**-11 away relatively
+x, y = (kernels.round_to_tf32(t.detach()).double().requires_grad_(True) for t in (h, w))
 gold = torch.log_softmax(x @ y.t() / 0.7, -1).gather(1, ids[:, None])[:, 0]
 want = [gold, *torch.autograd.grad(gold, [x, y], grad.double())]
-for a, b in zip(got, want):
-    torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+torch.testing.assert_close(got[0].double(), want[0], rtol=1e-5, atol=1e-5)
+for a, b in zip(got[1:], want[1:]):
+    assert ((a.double() - b).norm() / b.norm()).item() <= 2**-10
 print("OK")
 """
 
 
 def test_triton_takes_tf32_through_forward_and_backward_interpreted():
     """`fused_logprobs(..., tf32=True)` reaches the Triton launchers in the forward and the
-    backward (the config the autograd Function keeps). The interpreter multiplies float32
-    exactly whatever the input precision, so this checks the plumbing against float64; the TF32
-    rounding itself is checked on CUDA below."""
+    backward (the config the autograd Function keeps): against float64 on the TF32-rounded
+    operands (the interpreter's `tl.dot` is plain float32; the rounding is the kernels' own,
+    `test_triton_tf32_rounds_its_operands_interpreted`); the tensor cores on CUDA below."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, "-c", _INTERPRETED_TF32], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
+
+
+_INTERPRETED_TF32_ROUNDING = """
+import math, torch
+import kernels
+from kernels.logprobs import triton_logprobs
+# Operands whose TF32 roundings multiply and add exactly in float32 (k / 16 with |k| < 64: every
+# partial sum of 64 products is a multiple of 2**-8 below 2**10), nudged by 0.05-0.2 of a TF32
+# ulp so that each rounds back to them (up or down): the kernel's logits are then exact if and
+# only if it rounds its operands, whatever order it sums in.
+gen = torch.Generator().manual_seed(0)
+N, C, V, T = 29, 64, 301, 0.7
+def operand(rows):
+    base = torch.randint(-63, 64, (rows, C), generator=gen).float() / 16
+    base = torch.where(base == 0, torch.full_like(base, 0.0625), base)
+    ulp = torch.exp2(torch.floor(torch.log2(base.abs())) - 10)
+    nudge = (0.05 + 0.15 * torch.rand(rows, C, generator=gen))  # of a TF32 ulp; below a power of
+    nudge = nudge * torch.sign(torch.randn(rows, C, generator=gen))  # two the ulp halves
+    return base, base + nudge * ulp
+h_r, h = operand(N)
+w_r, w = operand(V)
+assert torch.equal(kernels.round_to_tf32(h), h_r) and torch.equal(kernels.round_to_tf32(w), w_r)
+assert not torch.equal(h, h_r) and not torch.equal(w, w_r)
+ids = torch.randint(0, V, (N,), generator=gen)
+g = torch.randn(N, generator=gen).double()
+
+def reference(hh, ww):  # float64 log-probs and the gradients the CPU backward computes from them
+    x = h.double().requires_grad_(True)  # the GEMMs use the unrounded operands on a CPU
+    y = w.double().requires_grad_(True)
+    z = hh.double() @ ww.double().t()
+    z = z + (x @ y.t() - (x @ y.t()).detach()) * 0  # gradient path only
+    lp = torch.log_softmax(z / T, -1).gather(1, ids[:, None])[:, 0]
+    p = torch.softmax(z.detach() / T, -1)
+    G = (torch.nn.functional.one_hot(ids, V).double() - p) * (g / T)[:, None]
+    return lp.detach(), G @ w.double(), G.t() @ h.double()
+
+x, y = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+lp = triton_logprobs(x, y, ids, T, tf32=True)
+d_h, d_w = torch.autograd.grad(lp, [x, y], g.float())
+want = reference(h_r, w_r)  # rounded operands: what a TF32 dot that rounds computes
+plain = reference(h, w)  # unrounded: what the interpreter computes when the kernel does not round
+z = (h_r.double() @ w_r.double().t()) / T
+tol = 16 * 2**-24 * (z.abs().max().item() + math.log(V))  # float32 softmax, exp, log: ulps
+gap = (plain[0] - want[0]).abs().max().item()
+assert gap > 10 * tol, (gap, tol)  # the two answers are far apart at this tolerance
+err = (lp.double() - want[0]).abs().max().item()
+assert err <= tol, f"log-probs {err:.3g} from the rounded operands' (tolerance {tol:.3g}; "\\
+    f"unrounded operands: {gap:.3g})"
+for name, got, ref, other in (("d_hidden", d_h, want[1], plain[1]),
+                              ("d_weight", d_w, want[2], plain[2])):
+    rel = ((got.double() - ref).norm() / ref.norm()).item()
+    rel_plain = ((other - ref).norm() / ref.norm()).item()
+    assert rel_plain > 1e-4 and rel <= 1e-5, (name, rel, rel_plain)
+print("OK")
+"""
+
+
+def test_triton_tf32_rounds_its_operands_interpreted():
+    """With `tf32=True` the kernels round float32 operands to the nearest TF32 value before
+    `tl.dot` (the tensor cores truncate what they are given; cuBLAS, the sampler's head, rounds).
+    The interpreter computes `tl.dot` in plain float32, so its log-probs must equal the float64
+    log-softmax of the *rounded* operands (operands chosen so that float32 sums them exactly),
+    and the backward's G must come from those logits; without the rounding they differ by more
+    than 10x the float32 tolerance."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", _INTERPRETED_TF32_ROUNDING], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
+
+
+def test_round_to_tf32_is_round_to_nearest():
+    """`round_to_tf32` (the kernels' rounding, in torch): nearest TF32 value, ties away from
+    zero, checked against float64 arithmetic on hand-picked and random values."""
+    x = torch.tensor([1.0, 1 + 2**-11, 1 + 2**-12, 1 + 3 * 2**-12, -(1 + 2**-11), 2**-130,
+                      float("inf"), -float("inf"), 3.4028235e38])  # fmt: skip
+    want = [1.0, 1 + 2**-10, 1.0, 1 + 2**-10, -(1 + 2**-10), 2**-130, float("inf"),
+            -float("inf"), float("inf")]  # fmt: skip
+    assert kernels.round_to_tf32(x).tolist() == want
+    assert kernels.round_to_tf32(torch.tensor([float("nan")])).isnan().all()
+    r = torch.randn(10000, generator=torch.Generator().manual_seed(0)) * 1e3
+    got = kernels.round_to_tf32(r).double()
+    e = torch.floor(torch.log2(r.double().abs()))
+    ulp = torch.exp2(e - 10)
+    exact = r.double() / ulp  # the value in TF32 ulps: round half away from zero
+    want = torch.sign(exact) * torch.floor(exact.abs() + 0.5) * ulp
+    assert torch.equal(got, want)
 
 
 # ---------------------------------------------------------------- CUDA (Triton, TF32)
