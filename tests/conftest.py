@@ -95,9 +95,13 @@ def _cpu_name() -> str | None:
 def fresh_dynamo():
     """Each test compiles from a clean slate: dynamo's recompile limit (8) counts the graphs of
     one code object (`Sampler._decode_step`) across every sampler of the process, so tests
-    that compile tiny models of other shapes would otherwise add up to it."""
+    that compile tiny models of other shapes would otherwise add up to it. The attention
+    arrangements SDPA's selector gave are forgotten too (a test may have mocked the selector)."""
+    from grpo.models import sdpa_choice  # here: the environment above is set before grpo loads
+
     yield
     torch._dynamo.reset()
+    sdpa_choice.clear()
 
 
 TOKENIZER_CORPUS = [

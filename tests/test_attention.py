@@ -4,7 +4,8 @@ a left-padded batch, KV-cache chunks at an offset, the static cache of the compi
 and the shared-prefix training forward; under bf16 autocast it stays within the error of the
 previous arrangement (mask + enable_gqa). Gradient checkpointing of the shared-prefix passes
 gives the same gradients and keeps less for backward. On CUDA the training forward and a padded
-prefill run with only the flash and memory-efficient kernels allowed (no math fallback)."""
+prefill run on kernels that SDPA's selector calls fused (flash, memory-efficient or cuDNN; never
+the math fallback)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,15 @@ from conftest import live_lora
 
 from grpo.algo import logprobs as logprobs_mod
 from grpo.algo.logprobs import shared_prefix_hidden
-from grpo.models import KVCache, load_model
+from grpo.models import KVCache, load_model, sdpa_choice
 from grpo.models import decoder as decoder_mod
-from grpo.models.decoder import attention, decode_attention, decode_sdpa, rotate_half
+from grpo.models.decoder import (
+    attention,
+    decode_attention,
+    decode_sdpa,
+    decode_step_attention,
+    rotate_half,
+)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -208,14 +215,13 @@ def test_mask_only_where_needed(tiny_checkpoints, monkeypatch):
         assert seen[0].dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("expand", [False, True], ids=["cpu-layout", "cuda-layout"])
+@pytest.mark.parametrize("arrangement", [sdpa_choice.GROUPED, sdpa_choice.REPEAT])
 @pytest.mark.parametrize("H_kv", [1, 2, 4])
 @pytest.mark.parametrize("masked", [False, True])
-def test_attention_function_matches_float64(H_kv, masked, expand, monkeypatch):
+def test_attention_function_matches_float64(H_kv, masked, arrangement):
     """`attention` on its own, forward and input gradients: causal (S = T) or masked (S = T + 5
     keys, random padding; every query keeps its own key), GQA or not, float32; with the KV
-    heads expanded (CUDA's arrangement) and not (the CPU's)."""
-    monkeypatch.setattr(decoder_mod, "expand_kv_heads", lambda device: expand)
+    heads repeated (memory-efficient attention's arrangement) and grouped."""
     g = torch.Generator().manual_seed(H_kv)
     B, H, T, D = 2, 4, 17, 16
     S = T + 5 if masked else T
@@ -229,7 +235,8 @@ def test_attention_function_matches_float64(H_kv, masked, expand, monkeypatch):
         keep = keep | (torch.arange(S)[None, :] == q_pos[:, None])
     mask = torch.zeros(B, 1, T, S).masked_fill(~keep[:, None], float("-inf")) if masked else None
     w = torch.randn(B, H, T, D, generator=g)
-    y = attention(q, k, v, mask)
+    with sdpa_choice.forced(queries=arrangement):
+        y = attention(q, k, v, mask)
     (y * w).sum().backward()
     grads = [t.grad for t in (q, k, v)]
 
@@ -353,10 +360,17 @@ HEADS = [(4, 2, 16), (16, 8, 128)]  # (H, H_kv, D): the tiny fixture, Qwen3-0.6B
 
 def check_fused_kernels_only(tiny_checkpoints, device, precision, heads):
     """Training forward + backward (no padding, left padding, shared prefix, checkpointed
-    shared prefix) and a padded prefill into a KV cache, with SDPA restricted to flash and
-    memory-efficient attention: a fallback to the math kernel raises instead of running.
-    float32 also equals the math kernel's result to 1e-5 (TF32 is off by default)."""
+    shared prefix) and a padded prefill into a KV cache: SDPA's selector puts every call the
+    decoder makes on a fused kernel (flash, memory-efficient or cuDNN), never the math
+    fallback. float32 also equals the math kernel's result to 1e-5 (TF32 is off by default)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kernels_used = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        kernels_used.append(sdpa_choice.sdpa_backend(*args, **kwargs))
+        return sdpa(*args, **kwargs)
 
     H, H_kv, D = heads
     path = tiny_checkpoints("qwen3", num_attention_heads=H, num_key_value_heads=H_kv, head_dim=D)
@@ -380,8 +394,13 @@ def check_fused_kernels_only(tiny_checkpoints, device, precision, heads):
         grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
         return [o.detach() for o in outs], grads
 
-    with autocast, sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
-        fused, fused_grads = run_all()
+    F.scaled_dot_product_attention = spy
+    try:
+        with autocast:
+            fused, fused_grads = run_all()
+    finally:
+        F.scaled_dot_product_attention = sdpa
+    assert kernels_used and all(k in sdpa_choice.FUSED for k in kernels_used), kernels_used
     assert all(torch.isfinite(o).all() for o in fused) and fused_grads
     if precision == "float32":
         with sdpa_kernel([SDPBackend.MATH]):
@@ -414,11 +433,26 @@ def cuda_fused_eligible(q, k, v, attn_mask=None, is_causal=False, enable_gqa=Fal
     return q.dtype == k.dtype == v.dtype and q.shape[-1] % 8 == 0 and (flash or efficient)
 
 
+def flash_or_efficient_selector(q, k, v, mask=None, dropout_p=0.0, is_causal=False,
+                                enable_gqa=False):  # fmt: skip
+    """SDPA's selector as a CUDA build without cuDNN attention answers (`cuda_fused_eligible`'s
+    rules): flash where it takes the call, else memory-efficient, else the math kernel."""
+    from torch.nn.attention import SDPBackend
+
+    kw = dict(attn_mask=mask, is_causal=is_causal, enable_gqa=enable_gqa)
+    if not cuda_fused_eligible(q, k, v, **kw):
+        return SDPBackend.MATH
+    if mask is None and q.dtype != torch.float32 and (enable_gqa or q.shape[1] == k.shape[1]):
+        return SDPBackend.FLASH_ATTENTION
+    return SDPBackend.EFFICIENT_ATTENTION
+
+
 @pytest.mark.parametrize("precision", ["float32", "bf16-autocast", "bfloat16"])
 def test_every_sdpa_call_fits_a_fused_cuda_kernel(tiny_checkpoints, precision, monkeypatch):
-    """On CPU: every SDPA call of the training forward (no padding, left padding, shared
-    prefix), a cache chunk at an offset and a static-cache prefill meets flash's or
-    memory-efficient attention's CUDA constraints (`cuda_fused_eligible`)."""
+    """On CPU, with SDPA's selector answering as a CUDA build with flash and memory-efficient
+    attention only: every SDPA call of the training forward (no padding, left padding, shared
+    prefix), a cache chunk at an offset and a static-cache prefill, and every decode step, meets
+    those kernels' CUDA constraints (`cuda_fused_eligible`)."""
     calls = []
     sdpa = F.scaled_dot_product_attention
 
@@ -427,8 +461,11 @@ def test_every_sdpa_call_fits_a_fused_cuda_kernel(tiny_checkpoints, precision, m
         return sdpa(*args, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    monkeypatch.setattr(decoder_mod, "expand_kv_heads", lambda device: True)  # CUDA's layout
-    monkeypatch.setattr(decoder_mod, "sdpa_decode", lambda device: True)  # CUDA's decode step
+    # a selector that knows flash and memory-efficient attention only (no cuDNN), and a decode
+    # step that asks it as CUDA's does
+    monkeypatch.setattr(sdpa_choice, "sdpa_backend", flash_or_efficient_selector)
+    monkeypatch.setattr(sdpa_choice, "MATMUL_DECODE", frozenset())
+    sdpa_choice.clear()
     dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
     model = load_model(tiny_checkpoints("qwen3"), dtype=dtype).train()
     ids, mask = grouped_batch()
@@ -477,16 +514,18 @@ def test_decode_sdpa_under_bf16_is_within_decode_attentions_error():
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_decode_step_runs_a_fused_kernel(dtype):
-    """At the Qwen3-0.6B heads, the decode step's attention runs with only flash and
-    memory-efficient attention allowed (the old mask + enable_gqa call fell to the math
-    kernel, which repeats K and V to H heads) and equals float64 math."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+    """At the Qwen3-0.6B heads, the decode step's attention gets an SDPA arrangement whose
+    kernel SDPA's selector makes a fused one (cuDNN included), not two matmuls nor the math
+    fallback, and equals float64 math."""
     q, k, v, mask = decode_case(dtype, B=16, S=256)
     want = decode_attention(q, k, v, decode_case(torch.float64, B=16, S=256)[3])
     cuda = [t.to("cuda", dtype) for t in (q, k, v)] + [mask.cuda()]
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
-        got = decode_sdpa(*cuda)
+    heads = (16, 8, 128)
+    arrangement = sdpa_choice.choose("decode", cuda[0].device, dtype, heads)
+    backend = sdpa_choice.chosen_backend("decode", cuda[0].device, dtype, heads)
+    assert arrangement != sdpa_choice.MATMUL and backend in sdpa_choice.FUSED, (arrangement,
+                                                                               backend)  # fmt: skip
+    got = decode_step_attention(*cuda)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (got.double().cpu() - want).abs().max().item() <= tol
 

@@ -362,17 +362,17 @@ def test_config_says_where_packing_runs(tmp_path):
         cfg("train.micro_batch_tokens=0")
 
 
-def test_packed_with_cuda_attention_arrangement(tiny_checkpoints, monkeypatch):
-    """The arrangement CUDA's fused kernels need (grouped key/value heads repeated for a masked
-    call, `expand_kv_heads`), run on the CPU: packed = padded, forward and gradients."""
-    from grpo.models import decoder as decoder_mod
+def test_packed_with_cuda_attention_arrangement(tiny_checkpoints):
+    """The arrangement memory-efficient attention needs (grouped key/value heads repeated for a
+    masked call, `sdpa_choice.REPEAT`), run on the CPU: packed = padded, forward and gradients."""
+    from grpo.models import sdpa_choice
 
-    monkeypatch.setattr(decoder_mod, "expand_kv_heads", lambda device: True)  # CUDA's layout
     model = load_model(tiny_checkpoints("qwen3"))
     r = rollout(model)
     model.train()
-    pad_lp, pad_g = logprobs_and_grads(model, r, shared=False)
-    lp, g, _ = packed_logprobs_and_grads(model, r, shared=True)
+    with sdpa_choice.forced(queries=sdpa_choice.REPEAT):
+        pad_lp, pad_g = logprobs_and_grads(model, r, shared=False)
+        lp, g, _ = packed_logprobs_and_grads(model, r, shared=True)
     m = r.generated_mask
     assert (lp - pad_lp)[m].abs().max().item() <= 1e-5
     for n in pad_g:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
+from grpo.models import sdpa_choice
 from grpo.models.config import ModelConfig
 from grpo.models.kv_cache import GroupedKVCache, KVCache
 from grpo.models.varlen import PackedSegments
@@ -158,21 +159,12 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def attention(q, k, v, mask):
-    """Attention of T queries over S keys through SDPA, arranged so that CUDA runs a fused kernel.
+    """Attention of T queries over S keys through SDPA, arranged so that a fused kernel runs.
 
-    CUDA's fused kernels each rule out part of what the decoder needs: flash attention takes no
-    mask and only 16-bit inputs (grouped-query heads are fine); memory-efficient attention takes
-    any additive mask and float32, but not grouped-query heads (`enable_gqa`). With neither, SDPA
-    falls back to the math kernel, which materialises the (B, H, T, S) scores. So:
-
-    - no mask, 16-bit: `is_causal` with `enable_gqa` (flash; keys/values stay H_kv heads);
-    - otherwise the H_kv key/value heads are repeated to H (one (B, H, S, D) copy each, against
-      (B, H, T, S) scores for the math kernel) and the mask, or `is_causal`, goes to SDPA
-      without `enable_gqa` (memory-efficient attention).
-
-    The CPU's own flash kernel takes a mask and grouped-query heads together, so there a mask
-    goes with `enable_gqa` and no copy (the copies cost 3-5% of a CPU training step); tests run
-    the CUDA arrangement on the CPU through `expand_kv_heads`.
+    `grpo.models.sdpa_choice` asks SDPA's selector which arrangement gets a fused kernel for
+    this kind of call: one call with grouped-query heads (`enable_gqa`, K and V read as H_kv
+    heads), else K and V repeated to H heads (memory-efficient attention takes a mask and
+    float32 but not grouped heads); with neither fused, the grouped call on the math kernel.
 
     Args:
         q: (B, H, T, D); k, v: (B, H_kv, S, D); all three in the dtype attention runs in.
@@ -182,30 +174,37 @@ def attention(q, k, v, mask):
         (B, H, T, D).
     """
     H, H_kv = q.shape[1], k.shape[1]
-    if mask is None and q.dtype in (torch.float16, torch.bfloat16):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != H_kv)
-    if H != H_kv and not expand_kv_heads(q.device):
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
-        )
-    if H != H_kv:
+    heads = (H, H_kv, q.shape[-1])
+    arrangement = sdpa_choice.choose("queries", q.device, q.dtype, heads, masked=mask is not None,
+                                     is_causal=mask is None)  # fmt: skip
+    if H != H_kv and arrangement == sdpa_choice.REPEAT:
         # kv head j serves query heads j*H/H_kv ... (j+1)*H/H_kv - 1, as enable_gqa does
         k = k.repeat_interleave(H // H_kv, dim=1)  # (B, H, S, D)
         v = v.repeat_interleave(H // H_kv, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                          enable_gqa=k.shape[1] != H)  # fmt: skip
 
 
-def sdpa_decode(device: torch.device) -> bool:
-    """Whether a decode step's one query per row attends through SDPA's fused kernels
-    (`decode_sdpa`: CUDA and other accelerators) rather than `decode_attention` (the CPU,
-    where two small matmuls cost less than SDPA's kernel)."""
-    return device.type != "cpu"
+def decode_step_attention(q, k, v, mask):
+    """One query per row over the cache with an additive mask, in the arrangement
+    `grpo.models.sdpa_choice` picks for decode: SDPA with grouped heads, `decode_sdpa` (the
+    query heads of a kv head as its queries), or `decode_attention` (two matmuls).
 
+    Args:
+        q: (B, H, 1, D); k, v: (B, H_kv, S, D); mask: (B, 1, 1, S) additive, the compute dtype.
 
-def expand_kv_heads(device: torch.device) -> bool:
-    """Whether `attention` repeats grouped key/value heads for a masked or float32 call: where
-    the fused kernels need it (CUDA and others), not on the CPU."""
-    return device.type != "cpu"
+    Returns:
+        (B, H, 1, D).
+    """
+    heads = (q.shape[1], k.shape[1], q.shape[-1])
+    arrangement = sdpa_choice.choose("decode", q.device, mask.dtype, heads)
+    if arrangement == sdpa_choice.MATMUL:
+        return decode_attention(q, k, v, mask)
+    q, k, v = q.to(mask.dtype), k.to(mask.dtype), v.to(mask.dtype)
+    if arrangement == sdpa_choice.FOLD:
+        return decode_sdpa(q, k, v, mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                          enable_gqa=q.shape[1] != k.shape[1])  # fmt: skip
 
 
 class Attention(nn.Module):
@@ -249,11 +248,8 @@ class Attention(nn.Module):
                 raise ValueError(f"a GroupedKVCache takes one token per row, got {T}")
             k_p, v_p = kv_cache.prefix_kv(self.layer_idx)
             y = grouped_decode_attention(q, k_p, v_p, k, v, mask)
-        elif T == 1 and mask is not None and sdpa_decode(x.device):
-            # CUDA: a fused kernel, K and V not repeated; all in the mask's (compute) dtype
-            y = decode_sdpa(q.to(mask.dtype), k.to(mask.dtype), v.to(mask.dtype), mask)
-        elif T == 1 and mask is not None:
-            y = decode_attention(q, k, v, mask)  # cheaper than SDPA's CPU kernel for 1 query
+        elif T == 1 and mask is not None:  # decode: the arrangement SDPA's selector allows
+            y = decode_step_attention(q, k, v, mask)
         else:
             dtype = compute_dtype(x) if mask is None else mask.dtype
             y = attention(q.to(dtype), k.to(dtype), v.to(dtype), mask)

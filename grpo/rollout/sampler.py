@@ -27,6 +27,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from grpo.errors import GrpoError
+from grpo.models import sdpa_choice
 from grpo.models.kv_cache import GroupedKVCache, KVCache, RowKVCache
 from grpo.precision import Precision, cpu_packing_missing, head_logits
 from grpo.rollout.decode_weights import DecodeWeights
@@ -405,6 +406,8 @@ class Sampler:
         if self._cuda:  # a new step: the previous replay's outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
         new = shape not in self._compiled_shapes
+        if new:  # the attention arrangements, asked of SDPA's selector outside the trace
+            sdpa_choice.prepare(self.model, self.precision.compute_dtype)
         t0 = time.perf_counter()
         try:
             out = compiled(*args, **kwargs)

@@ -127,22 +127,22 @@ def per_decode_step(run: Callable[[int], object], n1: int = 4, n2: int = 12) -> 
 
 @contextlib.contextmanager
 def cuda_decode_paths():
-    """CUDA's decode code paths on a CPU, for counting what a GPU step launches: attention
-    through SDPA's fused decode call (`decode_sdpa`) with grouped heads expanded as CUDA
-    needs, and prompt keys and values copied per row rather than held once per group
-    (`share_prompt_kv`). The three deciding functions are swapped for the block, restored
-    after. (`getattr`: a tree before issue 60 had no `share_prompt_kv`.)"""
-    import grpo.models.decoder as decoder_mod
+    """A CUDA decode step's code paths on a CPU, for counting what a GPU step launches:
+    attention through SDPA's fused decode call with the query heads of a kv head folded
+    (`decode_sdpa`) and grouped heads repeated for T-query calls, the arrangements
+    memory-efficient attention needs (`grpo.models.sdpa_choice.forced`; a GPU whose selector
+    takes grouped heads with a mask launches fewer), and prompt keys and values copied per row
+    rather than held once per group (`share_prompt_kv`); restored after the block.
+    (`getattr`: a tree before issue 60 had no `share_prompt_kv`.)"""
     import grpo.rollout.sampler as sampler_mod
+    from grpo.models import sdpa_choice
 
-    saved = (decoder_mod.sdpa_decode, decoder_mod.expand_kv_heads,
-             getattr(sampler_mod, "share_prompt_kv", None))  # fmt: skip
-    decoder_mod.sdpa_decode = decoder_mod.expand_kv_heads = lambda device: True
+    share = getattr(sampler_mod, "share_prompt_kv", None)
     sampler_mod.share_prompt_kv = lambda device: False
     try:
-        yield
+        with sdpa_choice.forced(queries=sdpa_choice.REPEAT, decode=sdpa_choice.FOLD):
+            yield
     finally:
-        decoder_mod.sdpa_decode, decoder_mod.expand_kv_heads, share = saved
         if share is None:
             del sampler_mod.share_prompt_kv
         else:
