@@ -359,15 +359,16 @@ QWEN3_HEADS, QWEN3_LAYERS = (16, 8, 128), 28
 
 
 def decode_attention_ab(args) -> list[dict]:
-    """The decode step's attention, today's CUDA call (SDPA with an additive mask and
-    `enable_gqa`, which CUDA runs on the math kernel with K and V repeated to H heads) beside
-    `decode_sdpa` (the query heads of a kv head as its queries: a fused kernel, K and V read
-    once) and `decode_attention` (two matmuls, the CPU's path), at the Qwen3-0.6B heads:
-    ms per layer and per decode step (x 28 layers), interleaved. Each is checked against
-    float64 math on the first 4 rows before timing."""
+    """The decode step's attention in each arrangement `grpo.models.sdpa_choice` can pick, at
+    the Qwen3-0.6B heads: SDPA with the mask and `enable_gqa` ("grouped"), the query heads of a
+    kv head as its queries (`decode_sdpa`, "fold"), two matmuls (`decode_attention`, "matmul");
+    ms per layer and per decode step (x 28 layers), interleaved, with the kernel SDPA's
+    selector gives each call and which arrangement the decoder picks here. Each is checked
+    against float64 math on the first 4 rows before timing."""
     import torch.nn.functional as F
 
     from benchmarks.harness import measure_interleaved
+    from grpo.models import sdpa_choice
     from grpo.models.decoder import decode_attention, decode_sdpa
 
     B, S = (int(x) for x in args.decode_attention.split("x"))
@@ -380,21 +381,28 @@ def decode_attention_ab(args) -> list[dict]:
     keep[:, -1] = True
     mask = torch.zeros(B, 1, 1, -(-S // 8) * 8, dtype=dtype, device=dev)[..., :S]
     mask.masked_fill_(~keep.to(dev)[:, None, None], float("-inf"))
-    impls = {
-        "sdpa mask + enable_gqa (before)": lambda q, k, v, m: F.scaled_dot_product_attention(
-            q, k, v, attn_mask=m, enable_gqa=True),
-        "decode_sdpa (CUDA now)": decode_sdpa,
-        "decode_attention (CPU)": decode_attention,
-    }  # fmt: skip
+    grouped = lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m,  # noqa: E731
+                                                                enable_gqa=True)  # fmt: skip
+    impls = {sdpa_choice.GROUPED: grouped, sdpa_choice.FOLD: decode_sdpa,
+             sdpa_choice.MATMUL: decode_attention}  # fmt: skip
+    kernel = {
+        sdpa_choice.GROUPED: sdpa_choice.sdpa_backend(q, k, v, mask, enable_gqa=True).name,
+        sdpa_choice.FOLD: sdpa_choice.sdpa_backend(
+            q.reshape(B, H_kv, H // H_kv, D), k, v, mask
+        ).name,  # fmt: skip
+        sdpa_choice.MATMUL: "two matmuls",
+    }
+    picked = sdpa_choice.choose("decode", dev, dtype, QWEN3_HEADS)
     sub = [t[:4] for t in (q, k, v, mask)]
     want = decode_attention(*(t.double() for t in sub))
     err = {n: (f(*sub).double() - want).abs().max().item() for n, f in impls.items()}
     timings = measure_interleaved({n: (lambda f=f: f(q, k, v, mask)) for n, f in impls.items()},
                                   warmup=2, repeats=10, device=dev)  # fmt: skip
-    before = timings["sdpa mask + enable_gqa (before)"].median_ms
-    return [{"impl": n, "shape": f"B={B} S={S} H={H} H_kv={H_kv} D={D}", "dtype": args.dtype,
+    base = timings[sdpa_choice.GROUPED].median_ms
+    return [{"impl": n, "kernel": kernel[n], "picked": n == picked,
+             "shape": f"B={B} S={S} H={H} H_kv={H_kv} D={D}", "dtype": args.dtype,
              "device": args.device, "ms_per_layer": t.median_ms,
-             "ms_per_step": t.median_ms * QWEN3_LAYERS, "x_before": t.median_ms / before,
+             "ms_per_step": t.median_ms * QWEN3_LAYERS, "x_grouped": t.median_ms / base,
              "max_err_vs_f64": err[n]} for n, t in timings.items()]  # fmt: skip
 
 

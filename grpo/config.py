@@ -660,10 +660,14 @@ class Config:
 
     def packs_sequences(self, device: torch.device | str) -> bool:
         """Whether the training passes on `device` pack each micro-batch's rows
-        (train.pack_sequences; auto: where measured faster, a CPU, docs/benchmarks.md)."""
+        (train.pack_sequences; auto: where the recorded measurement found it faster,
+        `grpo.models.varlen.PACKING_COSTS`: a CPU, not CUDA; docs/benchmarks.md)."""
+        from grpo.models.varlen import packs_by_default
+
         mode = self.train.pack_sequences
         if mode == "auto":
-            return self.train.micro_batch_tokens is not None or str(device).startswith("cpu")
+            device_type = str(device).split(":")[0]
+            return self.train.micro_batch_tokens is not None or packs_by_default(device_type)
         return mode == "on"
 
 

@@ -110,13 +110,22 @@ def rel_err(a, b):
 
 
 def assert_error_budget(ours, ref, expected, factor=2.0, floor=1e-6):
-    """bf16 rule: each output's relative L2 error vs float64 <= factor x the reference's + floor."""
+    """bf16 rule: each output's relative L2 error vs float64 <= factor x the reference's + floor.
+    Every output's errors are printed (pytest -rA shows them for a pass too) and a failure
+    names all of them, so one run on a GPU tells which output misses and by how much."""
     names = ("logprobs", "entropy", "d_hidden", "d_weight")
+    lines, missed = [], []
     for name, o, r, e in zip(names, ours, ref, expected):
         if e is None:
             continue
         err_ours, err_ref = rel_err(o, e), rel_err(r, e)
-        assert err_ours <= factor * err_ref + floor, f"{name}: {err_ours:.3g} vs ref {err_ref:.3g}"
+        ok = err_ours <= factor * err_ref + floor
+        ratio = err_ours / max(err_ref, 1e-300)
+        lines.append(f"{name}: ours {err_ours:.3g}, reference {err_ref:.3g}, ratio {ratio:.3g} "
+                     f"(budget {factor}x){'' if ok else ' MISSED'}")  # fmt: skip
+        missed += [] if ok else [name]
+    print("relative L2 error vs float64:\n  " + "\n  ".join(lines))
+    assert not missed, "; ".join(lines)
 
 
 # ---------------------------------------------------------------- torch twins vs float64
@@ -527,7 +536,20 @@ def test_triton_cuda_bf16_entropy_grad_within_error_budget(weight_grad, chunks):
     config = {"grad_buffer_mib": shape[0] * 256 * 2 / 2**20} if chunks == "many_chunks" else {}
     ours = run_entropy(triton_logprobs, *args, coefs, 0.7, weight_grad, **config)
     ref = run_entropy(naive_logprobs, *args, coefs, 0.7, weight_grad)
-    assert_error_budget(ours, ref, gold_entropy(*args, coefs, 0.7, weight_grad))
+    expected = gold_entropy(*args, coefs, 0.7, weight_grad)
+    # this case failed on an H200 (torch 2.11, triton 3.6) for a reason not seen on a CPU (the
+    # interpreter, fp16 for bf16, passes at this shape): the chunked twin, which also stores G
+    # in bf16, printed beside, tells a kernel defect from a reference that is more exact on
+    # CUDA (`matmul_fp32` keeps naive's logits in float32 there)
+    chunked = run_entropy(chunked_logprobs, *args, coefs, 0.7, weight_grad)
+    names = ("logprobs", "entropy", "d_hidden", "d_weight")
+    print(
+        "chunked twin vs float64: "
+        + ", ".join(
+            f"{n} {rel_err(c, e):.3g}" for n, c, e in zip(names, chunked, expected) if e is not None
+        )
+    )
+    assert_error_budget(ours, ref, expected)
 
 
 @pytest.mark.cuda

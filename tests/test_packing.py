@@ -338,6 +338,36 @@ def test_assign_groups_longest_first_to_the_emptiest_rank():
         assign_groups([1] * 5, 2)
 
 
+def test_packing_costs_are_recorded_per_device_type_and_decide_auto(monkeypatch, tmp_path):
+    """Each device type's bucket cost and packed/padded ratio come with a source; auto packs
+    exactly where the recorded ratio is below 1, and a bucket cost decides how many buckets
+    the GSM8K spread gets (many on a CPU, one or two on CUDA at Qwen3-0.6B's heads)."""
+    from grpo.config import load_config
+    from grpo.models import varlen
+
+    for device_type, cost in varlen.PACKING_COSTS.items():
+        assert cost.bucket_macs > 0 and cost.source and "benchmarks/results/" in cost.source
+        want = cost.packed_vs_padded is not None and cost.packed_vs_padded < 1
+        assert varlen.packs_by_default(device_type) == want
+    cfg = load_config(base={"model": {"path": str(tmp_path)}})
+    assert cfg.packs_sequences("cpu") and not cfg.packs_sequences("cuda")
+    monkeypatch.setitem(varlen.PACKING_COSTS, "cuda",
+                        varlen.PackingCost(10**9, 0.8, "a later measurement"))  # fmt: skip
+    assert (
+        cfg.packs_sequences("cuda:1") and varlen.bucket_overhead(16, 128, "cuda") == 10**9 // 2048
+    )
+    monkeypatch.undo()
+    # 16 rows of the benchmark's GSM8K spread (lognormal, median 90, capped at 256), own
+    # prompts of 139 tokens as their prefix spans: buckets at Qwen3-0.6B's heads
+    rng = np.random.default_rng(0)
+    q = np.clip(rng.lognormal(np.log(90), 0.41, 16), 8, 256).astype(np.int64)
+    k = q + 139
+    cpu = len(plan_buckets(q, k, varlen.bucket_overhead(16, 128, "cpu")))
+    cuda = len(plan_buckets(q, k, varlen.bucket_overhead(16, 128, "cuda")))
+    assert cpu >= 8 and cuda <= 2, (cpu, cuda)
+    assert varlen.bucket_overhead(16, 128, "xpu") == varlen.bucket_overhead(16, 128, "cpu")
+
+
 def test_config_says_where_packing_runs(tmp_path):
     """auto packs where it was measured faster (a CPU) and wherever a token budget is set;
     a budget with micro_batch_size, or with packing off, is one line naming the field."""
@@ -353,6 +383,7 @@ def test_config_says_where_packing_runs(tmp_path):
     assert cfg("train.micro_batch_tokens=4096").packs_sequences("cuda")
     assert cfg("train.pack_sequences=on").packs_sequences("cuda")
     assert not cfg("train.pack_sequences=off").packs_sequences("cpu")
+    assert not auto.packs_sequences("mps")  # nothing measured there: padded
     with pytest.raises(ConfigError, match="train.micro_batch_tokens: set it or "
                                           "train.micro_batch_size, not both"):  # fmt: skip
         cfg("train.micro_batch_tokens=64", "train.micro_batch_size=4")

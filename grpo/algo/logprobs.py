@@ -237,9 +237,10 @@ def pack_rows(
 
 
 def packed_overhead(model: torch.nn.Module) -> int:
-    """`bucket_overhead` of a `Decoder` (its attention heads and head dim)."""
+    """`bucket_overhead` of a `Decoder` (its attention heads and head dim, its device type)."""
     cfg = model.config
-    return bucket_overhead(cfg.num_attention_heads, cfg.head_dim)
+    device = next(model.parameters()).device
+    return bucket_overhead(cfg.num_attention_heads, cfg.head_dim, device.type)
 
 
 def packed_completion_logprobs(

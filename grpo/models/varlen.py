@@ -8,10 +8,13 @@ one, every token of its *prefix* segment (the group's prompt, run once for G com
 one SDPA call over its segments padded to the bucket's longest, so the scores computed are
 about sum_i len_i * (prefix_i + len_i), never (sum_i len_i)^2 (`PackedSegments.score_elements`
 counts them). The buckets come from a small dynamic program that trades padding against a
-per-call cost (`bucket_overhead`).
+per-call cost (`bucket_overhead`), recorded per device type with its source (`PACKING_COSTS`),
+which also decides `train.pack_sequences: auto`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,11 +22,67 @@ import torch
 Segment = tuple[int, int, int, int]  # (start, length, prefix_start, prefix_length) in the stream
 
 
-def bucket_overhead(num_heads: int, head_dim: int) -> int:
-    """The fixed cost of one more attention call (launch, gathers), in score elements of one
-    row: about 2**20 multiply-adds, i.e. 2**20 / (H * D) scores (a few thousand at tiny shapes,
-    a few hundred at Qwen3-0.6B's), so small models take few buckets and large ones many."""
-    return max(1, (1 << 20) // max(1, num_heads * head_dim))
+@dataclass(frozen=True)
+class PackingCost:
+    """What packing costs on one device type, from a measurement recorded with its source.
+
+    Attributes:
+        bucket_macs: the fixed cost of one more attention bucket (its launches and gathers),
+            in multiply-adds of the device's matmuls (`bucket_overhead` turns it into score
+            elements of one row).
+        packed_vs_padded: packed / padded time of the reference + update passes at the GSM8K
+            length spread (`bench_step --lengths gsm8k`); `train.pack_sequences: auto` packs
+            where it is below 1. None: not measured (auto stays padded).
+        source: where the numbers come from.
+    """
+
+    bucket_macs: int
+    packed_vs_padded: float | None
+    source: str
+
+
+PACKING_COSTS: dict[str, PackingCost] = {
+    "cpu": PackingCost(
+        bucket_macs=1 << 20,
+        packed_vs_padded=0.569,
+        source="2-core CPU VM, Qwen3-0.6B shape, LoRA r16, 256 new tokens: packed 45.3 s vs "
+        "padded 79.6 s (benchmarks/results/packing_cpu.md); bucket cost calibrated there "
+        "(docs/benchmarks.md, sequence packing)",
+    ),
+    "cuda": PackingCost(
+        # ~9 launches per layer per bucket x ~24 us per eager launch (the tutorial step's
+        # rollout: 7.5 s over 128 decode steps of ~2,470 launches) = ~0.21 ms, at the float32
+        # matmul rate that run measured (50.6 TFLOP/s = 2.5e13 multiply-adds/s)
+        bucket_macs=5_400_000_000,
+        packed_vs_padded=1.08,
+        source="H200, torch 2.11, 2026-12-04, Qwen3-0.6B shape float32, LoRA r16, 256 new "
+        "tokens: packed 1520 ms vs padded 1412 ms with the CPU's bucket cost (15-18 buckets "
+        "per 16-row micro-batch; benchmarks/results/packing_gpu_qwen3-0.6b.md). The bucket "
+        "cost above is derived from that run's launch rate; packing with it is not measured",
+    ),
+}
+
+
+def packing_cost(device_type: str) -> PackingCost | None:
+    """The recorded `PackingCost` of a device type (None: nothing measured there)."""
+    return PACKING_COSTS.get(device_type)
+
+
+def packs_by_default(device_type: str) -> bool:
+    """`train.pack_sequences: auto` on this device type: pack where the recorded measurement
+    found packing faster than padding (`PACKING_COSTS`)."""
+    cost = packing_cost(device_type)
+    return cost is not None and cost.packed_vs_padded is not None and cost.packed_vs_padded < 1
+
+
+def bucket_overhead(num_heads: int, head_dim: int, device_type: str = "cpu") -> int:
+    """The fixed cost of one more attention call (launches, gathers), in score elements of one
+    row: the device type's recorded `bucket_macs` over the H * D multiply-adds of one score (a
+    few hundred at Qwen3-0.6B's heads on a CPU, so small models take few buckets and large
+    ones many; millions on CUDA, where launches cost more than padding: one or two buckets).
+    A device type with no record takes the CPU's."""
+    cost = packing_cost(device_type) or PACKING_COSTS["cpu"]
+    return max(1, cost.bucket_macs // max(1, num_heads * head_dim))
 
 
 def plan_buckets(q_lens: np.ndarray, k_lens: np.ndarray, overhead: int) -> list[np.ndarray]:

@@ -181,20 +181,22 @@ def score_completions(model, tokenizer, questions: list[str], completions: list[
                       pack: bool | None = None) -> torch.Tensor:  # fmt: skip
     """(B,) float32 scores on the CPU of a classifier `Decoder`, `batch_size` rows per forward.
 
-    `pack` (None: on a CPU, as `train.pack_sequences: auto`): the rows of a forward run on one
-    token axis without padding (`grpo.models.classifier.packed_sequence_scores`), and when
-    they come in groups of one prompt (a GRPO batch) each prompt runs once for its group
-    (a forward then holds whole groups). Otherwise right-padded rows, sorted by length so a
+    `pack` (None: as `train.pack_sequences: auto`, `grpo.models.varlen.packs_by_default`): the
+    rows of a forward run on one token axis without padding
+    (`grpo.models.classifier.packed_sequence_scores`), and when they come in groups of one
+    prompt (a GRPO batch) each prompt runs once for its group (a forward then holds whole
+    groups). Otherwise right-padded rows, sorted by length so a
     forward pads little. Both score alike (tests/test_reward_model_reward.py)."""
     from grpo.algo.logprobs import packed_overhead
     from grpo.models.classifier import packed_sequence_scores, sequence_scores
+    from grpo.models.varlen import packs_by_default
 
     rows = encode_rows(tokenizer, questions, completions, max_length, system_prompt)
     pad = model.config.pad_token_id
     pad = pad if pad is not None else (tokenizer.pad_token_id or 0)
     out = torch.empty(len(rows), dtype=torch.float32)
     dev = model.device
-    pack = dev.type == "cpu" if pack is None else pack
+    pack = packs_by_default(dev.type) if pack is None else pack
     autocast = precision.autocast(dev) if precision is not None else contextlib.nullcontext()
     # a packed row is scored in its completion: one without a non-pad token runs padded
     packable = pack and all(any(t != pad for t in c) and p for p, c in rows)
