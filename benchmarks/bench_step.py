@@ -66,6 +66,9 @@ from grpo.train.sft import sft_update, tokenize_sft
 GSM8K_LENGTHS = {"median": 90.0, "sigma": 0.41, "at_cap": 0.05}  # see the module docstring
 
 
+ALL_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+
+
 def build_case(model_dir: Path, lora: bool, args, shared: str = "off", extra=(),
                sample: bool = True) -> dict:  # fmt: skip
     """Policy, optimizer, sampler and one rolled-out batch (with reference log-probs and
@@ -75,7 +78,7 @@ def build_case(model_dir: Path, lora: bool, args, shared: str = "off", extra=(),
         base={"model": {"path": str(model_dir), "device": args.device}},
         overrides=[
             f"lora.enabled={str(lora).lower()}",
-            "lora.targets=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
+            f"lora.targets=[{getattr(args, 'lora_targets', ALL_TARGETS)}]",
             f"rollout.group_size={args.group_size}",
             f"rollout.max_new_tokens={args.max_new_tokens}",
             f"train.batch_size={args.prompts * args.group_size}",
@@ -85,6 +88,7 @@ def build_case(model_dir: Path, lora: bool, args, shared: str = "off", extra=(),
             f"train.shared_prefix={shared}",
             *DATA[args.data],
             f"rollout.compile={getattr(args, 'rollout_compile', 'auto')}",
+            *getattr(args, "overrides", ()),
             *extra,
         ],
     )
@@ -345,6 +349,12 @@ def main(argv=None) -> None:
                    help="compare padded and packed training passes at these completion-length "
                         "spreads instead (gsm8k, uniform); see the module docstring")  # fmt: skip
     p.add_argument("--modes", default="lora,full", help="lora, full or both")
+    p.add_argument("--lora-targets", default=ALL_TARGETS,
+                   help="lora.targets of the lora mode (the tutorial's: q_proj,k_proj,v_proj,"
+                        "o_proj)")  # fmt: skip
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every case (repeatable), e.g. "
+                        "model.autocast_bf16=true")  # fmt: skip
     p.add_argument("--reward-model", action="store_true",
                    help="also time a same-size reward model (the reward_model reward) scoring "
                         "each case's rollout: rows/s and its time over the rollout's")  # fmt: skip

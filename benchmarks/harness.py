@@ -345,6 +345,11 @@ def comma_list(parser, flag: str, text: str, valid) -> list[str]:
     return items
 
 
+# Called as hook(name, rows) each time `write_results` writes a table (the whole table so far:
+# benchmarks write after every case, so a hook sees each row as soon as it is measured).
+RESULT_HOOKS: list = []
+
+
 def write_results(
     name: str,
     rows: Sequence[dict],
@@ -374,6 +379,8 @@ def write_results(
     payload["rows"] = list(rows)
     json_path = out / f"{name}.json"
     json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    for hook in RESULT_HOOKS:  # e.g. the GPU check appending each new row as a JSON line
+        hook(name, payload["rows"])
     env_line = ", ".join(f"{k}={v}" for k, v in env.items() if v is not None)
     meta_lines = [f"- {k}: {v}" for k, v in (meta or {}).items()]
     md = "\n".join([f"# {name}", "", f"Environment: {env_line}", "", *meta_lines, "", table, ""])
