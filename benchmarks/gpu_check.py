@@ -172,7 +172,7 @@ class Check:
     def pytest(self, args: list[str], junit: str) -> None:
         """pytest with -v -rA: a record per test as it finishes, then each failure's message
         from the JUnit XML; raises if pytest fails."""
-        outcome = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)")
+        outcome = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)")
 
         def on_line(line):
             m = outcome.match(line)
