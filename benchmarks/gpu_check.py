@@ -49,20 +49,9 @@ REPO = Path(__file__).resolve().parents[1]
 BUDGET_S = 560.0  # of a 600 s command: interpreter start before, the last archive after
 RESERVE_S = 10.0  # kept back from every step for the summary and the cache archive
 CACHE_LIMIT_MIB = 60  # an archive a later run can carry (64 MiB with the tree)
-QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                 num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                 head_dim=128, qk_norm=True, rope_theta=1e6, max_position_embeddings=4096,
-                 tie_word_embeddings=True, eos_token_id=1, pad_token_id=0)  # fmt: skip
-TINY = dict(
-    QWEN3_06B,
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-)
+# the decode step's model: bench_sampler's shapes (tiny for the dry run), Qwen3's flags
+QWEN3_FLAGS = dict(family="qwen3", qk_norm=True, rope_theta=1e6, max_position_embeddings=4096,
+                   tie_word_embeddings=True, eos_token_id=1, pad_token_id=0)  # fmt: skip
 # The CUDA tests that failed or were cut off on the first run (docs/gpu.md), by node id.
 KNOWN_FAILING = [
     "tests/test_kernels.py::test_triton_cuda_bf16_entropy_grad_within_error_budget",
@@ -419,12 +408,14 @@ def step_decode(check: Check) -> None:
     import torch
     from torch._dynamo.utils import counters
 
+    from benchmarks.bench_sampler import CASES
     from grpo.models.config import ModelConfig
     from grpo.models.decoder import Decoder
     from grpo.rollout.sampler import Sampler
 
     dev = torch.device(check.device)
-    cfg = ModelConfig(family="qwen3", **(TINY if check.dry else QWEN3_06B))
+    shape = CASES["tiny" if check.dry else "qwen3-0.6b"]["config"]
+    cfg = ModelConfig(**QWEN3_FLAGS, **shape)
     dtype = torch.float32 if check.dry else torch.bfloat16
     with torch.device(dev):
         model = Decoder(cfg)
