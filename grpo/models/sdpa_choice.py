@@ -91,17 +91,21 @@ def choose(kind: str, device: torch.device, dtype: torch.dtype, heads: tuple[int
            masked: bool = True, is_causal: bool = False) -> str:  # fmt: skip
     """The arrangement for a call of `kind` ("queries" or "decode") on `device` with q, k, v
     and the mask in `dtype`, `heads` = (H, H_kv, D); see the module docstring for the rules."""
-    if kind in _FORCED:
+    if _FORCED and kind in _FORCED:
         return _FORCED[kind]
-    device = torch.device(device)
-    base = (kind, device.type, device.index, dtype, heads, masked, is_causal)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    base = (kind, device, dtype, heads, masked, is_causal)
     if torch.compiler.is_compiling():  # no selector inside a trace: `prepare` asked before
         return _LAST.get(base, MATMUL if kind == "decode" else GROUPED)
-    key = (*base, _enabled_backends(device.type))
-    if key not in _CHOICES:
-        _CHOICES[key] = _decide(kind, device, dtype, heads, masked, is_causal)
-    _LAST[base] = _CHOICES[key][0]
-    return _LAST[base]
+    key = (base, _enabled_backends(device.type)) if device.type == "cuda" else base
+    choice = _CHOICES.get(key)
+    if choice is None:
+        choice = _CHOICES[key] = _decide(kind, device, dtype, heads, masked, is_causal)
+        _LAST[base] = choice[0]
+    elif _LAST.get(base) != choice[0]:  # the enabled backends changed since
+        _LAST[base] = choice[0]
+    return choice[0]
 
 
 def _decide(kind, device, dtype, heads, masked, is_causal) -> tuple[str, SDPBackend]:
@@ -125,8 +129,8 @@ def chosen_backend(kind: str, device, dtype, heads, masked=True, is_causal=False
     selector's fused kernel, or `SDPBackend.MATH` for the math kernel and for `MATMUL`."""
     choose(kind, device, dtype, heads, masked, is_causal)
     device = torch.device(device)
-    key = (kind, device.type, device.index, dtype, heads, masked, is_causal,
-           _enabled_backends(device.type))  # fmt: skip
+    base = (kind, device, dtype, heads, masked, is_causal)
+    key = (base, _enabled_backends(device.type)) if device.type == "cuda" else base
     return _CHOICES[key][1] if key in _CHOICES else SDPBackend.MATH
 
 
