@@ -35,7 +35,7 @@ import sys
 
 import torch
 
-import kernels
+import grpo_kernels
 from benchmarks.harness import (
     add_output_args,
     comma_list,
@@ -44,7 +44,7 @@ from benchmarks.harness import (
     measure_interleaved,
     write_results,
 )
-from kernels.reference import chunked_logprobs, naive_logprobs
+from grpo_kernels.reference import chunked_logprobs, naive_logprobs
 
 MODES = {"fwd": 2, "fwd_bwd": 6, "fwd_bwd_frozen": 4}  # counted flops per N*C*V
 DERIVED = {"bwd": ("fwd_bwd", "fwd")}  # mode: (its time = a's minus b's), when both ran
@@ -106,10 +106,10 @@ def build_impl(name: str, device: torch.device, temperature: float):
     if name == "triton":
         if device.type != "cuda":
             raise Skip("Triton kernels are timed on CUDA only")
-        from kernels.logprobs import triton_logprobs
+        from grpo_kernels.logprobs import triton_logprobs
 
         return lambda h, w, ids: triton_logprobs(h, w, ids, temperature)
-    fn = kernels.get_logprob_impl(name)  # a registered name or package.module:function
+    fn = grpo_kernels.get_logprob_impl(name)  # a registered name or package.module:function
     if fn is None:
         raise ValueError(f"unknown impl {name!r}; choose from {IMPLS} or give a path")
     return lambda h, w, ids: fn(h, w, ids, temperature)
@@ -249,7 +249,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma list from {IMPLS}")
     p.add_argument("--impl", action="append", default=[], metavar="IMPL",
                    help="also time this kernel: package.module:function (or a name given to "
-                   "kernels.register_logprob_impl); repeatable")  # fmt: skip
+                   "grpo_kernels.register_logprob_impl); repeatable")  # fmt: skip
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list from {tuple(MODES)}")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--warmup", type=int, default=None, help="extra untimed calls after the check")
@@ -266,7 +266,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.impls = comma_list(p, "--impls", args.impls, IMPLS)
     for extra in args.impl:  # checked now: a path that does not import is one line, exit 2
         try:
-            kernels.get_logprob_impl(extra)
+            grpo_kernels.get_logprob_impl(extra)
         except ValueError as e:
             p.error(f"--impl: {e}")
         if extra not in args.impls:

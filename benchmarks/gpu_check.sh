@@ -21,7 +21,7 @@ CACHE="$(mktemp -d /tmp/gpu_check_cache.XXXXXX)"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
     HF_HUB_DISABLE_PROGRESS_BARS=1 PIP_ROOT_USER_ACTION=ignore \
     TORCHINDUCTOR_CACHE_DIR="$CACHE/inductor" TRITON_CACHE_DIR="$CACHE/triton"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}"  # grpo, grpo_kernels: no install
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
     SITE="$(mktemp -d /tmp/gpu_check_site.XXXXXX)"
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl ||

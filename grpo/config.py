@@ -68,10 +68,10 @@ class ModelSourceConfig:
 
     def __post_init__(self):
         _check(bool(self.path), "model.path", "is required (a local directory or a hub id)")
-        import kernels  # torch only; never grpo
+        import grpo_kernels  # torch only; never grpo
 
         try:  # an unknown name or a path that does not import fails here, naming the field
-            kernels.get_logprob_impl(self.logprob_impl)
+            grpo_kernels.get_logprob_impl(self.logprob_impl)
         except ValueError as e:
             raise ConfigError(f"model.logprob_impl: {e}", field="model.logprob_impl") from None
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from grpo.errors import GrpoError
 from grpo.lora import LoRALinear
 from grpo.models.loading import parse_dtype
-from kernels import matmul_fp32, tf32_matmuls
+from grpo_kernels import matmul_fp32, tf32_matmuls
 
 # lm_head precisions (`model.head_precision`) -> the dtype of the head's operands
 HEAD_PRECISIONS = {"float32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16}
@@ -60,7 +60,7 @@ class Precision:
             `HEAD_PRECISIONS`: "float32" (exact), "tf32" (float32 operands, TF32 matmuls on
             CUDA, float32 on a CPU) or "bf16" (bfloat16 operands, float32 accumulation).
         logprob_impl: the fused log-prob kernel of the trainer's passes (`model.logprob_impl`:
-            "auto", a built-in, a registered name or ``package.module:function``; `kernels`).
+            "auto", a built-in, a registered name or ``package.module:function``; `grpo_kernels`).
     """
 
     param_dtype: torch.dtype = torch.float32
@@ -219,7 +219,7 @@ def head_logits(
     """(..., C) hidden states -> (..., V) float32 logits, as the trainer's log-probs see them:
     the operands of `head_operands`, multiplied with float32 accumulation (TF32 on CUDA for
     "tf32"; for "bf16" the product is kept in float32 where torch can, CUDA, and rounded to
-    bf16 on a CPU, as the trainer's chunked tiles round it: `kernels.matmul_fp32`)."""
+    bf16 on a CPU, as the trainer's chunked tiles round it: `grpo_kernels.matmul_fp32`)."""
     h, w = head_operands(lm_head, hidden, head_precision)
     with no_autocast(hidden.device.type), tf32_matmuls(hidden.device, head_precision == "tf32"):
         if h.dtype == torch.float32:

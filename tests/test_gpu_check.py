@@ -250,7 +250,8 @@ def test_training_needs_no_serving_or_search_package(tmp_path):
     hidden = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
     assert "No module named 'fastapi'" in hidden.stderr, hidden.stderr  # the simulation holds
     code = ("import grpo.apps.cli, grpo.train.grpo, grpo.train.sft, grpo.eval, grpo.apps.pipeline"
-            ", grpo.apps.demo, kernels, benchmarks.bench_step, benchmarks.gpu_run")  # fmt: skip
+            ", grpo.apps.demo, grpo_kernels, benchmarks.bench_step, "
+            "benchmarks.gpu_run")  # fmt: skip
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     r = subprocess.run([sys.executable, "-m", "grpo", "tiny-model", "--out", str(tmp_path / "m")],

@@ -231,7 +231,7 @@ HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__")
 
 def count_host_reads(monkeypatch):
     """Counts of the tensor-to-host conversions while `counts["on"]` is set, but for those of
-    the fused log-prob pass (`kernels`: its ids' range check reads the host once per forward,
+    the fused log-prob pass (`grpo_kernels`: its ids' range check reads the host once per forward,
     the forward's cost, not the statistics')."""
     counts = {"on": False, **dict.fromkeys(HOST_READS, 0)}
     for name in HOST_READS:

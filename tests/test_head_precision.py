@@ -1,6 +1,6 @@
 """The lm_head's precision (`model.head_precision`, `Precision.head`): one setting read into the
 policy and used by the sampler's logits (`head_logits`, the packed CPU head) and the trainer's
-fused log-probs (`head_operands` -> `kernels.fused_logprobs`) alike. float32 is the default and
+fused log-probs (`head_operands` -> `grpo_kernels.fused_logprobs`) alike. float32 is the default and
 bitwise what ran before; tf32 is float32 on a CPU (TF32 is a CUDA format); bf16 multiplies bf16
 operands with float32 accumulation and never copies a bf16 weight to float32. Checked against
 float64 under the bf16 error-budget rule (<= 1.5x the same-dtype torch reference's error)."""
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
+import grpo_kernels
 from grpo.algo.logprobs import CompletionLogprobs, head_logprobs
 from grpo.config import load_config
 from grpo.lora import LoRALinear
@@ -82,12 +82,12 @@ def test_invalid_head_precision_fails_in_one_line_naming_the_field():
 
 def test_tf32_matmuls_is_scoped_and_a_no_op_on_a_cpu():
     before = torch.get_float32_matmul_precision()
-    with kernels.tf32_matmuls("cpu"):
+    with grpo_kernels.tf32_matmuls("cpu"):
         assert torch.get_float32_matmul_precision() == before
-    with kernels.tf32_matmuls("cuda", enabled=False):
+    with grpo_kernels.tf32_matmuls("cuda", enabled=False):
         assert torch.get_float32_matmul_precision() == before
     with pytest.raises(RuntimeError, match="inside"):
-        with kernels.tf32_matmuls(torch.device("cuda")):  # sets a flag only: no device needed
+        with grpo_kernels.tf32_matmuls(torch.device("cuda")):  # sets a flag only: no device needed
             assert torch.get_float32_matmul_precision() == "high"
             raise RuntimeError("inside")
     assert torch.get_float32_matmul_precision() == before  # restored, on an exception too
@@ -130,7 +130,7 @@ def test_default_and_float32_head_are_bitwise_as_before(lora):
     hidden, head, ids, _ = lora_head(lora=lora)
     want_h, want_w = old_operands(head, hidden)
     want_logits = F.linear(want_h, want_w)
-    want_lp = kernels.fused_logprobs(want_h, want_w, ids, 0.7, impl="chunked")
+    want_lp = grpo_kernels.fused_logprobs(want_h, want_w, ids, 0.7, impl="chunked")
     for mode in (None, "float32", "tf32"):
         kw = {} if mode is None else {"head_precision": mode}
         h, w = head_operands(head, hidden, **kw)
@@ -205,7 +205,7 @@ def test_bf16_head_never_copies_a_bf16_weight_to_float32(tiny_checkpoints, monke
     model = load_model(tiny_checkpoints("qwen3"), dtype=torch.bfloat16)
     weight = model.lm_head.weight
     seen = []
-    fused, mm = kernels.fused_logprobs, kernels.matmul_fp32
+    fused, mm = grpo_kernels.fused_logprobs, grpo_kernels.matmul_fp32
 
     def spy_fused(h, w, *a, **kw):
         seen.append(("trainer", h.dtype, w.dtype, w.data_ptr()))
@@ -215,7 +215,7 @@ def test_bf16_head_never_copies_a_bf16_weight_to_float32(tiny_checkpoints, monke
         seen.append(("sampler", a.dtype, b.dtype, b.data_ptr()))
         return mm(a, b)
 
-    monkeypatch.setattr(kernels, "fused_logprobs", spy_fused)
+    monkeypatch.setattr(grpo_kernels, "fused_logprobs", spy_fused)
     monkeypatch.setattr("grpo.precision.matmul_fp32", spy_mm)
     prec = Precision(torch.bfloat16, torch.bfloat16, "bf16")
     r = Sampler(model, precision=prec, pack=False).sample(
@@ -325,17 +325,17 @@ def test_packed_cpu_head_follows_the_head_precision(mode, monkeypatch):
 
 _INTERPRETED_TF32 = """
 import torch
-import kernels
+import grpo_kernels
 gen = torch.Generator().manual_seed(0)
 h = torch.randn(37, 64, generator=gen).requires_grad_(True)
 w = (torch.randn(1003, 64, generator=gen) * 0.5).requires_grad_(True)
 ids = torch.randint(0, 1003, (37,), generator=gen)
 grad = torch.randn(37, generator=gen)
-lp = kernels.fused_logprobs(h, w, ids, 0.7, impl="triton", tf32=True)
+lp = grpo_kernels.fused_logprobs(h, w, ids, 0.7, impl="triton", tf32=True)
 got = [lp, *torch.autograd.grad(lp, [h, w], grad)]
 # float64 on the TF32-rounded operands the kernels multiply (the interpreter's dots are plain
 # float32); the CPU's gradient GEMMs take the unrounded ones, at most 2**-11 away relatively
-x, y = (kernels.round_to_tf32(t.detach()).double().requires_grad_(True) for t in (h, w))
+x, y = (grpo_kernels.round_to_tf32(t.detach()).double().requires_grad_(True) for t in (h, w))
 gold = torch.log_softmax(x @ y.t() / 0.7, -1).gather(1, ids[:, None])[:, 0]
 want = [gold, *torch.autograd.grad(gold, [x, y], grad.double())]
 torch.testing.assert_close(got[0].double(), want[0], rtol=1e-5, atol=1e-5)
@@ -359,8 +359,8 @@ def test_triton_takes_tf32_through_forward_and_backward_interpreted():
 
 _INTERPRETED_TF32_ROUNDING = """
 import math, torch
-import kernels
-from kernels.logprobs import triton_logprobs
+import grpo_kernels
+from grpo_kernels.logprobs import triton_logprobs
 # Operands whose TF32 roundings multiply and add exactly in float32 (k / 16 with |k| < 64: every
 # partial sum of 64 products is a multiple of 2**-8 below 2**10), nudged by 0.05-0.2 of a TF32
 # ulp so that each rounds back to them (up or down): the kernel's logits are then exact if and
@@ -376,7 +376,8 @@ def operand(rows):
     return base, base + nudge * ulp
 h_r, h = operand(N)
 w_r, w = operand(V)
-assert torch.equal(kernels.round_to_tf32(h), h_r) and torch.equal(kernels.round_to_tf32(w), w_r)
+assert torch.equal(grpo_kernels.round_to_tf32(h), h_r)
+assert torch.equal(grpo_kernels.round_to_tf32(w), w_r)
 assert not torch.equal(h, h_r) and not torch.equal(w, w_r)
 ids = torch.randint(0, V, (N,), generator=gen)
 g = torch.randn(N, generator=gen).double()
@@ -433,10 +434,10 @@ def test_round_to_tf32_is_round_to_nearest():
                       float("inf"), -float("inf"), 3.4028235e38])  # fmt: skip
     want = [1.0, 1 + 2**-10, 1.0, 1 + 2**-10, -(1 + 2**-10), 2**-130, float("inf"),
             -float("inf"), float("inf")]  # fmt: skip
-    assert kernels.round_to_tf32(x).tolist() == want
-    assert kernels.round_to_tf32(torch.tensor([float("nan")])).isnan().all()
+    assert grpo_kernels.round_to_tf32(x).tolist() == want
+    assert grpo_kernels.round_to_tf32(torch.tensor([float("nan")])).isnan().all()
     r = torch.randn(10000, generator=torch.Generator().manual_seed(0)) * 1e3
-    got = kernels.round_to_tf32(r).double()
+    got = grpo_kernels.round_to_tf32(r).double()
     e = torch.floor(torch.log2(r.double().abs()))
     ulp = torch.exp2(e - 10)
     exact = r.double() / ulp  # the value in TF32 ulps: round half away from zero
@@ -469,7 +470,7 @@ def test_cuda_head_precision_against_float64(mode, lora):
 
     def formula(leaves, dtype, tf32):  # the LoRA formula in torch, operands in `dtype`
         x, *ab = leaves
-        with kernels.tf32_matmuls(x.device, tf32):  # forward and backward
+        with grpo_kernels.tf32_matmuls(x.device, tf32):  # forward and backward
             z = (x.to(dtype) @ head.weight.detach().to(dtype).t()).double()
             if ab:
                 z = z + 0.5 * ((x.to(dtype) @ ab[0].to(dtype).t()) @ ab[1].to(dtype).t()).double()

@@ -1,4 +1,4 @@
-"""Log-prob kernels by name (`model.logprob_impl`, `kernels.register_logprob_impl`,
+"""Log-prob kernels by name (`model.logprob_impl`, `grpo_kernels.register_logprob_impl`,
 `bench_logprobs --impl`) and the kernel conformance check (`grpo.testing.check_logprob_impl`):
 docs/extending.md's kernel, as a user writes it, passes the check, trains (the trainer calls
 it, and it agrees with the sampler) and is benchmarked beside the built-ins; seeded kernel bugs
@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import LENGTH_REWARD, docs_example, write_package
 
-import kernels
+import grpo_kernels
 from benchmarks import bench_logprobs
 from grpo.apps import cli
 from grpo.config import load_config
@@ -51,20 +51,20 @@ def test_the_docs_kernel_passes_the_check_by_path_and_by_name(my_pkg):
     check_logprob_impl("my_pkg.kernel:logprobs")  # float32 and bfloat16, every check
     from my_pkg.kernel import logprobs
 
-    kernels.register_logprob_impl("test_docs_kernel", logprobs, overwrite=True)
-    assert "test_docs_kernel" in kernels.available_impls()
+    grpo_kernels.register_logprob_impl("test_docs_kernel", logprobs, overwrite=True)
+    assert "test_docs_kernel" in grpo_kernels.available_impls()
     check_logprob_impl("test_docs_kernel", checks=["forward", "backward"])
     h, w = torch.randn(5, 8), torch.randn(30, 8)
     ids = torch.tensor([0, 3, 29, 7, 7])
-    got = kernels.fused_logprobs(h, w, ids, 0.9, impl="test_docs_kernel")
-    torch.testing.assert_close(got, kernels.fused_logprobs(h, w, ids, 0.9, impl="naive"))
+    got = grpo_kernels.fused_logprobs(h, w, ids, 0.9, impl="test_docs_kernel")
+    torch.testing.assert_close(got, grpo_kernels.fused_logprobs(h, w, ids, 0.9, impl="naive"))
     with pytest.raises(ValueError, match="ids must lie in"):  # checked before the kernel runs
-        kernels.fused_logprobs(h, w, torch.tensor([0, 1, 2, 3, 30]), impl="test_docs_kernel")
+        grpo_kernels.fused_logprobs(h, w, torch.tensor([0, 1, 2, 3, 30]), impl="test_docs_kernel")
 
 
 def forgets_temperature(hidden, weight, ids, temperature=1.0, return_entropy=False, *,
                         entropy_grad=False, tf32=False):  # fmt: skip
-    return kernels.chunked_logprobs(hidden, weight, ids, 1.0, return_entropy,
+    return grpo_kernels.chunked_logprobs(hidden, weight, ids, 1.0, return_entropy,
                                     entropy_grad=entropy_grad)  # fmt: skip
 
 
@@ -81,7 +81,7 @@ def logits_in_bf16(hidden, weight, ids, temperature=1.0, return_entropy=False, *
 
 def no_entropy_gradient(hidden, weight, ids, temperature=1.0, return_entropy=False, *,
                         entropy_grad=False, tf32=False):  # fmt: skip
-    out = kernels.naive_logprobs(hidden, weight, ids, temperature, return_entropy)
+    out = grpo_kernels.naive_logprobs(hidden, weight, ids, temperature, return_entropy)
     return (out[0], out[1].detach()) if return_entropy else out  # entropy_grad ignored
 
 
@@ -129,9 +129,9 @@ def test_config_names_a_bad_kernel(shared_tiny_model):
 
 def test_the_benchmark_times_an_outside_kernel_beside_the_built_ins(my_pkg, tmp_path):
     (my_pkg / "my_pkg" / "broken.py").write_text(
-        "import kernels\n"
+        "import grpo_kernels\n"
         "def logprobs(h, w, ids, temperature=1.0, return_entropy=False, **kw):\n"
-        "    return kernels.naive_logprobs(h, w, ids, temperature) + 0.01\n"
+        "    return grpo_kernels.naive_logprobs(h, w, ids, temperature) + 0.01\n"
     )
     argv = ["--quick", "--shapes", "64x32x300", "--impls", "naive,chunked", "--repeats", "1",
             "--impl", "my_pkg.kernel:logprobs", "--impl", "my_pkg.broken:logprobs",

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import kernels
-from kernels.reference import check_operands, chunked_logprobs, naive_logprobs
+import grpo_kernels
+from grpo_kernels.reference import check_operands, chunked_logprobs, naive_logprobs
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = [(37, 64, 1003), (19, 72, 517)]  # (N, C, V): ragged token / vocab tiles; ragged C too
@@ -244,10 +244,10 @@ def test_entropy_grad_false_keeps_entropy_detached(impl):
     hidden, weight, ids, _ = make_inputs(37, 64, 1003)
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     for kw in ({}, {"entropy_grad": False}):
-        logprobs, entropy = kernels.fused_logprobs(h, w, ids, 0.7, impl, True, **kw)
+        logprobs, entropy = grpo_kernels.fused_logprobs(h, w, ids, 0.7, impl, True, **kw)
         assert logprobs.grad_fn is not None
         assert entropy.grad_fn is None and not entropy.requires_grad
-    out = kernels.fused_logprobs(h, w, ids, 0.7, impl, entropy_grad=True)  # implies the tuple
+    out = grpo_kernels.fused_logprobs(h, w, ids, 0.7, impl, entropy_grad=True)  # implies the tuple
     assert isinstance(out, tuple) and out[1].grad_fn is not None
     assert torch.equal(out[1].detach(), entropy)  # same forward values
 
@@ -277,12 +277,12 @@ def test_chunked_bf16_entropy_grad_within_error_budget_of_naive_bf16(weight_grad
 
 def test_fused_logprobs_dispatch_on_cpu():
     hidden, weight, ids, _ = make_inputs(37, 64, 1003)
-    assert kernels.resolve_impl("auto", hidden.device) == "chunked"
-    auto = kernels.fused_logprobs(hidden, weight, ids, 0.7)
-    assert torch.equal(auto, kernels.fused_logprobs(hidden, weight, ids, 0.7, impl="chunked"))
-    naive = kernels.fused_logprobs(hidden, weight, ids.int(), 0.7, impl="naive")
+    assert grpo_kernels.resolve_impl("auto", hidden.device) == "chunked"
+    auto = grpo_kernels.fused_logprobs(hidden, weight, ids, 0.7)
+    assert torch.equal(auto, grpo_kernels.fused_logprobs(hidden, weight, ids, 0.7, impl="chunked"))
+    naive = grpo_kernels.fused_logprobs(hidden, weight, ids.int(), 0.7, impl="naive")
     torch.testing.assert_close(auto, naive, **FP32_TOL)
-    logprobs, entropy = kernels.fused_logprobs(hidden, weight, ids, 0.7, return_entropy=True)
+    logprobs, entropy = grpo_kernels.fused_logprobs(hidden, weight, ids, 0.7, return_entropy=True)
     assert torch.equal(logprobs, auto) and entropy.shape == (37,) and not entropy.requires_grad
     assert logprobs.dtype == entropy.dtype == torch.float32
     # entropy of the tempered distribution, by hand
@@ -313,7 +313,7 @@ def _bad_cases():
 @pytest.mark.parametrize("message,args,kwargs", _bad_cases(), ids=[c[0] for c in _bad_cases()])
 def test_fused_logprobs_rejects_bad_operands(message, args, kwargs):
     with pytest.raises((ValueError, TypeError), match=message):
-        kernels.fused_logprobs(*args, **kwargs)
+        grpo_kernels.fused_logprobs(*args, **kwargs)
 
 
 def test_contiguity_and_triton_device_errors(monkeypatch):
@@ -322,7 +322,7 @@ def test_contiguity_and_triton_device_errors(monkeypatch):
         check_operands(h.t().contiguous().t(), w, ids, 1.0, require_contiguous=True)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
-        kernels.fused_logprobs(h, w, ids, impl="triton")
+        grpo_kernels.fused_logprobs(h, w, ids, impl="triton")
 
 
 # ---------------------------------------------------------------- Triton, interpreted on CPU
@@ -363,7 +363,7 @@ def interpret_report() -> dict:
     """Run every interpreted Triton check; called in a subprocess with TRITON_INTERPRET=1."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
     _fix_interpreter_index()
-    from kernels.logprobs import triton_logprobs
+    from grpo_kernels.logprobs import triton_logprobs
 
     report = {}
     for shape, temperature, weight_grad in INTERPRET_CASES:
@@ -487,7 +487,7 @@ CUDA_SHAPES = SHAPES + [(1000, 512, 32003)]
 @pytest.mark.parametrize("weight_grad", [True, False], ids=["d_weight", "frozen"])
 @pytest.mark.parametrize("chunks", ["one_chunk", "many_chunks"])
 def test_triton_cuda_bf16_within_error_budget(shape, temperature, weight_grad, chunks):
-    from kernels.logprobs import triton_logprobs
+    from grpo_kernels.logprobs import triton_logprobs
 
     args = make_inputs(*shape, dtype=torch.bfloat16, device="cuda")
     config = {"grad_buffer_mib": shape[0] * 256 * 2 / 2**20} if chunks == "many_chunks" else {}
@@ -502,7 +502,7 @@ def test_triton_cuda_bf16_within_error_budget(shape, temperature, weight_grad, c
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("temperature", TEMPS)
 def test_triton_cuda_fp32_matches_float64(shape, temperature):
-    from kernels.logprobs import triton_logprobs
+    from grpo_kernels.logprobs import triton_logprobs
 
     args = make_inputs(*shape, device="cuda")
     ours = run(triton_logprobs, *args, temperature, True)
@@ -515,7 +515,7 @@ def test_triton_cuda_fp32_matches_float64(shape, temperature):
 @pytest.mark.parametrize("temperature", TEMPS)
 @pytest.mark.parametrize("weight_grad", [True, False], ids=["d_weight", "frozen"])
 def test_triton_cuda_fp32_entropy_grad_matches_float64(shape, temperature, weight_grad):
-    from kernels.logprobs import triton_logprobs
+    from grpo_kernels.logprobs import triton_logprobs
 
     args = make_inputs(*shape, device="cuda")[:3]
     coefs = entropy_coefs(shape[0])
@@ -528,7 +528,7 @@ def test_triton_cuda_fp32_entropy_grad_matches_float64(shape, temperature, weigh
 @pytest.mark.parametrize("weight_grad", [True, False], ids=["d_weight", "frozen"])
 @pytest.mark.parametrize("chunks", ["one_chunk", "many_chunks"])
 def test_triton_cuda_bf16_entropy_grad_within_error_budget(weight_grad, chunks):
-    from kernels.logprobs import triton_logprobs
+    from grpo_kernels.logprobs import triton_logprobs
 
     shape = CUDA_SHAPES[-1]
     args = make_inputs(*shape, dtype=torch.bfloat16, device="cuda")[:3]
@@ -560,8 +560,8 @@ def test_chunked_and_auto_cuda_bf16_within_error_budget(weight_grad):
     ref = run(naive_logprobs, *args, 0.7, weight_grad)
     expected = gold(*args, 0.7, weight_grad)
     assert_error_budget(run(chunked_logprobs, *args, 0.7, weight_grad), ref, expected)
-    assert kernels.resolve_impl("auto", args[0].device) == "triton"
-    fused = run(kernels.fused_logprobs, *args, 0.7, weight_grad)  # impl="auto" -> triton
+    assert grpo_kernels.resolve_impl("auto", args[0].device) == "triton"
+    fused = run(grpo_kernels.fused_logprobs, *args, 0.7, weight_grad)  # impl="auto" -> triton
     assert_error_budget(fused, ref, expected)
 
 
@@ -572,7 +572,7 @@ def test_triton_runs_on_the_tensors_device_not_the_current_one():
     """Triton launches on the current CUDA device: a rank whose tensors live on another GPU than
     the current one (here the last GPU while cuda:0 is current) must still get correct results,
     forward and backward (both kernels), on its tensors' device."""
-    from kernels.logprobs import triton_logprobs
+    from grpo_kernels.logprobs import triton_logprobs
 
     last = torch.device("cuda", torch.cuda.device_count() - 1)
     args = make_inputs(37, 64, 1003, device=last)

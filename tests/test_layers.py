@@ -118,3 +118,37 @@ def test_entry_points_reach_the_cli():
     scripts = (REPO / "pyproject.toml").read_text().split("[project.scripts]", 1)[1]
     assert re.match(r'\s*grpo = "grpo\.apps\.cli:main"\n', scripts), scripts[:80]
     assert grpo.__main__.main is cli.main
+
+
+def test_no_file_imports_a_top_level_kernels_package():
+    """The import name `kernels` is Hugging Face's (transformers >= 5.25 requires it); ours is
+    `grpo_kernels` (kernels/grpo_kernels/). No file of the repo imports `kernels`, lazily or in
+    a script string, and kernels/ itself is a source root, not a package."""
+    assert not (REPO / "kernels" / "__init__.py").exists()
+    assert (REPO / "kernels" / "grpo_kernels" / "__init__.py").exists()
+    bad = []
+    for path in sorted(REPO.rglob("*.py")):
+        if ".git" in path.parts:
+            continue
+        text = path.read_text()
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        for line, name in imported_modules(text, module, path.name == "__init__.py"):
+            if name == "kernels" or name.startswith("kernels."):
+                bad.append(f"{path.relative_to(REPO)}:{line}")
+        # and scripts run in subprocesses, which are strings to the parser
+        bad += [f"{path.relative_to(REPO)}: {line.strip()}" for line in text.splitlines()
+                if re.match(r"\s*\"?(import kernels\b|from kernels[. ])", line)]  # fmt: skip
+    assert not bad, bad
+
+
+def test_import_kernels_in_the_repo_root_loads_no_file_of_the_repo():
+    """From the repo root (where `python -m ...` puts the root on sys.path), `kernels` is
+    Hugging Face's package where it is installed, else at most a namespace portion of our
+    source root: never a module file of this repo."""
+    code = ("import importlib.util as u, sys\n"
+            "s = u.find_spec('kernels')\n"
+            "print('NONE' if s is None else (s.origin or 'NAMESPACE'))\n")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    origin = r.stdout.strip()
+    assert r.returncode == 0, r.stderr
+    assert origin in ("NONE", "NAMESPACE") or not origin.startswith(str(REPO)), origin

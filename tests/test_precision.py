@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-import kernels
+import grpo_kernels
 from grpo.algo.logprobs import CompletionLogprobs
 from grpo.config import load_config
 from grpo.errors import GrpoError
@@ -119,7 +119,7 @@ def test_head_operands_through_fused_logprobs(impl):
     grad = torch.randn(37, generator=torch.Generator().manual_seed(1))
     h = hidden.clone().requires_grad_(True)
     h2, w2 = head_operands(head, h)
-    logprobs = kernels.fused_logprobs(h2, w2, ids, 0.7, impl=impl)
+    logprobs = grpo_kernels.fused_logprobs(h2, w2, ids, 0.7, impl=impl)
     ours = [logprobs, *torch.autograd.grad(logprobs, [h, head.lora_a, head.lora_b], grad)]
     leaves = [t.detach().double().requires_grad_(True) for t in (hidden, head.lora_a, head.lora_b)]
     x, a, b = leaves

@@ -1,7 +1,7 @@
 """Token log-probs of completions from the decoder's hidden states, never the full logits.
 
 The decoder returns hidden states (B, T, C); only the positions whose next token counts are
-gathered, and `kernels.fused_logprobs` turns them into log p(token) at a temperature
+gathered, and `grpo_kernels.fused_logprobs` turns them into log p(token) at a temperature
 (chunked torch on CPU, Triton on CUDA), so no (B, T, V) logits tensor is ever built.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-import kernels
+import grpo_kernels
 from grpo.models.varlen import PackedSegments, bucket_overhead
 from grpo.precision import Precision, head_operands, no_autocast
 
@@ -33,7 +33,7 @@ def head_logprobs(
         hidden: (N, C) final-norm hidden states.
         targets: (N,) token ids.
         temperature: T > 0.
-        impl: kernels implementation ("auto", "chunked", "naive", "triton").
+        impl: grpo_kernels implementation ("auto", "chunked", "naive", "triton").
         return_entropy: also return the (N,) entropy (no grad unless `entropy_grad`).
         entropy_grad: make the entropy differentiable too (an entropy bonus in the loss).
         head_precision: "float32", "tf32" or "bf16" (`grpo.precision.Precision.head`).
@@ -44,7 +44,7 @@ def head_logprobs(
     """
     hidden, weight = head_operands(lm_head, hidden, head_precision)  # (N, C'), (V, C')
     with no_autocast(hidden.device.type):
-        return kernels.fused_logprobs(
+        return grpo_kernels.fused_logprobs(
             hidden.contiguous(),
             weight.contiguous(),
             targets.contiguous(),
@@ -80,7 +80,7 @@ def completion_logprobs(
         prompt_width: T_p, the column where completions start.
         completion_mask: (B, T_c) bool: which completion tokens to score.
         temperature: the sampling temperature the log-probs are taken at.
-        impl: kernels implementation.
+        impl: grpo_kernels implementation.
         return_entropy: also return (B, T_c) per-token entropy (no grad unless `entropy_grad`).
         entropy_grad: differentiable entropy (for loss.entropy_coef > 0).
         has_holes: the completion region has holes (multi-turn rollouts): each token is then

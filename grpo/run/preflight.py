@@ -86,7 +86,7 @@ from grpo.settings import ConfigError
 
 GENERATED_DATASETS = ("minimath",)  # made on the fly: a huge size allocates or loops
 GENERATED_ROWS_MAX = 100_000  # ~2 s and ~250 MiB of minimath
-LOGPROB_TILE_BYTES = 2**23 * 4  # kernels/reference.py default_blocks: one fp32 tile
+LOGPROB_TILE_BYTES = 2**23 * 4  # kernels/grpo_kernels/reference.py default_blocks: one fp32 tile
 _GIB = 2**30
 
 

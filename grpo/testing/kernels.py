@@ -1,4 +1,4 @@
-"""Conformance checks for a fused log-prob kernel (`kernels.register_logprob_impl`, or a
+"""Conformance checks for a fused log-prob kernel (`grpo_kernels.register_logprob_impl`, or a
 ``package.module:function``): forward and backward against float64 torch, where the error
 must be no worse than the same-dtype torch reference's plus a tolerance (the pattern of Cut
 Cross-Entropy's tests), in every mode the trainer uses.
@@ -25,7 +25,7 @@ from collections.abc import Iterable
 
 import torch
 
-import kernels
+import grpo_kernels
 from grpo.testing.conformance import expect, run_checks
 
 SHAPES = ((37, 64, 1003), (129, 48, 4099))  # (N, C, V): N, V prime-ish
@@ -54,7 +54,7 @@ def _run(fn, hidden, weight, ids, temperature=1.0, entropy=False, entropy_grad=F
     """(logprobs, entropy or None, d hidden, d weight or None) of one call."""
     h = hidden.detach().clone().requires_grad_(True)
     w = weight.detach().clone().requires_grad_(weight_grad)
-    out = kernels.fused_logprobs(h, w, ids, temperature, impl=fn, return_entropy=entropy,
+    out = grpo_kernels.fused_logprobs(h, w, ids, temperature, impl=fn, return_entropy=entropy,
                                  entropy_grad=entropy_grad)  # fmt: skip
     lp, ent = out if isinstance(out, tuple) else (out, None)
     if upstream is None:
@@ -91,7 +91,8 @@ def check_logprob_impl(spec, *, dtypes: Iterable[torch.dtype] = (torch.float32, 
     a ``package.module:function`` path or the function); raises `ConformanceError` naming the
     kernel, the check, the dtype and shape, and the two errors."""
     # a built-in by its name (fused_logprobs dispatches it), anything else by its function
-    fn = spec if isinstance(spec, str) and spec in kernels.IMPLS else kernels.get_logprob_impl(spec)
+    builtin = isinstance(spec, str) and spec in grpo_kernels.IMPLS
+    fn = spec if builtin else grpo_kernels.get_logprob_impl(spec)
     wanted = logprob_impl_checks() if checks is None else list(checks)
     dtypes = tuple(dtypes)
 

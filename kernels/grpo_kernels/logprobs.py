@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import check_operands, matmul_fp32, tf32_matmuls
+from grpo_kernels.reference import check_operands, matmul_fp32, tf32_matmuls
 
 _TL_PRECISION = {torch.float32: "ieee", torch.float16: "tf32", torch.bfloat16: "tf32"}
 _CONFIG_KEYS = (
@@ -59,7 +59,7 @@ def _round_tf32(x):
     truncates, where cuBLAS's TF32 GEMMs round (an emulation at N=300, C=512, V=32003: 8.4x
     the float64 error of rounded operands). Rounding first makes the truncation exact, so the
     kernel's TF32 equals the sampler's cuBLAS TF32 head up to summation order. Infinities and
-    NaNs pass unchanged; the torch twin is `kernels.reference.round_to_tf32`."""
+    NaNs pass unchanged; the torch twin is `grpo_kernels.reference.round_to_tf32`."""
     bits = x.to(tl.uint32, bitcast=True)
     rounded = (bits + 0x1000) & 0xFFFFE000
     special = (bits & 0x7F800000) == 0x7F800000
@@ -264,7 +264,7 @@ def _on_device(t: torch.Tensor):
 def _assert_launch(hidden, weight, ids):
     """The launchers' own asserts: shape, dtype and contiguity (metadata only, no host sync).
     Devices, temperature and the id range are checked once, at the entry point
-    (`kernels.fused_logprobs` / `triton_logprobs`, via `check_operands`)."""
+    (`grpo_kernels.fused_logprobs` / `triton_logprobs`, via `check_operands`)."""
     if hidden.dim() != 2 or weight.dim() != 2 or ids.dim() != 1:
         raise ValueError(
             f"hidden (N, C), weight (V, C), ids (N,) expected, got {tuple(hidden.shape)}, "
@@ -512,8 +512,8 @@ def triton_logprobs(
 
 
 def _triton_logprobs(hidden, weight, ids, temperature, return_entropy, entropy_grad, config):
-    """`triton_logprobs` on operands its caller has checked (`kernels.fused_logprobs` checks them
-    once; the launchers only assert shape, dtype and contiguity)."""
+    """`triton_logprobs` on operands its caller has checked (`grpo_kernels.fused_logprobs`
+    checks them once; the launchers only assert shape, dtype and contiguity)."""
     unknown = sorted(set(config) - set(_CONFIG_KEYS))
     if unknown:
         raise TypeError(f"unknown triton config keys {unknown}; valid: {list(_CONFIG_KEYS)}")

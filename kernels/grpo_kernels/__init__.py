@@ -1,6 +1,6 @@
 """Fused log-prob kernels: `fused_logprobs` dispatches to Triton (CUDA) or the chunked torch twin.
 
-Triton is imported lazily, on the first impl="triton" call, so importing `kernels` is cheap and
+Triton is imported lazily, on the first impl="triton" call, so importing `grpo_kernels` is cheap and
 leaves TRITON_INTERPRET to whoever imports triton first.
 """
 
@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from kernels.reference import (
+from grpo_kernels.reference import (
     check_operands,
     chunked_logprobs,
     default_blocks,
@@ -188,7 +188,7 @@ def fused_logprobs(
         fn = naive_logprobs if impl == "naive" else chunked_logprobs
         with tf32_matmuls(hidden.device, tf32):
             return fn(hidden, weight, ids, temperature, return_entropy, entropy_grad=entropy_grad)
-    from kernels.logprobs import _triton_logprobs  # operands checked above, once
+    from grpo_kernels.logprobs import _triton_logprobs  # operands checked above, once
 
     return _triton_logprobs(
         hidden.contiguous(),
