@@ -39,9 +39,20 @@ from pathlib import Path
 from benchmarks.harness import add_output_args, write_results
 
 REPO = Path(__file__).resolve().parents[1]
-COLUMNS = ["placement", "mode", "ranks", "wall_s", "first_step_s", "steady_s", "ratio",
-           "median_step_s", "rollout_share", "trainer_wait_s", "producer_wait_s",
-           "staleness_max"]  # fmt: skip
+COLUMNS = [
+    "placement",
+    "mode",
+    "ranks",
+    "wall_s",
+    "first_step_s",
+    "steady_s",
+    "ratio",
+    "median_step_s",
+    "rollout_share",
+    "trainer_wait_s",
+    "producer_wait_s",
+    "staleness_max",
+]
 
 
 def modes(placement: str, k: int) -> dict[str, tuple[int, list[str]]]:
@@ -49,18 +60,42 @@ def modes(placement: str, k: int) -> dict[str, tuple[int, list[str]]]:
     if placement == "colocated":
         asynchronous = ["rollout.async=on", f"rollout.max_staleness={k}"]
         return {"sync": (1, []), f"async k={k}": (1, asynchronous)}
-    return {"sync DDP": (2, []),
-            f"async 1+1 k={k}": (2, ["rollout.async=on", f"rollout.max_staleness={k}",
-                                     "rollout.ranks=1"])}  # fmt: skip
+    return {
+        "sync DDP": (2, []),
+        f"async 1+1 k={k}": (
+            2,
+            ["rollout.async=on", f"rollout.max_staleness={k}", "rollout.ranks=1"],
+        ),
+    }
 
 
 def run_once(n: int, config: str, model: Path, steps: int, extra: list[str], out: Path) -> dict:
-    cmd = ([sys.executable, "-m", "grpo"] if n == 1 else
-           [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={n}", "-m", "grpo"])  # fmt: skip
-    cmd += ["train", "--config", config, f"model.path={model}", f"train.output_dir={out}",
-            f"train.max_steps={steps}", "train.progress=false", "train.save_every=0",
-            "train.log_every=1", *extra, "--overwrite"]  # fmt: skip
+    cmd = (
+        [sys.executable, "-m", "grpo"]
+        if n == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={n}",
+            "-m",
+            "grpo",
+        ]
+    )
+    cmd += [
+        "train",
+        "--config",
+        config,
+        f"model.path={model}",
+        f"train.output_dir={out}",
+        f"train.max_steps={steps}",
+        "train.progress=false",
+        "train.save_every=0",
+        "train.log_every=1",
+        *extra,
+        "--overwrite",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"} if n > 1 else dict(os.environ)
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -76,11 +111,16 @@ def run_once(n: int, config: str, model: Path, steps: int, extra: list[str], out
         vals = [x[key] for x in rows[1:] if key in x]
         return statistics.fmean(vals) if vals else None
 
-    return {"wall_s": wall, "first_step_s": step[0], "steady_s": sum(step[1:]),
-            "median_step_s": statistics.median(step[1:]), "rollout_share": statistics.fmean(share),
-            "trainer_wait_s": mean("async/trainer_wait_s"),
-            "producer_wait_s": mean("async/producer_wait_s"),
-            "staleness_max": max(x.get("async/staleness", 0) for x in rows)}  # fmt: skip
+    return {
+        "wall_s": wall,
+        "first_step_s": step[0],
+        "steady_s": sum(step[1:]),
+        "median_step_s": statistics.median(step[1:]),
+        "rollout_share": statistics.fmean(share),
+        "trainer_wait_s": mean("async/trainer_wait_s"),
+        "producer_wait_s": mean("async/producer_wait_s"),
+        "staleness_max": max(x.get("async/staleness", 0) for x in rows),
+    }
 
 
 def main(argv=None) -> None:
@@ -99,18 +139,25 @@ def main(argv=None) -> None:
         tmp = Path(tmp)
         model = Path(args.model) if args.model else tmp / "model"
         if not args.model:
-            subprocess.run([sys.executable, "-m", "grpo", "tiny-model", "--out", str(model)],
-                           check=True, capture_output=True)  # fmt: skip
+            subprocess.run(
+                [sys.executable, "-m", "grpo", "tiny-model", "--out", str(model)],
+                check=True,
+                capture_output=True,
+            )
         results: dict[tuple[str, str], list[dict]] = {}
         for rep in range(args.repeats):
             for placement in placements:
                 for mode, (n, extra) in modes(placement, args.staleness).items():
                     out = tmp / f"{placement}-{mode.replace(' ', '_')}-{rep}"
-                    res = run_once(n, args.config, model, args.steps,
-                                   [*args.overrides, *extra], out)  # fmt: skip
+                    res = run_once(
+                        n, args.config, model, args.steps, [*args.overrides, *extra], out
+                    )
                     results.setdefault((placement, mode), []).append(res)
-                    print(f"{placement} {mode} #{rep}: steady {res['steady_s']:.2f} s, "
-                          f"wall {res['wall_s']:.1f} s", flush=True)  # fmt: skip
+                    print(
+                        f"{placement} {mode} #{rep}: steady {res['steady_s']:.2f} s, "
+                        f"wall {res['wall_s']:.1f} s",
+                        flush=True,
+                    )
     rows = []
     for placement in placements:
         base = None
@@ -123,13 +170,22 @@ def main(argv=None) -> None:
             base = base or row["steady_s"]
             row["ratio"] = round(row["steady_s"] / base, 3)
             rows.append(row)
-    write_results(args.name, rows, COLUMNS, out_dir=args.out_dir, meta={
-        "command": " ".join(["python -m benchmarks.bench_async", *(argv or sys.argv[1:])]),
-        "config": args.config, "overrides": args.overrides, "steps": args.steps,
-        "staleness": args.staleness, "repeats": args.repeats,
-        "timing": "steady_s = sum of perf/step_s over steps 2..N; wall_s includes start-up, "
-                  "compile and the final save; medians over repeats",
-    })  # fmt: skip
+    write_results(
+        args.name,
+        rows,
+        COLUMNS,
+        out_dir=args.out_dir,
+        meta={
+            "command": " ".join(["python -m benchmarks.bench_async", *(argv or sys.argv[1:])]),
+            "config": args.config,
+            "overrides": args.overrides,
+            "steps": args.steps,
+            "staleness": args.staleness,
+            "repeats": args.repeats,
+            "timing": "steady_s = sum of perf/step_s over steps 2..N; wall_s includes start-up, "
+            "compile and the final save; medians over repeats",
+        },
+    )
 
 
 if __name__ == "__main__":

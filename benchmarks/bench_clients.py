@@ -39,8 +39,19 @@ from pathlib import Path
 from benchmarks.harness import add_output_args, write_results
 
 NAME = "agent"
-COLUMNS = ["client", "schema", "correct", "n", "first_20_hard", "tool_calls", "turns",
-           "within_1", "same_verdicts", "same_answers", "seconds"]  # fmt: skip
+COLUMNS = [
+    "client",
+    "schema",
+    "correct",
+    "n",
+    "first_20_hard",
+    "tool_calls",
+    "turns",
+    "within_1",
+    "same_verdicts",
+    "same_answers",
+    "seconds",
+]
 MAX_TURNS, MAX_TOKENS = 3, 32
 
 
@@ -51,8 +62,9 @@ def serving(model: str):
 
     parser = argparse.ArgumentParser(prog="grpo")
     add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["serve", "--model", model, "--port", "0",
-                              "--served-model-name", NAME])  # fmt: skip
+    args = parser.parse_args(
+        ["serve", "--model", model, "--port", "0", "--served-model-name", NAME]
+    )
     ready, holder = threading.Event(), {}
     args.on_ready = lambda running: (holder.update(running=running), ready.set())
     thread = threading.Thread(target=lambda: holder.update(rc=args.func(args)), daemon=True)
@@ -71,10 +83,16 @@ def grpo_eval(model: str, data: Path, tools: list[dict], out: Path) -> list[dict
     from grpo.eval import run_eval_command
 
     payload = run_eval_command(
-        model=model, data=str(data), env="calculator",
-        env_kwargs={"use_template_tools": True, "tools": tools}, max_turns=MAX_TURNS,
-        max_new_tokens=MAX_TOKENS, batch_size=8, details=True, out=str(out),
-    )  # fmt: skip
+        model=model,
+        data=str(data),
+        env="calculator",
+        env_kwargs={"use_template_tools": True, "tools": tools},
+        max_turns=MAX_TURNS,
+        max_new_tokens=MAX_TOKENS,
+        batch_size=8,
+        details=True,
+        out=str(out),
+    )
     return payload["models"]["model"]["samples"]
 
 
@@ -112,19 +130,37 @@ def main(argv=None) -> None:
     first_hard = [i for i, p in enumerate(problems) if p["kind"] == "hard"][:20]
     tmp = Path(tempfile.mkdtemp(prefix="bench_clients_"))
     data = tmp / "problems.jsonl"
-    data.write_text("".join(json.dumps({"question": p["question"], "answer": f"#### {p['answer']}"})
-                            + "\n" for p in problems))  # fmt: skip
+    data.write_text(
+        "".join(
+            json.dumps({"question": p["question"], "answer": f"#### {p['answer']}"}) + "\n"
+            for p in problems
+        )
+    )
     questions = [p["question"] for p in problems]
 
-    def row(client: str, schema: str, preds: list, calls: list, turns: list, seconds: float,
-            own: dict | None = None) -> dict:  # fmt: skip
+    def row(
+        client: str,
+        schema: str,
+        preds: list,
+        calls: list,
+        turns: list,
+        seconds: float,
+        own: dict | None = None,
+    ) -> dict:
         scores = [score_completion(c, p["answer"]) for c, p in zip(preds, problems, strict=True)]
         correct = [s["correct"] for s in scores]
-        out = {"client": client, "schema": schema, "correct": sum(correct), "n": len(problems),
-               "first_20_hard": sum(correct[i] for i in first_hard),
-               "tool_calls": round(sum(calls) / len(problems), 3),
-               "turns": round(sum(turns) / len(problems), 3), "seconds": round(seconds, 1),
-               "per_problem": correct, "preds": [s["pred"] for s in scores]}  # fmt: skip
+        out = {
+            "client": client,
+            "schema": schema,
+            "correct": sum(correct),
+            "n": len(problems),
+            "first_20_hard": sum(correct[i] for i in first_hard),
+            "tool_calls": round(sum(calls) / len(problems), 3),
+            "turns": round(sum(turns) / len(problems), 3),
+            "seconds": round(seconds, 1),
+            "per_problem": correct,
+            "preds": [s["pred"] for s in scores],
+        }
         if rows:  # the first row is grpo eval's on the library's schema: the reference
             out["within_1"] = abs(out["first_20_hard"] - rows[0]["first_20_hard"]) <= 1
         if own is not None:
@@ -154,10 +190,15 @@ def main(argv=None) -> None:
         runs = {}
         recorder = clients.Recorder()
         t = time.perf_counter()
-        http = openai.OpenAI(base_url=url, api_key="unused", max_retries=0,
-                             http_client=recorder.client())  # fmt: skip
-        eps = [clients.openai_episode(http, NAME, q, [CALCULATOR_TOOL], max_turns=MAX_TURNS,
-                                      max_tokens=MAX_TOKENS) for q in questions]  # fmt: skip
+        http = openai.OpenAI(
+            base_url=url, api_key="unused", max_retries=0, http_client=recorder.client()
+        )
+        eps = [
+            clients.openai_episode(
+                http, NAME, q, [CALCULATOR_TOOL], max_turns=MAX_TURNS, max_tokens=MAX_TOKENS
+            )
+            for q in questions
+        ]
         runs["openai"] = (eps, time.perf_counter() - t, recorder)
         recorder = clients.Recorder()
         t = time.perf_counter()
@@ -186,10 +227,15 @@ def main(argv=None) -> None:
             )
         )
         rows.append(own)
-    meta = {"model": a.model, "n": a.n, "max_turns": MAX_TURNS, "max_tokens": MAX_TOKENS,
-            "problems": f"the first {a.n} of toolmath(256, {a.data_seed}, 'test', {a.hard_frac})",
-            "schemas": schemas,
-            "command": "python -m benchmarks.bench_clients --model " + a.model}  # fmt: skip
+    meta = {
+        "model": a.model,
+        "n": a.n,
+        "max_turns": MAX_TURNS,
+        "max_tokens": MAX_TOKENS,
+        "problems": f"the first {a.n} of toolmath(256, {a.data_seed}, 'test', {a.hard_frac})",
+        "schemas": schemas,
+        "command": "python -m benchmarks.bench_clients --model " + a.model,
+    }
     write_results(a.name, rows, COLUMNS, out_dir=a.out_dir, meta=meta)
 
 

@@ -56,9 +56,22 @@ from grpo.run.optim import build_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 PARALLEL = ("ddp", "fsdp")
-COLUMNS = ["parallel", "ranks", "params_mib", "grads_mib", "optim_mib", "total_mib", "ratio",
-           "target", "met", "step_ms", "step_ratio", "gather_ms", "step_peak_mib",
-           "rss_mib"]  # fmt: skip
+COLUMNS = [
+    "parallel",
+    "ranks",
+    "params_mib",
+    "grads_mib",
+    "optim_mib",
+    "total_mib",
+    "ratio",
+    "target",
+    "met",
+    "step_ms",
+    "step_ratio",
+    "gather_ms",
+    "step_peak_mib",
+    "rss_mib",
+]
 _MIB = 2**20
 
 
@@ -66,12 +79,18 @@ def model_config(args) -> ModelConfig:
     """Qwen3-shaped, tied embeddings: with the defaults 8 blocks of 3.15M parameters plus a
     16384 x 512 embedding, 33.6M parameters (134 MB in float32)."""
     return ModelConfig(
-        family="qwen3", vocab_size=args.vocab, hidden_size=args.hidden,
-        intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        head_dim=args.hidden // args.heads, max_position_embeddings=1024,
-        tie_word_embeddings=True, qk_norm=True,
-    )  # fmt: skip
+        family="qwen3",
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        qk_norm=True,
+    )
 
 
 def local_bytes(tensors) -> int:
@@ -152,20 +171,39 @@ def measure_rank(args, dist) -> dict:
     rss_mib = peak_rss_mib()  # the last timed step's peak (measure resets the mark per repeat)
     t_gather = measure(gather, warmup=1, repeats=args.repeats) if sharded else None
     return {
-        "rank": dist.rank, "world_size": dist.world_size, "sharded": sharded,
+        "rank": dist.rank,
+        "world_size": dist.world_size,
+        "sharded": sharded,
         "num_params": sum(p.numel() for p in model.parameters()) if not sharded else None,
-        "params_bytes": params_bytes, "grads_bytes": grads_bytes, "optim_bytes": optim_bytes,
-        "step_ms": t_step.median_ms, "step_p20_ms": t_step.p20_ms, "step_p80_ms": t_step.p80_ms,
-        "step_peak_mib": t_step.peak_mem_mib, "rss_mib": rss_mib,
+        "params_bytes": params_bytes,
+        "grads_bytes": grads_bytes,
+        "optim_bytes": optim_bytes,
+        "step_ms": t_step.median_ms,
+        "step_p20_ms": t_step.p20_ms,
+        "step_p80_ms": t_step.p80_ms,
+        "step_peak_mib": t_step.peak_mem_mib,
+        "rss_mib": rss_mib,
         "gather_ms": t_gather.median_ms if t_gather else None,
         "gather_p20_ms": t_gather.p20_ms if t_gather else None,
         "gather_p80_ms": t_gather.p80_ms if t_gather else None,
-    }  # fmt: skip
+    }
 
 
 def model_flags(args) -> list[str]:
-    names = ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "batch",
-             "prompt_len", "completion_len", "warmup", "repeats", "timeout")  # fmt: skip
+    names = (
+        "hidden",
+        "layers",
+        "heads",
+        "kv_heads",
+        "intermediate",
+        "vocab",
+        "batch",
+        "prompt_len",
+        "completion_len",
+        "warmup",
+        "repeats",
+        "timeout",
+    )
     return [f"--{n.replace('_', '-')}={getattr(args, n)}" for n in names]
 
 
@@ -173,13 +211,24 @@ def launch(parallel: str, ranks: int, args, tmp: Path) -> list[dict]:
     """Run the worker on `ranks` ranks under torchrun; every rank's JSON, rank order."""
     out = tmp / f"{parallel}_{ranks}"
     out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={ranks}", "-m", "benchmarks.bench_fsdp", "--worker",
-           f"--parallel={parallel}", f"--worker-out={out}", *model_flags(args)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+        "-m",
+        "benchmarks.bench_fsdp",
+        "--worker",
+        f"--parallel={parallel}",
+        f"--worker-out={out}",
+        *model_flags(args),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
-        r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                           timeout=args.timeout)  # fmt: skip
+        r = subprocess.run(
+            cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout
+        )
     except subprocess.TimeoutExpired:
         sys.exit(f"bench_fsdp: {parallel} on {ranks} ranks ran past --timeout={args.timeout} s")
     if r.returncode != 0:
@@ -194,8 +243,12 @@ def row(parallel: str, ranks: int, per_rank: list[dict], ddp: dict | None) -> di
     total = max(sum(r[f"{k}_bytes"] for k in ("params", "grads", "optim")) for r in per_rank)
     gathers = [r["gather_ms"] for r in per_rank if r["gather_ms"] is not None]
     out = {
-        "parallel": parallel, "ranks": ranks, "sharded": per_rank[0]["sharded"],
-        "params_mib": mib["params"], "grads_mib": mib["grads"], "optim_mib": mib["optim"],
+        "parallel": parallel,
+        "ranks": ranks,
+        "sharded": per_rank[0]["sharded"],
+        "params_mib": mib["params"],
+        "grads_mib": mib["grads"],
+        "optim_mib": mib["optim"],
         "total_mib": total / _MIB,
         "step_ms": max(r["step_ms"] for r in per_rank),
         "step_p20_ms": max(r["step_p20_ms"] for r in per_rank),
@@ -204,7 +257,7 @@ def row(parallel: str, ranks: int, per_rank: list[dict], ddp: dict | None) -> di
         "rss_mib": max((r["rss_mib"] or 0.0) for r in per_rank) or None,
         "gather_ms": max(gathers) if gathers else None,
         "per_rank": per_rank,
-    }  # fmt: skip
+    }
     ddp = ddp or out  # the DDP row is its own baseline
     out["ratio"] = out["total_mib"] / ddp["total_mib"]
     out["step_ratio"] = out["step_ms"] / ddp["step_ms"]
@@ -248,8 +301,7 @@ def main() -> None:
         f"H={cfg.num_attention_heads} H_kv={cfg.num_key_value_heads} "
         f"I={cfg.intermediate_size} V={cfg.vocab_size}, tied embeddings, float32, "
         "full fine-tuning, AdamW",
-        "batch": f"B={args.batch} rows per rank, T_p={args.prompt_len}, "
-        f"T_c={args.completion_len}",
+        "batch": f"B={args.batch} rows per rank, T_p={args.prompt_len}, T_c={args.completion_len}",
         "memory": "exact per-rank bytes of parameters, gradients (after backward) and AdamW "
         "states (after one step); a DTensor counts its local shard; the largest rank is shown. "
         "DDP's all-reduce buckets and FSDP's transient block gathers are not counted; "
@@ -263,13 +315,17 @@ def main() -> None:
         "(forward + backward + clip + AdamW step), slowest rank; gather_ms is one "
         "full_weights enter + exit (what every rollout pays under FSDP)",
         "malloc": "MALLOC_MMAP_THRESHOLD_=" + os.environ["MALLOC_MMAP_THRESHOLD_"]
-        if "MALLOC_MMAP_THRESHOLD_" in os.environ else "glibc's default (a dynamic mmap "
+        if "MALLOC_MMAP_THRESHOLD_" in os.environ
+        else "glibc's default (a dynamic mmap "
         "threshold: freed buffers under 32 MiB stay in the heap and count in the RSS columns)",
         "cpu": f"gloo, OMP_NUM_THREADS=1 per rank, {os.cpu_count()} cores: "
-        + ("4 ranks oversubscribe the CPU, so their times are slow and noisy; the memory "
-           "numbers are exact regardless" if max(world_sizes) > (os.cpu_count() or 1) else
-           "one core per rank"),
-    }  # fmt: skip
+        + (
+            "4 ranks oversubscribe the CPU, so their times are slow and noisy; the memory "
+            "numbers are exact regardless"
+            if max(world_sizes) > (os.cpu_count() or 1)
+            else "one core per rank"
+        ),
+    }
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for ranks in world_sizes:

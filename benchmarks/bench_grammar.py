@@ -61,8 +61,19 @@ INSTANCE = {
     "kind": "person",
     "address": {"city": "London", "zip": "W1"},
 }
-COLUMNS = ["shape", "vocab", "engine", "batch", "steps", "mask_ms", "p90_ms", "decode_ms",
-           "overhead", "constrained_x", "compile_ms"]  # fmt: skip
+COLUMNS = [
+    "shape",
+    "vocab",
+    "engine",
+    "batch",
+    "steps",
+    "mask_ms",
+    "p90_ms",
+    "decode_ms",
+    "overhead",
+    "constrained_x",
+    "compile_ms",
+]
 SHAPES = ("tiny", "qwen3-0.6b")
 ENGINES = ("xgrammar", "llguidance", "llguidance-par")
 
@@ -105,8 +116,9 @@ class XGrammar:
         import xgrammar as xgr
 
         self.xgr = xgr
-        info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size,
-                                                  stop_token_ids=[tok.eos_token_id])  # fmt: skip
+        info = xgr.TokenizerInfo.from_huggingface(
+            tok, vocab_size=vocab_size, stop_token_ids=[tok.eos_token_id]
+        )
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         self.vocab_size = vocab_size
 
@@ -188,8 +200,14 @@ def decode_ms(shape: str, vocab: int, batch: int, model_dir: Path) -> float:
 
         config = dict(CASES["tiny" if shape == "tiny" else "qwen3-0.6b"]["config"])
         config["vocab_size"] = vocab
-        cfg = ModelConfig(family="qwen3", max_position_embeddings=512, tie_word_embeddings=True,
-                          qk_norm=True, eos_token_id=0, **config)  # fmt: skip
+        cfg = ModelConfig(
+            family="qwen3",
+            max_position_embeddings=512,
+            tie_word_embeddings=True,
+            qk_norm=True,
+            eos_token_id=0,
+            **config,
+        )
         model = Decoder(cfg)
         model.init_weights(std=0.02, seed=0)
         save_pretrained(model, model_dir)
@@ -198,8 +216,9 @@ def decode_ms(shape: str, vocab: int, batch: int, model_dir: Path) -> float:
 
     def run(n: int) -> float:
         t = time.perf_counter()
-        sampler.sample(prompts, group_size=1, max_new_tokens=n, temperature=1.0,
-                       stop_ids=[vocab + 10], seed=0)  # fmt: skip
+        sampler.sample(
+            prompts, group_size=1, max_new_tokens=n, temperature=1.0, stop_ids=[vocab + 10], seed=0
+        )
         return time.perf_counter() - t
 
     run(4)  # warm-up
@@ -213,8 +232,11 @@ def main(argv=None) -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--batches", default="1,8,32")
-    parser.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "grpo-bench-grammar"),
-                        help="where the big tokenizer and random-init models are kept")  # fmt: skip
+    parser.add_argument(
+        "--cache",
+        default=str(Path(tempfile.gettempdir()) / "grpo-bench-grammar"),
+        help="where the big tokenizer and random-init models are kept",
+    )
     add_output_args(parser, "grammar_cpu")
     a = parser.parse_args(argv)
     shapes = comma_list(parser, "--shapes", a.shapes, SHAPES)
@@ -245,12 +267,21 @@ def main(argv=None) -> None:
                     times.append((time.perf_counter() - t) * 1e3)
                 mask = statistics.median(times)
                 d = decode[b]
-                rows.append({"shape": shape, "vocab": vocab, "engine": engine, "batch": b,
-                             "steps": len(ids), "mask_ms": round(mask, 3),
-                             "p90_ms": round(sorted(times)[int(0.9 * (len(times) - 1))], 3),
-                             "decode_ms": round(d, 2), "overhead": round(mask / d, 3),
-                             "constrained_x": round(d / (d + mask), 3),
-                             "compile_ms": round(compile_ms, 1)})  # fmt: skip
+                rows.append(
+                    {
+                        "shape": shape,
+                        "vocab": vocab,
+                        "engine": engine,
+                        "batch": b,
+                        "steps": len(ids),
+                        "mask_ms": round(mask, 3),
+                        "p90_ms": round(sorted(times)[int(0.9 * (len(times) - 1))], 3),
+                        "decode_ms": round(d, 2),
+                        "overhead": round(mask / d, 3),
+                        "constrained_x": round(d / (d + mask), 3),
+                        "compile_ms": round(compile_ms, 1),
+                    }
+                )
                 print(rows[-1], flush=True)
     meta = {
         "schema": SCHEMA,

@@ -23,8 +23,16 @@ import torch
 from benchmarks.harness import add_output_args, write_results
 
 CONFIGS = ("fp32", "lora_qkvo", "lora_all", "tutorial")
-COLUMNS = ["path", "config", "per_layer", "fixed", "at_28", "casts_per_layer", "casts_at_28",
-           "syncs"]  # fmt: skip
+COLUMNS = [
+    "path",
+    "config",
+    "per_layer",
+    "fixed",
+    "at_28",
+    "casts_per_layer",
+    "casts_at_28",
+    "syncs",
+]
 
 
 def step_cost(layers: int, config: str, cuda: bool) -> dict:
@@ -35,8 +43,13 @@ def step_cost(layers: int, config: str, cuda: bool) -> dict:
     from grpo.rollout import Sampler
     from grpo.testing.launches import cuda_decode_paths, per_decode_step
 
-    cfg = ModelConfig(family="qwen3", qk_norm=True, num_hidden_layers=layers,
-                      max_position_embeddings=512, tie_word_embeddings=False)  # fmt: skip
+    cfg = ModelConfig(
+        family="qwen3",
+        qk_norm=True,
+        num_hidden_layers=layers,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = Decoder(cfg)
     model.init_weights(seed=0)
@@ -51,7 +64,7 @@ def step_cost(layers: int, config: str, cuda: bool) -> dict:
         return per_decode_step(
             lambda n: sampler.sample(
                 prompts, group_size=8, max_new_tokens=n, temperature=1.0, stop_ids=[], seed=0
-            )  # fmt: skip
+            )
         )
 
 
@@ -66,11 +79,18 @@ def main(argv: list[str]) -> None:
             per_layer = (b["launches"] - a["launches"]) / 2
             casts = (b["casts"] - a["casts"]) / 2
             fixed = a["launches"] - 2 * per_layer
-            rows.append({
-                "path": path, "config": config, "per_layer": per_layer, "fixed": fixed,
-                "at_28": fixed + 28 * per_layer, "casts_per_layer": casts,
-                "casts_at_28": a["casts"] - 2 * casts + 28 * casts, "syncs": a["syncs"],
-            })  # fmt: skip
+            rows.append(
+                {
+                    "path": path,
+                    "config": config,
+                    "per_layer": per_layer,
+                    "fixed": fixed,
+                    "at_28": fixed + 28 * per_layer,
+                    "casts_per_layer": casts,
+                    "casts_at_28": a["casts"] - 2 * casts + 28 * casts,
+                    "syncs": a["syncs"],
+                }
+            )
             print(rows[-1], flush=True)
     meta = {
         "command": " ".join(["python -m benchmarks.bench_launches", *argv]),

@@ -58,10 +58,24 @@ GPU_SHAPES = (
 CPU_SHAPES = ((4096, 1024, 151936),)
 QUICK_SHAPES = ((512, 256, 8192),)
 COLUMNS = [
-    "shape", "dtype", "mode", "impl", "median_ms", "p20_ms", "p80_ms", "tok_per_s", "tflops",
-    "gb_per_s", "pct_roofline", "peak_mib", "x_naive_time", "x_naive_mem", "lp_err",
-    "grad_err", "note",
-]  # fmt: skip
+    "shape",
+    "dtype",
+    "mode",
+    "impl",
+    "median_ms",
+    "p20_ms",
+    "p80_ms",
+    "tok_per_s",
+    "tflops",
+    "gb_per_s",
+    "pct_roofline",
+    "peak_mib",
+    "x_naive_time",
+    "x_naive_mem",
+    "lp_err",
+    "grad_err",
+    "note",
+]
 
 
 def counted_bytes(mode: str, n: int, c: int, v: int, size: int) -> int:
@@ -160,10 +174,17 @@ def bench_shape(shape, args, device, dtype, ceilings) -> list[dict]:
     rows, timed = [], {}  # timed: (mode, impl) -> Timing
     for mode in args.modes:
         # the gate: float64 torch, and the same-dtype torch reference's error against it
-        gold = make_call(build_impl("chunked", device, args.temperature), hidden.double(),
-                         weight.double(), ids, grad.double(), mode)()  # fmt: skip
-        same = make_call(build_impl("chunked", device, args.temperature), hidden, weight, ids,
-                         grad, mode)()  # fmt: skip
+        gold = make_call(
+            build_impl("chunked", device, args.temperature),
+            hidden.double(),
+            weight.double(),
+            ids,
+            grad.double(),
+            mode,
+        )()
+        same = make_call(
+            build_impl("chunked", device, args.temperature), hidden, weight, ids, grad, mode
+        )()
         ref_lp, ref_grad = errors(same, gold)
         del same
         calls, mode_rows = {}, {}
@@ -190,15 +211,20 @@ def bench_shape(shape, args, device, dtype, ceilings) -> list[dict]:
             calls[impl] = call
         del gold
         # all checked impls timed together, round-robin, so load drift hits them alike
-        timings = measure_interleaved(
-            calls, warmup=args.warmup, repeats=args.repeats, device=device
-        ) if calls else {}  # fmt: skip
+        timings = (
+            measure_interleaved(calls, warmup=args.warmup, repeats=args.repeats, device=device)
+            if calls
+            else {}
+        )
         for impl, t in timings.items():
             timed[(mode, impl)] = t
-            mode_rows[impl].update(median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms,
-                                   peak_mib=t.peak_mem_mib)  # fmt: skip
-            print(f"  {label} {mode:15s} {impl:8s} {t.median_ms:10.2f} ms "
-                  f"{t.peak_mem_mib:9.1f} MiB", flush=True)  # fmt: skip
+            mode_rows[impl].update(
+                median_ms=t.median_ms, p20_ms=t.p20_ms, p80_ms=t.p80_ms, peak_mib=t.peak_mem_mib
+            )
+            print(
+                f"  {label} {mode:15s} {impl:8s} {t.median_ms:10.2f} ms {t.peak_mem_mib:9.1f} MiB",
+                flush=True,
+            )
         del calls
         gc.collect()
         if device.type == "cuda":
@@ -207,9 +233,16 @@ def bench_shape(shape, args, device, dtype, ceilings) -> list[dict]:
         for impl in args.impls:
             if (a, impl) in timed and (b, impl) in timed:
                 ms = timed[(a, impl)].median_ms - timed[(b, impl)].median_ms
-                rows.append({"shape": label, "dtype": str(dtype).split(".")[-1], "mode": mode,
-                             "impl": impl, "median_ms": ms,
-                             "note": f"derived: {a} - {b}"})  # fmt: skip
+                rows.append(
+                    {
+                        "shape": label,
+                        "dtype": str(dtype).split(".")[-1],
+                        "mode": mode,
+                        "impl": impl,
+                        "median_ms": ms,
+                        "note": f"derived: {a} - {b}",
+                    }
+                )
     naive = {r["mode"]: r for r in rows if r["impl"] == "naive" and r.get("median_ms")}
     for row in rows:
         ms = row.get("median_ms")
@@ -247,9 +280,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: bf16 GPU, fp32 CPU)")
     p.add_argument("--shapes", default=None, help="comma list of NxCxV, e.g. 4096x1024x151936")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma list from {IMPLS}")
-    p.add_argument("--impl", action="append", default=[], metavar="IMPL",
-                   help="also time this kernel: package.module:function (or a name given to "
-                   "grpo_kernels.register_logprob_impl); repeatable")  # fmt: skip
+    p.add_argument(
+        "--impl",
+        action="append",
+        default=[],
+        metavar="IMPL",
+        help="also time this kernel: package.module:function (or a name given to "
+        "grpo_kernels.register_logprob_impl); repeatable",
+    )
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list from {tuple(MODES)}")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--warmup", type=int, default=None, help="extra untimed calls after the check")
@@ -286,8 +324,11 @@ def main(argv=None) -> None:
     dtype = getattr(torch, args.dtype)
     flops = matmul_ceiling_tflops(device, dtype, size=512 if args.quick else None)
     bandwidth = copy_bandwidth_gbps(device, mib=64 if args.quick else 256)
-    print(f"measured {args.dtype} matmul ceiling: {flops:.2f} TFLOP/s, copy bandwidth "
-          f"{bandwidth:.1f} GB/s", flush=True)  # fmt: skip
+    print(
+        f"measured {args.dtype} matmul ceiling: {flops:.2f} TFLOP/s, copy bandwidth "
+        f"{bandwidth:.1f} GB/s",
+        flush=True,
+    )
     ceilings = {"tflops": flops, "gb_per_s": bandwidth}
     rows = []
     for shape in args.shapes:

@@ -32,22 +32,50 @@ from grpo.models import Decoder, ModelConfig
 
 MODES = ("frozen", "lora", "full")
 COLUMNS = [
-    "mode", "trainable_m", "median_ms", "p20_ms", "p80_ms", "min_ms", "cpu_min_ms", "peak_mib",
-    "x_frozen_time", "x_frozen_min", "x_frozen_cpu", "x_frozen_mem", "x_full_time", "x_full_min",
+    "mode",
+    "trainable_m",
+    "median_ms",
+    "p20_ms",
+    "p80_ms",
+    "min_ms",
+    "cpu_min_ms",
+    "peak_mib",
+    "x_frozen_time",
+    "x_frozen_min",
+    "x_frozen_cpu",
+    "x_frozen_mem",
+    "x_full_time",
+    "x_full_min",
     "x_full_mem",
     "tokens_per_s",
-]  # fmt: skip
+]
 
 
 def model_config(quick: bool) -> ModelConfig:
     """Qwen3-style (qk-norm, GQA 2:1, tied); the vocabulary is small: the lm_head is not timed."""
     if quick:
-        return ModelConfig(family="qwen3", vocab_size=512, hidden_size=256, intermediate_size=768,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           head_dim=64, qk_norm=True)  # fmt: skip
-    return ModelConfig(family="qwen3", vocab_size=4096, hidden_size=1024, intermediate_size=3072,
-                       num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
-                       head_dim=64, qk_norm=True)  # fmt: skip
+        return ModelConfig(
+            family="qwen3",
+            vocab_size=512,
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            qk_norm=True,
+        )
+    return ModelConfig(
+        family="qwen3",
+        vocab_size=4096,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
+        qk_norm=True,
+    )
 
 
 def build(mode: str, cfg: ModelConfig, rank: int) -> Decoder:
@@ -124,11 +152,21 @@ def main(argv=None) -> None:
             else sum(p.numel() for p in model.parameters() if p.requires_grad)
         )
         cpu = steps[mode].cpu_ms[-repeats:]  # the timed calls (not the check, not the warm-up)
-        rows.append({"mode": mode, "trainable_m": trainable / 1e6, "median_ms": t.median_ms,
-                     "p20_ms": t.p20_ms, "p80_ms": t.p80_ms, "min_ms": min(t.times_ms),
-                     "cpu_min_ms": min(cpu), "peak_mib": t.peak_mem_mib,
-                     "tokens_per_s": B * T / (t.median_ms / 1e3), "times_ms": list(t.times_ms),
-                     "cpu_times_ms": cpu})  # fmt: skip
+        rows.append(
+            {
+                "mode": mode,
+                "trainable_m": trainable / 1e6,
+                "median_ms": t.median_ms,
+                "p20_ms": t.p20_ms,
+                "p80_ms": t.p80_ms,
+                "min_ms": min(t.times_ms),
+                "cpu_min_ms": min(cpu),
+                "peak_mib": t.peak_mem_mib,
+                "tokens_per_s": B * T / (t.median_ms / 1e3),
+                "times_ms": list(t.times_ms),
+                "cpu_times_ms": cpu,
+            }
+        )
     by = {r["mode"]: r for r in rows}
     for r in rows:
         for ref in ("frozen", "full"):

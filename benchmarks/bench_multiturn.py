@@ -59,19 +59,45 @@ from grpo.rollout.sampler import Observation
 # shape is sized so that 2, 4 and 8 turns fit in a few minutes on a 2-core CPU.
 SIZES = {
     "tiny": dict(
-        prompts=4, group_size=2, prompt_len=100, turn_len=16, obs_len=16, warmup=2, repeats=10,
+        prompts=4,
+        group_size=2,
+        prompt_len=100,
+        turn_len=16,
+        obs_len=16,
+        warmup=2,
+        repeats=10,
         threads=1,
     ),
     "qwen3-0.6b": dict(
-        prompts=2, group_size=2, prompt_len=100, turn_len=16, obs_len=16, warmup=0, repeats=2,
+        prompts=2,
+        group_size=2,
+        prompt_len=100,
+        turn_len=16,
+        obs_len=16,
+        warmup=0,
+        repeats=2,
         threads=0,
     ),
-}  # fmt: skip
+}
 TARGET_TURNS, TARGET = 4, 1.5
 COLUMNS = [
-    "size", "turns", "impl", "B", "threads", "median_s", "p20_s", "p80_s", "tok_per_s",
-    "fwd_tokens", "peak_mib", "cpu_s", "speedup", "speedup_cpu", "target", "streams_equal",
-]  # fmt: skip
+    "size",
+    "turns",
+    "impl",
+    "B",
+    "threads",
+    "median_s",
+    "p20_s",
+    "p80_s",
+    "tok_per_s",
+    "fwd_tokens",
+    "peak_mib",
+    "cpu_s",
+    "speedup",
+    "speedup_cpu",
+    "target",
+    "streams_equal",
+]
 
 
 @dataclass(frozen=True)
@@ -122,9 +148,16 @@ class Workload:
 
 
 def build_workload(
-    vocab_size: int, *, prompts: int, group_size: int, prompt_len: int, turns: int,
-    turn_len: int, obs_len: int, seed: int = 0,
-) -> Workload:  # fmt: skip
+    vocab_size: int,
+    *,
+    prompts: int,
+    group_size: int,
+    prompt_len: int,
+    turns: int,
+    turn_len: int,
+    obs_len: int,
+    seed: int = 0,
+) -> Workload:
     """Random prompts and observation ids in [2, V) from a seeded generator."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(2, vocab_size, (prompts * prompt_len + obs_len,), generator=gen).tolist()
@@ -141,8 +174,13 @@ def build_workload(
 def build_model(size: str, min_vocab: int = 0) -> Decoder:
     """A random-init float32 `Decoder` of the `bench_sampler.CASES[size]` shape (with at least
     `min_vocab` tokens: a tokenizer's, when its text is encoded)."""
-    hf = dict(CASES[size]["config"], model_type="qwen3", max_position_embeddings=40960,
-              rope_theta=1000000.0, tie_word_embeddings=True)  # fmt: skip
+    hf = dict(
+        CASES[size]["config"],
+        model_type="qwen3",
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+    )
     hf["vocab_size"] = max(hf["vocab_size"], min_vocab)
     model = Decoder(ModelConfig.from_hf(hf))
     model.init_weights(seed=0)
@@ -153,10 +191,17 @@ def run_ours(sampler: Sampler, w: Workload) -> list[list[int]]:
     """`sample_turns` over one KV cache -> B token streams (turns and observations)."""
     N, O, K = w.turn_len, len(w.obs_ids), w.turns
     r = sample_turns(
-        sampler, w.prompts, group_size=w.group_size, observe=w.observer(), max_new_tokens=N,
-        max_turns=K, max_total_tokens=K * N + (K - 1) * O, stop_ids=[w.stop_id],
-        temperature=0.0, seed=0,
-    )  # fmt: skip
+        sampler,
+        w.prompts,
+        group_size=w.group_size,
+        observe=w.observer(),
+        max_new_tokens=N,
+        max_turns=K,
+        max_total_tokens=K * N + (K - 1) * O,
+        stop_ids=[w.stop_id],
+        temperature=0.0,
+        seed=0,
+    )
     return [ids[keep].tolist() for ids, keep in zip(r.completion_ids, r.completion_mask)]
 
 
@@ -175,9 +220,13 @@ def run_baseline(sampler: Sampler, w: Workload) -> list[list[int]]:
         if turn == w.turns:
             break
         r = sampler.sample(
-            convs, group_size=1, max_new_tokens=N, temperature=0.0, stop_ids=[w.stop_id],
+            convs,
+            group_size=1,
+            max_new_tokens=N,
+            temperature=0.0,
+            stop_ids=[w.stop_id],
             seed=turn,
-        )  # fmt: skip
+        )
         turn_ids = r.completion_ids.tolist()  # (B, N)
         for conv, ids in zip(convs, turn_ids):
             conv.extend(ids)
@@ -225,8 +274,9 @@ def with_cpu_time(fn, out: list):
 
 def run_size(size: str, turns_list: list[int], args) -> list[dict]:
     """Build the model once, then check and time every turn count; two rows per count."""
-    spec = {k: (getattr(args, k) if getattr(args, k) is not None else v)
-            for k, v in SIZES[size].items()}  # fmt: skip
+    spec = {
+        k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in SIZES[size].items()
+    }
     threads = spec["threads"] or args.default_threads
     torch.set_num_threads(threads)
     model = build_model(size)
@@ -234,10 +284,14 @@ def run_size(size: str, turns_list: list[int], args) -> list[dict]:
     rows = []
     for turns in turns_list:
         w = build_workload(
-            model.config.vocab_size, prompts=spec["prompts"], group_size=spec["group_size"],
-            prompt_len=spec["prompt_len"], turns=turns, turn_len=spec["turn_len"],
+            model.config.vocab_size,
+            prompts=spec["prompts"],
+            group_size=spec["group_size"],
+            prompt_len=spec["prompt_len"],
+            turns=turns,
+            turn_len=spec["turn_len"],
             obs_len=spec["obs_len"],
-        )  # fmt: skip
+        )
         mismatch = check_streams(sampler, w)
         if mismatch is not None:
             print(f"[{size}, {turns} turns] streams differ: {mismatch}", file=sys.stderr)
@@ -247,8 +301,9 @@ def run_size(size: str, turns_list: list[int], args) -> list[dict]:
         fns = {"baseline": partial(run_baseline, sampler, w), "ours": partial(run_ours, sampler, w)}
         t = measure_interleaved(
             {impl: with_cpu_time(fn, cpu[impl]) for impl, fn in fns.items()},
-            warmup=spec["warmup"], repeats=spec["repeats"],
-        )  # fmt: skip
+            warmup=spec["warmup"],
+            repeats=spec["repeats"],
+        )
         cpu = {impl: statistics.median(v[spec["warmup"] :]) for impl, v in cpu.items()}
         generated = w.rows * turns * w.turn_len
         for impl in ("baseline", "ours"):
@@ -290,11 +345,15 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--sizes", default="tiny,qwen3-0.6b", help=f"of {list(SIZES)}")
     parser.add_argument("--turns", default="2,4,8", help="comma-separated turn counts")
     for flag, doc in [
-        ("prompts", "P"), ("group-size", "G"), ("prompt-len", "prompt tokens"),
-        ("turn-len", "tokens per model turn"), ("obs-len", "tokens per observation"),
-        ("warmup", "untimed calls per side"), ("repeats", "timed calls per side"),
+        ("prompts", "P"),
+        ("group-size", "G"),
+        ("prompt-len", "prompt tokens"),
+        ("turn-len", "tokens per model turn"),
+        ("obs-len", "tokens per observation"),
+        ("warmup", "untimed calls per side"),
+        ("repeats", "timed calls per side"),
         ("threads", "torch threads (0 = torch's default)"),
-    ]:  # fmt: skip
+    ]:
         parser.add_argument(f"--{flag}", type=int, default=None, help=f"{doc} (default: per size)")
     add_output_args(parser, "multiturn_cpu")
     args = parser.parse_args(argv)

@@ -63,32 +63,55 @@ def label(sampler_cls, prec: Precision) -> str:
     return "policy (float32 head)" if prec.autocast_enabled else "float32 throughout"
 
 
-def case(model, prompts, args, lora: bool, compiled: bool, sampler_cls=Sampler,
-         prec=BF16) -> list[dict]:  # fmt: skip
+def case(
+    model, prompts, args, lora: bool, compiled: bool, sampler_cls=Sampler, prec=BF16
+) -> list[dict]:
     options = {} if args.device == "cuda" else {"backend": "aot_eager"}
     fp32_head = dataclasses.replace(prec, head="float32")
     sampler = sampler_cls(model, precision=prec, compile=compiled, compile_options=options)
-    r = sampler.sample(prompts, group_size=args.group_size, max_new_tokens=args.new_tokens,
-                       temperature=1.0, stop_ids=[], seed=0, pad_id=0)  # fmt: skip
+    r = sampler.sample(
+        prompts,
+        group_size=args.group_size,
+        max_new_tokens=args.new_tokens,
+        temperature=1.0,
+        stop_ids=[],
+        seed=0,
+        pad_id=0,
+    )
     rows = []
     with torch.no_grad():
         for shared in (False, True):
             G = args.group_size if shared else None
-            lp = {name: CompletionLogprobs(model, p)(r.ids, r.attention_mask(), r.prompt_width,
-                                                      r.completion_mask, 1.0, group_size=G)
-                  for name, p in (("bf16", BF16), ("fp32", FP32), ("run", prec),
-                                  ("fp32_head", fp32_head))}  # fmt: skip
+            lp = {
+                name: CompletionLogprobs(model, p)(
+                    r.ids, r.attention_mask(), r.prompt_width, r.completion_mask, 1.0, group_size=G
+                )
+                for name, p in (
+                    ("bf16", BF16),
+                    ("fp32", FP32),
+                    ("run", prec),
+                    ("fp32_head", fp32_head),
+                )
+            }
             s_max, s_mean = diffs(lp["run"], r.logprobs, r.completion_mask)
             t_max, t_mean = diffs(lp["bf16"], lp["fp32"], r.completion_mask)
             h_max, h_mean = diffs(lp["run"], lp["fp32_head"], r.completion_mask)
-            rows.append({
-                "sampler": label(sampler_cls, prec), "head": prec.head,
-                "lora": lora, "compiled": compiled, "shared_prefix": shared,
-                "tokens": int(r.completion_mask.sum()),
-                "sampler_vs_trainer_max": s_max, "sampler_vs_trainer_mean": s_mean,
-                "bf16_vs_fp32_trainer_max": t_max, "bf16_vs_fp32_trainer_mean": t_mean,
-                "head_vs_fp32_head_max": h_max, "head_vs_fp32_head_mean": h_mean,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "sampler": label(sampler_cls, prec),
+                    "head": prec.head,
+                    "lora": lora,
+                    "compiled": compiled,
+                    "shared_prefix": shared,
+                    "tokens": int(r.completion_mask.sum()),
+                    "sampler_vs_trainer_max": s_max,
+                    "sampler_vs_trainer_mean": s_mean,
+                    "bf16_vs_fp32_trainer_max": t_max,
+                    "bf16_vs_fp32_trainer_mean": t_mean,
+                    "head_vs_fp32_head_max": h_max,
+                    "head_vs_fp32_head_mean": h_mean,
+                }
+            )
             print(rows[-1], flush=True)
     return rows
 
@@ -101,27 +124,40 @@ def main(argv=None) -> None:
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--no-compile", action="store_true", help="skip the compiled rows")
-    p.add_argument("--heads", default=None,
-                   help="comma list of lm_head precisions to compare besides float32 "
-                        f"({', '.join(HEAD_PRECISIONS)}; default bf16 on a CPU, where tf32 is "
-                        "float32, and tf32,bf16 on CUDA)")  # fmt: skip
+    p.add_argument(
+        "--heads",
+        default=None,
+        help="comma list of lm_head precisions to compare besides float32 "
+        f"({', '.join(HEAD_PRECISIONS)}; default bf16 on a CPU, where tf32 is "
+        "float32, and tf32,bf16 on CUDA)",
+    )
     add_output_args(p, None)
     args = p.parse_args(argv)
     dev = torch.device(args.device)
     default_heads = "tf32,bf16" if dev.type == "cuda" else "bf16"
-    heads = [h for h in comma_list(p, "--heads", args.heads or default_heads, HEAD_PRECISIONS)
-             if h != "float32"]  # fmt: skip
+    heads = [
+        h
+        for h in comma_list(p, "--heads", args.heads or default_heads, HEAD_PRECISIONS)
+        if h != "float32"
+    ]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = make_checkpoint(Path(tmp), args.size)
         tok = load_tokenizer(path)
-        prompts = [tok(r["question"], add_special_tokens=False)["input_ids"]
-                   for r in minimath(args.prompts, seed=1)]  # fmt: skip
+        prompts = [
+            tok(r["question"], add_special_tokens=False)["input_ids"]
+            for r in minimath(args.prompts, seed=1)
+        ]
         for lora in (False, True):
             model = load_model(path, device=dev)
             if lora:  # LoRA r16 on q/k/v/o as the tutorial, B non-zero so the adapter acts
-                apply_lora(model, rank=16, alpha=32, targets=["q_proj", "k_proj", "v_proj",
-                                                               "o_proj"], seed=0)  # fmt: skip
+                apply_lora(
+                    model,
+                    rank=16,
+                    alpha=32,
+                    targets=["q_proj", "k_proj", "v_proj", "o_proj"],
+                    seed=0,
+                )
                 gen = torch.Generator(device="cpu").manual_seed(0)
                 with torch.no_grad():
                     for n, t in model.named_parameters():
@@ -139,14 +175,26 @@ def main(argv=None) -> None:
                     for c in compiled:
                         rows += case(model, prompts, args, lora, c, prec=prec)
             del model
-    cols = ["sampler", "head", "lora", "compiled", "shared_prefix", "tokens",
-            "sampler_vs_trainer_max", "sampler_vs_trainer_mean", "bf16_vs_fp32_trainer_max",
-            "bf16_vs_fp32_trainer_mean", "head_vs_fp32_head_max",
-            "head_vs_fp32_head_mean"]  # fmt: skip
-    meta = {"command": "python -m benchmarks.bench_precision " + " ".join(sys.argv[1:]),
-            "shape": f"{args.size}, P={args.prompts} x G={args.group_size}, "
-                     f"{args.new_tokens} new tokens (no stop), temperature 1",
-            "diffs": "|log p| differences per completion token: max and mean"}  # fmt: skip
+    cols = [
+        "sampler",
+        "head",
+        "lora",
+        "compiled",
+        "shared_prefix",
+        "tokens",
+        "sampler_vs_trainer_max",
+        "sampler_vs_trainer_mean",
+        "bf16_vs_fp32_trainer_max",
+        "bf16_vs_fp32_trainer_mean",
+        "head_vs_fp32_head_max",
+        "head_vs_fp32_head_mean",
+    ]
+    meta = {
+        "command": "python -m benchmarks.bench_precision " + " ".join(sys.argv[1:]),
+        "shape": f"{args.size}, P={args.prompts} x G={args.group_size}, "
+        f"{args.new_tokens} new tokens (no stop), temperature 1",
+        "diffs": "|log p| differences per completion token: max and mean",
+    }
     write_results(
         args.name or f"precision_{args.device}_{args.size}",
         rows,

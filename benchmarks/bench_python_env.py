@@ -28,8 +28,9 @@ CODES = {
 COLUMNS = ["code", "mode", "median_ms", "p20_ms", "p80_ms", "ratio", "target"]
 TARGET = 1.5
 # run_python's default limits, in the child program's units
-LIMITS = dict(cpu_s=5, as_bytes=512 << 20, file_bytes=1 << 20, nofile=64, nproc=16,
-              dir_bytes=16 << 20)  # fmt: skip
+LIMITS = dict(
+    cpu_s=5, as_bytes=512 << 20, file_bytes=1 << 20, nofile=64, nproc=16, dir_bytes=16 << 20
+)
 
 
 def limits_only(code: str) -> None:
@@ -58,16 +59,28 @@ def main(argv: list[str] | None = None) -> list[dict]:
         code = CODES[name]
         timings = measure_interleaved(
             {"sandbox": lambda c=code: sandboxed(c), "limits only": lambda c=code: limits_only(c)},
-            warmup=2, repeats=args.repeats,
-        )  # fmt: skip
+            warmup=2,
+            repeats=args.repeats,
+        )
         base = timings["limits only"].median_ms
         for mode, t in timings.items():
-            rows.append(dict(code=name, mode=mode, median_ms=t.median_ms, p20_ms=t.p20_ms,
-                             p80_ms=t.p80_ms, times_ms=list(t.times_ms),
-                             ratio=t.median_ms / base,
-                             target=TARGET if mode == "sandbox" else None))  # fmt: skip
-    meta = {"command": "python -m benchmarks.bench_python_env " + " ".join(argv or []),
-            "repeats": args.repeats, "isolation": iso.describe()}  # fmt: skip
+            rows.append(
+                dict(
+                    code=name,
+                    mode=mode,
+                    median_ms=t.median_ms,
+                    p20_ms=t.p20_ms,
+                    p80_ms=t.p80_ms,
+                    times_ms=list(t.times_ms),
+                    ratio=t.median_ms / base,
+                    target=TARGET if mode == "sandbox" else None,
+                )
+            )
+    meta = {
+        "command": "python -m benchmarks.bench_python_env " + " ".join(argv or []),
+        "repeats": args.repeats,
+        "isolation": iso.describe(),
+    }
     write_results(args.name, rows, COLUMNS, out_dir=args.out_dir, meta=meta)
     return rows
 

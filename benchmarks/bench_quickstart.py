@@ -37,8 +37,13 @@ def grpo(*args: str, inductor_cache: Path | None = None) -> float:
         shutil.rmtree(inductor_cache, ignore_errors=True)
         env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache)
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "grpo", *args], cwd=REPO, check=True, env=env,
-                   stdout=subprocess.DEVNULL)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "grpo", *args],
+        cwd=REPO,
+        check=True,
+        env=env,
+        stdout=subprocess.DEVNULL,
+    )
     return time.perf_counter() - t0
 
 
@@ -89,12 +94,28 @@ def main(argv: list[str] | None = None) -> int:
         out = work / adv
         extra = [f"train.max_steps={args.steps}"] if args.steps else []
         cache = None if args.warm_cache else work / "inductor-cache"
-        wall = grpo("train", "--config", CONFIG, f"model.path={model}", f"train.output_dir={out}",
-                    f"loss.advantage={adv}", "train.progress=false", "--overwrite", *extra,
-                    inductor_cache=cache)  # fmt: skip
+        wall = grpo(
+            "train",
+            "--config",
+            CONFIG,
+            f"model.path={model}",
+            f"train.output_dir={out}",
+            f"loss.advantage={adv}",
+            "train.progress=false",
+            "--overwrite",
+            *extra,
+            inductor_cache=cache,
+        )
         rows.append(curve_row(adv, wall, step_records(out)))
-    columns = ["advantage", "wall_s", "step1_reward_std", "step1_frac_zero_std", "step1_lr",
-               *[f"r@{s}" for s in CHECKPOINTS], "first_step_at_0.5"]  # fmt: skip
+    columns = [
+        "advantage",
+        "wall_s",
+        "step1_reward_std",
+        "step1_frac_zero_std",
+        "step1_lr",
+        *[f"r@{s}" for s in CHECKPOINTS],
+        "first_step_at_0.5",
+    ]
     meta = {
         "command": f"grpo tiny-model --out {model} && grpo train --config {CONFIG} "
         f"model.path={model} loss.advantage=ADV",
@@ -104,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         "inductor_cache": "warm (the user's)" if args.warm_cache else "cold (emptied per run)",
         "r@k": "rollout/reward_mean at step k (reward: grpo.tiny:digit_share)",
     }
-    write_results(args.name, rows, [c for c in columns if c in rows[0]],
-                  out_dir=args.out_dir, meta=meta)  # fmt: skip
+    write_results(
+        args.name, rows, [c for c in columns if c in rows[0]], out_dir=args.out_dir, meta=meta
+    )
     return 0
 
 

@@ -91,10 +91,29 @@ CASES = {
     ),
 }
 COLUMNS = [
-    "case", "batch", "impl", "threads", "tok_per_s", "ms_per_step", "prefill_ms", "total_ms",
-    "p20_ms", "p80_ms", "peak_mib", "cpu_ms", "x_hf_dyn", "x_hf_static", "x_cpu", "target",
-    "greedy_match", "greedy_ok", "floor_ms", "of_floor", "launches", "syncs",
-]  # fmt: skip
+    "case",
+    "batch",
+    "impl",
+    "threads",
+    "tok_per_s",
+    "ms_per_step",
+    "prefill_ms",
+    "total_ms",
+    "p20_ms",
+    "p80_ms",
+    "peak_mib",
+    "cpu_ms",
+    "x_hf_dyn",
+    "x_hf_static",
+    "x_cpu",
+    "target",
+    "greedy_match",
+    "greedy_ok",
+    "floor_ms",
+    "of_floor",
+    "launches",
+    "syncs",
+]
 HF_DYNAMIC, HF_STATIC = "hf generate (dynamic cache)", "hf generate (static cache)"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -165,13 +184,22 @@ def greedy_agreement(hf, sampler, input_ids, group_size: int, tokens: int) -> fl
     B = P*G rows as the timed calls (so a compiled sampler checks the graph it is timed with)."""
     never = hf.config.vocab_size
     ours = sampler.sample(
-        input_ids.tolist(), group_size=group_size, max_new_tokens=tokens, temperature=0,
-        stop_ids=[never], seed=0,
-    )  # fmt: skip
+        input_ids.tolist(),
+        group_size=group_size,
+        max_new_tokens=tokens,
+        temperature=0,
+        stop_ids=[never],
+        seed=0,
+    )
     theirs = hf_generate(
-        hf, input_ids, group_size=group_size, max_new_tokens=tokens, cache="dynamic", eos=never,
+        hf,
+        input_ids,
+        group_size=group_size,
+        max_new_tokens=tokens,
+        cache="dynamic",
+        eos=never,
         do_sample=False,
-    )  # fmt: skip
+    )
     return prefix_agreement(ours.completion_ids, theirs[:, input_ids.shape[1] :])
 
 
@@ -218,8 +246,14 @@ def run_case(case: str, args, default_threads: int):
 
         def ours_fn(sampler, n, G=G, B=B, prompts=prompts):
             def fn():
-                r = sampler.sample(prompts, group_size=G, max_new_tokens=n, temperature=1.0,
-                                   stop_ids=[never], seed=0)  # fmt: skip
+                r = sampler.sample(
+                    prompts,
+                    group_size=G,
+                    max_new_tokens=n,
+                    temperature=1.0,
+                    stop_ids=[never],
+                    seed=0,
+                )
                 assert r.completion_ids.shape == (B, n)
                 return r
 
@@ -227,8 +261,9 @@ def run_case(case: str, args, default_threads: int):
 
         def hf_fn(cache, n, G=G, B=B, input_ids=input_ids):
             def fn():
-                out = hf_generate(hf, input_ids, group_size=G, max_new_tokens=n, cache=cache,
-                                  eos=never)  # fmt: skip
+                out = hf_generate(
+                    hf, input_ids, group_size=G, max_new_tokens=n, cache=cache, eos=never
+                )
                 assert out.shape == (B, T_p + n)
                 return out
 
@@ -247,8 +282,9 @@ def run_case(case: str, args, default_threads: int):
         runs = {name: {"full": [], "first": [], "peak": [], "cpu": []} for name in fns}
         for _ in range(rounds):
             for name, (full, first) in fns.items():
-                t_full = measure(with_cpu_time(full, runs[name]["cpu"]), warmup=0, repeats=1,
-                                 device=device)  # fmt: skip
+                t_full = measure(
+                    with_cpu_time(full, runs[name]["cpu"]), warmup=0, repeats=1, device=device
+                )
                 runs[name]["full"].append(t_full.median_ms)
                 runs[name]["peak"].append(t_full.peak_mem_mib)
                 t_first = measure(first, warmup=0, repeats=1, device=device)
@@ -271,10 +307,12 @@ def step_cost(sampler, prompts, G: int, never: int) -> dict:
     from grpo.testing.launches import per_decode_step
 
     cost = per_decode_step(
-        lambda n: sampler.sample(prompts, group_size=G, max_new_tokens=n, temperature=1.0,
-                                 stop_ids=[never], seed=0),  # fmt: skip
-        n1=4, n2=8,
-    )  # fmt: skip
+        lambda n: sampler.sample(
+            prompts, group_size=G, max_new_tokens=n, temperature=1.0, stop_ids=[never], seed=0
+        ),
+        n1=4,
+        n2=8,
+    )
     return {"launches": cost["launches"], "syncs": cost["syncs"], "casts": cost["casts"]}
 
 
@@ -381,48 +419,73 @@ def decode_attention_ab(args) -> list[dict]:
     keep[:, -1] = True
     mask = torch.zeros(B, 1, 1, -(-S // 8) * 8, dtype=dtype, device=dev)[..., :S]
     mask.masked_fill_(~keep.to(dev)[:, None, None], float("-inf"))
-    grouped = lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m,  # noqa: E731
-                                                                enable_gqa=True)  # fmt: skip
-    impls = {sdpa_choice.GROUPED: grouped, sdpa_choice.FOLD: decode_sdpa,
-             sdpa_choice.MATMUL: decode_attention}  # fmt: skip
+
+    def grouped(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+
+    impls = {
+        sdpa_choice.GROUPED: grouped,
+        sdpa_choice.FOLD: decode_sdpa,
+        sdpa_choice.MATMUL: decode_attention,
+    }
     kernel = {
         sdpa_choice.GROUPED: sdpa_choice.sdpa_backend(q, k, v, mask, enable_gqa=True).name,
         sdpa_choice.FOLD: sdpa_choice.sdpa_backend(
             q.reshape(B, H_kv, H // H_kv, D), k, v, mask
-        ).name,  # fmt: skip
+        ).name,
         sdpa_choice.MATMUL: "two matmuls",
     }
     picked = sdpa_choice.choose("decode", dev, dtype, QWEN3_HEADS)
     sub = [t[:4] for t in (q, k, v, mask)]
     want = decode_attention(*(t.double() for t in sub))
     err = {n: (f(*sub).double() - want).abs().max().item() for n, f in impls.items()}
-    timings = measure_interleaved({n: (lambda f=f: f(q, k, v, mask)) for n, f in impls.items()},
-                                  warmup=2, repeats=10, device=dev)  # fmt: skip
+    timings = measure_interleaved(
+        {n: (lambda f=f: f(q, k, v, mask)) for n, f in impls.items()},
+        warmup=2,
+        repeats=10,
+        device=dev,
+    )
     base = timings[sdpa_choice.GROUPED].median_ms
-    return [{"impl": n, "kernel": kernel[n], "picked": n == picked,
-             "shape": f"B={B} S={S} H={H} H_kv={H_kv} D={D}", "dtype": args.dtype,
-             "device": args.device, "ms_per_layer": t.median_ms,
-             "ms_per_step": t.median_ms * QWEN3_LAYERS, "x_grouped": t.median_ms / base,
-             "max_err_vs_f64": err[n]} for n, t in timings.items()]  # fmt: skip
+    return [
+        {
+            "impl": n,
+            "kernel": kernel[n],
+            "picked": n == picked,
+            "shape": f"B={B} S={S} H={H} H_kv={H_kv} D={D}",
+            "dtype": args.dtype,
+            "device": args.device,
+            "ms_per_layer": t.median_ms,
+            "ms_per_step": t.median_ms * QWEN3_LAYERS,
+            "x_grouped": t.median_ms / base,
+            "max_err_vs_f64": err[n],
+        }
+        for n, t in timings.items()
+    ]
 
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cases", default="tiny,qwen3-0.6b",
-                        help=f"of {list(CASES)}, or none (--decode-attention alone)")  # fmt: skip
+    parser.add_argument(
+        "--cases",
+        default="tiny,qwen3-0.6b",
+        help=f"of {list(CASES)}, or none (--decode-attention alone)",
+    )
     parser.add_argument("--prompts", type=int, default=4, help="P")
     parser.add_argument("--group-size", type=int, default=8, help="G")
-    parser.add_argument("--batches", default="",
-                        help="PxG,PxG,... batch sizes in one run (default: --prompts x "
-                             "--group-size)")  # fmt: skip
+    parser.add_argument(
+        "--batches",
+        default="",
+        help="PxG,PxG,... batch sizes in one run (default: --prompts x --group-size)",
+    )
     parser.add_argument("--prompt-len", type=int, default=128, help="T_p")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
     parser.add_argument(
-        "--hf-caches", default="",
+        "--hf-caches",
+        default="",
         help="dynamic,static (default: per case on a CPU, both on CUDA; 'none' for no generate)",
-    )  # fmt: skip
+    )
     parser.add_argument("--compile", default="", help="cases that also time compile=True")
     parser.add_argument(
         "--no-eager",
@@ -433,18 +496,24 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--warmup", type=int, default=None, help="default: per case")
     parser.add_argument("--rounds", type=int, default=None, help="default: per case")
     parser.add_argument("--check-tokens", type=int, default=16, help="greedy parity steps")
-    parser.add_argument("--floor", default="qwen3-0.6b",
-                        help="cases whose rows get the machine's decode floor")  # fmt: skip
-    parser.add_argument("--decode-attention", default="", metavar="BxS",
-                        help="also time the decode step's attention at the Qwen3-0.6B heads, "
-                             "B rows x S slots (e.g. 128x1280): <name>_attention")  # fmt: skip
+    parser.add_argument(
+        "--floor", default="qwen3-0.6b", help="cases whose rows get the machine's decode floor"
+    )
+    parser.add_argument(
+        "--decode-attention",
+        default="",
+        metavar="BxS",
+        help="also time the decode step's attention at the Qwen3-0.6B heads, "
+        "B rows x S slots (e.g. 128x1280): <name>_attention",
+    )
     add_output_args(parser, "sampler_cpu_float32")
     args = parser.parse_args(argv)
     cases = [] if args.cases == "none" else comma_list(parser, "--cases", args.cases, CASES)
     args.compile = [c for c in args.compile.split(",") if c]
     try:
-        args.batches = (parse_batches(args.batches) if args.batches
-                        else [(args.prompts, args.group_size)])  # fmt: skip
+        args.batches = (
+            parse_batches(args.batches) if args.batches else [(args.prompts, args.group_size)]
+        )
     except ValueError as e:
         parser.error(f"--batches: expected PxG,... with positive integers, got {e}")
     if args.hf_caches == "none":
@@ -457,11 +526,16 @@ def main(argv: list[str]) -> None:
     args.floor = [c for c in args.floor.split(",") if c in cases]
     args.floor_rates = (None, None)
     if args.floor:  # measured before any model is built: the device's matmul rate, bandwidth
-        args.floor_rates = (matmul_ceiling_tflops(args.device, DTYPES[args.dtype]),
-                            copy_bandwidth_gbps(args.device, mib=1024))  # fmt: skip
+        args.floor_rates = (
+            matmul_ceiling_tflops(args.device, DTYPES[args.dtype]),
+            copy_bandwidth_gbps(args.device, mib=1024),
+        )
         gflops, gbs = args.floor_rates[0] * 1e3, args.floor_rates[1]
-        print(f"floor: {gflops:.0f} GFLOP/s ({args.dtype} 2048^3 matmul), {gbs:.1f} GB/s "
-              f"(1 GiB copy on {args.device})", flush=True)  # fmt: skip
+        print(
+            f"floor: {gflops:.0f} GFLOP/s ({args.dtype} 2048^3 matmul), {gbs:.1f} GB/s "
+            f"(1 GiB copy on {args.device})",
+            flush=True,
+        )
 
     import transformers
 
@@ -486,9 +560,13 @@ def main(argv: list[str]) -> None:
     }
     if args.decode_attention:
         attn = decode_attention_ab(args)
-        write_results(f"{args.name}_attention", attn, list(attn[0]), out_dir=args.out_dir,
-                      meta={"command": meta["command"],
-                            "what": decode_attention_ab.__doc__.split("\n\n")[0]})  # fmt: skip
+        write_results(
+            f"{args.name}_attention",
+            attn,
+            list(attn[0]),
+            out_dir=args.out_dir,
+            meta={"command": meta["command"], "what": decode_attention_ab.__doc__.split("\n\n")[0]},
+        )
     rows: list[dict] = []
     for case in cases:
         for batch in run_case(case, args, default_threads):

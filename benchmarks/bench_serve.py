@@ -57,16 +57,31 @@ from benchmarks.harness import _percentile, add_output_args, comma_list, write_r
 # per-case defaults (flags override): lengths in tokens, requests per client, timed rounds,
 # torch threads (0 = torch's default), the throughput goal (batched / sequential)
 CASES = {
-    "tiny": dict(prompt_len=32, max_tokens=32, requests=4, rounds=5, threads=1, target=3.0,
-                 vocab="tiny"),
-    "qwen3-0.6b": dict(prompt_len=16, max_tokens=16, requests=1, rounds=2, threads=0,
-                       target=None, vocab="big"),
-}  # fmt: skip
+    "tiny": dict(
+        prompt_len=32, max_tokens=32, requests=4, rounds=5, threads=1, target=3.0, vocab="tiny"
+    ),
+    "qwen3-0.6b": dict(
+        prompt_len=16, max_tokens=16, requests=1, rounds=2, threads=0, target=None, vocab="big"
+    ),
+}
 COLUMNS = [
-    "case", "mode", "clients", "requests", "max_tokens", "threads", "tok_per_s", "req_per_s",
-    "wall_s", "p50_ms", "p95_ms", "rows_per_call", "speedup", "constrained_x", "target",
+    "case",
+    "mode",
+    "clients",
+    "requests",
+    "max_tokens",
+    "threads",
+    "tok_per_s",
+    "req_per_s",
+    "wall_s",
+    "p50_ms",
+    "p95_ms",
+    "rows_per_call",
+    "speedup",
+    "constrained_x",
+    "target",
     "greedy_equal",
-]  # fmt: skip
+]
 NAME = "bench"
 
 
@@ -92,8 +107,12 @@ def client_round(url: str, bodies: list[list[dict]]) -> dict:
         for body in bodies[i]:
             chat = "messages" in body
             t0 = time.perf_counter()
-            conn.request("POST", "/v1/chat/completions" if chat else "/v1/completions",
-                         json.dumps(body), {"Content-Type": "application/json"})  # fmt: skip
+            conn.request(
+                "POST",
+                "/v1/chat/completions" if chat else "/v1/completions",
+                json.dumps(body),
+                {"Content-Type": "application/json"},
+            )
             resp = conn.getresponse()
             data = json.loads(resp.read())
             lat.append(time.perf_counter() - t0)
@@ -151,12 +170,25 @@ def start_server(model, tok, max_batch_rows: int, max_queue: int):
     from grpo.apps.serving import Engine, Service
     from grpo.apps.serving.app import build_app
 
-    engine = Engine(model, tok, [tok.eos_token_id], max_queue=max_queue,
-                    max_batch_rows=max_batch_rows, batch_window_ms=5.0)  # fmt: skip
+    engine = Engine(
+        model,
+        tok,
+        [tok.eos_token_id],
+        max_queue=max_queue,
+        max_batch_rows=max_batch_rows,
+        batch_window_ms=5.0,
+    )
     service = Service(engine, tok, NAME, max_tokens_limit=1024)
     sock = _listen("127.0.0.1", 0)  # grpo serve's own listening socket (TCP_NODELAY)
-    server = uvicorn.Server(uvicorn.Config(build_app(service), lifespan="on", log_config=None,
-                                           log_level="warning", access_log=False))  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(service),
+            lifespan="on",
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+        )
+    )
     engine.start()
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -187,17 +219,27 @@ def run_case(case: str, args, pool, tmp: str) -> list[dict]:
     model = build_model(case, min_vocab=len(tok))  # chat prompts encode text: every id fits
     V = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    bodies = [[{"model": NAME, "prompt": torch.randint(3, V, (T_p,), generator=gen).tolist(),
-                "max_tokens": N, "temperature": 0} for _ in range(R)]
-              for _ in range(C)]  # fmt: skip
+    bodies = [
+        [
+            {
+                "model": NAME,
+                "prompt": torch.randint(3, V, (T_p,), generator=gen).tolist(),
+                "max_tokens": N,
+                "temperature": 0,
+            }
+            for _ in range(R)
+        ]
+        for _ in range(C)
+    ]
     servers = {
         "batched": start_server(model, tok, args.max_batch_rows, max_queue=C * R),
         "sequential": start_server(model, tok, 1, max_queue=C * R),
     }
     try:
         # correctness before timing (and the warm-up): both give the same completions
-        answers = {m: pool.submit(client_round, url, bodies).result() for m, (url, _, _) in
-                   servers.items()}  # fmt: skip
+        answers = {
+            m: pool.submit(client_round, url, bodies).result() for m, (url, _, _) in servers.items()
+        }
         got = [t for client in answers["batched"]["texts"] for t in client]
         want = [t for client in answers["sequential"]["texts"] for t in client]
         equal = f"{sum(a == b for a, b in zip(got, want))}/{len(want)}"
@@ -212,17 +254,23 @@ def run_case(case: str, args, pool, tmp: str) -> list[dict]:
             calls[m] += servers[m][1].calls
         # lm-eval's loglikelihood requests (the same prompts scored, with the greedy next
         # token) on the batched server: scoring takes the engine's lock, one request a forward
-        scoring = [[{**b, "max_tokens": 1, "echo": True, "logprobs": 1} for b in client]
-                   for client in bodies]  # fmt: skip
+        scoring = [
+            [{**b, "max_tokens": 1, "echo": True, "logprobs": 1} for b in client]
+            for client in bodies
+        ]
         url = servers["batched"][0]
         pool.submit(client_round, url, scoring).result()  # warm-up
-        runs["loglikelihood"] = [pool.submit(client_round, url, scoring).result()
-                                 for _ in range(rounds)]  # fmt: skip
+        runs["loglikelihood"] = [
+            pool.submit(client_round, url, scoring).result() for _ in range(rounds)
+        ]
         calls["loglikelihood"] = None
         # structured outputs: the same prompts as chat messages, free and under a JSON schema
         # that cannot end within max_tokens (at least 64 digits), so both run max_tokens
-        digits = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
-                  "minItems": 64}  # fmt: skip
+        digits = {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 9},
+            "minItems": 64,
+        }
         fmt = {
             "type": "json_schema",
             "json_schema": {
@@ -235,9 +283,18 @@ def run_case(case: str, args, pool, tmp: str) -> list[dict]:
                 },
             },
         }
-        chat = [[{"model": NAME, "max_tokens": N, "temperature": 0, "messages": [
-            {"role": "user", "content": tok.decode(b["prompt"])}]} for b in client]
-            for client in bodies]  # fmt: skip
+        chat = [
+            [
+                {
+                    "model": NAME,
+                    "max_tokens": N,
+                    "temperature": 0,
+                    "messages": [{"role": "user", "content": tok.decode(b["prompt"])}],
+                }
+                for b in client
+            ]
+            for client in bodies
+        ]
         constrained = [[{**b, "response_format": fmt} for b in client] for client in chat]
         payloads = {"chat": chat, "chat+json_schema": constrained}
         for m, payload in payloads.items():
@@ -255,23 +312,34 @@ def run_case(case: str, args, pool, tmp: str) -> list[dict]:
     rows = []
     for m, rs in runs.items():
         lat = [x * 1e3 for run in rs for x in run["latencies_s"]]
-        rows.append({
-            "case": case, "mode": m, "clients": C, "requests": C * R, "max_tokens": N,
-            "prompt_len": T_p, "threads": threads, "tokenizer_vocab": len(tok),
-            "tok_per_s": statistics.median(run["tokens"] / run["wall_s"] for run in rs),
-            "req_per_s": statistics.median(C * R / run["wall_s"] for run in rs),
-            "wall_s": statistics.median(run["wall_s"] for run in rs),
-            "p50_ms": _percentile(lat, 50), "p95_ms": _percentile(lat, 95),
-            "rows_per_call": None if calls[m] is None else C * R * rounds / calls[m],
-            "greedy_equal": equal, "rounds": rounds,
-            "walls_s": [run["wall_s"] for run in rs],
-        })  # fmt: skip
+        rows.append(
+            {
+                "case": case,
+                "mode": m,
+                "clients": C,
+                "requests": C * R,
+                "max_tokens": N,
+                "prompt_len": T_p,
+                "threads": threads,
+                "tokenizer_vocab": len(tok),
+                "tok_per_s": statistics.median(run["tokens"] / run["wall_s"] for run in rs),
+                "req_per_s": statistics.median(C * R / run["wall_s"] for run in rs),
+                "wall_s": statistics.median(run["wall_s"] for run in rs),
+                "p50_ms": _percentile(lat, 50),
+                "p95_ms": _percentile(lat, 95),
+                "rows_per_call": None if calls[m] is None else C * R * rounds / calls[m],
+                "greedy_equal": equal,
+                "rounds": rounds,
+                "walls_s": [run["wall_s"] for run in rs],
+            }
+        )
     batched, sequential, scored, free, json_rows = rows
     json_rows["constrained_x"] = json_rows["tok_per_s"] / free["tok_per_s"]
     json_rows["target"] = 0.8
     scored["max_tokens"] = 1
-    scored["tok_per_s"] = statistics.median(C * R * T_p / run["wall_s"] for run in runs[
-        "loglikelihood"])  # prompt tokens scored per second  # fmt: skip
+    scored["tok_per_s"] = statistics.median(
+        C * R * T_p / run["wall_s"] for run in runs["loglikelihood"]
+    )  # prompt tokens scored per second
     batched["speedup"] = batched["tok_per_s"] / sequential["tok_per_s"]
     batched["target"] = spec["target"]
     return rows
@@ -287,9 +355,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--rounds", type=int, default=0, help="default: per case")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: per case)")
     parser.add_argument("--max-batch-rows", type=int, default=32)
-    parser.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "grpo-bench-grammar"),
-                        help="where the 151,646-token tokenizer is kept (shared with "
-                        "bench_grammar)")  # fmt: skip
+    parser.add_argument(
+        "--cache",
+        default=str(Path(tempfile.gettempdir()) / "grpo-bench-grammar"),
+        help="where the 151,646-token tokenizer is kept (shared with bench_grammar)",
+    )
     add_output_args(parser, "serve_cpu")
     args = parser.parse_args(argv)
     cases = comma_list(parser, "--cases", args.cases, CASES)

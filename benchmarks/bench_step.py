@@ -69,8 +69,9 @@ GSM8K_LENGTHS = {"median": 90.0, "sigma": 0.41, "at_cap": 0.05}  # see the modul
 ALL_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
-def build_case(model_dir: Path, lora: bool, args, shared: str = "off", extra=(),
-               sample: bool = True) -> dict:  # fmt: skip
+def build_case(
+    model_dir: Path, lora: bool, args, shared: str = "off", extra=(), sample: bool = True
+) -> dict:
     """Policy, optimizer, sampler and one rolled-out batch (with reference log-probs and
     advantages) for the bench's settings (plus `extra` overrides); `rollout` samples a fresh
     batch. `sample` False: no sampler and no batch."""
@@ -112,8 +113,17 @@ def build_case(model_dir: Path, lora: bool, args, shared: str = "off", extra=(),
         return rollout_phase(cfg, policy, sampler, rows, state, rewards, step[0])
 
     batch = step_batch(cfg, policy, rollout())  # reference log-probs, advantages
-    return dict(cfg=cfg, policy=policy, rows=rows, params=params, opt=opt, sched=sched,
-                sampler=sampler, rollout=rollout, batch=batch)  # fmt: skip
+    return dict(
+        cfg=cfg,
+        policy=policy,
+        rows=rows,
+        params=params,
+        opt=opt,
+        sched=sched,
+        sampler=sampler,
+        rollout=rollout,
+        batch=batch,
+    )
 
 
 def bench_case(model_dir: Path, size: str, lora: bool, args, shared: str = "off") -> dict:
@@ -168,19 +178,27 @@ def reward_model_case(model_dir: Path, case: dict, rollout_ms: float, args) -> d
 
     cfg, policy, batch = case["cfg"], case["policy"], case["rollout"]()  # rows and texts
     device = torch.device(args.device)
-    rm = load_model(model_dir, cfg.model.dtype, device, num_labels=1,
-                    pad_token_id=policy.tokenizer.pad_token_id)  # fmt: skip
+    rm = load_model(
+        model_dir, cfg.model.dtype, device, num_labels=1, pad_token_id=policy.tokenizer.pad_token_id
+    )
     with torch.no_grad():
         rm.score.weight.normal_(0, 0.02, generator=torch.Generator(device).manual_seed(0))
     rm.requires_grad_(False)
     questions = [r["question"] for r in batch.rows]
     precision = Precision.from_config(cfg.model, training=False)
-    t = measure(lambda: score_completions(rm, policy.tokenizer, questions, batch.texts,
-                                          args.rm_batch_size, 1024, None, precision),
-                warmup=1, repeats=args.repeats, device=device)  # fmt: skip
-    return {"rm_score_ms": round(t.median_ms, 1),
-            "rm_rows_per_s": round(len(questions) / (t.median_ms / 1e3), 1),
-            "rm_vs_rollout": round(t.median_ms / rollout_ms, 3)}  # fmt: skip
+    t = measure(
+        lambda: score_completions(
+            rm, policy.tokenizer, questions, batch.texts, args.rm_batch_size, 1024, None, precision
+        ),
+        warmup=1,
+        repeats=args.repeats,
+        device=device,
+    )
+    return {
+        "rm_score_ms": round(t.median_ms, 1),
+        "rm_rows_per_s": round(len(questions) / (t.median_ms / 1e3), 1),
+        "rm_vs_rollout": round(t.median_ms / rollout_ms, 3),
+    }
 
 
 def critic_case(case: dict, grpo_step_ms: float, args) -> dict:
@@ -193,26 +211,39 @@ def critic_case(case: dict, grpo_step_ms: float, args) -> dict:
 
     cfg, policy = case["cfg"], case["policy"]
     device = torch.device(args.device)
-    ppo = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, advantage="gae"),
-                              modules=(ModuleConfig(name="critic"),))  # fmt: skip
+    ppo = dataclasses.replace(
+        cfg,
+        loss=dataclasses.replace(cfg.loss, advantage="gae"),
+        modules=(ModuleConfig(name="critic"),),
+    )
     modules = ModuleSet(ppo.check_grpo(), policy, SINGLE, device, 1000)
     batch = case["rollout"]()
-    t_attach = measure(lambda: modules.attach(batch), warmup=1, repeats=args.repeats,
-                       device=device)  # fmt: skip
+    t_attach = measure(lambda: modules.attach(batch), warmup=1, repeats=args.repeats, device=device)
     batch = modules.attach(batch)
     inputs = step_batch(ppo, policy, batch)  # reference log-probs, GAE
-    t_fit = measure(lambda: modules.step(batch, inputs), warmup=1, repeats=args.repeats,
-                    device=device)  # fmt: skip
+    t_fit = measure(
+        lambda: modules.step(batch, inputs), warmup=1, repeats=args.repeats, device=device
+    )
     ppo_ms = grpo_step_ms + t_attach.median_ms + t_fit.median_ms
-    return {"critic_values_ms": round(t_attach.median_ms, 1),
-            "critic_update_ms": round(t_fit.median_ms, 1), "ppo_step_ms": round(ppo_ms, 1),
-            "ppo_vs_grpo": round(ppo_ms / grpo_step_ms, 3),
-            "ppo_peak_mem_mib": round(max(t_attach.peak_mem_mib, t_fit.peak_mem_mib),
-                                      1)}  # fmt: skip
+    return {
+        "critic_values_ms": round(t_attach.median_ms, 1),
+        "critic_update_ms": round(t_fit.median_ms, 1),
+        "ppo_step_ms": round(ppo_ms, 1),
+        "ppo_vs_grpo": round(ppo_ms / grpo_step_ms, 3),
+        "ppo_peak_mem_mib": round(max(t_attach.peak_mem_mib, t_fit.peak_mem_mib), 1),
+    }
 
 
-def controlled_rollout(prompts: list[list[int]], G: int, T_c: int, spread: str, vocab: int,
-                       eos: int, device, seed: int = 0) -> Rollout:  # fmt: skip
+def controlled_rollout(
+    prompts: list[list[int]],
+    G: int,
+    T_c: int,
+    spread: str,
+    vocab: int,
+    eos: int,
+    device,
+    seed: int = 0,
+) -> Rollout:
     """A rollout of P prompts x G completions of random tokens whose lengths follow `spread`
     (module docstring); rows below the cap end in `eos` (finished)."""
     rng = np.random.default_rng(seed)
@@ -235,12 +266,16 @@ def controlled_rollout(prompts: list[list[int]], G: int, T_c: int, spread: str, 
         cmask[b, :n] = True
     lens_t = torch.from_numpy(lens)
     return Rollout(
-        ids=ids.to(device), prompt_lens=torch.tensor([len(prompts[b // G]) for b in range(B)],
-                                                     device=device),
-        prompt_width=T_p, completion_ids=ids[:, T_p:].to(device), completion_mask=cmask.to(device),
-        completion_lens=lens_t.to(device), finished=(lens_t < T_c).to(device),
-        logprobs=torch.zeros(B, T_c, device=device), group_size=G,
-    )  # fmt: skip
+        ids=ids.to(device),
+        prompt_lens=torch.tensor([len(prompts[b // G]) for b in range(B)], device=device),
+        prompt_width=T_p,
+        completion_ids=ids[:, T_p:].to(device),
+        completion_mask=cmask.to(device),
+        completion_lens=lens_t.to(device),
+        finished=(lens_t < T_c).to(device),
+        logprobs=torch.zeros(B, T_c, device=device),
+        group_size=G,
+    )
 
 
 def gsm8k_lengths(rng, n: int, T_c: int) -> np.ndarray:
@@ -274,22 +309,32 @@ def floor_ms(model, real_tokens: int, scored: int, lora: bool, tflops: float) ->
     return flops / (tflops * 1e12) * 1e3
 
 
-def packing_case(model_dir: Path, size: str, lora: bool, spread: str, args,
-                 tflops: float) -> dict:  # fmt: skip
+def packing_case(model_dir: Path, size: str, lora: bool, spread: str, args, tflops: float) -> dict:
     """Padded vs packed training passes (reference + update) on one controlled rollout."""
-    cases = {mode: build_case(model_dir, lora, args, "auto", [f"train.pack_sequences={mode}"],
-                              sample=False) for mode in ("off", "on")}  # fmt: skip
+    cases = {
+        mode: build_case(
+            model_dir, lora, args, "auto", [f"train.pack_sequences={mode}"], sample=False
+        )
+        for mode in ("off", "on")
+    }
     policy, cfg, rows = cases["off"]["policy"], cases["off"]["cfg"], cases["off"]["rows"]
     G, P = args.group_size, args.prompts
     prompts = [rows[i]["prompt_ids"] for i in range(P)]
     vocab = min(policy.model.config.vocab_size, len(policy.tokenizer))
-    r = controlled_rollout(prompts, G, args.max_new_tokens, spread, vocab, policy.stop_ids[0],
-                           args.device)  # fmt: skip
+    r = controlled_rollout(
+        prompts, G, args.max_new_tokens, spread, vocab, policy.stop_ids[0], args.device
+    )
     rewards = torch.randn(P * G, generator=torch.Generator().manual_seed(0)).to(args.device)
-    batch = RolloutBatch(rollout=r, rows=[rows[i // G] for i in range(P * G)],
-                         texts=[""] * (P * G), rewards=rewards,
-                         token_rewards=outcome_token_rewards(rewards, r.completion_mask),
-                         per_fn={}, policy_version=0, frac_zero_std=0.0)  # fmt: skip
+    batch = RolloutBatch(
+        rollout=r,
+        rows=[rows[i // G] for i in range(P * G)],
+        texts=[""] * (P * G),
+        rewards=rewards,
+        token_rewards=outcome_token_rewards(rewards, r.completion_mask),
+        per_fn={},
+        policy_version=0,
+        frac_zero_std=0.0,
+    )
     first = step_batch(cfg, policy, batch)
     # the sampler's log-probs: the policy's own (a first-pass ratio of 1, as in a run)
     r.logprobs = reference_phase(cfg, policy, r, first.counted_mask, first.plan)
@@ -298,9 +343,11 @@ def packing_case(model_dir: Path, size: str, lora: bool, spread: str, args,
     for m, c in cases.items():
         inp = inputs[m]
         fns[f"{m}_ref"] = lambda c=c, inp=inp: reference_phase(
-            c["cfg"], c["policy"], r, inp.counted_mask, inp.plan)  # fmt: skip
+            c["cfg"], c["policy"], r, inp.counted_mask, inp.plan
+        )
         fns[f"{m}_update"] = lambda c=c, inp=inp: update_phase(
-            c["cfg"], c["policy"], inp, c["opt"], c["sched"], c["params"])  # fmt: skip
+            c["cfg"], c["policy"], inp, c["opt"], c["sched"], c["params"]
+        )
     t = measure_interleaved(fns, warmup=1, repeats=args.repeats, device=args.device)
     padded = padded_tokens(r, inputs["off"].plan, cfg.shared_prefix_groups)
     packed = sum(mb.packed.real_tokens for mb in inputs["on"].plan)
@@ -309,30 +356,40 @@ def packing_case(model_dir: Path, size: str, lora: bool, spread: str, args,
     floor = floor_ms(policy.model, packed, int(inputs["on"].counted_mask.sum()), lora, tflops)
     peak = {m: max(t[f"{m}_ref"].peak_mem_mib, t[f"{m}_update"].peak_mem_mib) for m in ms}
     return {
-        "size": size, "mode": "lora r16" if lora else "full", "lengths": spread,
+        "size": size,
+        "mode": "lora r16" if lora else "full",
+        "lengths": spread,
         "completion_len": f"{lens.mean():.0f} (max {int(lens.max())})",
         "prompt_len": round(float(r.prompt_lens.float().mean()), 1),
         "pad_share": round(1 - packed / padded, 3),
-        "padded_ms": round(ms["off"], 1), "packed_ms": round(ms["on"], 1),
+        "padded_ms": round(ms["off"], 1),
+        "packed_ms": round(ms["on"], 1),
         "packed_vs_padded": round(ms["on"] / ms["off"], 3),
         "ref_ratio": round(t["on_ref"].median_ms / t["off_ref"].median_ms, 3),
         "update_ratio": round(t["on_update"].median_ms / t["off_update"].median_ms, 3),
-        "padded_peak_mib": round(peak["off"], 1), "packed_peak_mib": round(peak["on"], 1),
+        "padded_peak_mib": round(peak["off"], 1),
+        "packed_peak_mib": round(peak["on"], 1),
         "real_tokens_per_s": round(packed / (ms["on"] / 1e3), 1),
-        "floor_ms": round(floor, 1), "packed_vs_floor": round(ms["on"] / floor, 2),
-    }  # fmt: skip
+        "floor_ms": round(floor, 1),
+        "packed_vs_floor": round(ms["on"] / floor, 2),
+    }
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="ci,demo",
-                   help="comma list of grpo.tiny.SIZES keys or qwen3-0.6b")  # fmt: skip
+    p.add_argument(
+        "--sizes", default="ci,demo", help="comma list of grpo.tiny.SIZES keys or qwen3-0.6b"
+    )
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--micro-batch-size", type=int, default=16)
-    p.add_argument("--data", choices=sorted(DATA), default="minimath",
-                   help="prompt source (gsm8k: ~200-token prompts)")  # fmt: skip
+    p.add_argument(
+        "--data",
+        choices=sorted(DATA),
+        default="minimath",
+        help="prompt source (gsm8k: ~200-token prompts)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add_output_args(p, None)
@@ -342,38 +399,75 @@ def main(argv=None) -> None:
         choices=("auto", "on", "off"),
         help="rollout.compile (auto: compiled decode step where inductor works)",
     )
-    p.add_argument("--shared-prefix", default="off",
-                   help="train.shared_prefix settings side by side (e.g. off,on); "
-                        "ref_update_speedup = off's (ref + update) / this one's")  # fmt: skip
-    p.add_argument("--lengths", default=None,
-                   help="compare padded and packed training passes at these completion-length "
-                        "spreads instead (gsm8k, uniform); see the module docstring")  # fmt: skip
+    p.add_argument(
+        "--shared-prefix",
+        default="off",
+        help="train.shared_prefix settings side by side (e.g. off,on); "
+        "ref_update_speedup = off's (ref + update) / this one's",
+    )
+    p.add_argument(
+        "--lengths",
+        default=None,
+        help="compare padded and packed training passes at these completion-length "
+        "spreads instead (gsm8k, uniform); see the module docstring",
+    )
     p.add_argument("--modes", default="lora,full", help="lora, full or both")
-    p.add_argument("--lora-targets", default=ALL_TARGETS,
-                   help="lora.targets of the lora mode (the tutorial's: q_proj,k_proj,v_proj,"
-                        "o_proj)")  # fmt: skip
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="a config override for every case (repeatable), e.g. "
-                        "model.autocast_bf16=true")  # fmt: skip
-    p.add_argument("--reward-model", action="store_true",
-                   help="also time a same-size reward model (the reward_model reward) scoring "
-                        "each case's rollout: rows/s and its time over the rollout's")  # fmt: skip
+    p.add_argument(
+        "--lora-targets",
+        default=ALL_TARGETS,
+        help="lora.targets of the lora mode (the tutorial's: q_proj,k_proj,v_proj,o_proj)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every case (repeatable), e.g. model.autocast_bf16=true",
+    )
+    p.add_argument(
+        "--reward-model",
+        action="store_true",
+        help="also time a same-size reward model (the reward_model reward) scoring "
+        "each case's rollout: rows/s and its time over the rollout's",
+    )
     p.add_argument("--rm-batch-size", type=int, default=32, help="--reward-model: rows/forward")
-    p.add_argument("--critic", action="store_true",
-                   help="also time PPO's critic (values, GAE, its update) on each case's "
-                        "batch: the PPO step beside GRPO's")  # fmt: skip
+    p.add_argument(
+        "--critic",
+        action="store_true",
+        help="also time PPO's critic (values, GAE, its update) on each case's "
+        "batch: the PPO step beside GRPO's",
+    )
     args = p.parse_args(argv)
     sizes = comma_list(p, "--sizes", args.sizes, [*SIZES, "qwen3-0.6b"])
     if args.lengths is not None:
         return packing_main(args, sizes, argv)
-    cols = ["size", "mode", "shared_prefix", "prompt_len", "trainable_params", "rollout_ms",
-            "ref_logprob_ms", "update_ms", "step_ms", "ref_update_speedup", "rollout_frac",
-            "tokens_per_s", "peak_mem_mib", "spread_ms"]  # fmt: skip
+    cols = [
+        "size",
+        "mode",
+        "shared_prefix",
+        "prompt_len",
+        "trainable_params",
+        "rollout_ms",
+        "ref_logprob_ms",
+        "update_ms",
+        "step_ms",
+        "ref_update_speedup",
+        "rollout_frac",
+        "tokens_per_s",
+        "peak_mem_mib",
+        "spread_ms",
+    ]
     if args.reward_model:
         cols += ["rm_score_ms", "rm_rows_per_s", "rm_vs_rollout"]
     if args.critic:
-        cols += ["critic_values_ms", "critic_update_ms", "ppo_step_ms", "ppo_vs_grpo",
-                 "ppo_peak_mem_mib"]  # fmt: skip
+        cols += [
+            "critic_values_ms",
+            "critic_update_ms",
+            "ppo_step_ms",
+            "ppo_vs_grpo",
+            "ppo_peak_mem_mib",
+        ]
     meta = {
         "command": "python -m benchmarks.bench_step "
         + " ".join(sys.argv[1:] if argv is None else argv),
@@ -390,44 +484,71 @@ def main(argv=None) -> None:
                 for shared in args.shared_prefix.split(","):
                     rows.append(bench_case(model_dir, size, lora, args, shared))
                     add_speedups(rows)  # written after every case: a timeout keeps the rest
-                    write_results(args.name or f"step_{args.device}", rows, cols,
-                                  out_dir=args.out_dir, meta=meta)  # fmt: skip
+                    write_results(
+                        args.name or f"step_{args.device}",
+                        rows,
+                        cols,
+                        out_dir=args.out_dir,
+                        meta=meta,
+                    )
 
 
 def sft_packing_case(model_dir: Path, size: str, lora: bool, args, tflops: float) -> dict:
     """One SFT step (`sft_update`), padded vs packed, on the dataset's own worked solutions
     (their real length spread): P x G rows, micro-batches of --micro-batch-size rows."""
-    cases = {mode: build_case(model_dir, lora, args, "auto", [f"train.pack_sequences={mode}"],
-                              sample=False) for mode in ("off", "on")}  # fmt: skip
+    cases = {
+        mode: build_case(
+            model_dir, lora, args, "auto", [f"train.pack_sequences={mode}"], sample=False
+        )
+        for mode in ("off", "on")
+    }
     cfg, policy = cases["off"]["cfg"], cases["off"]["policy"]
     B = args.prompts * args.group_size
     rows = load_rows(cfg.data, cfg.data.split, B, "sft", policy.tokenizer)
     rows = tokenize_sft(rows, policy.tokenizer, args.max_new_tokens)
-    fns = {m: (lambda c=c: sft_update(c["cfg"], c["policy"], CompletionLogprobs(c["policy"].model),
-                                      rows, c["opt"], c["sched"], c["params"], SINGLE))
-           for m, c in cases.items()}  # fmt: skip
+    fns = {
+        m: (
+            lambda c=c: sft_update(
+                c["cfg"],
+                c["policy"],
+                CompletionLogprobs(c["policy"].model),
+                rows,
+                c["opt"],
+                c["sched"],
+                c["params"],
+                SINGLE,
+            )
+        )
+        for m, c in cases.items()
+    }
     t = measure_interleaved(fns, warmup=1, repeats=args.repeats, device=args.device)
     lens = [len(r["completion_ids"]) for r in rows]
     real = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
     mb = args.micro_batch_size
     padded = sum(  # `collate`: prompts left-padded to the longest, completions right-padded
-        len(part) * (max(len(r["prompt_ids"]) for r in part) + max(len(r["completion_ids"])
-                                                                   for r in part))
-        for part in (rows[i : i + mb] for i in range(0, B, mb)))  # fmt: skip
+        len(part)
+        * (max(len(r["prompt_ids"]) for r in part) + max(len(r["completion_ids"]) for r in part))
+        for part in (rows[i : i + mb] for i in range(0, B, mb))
+    )
     floor = floor_ms(policy.model, real, sum(lens), lora, tflops) * 3 / 4  # no reference pass
     on, off = t["on"].median_ms, t["off"].median_ms
     return {
-        "size": size, "mode": "lora r16" if lora else "full", "lengths": "sft (dataset's)",
+        "size": size,
+        "mode": "lora r16" if lora else "full",
+        "lengths": "sft (dataset's)",
         "completion_len": f"{np.mean(lens):.0f} (max {max(lens)})",
         "prompt_len": round(float(np.mean([len(r["prompt_ids"]) for r in rows])), 1),
-        "pad_share": round(1 - real / padded, 3), "padded_ms": round(off, 1),
-        "packed_ms": round(on, 1), "packed_vs_padded": round(on / off, 3),
+        "pad_share": round(1 - real / padded, 3),
+        "padded_ms": round(off, 1),
+        "packed_ms": round(on, 1),
+        "packed_vs_padded": round(on / off, 3),
         "update_ratio": round(on / off, 3),
         "padded_peak_mib": round(t["off"].peak_mem_mib, 1),
         "packed_peak_mib": round(t["on"].peak_mem_mib, 1),
         "real_tokens_per_s": round(real / (on / 1e3), 1),
-        "floor_ms": round(floor, 1), "packed_vs_floor": round(on / floor, 2),
-    }  # fmt: skip
+        "floor_ms": round(floor, 1),
+        "packed_vs_floor": round(on / floor, 2),
+    }
 
 
 def packing_main(args, sizes: list[str], argv) -> None:
@@ -436,9 +557,24 @@ def packing_main(args, sizes: list[str], argv) -> None:
     bad = [x for x in spreads if x not in ("gsm8k", "uniform", "sft")]
     if bad:
         raise SystemExit(f"--lengths: unknown spread {bad[0]!r} (expected gsm8k, uniform or sft)")
-    cols = ["size", "mode", "lengths", "completion_len", "prompt_len", "pad_share", "padded_ms",
-            "packed_ms", "packed_vs_padded", "ref_ratio", "update_ratio", "padded_peak_mib",
-            "packed_peak_mib", "real_tokens_per_s", "floor_ms", "packed_vs_floor"]  # fmt: skip
+    cols = [
+        "size",
+        "mode",
+        "lengths",
+        "completion_len",
+        "prompt_len",
+        "pad_share",
+        "padded_ms",
+        "packed_ms",
+        "packed_vs_padded",
+        "ref_ratio",
+        "update_ratio",
+        "padded_peak_mib",
+        "packed_peak_mib",
+        "real_tokens_per_s",
+        "floor_ms",
+        "packed_vs_floor",
+    ]
     dtype = torch.float32  # the passes' default precision (model.dtype float32, no autocast)
     tflops = matmul_ceiling_tflops(args.device, dtype)
     meta = {
@@ -464,8 +600,13 @@ def packing_main(args, sizes: list[str], argv) -> None:
                         rows.append(sft_packing_case(model_dir, size, lora, args, tflops))
                     else:
                         rows.append(packing_case(model_dir, size, lora, spread, args, tflops))
-                    write_results(args.name or f"packing_{args.device}", rows, cols,
-                                  out_dir=args.out_dir, meta=meta)  # fmt: skip
+                    write_results(
+                        args.name or f"packing_{args.device}",
+                        rows,
+                        cols,
+                        out_dir=args.out_dir,
+                        meta=meta,
+                    )
 
 
 def model_dirs(sizes: list[str], tmp: Path):
@@ -481,8 +622,11 @@ def add_speedups(rows: list[dict]) -> None:
     """ref_update_speedup: the shared prefix's saving on the training-side passes, against the
     same size and mode with shared_prefix off (None until that row exists)."""
     for row in rows:
-        off = [r for r in rows if (r["size"], r["mode"], r["shared_prefix"]) ==
-               (row["size"], row["mode"], "off")]  # fmt: skip
+        off = [
+            r
+            for r in rows
+            if (r["size"], r["mode"], r["shared_prefix"]) == (row["size"], row["mode"], "off")
+        ]
         ref_upd = row["ref_logprob_ms"] + row["update_ms"]
         row["ref_update_speedup"] = (
             round((off[0]["ref_logprob_ms"] + off[0]["update_ms"]) / ref_upd, 2) if off else None

@@ -126,12 +126,21 @@ def ours_case(model_dir: Path, shape: str, lora: bool, args, tmp: Path) -> dict:
     `perf/step_s` from metrics.jsonl, every step counted (the first one's warm-up included;
     `perf/compile_s` says how much of it was compiling)."""
     out = tmp / f"ours_{shape}_{lora}"
-    cfg = ours_config(model_dir, lora, args, base={
-        "rewards": [{"name": "benchmarks.bench_trl:length_reward"}],
-        "train": {"output_dir": str(out), "max_steps": args.warmup + args.repeats,
-                  "progress": False, "save_every": 0},
-        "data": {"eval_samples": 0},
-    })  # fmt: skip
+    cfg = ours_config(
+        model_dir,
+        lora,
+        args,
+        base={
+            "rewards": [{"name": "benchmarks.bench_trl:length_reward"}],
+            "train": {
+                "output_dir": str(out),
+                "max_steps": args.warmup + args.repeats,
+                "progress": False,
+                "save_every": 0,
+            },
+            "data": {"eval_samples": 0},
+        },
+    )
     cfg_file = save_config(cfg, tmp / f"ours_{shape}_{lora}.yaml")
     cmd = [sys.executable, "-m", "grpo", "train", "--config", str(cfg_file)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -185,8 +194,9 @@ def mean_prompt_tokens(cfg) -> float:
     return statistics.mean(len(r["prompt_ids"]) for r in rows)
 
 
-def step_flops(mc, prompt_tokens: int, completion_tokens: int, P: int, lora: bool,
-               rollout_only: bool = False) -> float:  # fmt: skip
+def step_flops(
+    mc, prompt_tokens: int, completion_tokens: int, P: int, lora: bool, rollout_only: bool = False
+) -> float:
     """FLOPs a GRPO step cannot avoid: every prompt token once (sampler prefill, reference
     forward, policy forward + backward) and every completion token in each of those passes;
     the lm_head only where a token is predicted. 2 FLOPs per weight per token forward; the
@@ -235,11 +245,17 @@ def check_agreement(model_dir: Path, args) -> float:
     from grpo.rollout import sample
 
     ours = load_model(model_dir)
-    r = sample(ours, [[5, 17, 33, 9, 12], [101, 7, 8]], group_size=2, max_new_tokens=8,
-               temperature=1.0, stop_ids=[], seed=0)  # fmt: skip
+    r = sample(
+        ours,
+        [[5, 17, 33, 9, 12], [101, 7, 8]],
+        group_size=2,
+        max_new_tokens=8,
+        temperature=1.0,
+        stop_ids=[],
+        seed=0,
+    )
     with torch.no_grad():
-        lp = completion_logprobs(ours, r.ids, r.attention_mask(), r.prompt_width,
-                                 r.completion_mask)  # fmt: skip
+        lp = completion_logprobs(ours, r.ids, r.attention_mask(), r.prompt_width, r.completion_mask)
         hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
         mask = r.attention_mask()
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -296,9 +312,12 @@ def trl_case(model_dir: Path, shape: str, lora: bool, args, tmp: Path) -> dict:
     peft_config = None
     if lora:
         peft_config = LoraConfig(
-            r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(LORA_TARGETS),
+            r=16,
+            lora_alpha=32,
+            lora_dropout=0.0,
+            target_modules=list(LORA_TARGETS),
             task_type="CAUSAL_LM",
-        )  # fmt: skip
+        )
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -332,8 +351,16 @@ def trl_case(model_dir: Path, shape: str, lora: bool, args, tmp: Path) -> dict:
     w = args.warmup
     lengths = timer.lengths[w:]
     tokens = [round(x * B) for x in lengths]
-    row = _row(shape, lora, "trl GRPOTrainer", params, timer.times_ms[w:],
-               max(timer.peaks_mib[w:]), tokens, lengths)  # fmt: skip
+    row = _row(
+        shape,
+        lora,
+        "trl GRPOTrainer",
+        params,
+        timer.times_ms[w:],
+        max(timer.peaks_mib[w:]),
+        tokens,
+        lengths,
+    )
     del trainer
     return row
 
@@ -368,8 +395,12 @@ def main(argv=None) -> None:
     p.add_argument("--big-group-size", type=int, default=4, help="G for qwen3-0.6b")
     p.add_argument("--big-max-new-tokens", type=int, default=32, help="T_c for qwen3-0.6b")
     p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--data", choices=sorted(DATA), default="minimath",
-                   help="prompt source (gsm8k: ~200-token prompts)")  # fmt: skip
+    p.add_argument(
+        "--data",
+        choices=sorted(DATA),
+        default="minimath",
+        help="prompt source (gsm8k: ~200-token prompts)",
+    )
     p.add_argument("--warmup", type=int, default=0, help="steps run before the timed ones")
     p.add_argument("--repeats", type=int, default=6, help="timed steps (the first included)")
     p.add_argument("--big-repeats", type=int, default=6)
@@ -377,8 +408,11 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     args.tflops = matmul_ceiling_tflops("cpu", torch.float32)  # the floor's denominators
     args.bandwidth_gbs = memory_bandwidth_gbs()
-    print(f"measured fp32 matmul rate: {args.tflops * 1e3:.1f} GFLOP/s, memory "
-          f"{args.bandwidth_gbs:.1f} GB/s", flush=True)  # fmt: skip
+    print(
+        f"measured fp32 matmul rate: {args.tflops * 1e3:.1f} GFLOP/s, memory "
+        f"{args.bandwidth_gbs:.1f} GB/s",
+        flush=True,
+    )
     rows, shapes_meta, agreement = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -397,8 +431,10 @@ def main(argv=None) -> None:
             agreement[shape] = check_agreement(model_dir, sargs)
             for mode in modes.split(","):
                 lora = mode == "lora"
-                case = [ours_case(model_dir, shape, lora, sargs, tmp),
-                        trl_case(model_dir, shape, lora, sargs, tmp)]  # fmt: skip
+                case = [
+                    ours_case(model_dir, shape, lora, sargs, tmp),
+                    trl_case(model_dir, shape, lora, sargs, tmp),
+                ]
                 ours, trl = case
                 trl["floor_s"] = ours["floor_s"]  # the same tokens must be computed
                 for r in case:
@@ -411,9 +447,22 @@ def main(argv=None) -> None:
     import transformers
     import trl
 
-    cols = ["shape", "mode", "impl", "step_s", "first_s", "steady_s", "compile_s",
-            "process_wall_s", "mean_completion_len", "tokens_per_s", "peak_rss_mib",
-            "trl_over_ours", "floor_s", "step_over_floor"]  # fmt: skip
+    cols = [
+        "shape",
+        "mode",
+        "impl",
+        "step_s",
+        "first_s",
+        "steady_s",
+        "compile_s",
+        "process_wall_s",
+        "mean_completion_len",
+        "tokens_per_s",
+        "peak_rss_mib",
+        "trl_over_ours",
+        "floor_s",
+        "step_over_floor",
+    ]
     meta = {
         "command": "OMP_NUM_THREADS=2 /tmp/cmpenv/bin/python -m benchmarks.bench_trl "
         + " ".join(sys.argv[1:] if argv is None else argv),

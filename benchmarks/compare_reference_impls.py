@@ -49,8 +49,11 @@ B, G, T = 8, 4, 7
 SEED = 1234
 TOL = 1e-5  # fp32 agreement (STYLE.md)
 EPS_LOW, EPS_HIGH = 0.2, 0.28  # asymmetric on purpose (DAPO clip-higher), so low/high mix-ups show
-AGG_VERL = {"token_mean": "token-mean", "seq_mean_token_mean": "seq-mean-token-mean",
-            "seq_mean_token_sum_norm": "seq-mean-token-sum-norm"}  # fmt: skip
+AGG_VERL = {
+    "token_mean": "token-mean",
+    "seq_mean_token_mean": "seq-mean-token-mean",
+    "seq_mean_token_sum_norm": "seq-mean-token-sum-norm",
+}
 VERL_FILE = "verl/trainer/ppo/core_algos.py"
 
 
@@ -63,30 +66,42 @@ def import_verl_core_algos():
     """verl.trainer.ppo.core_algos without ray: see the module docstring."""
     spec = importlib.util.find_spec("verl")
     if spec is None or spec.origin is None:
-        sys.exit("verl is not installed in this Python; see the docstring of "
-                 "benchmarks/compare_reference_impls.py for the venv commands")  # fmt: skip
+        sys.exit(
+            "verl is not installed in this Python; see the docstring of "
+            "benchmarks/compare_reference_impls.py for the venv commands"
+        )
     root = os.path.dirname(spec.origin)
     pkg = types.ModuleType("verl")
     pkg.__path__ = [root]  # submodules import from the real files; verl/__init__.py is skipped
     sys.modules.setdefault("verl", pkg)
     if "ray" not in sys.modules and importlib.util.find_spec("ray") is None:
-        for name in ("ray", "ray.util", "ray.actor", "ray.experimental",
-                     "ray.util.placement_group", "ray.util.scheduling_strategies"):  # fmt: skip
+        for name in (
+            "ray",
+            "ray.util",
+            "ray.actor",
+            "ray.experimental",
+            "ray.util.placement_group",
+            "ray.util.scheduling_strategies",
+        ):
             sys.modules[name] = mock.MagicMock(name=name)
     try:
         import verl.trainer.ppo.core_algos as core_algos
         from verl.trainer.config import AlgoConfig
         from verl.workers.config import ActorConfig
     except ImportError as e:
-        sys.exit(f"cannot import verl core_algos ({e}); install the light deps listed in the "
-                 "docstring of benchmarks/compare_reference_impls.py")  # fmt: skip
+        sys.exit(
+            f"cannot import verl core_algos ({e}); install the light deps listed in the "
+            "docstring of benchmarks/compare_reference_impls.py"
+        )
     return core_algos, AlgoConfig, ActorConfig
 
 
 def import_trl():
     if importlib.util.find_spec("trl") is None:
-        sys.exit("trl is not installed in this Python; see the docstring of "
-                 "benchmarks/compare_reference_impls.py for the venv commands")  # fmt: skip
+        sys.exit(
+            "trl is not installed in this Python; see the docstring of "
+            "benchmarks/compare_reference_impls.py for the venv commands"
+        )
     import trl.trainer.grpo_trainer as grpo_trainer
     import trl.trainer.rloo_trainer as rloo_trainer
     from trl.trainer.utils import nanstd
@@ -182,8 +197,13 @@ INDEX = np.repeat(np.arange(B // G), G)  # verl's per-row group ids (rows of a g
 def verl_adv(name: str, rewards, mask, **kw) -> torch.Tensor:
     fn = ca.get_adv_estimator_fn(name)
     cfg = AlgoConfig(gamma=kw.pop("gamma", 1.0))
-    adv, _ = fn(token_level_rewards=rewards.clone(), response_mask=mask.float(), index=INDEX,
-                config=cfg, **kw)  # fmt: skip
+    adv, _ = fn(
+        token_level_rewards=rewards.clone(),
+        response_mask=mask.float(),
+        index=INDEX,
+        config=cfg,
+        **kw,
+    )
     return adv.float()
 
 
@@ -216,13 +236,21 @@ def trl_rloo_adv(rewards, mask) -> torch.Tensor:
     return torch.where(mask, (r - base).reshape(-1)[:, None], 0.0)
 
 
-def ours_loss(inp, *, loss: str, agg: str, kwargs=None, beta=0.0, kl="k3", dual_clip=None,
-              eps_high=EPS_HIGH):  # fmt: skip
+def ours_loss(
+    inp, *, loss: str, agg: str, kwargs=None, beta=0.0, kl="k3", dual_clip=None, eps_high=EPS_HIGH
+):
     """Our scalar loss and d loss / d logprobs."""
     lp = inp["logprobs"].clone().requires_grad_(True)
-    cfg = LossSettings(policy_loss=loss, policy_loss_kwargs=kwargs or {}, aggregation=agg,
-                       beta=beta, kl_estimator=kl, epsilon_low=EPS_LOW, epsilon_high=eps_high,
-                       dual_clip=dual_clip)  # fmt: skip
+    cfg = LossSettings(
+        policy_loss=loss,
+        policy_loss_kwargs=kwargs or {},
+        aggregation=agg,
+        beta=beta,
+        kl_estimator=kl,
+        epsilon_low=EPS_LOW,
+        epsilon_high=eps_high,
+        dual_clip=dual_clip,
+    )
     out, _ = policy_loss(lp, inp["old"], inp["ref"], inp["adv"], inp["mask"], cfg, max_new_tokens=T)
     out.backward()
     return out.detach(), lp.grad
@@ -231,12 +259,23 @@ def ours_loss(inp, *, loss: str, agg: str, kwargs=None, beta=0.0, kl="k3", dual_
 def verl_actor_cfg(inp, agg: str, clip_ratio_c=3.0, global_batch_size=B) -> object:
     """ActorConfig for one process: global_batch_info as workers/utils/losses.py:ppo_loss sets it
     (dp_size 1, this batch's tokens and rows), so no dp_size rescaling happens."""
-    info = {"dp_size": 1, "batch_num_tokens": int(inp["mask"].sum()),
-            "global_batch_size": global_batch_size, "loss_scale_factor": None}  # fmt: skip
-    return ActorConfig(strategy="fsdp", rollout_n=G, ppo_micro_batch_size_per_gpu=B,
-                       clip_ratio=EPS_LOW, clip_ratio_low=EPS_LOW, clip_ratio_high=EPS_HIGH,
-                       clip_ratio_c=clip_ratio_c, loss_agg_mode=AGG_VERL[agg],
-                       global_batch_info=info)  # fmt: skip
+    info = {
+        "dp_size": 1,
+        "batch_num_tokens": int(inp["mask"].sum()),
+        "global_batch_size": global_batch_size,
+        "loss_scale_factor": None,
+    }
+    return ActorConfig(
+        strategy="fsdp",
+        rollout_n=G,
+        ppo_micro_batch_size_per_gpu=B,
+        clip_ratio=EPS_LOW,
+        clip_ratio_low=EPS_LOW,
+        clip_ratio_high=EPS_HIGH,
+        clip_ratio_c=clip_ratio_c,
+        loss_agg_mode=AGG_VERL[agg],
+        global_batch_info=info,
+    )
 
 
 def verl_loss(inp, *, mode: str, agg: str, clip_ratio_c=3.0, kl_coef=0.0):
@@ -245,8 +284,14 @@ def verl_loss(inp, *, mode: str, agg: str, clip_ratio_c=3.0, kl_coef=0.0):
     lp = inp["logprobs"].clone().requires_grad_(True)
     cfg = verl_actor_cfg(inp, agg, clip_ratio_c)
     fn = ca.get_policy_loss_fn(mode)
-    out, _ = fn(old_log_prob=inp["old"], log_prob=lp, advantages=inp["adv"],
-                response_mask=inp["mask"], loss_agg_mode=AGG_VERL[agg], config=cfg)  # fmt: skip
+    out, _ = fn(
+        old_log_prob=inp["old"],
+        log_prob=lp,
+        advantages=inp["adv"],
+        response_mask=inp["mask"],
+        loss_agg_mode=AGG_VERL[agg],
+        config=cfg,
+    )
     if kl_coef:
         kld = ca.kl_penalty(lp, inp["ref"], "low_var_kl")
         out = out + kl_coef * ca.agg_loss(kld, inp["mask"], AGG_VERL[agg], **cfg.global_batch_info)
@@ -271,26 +316,41 @@ class _OneProcessAccelerator:
         return x
 
 
-def trl_loss(inp, *, loss_type: str, level="token", beta=0.0, eps_high=EPS_HIGH,
-             bias_correction_kl=True):  # fmt: skip
+def trl_loss(
+    inp, *, loss_type: str, level="token", beta=0.0, eps_high=EPS_HIGH, bias_correction_kl=True
+):
     """TRL's real GRPOTrainer._compute_loss on our tensors: a GRPOTrainer made without __init__
     (no model, no data), holding only the attributes the method reads, with
     `_get_per_token_logps_and_entropies` returning our logprobs (B, T) as if from the model.
     One process, no gradient accumulation, no vLLM, no entropy mask or bonus."""
     trainer = trl_grpo.GRPOTrainer.__new__(trl_grpo.GRPOTrainer)
     lp = inp["logprobs"].clone().requires_grad_(True)
-    args = types.SimpleNamespace(use_bias_correction_kl=bias_correction_kl, delta=None,
-                                 sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
-                                 steps_per_generation=1)  # fmt: skip
+    args = types.SimpleNamespace(
+        use_bias_correction_kl=bias_correction_kl,
+        delta=None,
+        sapo_temperature_pos=1.0,
+        sapo_temperature_neg=1.05,
+        steps_per_generation=1,
+    )
     trainer.__dict__.update(
-        args=args, loss_type=loss_type, importance_sampling_level=level, beta=beta,
-        epsilon_low=EPS_LOW, epsilon_high=eps_high, top_entropy_quantile=1.0,
-        off_policy_mask_threshold=None, use_vllm=False, aux_loss_enabled=False,
-        _entropy_bonus_enabled=False, current_gradient_accumulation_steps=1,
-        max_completion_length=T, model=torch.nn.Module(), accelerator=_OneProcessAccelerator(),
+        args=args,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        beta=beta,
+        epsilon_low=EPS_LOW,
+        epsilon_high=eps_high,
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        use_vllm=False,
+        aux_loss_enabled=False,
+        _entropy_bonus_enabled=False,
+        current_gradient_accumulation_steps=1,
+        max_completion_length=T,
+        model=torch.nn.Module(),
+        accelerator=_OneProcessAccelerator(),
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
         _get_per_token_logps_and_entropies=lambda *a, **k: (lp, torch.zeros(B, T), None),
-    )  # fmt: skip
+    )
     mask = inp["mask"]
     inputs = {
         "prompt_ids": torch.zeros(B, 1, dtype=torch.long),
@@ -402,35 +462,54 @@ def differing(result: dict) -> str:
 def record(rows: list, variant: str, ref: str, result: dict, note: str, setting: str = ""):
     """Append one comparison (a table row; its per-case values stay in the JSON)."""
     agree = result["max_abs_diff"] <= TOL
-    rows.append({
-        "variant": variant + (f" ({setting})" if setting else ""),
-        "compared_with": ref,
-        "max_abs_diff": result["max_abs_diff"],
-        "aligned_diff": result["aligned_diff"],
-        "agrees": agree,
-        "cases_over_tol": differing(result),
-        "note": note or "-",
-        "cases": result["cases"],
-    })  # fmt: skip
+    rows.append(
+        {
+            "variant": variant + (f" ({setting})" if setting else ""),
+            "compared_with": ref,
+            "max_abs_diff": result["max_abs_diff"],
+            "aligned_diff": result["aligned_diff"],
+            "agrees": agree,
+            "cases_over_tol": differing(result),
+            "note": note or "-",
+            "cases": result["cases"],
+        }
+    )
 
 
 def compare_advantages(record: Callable) -> None:
     fn = ca.compute_grpo_outcome_advantage
     at = where_in(fn, "(id2std[index[i]] + epsilon)")
-    record("grpo", f"{at} (norm_adv_by_std_in_grpo=True)",
-           run_cases(ADV_CASES, lambda m, r: (ours_adv("grpo", *adv_case(m, r)),
-                                              verl_adv("grpo", *adv_case(m, r))),
-                     lambda m, r: (ours_adv("grpo", *adv_case(m, r), eps=1e-6),
-                                   verl_adv("grpo", *adv_case(m, r)))),
-           "eps outside the sqrt in both, unbiased group std in both; only eps differs: ours "
-           "1e-4 (TRL's) vs verl 1e-6. Aligned: ours eps=1e-6.")  # fmt: skip
+    record(
+        "grpo",
+        f"{at} (norm_adv_by_std_in_grpo=True)",
+        run_cases(
+            ADV_CASES,
+            lambda m, r: (ours_adv("grpo", *adv_case(m, r)), verl_adv("grpo", *adv_case(m, r))),
+            lambda m, r: (
+                ours_adv("grpo", *adv_case(m, r), eps=1e-6),
+                verl_adv("grpo", *adv_case(m, r)),
+            ),
+        ),
+        "eps outside the sqrt in both, unbiased group std in both; only eps differs: ours "
+        "1e-4 (TRL's) vs verl 1e-6. Aligned: ours eps=1e-6.",
+    )
     fnv = ca.compute_grpo_vectorized_outcome_advantage
-    record("grpo", f"{where_in(fnv, '(std_g[g] + epsilon)')} (grpo_vectorized)",
-           run_cases(ADV_CASES, lambda m, r: (ours_adv("grpo", *adv_case(m, r)),
-                                              verl_adv("grpo_vectorized", *adv_case(m, r))),
-                     lambda m, r: (ours_adv("grpo", *adv_case(m, r), eps=1e-6),
-                                   verl_adv("grpo_vectorized", *adv_case(m, r)))),
-           "as grpo: eps 1e-4 vs 1e-6 outside the sqrt. Aligned: ours eps=1e-6.")  # fmt: skip
+    record(
+        "grpo",
+        f"{where_in(fnv, '(std_g[g] + epsilon)')} (grpo_vectorized)",
+        run_cases(
+            ADV_CASES,
+            lambda m, r: (
+                ours_adv("grpo", *adv_case(m, r)),
+                verl_adv("grpo_vectorized", *adv_case(m, r)),
+            ),
+            lambda m, r: (
+                ours_adv("grpo", *adv_case(m, r), eps=1e-6),
+                verl_adv("grpo_vectorized", *adv_case(m, r)),
+            ),
+        ),
+        "as grpo: eps 1e-4 vs 1e-6 outside the sqrt. Aligned: ours eps=1e-6.",
+    )
     record(
         "dr_grpo",
         f"{at} (norm_adv_by_std_in_grpo=False)",
@@ -463,57 +542,103 @@ def compare_advantages(record: Callable) -> None:
     )
     rpp = ca.compute_reinforce_plus_plus_outcome_advantage
     rpp_at = where_in(rpp, "verl_F.masked_whiten(returns, response_mask)")
-    record("reinforce_pp", f"{rpp_at} (gamma=1)",
-           run_cases(ADV_CASES, lambda m, r: (
-               ours_adv("reinforce_pp", *adv_case(m, r), gamma=1.0),
-               verl_adv("reinforce_plus_plus", *adv_case(m, r), gamma=1.0)),
-               lambda m, r: (ours_rpp_verl_aligned(*adv_case(m, r), 1.0),
-                             verl_adv("reinforce_plus_plus", *adv_case(m, r), gamma=1.0))),
-           "whitening eps: ours (x-m)/(std+eps), eps=1e-4 outside the sqrt; verl "
-           "utils/torch_functional.py:masked_whiten (x-m)*rsqrt(var+1e-8), inside (unbiased "
-           "var in both; verl's +1e-8 in masked_mean's denominator is below fp32 resolution). "
-           "Aligned: ours eps chosen so std+eps = sqrt(var+1e-8).")  # fmt: skip
-    record("reinforce_pp", f"{rpp_at} (gamma=0.9)",
-           run_cases(ADV_CASES, lambda m, r: (
-               ours_adv("reinforce_pp", *adv_case(m, r), gamma=0.9),
-               verl_adv("reinforce_plus_plus", *adv_case(m, r), gamma=0.9)),
-               lambda m, r: (ours_rpp_verl_aligned(*adv_case(m, r), 0.9),
-                             verl_adv("reinforce_plus_plus", *adv_case(m, r), gamma=0.9))),
-           "eps as at gamma=1 only. Masks with holes: both carry the running return across a "
-           "masked position undiscounted (the discount counts completion tokens), so the "
-           "holes cases agree too. Aligned: eps as at gamma=1 (ours on rows with completion "
-           "tokens moved to the front, which must not change ours).")  # fmt: skip
-    record("reinforce_pp", f"{rpp_at} (gamma=0.9)",
-           run_cases(ADV_CASES, lambda m, r: (
-               ours_rpp_eps_aligned(*adv_case(m, r), 0.9),
-               verl_adv("reinforce_plus_plus", *adv_case(m, r), gamma=0.9)),
-               lambda m, r: (ours_rpp_verl_aligned(*adv_case(m, r), 0.9),
-                             verl_adv("reinforce_plus_plus", *adv_case(m, r), gamma=0.9))),
-           "the discount convention alone: ours with verl's whitening eps; agreement on the "
-           "holes cases shows the same per-completion-token discount. Aligned: completion "
-           "tokens moved to the front.",
-           setting="eps aligned, discount not")  # fmt: skip
+    record(
+        "reinforce_pp",
+        f"{rpp_at} (gamma=1)",
+        run_cases(
+            ADV_CASES,
+            lambda m, r: (
+                ours_adv("reinforce_pp", *adv_case(m, r), gamma=1.0),
+                verl_adv("reinforce_plus_plus", *adv_case(m, r), gamma=1.0),
+            ),
+            lambda m, r: (
+                ours_rpp_verl_aligned(*adv_case(m, r), 1.0),
+                verl_adv("reinforce_plus_plus", *adv_case(m, r), gamma=1.0),
+            ),
+        ),
+        "whitening eps: ours (x-m)/(std+eps), eps=1e-4 outside the sqrt; verl "
+        "utils/torch_functional.py:masked_whiten (x-m)*rsqrt(var+1e-8), inside (unbiased "
+        "var in both; verl's +1e-8 in masked_mean's denominator is below fp32 resolution). "
+        "Aligned: ours eps chosen so std+eps = sqrt(var+1e-8).",
+    )
+    record(
+        "reinforce_pp",
+        f"{rpp_at} (gamma=0.9)",
+        run_cases(
+            ADV_CASES,
+            lambda m, r: (
+                ours_adv("reinforce_pp", *adv_case(m, r), gamma=0.9),
+                verl_adv("reinforce_plus_plus", *adv_case(m, r), gamma=0.9),
+            ),
+            lambda m, r: (
+                ours_rpp_verl_aligned(*adv_case(m, r), 0.9),
+                verl_adv("reinforce_plus_plus", *adv_case(m, r), gamma=0.9),
+            ),
+        ),
+        "eps as at gamma=1 only. Masks with holes: both carry the running return across a "
+        "masked position undiscounted (the discount counts completion tokens), so the "
+        "holes cases agree too. Aligned: eps as at gamma=1 (ours on rows with completion "
+        "tokens moved to the front, which must not change ours).",
+    )
+    record(
+        "reinforce_pp",
+        f"{rpp_at} (gamma=0.9)",
+        run_cases(
+            ADV_CASES,
+            lambda m, r: (
+                ours_rpp_eps_aligned(*adv_case(m, r), 0.9),
+                verl_adv("reinforce_plus_plus", *adv_case(m, r), gamma=0.9),
+            ),
+            lambda m, r: (
+                ours_rpp_verl_aligned(*adv_case(m, r), 0.9),
+                verl_adv("reinforce_plus_plus", *adv_case(m, r), gamma=0.9),
+            ),
+        ),
+        "the discount convention alone: ours with verl's whitening eps; agreement on the "
+        "holes cases shows the same per-completion-token discount. Aligned: completion "
+        "tokens moved to the front.",
+        setting="eps aligned, discount not",
+    )
     rppb = ca.compute_reinforce_plus_plus_baseline_outcome_advantage
-    record("reinforce_pp_baseline", where_in(rppb, "verl_F.masked_whiten(scores, response_mask)"),
-           run_cases(ADV_CASES, lambda m, r: (
-               ours_adv("reinforce_pp_baseline", *adv_case(m, r)),
-               verl_adv("reinforce_plus_plus_baseline", *adv_case(m, r))),
-               lambda m, r: (ours_rppb_verl_aligned(*adv_case(m, r)),
-                             verl_adv("reinforce_plus_plus_baseline", *adv_case(m, r)))),
-           "group-centred reward broadcast to tokens, whitened over all completion tokens in "
-           "both; eps: ours 1e-4 outside the sqrt, verl 1e-8 inside (its `epsilon` argument is "
-           "unused). Aligned: ours eps chosen so std+eps = sqrt(var+1e-8).")  # fmt: skip
+    record(
+        "reinforce_pp_baseline",
+        where_in(rppb, "verl_F.masked_whiten(scores, response_mask)"),
+        run_cases(
+            ADV_CASES,
+            lambda m, r: (
+                ours_adv("reinforce_pp_baseline", *adv_case(m, r)),
+                verl_adv("reinforce_plus_plus_baseline", *adv_case(m, r)),
+            ),
+            lambda m, r: (
+                ours_rppb_verl_aligned(*adv_case(m, r)),
+                verl_adv("reinforce_plus_plus_baseline", *adv_case(m, r)),
+            ),
+        ),
+        "group-centred reward broadcast to tokens, whitened over all completion tokens in "
+        "both; eps: ours 1e-4 outside the sqrt, verl 1e-8 inside (its `epsilon` argument is "
+        "unused). Aligned: ours eps chosen so std+eps = sqrt(var+1e-8).",
+    )
 
     gen_fn = trl_grpo.GRPOTrainer._generate_and_score_completions
     trl_at = where_in(gen_fn, "advantages = advantages / (std_rewards + 1e-4)")
     where_in(gen_fn, "std_rewards = nanstd(rewards).expand_as(rewards)")  # the batch branch
-    formula = ("formula read from TRL source (method needs a model + generation), evaluated "
-               "with TRL's trl.trainer.utils.nanstd")  # fmt: skip
+    formula = (
+        "formula read from TRL source (method needs a model + generation), evaluated "
+        "with TRL's trl.trainer.utils.nanstd"
+    )
     for ours_name, scale in (("grpo", "group"), ("dr_grpo", "none"), ("batch_std", "batch")):
-        record(ours_name, f"{trl_at} (scale_rewards={scale!r})",
-               run_cases(ADV_CASES, lambda m, r, s=scale, n=ours_name: (
-                   ours_adv(n, *adv_case(m, r)), trl_group_adv(*adv_case(m, r), s))),
-               f"{formula}; both eps=1e-4 outside the sqrt, unbiased std.")  # fmt: skip
+        record(
+            ours_name,
+            f"{trl_at} (scale_rewards={scale!r})",
+            run_cases(
+                ADV_CASES,
+                lambda m, r, s=scale, n=ours_name: (
+                    ours_adv(n, *adv_case(m, r)),
+                    trl_group_adv(*adv_case(m, r), s),
+                ),
+            ),
+            f"{formula}; both eps=1e-4 outside the sqrt, unbiased std.",
+        )
     rloo_at = where_in(
         trl_rloo.RLOOTrainer._generate_and_score_completions,
         "baselines = (grouped_sum - grouped_rewards) / (scorable_counts - 1)",
@@ -536,31 +661,49 @@ def loss_case(m: str, a: str) -> dict:
 def compare_policy_losses(record: Callable) -> None:
     van = where_in(ca.compute_policy_loss_vanilla, "pg_losses3 = -advantages * clip_ratio_c")
     for agg in AGG_VERL:
-        record("clip", f"{van} (loss_agg_mode={AGG_VERL[agg]})",
-               run_cases(LOSS_CASES,
-                         lambda m, a, g=agg: (*ours_loss(loss_case(m, a), loss="clip", agg=g),
-                                              *verl_loss(loss_case(m, a), mode="vanilla", agg=g)),
-                         lambda m, a, g=agg: (
-                             *ours_loss(loss_case(m, a), loss="clip", agg=g, dual_clip=3.0),
-                             *verl_loss(loss_case(m, a), mode="vanilla", agg=g))),
-               "verl's vanilla loss always applies the dual clip (clip_ratio_c=3.0 default; it "
-               "asserts c > 1, so it cannot be switched off); ours only with loss.dual_clip. "
-               "The forced ratio-4.5 token with A<0 differs. Aligned: ours dual_clip=3.0. "
-               "Aggregation: verl's agg_loss with global_batch_info for one process equals "
-               "ours (seq-mean over B rows; sum-norm by T).", setting=agg)  # fmt: skip
+        record(
+            "clip",
+            f"{van} (loss_agg_mode={AGG_VERL[agg]})",
+            run_cases(
+                LOSS_CASES,
+                lambda m, a, g=agg: (
+                    *ours_loss(loss_case(m, a), loss="clip", agg=g),
+                    *verl_loss(loss_case(m, a), mode="vanilla", agg=g),
+                ),
+                lambda m, a, g=agg: (
+                    *ours_loss(loss_case(m, a), loss="clip", agg=g, dual_clip=3.0),
+                    *verl_loss(loss_case(m, a), mode="vanilla", agg=g),
+                ),
+            ),
+            "verl's vanilla loss always applies the dual clip (clip_ratio_c=3.0 default; it "
+            "asserts c > 1, so it cannot be switched off); ours only with loss.dual_clip. "
+            "The forced ratio-4.5 token with A<0 differs. Aligned: ours dual_clip=3.0. "
+            "Aggregation: verl's agg_loss with global_batch_info for one process equals "
+            "ours (seq-mean over B rows; sum-norm by T).",
+            setting=agg,
+        )
     gspo_at = where_in(ca.compute_policy_loss_gspo, "log_prob - log_prob.detach()")
     for agg in AGG_VERL:
-        record("gspo", f"{gspo_at} (loss_agg_mode={AGG_VERL[agg]})",
-               run_cases(LOSS_CASES,
-                         lambda m, a, g=agg: (*ours_loss(loss_case(m, a), loss="gspo", agg=g),
-                                              *verl_loss(loss_case(m, a), mode="gspo", agg=g)),
-                         lambda m, a, g=agg: (
-                             *ours_loss(loss_case(m, a), loss="gspo_token", agg=g),
-                             *verl_loss(loss_case(m, a), mode="gspo", agg=g))),
-               "verl's 'gspo' is the GSPO-token form sg[s_i]*pi/sg[pi]; ours 'gspo' sends the "
-               "gradient through s_i = exp(mean log rho). Same loss and gradient when A is "
-               "constant per row (seq cases); with token-level A the gradients differ. Aligned: "
-               "ours gspo_token.", setting=agg)  # fmt: skip
+        record(
+            "gspo",
+            f"{gspo_at} (loss_agg_mode={AGG_VERL[agg]})",
+            run_cases(
+                LOSS_CASES,
+                lambda m, a, g=agg: (
+                    *ours_loss(loss_case(m, a), loss="gspo", agg=g),
+                    *verl_loss(loss_case(m, a), mode="gspo", agg=g),
+                ),
+                lambda m, a, g=agg: (
+                    *ours_loss(loss_case(m, a), loss="gspo_token", agg=g),
+                    *verl_loss(loss_case(m, a), mode="gspo", agg=g),
+                ),
+            ),
+            "verl's 'gspo' is the GSPO-token form sg[s_i]*pi/sg[pi]; ours 'gspo' sends the "
+            "gradient through s_i = exp(mean log rho). Same loss and gradient when A is "
+            "constant per row (seq cases); with token-level A the gradients differ. Aligned: "
+            "ours gspo_token.",
+            setting=agg,
+        )
         record(
             "gspo_token",
             f"{gspo_at} (loss_agg_mode={AGG_VERL[agg]})",
@@ -576,41 +719,71 @@ def compare_policy_losses(record: Callable) -> None:
         )
     cis_at = where_in(ca.compute_policy_loss_cispo, "torch.clamp(ratio, 1 - clip_ratio_low")
     for agg in AGG_VERL:
-        record("cispo", f"{cis_at} (loss_agg_mode={AGG_VERL[agg]})",
-               run_cases(LOSS_CASES,
-                         lambda m, a, g=agg: (*ours_loss(loss_case(m, a), loss="cispo", agg=g),
-                                              *verl_loss(loss_case(m, a), mode="cispo", agg=g)),
-                         lambda m, a, g=agg: (
-                             *ours_loss(loss_case(m, a), loss="cispo", agg=g,
-                                        kwargs={"clip_low": True}),
-                             *verl_loss(loss_case(m, a), mode="cispo", agg=g))),
-               "verl clips the IS weight on both sides [1-eps_low, 1+eps_high]; ours (the "
-               "paper's form) only above unless clip_low=true. Aligned: ours clip_low=true.",
-               setting=agg)  # fmt: skip
+        record(
+            "cispo",
+            f"{cis_at} (loss_agg_mode={AGG_VERL[agg]})",
+            run_cases(
+                LOSS_CASES,
+                lambda m, a, g=agg: (
+                    *ours_loss(loss_case(m, a), loss="cispo", agg=g),
+                    *verl_loss(loss_case(m, a), mode="cispo", agg=g),
+                ),
+                lambda m, a, g=agg: (
+                    *ours_loss(loss_case(m, a), loss="cispo", agg=g, kwargs={"clip_low": True}),
+                    *verl_loss(loss_case(m, a), mode="cispo", agg=g),
+                ),
+            ),
+            "verl clips the IS weight on both sides [1-eps_low, 1+eps_high]; ours (the "
+            "paper's form) only above unless clip_low=true. Aligned: ours clip_low=true.",
+            setting=agg,
+        )
     sapo_at = where_in(ca.compute_policy_loss_sapo, 'loss_agg_mode="seq-mean-token-mean"')
-    record("sapo", sapo_at,
-           run_cases(LOSS_CASES, lambda m, a: (
-               *ours_loss(loss_case(m, a), loss="sapo", agg="seq_mean_token_mean"),
-               *verl_loss(loss_case(m, a), mode="sapo", agg="seq_mean_token_mean"))),
-           "tau_pos 1.0 / tau_neg 1.05 in both. verl always aggregates seq-mean-token-mean, "
-           "whatever loss_agg_mode says; compared under that.",
-           setting="seq_mean_token_mean")  # fmt: skip
+    record(
+        "sapo",
+        sapo_at,
+        run_cases(
+            LOSS_CASES,
+            lambda m, a: (
+                *ours_loss(loss_case(m, a), loss="sapo", agg="seq_mean_token_mean"),
+                *verl_loss(loss_case(m, a), mode="sapo", agg="seq_mean_token_mean"),
+            ),
+        ),
+        "tau_pos 1.0 / tau_neg 1.05 in both. verl always aggregates seq-mean-token-mean, "
+        "whatever loss_agg_mode says; compared under that.",
+        setting="seq_mean_token_mean",
+    )
     geo_at = where_in(ca.compute_policy_loss_geo_mean, "pg_loss = torch.mean(pg_losses)")
-    record("gmpo", f"{geo_at} (geo_mean)",
-           run_cases(LOSS_CASES, lambda m, a: (
-               *ours_loss(loss_case(m, a), loss="gmpo", agg="seq_mean_token_mean"),
-               *verl_loss(loss_case(m, a), mode="geo_mean", agg="seq_mean_token_mean"))),
-           "eps_low/eps_high are log-space bounds in both; the row advantage is the row's mean A "
-           "in both. verl ignores loss_agg_mode (mean over rows); ours with seq_mean_token_mean "
-           "gives the same mean over rows.", setting="seq_mean_token_mean")  # fmt: skip
-    record("clip + 0.04*k3", f"{van} + {VERL_FILE}:kl_penalty(low_var_kl) composed as "
-           "verl/workers/utils/losses.py:ppo_loss",
-           run_cases(LOSS_CASES, lambda m, a: (
-               *ours_loss(loss_case(m, a), loss="clip", agg="token_mean", beta=0.04,
-                          dual_clip=3.0),
-               *verl_loss(loss_case(m, a), mode="vanilla", agg="token_mean", kl_coef=0.04))),
-           "KL as a loss term (use_kl_loss), k3 clamped at +-20 / +-10 in both.",
-           setting="token_mean, dual_clip=3")  # fmt: skip
+    record(
+        "gmpo",
+        f"{geo_at} (geo_mean)",
+        run_cases(
+            LOSS_CASES,
+            lambda m, a: (
+                *ours_loss(loss_case(m, a), loss="gmpo", agg="seq_mean_token_mean"),
+                *verl_loss(loss_case(m, a), mode="geo_mean", agg="seq_mean_token_mean"),
+            ),
+        ),
+        "eps_low/eps_high are log-space bounds in both; the row advantage is the row's mean A "
+        "in both. verl ignores loss_agg_mode (mean over rows); ours with seq_mean_token_mean "
+        "gives the same mean over rows.",
+        setting="seq_mean_token_mean",
+    )
+    record(
+        "clip + 0.04*k3",
+        f"{van} + {VERL_FILE}:kl_penalty(low_var_kl) composed as "
+        "verl/workers/utils/losses.py:ppo_loss",
+        run_cases(
+            LOSS_CASES,
+            lambda m, a: (
+                *ours_loss(
+                    loss_case(m, a), loss="clip", agg="token_mean", beta=0.04, dual_clip=3.0
+                ),
+                *verl_loss(loss_case(m, a), mode="vanilla", agg="token_mean", kl_coef=0.04),
+            ),
+        ),
+        "KL as a loss term (use_kl_loss), k3 clamped at +-20 / +-10 in both.",
+        setting="token_mean, dual_clip=3",
+    )
 
 
 def compare_kl(record: Callable) -> None:
@@ -638,9 +811,11 @@ def compare_kl(record: Callable) -> None:
         note = "clamps: d to +-20 then the estimate to +-10 in both."
         if ours_est != "k3":
             aligned = lambda kind, o=ours_est, v=verl_est: run(kind, o, v, clamps=False)  # noqa: E731
-            note = ("ours applies loss.log_ratio_clamp=20 / loss.kl_clamp=10 (LossSettings "
-                    "defaults) to every estimator; verl clamps only k3 (low_var_kl). The extreme "
-                    "case differs. Aligned: ours with both clamps None.")  # fmt: skip
+            note = (
+                "ours applies loss.log_ratio_clamp=20 / loss.kl_clamp=10 (LossSettings "
+                "defaults) to every estimator; verl clamps only k3 (low_var_kl). The extreme "
+                "case differs. Aligned: ours with both clamps None."
+            )
         record(
             f"kl {ours_est}",
             f"{kl_at.rsplit(' L', 1)[0]} ({verl_est!r})",
@@ -662,45 +837,75 @@ def compare_trl_losses(record: Callable) -> None:
         ("sapo", "seq_mean_token_mean", "sapo", grpo_at),
     ]
     for ours_name, agg, lt, at in pairs:
-        record(ours_name, f"{at} (loss_type={lt!r})",
-               run_cases(LOSS_CASES, lambda m, a, o=ours_name, g=agg, t=lt: (
-                   *ours_loss(loss_case(m, a), loss=o, agg=g),
-                   *trl_loss(loss_case(m, a), loss_type=t))),
-               "real _compute_loss called; TRL has no dual clip (ours off by default).",
-               setting=agg)  # fmt: skip
+        record(
+            ours_name,
+            f"{at} (loss_type={lt!r})",
+            run_cases(
+                LOSS_CASES,
+                lambda m, a, o=ours_name, g=agg, t=lt: (
+                    *ours_loss(loss_case(m, a), loss=o, agg=g),
+                    *trl_loss(loss_case(m, a), loss_type=t),
+                ),
+            ),
+            "real _compute_loss called; TRL has no dual clip (ours off by default).",
+            setting=agg,
+        )
     seq_at = line('elif self.importance_sampling_level == "sequence":')
-    record("gspo", f"{seq_at} (loss_type='grpo', importance_sampling_level='sequence')",
-           run_cases(LOSS_CASES, lambda m, a: (
-               *ours_loss(loss_case(m, a), loss="gspo", agg="seq_mean_token_mean"),
-               *trl_loss(loss_case(m, a), loss_type="grpo", level="sequence"))),
-           "TRL's sequence level sends the gradient through exp(mean log rho), like ours "
-           "'gspo' (not gspo_token).", setting="seq_mean_token_mean")  # fmt: skip
+    record(
+        "gspo",
+        f"{seq_at} (loss_type='grpo', importance_sampling_level='sequence')",
+        run_cases(
+            LOSS_CASES,
+            lambda m, a: (
+                *ours_loss(loss_case(m, a), loss="gspo", agg="seq_mean_token_mean"),
+                *trl_loss(loss_case(m, a), loss_type="grpo", level="sequence"),
+            ),
+        ),
+        "TRL's sequence level sends the gradient through exp(mean log rho), like ours "
+        "'gspo' (not gspo_token).",
+        setting="seq_mean_token_mean",
+    )
     cis_at = line("clamped_ratios = torch.clamp(coef_1, max=self.epsilon_high)")
-    record("cispo", f"{cis_at} (loss_type='cispo')",
-           run_cases(LOSS_CASES,
-                     lambda m, a: (*ours_loss(loss_case(m, a), loss="cispo", agg="token_mean"),
-                                   *trl_loss(loss_case(m, a), loss_type="cispo")),
-                     lambda m, a: (*ours_loss(loss_case(m, a), loss="cispo", agg="token_mean"),
-                                   *trl_loss(loss_case(m, a), loss_type="cispo",
-                                             eps_high=1.0 + EPS_HIGH))),
-           f"TRL caps the IS weight at epsilon_high itself (ScaleRL's eps_max, e.g. 5.0); ours "
-           f"at 1 + epsilon_high. Same number ({EPS_HIGH}) in both configs differs. Aligned: TRL "
-           f"epsilon_high = 1 + {EPS_HIGH}. No lower clip in either; TRL divides by "
-           "num_items_in_batch (= tokens here): token_mean.", setting="token_mean")  # fmt: skip
+    record(
+        "cispo",
+        f"{cis_at} (loss_type='cispo')",
+        run_cases(
+            LOSS_CASES,
+            lambda m, a: (
+                *ours_loss(loss_case(m, a), loss="cispo", agg="token_mean"),
+                *trl_loss(loss_case(m, a), loss_type="cispo"),
+            ),
+            lambda m, a: (
+                *ours_loss(loss_case(m, a), loss="cispo", agg="token_mean"),
+                *trl_loss(loss_case(m, a), loss_type="cispo", eps_high=1.0 + EPS_HIGH),
+            ),
+        ),
+        f"TRL caps the IS weight at epsilon_high itself (ScaleRL's eps_max, e.g. 5.0); ours "
+        f"at 1 + epsilon_high. Same number ({EPS_HIGH}) in both configs differs. Aligned: TRL "
+        f"epsilon_high = 1 + {EPS_HIGH}. No lower clip in either; TRL divides by "
+        "num_items_in_batch (= tokens here): token_mean.",
+        setting="token_mean",
+    )
     kl_at = line("per_token_kl = per_token_kl * coef_1")
-    record("clip + 0.04*k3", f"{kl_at} (loss_type='grpo', beta=0.04)",
-           run_cases(LOSS_CASES,
-                     lambda m, a: (*ours_loss(loss_case(m, a), loss="clip",
-                                              agg="seq_mean_token_mean", beta=0.04),
-                                   *trl_loss(loss_case(m, a), loss_type="grpo", beta=0.04)),
-                     lambda m, a: (*ours_loss(loss_case(m, a), loss="clip",
-                                              agg="seq_mean_token_mean", beta=0.04),
-                                   *trl_loss(loss_case(m, a), loss_type="grpo", beta=0.04,
-                                             bias_correction_kl=False))),
-           "TRL's use_bias_correction_kl=True (its default) multiplies the k3 KL by the "
-           "differentiable ratio pi/pi_old; ours does not. Aligned: use_bias_correction_kl="
-           "False. TRL does not clamp k3; ours does at 20/10 (not reached here).",
-           setting="seq_mean_token_mean")  # fmt: skip
+    record(
+        "clip + 0.04*k3",
+        f"{kl_at} (loss_type='grpo', beta=0.04)",
+        run_cases(
+            LOSS_CASES,
+            lambda m, a: (
+                *ours_loss(loss_case(m, a), loss="clip", agg="seq_mean_token_mean", beta=0.04),
+                *trl_loss(loss_case(m, a), loss_type="grpo", beta=0.04),
+            ),
+            lambda m, a: (
+                *ours_loss(loss_case(m, a), loss="clip", agg="seq_mean_token_mean", beta=0.04),
+                *trl_loss(loss_case(m, a), loss_type="grpo", beta=0.04, bias_correction_kl=False),
+            ),
+        ),
+        "TRL's use_bias_correction_kl=True (its default) multiplies the k3 KL by the "
+        "differentiable ratio pi/pi_old; ours does not. Aligned: use_bias_correction_kl="
+        "False. TRL does not clamp k3; ours does at 20/10 (not reached here).",
+        setting="seq_mean_token_mean",
+    )
 
 
 def compare_empty_row_aggregation(record: Callable) -> None:
@@ -712,19 +917,22 @@ def compare_empty_row_aggregation(record: Callable) -> None:
 
     def run(agg: str, global_batch_size):
         ours = aggregate(values, mask, agg, float(B * T if agg.endswith("norm") else B))
-        theirs = ca.agg_loss(values, mask, AGG_VERL[agg], dp_size=1,
-                             global_batch_size=global_batch_size)  # fmt: skip
+        theirs = ca.agg_loss(
+            values, mask, AGG_VERL[agg], dp_size=1, global_batch_size=global_batch_size
+        )
         return ours, theirs
 
     agg_at = where_in(ca.agg_loss, "seq_mask = (seq_mask > 0).float()  # exclude fully masked")
     for agg in ("seq_mean_token_mean", "seq_mean_token_sum_norm"):
-        record(f"aggregation {agg}", f"{agg_at} (one empty row, global_batch_size=None)",
-               run_cases([("empty_row",)], lambda _, g=agg: run(g, None),
-                         lambda _, g=agg: run(g, B)),
-               "extra case with one empty row: ours divides by all B rows, verl's default "
-               "(global_batch_size=None) by the rows with >= 1 token. Aligned: verl "
-               "global_batch_size=B, the value trainer/ppo/ray_trainer.py passes "
-               "(ppo_mini_batch_size * rollout.n: all rows).")  # fmt: skip
+        record(
+            f"aggregation {agg}",
+            f"{agg_at} (one empty row, global_batch_size=None)",
+            run_cases([("empty_row",)], lambda _, g=agg: run(g, None), lambda _, g=agg: run(g, B)),
+            "extra case with one empty row: ours divides by all B rows, verl's default "
+            "(global_batch_size=None) by the rows with >= 1 token. Aligned: verl "
+            "global_batch_size=B, the value trainer/ppo/ray_trainer.py passes "
+            "(ppo_mini_batch_size * rollout.n: all rows).",
+        )
 
 
 def main() -> None:
@@ -734,32 +942,40 @@ def main() -> None:
     torch.manual_seed(SEED)
     rows: list[dict] = []
     rec = functools.partial(record, rows)
-    for compare in (compare_advantages, compare_policy_losses, compare_kl, compare_trl_losses,
-                    compare_empty_row_aggregation):  # fmt: skip
+    for compare in (
+        compare_advantages,
+        compare_policy_losses,
+        compare_kl,
+        compare_trl_losses,
+        compare_empty_row_aggregation,
+    ):
         compare(rec)
     os.environ["GIT_OPTIONAL_LOCKS"] = "0"  # env_stamp's `git status` must not touch the index
     meta = {
         "command": "/tmp/cmpenv/bin/python -m benchmarks.compare_reference_impls",
         "shape": f"B={B} G={G} T={T}, float32, seed {SEED}; tolerance {TOL}",
         "cases": "advantages: mask right_padded|holes x reward binary|continuous; losses: mask "
-                 "right_padded|holes x advantages seq|token; eps_low/high "
-                 f"{EPS_LOW}/{EPS_HIGH}",
+        "right_padded|holes x advantages seq|token; eps_low/high "
+        f"{EPS_LOW}/{EPS_HIGH}",
         "verl": metadata.version("verl"),
         "trl": metadata.version("trl"),
         "torch": torch.__version__,
         "verl_import": "verl/__init__.py skipped (module stub with the real __path__); ray and "
-                       "5 ray submodules replaced by MagicMock; deps: omegaconf, tensordict "
-                       "(--no-deps), pyvers, codetiming",
+        "5 ray submodules replaced by MagicMock; deps: omegaconf, tensordict "
+        "(--no-deps), pyvers, codetiming",
         "diffs": "max_abs_diff = max over cases of the value and (losses, KL) gradient w.r.t. "
-                 "logprobs; aligned_diff = the same after removing the stated convention",
-    }  # fmt: skip
+        "logprobs; aligned_diff = the same after removing the stated convention",
+    }
     for row in rows:
         row["agreement"] = ("agree" if row["agrees"] else "DIFFER") + f" {row['max_abs_diff']:.2g}"
         if row["aligned_diff"] is not None:
             row["aligned"] = f"{row['aligned_diff']:.2g}"
-    write_results("algo_agreement", rows,
-                  ["variant", "compared_with", "agreement", "aligned", "cases_over_tol", "note"],
-                  meta=meta)  # fmt: skip
+    write_results(
+        "algo_agreement",
+        rows,
+        ["variant", "compared_with", "agreement", "aligned", "cases_over_tol", "note"],
+        meta=meta,
+    )
     bad = [
         r["variant"]
         for r in rows

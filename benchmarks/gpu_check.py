@@ -50,8 +50,15 @@ BUDGET_S = 560.0  # of a 600 s command: interpreter start before, the last archi
 RESERVE_S = 10.0  # kept back from every step for the summary and the cache archive
 CACHE_LIMIT_MIB = 60  # an archive a later run can carry (64 MiB with the tree)
 # the decode step's model: bench_sampler's shapes (tiny for the dry run), Qwen3's flags
-QWEN3_FLAGS = dict(family="qwen3", qk_norm=True, rope_theta=1e6, max_position_embeddings=4096,
-                   tie_word_embeddings=True, eos_token_id=1, pad_token_id=0)  # fmt: skip
+QWEN3_FLAGS = dict(
+    family="qwen3",
+    qk_norm=True,
+    rope_theta=1e6,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+    eos_token_id=1,
+    pad_token_id=0,
+)
 # The CUDA tests that failed or were cut off on the first run (docs/gpu.md), by node id.
 KNOWN_FAILING = [
     "tests/test_kernels.py::test_triton_cuda_bf16_entropy_grad_within_error_budget",
@@ -138,8 +145,14 @@ class Check:
         """Run `cmd` in its own process group with output streamed to the log (and `on_line`),
         killed with its children after `timeout` s: (exit code, 124 on a timeout; last lines)."""
         self.say("$ " + " ".join(cmd)[:600])
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         tail: list[str] = []
         timer = threading.Timer(max(1.0, timeout), _kill_group, (proc,))
         timer.start()
@@ -169,8 +182,17 @@ class Check:
                 self.record(kind="test", test=m.group(1), outcome=m.group(2))
 
         xml = self.res / junit
-        cmd = [sys.executable, "-m", "pytest", *args, "-v", "-rA", "-p", "no:cacheprovider",
-               f"--junitxml={xml}"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            *args,
+            "-v",
+            "-rA",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={xml}",
+        ]
         code, tail = self.run_cmd(cmd, self.left() - self.reserve_s, on_line)
         for failure in junit_failures(xml):
             self.record(kind="failure", **failure)
@@ -214,8 +236,11 @@ def run_plan(check: Check, steps: list[Step]) -> int:
         estimate = step.dry_s if check.dry else step.gpu_s
         left = check.left() - check.reserve_s
         if estimate > left:
-            check.record(status="skipped", reason=f"estimate {estimate:.0f} s > {left:.0f} s "
-                         "left", estimate_s=estimate)  # fmt: skip
+            check.record(
+                status="skipped",
+                reason=f"estimate {estimate:.0f} s > {left:.0f} s left",
+                estimate_s=estimate,
+            )
             continue
         check.record(status="started", estimate_s=estimate, left_s=round(left), what=step.what)
         watchdog = threading.Timer(left, _overrun, (check, step.name))
@@ -262,11 +287,19 @@ def write_summary(check: Check) -> None:
     ]
     for r in recs:
         if "status" in r and r["status"] != "started":
-            est = next((x.get("estimate_s") for x in recs if x.get("step") == r["step"]
-                        and "estimate_s" in x), "")  # fmt: skip
+            est = next(
+                (
+                    x.get("estimate_s")
+                    for x in recs
+                    if x.get("step") == r["step"] and "estimate_s" in x
+                ),
+                "",
+            )
             note = r.get("reason") or r.get("error") or ""
-            lines.append(f"| {r['step']} | {r['status']} | {est} | {r.get('seconds', '')} | "
-                         f"{str(note).replace('|', '/')[:200]} |")  # fmt: skip
+            lines.append(
+                f"| {r['step']} | {r['status']} | {est} | {r.get('seconds', '')} | "
+                f"{str(note).replace('|', '/')[:200]} |"
+            )
     tests = [r for r in recs if r.get("kind") == "test"]
     if tests:
         lines += ["", "## tests", "", "| test | outcome |", "|---|---|"]
@@ -293,8 +326,12 @@ def write_summary(check: Check) -> None:
 
 def _git_sha() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
-                              capture_output=True).stdout.strip() or "unknown"  # fmt: skip
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True, capture_output=True
+            ).stdout.strip()
+            or "unknown"
+        )
     except OSError:
         return "unknown"
 
@@ -326,9 +363,11 @@ def cache_key() -> str:
 
 
 def cache_dirs() -> dict[str, Path]:
-    return {name: Path(os.environ[var]) for name, var in
-            (("inductor", "TORCHINDUCTOR_CACHE_DIR"), ("triton", "TRITON_CACHE_DIR"))
-            if os.environ.get(var)}  # fmt: skip
+    return {
+        name: Path(os.environ[var])
+        for name, var in (("inductor", "TORCHINDUCTOR_CACHE_DIR"), ("triton", "TRITON_CACHE_DIR"))
+        if os.environ.get(var)
+    }
 
 
 def restore_caches(check: Check, carried: Path) -> None:
@@ -381,25 +420,47 @@ def step_env(check: Check) -> None:
 
     from grpo.models import sdpa_choice
 
-    versions = {m: (md.version(d) if importlib.util.find_spec(m) else "MISSING") for m, d in
-                [("triton", "triton"), ("transformers", "transformers"),
-                 ("safetensors", "safetensors"), ("datasets", "datasets"),
-                 ("liger_kernel", "liger-kernel")]}  # fmt: skip
+    versions = {
+        m: (md.version(d) if importlib.util.find_spec(m) else "MISSING")
+        for m, d in [
+            ("triton", "triton"),
+            ("transformers", "transformers"),
+            ("safetensors", "safetensors"),
+            ("datasets", "datasets"),
+            ("liger_kernel", "liger-kernel"),
+        ]
+    }
     gpu = {}
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         gpu = dict(gpu=p.name, sms=p.multi_processor_count, gib=round(p.total_memory / 2**30))
-    check.record(kind="measure", python=platform.python_version(), torch=torch.__version__,
-                 cuda=torch.version.cuda, isa=host_isa(), **versions, **gpu)  # fmt: skip
+    check.record(
+        kind="measure",
+        python=platform.python_version(),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        isa=host_isa(),
+        **versions,
+        **gpu,
+    )
     heads = (16, 8, 128)
     for dtype in (torch.bfloat16, torch.float32):
-        for kind, masked, causal in (("decode", True, False), ("queries", True, False),
-                                     ("queries", False, True)):  # fmt: skip
+        for kind, masked, causal in (
+            ("decode", True, False),
+            ("queries", True, False),
+            ("queries", False, True),
+        ):
             arrangement = sdpa_choice.choose(kind, check.device, dtype, heads, masked, causal)
             backend = sdpa_choice.chosen_backend(kind, check.device, dtype, heads, masked, causal)
             kernel = "two matmuls" if arrangement == sdpa_choice.MATMUL else backend.name
-            check.record(kind="measure", attention=kind, masked=masked, dtype=str(dtype),
-                         arrangement=arrangement, kernel=kernel)  # fmt: skip
+            check.record(
+                kind="measure",
+                attention=kind,
+                masked=masked,
+                dtype=str(dtype),
+                arrangement=arrangement,
+                kernel=kernel,
+            )
 
 
 def step_decode(check: Check) -> None:
@@ -429,8 +490,9 @@ def step_decode(check: Check) -> None:
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
-        r = sampler.sample(prompts, group_size=G, max_new_tokens=N, temperature=0.0,
-                           stop_ids=[1], seed=0)  # fmt: skip
+        r = sampler.sample(
+            prompts, group_size=G, max_new_tokens=N, temperature=0.0, stop_ids=[1], seed=0
+        )
         if dev.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t, r
@@ -443,15 +505,23 @@ def step_decode(check: Check) -> None:
     counters.clear()
     compiled = Sampler(model, compile=True)
     first, _ = sample(compiled)
-    check.record(**base, mode="compiled", first_call_s=round(first, 1),
-                 compile_s=round(compiled.compile_s, 1),
-                 graphs=counters["stats"]["unique_graphs"])  # fmt: skip
+    check.record(
+        **base,
+        mode="compiled",
+        first_call_s=round(first, 1),
+        compile_s=round(compiled.compile_s, 1),
+        graphs=counters["stats"]["unique_graphs"],
+    )
     times, outs = zip(*[sample(compiled) for _ in range(3)])
     same = (outs[-1].completion_ids == ref[-1].completion_ids).all(dim=1).float().mean().item()
-    check.record(**base, mode="compiled", ms_per_step=1e3 * sorted(times)[1] / N,
-                 graphs=counters["stats"]["unique_graphs"],
-                 recompiles=counters["stats"].get("recompiles", 0),
-                 rows_equal_to_eager=same)  # fmt: skip
+    check.record(
+        **base,
+        mode="compiled",
+        ms_per_step=1e3 * sorted(times)[1] / N,
+        graphs=counters["stats"]["unique_graphs"],
+        recompiles=counters["stats"].get("recompiles", 0),
+        rows_equal_to_eager=same,
+    )
 
 
 def step_known_failing(check: Check) -> None:
@@ -461,8 +531,13 @@ def step_known_failing(check: Check) -> None:
 
 def step_cuda_rest(check: Check) -> None:
     """Every other `-m cuda` test."""
-    files = sorted({str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py")
-                    if "pytest.mark.cuda" in p.read_text()})  # fmt: skip
+    files = sorted(
+        {
+            str(p.relative_to(REPO))
+            for p in (REPO / "tests").glob("test_*.py")
+            if "pytest.mark.cuda" in p.read_text()
+        }
+    )
     deselect = [a for node in KNOWN_FAILING for a in ("--deselect", node)]
     check.pytest(["-m", "cuda", *files, *deselect], "pytest_cuda_rest.xml")
 
@@ -474,8 +549,12 @@ def bench(module: str, *argv: str) -> Callable[[Check], None]:
         import importlib
 
         mod = importlib.import_module(f"benchmarks.{module}")
-        names = dict(dev=check.device, out=check.res, size="ci" if check.dry else "qwen3-0.6b",
-                     tag="dry" if check.dry else "gpu")  # fmt: skip
+        names = dict(
+            dev=check.device,
+            out=check.res,
+            size="ci" if check.dry else "qwen3-0.6b",
+            tag="dry" if check.dry else "gpu",
+        )
         args = [a.format(**names) for a in argv]
         code = mod.main(args)
         if code:
@@ -484,50 +563,145 @@ def bench(module: str, *argv: str) -> Callable[[Check], None]:
     return run
 
 
-STEP_DRY = ["--prompts", "2", "--group-size", "2", "--max-new-tokens", "8",
-            "--micro-batch-size", "4", "--repeats", "1"]  # fmt: skip
-STEP_GPU = ["--prompts", "4", "--group-size", "8", "--max-new-tokens", "64",
-            "--micro-batch-size", "16", "--repeats", "2"]  # fmt: skip
-TUTORIAL_LORA = ["--lora-targets", "q_proj,k_proj,v_proj,o_proj", "--set", "model.dtype=float32",
-                 "--set", "model.autocast_bf16=true"]  # fmt: skip
+STEP_DRY = [
+    "--prompts",
+    "2",
+    "--group-size",
+    "2",
+    "--max-new-tokens",
+    "8",
+    "--micro-batch-size",
+    "4",
+    "--repeats",
+    "1",
+]
+STEP_GPU = [
+    "--prompts",
+    "4",
+    "--group-size",
+    "8",
+    "--max-new-tokens",
+    "64",
+    "--micro-batch-size",
+    "16",
+    "--repeats",
+    "2",
+]
+TUTORIAL_LORA = [
+    "--lora-targets",
+    "q_proj,k_proj,v_proj,o_proj",
+    "--set",
+    "model.dtype=float32",
+    "--set",
+    "model.autocast_bf16=true",
+]
 
 
 def grpo_step(check: Check) -> None:
-    common = ["--sizes", "{size}", "--device", "{dev}", "--out-dir", "{out}",
-              *(STEP_DRY if check.dry else STEP_GPU)]  # fmt: skip
-    bench("bench_step", *common, "--modes", "lora", *TUTORIAL_LORA, "--rollout-compile", "on",
-          "--name", "step_{tag}_{size}_lora_qkvo")(check)  # fmt: skip
+    common = [
+        "--sizes",
+        "{size}",
+        "--device",
+        "{dev}",
+        "--out-dir",
+        "{out}",
+        *(STEP_DRY if check.dry else STEP_GPU),
+    ]
+    bench(
+        "bench_step",
+        *common,
+        "--modes",
+        "lora",
+        *TUTORIAL_LORA,
+        "--rollout-compile",
+        "on",
+        "--name",
+        "step_{tag}_{size}_lora_qkvo",
+    )(check)
     archive_caches(check)  # a compile's kernels kept even if the full run is cut off
-    bench("bench_step", *common, "--modes", "full", "--rollout-compile", "on",
-          "--name", "step_{tag}_{size}_full")(check)  # fmt: skip
+    bench(
+        "bench_step",
+        *common,
+        "--modes",
+        "full",
+        "--rollout-compile",
+        "on",
+        "--name",
+        "step_{tag}_{size}_full",
+    )(check)
 
 
 def packing(check: Check) -> None:
-    pack = (["--prompts", "2", "--group-size", "2", "--max-new-tokens", "32",
-             "--micro-batch-size", "4", "--repeats", "1"] if check.dry else
-            ["--prompts", "4", "--group-size", "8", "--max-new-tokens", "256",
-             "--micro-batch-size", "16", "--repeats", "3"])  # fmt: skip
-    bench("bench_step", "--lengths", "gsm8k,uniform", "--modes", "lora", "--sizes", "{size}",
-          "--device", "{dev}", "--data", "gsm8k-test", *pack, "--name", "packing_{tag}_{size}",
-          "--out-dir", "{out}")(check)  # fmt: skip
+    pack = (
+        [
+            "--prompts",
+            "2",
+            "--group-size",
+            "2",
+            "--max-new-tokens",
+            "32",
+            "--micro-batch-size",
+            "4",
+            "--repeats",
+            "1",
+        ]
+        if check.dry
+        else [
+            "--prompts",
+            "4",
+            "--group-size",
+            "8",
+            "--max-new-tokens",
+            "256",
+            "--micro-batch-size",
+            "16",
+            "--repeats",
+            "3",
+        ]
+    )
+    bench(
+        "bench_step",
+        "--lengths",
+        "gsm8k,uniform",
+        "--modes",
+        "lora",
+        "--sizes",
+        "{size}",
+        "--device",
+        "{dev}",
+        "--data",
+        "gsm8k-test",
+        *pack,
+        "--name",
+        "packing_{tag}_{size}",
+        "--out-dir",
+        "{out}",
+    )(check)
 
 
 def parity(check: Check) -> None:
     extra = ["--sizes", "tiny", "--seq-len", "32", "--new-tokens", "8"] if check.dry else []
-    bench("gpu_parity", "--device", "{dev}", *extra, "--name", "parity_{tag}",
-          "--out-dir", "{out}")(check)  # fmt: skip
+    bench(
+        "gpu_parity", "--device", "{dev}", *extra, "--name", "parity_{tag}", "--out-dir", "{out}"
+    )(check)
 
 
 MAIN = [
     Step("env", 10, 20, step_env, "versions, device, the attention kernel each call gets"),
     Step("decode", 150, 120, step_decode, "decode step B=32, eager vs compiled"),
     Step("known-failing", 60, 120, step_known_failing, "the tests that failed, by name"),
-    Step("grpo-step", 200, 150, grpo_step, "GRPO step at the 0.6B shape, compiled rollouts: "
-         "LoRA q/k/v/o (tutorial precision), then full"),
+    Step(
+        "grpo-step",
+        200,
+        150,
+        grpo_step,
+        "GRPO step at the 0.6B shape, compiled rollouts: "
+        "LoRA q/k/v/o (tutorial precision), then full",
+    ),
     Step("packing", 60, 60, packing, "padded vs packed passes at the GSM8K spread (LoRA)"),
     Step("cuda-rest", 90, 120, step_cuda_rest, "every other -m cuda test"),
     Step("parity", 40, 60, parity, "decoder and greedy vs transformers, tiny and 0.6B"),
-]  # fmt: skip
+]
 
 
 def tutorial_run(name: str, *extra: str, accept: str = "1e-2") -> Callable[[Check], None]:
@@ -547,20 +721,48 @@ def tutorial_run(name: str, *extra: str, accept: str = "1e-2") -> Callable[[Chec
             (model / "config.json").write_text(json.dumps(cfg))
         run_dir = check.work / name
         backend = "gloo" if check.dry else "nccl"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=1", "-m", "grpo", "train", "--config",
-               "configs/gsm8k_qwen3_0.6b_grpo.yaml", f"model.path={model}", "model.adapter=null",
-               f"model.device={check.device}", "data.source=tests/data/gsm8k", "data.split=test",
-               "data.max_samples=64", "data.eval_samples=0", f"rollout.max_new_tokens={new}",
-               "rollout.compile=off", f"train.max_steps={steps}", "train.log_every=1",
-               f"train.output_dir={run_dir}", *extra]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=1",
+            "-m",
+            "grpo",
+            "train",
+            "--config",
+            "configs/gsm8k_qwen3_0.6b_grpo.yaml",
+            f"model.path={model}",
+            "model.adapter=null",
+            f"model.device={check.device}",
+            "data.source=tests/data/gsm8k",
+            "data.split=test",
+            "data.max_samples=64",
+            "data.eval_samples=0",
+            f"rollout.max_new_tokens={new}",
+            "rollout.compile=off",
+            f"train.max_steps={steps}",
+            "train.log_every=1",
+            f"train.output_dir={run_dir}",
+            *extra,
+        ]
         code, tail = check.run_cmd(cmd, check.left() - check.reserve_s)
         if code:
             raise RuntimeError(f"grpo train exited {code}: {tail.splitlines()[-1:]}")
         parallel = ["--parallel", f"ddp over 1 rank ({backend})"] if accept != "inf" else []
-        if gpu_run.main(["--name", f"{name}_{'dry' if check.dry else 'gpu'}", "--out-dir",
-                         str(check.res), "--metrics", str(run_dir / "metrics.jsonl"),
-                         "--accept", accept, *parallel]):  # fmt: skip
+        if gpu_run.main(
+            [
+                "--name",
+                f"{name}_{'dry' if check.dry else 'gpu'}",
+                "--out-dir",
+                str(check.res),
+                "--metrics",
+                str(run_dir / "metrics.jsonl"),
+                "--accept",
+                accept,
+                *parallel,
+            ]
+        ):
             raise RuntimeError(f"{name}: a number missed its bound (see its table)")
 
     return run
@@ -572,36 +774,97 @@ def tiny_parallel(mode: str, steps: int) -> Callable[[Check], None]:
 
         model = check.work / "tiny-model"
         if not model.exists():
-            code, tail = check.run_cmd([sys.executable, "-m", "grpo", "tiny-model", "--out",
-                                        str(model)], check.left())  # fmt: skip
+            code, tail = check.run_cmd(
+                [sys.executable, "-m", "grpo", "tiny-model", "--out", str(model)], check.left()
+            )
             if code:
                 raise RuntimeError(f"tiny-model exited {code}")
         backend = "gloo" if check.dry else "nccl"
         run_dir = check.work / f"grpo-{mode}"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=1", "-m", "grpo", "train", "--config", "configs/tiny_ci.yaml",
-               f"model.path={model}", f"model.device={check.device}",
-               f"train.output_dir={run_dir}", f"train.max_steps={steps}",
-               f"train.parallel={mode}", f"train.save_every={steps}"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=1",
+            "-m",
+            "grpo",
+            "train",
+            "--config",
+            "configs/tiny_ci.yaml",
+            f"model.path={model}",
+            f"model.device={check.device}",
+            f"train.output_dir={run_dir}",
+            f"train.max_steps={steps}",
+            f"train.parallel={mode}",
+            f"train.save_every={steps}",
+        ]
         code, tail = check.run_cmd(cmd, check.left() - check.reserve_s)
         if code:
             raise RuntimeError(f"grpo train exited {code}: {tail.splitlines()[-1:]}")
-        if gpu_run.main(["--name", f"grpo_{mode}_{'dry' if check.dry else 'gpu'}", "--out-dir",
-                         str(check.res), "--metrics", str(run_dir / "metrics.jsonl"),
-                         "--accept", "1e-4", "--parallel",
-                         f"{mode} over 1 rank ({backend})"]):  # fmt: skip
+        if gpu_run.main(
+            [
+                "--name",
+                f"grpo_{mode}_{'dry' if check.dry else 'gpu'}",
+                "--out-dir",
+                str(check.res),
+                "--metrics",
+                str(run_dir / "metrics.jsonl"),
+                "--accept",
+                "1e-4",
+                "--parallel",
+                f"{mode} over 1 rank ({backend})",
+            ]
+        ):
             raise RuntimeError(f"grpo-{mode}: a number missed its bound")
 
     return run
 
 
 def sampler_throughput(check: Check) -> None:
-    args = (["--cases", "tiny", "--dtype", "float32", "--prompt-len", "16", "--new-tokens", "8",
-             "--batches", "2x2", "--rounds", "2"] if check.dry else
-            ["--cases", "qwen3-0.6b", "--dtype", "bfloat16", "--batches", "4x8,16x8",
-             "--compile", "qwen3-0.6b", "--rounds", "3"])  # fmt: skip
-    bench("bench_sampler", *args, "--device", "{dev}", "--warmup", "1", "--hf-caches",
-          "dynamic,static", "--name", "sampler_{tag}", "--out-dir", "{out}")(check)  # fmt: skip
+    args = (
+        [
+            "--cases",
+            "tiny",
+            "--dtype",
+            "float32",
+            "--prompt-len",
+            "16",
+            "--new-tokens",
+            "8",
+            "--batches",
+            "2x2",
+            "--rounds",
+            "2",
+        ]
+        if check.dry
+        else [
+            "--cases",
+            "qwen3-0.6b",
+            "--dtype",
+            "bfloat16",
+            "--batches",
+            "4x8,16x8",
+            "--compile",
+            "qwen3-0.6b",
+            "--rounds",
+            "3",
+        ]
+    )
+    bench(
+        "bench_sampler",
+        *args,
+        "--device",
+        "{dev}",
+        "--warmup",
+        "1",
+        "--hf-caches",
+        "dynamic,static",
+        "--name",
+        "sampler_{tag}",
+        "--out-dir",
+        "{out}",
+    )(check)
 
 
 def decode_attention(check: Check) -> None:
@@ -624,29 +887,64 @@ def decode_attention(check: Check) -> None:
 
 
 def logprobs(check: Check) -> None:
-    args = (["--dtype", "float32", "--quick", "--shapes", "256x64x1024"] if check.dry else
-            ["--dtype", "bfloat16", "--shapes", "16384x1024x151936"])  # fmt: skip
-    bench("bench_logprobs", "--device", "{dev}", *args, "--impls", "naive,chunked,liger,triton",
-          "--name", "logprobs_{tag}_main", "--out-dir", "{out}")(check)  # fmt: skip
+    args = (
+        ["--dtype", "float32", "--quick", "--shapes", "256x64x1024"]
+        if check.dry
+        else ["--dtype", "bfloat16", "--shapes", "16384x1024x151936"]
+    )
+    bench(
+        "bench_logprobs",
+        "--device",
+        "{dev}",
+        *args,
+        "--impls",
+        "naive,chunked,liger,triton",
+        "--name",
+        "logprobs_{tag}_main",
+        "--out-dir",
+        "{out}",
+    )(check)
 
 
 def precision(check: Check) -> None:
-    bench("bench_precision", "--size", "{size}", "--device", "{dev}", "--no-compile", "--name",
-          "precision_{tag}_{size}", "--out-dir", "{out}")(check)  # fmt: skip
+    bench(
+        "bench_precision",
+        "--size",
+        "{size}",
+        "--device",
+        "{dev}",
+        "--no-compile",
+        "--name",
+        "precision_{tag}_{size}",
+        "--out-dir",
+        "{out}",
+    )(check)
 
 
 MORE = [
     Step("grpo-ddp", 60, 120, tiny_parallel("ddp", 20), "tiny GRPO, DDP over one NCCL rank"),
     Step("grpo-fsdp", 45, 120, tiny_parallel("fsdp", 5), "tiny GRPO, FSDP2 over one NCCL rank"),
-    Step("tutorial-grpo", 120, 150, tutorial_run("grpo_tutorial"),
-         "the tutorial config at the 0.6B shape, 4 steps, torchrun"),
-    Step("tutorial-async", 90, 150, tutorial_run("grpo_tutorial_async", "rollout.async=on",
-         "rollout.max_staleness=1", accept="inf"), "the same with async rollouts"),
+    Step(
+        "tutorial-grpo",
+        120,
+        150,
+        tutorial_run("grpo_tutorial"),
+        "the tutorial config at the 0.6B shape, 4 steps, torchrun",
+    ),
+    Step(
+        "tutorial-async",
+        90,
+        150,
+        tutorial_run(
+            "grpo_tutorial_async", "rollout.async=on", "rollout.max_staleness=1", accept="inf"
+        ),
+        "the same with async rollouts",
+    ),
     Step("decode-attention", 20, 30, decode_attention, "decode attention per arrangement"),
     Step("sampler", 120, 90, sampler_throughput, "sampler vs generate, B=32/128, bf16"),
     Step("logprobs", 35, 60, logprobs, "log-prob kernels vs naive, chunked, Liger"),
     Step("precision", 40, 90, precision, "sampler vs trainer, bf16 vs float32 log-probs"),
-]  # fmt: skip
+]
 PLANS = {"main": MAIN, "more": MORE}
 
 
@@ -654,8 +952,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("plan", nargs="?", default="main", choices=sorted(PLANS))
     p.add_argument("--out", default=os.environ.get("OUT", "runs/gpu_check"))
-    p.add_argument("--dry-run", action="store_true", default=os.environ.get("DRY_RUN") == "1",
-                   help="the CPU: tiny shapes, the cuda tests skip (env DRY_RUN=1)")  # fmt: skip
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        default=os.environ.get("DRY_RUN") == "1",
+        help="the CPU: tiny shapes, the cuda tests skip (env DRY_RUN=1)",
+    )
     p.add_argument(
         "--budget-s",
         type=float,
@@ -663,8 +965,11 @@ def main(argv: list[str] | None = None) -> int:
         help=f"seconds for the whole plan (default {BUDGET_S:.0f}; dry run 3600)",
     )
     p.add_argument("--steps", default=None, help="comma list: only these steps of the plan")
-    p.add_argument("--caches-from", default=".gpu_cache",
-                   help="folder of cache archives a previous run returned")  # fmt: skip
+    p.add_argument(
+        "--caches-from",
+        default=".gpu_cache",
+        help="folder of cache archives a previous run returned",
+    )
     args = p.parse_args(argv)
     budget = args.budget_s or (3600.0 if args.dry_run else BUDGET_S)
     steps = PLANS[args.plan]
@@ -687,8 +992,10 @@ def main(argv: list[str] | None = None) -> int:
     check.step = "caches"
     restore_caches(check, REPO / args.caches_from)
     failed = run_plan(check, steps)
-    check.say(f"=== done: {failed} of {len(steps)} steps failed; {check.out}/gpu_summary.md, "
-              f"{check.out}/results.jsonl, {check.out}/gpu_results.tar.gz")  # fmt: skip
+    check.say(
+        f"=== done: {failed} of {len(steps)} steps failed; {check.out}/gpu_summary.md, "
+        f"{check.out}/results.jsonl, {check.out}/gpu_results.tar.gz"
+    )
     check.close()
     return 1 if failed else 0
 

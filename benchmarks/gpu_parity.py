@@ -106,38 +106,77 @@ def check_size(size: str, args) -> list[dict]:
     ids, mask, prompts = padded_batch(V, args.seq_len, device)
 
     def add(dtype, check, ours, budget, ok, note, **extra):
-        rows.append(dict(size=size, dtype=dtype, check=check, ours=ours, budget=budget, ok=ok,
-                         note=note, **extra))  # fmt: skip
-        print(f"  {size} {dtype} {check}: ours {ours:.3g} hf {extra.get('hf', float('nan')):.3g} "
-              f"budget {budget:.3g} ok {ok}", flush=True)  # fmt: skip
+        rows.append(
+            dict(
+                size=size,
+                dtype=dtype,
+                check=check,
+                ours=ours,
+                budget=budget,
+                ok=ok,
+                note=note,
+                **extra,
+            )
+        )
+        print(
+            f"  {size} {dtype} {check}: ours {ours:.3g} hf {extra.get('hf', float('nan')):.3g} "
+            f"budget {budget:.3g} ok {ok}",
+            flush=True,
+        )
 
     ref = hf_logprobs(hf32, ids, mask)[mask]  # (N, V): real tokens only
     err = (ours_logprobs(ours32, ids, mask)[mask] - ref).abs()
     tol = FP32_TOL[size]
-    add("float32", "logits", err.max().item(), tol, err.max().item() <= tol,
-        "max abs log-softmax diff vs transformers", ours_mean=err.mean().item())  # fmt: skip
+    add(
+        "float32",
+        "logits",
+        err.max().item(),
+        tol,
+        err.max().item() <= tol,
+        "max abs log-softmax diff vs transformers",
+        ours_mean=err.mean().item(),
+    )
     del err
     g_ours, prompt_ids, prompt_mask = ours_greedy(ours32, prompts, args.new_tokens)
     g_ref = hf_greedy(hf32, prompt_ids, prompt_mask, args.new_tokens)
     agree = prefix_agreement(g_ours, g_ref)
-    add("float32", "greedy", agree, 1.0, agree == 1.0,
-        f"{args.new_tokens} steps, B=4 left-padded prompts")  # fmt: skip
+    add(
+        "float32",
+        "greedy",
+        agree,
+        1.0,
+        agree == 1.0,
+        f"{args.new_tokens} steps, B=4 left-padded prompts",
+    )
 
     if bf16:
         e_ours = (ours_logprobs(ours16, ids, mask)[mask] - ref).abs()
         e_hf = (hf_logprobs(hf16, ids, mask)[mask] - ref).abs()
         budget = BF16_ERR_RATIO * e_hf.max().item()
-        add("bfloat16", "logits", e_ours.max().item(), budget, e_ours.max().item() <= budget,
+        add(
+            "bfloat16",
+            "logits",
+            e_ours.max().item(),
+            budget,
+            e_ours.max().item() <= budget,
             f"both vs transformers float32; budget {BF16_ERR_RATIO}x hf's",
-            hf=e_hf.max().item(), ours_mean=e_ours.mean().item(),
-            hf_mean=e_hf.mean().item())  # fmt: skip
+            hf=e_hf.max().item(),
+            ours_mean=e_ours.mean().item(),
+            hf_mean=e_hf.mean().item(),
+        )
         del e_ours, e_hf
         a_ours = prefix_agreement(ours_greedy(ours16, prompts, args.new_tokens)[0], g_ref)
         a_hf = prefix_agreement(hf_greedy(hf16, prompt_ids, prompt_mask, args.new_tokens), g_ref)
         budget = BF16_GREEDY_RATIO * a_hf
-        add("bfloat16", "greedy", a_ours, budget, a_ours >= budget,
+        add(
+            "bfloat16",
+            "greedy",
+            a_ours,
+            budget,
+            a_ours >= budget,
             f"both vs transformers float32 greedy; budget {BF16_GREEDY_RATIO}x hf's",
-            hf=a_hf)  # fmt: skip
+            hf=a_hf,
+        )
     del hf32, ours32, hf16, ours16
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -30,17 +30,21 @@ def summarize(recs: list[dict]) -> dict:
         return st.median(r[k] for r in later)
 
     row = {
-        "steps": len(recs), "parallel": recs[0].get("run/parallel", "unrecorded"),
-        "first_step_s": recs[0]["perf/step_s"], "step_s": med("perf/step_s"),
-        "rollout_s": med("perf/rollout_s"), "logprob_s": med("perf/logprob_s"),
-        "update_s": med("perf/update_s"), "tokens_per_s": med("perf/tokens_per_s"),
+        "steps": len(recs),
+        "parallel": recs[0].get("run/parallel", "unrecorded"),
+        "first_step_s": recs[0]["perf/step_s"],
+        "step_s": med("perf/step_s"),
+        "rollout_s": med("perf/rollout_s"),
+        "logprob_s": med("perf/logprob_s"),
+        "update_s": med("perf/update_s"),
+        "tokens_per_s": med("perf/tokens_per_s"),
         "peak_mem_mib": max(r["perf/peak_mem_mib"] for r in recs),
         "logprob_diff_max": max(r["rollout/logprob_diff_max"] for r in recs),
         "logprob_diff_mean": st.mean(r["rollout/logprob_diff_mean"] for r in recs),
         "first_pass_ratio_mean": st.mean(r["rollout/first_pass_ratio_mean"] for r in recs),
         "reward_first": recs[0]["rollout/reward_mean"],
         "reward_last": recs[-1]["rollout/reward_mean"],
-    }  # fmt: skip
+    }
     for phase in ("rollout", "logprob", "update"):  # per-phase peaks (CUDA: reset per phase)
         key = f"perf/peak_mem_{phase}_mib"
         if key in recs[0]:
@@ -56,8 +60,9 @@ def verdict(row: dict, accept: float, parallel: str | None) -> list[str]:
     if row["logprob_diff_max"] > accept:
         bad.append(f"logprob_diff_max {row['logprob_diff_max']:.3g} > {accept:g}")
     if abs(row["first_pass_ratio_mean"] - 1) > accept:
-        bad.append(f"|first_pass_ratio_mean - 1| {abs(row['first_pass_ratio_mean'] - 1):.3g}"
-                   f" > {accept:g}")  # fmt: skip
+        bad.append(
+            f"|first_pass_ratio_mean - 1| {abs(row['first_pass_ratio_mean'] - 1):.3g} > {accept:g}"
+        )
     if parallel is not None and row["parallel"] != parallel:
         bad.append(f"run/parallel is {row['parallel']!r}, expected {parallel!r}")
     return bad
@@ -68,8 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", required=True, help="result name (JSON + Markdown)")
     p.add_argument("--metrics", required=True, type=Path, help="the run's metrics.jsonl")
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
-    p.add_argument("--accept", type=float, default=1e-4,
-                   help="bound on the log-prob diff and |ratio - 1|; inf: report")  # fmt: skip
+    p.add_argument(
+        "--accept",
+        type=float,
+        default=1e-4,
+        help="bound on the log-prob diff and |ratio - 1|; inf: report",
+    )
     p.add_argument("--parallel", default=None, help="the run/parallel the run must record")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the grpo train command")
     args = p.parse_args(argv)
@@ -88,11 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     shutil.copy(args.metrics, args.out_dir / f"{args.name}_metrics.jsonl")
     row = summarize(recs)
     bad = verdict(row, args.accept, args.parallel)
-    meta = {"command": shlex.join(command), "medians": "over steps 2..N (step 1 compiles)",
-            "logprob_diff": "max / mean over steps of the first pass vs the sampler (per token)",
-            "acceptance": f"logprob_diff_max <= {args.accept} and |first_pass_ratio_mean - 1| "
-                          f"<= {args.accept}" + (f"; run/parallel == {args.parallel!r}"
-                                                 if args.parallel else "")}  # fmt: skip
+    meta = {
+        "command": shlex.join(command),
+        "medians": "over steps 2..N (step 1 compiles)",
+        "logprob_diff": "max / mean over steps of the first pass vs the sampler (per token)",
+        "acceptance": f"logprob_diff_max <= {args.accept} and |first_pass_ratio_mean - 1| "
+        f"<= {args.accept}" + (f"; run/parallel == {args.parallel!r}" if args.parallel else ""),
+    }
     write_results(args.name, [row], list(row), out_dir=args.out_dir, meta=meta)
     print(
         f"{args.name}: {row['steps']} steps, {row['parallel']}, median step "

@@ -55,8 +55,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default="runs/ppo-vs-grpo")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
-    ap.add_argument("--save", action="store_true",
-                    help="also write benchmarks/results/ and docs/img/ copies")  # fmt: skip
+    ap.add_argument(
+        "--save", action="store_true", help="also write benchmarks/results/ and docs/img/ copies"
+    )
     ap.add_argument("--tag", default="", help="--save: a suffix of the saved files' names")
     ap.add_argument("overrides", nargs="*", help="pipeline overrides for both runs")
     args = ap.parse_args(argv)
@@ -77,8 +78,13 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     model_dir = out / "model"
     over = [*quick_over, *COMMON, *args.overrides]
-    make_tiny_model(model_dir, size=settings.model_size, vocab_size=settings.vocab_size,
-                    seed=args.seed, max_position_embeddings=settings.context)  # fmt: skip
+    make_tiny_model(
+        model_dir,
+        size=settings.model_size,
+        vocab_size=settings.vocab_size,
+        seed=args.seed,
+        max_position_embeddings=settings.context,
+    )
     register_demo_data(settings)
     times: dict[str, float] = {}
 
@@ -87,9 +93,15 @@ def main(argv: list[str] | None = None) -> dict:
     sft = train_sft(pcfg.sft, overwrite=True)
     times["sft"] = time.perf_counter() - t
 
-    results: dict = {"seed": args.seed, "quick": args.quick, "overrides": over, "ppo": PPO,
-                     "command": "python -m benchmarks.ppo_vs_grpo " + " ".join(
-                         sys.argv[1:] if argv is None else argv), "runs": {}}  # fmt: skip
+    results: dict = {
+        "seed": args.seed,
+        "quick": args.quick,
+        "overrides": over,
+        "ppo": PPO,
+        "command": "python -m benchmarks.ppo_vs_grpo "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "runs": {},
+    }
     sft_eval = None
     for name, extra in (("grpo", []), ("ppo", PPO)):
         p = load_pipeline_config(out / "pipeline.yaml", [*over, *extra])
@@ -121,8 +133,11 @@ def main(argv: list[str] | None = None) -> dict:
             "train_s": round(took, 1),
             "step_s_median": sorted(step_s)[len(step_s) // 2] if step_s else None,
         }
-        print(f"{name}: held-out greedy accuracy {final_eval['accuracy']:.3f} "
-              f"(SFT {sft_eval['accuracy']:.3f}), {took:.0f} s", flush=True)  # fmt: skip
+        print(
+            f"{name}: held-out greedy accuracy {final_eval['accuracy']:.3f} "
+            f"(SFT {sft_eval['accuracy']:.3f}), {took:.0f} s",
+            flush=True,
+        )
     results["sft"] = {"accuracy": sft_eval["accuracy"], "train_s": round(times["sft"], 1)}
     results["eval"] = {"split": "test", "n": sft_eval["n"], "decoding": "greedy"}
     g, p = results["runs"]["grpo"], results["runs"]["ppo"]
@@ -132,7 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.save:
         tag = f"seed{args.seed}" + ("_quick" if args.quick else "") + args.tag
         (REPO / "benchmarks" / "results" / f"ppo_vs_grpo_{tag}.json").write_text(
-            json.dumps(results, indent=2) + "\n")  # fmt: skip
+            json.dumps(results, indent=2) + "\n"
+        )
         plot(results, REPO / "docs" / "img" / f"ppo_vs_grpo_{tag}.png")
     print(json.dumps({k: v for k, v in results.items() if k != "runs"}, indent=2))
     print(f"curves: {png}")

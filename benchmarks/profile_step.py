@@ -63,15 +63,21 @@ def main(argv=None) -> None:
         case = build_case(model_dir, args.lora, args, args.shared_prefix)
         cfg, policy, batch = case["cfg"], case["policy"], case["batch"]
         if args.what == "update":
-            run = lambda: update_phase(cfg, policy, batch, case["opt"], case["sched"],  # noqa: E731
-                                       case["params"])  # fmt: skip
+
+            def run():
+                return update_phase(cfg, policy, batch, case["opt"], case["sched"], case["params"])
         else:
             prompts = [r["prompt_ids"] for r in case["rows"][: args.prompts]]
 
             def run():
-                case["sampler"].sample(prompts, group_size=args.group_size,
-                                       max_new_tokens=args.max_new_tokens, temperature=1.0,
-                                       stop_ids=[], seed=0)  # fmt: skip
+                case["sampler"].sample(
+                    prompts,
+                    group_size=args.group_size,
+                    max_new_tokens=args.max_new_tokens,
+                    temperature=1.0,
+                    stop_ids=[],
+                    seed=0,
+                )
 
         run()  # warm-up
         with profile(activities=[ProfilerActivity.CPU]) as prof:

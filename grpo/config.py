@@ -170,8 +170,11 @@ class ModuleConfig:
             _check(bool(ok), "modules[].label", f"{want}, got {self.label!r}")
         known = {f.name for f in fields(OptimConfig)}
         for k in self.optim:
-            _check(k in known, f"modules[].optim.{k}",
-                   f"unknown key; valid keys: {', '.join(sorted(known))}")  # fmt: skip
+            _check(
+                k in known,
+                f"modules[].optim.{k}",
+                f"unknown key; valid keys: {', '.join(sorted(known))}",
+            )
         try:
             OptimConfig(**self.optim)
         except ConfigError as e:
@@ -244,25 +247,40 @@ class RolloutConfig:
         _check(self.max_obs_tokens >= 1, "rollout.max_obs_tokens", "must be >= 1")
         _check(0 < self.gamma <= 1, "rollout.gamma", f"must be in (0, 1], got {self.gamma}")
         if self.max_total_tokens is not None:
-            _check(self.max_total_tokens >= self.max_new_tokens, "rollout.max_total_tokens",
-                   f"must be >= rollout.max_new_tokens ({self.max_new_tokens})")  # fmt: skip
+            _check(
+                self.max_total_tokens >= self.max_new_tokens,
+                "rollout.max_total_tokens",
+                f"must be >= rollout.max_new_tokens ({self.max_new_tokens})",
+            )
         _check(isinstance(self.env, str) and bool(self.env), "rollout.env", "must be a name")
         _check(self.max_new_tokens > 0, "rollout.max_new_tokens", "must be > 0")
-        _check(self.max_rows >= 0, "rollout.max_rows",
-               f"must be >= 0 (0 = every row at once), got {self.max_rows}")  # fmt: skip
+        _check(
+            self.max_rows >= 0,
+            "rollout.max_rows",
+            f"must be >= 0 (0 = every row at once), got {self.max_rows}",
+        )
         _check(self.temperature >= 0, "rollout.temperature", "must be >= 0")
         _check(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)")
         _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         _check(0 <= self.min_p < 1, "rollout.min_p", f"must be in [0, 1), got {self.min_p}")
-        _check(self.max_staleness >= 0, "rollout.max_staleness",
-               f"must be >= 0, got {self.max_staleness}")  # fmt: skip
+        _check(
+            self.max_staleness >= 0,
+            "rollout.max_staleness",
+            f"must be >= 0, got {self.max_staleness}",
+        )
         _check(self.ranks >= 0, "rollout.ranks", f"must be >= 0, got {self.ranks}")
-        _check(self.ranks == 0 or self.asynchronous, "rollout.ranks",
-               f"{self.ranks} producer ranks need rollout.async: on")  # fmt: skip
+        _check(
+            self.ranks == 0 or self.asynchronous,
+            "rollout.ranks",
+            f"{self.ranks} producer ranks need rollout.async: on",
+        )
         _check_seconds(self.async_timeout_s, "rollout.async_timeout_s")
         _check_seconds(self.env_timeout_s, "rollout.env_timeout_s", nullable=True)
-        _check(isinstance(self.strategy, str) and bool(self.strategy), "rollout.strategy",
-               "must be a name")  # fmt: skip
+        _check(
+            isinstance(self.strategy, str) and bool(self.strategy),
+            "rollout.strategy",
+            "must be a name",
+        )
         from grpo.train.strategies import check_strategy  # lazy: the registry imports torch
 
         try:  # an unknown name or parameter fails here, naming the field
@@ -320,8 +338,11 @@ class LossConfig:
         _check(self.max_sampling_rounds >= 1, "loss.max_sampling_rounds", "must be >= 1")
         _check(self.kl_in_reward >= 0, "loss.kl_in_reward", f"must be >= 0: {self.kl_in_reward}")
         _check(0 < self.gamma <= 1, "loss.gamma", f"must be in (0, 1], got {self.gamma}")
-        _check(0 <= self.gae_lambda <= 1, "loss.gae_lambda",
-               f"must be in [0, 1], got {self.gae_lambda}")  # fmt: skip
+        _check(
+            0 <= self.gae_lambda <= 1,
+            "loss.gae_lambda",
+            f"must be in [0, 1], got {self.gae_lambda}",
+        )
         _check(self.entropy_coef >= 0, "loss.entropy_coef", "must be >= 0")
         if self.tis_cap is not None:
             _check(self.tis_cap >= 1, "loss.tis_cap", f"must be >= 1 (or null), got {self.tis_cap}")
@@ -368,14 +389,20 @@ class OptimConfig:
         _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
         # AdamW moves every weight by about lr per update (|m/sqrt(v)| ~ 1): above 1 one update
         # outgrows the weights themselves (fine-tuning uses 1e-7 .. 1e-3) and they soon overflow
-        _check(self.lr <= 1, "optim.lr", f"must be <= 1 (AdamW moves every weight by about lr "
-               f"per update), got {self.lr:g}")  # fmt: skip
+        _check(
+            self.lr <= 1,
+            "optim.lr",
+            f"must be <= 1 (AdamW moves every weight by about lr per update), got {self.lr:g}",
+        )
         _check(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
         # decoupled decay multiplies the weights by 1 - lr * weight_decay every update
         factor = 1 - self.lr * self.weight_decay
-        _check(factor > 0, "optim.weight_decay",
-               f"times optim.lr must be < 1 (each update multiplies the weights by 1 - lr * "
-               f"weight_decay = {factor:g}), got {self.weight_decay:g}")  # fmt: skip
+        _check(
+            factor > 0,
+            "optim.weight_decay",
+            f"times optim.lr must be < 1 (each update multiplies the weights by 1 - lr * "
+            f"weight_decay = {factor:g}), got {self.weight_decay:g}",
+        )
         _check(self.eps > 0, "optim.eps", f"must be > 0, got {self.eps}")
         ok = all(0 <= b < 1 for b in self.betas)
         _check(ok, "optim.betas", f"must both be in [0, 1), got {list(self.betas)}")
@@ -472,10 +499,14 @@ class TrainConfig:
             )
         if self.micro_batch_tokens is not None:
             _check(self.micro_batch_tokens > 0, "train.micro_batch_tokens", "must be > 0")
-            _check(mb is None, "train.micro_batch_tokens",
-                   "set it or train.micro_batch_size, not both")  # fmt: skip
-            _check(self.pack_sequences != "off", "train.micro_batch_tokens",
-                   "cuts packed micro-batches: needs train.pack_sequences on or auto")  # fmt: skip
+            _check(
+                mb is None, "train.micro_batch_tokens", "set it or train.micro_batch_size, not both"
+            )
+            _check(
+                self.pack_sequences != "off",
+                "train.micro_batch_tokens",
+                "cuts packed micro-batches: needs train.pack_sequences on or auto",
+            )
         _check(self.log_every >= 1, "train.log_every", f"must be >= 1, got {self.log_every}")
         for name in ("eval_every", "save_every", "sample_every"):
             _check(getattr(self, name) >= 0, f"train.{name}", "must be >= 0")
@@ -483,8 +514,11 @@ class TrainConfig:
         _check(self.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", "must be >= 1")
         _check(self.stall_steps >= 0, "train.stall_steps", "must be >= 0 (0 = no checks)")
         _check(self.critic_warmup_steps >= 0, "train.critic_warmup_steps", "must be >= 0")
-        _check(not self.stop_on_stall or self.stall_steps > 0, "train.stop_on_stall",
-               "needs train.stall_steps > 0 (0 turns the checks off)")  # fmt: skip
+        _check(
+            not self.stop_on_stall or self.stall_steps > 0,
+            "train.stop_on_stall",
+            "needs train.stall_steps > 0 (0 turns the checks off)",
+        )
         _check_seconds(self.dist_timeout_s, "train.dist_timeout_s")
         out = str(self.output_dir).strip()
         _check(
@@ -776,8 +810,11 @@ def _max_steps_wins(data: dict, overridden: set[str]) -> None:
     if "train.max_steps" not in overridden or "train.epochs" in overridden:
         return
     if isinstance(train, dict) and train.get("epochs") is not None:
-        log.warning("train.max_steps=%s (command line) wins over the config's train.epochs=%s",
-                    train.get("max_steps"), train["epochs"])  # fmt: skip
+        log.warning(
+            "train.max_steps=%s (command line) wins over the config's train.epochs=%s",
+            train.get("max_steps"),
+            train["epochs"],
+        )
         train["epochs"] = None
 
 

@@ -184,8 +184,16 @@ class Where:
         return f"{self.phase}, step {self.step}" if self.step else self.phase
 
 
-_PEER_FAILURE = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe",
-                 "nccl", "gloo", "processgroup")  # fmt: skip
+_PEER_FAILURE = (
+    "timed out",
+    "timeout",
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "nccl",
+    "gloo",
+    "processgroup",
+)
 
 
 def collective_failure(e: BaseException) -> str | None:
@@ -351,8 +359,9 @@ def split_roles(dist: Dist, n_producers: int, timeout_s: float) -> Roles:
     weights = td.new_group([0, *producers], backend="gloo", timeout=timeout)
     cpu = torch.device("cpu")
     if dist.rank < T:
-        trainers = Dist(dist.rank, T, dist.local_rank, dist.device, trainer_group,
-                        cpu_group=trainer_cpu)  # fmt: skip
+        trainers = Dist(
+            dist.rank, T, dist.local_rank, dist.device, trainer_group, cpu_group=trainer_cpu
+        )
         return Roles(dist.rank, T, producers, trainers, None, link, weights)
     lockstep = Dist(dist.rank - T, n_producers, dist.local_rank, cpu, producer_group)
     return Roles(dist.rank, T, producers, None, lockstep, link, weights)
@@ -440,8 +449,9 @@ def all_gather_cat(x: torch.Tensor, dist: Dist) -> torch.Tensor:
     if not dist.enabled:
         return x
     if x.device != dist.device:
-        raise ValueError(f"all_gather_cat: tensor on {x.device}, the rank's device is "
-                         f"{dist.device}")  # fmt: skip
+        raise ValueError(
+            f"all_gather_cat: tensor on {x.device}, the rank's device is {dist.device}"
+        )
     parts = [torch.empty_like(x) for _ in range(dist.world_size)]
     td.all_gather(parts, x.contiguous(), group=dist.group)
     return torch.cat(parts)
@@ -523,8 +533,9 @@ def shard_model(
 
     mesh = init_device_mesh(dist.device.type, (dist.world_size,))
     mixed = len({p.dtype for p in model.parameters()}) > 1
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype if mixed else None,
-                              reduce_dtype=torch.float32)  # fmt: skip
+    mp = MixedPrecisionPolicy(
+        param_dtype=compute_dtype if mixed else None, reduce_dtype=torch.float32
+    )
     # pinned host memory needs an accelerator: without one, CPUOffloadPolicy() fails
     off = CPUOffloadPolicy(pin_memory=dist.device.type == "cuda") if offload else OffloadPolicy()
     for block in model.layers:

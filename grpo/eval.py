@@ -171,12 +171,24 @@ def evaluate(
 
     unscorable = next((i for i, r in enumerate(rows) if "ground_truth" not in r), None)
     if unscorable is not None:
-        raise GrpoError(f"evaluation: row {unscorable} has no 'ground_truth' to score its final "
-                        "answer against (evaluation scores math accuracy)")  # fmt: skip
+        raise GrpoError(
+            f"evaluation: row {unscorable} has no 'ground_truth' to score its final "
+            "answer against (evaluation scores math accuracy)"
+        )
     sampler = Sampler(model, precision=precision)
-    generate = _generator(sampler, tokenizer, stop_ids, max_new_tokens, env, env_kwargs,
-                          max_turns, max_total_tokens, max_obs_tokens, turn_end_tokens,
-                          env_timeout_s)  # fmt: skip
+    generate = _generator(
+        sampler,
+        tokenizer,
+        stop_ids,
+        max_new_tokens,
+        env,
+        env_kwargs,
+        max_turns,
+        max_total_tokens,
+        max_obs_tokens,
+        turn_end_tokens,
+        env_timeout_s,
+    )
     scored, samples, diffs, pass_hits, mean_hits = [], [], [], [], []
     env_sums: dict[str, float] = {}
     batches = range(0, len(rows), batch_size)
@@ -215,16 +227,33 @@ def evaluate(
     return EvalResult(summary, samples)
 
 
-def _generator(sampler, tokenizer, stop_ids, max_new_tokens, env, env_kwargs, max_turns,
-               max_total_tokens, max_obs_tokens, turn_end_tokens, env_timeout_s=60.0):  # fmt: skip
+def _generator(
+    sampler,
+    tokenizer,
+    stop_ids,
+    max_new_tokens,
+    env,
+    env_kwargs,
+    max_turns,
+    max_total_tokens,
+    max_obs_tokens,
+    turn_end_tokens,
+    env_timeout_s=60.0,
+):
     """(rows, group size, temperature, seed) -> Rollout: single turn, or episodes with `env`."""
     pad = tokenizer.pad_token_id
     if env is None or env == "single_turn":
 
         def single(chunk, G, temperature, seed):
-            return sampler.sample([r["prompt_ids"] for r in chunk], group_size=G,
-                                  max_new_tokens=max_new_tokens, temperature=temperature,
-                                  stop_ids=stop_ids, seed=seed, pad_id=pad)  # fmt: skip
+            return sampler.sample(
+                [r["prompt_ids"] for r in chunk],
+                group_size=G,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                stop_ids=stop_ids,
+                seed=seed,
+                pad_id=pad,
+            )
 
         return single
     from grpo.config import default_total_tokens
@@ -237,11 +266,23 @@ def _generator(sampler, tokenizer, stop_ids, max_new_tokens, env, env_kwargs, ma
 
     def episodes(chunk, G, temperature, seed):
         return sample_with_env(
-            sampler, tokenizer, chunk, make_env, env_name=env, group_size=G,
-            max_new_tokens=max_new_tokens, max_turns=max_turns, max_total_tokens=total,
-            max_obs_tokens=max_obs_tokens, stop_ids=stop_ids, turn_end_ids=ends, seed=seed,
-            pad_id=pad, temperature=temperature, step_timeout_s=env_timeout_s,
-        )  # fmt: skip
+            sampler,
+            tokenizer,
+            chunk,
+            make_env,
+            env_name=env,
+            group_size=G,
+            max_new_tokens=max_new_tokens,
+            max_turns=max_turns,
+            max_total_tokens=total,
+            max_obs_tokens=max_obs_tokens,
+            stop_ids=stop_ids,
+            turn_end_ids=ends,
+            seed=seed,
+            pad_id=pad,
+            temperature=temperature,
+            step_timeout_s=env_timeout_s,
+        )
 
     return episodes
 
@@ -251,8 +292,13 @@ def comparison_table(results: dict[str, dict]) -> str:
     keys = ["accuracy", "format_rate", "avg_length", "avg_steps", "mean_abs_error"]
     extra = sorted({k for s in results.values() for k in s if k.startswith(("pass@", "mean@"))})
     keys += extra
-    env_keys = ("turns_mean", "tool_calls_mean", "invalid_call_rate", "tool_error_rate",
-                "turn_limit_frac")  # fmt: skip
+    env_keys = (
+        "turns_mean",
+        "tool_calls_mean",
+        "invalid_call_rate",
+        "tool_error_rate",
+        "turn_limit_frac",
+    )
     keys += [k for k in env_keys if any(k in s for s in results.values())]
     lines = ["| model | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
     for name, s in results.items():
@@ -272,9 +318,15 @@ def eval_env_settings(cfg: Config) -> dict:
     kwargs = cfg.eval.env_kwargs
     if kwargs is None:
         kwargs = r.env_kwargs if env == r.env else {}
-    return {"env": env, "env_kwargs": kwargs, "max_turns": r.max_turns,
-            "max_total_tokens": r.max_total_tokens, "max_obs_tokens": r.max_obs_tokens,
-            "turn_end_tokens": r.turn_end_tokens, "env_timeout_s": r.env_timeout_s}  # fmt: skip
+    return {
+        "env": env,
+        "env_kwargs": kwargs,
+        "max_turns": r.max_turns,
+        "max_total_tokens": r.max_total_tokens,
+        "max_obs_tokens": r.max_obs_tokens,
+        "turn_end_tokens": r.turn_end_tokens,
+        "env_timeout_s": r.env_timeout_s,
+    }
 
 
 def average_reward(cfg: Config, rows: list[dict], samples: list[dict]) -> float:
@@ -308,12 +360,20 @@ def evaluate_config(cfg: Config, spec: TrainedModel, details: bool = False) -> d
     model, tok, stops, dev = load_trained_model(spec, cfg.model.dtype, cfg.model.device)
     rows = load_rows(cfg.data, cfg.data.eval_split, cfg.eval.max_samples, "rl", tok)
     res = evaluate(
-        model, tok, rows, stop_ids=stops,
+        model,
+        tok,
+        rows,
+        stop_ids=stops,
         max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
-        batch_size=cfg.eval.batch_size, k=cfg.eval.k, temperature=cfg.eval.temperature,
-        seed=cfg.train.seed, details=True, progress=cfg.train.progress,
-        precision=Precision.from_config(cfg.model, training=False), **eval_env_settings(cfg),
-    )  # fmt: skip
+        batch_size=cfg.eval.batch_size,
+        k=cfg.eval.k,
+        temperature=cfg.eval.temperature,
+        seed=cfg.train.seed,
+        details=True,
+        progress=cfg.train.progress,
+        precision=Precision.from_config(cfg.model, training=False),
+        **eval_env_settings(cfg),
+    )
     summary = dict(res.summary)
     summary["average_reward"] = average_reward(cfg, rows, res.samples)
     if details:
@@ -395,9 +455,15 @@ def run_eval_command(
             raise GrpoError(f"--compare {item!r} must look like NAME=MODEL or NAME=MODEL+ADAPTER")
         path, _, ad = spec.partition("+")
         specs[name] = TrainedModel(path, (ad,) if ad else ())
-    configs = preflight_eval([s.path for s in specs.values()], data=data,
-                             max_new_tokens=max_new_tokens, batch_size=batch_size,
-                             max_samples=max_samples, env=env, max_turns=max_turns)  # fmt: skip
+    configs = preflight_eval(
+        [s.path for s in specs.values()],
+        data=data,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        max_samples=max_samples,
+        env=env,
+        max_turns=max_turns,
+    )
     device = resolve_device("auto")
     budget = eval_command_budget(max_new_tokens, env, max_turns)
     # Every model's prompts, rendered by its own tokenizer, fit its context and its memory
@@ -417,18 +483,35 @@ def run_eval_command(
     for name, spec in specs.items():
         net, tok, stops, _ = load_trained_model(spec, device=device)
         res = evaluate(
-            net, tok, rows_of[name], stop_ids=stops, max_new_tokens=max_new_tokens,
-            batch_size=batch_size, k=k, details=details, progress=True, env=env,
-            env_kwargs=env_kwargs, max_turns=max_turns,
-        )  # fmt: skip
+            net,
+            tok,
+            rows_of[name],
+            stop_ids=stops,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            k=k,
+            details=details,
+            progress=True,
+            env=env,
+            env_kwargs=env_kwargs,
+            max_turns=max_turns,
+        )
         results[name] = res.summary
         ad = spec.adapters[0] if spec.adapters else None
         payload["models"][name] = {"path": spec.path, "adapter": ad, "summary": res.summary}
         if details:
             payload["models"][name]["samples"] = res.samples
         if env and without_tool:  # the same problems, one turn, nothing executed
-            off = evaluate(net, tok, rows_of[name], stop_ids=stops, max_new_tokens=max_new_tokens,
-                           batch_size=batch_size, k=k, progress=True)  # fmt: skip
+            off = evaluate(
+                net,
+                tok,
+                rows_of[name],
+                stop_ids=stops,
+                max_new_tokens=max_new_tokens,
+                batch_size=batch_size,
+                k=k,
+                progress=True,
+            )
             results[f"{name} (no tool)"] = off.summary
             payload["models"][name]["without_tool"] = off.summary
         del net

@@ -122,9 +122,11 @@ def load_trained_model(
     dev = resolve_device(device)
     model = load_model(spec.path, dtype=dtype, device=dev)
     if model.config.num_labels:
-        raise GrpoError(f"{spec.path} is a sequence classifier (a reward model: "
-                        f"{model.config.to_hf()['architectures'][0]}); a policy is a causal LM. "
-                        "A reward model is used as a reward (docs/rewards.md)")  # fmt: skip
+        raise GrpoError(
+            f"{spec.path} is a sequence classifier (a reward model: "
+            f"{model.config.to_hf()['architectures'][0]}); a policy is a causal LM. "
+            "A reward model is used as a reward (docs/rewards.md)"
+        )
     for adapter in spec.adapters:
         load_adapter(model, adapter)
         unwrap_lora(model)
@@ -187,8 +189,9 @@ def load_rows(
     for i, row in enumerate(rows):
         if format_type == "rl":  # the question as plain text: no special-token text in it forges
             # chat structure (grpo.tokenizer.encode_chat); the ids of the rendered prompt else
-            row["prompt_ids"] = encode_prompt(tokenizer, row["question"], data.system_prompt,
-                                              data.enable_thinking)  # fmt: skip
+            row["prompt_ids"] = encode_prompt(
+                tokenizer, row["question"], data.system_prompt, data.enable_thinking
+            )
         else:
             row["prompt_ids"] = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
         if len(row["prompt_ids"]) > data.max_prompt_len:

@@ -172,8 +172,9 @@ def plugin_header() -> dict[str, str]:
     ``run/plugins``, JSON ``{spec: {"source", "dist", "version"}}`` of every plugin loaded, and
     ``run/replaced``, a JSON list of ``{"kind", "name", "old", "new", "by"}``, one per
     replacement."""
-    plugins = {spec: {k: v for k, v in asdict(p).items() if k != "spec"}
-               for spec, p in _LOADED.items()}  # fmt: skip
+    plugins = {
+        spec: {k: v for k, v in asdict(p).items() if k != "spec"} for spec, p in _LOADED.items()
+    }
     return {
         "run/plugins": json.dumps(plugins),
         "run/replaced": json.dumps([asdict(r) for r in _REPLACED]),
@@ -186,12 +187,20 @@ def note_replacement(kind: str, name: str, old: object, new: object) -> None:
     replaced it (the plugin being loaded, else the module that called the registry), and record
     it for the run's metadata. Only rank 0 logs it at WARNING (the others at DEBUG)."""
     registry = sys._getframe(1).f_globals.get("__name__")
-    replaced = Replacement(kind, name, qualified_name(old), qualified_name(new),
-                           _responsible(registry))  # fmt: skip
+    replaced = Replacement(
+        kind, name, qualified_name(old), qualified_name(new), _responsible(registry)
+    )
     _REPLACED.append(replaced)
     level = logging.WARNING if os.environ.get("RANK", "0") == "0" else logging.DEBUG
-    log.log(level, "replaced %s %r: %s -> %s (by %s)", kind, name, replaced.old, replaced.new,
-            replaced.by)  # fmt: skip
+    log.log(
+        level,
+        "replaced %s %r: %s -> %s (by %s)",
+        kind,
+        name,
+        replaced.old,
+        replaced.new,
+        replaced.by,
+    )
 
 
 def qualified_name(obj: object) -> str:
@@ -223,8 +232,9 @@ def _responsible(registry: str | None) -> str:
 
 def _load(spec: str, label: str, plugin: Plugin | None = None) -> None:
     if not isinstance(spec, str) or not spec.strip(":. "):
-        raise GrpoError(f"{label}: expected 'package.module' or 'package.module:function', "
-                        f"got {spec!r}")  # fmt: skip
+        raise GrpoError(
+            f"{label}: expected 'package.module' or 'package.module:function', got {spec!r}"
+        )
     plugin = plugin or _LOADED.get(spec) or Plugin(spec, label, *_distribution_of(spec))
     _Job.status(label, spec)
     token = _ACTIVE.set(plugin)
@@ -238,8 +248,12 @@ def _load(spec: str, label: str, plugin: Plugin | None = None) -> None:
     if spec not in _LOADED:
         if plugin.version is None:  # no package provides it: the module may say
             version = getattr(sys.modules.get(spec.partition(":")[0]), "__version__", None)
-            plugin = Plugin(plugin.spec, plugin.source, plugin.dist,
-                            version if isinstance(version, str) else None)  # fmt: skip
+            plugin = Plugin(
+                plugin.spec,
+                plugin.source,
+                plugin.dist,
+                version if isinstance(version, str) else None,
+            )
         _LOADED[spec] = plugin
 
 
@@ -336,8 +350,10 @@ class _Job:
                 break
             time.sleep(0.05)
         stuck = "; ".join(self._where(r) for r in sorted(keys))
-        line = (f"rank {self.rank} (plugins): stopped: {stuck} within {TIMEOUT_ENV}="
-                f"{self.timeout_s:g} s (hung or too slow)")  # fmt: skip
+        line = (
+            f"rank {self.rank} (plugins): stopped: {stuck} within {TIMEOUT_ENV}="
+            f"{self.timeout_s:g} s (hung or too slow)"
+        )
         _error_file(line)
         raise GrpoError(line)
 

@@ -89,8 +89,16 @@ def build_policy(cfg: Config, device: torch.device, need_ref: bool, adapter: str
             p.requires_grad_(False)
     precision.prepare(model)  # trainable weights to float32: the master weights
     log.info("precision: %s", precision.describe(device))
-    return Policy(model, tokenizer, ids, ref, Path(cfg.model.path), cfg.lora.enabled, precision,
-                  torch.device(device))  # fmt: skip
+    return Policy(
+        model,
+        tokenizer,
+        ids,
+        ref,
+        Path(cfg.model.path),
+        cfg.lora.enabled,
+        precision,
+        torch.device(device),
+    )
 
 
 def save_final(policy: Policy, out_dir: Path, cfg: Config) -> Path:

@@ -92,8 +92,12 @@ class Precision:
                 "eps underflow); use bfloat16, or float32 with model.autocast_bf16: true"
             )
         bf16 = model_cfg.autocast_bf16 or param == torch.bfloat16
-        return cls(param, torch.bfloat16 if bf16 else param, model_cfg.head_precision,
-                   getattr(model_cfg, "logprob_impl", "auto"))  # fmt: skip
+        return cls(
+            param,
+            torch.bfloat16 if bf16 else param,
+            model_cfg.head_precision,
+            getattr(model_cfg, "logprob_impl", "auto"),
+        )
 
     @classmethod
     def of_model(cls, model: torch.nn.Module, autocast_bf16: bool = False) -> Precision:
@@ -145,8 +149,11 @@ class Precision:
             line += f", decode weights cast to {_name(self.compute_dtype)} once per rollout"
         if device is not None and torch.device(device).type == "cpu":
             missing = cpu_packing_missing(self.compute_dtype)
-            line += (", CPU decode: plain matmuls (" + missing + ")" if missing
-                     else ", CPU decode: oneDNN-packed weights")  # fmt: skip
+            line += (
+                ", CPU decode: plain matmuls (" + missing + ")"
+                if missing
+                else ", CPU decode: oneDNN-packed weights"
+            )
         return line
 
 
@@ -168,7 +175,7 @@ _ONEDNN_DTYPES = {
     torch.bfloat16: (
         "_is_mkldnn_bf16_supported",
         "avx512bw, avx512vl and avx512dq, or avx_ne_convert",
-    ),  # fmt: skip
+    ),
     torch.float16: ("_is_mkldnn_fp16_supported", "avx512_fp16, amx_fp16 or avx_ne_convert"),
 }
 

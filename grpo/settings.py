@@ -147,8 +147,15 @@ def non_empty(v) -> str | None:
 
 def _expected(tp: Any) -> str:
     """What a value of annotation `tp` looks like, in words."""
-    words = {str: "a string", int: "an integer", float: "a number", bool: "true/false",
-             dict: "a mapping", tuple: "a list", list: "a list"}  # fmt: skip
+    words = {
+        str: "a string",
+        int: "an integer",
+        float: "a number",
+        bool: "true/false",
+        dict: "a mapping",
+        tuple: "a list",
+        list: "a list",
+    }
     origin = typing.get_origin(tp) or tp
     if origin is Literal:
         return f"one of {list(typing.get_args(tp))}"

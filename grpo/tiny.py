@@ -62,8 +62,9 @@ def make_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     texts = corpus if corpus is not None else minimath_corpus(difficulty=difficulty)
-    tok = train_bpe_tokenizer(texts, vocab_size, out_dir=out,
-                              extra_special_tokens=extra_special_tokens)  # fmt: skip
+    tok = train_bpe_tokenizer(
+        texts, vocab_size, out_dir=out, extra_special_tokens=extra_special_tokens
+    )
     hidden, layers, heads, kv_heads, inter = SIZES[size]
     cfg = ModelConfig(
         family="qwen3",

@@ -68,8 +68,13 @@ def load_tokenizer(path_or_id: str | Path):
     return tok
 
 
-_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-               "added_tokens.json", "vocab.json")  # fmt: skip
+_JSON_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+)
 
 
 def _check_tokenizer_files(path: Path) -> None:
@@ -264,14 +269,22 @@ def check_chat_fields(tokenizer, messages: Sequence[dict], tools: list[dict] | N
     string: only contents are encoded as plain text."""
     tags = [t for t in tokenizer.get_added_vocab() if t]
     fields = [(f"tools[{j}]", tool, None) for j, tool in enumerate(tools or [])]
-    fields += [(f"messages[{i}].{k}", v, i) for i, m in enumerate(messages)
-               for k, v in m.items() if k != "content"]  # fmt: skip
+    fields += [
+        (f"messages[{i}].{k}", v, i)
+        for i, m in enumerate(messages)
+        for k, v in m.items()
+        if k != "content"
+    ]
     for field, value, index in fields:
         tag = _first_tag(tags, json.dumps(value, ensure_ascii=False, default=str))
         if tag is not None:
-            raise ChatStructureError(field, f"holds the special-token text {tag!r}, which the chat "
-                                     "template would render as chat structure (only message "
-                                     "contents are encoded as plain text)", index)  # fmt: skip
+            raise ChatStructureError(
+                field,
+                f"holds the special-token text {tag!r}, which the chat "
+                "template would render as chat structure (only message "
+                "contents are encoded as plain text)",
+                index,
+            )
 
 
 def encode_pieces(tokenizer, pieces: Sequence[tuple[str, bool]]) -> list[int]:
@@ -303,9 +316,11 @@ def encode_pieces(tokenizer, pieces: Sequence[tuple[str, bool]]) -> list[int]:
         tags = [t for t in tokenizer.get_added_vocab() if t]
         if not any(tag in text[a:b] for a, b in spans for tag in tags):
             return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        raise GrpoError(f"tokenizer {_name(tokenizer)!r} is not a fast tokenizer: a message "
-                        "content holding special-token text cannot be encoded as plain "
-                        "text")  # fmt: skip
+        raise GrpoError(
+            f"tokenizer {_name(tokenizer)!r} is not a fast tokenizer: a message "
+            "content holding special-token text cannot be encoded as plain "
+            "text"
+        )
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     added = set(tokenizer.get_added_vocab().values())
     # does an added token overlap a content? spans are sorted and disjoint: one bisect per
@@ -323,10 +338,12 @@ def encode_pieces(tokenizer, pieces: Sequence[tuple[str, bool]]) -> list[int]:
     template = "".join(t for t, c in pieces if not c)
     want = tokenizer(template, add_special_tokens=False)["input_ids"]
     if _cut_at_tags(tokenizer, [(template, False)]) != want:
-        raise GrpoError(f"tokenizer {_name(tokenizer)!r} does not split its text at its added "
-                        "tokens alone (they strip whitespace, or a prefix space is added), so a "
-                        "message content holding special-token text cannot be encoded as plain "
-                        "text")  # fmt: skip
+        raise GrpoError(
+            f"tokenizer {_name(tokenizer)!r} does not split its text at its added "
+            "tokens alone (they strip whitespace, or a prefix space is added), so a "
+            "message content holding special-token text cannot be encoded as plain "
+            "text"
+        )
     return _cut_at_tags(tokenizer, pieces)
 
 
@@ -394,8 +411,9 @@ def _content_pieces(
     if not idx:
         return [(real, False)]
     phs = {_CONTENT_PH.format(i): i for i in idx}
-    dummy = [{**m, "content": _CONTENT_PH.format(i)} if i in idx else m
-             for i, m in enumerate(messages)]  # fmt: skip
+    dummy = [
+        {**m, "content": _CONTENT_PH.format(i)} if i in idx else m for i, m in enumerate(messages)
+    ]
     skeleton = render(dummy)
     gaps = list(re.finditer("|".join(map(re.escape, phs)), skeleton))
 
@@ -555,8 +573,9 @@ def _delta_pieces(
         cache[key] = _delta_segments(tokenizer, messages, after_stop, tools, template_kwargs)
     segments = cache[key]
     if segments is None:  # the template rewrites contents: render these very messages
-        render = partial(_render_delta, tokenizer, after_stop=after_stop, tools=tools,
-                         kwargs=template_kwargs)  # fmt: skip
+        render = partial(
+            _render_delta, tokenizer, after_stop=after_stop, tools=tools, kwargs=template_kwargs
+        )
         return _content_pieces(render, messages, tokenizer, strict)
     out = [(segments[0], False)]
     for m, seg in zip(messages, segments[1:]):

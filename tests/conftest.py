@@ -48,11 +48,16 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter):
-    slow = sorted(((s, n) for n, s in _seconds.items()
-                   if s > SLOW_TEST_S and _tiers.get(n) == "default"), reverse=True)  # fmt: skip
+    slow = sorted(
+        ((s, n) for n, s in _seconds.items() if s > SLOW_TEST_S and _tiers.get(n) == "default"),
+        reverse=True,
+    )
     if slow:
-        terminalreporter.write_sep("=", f"default-tier tests over {SLOW_TEST_S:.0f} s "
-                                        "(a fixture's cost counts where it is built)")  # fmt: skip
+        terminalreporter.write_sep(
+            "=",
+            f"default-tier tests over {SLOW_TEST_S:.0f} s "
+            "(a fixture's cost counts where it is built)",
+        )
         for s, n in slow:
             terminalreporter.write_line(f"{s:6.1f} s  {n}")
     if path := os.environ.get("GRPO_TEST_DURATIONS"):
@@ -71,13 +76,19 @@ def write_durations(path: Path) -> None:
     tiers = {n: t for t, v in old["tiers"].items() for n in v["tests"]}
     tests.update({n: round(s, 2) for n, s in _seconds.items() if n in _tiers})
     tiers.update(_tiers)
-    out = {"cpu": _cpu_name() or platform.processor(), "cores": os.cpu_count(),
-           "updated": datetime.date.today().isoformat(), "tiers": {}}  # fmt: skip
+    out = {
+        "cpu": _cpu_name() or platform.processor(),
+        "cores": os.cpu_count(),
+        "updated": datetime.date.today().isoformat(),
+        "tiers": {},
+    }
     for t in ("default", "process", "slow"):
         mine = sorted(((s, n) for n, s in tests.items() if tiers[n] == t), reverse=True)
         if mine:
-            out["tiers"][t] = {"tests_s": round(sum(s for s, _ in mine), 1),
-                               "tests": {n: s for s, n in mine}}  # fmt: skip
+            out["tiers"][t] = {
+                "tests_s": round(sum(s for s, _ in mine), 1),
+                "tests": {n: s for s, n in mine},
+            }
     path.write_text(json.dumps(out, indent=1) + "\n")
 
 
@@ -377,10 +388,19 @@ def tiny_train_argv(model, *args) -> list[str]:
     reward of my_pkg/rewards.py (a `write_package` with LENGTH_REWARD), no evaluation, every
     step logged; `args` override on top."""
     tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny_ci.yaml"
-    return ["train", "--config", str(tiny), f"model.path={model}", "train.progress=false",
-            "data.eval_samples=0", "rollout.compile=off", "train.log_every=1",
-            "rollout.max_new_tokens=8", "rewards=[{name: my_pkg.rewards:length}]",
-            *args]  # fmt: skip
+    return [
+        "train",
+        "--config",
+        str(tiny),
+        f"model.path={model}",
+        "train.progress=false",
+        "data.eval_samples=0",
+        "rollout.compile=off",
+        "train.log_every=1",
+        "rollout.max_new_tokens=8",
+        "rewards=[{name: my_pkg.rewards:length}]",
+        *args,
+    ]
 
 
 def tiny_train(cwd: Path, model, *args, env=None):
@@ -391,8 +411,7 @@ def tiny_train(cwd: Path, model, *args, env=None):
 
     cmd = [sys.executable, "-m", "grpo", *tiny_train_argv(model, *args)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(cwd), **(env or {})}
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=full_env,
-                          timeout=300)  # fmt: skip
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=full_env, timeout=300)
 
 
 def tiny_train_here(monkeypatch, cwd: Path, model, *args) -> int:
@@ -417,11 +436,27 @@ def torchrun_train(cwd: Path, model, out: str, *overrides, ranks: int = 2) -> li
     import sys
 
     tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny_ci.yaml"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={ranks}", "-m", "grpo", "train", "--config", str(tiny),
-           f"model.path={model}", "train.progress=false", "data.eval_samples=0",
-           "rollout.compile=off", "train.save_every=0", "train.log_every=1",
-           "train.max_steps=2", f"train.output_dir={out}", *overrides]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+        "-m",
+        "grpo",
+        "train",
+        "--config",
+        str(tiny),
+        f"model.path={model}",
+        "train.progress=false",
+        "data.eval_samples=0",
+        "rollout.compile=off",
+        "train.save_every=0",
+        "train.log_every=1",
+        "train.max_steps=2",
+        f"train.output_dir={out}",
+        *overrides,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(cwd)}
     r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

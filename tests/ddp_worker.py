@@ -71,8 +71,16 @@ class _Tok:
 def fixed_batch(model, rank: int, world: int, micro_batch_size: int) -> UpdateBatch:
     """The same 16-row rollout on every rank (fixed seed); this rank's contiguous half, with
     (B,) advantages."""
-    r = sample(model, [[5, 17, 33, 9], [101, 7], [44, 45, 46], [8]], group_size=4,
-               max_new_tokens=10, temperature=1.0, stop_ids=[3], seed=0, pad_id=0)  # fmt: skip
+    r = sample(
+        model,
+        [[5, 17, 33, 9], [101, 7], [44, 45, 46], [8]],
+        group_size=4,
+        max_new_tokens=10,
+        temperature=1.0,
+        stop_ids=[3],
+        seed=0,
+        pad_id=0,
+    )
     adv = torch.randn(16, generator=torch.Generator().manual_seed(0))
     B = 16 // world
     idx = torch.arange(rank * B, (rank + 1) * B)
@@ -94,19 +102,32 @@ def multiturn_batch(model, rank: int, world: int) -> RolloutBatch:
 
     turns: dict = {}
     r = sample_turns(
-        Sampler(model), [[5, 17, 33, 9], [101, 7], [44, 45, 46], [8]], group_size=4,
-        observe=observe, max_new_tokens=5, max_turns=3, max_total_tokens=30, stop_ids=[3],
-        turn_end_ids=list(range(4, 40)), seed=0, pad_id=0,
-    )  # fmt: skip
+        Sampler(model),
+        [[5, 17, 33, 9], [101, 7], [44, 45, 46], [8]],
+        group_size=4,
+        observe=observe,
+        max_new_tokens=5,
+        max_turns=3,
+        max_total_tokens=30,
+        stop_ids=[3],
+        turn_end_ids=list(range(4, 40)),
+        seed=0,
+        pad_id=0,
+    )
     rewards = torch.randn(16, generator=torch.Generator().manual_seed(0))
     B = 16 // world
     idx = torch.arange(rank * B, (rank + 1) * B)
     r = select_rows(r, idx)
     return RolloutBatch(
-        rollout=r, rows=[{}] * B, texts=[""] * B, rewards=rewards[idx],
-        token_rewards=turn_token_rewards(rewards[idx], r, 0.9), per_fn={}, policy_version=0,
+        rollout=r,
+        rows=[{}] * B,
+        texts=[""] * B,
+        rewards=rewards[idx],
+        token_rewards=turn_token_rewards(rewards[idx], r, 0.9),
+        per_fn={},
+        policy_version=0,
         frac_zero_std=0.0,
-    )  # fmt: skip
+    )
 
 
 def sft_rows(rank: int, world: int) -> list[dict]:
@@ -167,10 +188,16 @@ def run_cases(ckpt: str, out: Path, dist, fsdp: bool = False) -> None:
         model = copy.deepcopy(start)
         cfg = load_config(
             base={"model": {"path": ckpt}},
-            overrides=[f"loss.aggregation={agg}", "loss.beta=0", "optim.lr=1e-3", EPS,
-                       "train.batch_size=16", "train.micro_batch_size=4",
-                       f"train.shared_prefix={shared}"],
-        )  # fmt: skip
+            overrides=[
+                f"loss.aggregation={agg}",
+                "loss.beta=0",
+                "optim.lr=1e-3",
+                EPS,
+                "train.batch_size=16",
+                "train.micro_batch_size=4",
+                f"train.shared_prefix={shared}",
+            ],
+        )
         policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=start is base)
         batch = fixed_batch(model, dist.rank, dist.world_size, cfg.train.micro_batch_size)
         scorer, params, opt, sched = trainer(model, cfg, dist, fsdp)
@@ -179,9 +206,16 @@ def run_cases(ckpt: str, out: Path, dist, fsdp: bool = False) -> None:
     model = copy.deepcopy(base)  # multi-turn: per-turn advantages over both ranks' rows
     cfg = load_config(
         base={"model": {"path": ckpt}},
-        overrides=["loss.advantage=grpo_turn", "rollout.gamma=0.9", "loss.beta=0",
-                   "optim.lr=1e-3", EPS, "train.batch_size=16", "train.micro_batch_size=4"],
-    )  # fmt: skip
+        overrides=[
+            "loss.advantage=grpo_turn",
+            "rollout.gamma=0.9",
+            "loss.beta=0",
+            "optim.lr=1e-3",
+            EPS,
+            "train.batch_size=16",
+            "train.micro_batch_size=4",
+        ],
+    )
     policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=True)
     batch = multiturn_batch(model, dist.rank, dist.world_size)
     scorer, params, opt, sched = trainer(model, cfg, dist, fsdp)
@@ -196,13 +230,28 @@ def run_cases(ckpt: str, out: Path, dist, fsdp: bool = False) -> None:
     # two critic updates, so the value clip acts on the second
     model = copy.deepcopy(base)
     cfg = load_config(
-        base={"model": {"path": ckpt}, "modules": [{
-            "name": "critic", "kwargs": {"micro_batch_size": 3, "updates": 2},
-            "optim": {"lr": 1.0, "warmup_ratio": 0.0, "eps": 1.0}}]},
-        overrides=["loss.advantage=gae", "loss.gae_lambda=0.9", "loss.gamma=0.95",
-                   "loss.beta=0", "optim.lr=1e-3", EPS, "train.batch_size=16",
-                   "train.micro_batch_size=4", f"train.parallel={'fsdp' if fsdp else 'ddp'}"],
-    )  # fmt: skip
+        base={
+            "model": {"path": ckpt},
+            "modules": [
+                {
+                    "name": "critic",
+                    "kwargs": {"micro_batch_size": 3, "updates": 2},
+                    "optim": {"lr": 1.0, "warmup_ratio": 0.0, "eps": 1.0},
+                }
+            ],
+        },
+        overrides=[
+            "loss.advantage=gae",
+            "loss.gae_lambda=0.9",
+            "loss.gamma=0.95",
+            "loss.beta=0",
+            "optim.lr=1e-3",
+            EPS,
+            "train.batch_size=16",
+            "train.micro_batch_size=4",
+            f"train.parallel={'fsdp' if fsdp else 'ddp'}",
+        ],
+    )
     policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=True)
     batch = multiturn_batch(model, dist.rank, dist.world_size)
     scorer, params, opt, sched = trainer(model, cfg, dist, fsdp)  # FSDP: the policy sharded
@@ -214,20 +263,31 @@ def run_cases(ckpt: str, out: Path, dist, fsdp: bool = False) -> None:
     save_trainable(model, dist, out / "ppo_policy.safetensors")
     state = modules.items[0].module.checkpoint_state()
     if dist.is_main:
-        save_file({k: v.detach().clone().contiguous() for k, v in state.items()},
-                  str(out / "ppo_critic.safetensors"))  # fmt: skip
+        save_file(
+            {k: v.detach().clone().contiguous() for k, v in state.items()},
+            str(out / "ppo_critic.safetensors"),
+        )
         (out / "ppo_metrics.json").write_text(json.dumps({**reported, **inputs.metrics}))
     # sequence packing: micro-batches of at most 22 real tokens, which this rank's rows (of
     # other lengths than the other rank's) need more or fewer of: every rank cuts as many
     for name, tokens in (("grpo_packed_tokens", "22"), ("grpo_packed_shared", None)):
         model = copy.deepcopy(base)
-        size = [f"train.micro_batch_tokens={tokens}", "train.shared_prefix=off"] if tokens else [
-            "train.micro_batch_size=4", "train.shared_prefix=on"]  # fmt: skip
+        size = (
+            [f"train.micro_batch_tokens={tokens}", "train.shared_prefix=off"]
+            if tokens
+            else ["train.micro_batch_size=4", "train.shared_prefix=on"]
+        )
         cfg = load_config(
             base={"model": {"path": ckpt}},
-            overrides=["loss.beta=0", "optim.lr=1e-3", EPS, "train.batch_size=16",
-                       "train.pack_sequences=on", *size],
-        )  # fmt: skip
+            overrides=[
+                "loss.beta=0",
+                "optim.lr=1e-3",
+                EPS,
+                "train.batch_size=16",
+                "train.pack_sequences=on",
+                *size,
+            ],
+        )
         policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=True)
         padded = fixed_batch(model, dist.rank, dist.world_size, 4)
         plan = step_plan(cfg, policy, padded.rollout, padded.counted_mask, dist)
@@ -245,18 +305,30 @@ def run_cases(ckpt: str, out: Path, dist, fsdp: bool = False) -> None:
     model = copy.deepcopy(base)
     cfg = load_config(
         base={"model": {"path": ckpt}},
-        overrides=["loss.beta=0", "optim.lr=1e-3", EPS, "train.batch_size=16",
-                   "train.micro_batch_size=4", "train.pack_sequences=on"],
-    )  # fmt: skip
+        overrides=[
+            "loss.beta=0",
+            "optim.lr=1e-3",
+            EPS,
+            "train.batch_size=16",
+            "train.micro_batch_size=4",
+            "train.pack_sequences=on",
+        ],
+    )
     policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=True)
     half = fixed_batch(model, dist.rank, dist.world_size, 4)
     rewards = torch.randn(16, generator=torch.Generator().manual_seed(1))
     mine = rewards[dist.rank * (16 // dist.world_size) : (dist.rank + 1) * (16 // dist.world_size)]
     r = half.rollout
-    batch = RolloutBatch(rollout=r, rows=[{"i": i} for i in range(r.ids.shape[0])],
-                         texts=[""] * r.ids.shape[0], rewards=mine,
-                         token_rewards=outcome_token_rewards(mine, r.completion_mask), per_fn={},
-                         policy_version=0, frac_zero_std=0.0)  # fmt: skip
+    batch = RolloutBatch(
+        rollout=r,
+        rows=[{"i": i} for i in range(r.ids.shape[0])],
+        texts=[""] * r.ids.shape[0],
+        rewards=mine,
+        token_rewards=outcome_token_rewards(mine, r.completion_mask),
+        per_fn={},
+        policy_version=0,
+        frac_zero_std=0.0,
+    )
     if dist.enabled:
         batch, moved = balance_ranks(batch, dist, 0, shared=True)
         (out / f"balance_{dist.rank}.json").write_text(json.dumps(moved))
@@ -269,7 +341,7 @@ def run_cases(ckpt: str, out: Path, dist, fsdp: bool = False) -> None:
         cfg = load_config(
             base={"model": {"path": ckpt}},
             overrides=["optim.lr=1e-3", EPS, "train.batch_size=8", "train.micro_batch_size=2"],
-        )  # fmt: skip
+        )
         policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=start is base)
         scorer, params, opt, sched = trainer(model, cfg, dist, fsdp)
         rows = sft_rows(dist.rank, dist.world_size)

@@ -67,9 +67,13 @@ def test_k3_nonnegative_and_zero_when_equal():
 def one_row(logprobs, A, **kw):
     lp = torch.tensor([logprobs])
     return policy_loss(
-        lp, torch.zeros_like(lp), None, torch.tensor([A]), torch.ones_like(lp, dtype=bool),
+        lp,
+        torch.zeros_like(lp),
+        None,
+        torch.tensor([A]),
+        torch.ones_like(lp, dtype=bool),
         LossSettings(**kw),
-    )  # fmt: skip
+    )
 
 
 def test_clipped_surrogate_positive_advantage():
@@ -102,9 +106,13 @@ def test_kl_term_added_with_beta():
     # on-policy ratio 1, A = 0, ref = ln 2 at logp 0: loss = beta * k3 = 0.1 * (1 - ln 2)
     lp = torch.zeros(1, 1)
     loss, st = policy_loss(
-        lp, lp, torch.full((1, 1), math.log(2)), torch.zeros(1), torch.ones(1, 1, dtype=bool),
+        lp,
+        lp,
+        torch.full((1, 1), math.log(2)),
+        torch.zeros(1),
+        torch.ones(1, 1, dtype=bool),
         LossSettings(beta=0.1),
-    )  # fmt: skip
+    )
     assert loss.item() == pytest.approx(0.1 * (1 - math.log(2)))
     assert st["kl"] == pytest.approx(1 - math.log(2))
 
@@ -253,8 +261,9 @@ def test_estimator_errors_name_the_function():
 def one_tok(logprobs, A, old=None, **kw):
     lp = torch.tensor([logprobs], requires_grad=True)
     old = torch.zeros_like(lp) if old is None else torch.tensor([old])
-    loss, st = policy_loss(lp, old, None, torch.tensor([A]), torch.ones(lp.shape, dtype=bool),
-                           LossSettings(**kw))  # fmt: skip
+    loss, st = policy_loss(
+        lp, old, None, torch.tensor([A]), torch.ones(lp.shape, dtype=bool), LossSettings(**kw)
+    )
     (grad,) = torch.autograd.grad(loss, lp)
     return loss.item(), grad[0].tolist(), st
 
@@ -268,8 +277,9 @@ def test_cispo_hand_computed():
     # ratio 0.5: no lower bound by default (weight 0.5), 0.8 with clip_low
     _, grad, _ = one_tok([math.log(0.5)], 1.0, policy_loss="cispo")
     assert grad == pytest.approx([-0.5])
-    _, grad, _ = one_tok([math.log(0.5)], 1.0, policy_loss="cispo",
-                         policy_loss_kwargs={"clip_low": True})  # fmt: skip
+    _, grad, _ = one_tok(
+        [math.log(0.5)], 1.0, policy_loss="cispo", policy_loss_kwargs={"clip_low": True}
+    )
     assert grad == pytest.approx([-0.8])
 
 
@@ -320,8 +330,9 @@ def test_entropy_bonus_and_truncated_is():
     # TIS: pi_old_trainer / pi_sampler = 3 and 0.5, cap 2 -> weights 2 and 0.5 on pg = -1
     cfg = LossSettings(tis_cap=2.0)
     sampler = torch.tensor([[-math.log(3.0), math.log(2.0)]])
-    loss, st = policy_loss(lp, lp.detach(), None, torch.ones(1), mask, cfg,
-                           behaviour_logprobs=sampler)  # fmt: skip
+    loss, st = policy_loss(
+        lp, lp.detach(), None, torch.ones(1), mask, cfg, behaviour_logprobs=sampler
+    )
     assert loss.item() == pytest.approx(-(2.0 + 0.5) / 2)
     assert st["tis_weight_mean"] == pytest.approx(1.25)
 
@@ -385,8 +396,20 @@ def test_policy_loss_on_device_is_policy_loss_without_a_host_read():
     loss, st = policy_loss(*args, cfg, **kw)
     loss_d, st_d, bad = policy_loss_on_device(*args, cfg, **kw)
     assert torch.equal(loss, loss_d) and loss_d.requires_grad
-    assert st_d.keys() == st.keys() == {"tis_weight_mean", "policy_loss", "kl", "entropy",
-                                        "w_mean", "w_max", "const_mean", "tokens"}  # fmt: skip
+    assert (
+        st_d.keys()
+        == st.keys()
+        == {
+            "tis_weight_mean",
+            "policy_loss",
+            "kl",
+            "entropy",
+            "w_mean",
+            "w_max",
+            "const_mean",
+            "tokens",
+        }
+    )
     for k, v in st_d.items():
         assert v.dim() == 0 and not v.requires_grad, k
         assert float(v) == st[k] and isinstance(st[k], float), k
@@ -450,8 +473,9 @@ def test_grpo_turn_hand_computed():
     tr = torch.tensor([[0.0, 0.5, 0.0, 0.0, 0.5], [0.0, 0.0, 0.0, 0.0, 0.0]])
     mask = torch.tensor([[True, True, False, True, True], [True, True, False, False, False]])
     turns = torch.tensor([[0, 0, 0, 1, 1], [0, 0, -1, -1, -1]])
-    a = compute_advantages("grpo_turn", tr, mask, group_size=2, eps=EPS, turn_ids=turns,
-                           turn_gamma=0.5)  # fmt: skip
+    a = compute_advantages(
+        "grpo_turn", tr, mask, group_size=2, eps=EPS, turn_ids=turns, turn_gamma=0.5
+    )
     # turn 0: returns R_0 = 0.5 + 0.5 * 1 = 1 and 0 -> +-0.5 / (std sqrt(0.5) + eps)
     s = 0.5 / (math.sqrt(0.5) + EPS)
     torch.testing.assert_close(a[:, :2], torch.tensor([[s, s], [-s, -s]]))
@@ -459,5 +483,6 @@ def test_grpo_turn_hand_computed():
     assert a[0, 3:].tolist() == [0.0, 0.0] and a[0, 2] == 0.0
     # one turn everywhere: exactly grpo
     one = compute_advantages("grpo_turn", tr[:, :2], mask[:, :2], group_size=2, eps=EPS)
-    assert torch.equal(one, compute_advantages("grpo", tr[:, :2], mask[:, :2], group_size=2,
-                                               eps=EPS))  # fmt: skip
+    assert torch.equal(
+        one, compute_advantages("grpo", tr[:, :2], mask[:, :2], group_size=2, eps=EPS)
+    )

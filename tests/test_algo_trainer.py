@@ -29,17 +29,33 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def cfg_of(*overrides):
-    return load_config(base={"model": {"path": "unused"}, "train": {"batch_size": 8}},
-                       overrides=list(overrides))  # fmt: skip
+    return load_config(
+        base={"model": {"path": "unused"}, "train": {"batch_size": 8}}, overrides=list(overrides)
+    )
 
 
 def sampled_batch(model, seed=0):
-    r = sample(model, [[5, 17, 33, 9], [101, 7]], group_size=4, max_new_tokens=8,
-               temperature=1.0, stop_ids=[3], seed=seed, pad_id=0)  # fmt: skip
+    r = sample(
+        model,
+        [[5, 17, 33, 9], [101, 7]],
+        group_size=4,
+        max_new_tokens=8,
+        temperature=1.0,
+        stop_ids=[3],
+        seed=seed,
+        pad_id=0,
+    )
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.2])
-    return RolloutBatch(rollout=r, rows=[{}] * 8, texts=[""] * 8, rewards=rewards,
-                        token_rewards=outcome_token_rewards(rewards, r.completion_mask),
-                        per_fn={}, policy_version=0, frac_zero_std=0.0)  # fmt: skip
+    return RolloutBatch(
+        rollout=r,
+        rows=[{}] * 8,
+        texts=[""] * 8,
+        rewards=rewards,
+        token_rewards=outcome_token_rewards(rewards, r.completion_mask),
+        per_fn={},
+        policy_version=0,
+        frac_zero_std=0.0,
+    )
 
 
 def test_outcome_token_rewards_sit_on_the_last_token():
@@ -62,8 +78,9 @@ def test_kl_in_reward_enters_the_token_rewards(tiny_checkpoints):
     want = compute_advantages("reinforce_pp", rewards, mask, group_size=4, eps=1e-4)
     torch.testing.assert_close(advantages, want, rtol=0, atol=0)
     # and the KL term matters: without it the advantages differ
-    plain = compute_advantages("reinforce_pp", outcome_token_rewards(batch.rewards, mask), mask,
-                               group_size=4, eps=1e-4)  # fmt: skip
+    plain = compute_advantages(
+        "reinforce_pp", outcome_token_rewards(batch.rewards, mask), mask, group_size=4, eps=1e-4
+    )
     assert (plain - want).abs().max() > 1e-3
 
 
@@ -77,15 +94,19 @@ def test_token_level_reward_functions():
 
     ids = [[4, 5, 6], [7, 8]]
     columns = {"completion_lengths": [3, 2], "completion_ids": ids}
-    total, per_fn = compute_rewards([(process, 2.0), (outcome, 1.0)], ["a", "b"], columns,
-                                    token_width=4)  # fmt: skip
+    total, per_fn = compute_rewards(
+        [(process, 2.0), (outcome, 1.0)], ["a", "b"], columns, token_width=4
+    )
     # row 0: 2 * (0.1, 0, 0.1) + outcome 1 on its last token; row 1: 2 * (0, 0.1)
     torch.testing.assert_close(total, torch.tensor([[0.2, 0.0, 1.2, 0.0], [0.0, 0.2, 0.0, 0.0]]))
     torch.testing.assert_close(per_fn["process"], torch.tensor([0.2, 0.1]))
     from grpo.errors import GrpoError
 
-    with pytest.raises(GrpoError, match=r"'process' returned 3 per-token values at row 0 for a "
-                                        r"completion of 2 tokens"):  # fmt: skip
+    with pytest.raises(
+        GrpoError,
+        match=r"'process' returned 3 per-token values at row 0 for a "
+        r"completion of 2 tokens",
+    ):
         short = {"completion_lengths": [2, 2], "completion_ids": ids}
         compute_rewards([(process, 1.0)], ["a", "b"], short, token_width=4)
     with pytest.raises(GrpoError, match="per-token rewards need the trainer"):
@@ -114,8 +135,9 @@ def test_entropy_bonus_gradient_through_the_fused_pass(tiny_checkpoints):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=0.0)  # a no-op step: read the gradient left behind
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-    stats = update_phase(cfg, policy, update_batch(cfg, r, torch.zeros(mask.shape)), opt, sched,
-                         params)  # fmt: skip
+    stats = update_phase(
+        cfg, policy, update_batch(cfg, r, torch.zeros(mask.shape)), opt, sched, params
+    )
     got = [p.grad.clone() for p in params]
 
     ref = copy.deepcopy(base).double()
@@ -151,8 +173,9 @@ def test_removed_spellings_fail_as_unknown_keys(key, tmp_path):
     with pytest.raises(ConfigError, match=f"loss.{key}: unknown key; valid keys of loss: "):
         load_config(path)
     # a run directory of 0.1.0 saved both keys as null: such a config.yaml still loads
-    path.write_text("model: {path: unused}\n"
-                    "loss: {advantage_scale: null, importance_level: null}\n")  # fmt: skip
+    path.write_text(
+        "model: {path: unused}\nloss: {advantage_scale: null, importance_level: null}\n"
+    )
     assert load_config(path).loss.advantage == "grpo"
 
 
@@ -168,20 +191,35 @@ VARIANTS = [
     ["loss.advantage=reinforce_pp", "loss.kl_in_reward=0.01", "loss.beta=0", "loss.gamma=0.99"],
     ["loss.advantage=reinforce_pp_baseline", "loss.policy_loss=sapo", "loss.entropy_coef=0.01"],
     ["loss.advantage=batch_std", "loss.policy_loss=gspo", "loss.dual_clip=3"],
-    ["loss.advantage=dr_grpo", "loss.policy_loss=gspo_token", "loss.tis_cap=2",
-     "loss.kl_estimator=k2"],
-]  # fmt: skip
+    [
+        "loss.advantage=dr_grpo",
+        "loss.policy_loss=gspo_token",
+        "loss.tis_cap=2",
+        "loss.kl_estimator=k2",
+    ],
+]
 
 
 @pytest.mark.parametrize("overrides", VARIANTS, ids=lambda o: o[0].split("=")[1])
-def test_variants_run_from_the_command_line(shared_tiny_model, tmp_path, monkeypatch, capsys,
-                                            overrides):  # fmt: skip
+def test_variants_run_from_the_command_line(
+    shared_tiny_model, tmp_path, monkeypatch, capsys, overrides
+):
     # the step reward (lines of reasoning) varies even for a random-init model's replies
     monkeypatch.chdir(tmp_path)
-    code = cli.main(["train", "--config", str(REPO / "configs/tiny_ci.yaml"),
-                     f"model.path={shared_tiny_model}", "train.output_dir=run",
-                     "train.max_steps=2", "train.progress=false", "data.eval_samples=0",
-                     "rewards=[{name: step}]", *overrides])  # fmt: skip
+    code = cli.main(
+        [
+            "train",
+            "--config",
+            str(REPO / "configs/tiny_ci.yaml"),
+            f"model.path={shared_tiny_model}",
+            "train.output_dir=run",
+            "train.max_steps=2",
+            "train.progress=false",
+            "data.eval_samples=0",
+            "rewards=[{name: step}]",
+            *overrides,
+        ]
+    )
     assert code == 0, capsys.readouterr().err[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(math.isfinite(row["train/loss"]) for row in rows)

@@ -28,8 +28,14 @@ from grpo.rewards import register_reward
 REPO = Path(__file__).resolve().parents[1]
 TINY_CI = str(REPO / "configs" / "tiny_ci.yaml")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-FAST = ["train.progress=false", "data.eval_samples=0", "rollout.compile=off",
-        "data.max_samples=32", "train.save_every=0", "train.log_every=1"]  # fmt: skip
+FAST = [
+    "train.progress=false",
+    "data.eval_samples=0",
+    "rollout.compile=off",
+    "data.max_samples=32",
+    "train.save_every=0",
+    "train.log_every=1",
+]
 
 
 def reply_length(completions, **_):
@@ -44,8 +50,9 @@ REWARD_MODULE = "plugins=[test_async]"
 
 
 def config(model, out, *overrides):
-    return load_config(TINY_CI, [f"model.path={model}", f"train.output_dir={out}", *FAST,
-                                 REWARD, *overrides])  # fmt: skip
+    return load_config(
+        TINY_CI, [f"model.path={model}", f"train.output_dir={out}", *FAST, REWARD, *overrides]
+    )
 
 
 def train(model, out, *overrides) -> tuple[dict, list[dict]]:
@@ -66,23 +73,35 @@ def same_run(a, b) -> None:
     assert len(ma) == len(mb)
     loading = ("run/plugins", "run/replaced")
     for ra, rb in zip(ma, mb):
-        differ = {k: (v, rb.get(k)) for k, v in ra.items()
-                  if not k.startswith("perf/") and k not in loading and rb.get(k) != v}  # fmt: skip
+        differ = {
+            k: (v, rb.get(k))
+            for k, v in ra.items()
+            if not k.startswith("perf/") and k not in loading and rb.get(k) != v
+        }
         assert not differ, (ra["step"], differ)
 
 
 @pytest.mark.parametrize(
     "case",
-    [["train.max_steps=3"],  # LoRA, KL to the reference, 2 passes, 2 micro-batches
-     ["train.max_steps=3", "lora.enabled=false", "loss.dynamic_sampling=true",
-      "loss.max_sampling_rounds=3", "loss.num_iterations=1", "optim.lr=1e-4"],
-     ["train.max_steps=3", "model.autocast_bf16=true"]],  # the tutorial's precision
+    [
+        ["train.max_steps=3"],  # LoRA, KL to the reference, 2 passes, 2 micro-batches
+        [
+            "train.max_steps=3",
+            "lora.enabled=false",
+            "loss.dynamic_sampling=true",
+            "loss.max_sampling_rounds=3",
+            "loss.num_iterations=1",
+            "optim.lr=1e-4",
+        ],
+        ["train.max_steps=3", "model.autocast_bf16=true"],
+    ],  # the tutorial's precision
     ids=["lora-kl-2passes", "full-dynamic-sampling", "lora-bf16-autocast"],
-)  # fmt: skip
+)
 def test_staleness_zero_is_the_synchronous_run_bitwise(shared_tiny_model, tmp_path, case):
     sync = train(shared_tiny_model, tmp_path / "sync", *case)
-    async0 = train(shared_tiny_model, tmp_path / "async", *case, "rollout.async=on",
-                   "rollout.max_staleness=0")  # fmt: skip
+    async0 = train(
+        shared_tiny_model, tmp_path / "async", *case, "rollout.async=on", "rollout.max_staleness=0"
+    )
     same_run(sync, async0)
     assert [r["async/staleness"] for r in async0[1]] == [0, 0, 0]
     start = load_file(shared_tiny_model / "model.safetensors")
@@ -94,8 +113,13 @@ def test_staleness_zero_is_the_synchronous_run_bitwise(shared_tiny_model, tmp_pa
 def test_each_batch_is_exactly_min_j_k_updates_old(shared_tiny_model, tmp_path, k):
     steps = ["train.max_steps=4", "loss.num_iterations=1", "loss.beta=0"]
     sync = train(shared_tiny_model, tmp_path / "sync", *steps)
-    stale = train(shared_tiny_model, tmp_path / "stale", *steps, "rollout.async=on",
-                  f"rollout.max_staleness={k}")  # fmt: skip
+    stale = train(
+        shared_tiny_model,
+        tmp_path / "stale",
+        *steps,
+        "rollout.async=on",
+        f"rollout.max_staleness={k}",
+    )
     assert [r["async/staleness"] for r in stale[1]] == [min(j, k) for j in range(4)]
     # log pi_theta - log pi_behaviour at the first pass (the log-ratio the clipped loss
     # starts from, old_logprobs: sampler): 0 up to float noise while the sampler was the
@@ -110,9 +134,15 @@ def test_truncated_is_weights_against_the_behaviour_policy(shared_tiny_model, tm
     """loss.tis_cap (old_logprobs: recompute): the loss weighs each token by
     min(pi_old / pi_behaviour, cap) where pi_behaviour is the policy that sampled the batch:
     1 on the first, fresh batch, not 1 on the stale ones."""
-    _, rows = train(shared_tiny_model, tmp_path / "tis", "train.max_steps=3",
-                    "loss.num_iterations=1", "rollout.async=on", "rollout.max_staleness=1",
-                    "loss.tis_cap=2.0")  # fmt: skip
+    _, rows = train(
+        shared_tiny_model,
+        tmp_path / "tis",
+        "train.max_steps=3",
+        "loss.num_iterations=1",
+        "rollout.async=on",
+        "rollout.max_staleness=1",
+        "loss.tis_cap=2.0",
+    )
     w = [r["train/tis_weight_mean"] for r in rows]
     assert abs(w[0] - 1) < 1e-6 and all(abs(x - 1) > 1e-5 for x in w[1:]), w
 
@@ -130,8 +160,13 @@ def test_batches_keep_the_log_probs_of_the_policy_that_sampled_them(shared_tiny_
     from grpo.train.grpo import micro_logprobs
     from grpo.train.producer import ColocatedRollouts, make_sampler
 
-    cfg = config(shared_tiny_model, "unused", "rollout.async=on", "rollout.max_staleness=1",
-                 "train.max_steps=3").check_grpo()  # fmt: skip
+    cfg = config(
+        shared_tiny_model,
+        "unused",
+        "rollout.async=on",
+        "rollout.max_staleness=1",
+        "train.max_steps=3",
+    ).check_grpo()
     policy = build_policy(cfg, torch.device("cpu"), need_ref=False)
     policy.model.eval()
     rows = load_rows(cfg.data, cfg.data.split, cfg.data.max_samples, "rl", policy.tokenizer)
@@ -143,8 +178,9 @@ def test_batches_keep_the_log_probs_of_the_policy_that_sampled_them(shared_tiny_
         mask = counted_mask(r, False)
         scorer = CompletionLogprobs(policy.model, policy.precision)
         with torch.no_grad():
-            return torch.cat([micro_logprobs(cfg, scorer, r, mask, mb)
-                              for mb in micro_batch_plan(r, 4)]), mask  # fmt: skip
+            return torch.cat(
+                [micro_logprobs(cfg, scorer, r, mask, mb) for mb in micro_batch_plan(r, 4)]
+            ), mask
 
     def update(version):  # what an optimizer step does to the adapters, by hand
         g = torch.Generator().manual_seed(version)
@@ -154,8 +190,9 @@ def test_batches_keep_the_log_probs_of_the_policy_that_sampled_them(shared_tiny_
                     p.add_(0.05 * torch.randn(p.shape, generator=g))
         source.published(policy.model, version)
 
-    with ColocatedRollouts(cfg, policy, lambda m: make_sampler(cfg, policy, m), rows, fns, None,
-                           state) as source:  # fmt: skip
+    with ColocatedRollouts(
+        cfg, policy, lambda m: make_sampler(cfg, policy, m), rows, fns, None, state
+    ) as source:
         batches, versions = [], []
         for _ in range(3):
             b = source.next(state)
@@ -189,8 +226,9 @@ def test_rollout_batches_for_several_ranks_equal_each_rank_alone(shared_tiny_mod
     fns = build_rewards([r.spec for r in cfg.rewards])
     sampler = Sampler(policy.model, precision=policy.precision)
     both = rollout_batches(cfg, policy, sampler, rows, TrainState(), fns, 5, [0, 1], 2)
-    alone = [rollout_batches(cfg, policy, sampler, rows, TrainState(), fns, 5, [t], 2)[0]
-             for t in (0, 1)]  # fmt: skip
+    alone = [
+        rollout_batches(cfg, policy, sampler, rows, TrainState(), fns, 5, [t], 2)[0] for t in (0, 1)
+    ]
     for a, b in zip(both, alone):
         assert a.rows == b.rows and a.texts == b.texts
         assert torch.equal(a.rollout.ids, b.rollout.ids)
@@ -211,29 +249,47 @@ def test_wire_round_trip_is_bitwise():
     for multi in (False, True):
         r = Rollout(
             ids=torch.randint(0, 50, (B, T_p + T_c), generator=g),
-            prompt_lens=torch.tensor([3, 3, 2, 2]), prompt_width=T_p,
+            prompt_lens=torch.tensor([3, 3, 2, 2]),
+            prompt_width=T_p,
             completion_ids=torch.randint(0, 50, (B, T_c), generator=g),
-            completion_mask=mask, completion_lens=mask.sum(1),
+            completion_mask=mask,
+            completion_lens=mask.sum(1),
             finished=torch.tensor([True, False, True, True]),
-            logprobs=-torch.rand(B, T_c, generator=g), group_size=2,
+            logprobs=-torch.rand(B, T_c, generator=g),
+            group_size=2,
             generated_mask=mask & (torch.rand(B, T_c, generator=g) > 0.2) if multi else None,
             turn_ids=torch.randint(-1, 2, (B, T_c), generator=g) if multi else None,
             turn_rewards=[[0.5, 1.0], [0.0], [1.0], [0.25, 0.0]] if multi else None,
             turn_texts=[[[1, 2], [3]], [[4]], [[5]], [[6], [7, 8]]] if multi else None,
             infos=[{"tool_calls": 2}, {}, {"tool_calls": 1}, {}] if multi else None,
-        )  # fmt: skip
+        )
         picked = [rows[5], rows[5], rows[1], rows[1]]
-        batch = RolloutBatch(r, picked, ["a", "b", "c", "é"], torch.rand(B, generator=g),
-                             torch.rand(B, T_c, generator=g), {"acc": torch.rand(B, generator=g)},
-                             policy_version=7, frac_zero_std=0.5)  # fmt: skip
+        batch = RolloutBatch(
+            r,
+            picked,
+            ["a", "b", "c", "é"],
+            torch.rand(B, generator=g),
+            torch.rand(B, T_c, generator=g),
+            {"acc": torch.rand(B, generator=g)},
+            policy_version=7,
+            frac_zero_std=0.5,
+        )
         header, buffer = pack_batch(batch, [5, 5, 1, 1], {"index": 9})
         h = decode_header(header)
         back = unpack_batch(h, buffer, rows)
         assert h["extra"] == {"index": 9}
         assert back.rows == picked and back.texts == batch.texts
         assert (back.policy_version, back.frac_zero_std) == (7, 0.5)
-        for name in ("ids", "prompt_lens", "completion_ids", "completion_mask",
-                     "completion_lens", "finished", "logprobs", "generated_mask"):  # fmt: skip
+        for name in (
+            "ids",
+            "prompt_lens",
+            "completion_ids",
+            "completion_mask",
+            "completion_lens",
+            "finished",
+            "logprobs",
+            "generated_mask",
+        ):
             x, y = getattr(back.rollout, name), getattr(r, name)
             assert x.dtype == y.dtype and torch.equal(x, y), name
         assert back.rollout.multi_turn == multi
@@ -256,8 +312,7 @@ def one_error_line(code: int, capsys) -> str:
     return err
 
 
-def test_a_producer_that_raises_stops_the_trainer_in_one_line(shared_tiny_model, tmp_path,
-                                                              capsys):  # fmt: skip
+def test_a_producer_that_raises_stops_the_trainer_in_one_line(shared_tiny_model, tmp_path, capsys):
     calls = [0]
 
     def flaky(completions, **_):
@@ -267,10 +322,20 @@ def test_a_producer_that_raises_stops_the_trainer_in_one_line(shared_tiny_model,
         return [len(c) / 50 for c in completions]
 
     register_reward("test_async_flaky", flaky, overwrite=True)
-    code = cli.main(["train", "--config", TINY_CI, f"model.path={shared_tiny_model}", *FAST,
-                     f"train.output_dir={tmp_path / 'run'}", "train.max_steps=4",
-                     "train.save_every=1", "rollout.async=on",
-                     "rewards=[{name: test_async_flaky}]"])  # fmt: skip
+    code = cli.main(
+        [
+            "train",
+            "--config",
+            TINY_CI,
+            f"model.path={shared_tiny_model}",
+            *FAST,
+            f"train.output_dir={tmp_path / 'run'}",
+            "train.max_steps=4",
+            "train.save_every=1",
+            "rollout.async=on",
+            "rewards=[{name: test_async_flaky}]",
+        ]
+    )
     err = one_error_line(code, capsys)
     assert "the rollout producer failed sampling the batch of step 3" in err, err
     assert "test_async_flaky" in err and "the grader fell over" in err, err
@@ -279,8 +344,9 @@ def test_a_producer_that_raises_stops_the_trainer_in_one_line(shared_tiny_model,
     assert latest == "step_000002"
 
 
-def test_a_producer_that_hangs_stops_the_trainer_at_the_timeout(shared_tiny_model, tmp_path,
-                                                                capsys):  # fmt: skip
+def test_a_producer_that_hangs_stops_the_trainer_at_the_timeout(
+    shared_tiny_model, tmp_path, capsys
+):
     release = [False]
     calls = [0]
 
@@ -293,11 +359,21 @@ def test_a_producer_that_hangs_stops_the_trainer_at_the_timeout(shared_tiny_mode
     register_reward("test_async_stuck", stuck, overwrite=True)
     t0 = time.perf_counter()
     try:
-        code = cli.main(["train", "--config", TINY_CI, f"model.path={shared_tiny_model}", *FAST,
-                         f"train.output_dir={tmp_path / 'run'}", "train.max_steps=4",
-                         "rollout.async=on", "rollout.max_staleness=0",
-                         "rollout.async_timeout_s=2",
-                         "rewards=[{name: test_async_stuck}]"])  # fmt: skip
+        code = cli.main(
+            [
+                "train",
+                "--config",
+                TINY_CI,
+                f"model.path={shared_tiny_model}",
+                *FAST,
+                f"train.output_dir={tmp_path / 'run'}",
+                "train.max_steps=4",
+                "rollout.async=on",
+                "rollout.max_staleness=0",
+                "rollout.async_timeout_s=2",
+                "rewards=[{name: test_async_stuck}]",
+            ]
+        )
     finally:
         release[0] = True
     elapsed = time.perf_counter() - t0
@@ -342,14 +418,29 @@ def test_kill_9_then_resume_consumes_each_batch_once(shared_tiny_model, tmp_path
     twice, none skipped); the batches the dead producer had sampled ahead are sampled again
     (by the resumed policy: staleness 0 on the first step after the resume)."""
     (tmp_path / "killer.py").write_text(KILLER)
-    args = ["train", "--config", TINY_CI, f"model.path={shared_tiny_model}", *FAST,
-            "train.max_steps=5", "train.save_every=1", "train.keep_last=10",
-            "loss.num_iterations=1", "rollout.async=on", "rollout.max_staleness=1",
-            "rewards=[{name: 'killer:length'}]"]  # fmt: skip
+    args = [
+        "train",
+        "--config",
+        TINY_CI,
+        f"model.path={shared_tiny_model}",
+        *FAST,
+        "train.max_steps=5",
+        "train.save_every=1",
+        "train.keep_last=10",
+        "loss.num_iterations=1",
+        "rollout.async=on",
+        "rollout.max_staleness=1",
+        "rewards=[{name: 'killer:length'}]",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-m", "grpo", *args, "train.output_dir=run"],
-                       cwd=tmp_path, env={**env, "KILL_DIR": str(tmp_path), "KILL_AT": "4"},
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "grpo", *args, "train.output_dir=run"],
+        cwd=tmp_path,
+        env={**env, "KILL_DIR": str(tmp_path), "KILL_AT": "4"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
     run = tmp_path / "run"
     saved = int((run / "checkpoints" / "latest").read_text().strip().split("_")[1])
@@ -388,21 +479,33 @@ def test_kill_9_then_resume_consumes_each_batch_once(shared_tiny_model, tmp_path
 def torchrun(n: int, cwd: Path, *args, env=None, timeout=300):
     return subprocess.run(
         [*TORCHRUN, f"--nproc_per_node={n}", "-m", "grpo", "train", "--config", TINY_CI, *args],
-        cwd=cwd, capture_output=True, text=True, timeout=timeout,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.process
-def test_producer_rank_staleness_zero_is_the_synchronous_run_bitwise(shared_tiny_model,
-                                                                     tmp_path):  # fmt: skip
+def test_producer_rank_staleness_zero_is_the_synchronous_run_bitwise(shared_tiny_model, tmp_path):
     """1 producer rank + 1 trainer rank with max_staleness 0: bitwise the weights and metrics
     of the synchronous run (in this process with one thread, as each torchrun rank has).
     (max_staleness 1 under torchrun: test_producer_rank_faults.)"""
-    r = torchrun(2, tmp_path, f"model.path={shared_tiny_model}", *FAST, REWARD_MODULE, REWARD,
-                 "train.max_steps=3", "train.output_dir=async0", "rollout.async=on",
-                 "rollout.ranks=1", "rollout.max_staleness=0",
-                 env={"PYTHONPATH": str(REPO / "tests")})  # fmt: skip
+    r = torchrun(
+        2,
+        tmp_path,
+        f"model.path={shared_tiny_model}",
+        *FAST,
+        REWARD_MODULE,
+        REWARD,
+        "train.max_steps=3",
+        "train.output_dir=async0",
+        "rollout.async=on",
+        "rollout.ranks=1",
+        "rollout.max_staleness=0",
+        env={"PYTHONPATH": str(REPO / "tests")},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "rollout producer done: 3 batches sampled" in r.stdout, r.stdout
     threads = torch.get_num_threads()
@@ -434,8 +537,13 @@ def test_producer_rank_faults(shared_tiny_model, tmp_path):
     producer hands over what it sampled ahead, one line says how to resume, and the printed
     command (the whole job: 2 ranks) finishes the run."""
     (tmp_path / "slow_or_broken.py").write_text(SLOW_OR_BROKEN)
-    common = [f"model.path={shared_tiny_model}", *FAST, "rollout.async=on", "rollout.ranks=1",
-              "rewards=[{name: 'slow_or_broken:length'}]"]  # fmt: skip
+    common = [
+        f"model.path={shared_tiny_model}",
+        *FAST,
+        "rollout.async=on",
+        "rollout.ranks=1",
+        "rewards=[{name: 'slow_or_broken:length'}]",
+    ]
     env = {"PYTHONPATH": str(tmp_path)}
     r = torchrun(2, tmp_path, *common, "train.output_dir=broken", env={**env, "FAIL_RANK": "1"})
     assert r.returncode != 0
@@ -443,16 +551,32 @@ def test_producer_rank_faults(shared_tiny_model, tmp_path):
     assert any("grader down on the producer" in x for x in lines), r.stderr[-3000:]
     # the trainer's line names the producer rank and the step, whichever way it learned of the
     # failure first: its receive failed, or the failure agreement reached it
-    named = re.compile(r"rollout producer rank 1 sent no batch for step 1|"
-                       r"stopped: rank 1 failed \(rollout, step 1\)")  # fmt: skip
+    named = re.compile(
+        r"rollout producer rank 1 sent no batch for step 1|"
+        r"stopped: rank 1 failed \(rollout, step 1\)"
+    )
     assert any(named.search(x) for x in lines), lines
 
     p = subprocess.Popen(
-        [*TORCHRUN, "--nproc_per_node=2", "-m", "grpo", "train", "--config", TINY_CI, *common,
-         "train.output_dir=run", "train.max_steps=5", "rollout.max_staleness=1"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            *TORCHRUN,
+            "--nproc_per_node=2",
+            "-m",
+            "grpo",
+            "train",
+            "--config",
+            TINY_CI,
+            *common,
+            "train.output_dir=run",
+            "train.max_steps=5",
+            "rollout.max_staleness=1",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1", **env, "REWARD_SLEEP": "0.3"},
-    )  # fmt: skip
+    )
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 240
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
@@ -469,11 +593,22 @@ def test_producer_rank_faults(shared_tiny_model, tmp_path):
     latest = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
     assert latest == f"step_{step:06d}"
     r = subprocess.run(
-        [*TORCHRUN, "--nproc_per_node=2", "-m", "grpo", "train", "--config", "run/config.yaml",
-         "--resume"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        [
+            *TORCHRUN,
+            "--nproc_per_node=2",
+            "-m",
+            "grpo",
+            "train",
+            "--config",
+            "run/config.yaml",
+            "--resume",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1", **env},
-    )  # fmt: skip
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = read_metrics(metrics)
     assert [x["step"] for x in rows] == list(range(1, 6))
@@ -493,13 +628,15 @@ def test_memory_estimate_counts_the_producer(shared_tiny_model, tmp_path):
     for k in (0, 2):
         colocated = estimate_memory(
             config(shared_tiny_model, tmp_path, "rollout.async=on", f"rollout.max_staleness={k}"),
-            mc, "grpo",
-        )  # fmt: skip
+            mc,
+            "grpo",
+        )
         assert colocated.rollout == 0 and sync.rollout > 0
         assert colocated.producer == sync.rollout + n_train * 4 * (k + 2)
         assert colocated.total == sync.total - max(
             sync.rollout, sync.training, sync.evaluation
         ) + colocated.producer + max(sync.training, sync.evaluation)
-    ranks = estimate_memory(config(shared_tiny_model, tmp_path, "rollout.async=on",
-                                   "rollout.ranks=1"), mc, "grpo")  # fmt: skip
+    ranks = estimate_memory(
+        config(shared_tiny_model, tmp_path, "rollout.async=on", "rollout.ranks=1"), mc, "grpo"
+    )
     assert (ranks.rollout, ranks.producer) == (0, 0)

@@ -133,8 +133,9 @@ def run_static(model, ids, mask):
     for width in [9, 3] + [1] * (T - 12):
         chunk = ids[:, start : start + width]
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, start : start + width]
-        outs.append(model(chunk, position_ids=pos, attention_mask=slots, kv_cache=cache,
-                          return_hidden=True))  # fmt: skip
+        outs.append(
+            model(chunk, position_ids=pos, attention_mask=slots, kv_cache=cache, return_hidden=True)
+        )
         start += width
     return torch.cat(outs, dim=1)
 
@@ -143,8 +144,13 @@ def run_shared(model, ids, mask):
     return shared_prefix_hidden(model, ids, mask, W, G)  # (B, 1 + T_c, C): positions W-1 ...
 
 
-PATHS = {"plain": run_plain, "padded": run_padded, "cache": run_cache, "static": run_static,
-         "shared": run_shared}  # fmt: skip
+PATHS = {
+    "plain": run_plain,
+    "padded": run_padded,
+    "cache": run_cache,
+    "static": run_static,
+    "shared": run_shared,
+}
 
 
 def path_case(name, model, autocast: bool = False):
@@ -256,8 +262,12 @@ def test_padded_training_gradients_match_float64(tiny_checkpoints):
     model = load_model(tiny_checkpoints("qwen3")).train()
     ref = copy.deepcopy(model).double()
     ids, mask = grouped_batch()
-    weights = torch.randn(*ids.shape, model.config.hidden_size,
-                          generator=torch.Generator().manual_seed(1)) * mask[..., None]  # fmt: skip
+    weights = (
+        torch.randn(
+            *ids.shape, model.config.hidden_size, generator=torch.Generator().manual_seed(1)
+        )
+        * mask[..., None]
+    )
     (model(ids, attention_mask=mask, return_hidden=True) * weights).sum().backward()
     (naive_hidden(ref, ids, mask) * weights.double()).sum().backward()
     for (n, p), p64 in zip(model.named_parameters(), ref.parameters()):
@@ -344,8 +354,10 @@ def test_checkpointed_shared_prefix_keeps_less(tiny_checkpoints, monkeypatch):
             lambda: shared_prefix_hidden(model, ids, mask, T_p, G_), params
         )
         if checkpointed:  # + the prompts' keys and values, held by the completion pass's cache
-            prefix = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                      for t in records[-1].k + records[-1].v}  # fmt: skip
+            prefix = {
+                t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in records[-1].k + records[-1].v
+            }
             assert sum(prefix.values()) == 2 * 2 * P_ * 2 * T_p * 16 * 4  # L,k|v,P,H_kv,T_p,D,fp32
             storages = storages | prefix
         kept[checkpointed] = sum(storages.values())
@@ -381,9 +393,11 @@ def check_fused_kernels_only(tiny_checkpoints, device, precision, heads):
 
     def run_all():
         model.zero_grad(set_to_none=True)
-        outs = [model(ids, return_hidden=True),
-                model(ids, attention_mask=mask, return_hidden=True),
-                shared_prefix_hidden(model, ids, mask, W, G)]  # fmt: skip
+        outs = [
+            model(ids, return_hidden=True),
+            model(ids, attention_mask=mask, return_hidden=True),
+            shared_prefix_hidden(model, ids, mask, W, G),
+        ]
         model.gradient_checkpointing = True
         outs.append(shared_prefix_hidden(model, ids, mask, W, G))
         model.gradient_checkpointing = False
@@ -433,8 +447,9 @@ def cuda_fused_eligible(q, k, v, attn_mask=None, is_causal=False, enable_gqa=Fal
     return q.dtype == k.dtype == v.dtype and q.shape[-1] % 8 == 0 and (flash or efficient)
 
 
-def flash_or_efficient_selector(q, k, v, mask=None, dropout_p=0.0, is_causal=False,
-                                enable_gqa=False):  # fmt: skip
+def flash_or_efficient_selector(
+    q, k, v, mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False
+):
     """SDPA's selector as a CUDA build without cuDNN attention answers (`cuda_fused_eligible`'s
     rules): flash where it takes the call, else memory-efficient, else the math kernel."""
     from torch.nn.attention import SDPBackend
@@ -523,8 +538,10 @@ def test_cuda_decode_step_runs_a_fused_kernel(dtype):
     heads = (16, 8, 128)
     arrangement = sdpa_choice.choose("decode", cuda[0].device, dtype, heads)
     backend = sdpa_choice.chosen_backend("decode", cuda[0].device, dtype, heads)
-    assert arrangement != sdpa_choice.MATMUL and backend in sdpa_choice.FUSED, (arrangement,
-                                                                               backend)  # fmt: skip
+    assert arrangement != sdpa_choice.MATMUL and backend in sdpa_choice.FUSED, (
+        arrangement,
+        backend,
+    )
     got = decode_step_attention(*cuda)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (got.double().cpu() - want).abs().max().item() <= tol

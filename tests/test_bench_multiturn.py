@@ -30,10 +30,29 @@ def test_kv_continuation_and_reprefill_give_identical_greedy_streams():
 
 def test_main_writes_table_and_json(tmp_path):
     bm.main(
-        ["--sizes", "tiny", "--turns", "2", "--prompts", "1", "--prompt-len", "8",
-         "--turn-len", "4", "--obs-len", "3", "--warmup", "0", "--repeats", "1",
-         "--out-dir", str(tmp_path), "--name", "mt"]
-    )  # fmt: skip
+        [
+            "--sizes",
+            "tiny",
+            "--turns",
+            "2",
+            "--prompts",
+            "1",
+            "--prompt-len",
+            "8",
+            "--turn-len",
+            "4",
+            "--obs-len",
+            "3",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+            "--out-dir",
+            str(tmp_path),
+            "--name",
+            "mt",
+        ]
+    )
     payload = json.loads((tmp_path / "mt.json").read_text())
     rows = {r["impl"]: r for r in payload["rows"]}
     assert set(rows) == {"baseline", "ours"} and rows["ours"]["streams_equal"]

@@ -423,8 +423,12 @@ def test_schema_variants_describe_one_tool_many_ways():
     for v in variants:
         fn = v["function"]
         assert v["type"] == "function" and fn["name"] == "calculator"
-        assert list(fn)[:1] == ["name"] and set(fn) <= {"name", "description", "parameters",
-                                                       "strict"}  # fmt: skip
+        assert list(fn)[:1] == ["name"] and set(fn) <= {
+            "name",
+            "description",
+            "parameters",
+            "strict",
+        }
         params = fn["parameters"]
         jsonschema.Draft202012Validator.check_schema(params)
         jsonschema.validate({"expression": "37 * 48"}, params)
@@ -436,10 +440,13 @@ def test_schema_variants_describe_one_tool_many_ways():
     # what the Agents SDK and LangChain send appears: strict, titles, examples, no descriptions
     assert sum(bool(v["function"].get("strict")) for v in variants) >= 4
     assert any("title" in v["function"]["parameters"] for v in variants)
-    assert any("examples" in v["function"]["parameters"]["properties"]["expression"]
-               for v in variants)  # fmt: skip
-    assert any("description" not in v["function"]["parameters"]["properties"]["expression"]
-               for v in variants)  # fmt: skip
+    assert any(
+        "examples" in v["function"]["parameters"]["properties"]["expression"] for v in variants
+    )
+    assert any(
+        "description" not in v["function"]["parameters"]["properties"]["expression"]
+        for v in variants
+    )
     # the key orders differ too
     assert len({tuple(v["function"]["parameters"]) for v in variants}) >= 4
     assert calculator_tool_variant(5) == calculator_tool_variant(5)  # deterministic
@@ -466,11 +473,13 @@ def test_env_renders_each_rows_schema():
 
 @pytest.mark.parametrize(
     "kwargs, fragment",
-    [({"tools": []}, "tools must be a non-empty list"),
-     ({"tools": "calculator"}, "tools must be a non-empty list"),
-     ({"tool_variants": -1}, "tool_variants must be an integer >= 0"),
-     ({"tool_variants": 2.5}, "tool_variants must be an integer >= 0")],
-)  # fmt: skip
+    [
+        ({"tools": []}, "tools must be a non-empty list"),
+        ({"tools": "calculator"}, "tools must be a non-empty list"),
+        ({"tool_variants": -1}, "tool_variants must be an integer >= 0"),
+        ({"tool_variants": 2.5}, "tool_variants must be an integer >= 0"),
+    ],
+)
 def test_env_kwargs_are_checked(kwargs, fragment):
     with pytest.raises(GrpoError, match=fragment):
         CalculatorEnv(**kwargs)

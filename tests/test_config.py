@@ -108,8 +108,9 @@ def test_rewards_and_environments_have_a_time_limit_by_default(cfg_file):
     cfg = load_config(cfg_file)
     assert cfg.rollout.env_timeout_s == 60.0
     assert [r.timeout_s for r in cfg.rewards] == [300.0, 300.0]
-    off = load_config(cfg_file, ["rollout.env_timeout_s=null",
-                                 "rewards=[{name: accuracy, timeout_s: null}]"])  # fmt: skip
+    off = load_config(
+        cfg_file, ["rollout.env_timeout_s=null", "rewards=[{name: accuracy, timeout_s: null}]"]
+    )
     assert off.rollout.env_timeout_s is None and off.rewards[0].timeout_s is None
     assert load_config(base=config_to_dict(off)) == off  # null survives the saved config
 
@@ -193,17 +194,23 @@ class _Outer:
         ({"inner": {}}, "inner.name", "inner.name: is required"),
         ({"inner": {"name": " "}}, "inner.name", "inner.name: must not be empty"),
         ({"inner": {"name": "x", "share": 2}}, "inner.share", "inner.share: must be in [0, 1]"),
-        ({"parts": [{"name": "x"}, {"name": "y", "share": -1}]}, "parts[1].share",
-         "parts[1].share: must be in [0, 1], got -1.0"),
-        ({"parts": [{"name": "x", "nope": 1}]}, "parts[0].nope",
-         "parts[0].nope: unknown key; valid keys of parts[0]: name, share"),
+        (
+            {"parts": [{"name": "x"}, {"name": "y", "share": -1}]},
+            "parts[1].share",
+            "parts[1].share: must be in [0, 1], got -1.0",
+        ),
+        (
+            {"parts": [{"name": "x", "nope": 1}]},
+            "parts[0].nope",
+            "parts[0].nope: unknown key; valid keys of parts[0]: name, share",
+        ),
         ({"label": 5}, "label", "label: expected a string or a list, got 5"),
         ({"label": ["a", 5]}, "label[1]", "label[1]: expected a string, got 5"),  # the deeper one
         ({"fn": 5}, "fn", "fn: expected a function, got 5"),
         ({"inner": {"name": "x", "share": 10**400}}, "inner.share", "inner.share: beyond a float"),
         ({"count": "x" * 500}, "count", "count: expected an integer, got 'xxxxx"),
     ],
-)  # fmt: skip
+)
 def test_build_settings_errors_name_the_dotted_field(data, field, message):
     with pytest.raises(ConfigError) as e:
         build_settings(_Outer, data)

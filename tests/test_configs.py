@@ -33,17 +33,32 @@ RUN_ELSEWHERE = {
     "demo_cpu.yaml": "tests/test_demo.py::test_demo_quick_writes_every_output",
     "demo_tools_cpu.yaml": "tests/test_demo.py::test_tools_demo_quick_writes_every_output",
     "demo_rlhf_cpu.yaml": "tests/test_demo.py::test_rlhf_demo_quick_writes_every_output",
-    "gsm8k_tools_cpu.yaml":
-        "tests/test_gsm8k_tools.py::test_gsm8k_tools_demo_quick_writes_every_output",
+    "gsm8k_tools_cpu.yaml": (
+        "tests/test_gsm8k_tools.py::test_gsm8k_tools_demo_quick_writes_every_output"
+    ),
     "pipeline_tiny.yaml": "tests/test_pipeline.py::test_tiny_pipeline_writes_complete_results",
-}  # fmt: skip
-RUN_HERE = ("gsm8k_qwen3_0.6b_sft.yaml", "gsm8k_qwen3_0.6b_grpo.yaml", "pipeline_gsm8k.yaml",
-            "gsm8k_qwen3_0.6b_tools.yaml", "tiny_ci.yaml", "quickstart.yaml",
-            "rm_qwen3_0.6b.yaml", "gsm8k_qwen3_0.6b_ppo.yaml")  # fmt: skip
+}
+RUN_HERE = (
+    "gsm8k_qwen3_0.6b_sft.yaml",
+    "gsm8k_qwen3_0.6b_grpo.yaml",
+    "pipeline_gsm8k.yaml",
+    "gsm8k_qwen3_0.6b_tools.yaml",
+    "tiny_ci.yaml",
+    "quickstart.yaml",
+    "rm_qwen3_0.6b.yaml",
+    "gsm8k_qwen3_0.6b_ppo.yaml",
+)
 # Sizes and lengths only: one step, a few rows, short prompts and completions.
-SMALL = ["train.max_steps=1", "data.max_samples=8", "data.eval_samples=2", "eval.max_samples=2",
-         "eval.max_new_tokens=8", "rollout.max_new_tokens=12",
-         "train.log_every=1", "train.progress=false"]  # fmt: skip
+SMALL = [
+    "train.max_steps=1",
+    "data.max_samples=8",
+    "data.eval_samples=2",
+    "eval.max_samples=2",
+    "eval.max_new_tokens=8",
+    "rollout.max_new_tokens=12",
+    "train.log_every=1",
+    "train.progress=false",
+]
 
 
 def test_every_config_file_is_run_by_a_test():
@@ -69,9 +84,18 @@ def gsm8k_sft(shared_tiny_model, tmp_path_factory):
     """configs/gsm8k_qwen3_0.6b_sft.yaml for one step: fp32 weights, bf16 autocast, LoRA,
     gradient checkpointing, as written."""
     out = tmp_path_factory.mktemp("gsm8k_sft") / "run"
-    cfg = load_config(CONFIGS / "gsm8k_qwen3_0.6b_sft.yaml", [
-        f"model.path={shared_tiny_model}", f"data.source={GSM8K}", *GSM8K_SPLIT,
-        f"train.output_dir={out}", "train.epochs=null", "train.batch_size=2", *SMALL])  # fmt: skip
+    cfg = load_config(
+        CONFIGS / "gsm8k_qwen3_0.6b_sft.yaml",
+        [
+            f"model.path={shared_tiny_model}",
+            f"data.source={GSM8K}",
+            *GSM8K_SPLIT,
+            f"train.output_dir={out}",
+            "train.epochs=null",
+            "train.batch_size=2",
+            *SMALL,
+        ],
+    )
     assert cfg.model.autocast_bf16 and cfg.lora.enabled and cfg.model.gradient_checkpointing
     assert cfg.model.dtype == settings("gsm8k_qwen3_0.6b_sft.yaml")["model"]["dtype"]
     summary = train_sft(cfg)
@@ -88,9 +112,17 @@ def test_gsm8k_grpo_config_runs_from_the_sft_adapter(gsm8k_sft, shared_tiny_mode
     """As the tutorial runs it: GRPO from SFT's adapter (merged at load: also the reference)."""
     sft_out, _ = gsm8k_sft
     out = tmp_path / "run"
-    cfg = load_config(CONFIGS / "gsm8k_qwen3_0.6b_grpo.yaml", [
-        f"model.path={shared_tiny_model}", f"model.adapter={sft_out / 'final'}",
-        f"data.source={GSM8K}", *GSM8K_SPLIT, f"train.output_dir={out}", *SMALL])  # fmt: skip
+    cfg = load_config(
+        CONFIGS / "gsm8k_qwen3_0.6b_grpo.yaml",
+        [
+            f"model.path={shared_tiny_model}",
+            f"model.adapter={sft_out / 'final'}",
+            f"data.source={GSM8K}",
+            *GSM8K_SPLIT,
+            f"train.output_dir={out}",
+            *SMALL,
+        ],
+    )
     assert cfg.model.autocast_bf16 and cfg.lora.enabled and cfg.model.gradient_checkpointing
     assert train_grpo(cfg)["step"] == 1
     m = check_metrics(out)
@@ -103,10 +135,19 @@ def test_gsm8k_ppo_config_runs_from_the_sft_adapter(gsm8k_sft, shared_tiny_model
     base; one step past its critic-only warm-up (the warm-up shortened to 1 step)."""
     sft_out, _ = gsm8k_sft
     out = tmp_path / "run"
-    cfg = load_config(CONFIGS / "gsm8k_qwen3_0.6b_ppo.yaml", [
-        f"model.path={shared_tiny_model}", f"model.adapter={sft_out / 'final'}",
-        f"data.source={GSM8K}", *GSM8K_SPLIT, f"train.output_dir={out}", *SMALL,
-        "train.max_steps=2", "train.critic_warmup_steps=1"])  # fmt: skip
+    cfg = load_config(
+        CONFIGS / "gsm8k_qwen3_0.6b_ppo.yaml",
+        [
+            f"model.path={shared_tiny_model}",
+            f"model.adapter={sft_out / 'final'}",
+            f"data.source={GSM8K}",
+            *GSM8K_SPLIT,
+            f"train.output_dir={out}",
+            *SMALL,
+            "train.max_steps=2",
+            "train.critic_warmup_steps=1",
+        ],
+    )
     assert cfg.loss.advantage == "gae" and cfg.modules[0].name == "critic"
     assert cfg.model.autocast_bf16 and cfg.lora.enabled
     assert train_grpo(cfg)["step"] == 2
@@ -122,18 +163,37 @@ def test_rm_config_runs(shared_tiny_model, tmp_path):
     gradient checkpointing, a held-out evaluation; final/ a sequence classifier."""
     from grpo.train.rm import train_rm
 
-    rows = [{"chosen": [{"role": "user", "content": f"Is {i} even?"},
-                        {"role": "assistant", "content": "yes" if i % 2 == 0 else "no"}],
-             "rejected": [{"role": "user", "content": f"Is {i} even?"},
-                          {"role": "assistant", "content": "no" if i % 2 == 0 else "yes"}]}
-            for i in range(12)]  # fmt: skip
+    rows = [
+        {
+            "chosen": [
+                {"role": "user", "content": f"Is {i} even?"},
+                {"role": "assistant", "content": "yes" if i % 2 == 0 else "no"},
+            ],
+            "rejected": [
+                {"role": "user", "content": f"Is {i} even?"},
+                {"role": "assistant", "content": "no" if i % 2 == 0 else "yes"},
+            ],
+        }
+        for i in range(12)
+    ]
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "run"
-    cfg = load_config(CONFIGS / "rm_qwen3_0.6b.yaml", [
-        f"model.path={shared_tiny_model}", f"data.dataset={data}", "data.split=train[:8]",
-        "data.eval_split=train[8:]", f"train.output_dir={out}", "train.epochs=null",
-        "train.batch_size=4", "train.micro_batch_size=2", "rm.max_length=128", *SMALL])  # fmt: skip
+    cfg = load_config(
+        CONFIGS / "rm_qwen3_0.6b.yaml",
+        [
+            f"model.path={shared_tiny_model}",
+            f"data.dataset={data}",
+            "data.split=train[:8]",
+            "data.eval_split=train[8:]",
+            f"train.output_dir={out}",
+            "train.epochs=null",
+            "train.batch_size=4",
+            "train.micro_batch_size=2",
+            "rm.max_length=128",
+            *SMALL,
+        ],
+    )
     assert cfg.model.autocast_bf16 and cfg.lora.enabled and cfg.model.gradient_checkpointing
     assert train_rm(cfg)["step"] == 1
     m = check_metrics(out)
@@ -150,10 +210,21 @@ def test_gsm8k_qwen3_tools_config_runs(tmp_path):
 
     model = make_tiny_model(tmp_path / "model", size="ci", max_position_embeddings=2048)
     out = tmp_path / "run"
-    cfg = load_config(CONFIGS / "gsm8k_qwen3_0.6b_tools.yaml", [
-        f"model.path={model}", f"data.source={GSM8K}", *GSM8K_SPLIT, f"train.output_dir={out}",
-        *SMALL, "train.batch_size=8", "train.micro_batch_size=4", "rollout.group_size=4",
-        "rollout.max_obs_tokens=16", "rollout.max_total_tokens=64"])  # fmt: skip
+    cfg = load_config(
+        CONFIGS / "gsm8k_qwen3_0.6b_tools.yaml",
+        [
+            f"model.path={model}",
+            f"data.source={GSM8K}",
+            *GSM8K_SPLIT,
+            f"train.output_dir={out}",
+            *SMALL,
+            "train.batch_size=8",
+            "train.micro_batch_size=4",
+            "rollout.group_size=4",
+            "rollout.max_obs_tokens=16",
+            "rollout.max_total_tokens=64",
+        ],
+    )
     assert cfg.model.autocast_bf16 and cfg.lora.enabled and cfg.model.gradient_checkpointing
     assert cfg.rollout.env == "python" and cfg.rollout.env_kwargs["use_template_tools"]
     assert train_grpo(cfg)["step"] == 1
@@ -171,14 +242,23 @@ def test_pipeline_gsm8k_config_runs(shared_tiny_model, tmp_path):
     from tests.test_pipeline import cli
 
     out = tmp_path / "pipe"
-    args = cli(["pipeline", "--config", str(CONFIGS / "pipeline_gsm8k.yaml"),
-                f"model.path={shared_tiny_model}", f"data.source={GSM8K}", f"output_dir={out}",
-                *[f"{stage}.{o}" for stage in ("sft", "grpo") for o in GSM8K_SPLIT],
-                "sft.train.epochs=null", "sft.train.batch_size=2", "grpo.rollout.max_new_tokens=8",
-                "sft.rollout.max_new_tokens=8",
-                "sft.eval.sft_accuracy_threshold=0",  # a random model: let GRPO run too
-                *[s for s in SMALL if not s.startswith(("rollout.", "train.log", "train.prog"))],
-                ])  # fmt: skip
+    args = cli(
+        [
+            "pipeline",
+            "--config",
+            str(CONFIGS / "pipeline_gsm8k.yaml"),
+            f"model.path={shared_tiny_model}",
+            f"data.source={GSM8K}",
+            f"output_dir={out}",
+            *[f"{stage}.{o}" for stage in ("sft", "grpo") for o in GSM8K_SPLIT],
+            "sft.train.epochs=null",
+            "sft.train.batch_size=2",
+            "grpo.rollout.max_new_tokens=8",
+            "sft.rollout.max_new_tokens=8",
+            "sft.eval.sft_accuracy_threshold=0",  # a random model: let GRPO run too
+            *[s for s in SMALL if not s.startswith(("rollout.", "train.log", "train.prog"))],
+        ]
+    )
     assert args.func(args) == 0
     results = json.loads((out / "training_results.json").read_text())
     assert results["status"] == "completed", results
@@ -186,9 +266,15 @@ def test_pipeline_gsm8k_config_runs(shared_tiny_model, tmp_path):
 
 def test_tiny_ci_config_runs(shared_tiny_model, tmp_path):
     out = tmp_path / "run"
-    cfg = load_config(CONFIGS / "tiny_ci.yaml", [
-        f"model.path={shared_tiny_model}", f"train.output_dir={out}", "train.max_steps=1",
-        "train.progress=false"])  # fmt: skip
+    cfg = load_config(
+        CONFIGS / "tiny_ci.yaml",
+        [
+            f"model.path={shared_tiny_model}",
+            f"train.output_dir={out}",
+            "train.max_steps=1",
+            "train.progress=false",
+        ],
+    )
     assert train_grpo(cfg)["step"] == 1
     m = check_metrics(out)
     phases = [m[f"perf/peak_mem_{k}_mib"] for k in ("rollout", "logprob", "update")]
@@ -202,9 +288,15 @@ def test_quickstart_config_learns(shared_tiny_model, tmp_path):
     from grpo.run.optim import lr_lambda
 
     out = tmp_path / "run"
-    cfg = load_config(CONFIGS / "quickstart.yaml", [
-        f"model.path={shared_tiny_model}", f"train.output_dir={out}", "train.max_steps=15",
-        "train.progress=false"])  # fmt: skip
+    cfg = load_config(
+        CONFIGS / "quickstart.yaml",
+        [
+            f"model.path={shared_tiny_model}",
+            f"train.output_dir={out}",
+            "train.max_steps=15",
+            "train.progress=false",
+        ],
+    )
     assert train_grpo(cfg)["step"] == 15
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if "rollout/reward_mean" in r]
@@ -249,41 +341,69 @@ def aot_eager_sampler(monkeypatch):
     import grpo.train.producer as g
     from grpo.rollout import Sampler
 
-    monkeypatch.setattr(g, "Sampler", functools.partial(
-        Sampler, compile_options={"backend": "aot_eager"}))  # fmt: skip
+    monkeypatch.setattr(
+        g, "Sampler", functools.partial(Sampler, compile_options={"backend": "aot_eager"})
+    )
 
 
 # LoRA on/off x compiled decode on/off x shared prefix on/off x single turn / tools; the default
 # tier runs the one that meets all four (LoRA, compiled, shared prefix, tools), the process tier
 # the other 15
 BF16_MATRIX = [
-    pytest.param(lora, compile_, shared, turns,
-                 id=f"{'lora' if lora else 'full'}-{compile_}-{shared}-{turns}",
-                 marks=() if (lora, compile_, shared, turns) == (True, "on", "on", "tools")
-                 else pytest.mark.process)
-    for lora in (True, False) for compile_ in ("on", "off") for shared in ("on", "off")
+    pytest.param(
+        lora,
+        compile_,
+        shared,
+        turns,
+        id=f"{'lora' if lora else 'full'}-{compile_}-{shared}-{turns}",
+        marks=()
+        if (lora, compile_, shared, turns) == (True, "on", "on", "tools")
+        else pytest.mark.process,
+    )
+    for lora in (True, False)
+    for compile_ in ("on", "off")
+    for shared in ("on", "off")
     for turns in ("single", "tools")
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("lora, compile_, shared_prefix, turns", BF16_MATRIX)
-def test_grpo_step_under_bf16_autocast(shared_tiny_model, tmp_path, monkeypatch, lora, compile_,
-                                       shared_prefix, turns):  # fmt: skip
+def test_grpo_step_under_bf16_autocast(
+    shared_tiny_model, tmp_path, monkeypatch, lora, compile_, shared_prefix, turns
+):
     import grpo.envs.base
 
     aot_eager_sampler(monkeypatch)
     # registered for this test only (the registry is process-wide)
     monkeypatch.setitem(grpo.envs.base._REGISTERED, "echo_tool_test", EchoTool)
-    tools = ["rollout.env=echo_tool_test", "rollout.max_turns=2", "rollout.max_obs_tokens=8",
-             "eval.env=single_turn"] if turns == "tools" else []  # fmt: skip
-    cfg = load_config(CONFIGS / "tiny_ci.yaml", [
-        f"model.path={shared_tiny_model}", f"train.output_dir={tmp_path / 'run'}",
-        "model.autocast_bf16=true", f"lora.enabled={str(lora).lower()}",
-        f"rollout.compile={compile_}", f"train.shared_prefix={shared_prefix}",
-        "train.max_steps=1", "train.progress=false", "data.eval_samples=0",
-        "rollout.max_new_tokens=8", "data.max_samples=8",
-        "loss.entropy_coef=0.01",  # a gradient even when a random model's rewards are all equal
-        *tools])  # fmt: skip
+    tools = (
+        [
+            "rollout.env=echo_tool_test",
+            "rollout.max_turns=2",
+            "rollout.max_obs_tokens=8",
+            "eval.env=single_turn",
+        ]
+        if turns == "tools"
+        else []
+    )
+    cfg = load_config(
+        CONFIGS / "tiny_ci.yaml",
+        [
+            f"model.path={shared_tiny_model}",
+            f"train.output_dir={tmp_path / 'run'}",
+            "model.autocast_bf16=true",
+            f"lora.enabled={str(lora).lower()}",
+            f"rollout.compile={compile_}",
+            f"train.shared_prefix={shared_prefix}",
+            "train.max_steps=1",
+            "train.progress=false",
+            "data.eval_samples=0",
+            "rollout.max_new_tokens=8",
+            "data.max_samples=8",
+            "loss.entropy_coef=0.01",  # a gradient even when a random model's rewards are all equal
+            *tools,
+        ],
+    )
     assert train_grpo(cfg)["step"] == 1
     m = check_metrics(tmp_path / "run")
     assert m["rollout/logprob_diff_max"] <= 1e-2 and m["train/grad_norm"] > 0

@@ -53,8 +53,7 @@ def run_documented(tmp_path: Path, files: dict[str, str], command: list[str], *e
     assert command[:3] == ["python", "-m", "pytest"], command
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     cmd = [sys.executable, *command[1:], "-v", "-p", "no:cacheprovider", *extra]
-    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env,
-                          timeout=300)  # fmt: skip
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
 
 
 def outcomes(stdout: str) -> dict[str, str]:
@@ -68,10 +67,14 @@ def test_doc_example_passes_from_outside(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     got = outcomes(r.stdout)
     assert set(got.values()) == {"PASSED"}
-    assert {"test_two_ranks[advantage-my_rloo]", "test_two_ranks[policy_loss-my_cispo]",
-            "test_advantage[my_rloo-shift_invariant]", "test_advantage[my_rloo-group_zero_sum]",
-            "test_policy_loss[my_cispo-gradient:token_mean]",
-            "test_policy_loss[my_cispo-masked_garbage]"} <= set(got)  # fmt: skip
+    assert {
+        "test_two_ranks[advantage-my_rloo]",
+        "test_two_ranks[policy_loss-my_cispo]",
+        "test_advantage[my_rloo-shift_invariant]",
+        "test_advantage[my_rloo-group_zero_sum]",
+        "test_policy_loss[my_cispo-gradient:token_mean]",
+        "test_policy_loss[my_cispo-masked_garbage]",
+    } <= set(got)
     assert {
         "test_policy_loss[my_cispo-gradient:token_mean@asymmetric]",
         "test_policy_loss[my_cispo-padding_columns@dual_clip]",
@@ -92,8 +95,11 @@ def test_broken_loss_fails_naming_the_check(tmp_path):
     assert r.returncode == 1, r.stdout[-3000:]
     failed = sorted(t for t, o in outcomes(r.stdout).items() if o != "PASSED")
     aggregations = ("seq_mean_token_mean", "seq_mean_token_sum_norm", "token_mean")
-    assert failed == sorted(f"test_policy_loss[my_cispo-gradient:{a}{v}]" for a in aggregations
-                            for v in ("", "@asymmetric", "@dual_clip"))  # fmt: skip
+    assert failed == sorted(
+        f"test_policy_loss[my_cispo-gradient:{a}{v}]"
+        for a in aggregations
+        for v in ("", "@asymmetric", "@dual_clip")
+    )
     assert "policy loss 'my_cispo': gradient:token_mean failed: loss " in r.stdout
 
 
@@ -101,8 +107,11 @@ def test_the_functions_name_the_failed_check():
     def nan_loss(logprobs, advantages):  # log of a negative advantage: NaN on counted tokens
         return -torch.log(advantages) * logprobs
 
-    with pytest.raises(ConformanceError, match=r"policy loss 'test_the_.*nan_loss': "
-                       r"masked_garbage failed: .*non-finite value at row"):  # fmt: skip
+    with pytest.raises(
+        ConformanceError,
+        match=r"policy loss 'test_the_.*nan_loss': "
+        r"masked_garbage failed: .*non-finite value at row",
+    ):
         check_policy_loss(nan_loss, BUILTIN_REFERENCES["clip"], checks=["masked_garbage"])
 
     def batch_normalized(logprobs, advantages):  # a batch statistic: micro-batches differ
@@ -179,13 +188,24 @@ def swapped_eps(log_ratio, advantages, *, epsilon_low=0.2, epsilon_high=0.2):
     return -torch.minimum(ratio * advantages, clipped * advantages)
 
 
-@pytest.mark.parametrize("loss, reference, first, cause", [
-    (flipped_sign, "clip", "gradient:token_mean",
-     "is the negative of its reference's (a flipped sign)"),
-    (ratio_over_padding, "gspo", "gradient:token_mean", "it reads padding"),
-    (swapped_eps, "clip", "gradient:token_mean@asymmetric",
-     "it equals the reference with epsilon_low and epsilon_high swapped"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "loss, reference, first, cause",
+    [
+        (
+            flipped_sign,
+            "clip",
+            "gradient:token_mean",
+            "is the negative of its reference's (a flipped sign)",
+        ),
+        (ratio_over_padding, "gspo", "gradient:token_mean", "it reads padding"),
+        (
+            swapped_eps,
+            "clip",
+            "gradient:token_mean@asymmetric",
+            "it equals the reference with epsilon_low and epsilon_high swapped",
+        ),
+    ],
+)
 def test_seeded_bugs_are_caught_naming_the_cause(loss, reference, first, cause):
     """Each mistake fails its first check with a message that names it, with the numbers and
     the settings; the swapped clip bounds pass at the default symmetric settings (what the kit
@@ -196,24 +216,36 @@ def test_seeded_bugs_are_caught_naming_the_cause(loss, reference, first, cause):
     assert f": {first} failed: loss " in message and cause in message, message
     if loss is swapped_eps:
         assert "(at epsilon_low=0.2, epsilon_high=0.28)" in message
-        check_policy_loss(loss, BUILTIN_REFERENCES["clip"],
-                          checks=[c for c in policy_loss_checks() if "@" not in c])  # fmt: skip
+        check_policy_loss(
+            loss,
+            BUILTIN_REFERENCES["clip"],
+            checks=[c for c in policy_loss_checks() if "@" not in c],
+        )
 
 
 def test_settings_reach_the_loss_and_its_reference_and_paths_resolve(tmp_path, monkeypatch):
     """`settings=` sets any loss.* field for both; a reference may be a module path; an
     unknown setting or check is named."""
-    (tmp_path / "myref.py").write_text("from grpo.testing.references import BUILTIN_REFERENCES\n"
-                                       "clip_ref = BUILTIN_REFERENCES['clip']\n")  # fmt: skip
+    (tmp_path / "myref.py").write_text(
+        "from grpo.testing.references import BUILTIN_REFERENCES\n"
+        "clip_ref = BUILTIN_REFERENCES['clip']\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
-    check_policy_loss("clip", "myref:clip_ref",
-                      settings={"epsilon_high": 0.35, "dual_clip": 2.5})  # fmt: skip
+    check_policy_loss("clip", "myref:clip_ref", settings={"epsilon_high": 0.35, "dual_clip": 2.5})
     with pytest.raises(ConformanceError, match="swapped"):
-        check_policy_loss(swapped_eps, "myref:clip_ref", settings={"epsilon_high": 0.35},
-                          checks=["gradient:token_mean"])  # fmt: skip
+        check_policy_loss(
+            swapped_eps,
+            "myref:clip_ref",
+            settings={"epsilon_high": 0.35},
+            checks=["gradient:token_mean"],
+        )
     with pytest.raises(ValueError, match="'epsilon_hi'.*not loss settings"):
-        check_policy_loss("clip", BUILTIN_REFERENCES["clip"], settings={"epsilon_hi": 0.3},
-                          checks=["gradient:token_mean"])  # fmt: skip
+        check_policy_loss(
+            "clip",
+            BUILTIN_REFERENCES["clip"],
+            settings={"epsilon_hi": 0.3},
+            checks=["gradient:token_mean"],
+        )
     with pytest.raises(ValueError, match="unknown policy loss check 'gradient:token_mean@nope'"):
         check_policy_loss("clip", BUILTIN_REFERENCES["clip"], checks=["gradient:token_mean@nope"])
 
@@ -225,6 +257,9 @@ def test_group_zero_sum_names_the_group_and_its_sum():
         a[1] += 0.5  # group 1 no longer sums to 0
         return broadcast(a.view(-1), mask)
 
-    with pytest.raises(ConformanceError, match=r"group_zero_sum failed: group 1 of 4 rows sums "
-                       r"to 2 \(tolerance 1e-05\); 1 of 4 groups miss it"):  # fmt: skip
+    with pytest.raises(
+        ConformanceError,
+        match=r"group_zero_sum failed: group 1 of 4 rows sums "
+        r"to 2 \(tolerance 1e-05\); 1 of 4 groups miss it",
+    ):
         check_advantage(off_by_one_group, checks=["group_zero_sum"])

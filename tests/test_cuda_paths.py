@@ -25,11 +25,13 @@ def test_a_producer_thread_compiles_without_cuda_graphs(monkeypatch, shared_tiny
     """CUDA-graph trees belong to the thread that records them: the colocated producer
     thread's sampler compiles with mode "default", the trainer's with "reduce-overhead"."""
     seen = []
-    monkeypatch.setattr(sampler_mod.torch, "compile",
-                        lambda fn, **kw: seen.append(kw.get("mode")) or fn)  # fmt: skip
+    monkeypatch.setattr(
+        sampler_mod.torch, "compile", lambda fn, **kw: seen.append(kw.get("mode")) or fn
+    )
     monkeypatch.setattr(Decoder, "device", property(lambda self: torch.device("cuda")))
-    cfg = load_config(REPO / "configs" / "tiny_ci.yaml",
-                      [f"model.path={shared_tiny_model}", "rollout.compile=on"])  # fmt: skip
+    cfg = load_config(
+        REPO / "configs" / "tiny_ci.yaml", [f"model.path={shared_tiny_model}", "rollout.compile=on"]
+    )
     model = load_model(shared_tiny_model)
     policy = types.SimpleNamespace(precision=Precision())
     for thread in (False, True):
@@ -46,14 +48,23 @@ def test_a_produced_batch_is_marked_used_on_the_trainers_stream(monkeypatch, sha
     model = load_model(shared_tiny_model)
     r = sample(model, [[5, 6, 7], [8, 9]], group_size=2, max_new_tokens=4, stop_ids=[], seed=0)
     B = r.ids.shape[0]
-    batch = RolloutBatch(r, [{}] * B, [""] * B, torch.zeros(B), torch.zeros(B, 4),
-                         {"accuracy": torch.ones(B), "format": torch.ones(B)}, 0, 0.0)  # fmt: skip
+    batch = RolloutBatch(
+        r,
+        [{}] * B,
+        [""] * B,
+        torch.zeros(B),
+        torch.zeros(B, 4),
+        {"accuracy": torch.ones(B), "format": torch.ones(B)},
+        0,
+        0.0,
+    )
     want = [getattr(r, f.name) for f in dataclasses.fields(r)]
     want = [t for t in want if isinstance(t, torch.Tensor)]
     want += [batch.rewards, batch.token_rewards, *batch.per_fn.values()]
     recorded = []
-    monkeypatch.setattr(torch.Tensor, "record_stream",
-                        lambda t, s: recorded.append((t, s)), raising=False)  # fmt: skip
+    monkeypatch.setattr(
+        torch.Tensor, "record_stream", lambda t, s: recorded.append((t, s)), raising=False
+    )
     stream = types.SimpleNamespace(device=torch.device("cpu"))  # the consumer's stream
     producer.used_on(batch, stream)
     assert len(recorded) == len(want) > 8

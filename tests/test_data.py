@@ -102,9 +102,12 @@ def test_load_directory_layouts(tmp_path):
     assert ds["question"] == [r["question"] for r in ROWS[1:]]
     # a .jsonl next to the shards: which one is meant is not guessed
     _write_jsonl(shards / "train.jsonl", ROWS[:1])
-    with pytest.raises(GrpoError, match=r"main: several files for split 'train' \(train.jsonl, "
-                       r"train-00000-of-00002.parquet, train-00001-of-00002.parquet\); keep "
-                       r"one, or point data.source at the file to use$"):  # fmt: skip
+    with pytest.raises(
+        GrpoError,
+        match=r"main: several files for split 'train' \(train.jsonl, "
+        r"train-00000-of-00002.parquet, train-00001-of-00002.parquet\); keep "
+        r"one, or point data.source at the file to use$",
+    ):
         load_gsm8k("train", source=tmp_path / "hub")
     assert len(load_gsm8k("train", source=shards / "train.jsonl")) == 1
 
@@ -190,15 +193,24 @@ def test_an_unreachable_hub_fails_in_seconds_naming_the_source(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(grpo.io, "_HUB_PROBES", {})
     start = time.monotonic()
-    with pytest.raises(GrpoError, match=r"^dataset 'gsm8kk' is not a registered name \(gsm8k, "
-                       r".*minimath\) nor a local file or directory, and the hub cannot be "
-                       rf"reached to load it as a hub id \(127.0.0.1:{port}: "):  # fmt: skip
+    with pytest.raises(
+        GrpoError,
+        match=r"^dataset 'gsm8kk' is not a registered name \(gsm8k, "
+        r".*minimath\) nor a local file or directory, and the hub cannot be "
+        rf"reached to load it as a hub id \(127.0.0.1:{port}: ",
+    ):
         formats.get_dataset("gsm8kk")
-    with pytest.raises(GrpoError, match=r"^dataset 'openai/gsm8k' is on the hub, which cannot "
-                       r"be reached .*; pass a local copy as data.source"):  # fmt: skip
+    with pytest.raises(
+        GrpoError,
+        match=r"^dataset 'openai/gsm8k' is on the hub, which cannot "
+        r"be reached .*; pass a local copy as data.source",
+    ):
         load_gsm8k("test")
-    with pytest.raises(GrpoError, match=r"^model 'Org/nowhere-0.6B': not a local directory, not "
-                       r"in the hub cache, and the hub cannot be reached"):  # fmt: skip
+    with pytest.raises(
+        GrpoError,
+        match=r"^model 'Org/nowhere-0.6B': not a local directory, not "
+        r"in the hub cache, and the hub cannot be reached",
+    ):
         resolve_model_dir("Org/nowhere-0.6B")
     assert time.monotonic() - start < 10
 
@@ -285,8 +297,11 @@ def test_format_errors(tiny_tokenizer):
     # a column the trainer passes reward functions itself: named, not blamed on a reward
     for name in ("completions", "completion_ids", "num_turns"):
         rows = [{**r, name: "x"} for r in ROWS]
-        with pytest.raises(GrpoError, match=f"^dataset: column '{name}' is a name the trainer "
-                           "itself passes to reward functions"):  # fmt: skip
+        with pytest.raises(
+            GrpoError,
+            match=f"^dataset: column '{name}' is a name the trainer "
+            "itself passes to reward functions",
+        ):
             format_math_dataset(rows, "rl", tokenizer=tiny_tokenizer)
 
 

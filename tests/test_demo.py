@@ -167,15 +167,22 @@ def test_rlhf_demo_quick_writes_every_output(tmp_path, capsys):
     pairs, the true accuracy beside its score before and after, the weight-0 accuracy logged
     (never in the total), and `rm` overrides reaching `grpo rm`."""
     out = tmp_path / "demo-rlhf"
-    assert main(["demo", "--task", "rlhf", "--out", str(out), "--quick",
-                 "rm.rm.center_coef=0.01"]) == 0  # fmt: skip
+    assert (
+        main(["demo", "--task", "rlhf", "--out", str(out), "--quick", "rm.rm.center_coef=0.01"])
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "held-out pair accuracy" in printed and "reward-model score" in printed
     results = json.loads((out / "results.json").read_text())
     rm = results["reward_model"]
     assert rm["eval"]["pairs"] == 8 and 0 <= rm["eval"]["accuracy"] <= 1 and rm["steps"] == 4
-    assert set(rm["accuracy_by_kind"]) <= {"arithmetic", "operation", "operand",
-                                           "final_answer", "no_final_answer"}  # fmt: skip
+    assert set(rm["accuracy_by_kind"]) <= {
+        "arithmetic",
+        "operation",
+        "operand",
+        "final_answer",
+        "no_final_answer",
+    }
     rm_cfg = (out / "rm" / "config.yaml").read_text()
     assert "center_coef: 0.01" in rm_cfg and "demo-preferences" in rm_cfg
     for stage in ("sft", "grpo"):
@@ -191,6 +198,18 @@ def test_rlhf_demo_quick_writes_every_output(tmp_path, capsys):
 
 
 def test_task_and_config_must_agree(tmp_path, capsys):
-    assert main(["demo", "--task", "tools", "--config", str(DEFAULT_CONFIG),
-                 "--out", str(tmp_path / "o")]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "demo",
+                "--task",
+                "tools",
+                "--config",
+                str(DEFAULT_CONFIG),
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 2
+    )
     assert "--task tools but the config's demo.task is 'math'" in capsys.readouterr().err

@@ -55,12 +55,29 @@ if os.environ.get("GRPO_TEST_FULL_DISK"):
 def test_full_disk_during_a_sharded_save(shared_tiny_model, tmp_path):
     (tmp_path / "full_disk.py").write_text(FULL_DISK)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)}
-    args = ["-m", "grpo", "train", "--config", str(REPO / "configs" / "tiny_ci.yaml"),
-            f"model.path={shared_tiny_model}", "train.output_dir=out", "train.max_steps=3",
-            "train.save_every=1", "train.progress=false", "data.eval_samples=0",
-            "train.parallel=fsdp", "plugins=[full_disk]"]  # fmt: skip
-    r = subprocess.run([*TORCHRUN, *args], cwd=tmp_path, capture_output=True, text=True,
-                       timeout=300, env={**env, "GRPO_TEST_FULL_DISK": "1"})  # fmt: skip
+    args = [
+        "-m",
+        "grpo",
+        "train",
+        "--config",
+        str(REPO / "configs" / "tiny_ci.yaml"),
+        f"model.path={shared_tiny_model}",
+        "train.output_dir=out",
+        "train.max_steps=3",
+        "train.save_every=1",
+        "train.progress=false",
+        "data.eval_samples=0",
+        "train.parallel=fsdp",
+        "plugins=[full_disk]",
+    ]
+    r = subprocess.run(
+        [*TORCHRUN, *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "GRPO_TEST_FULL_DISK": "1"},
+    )
     assert r.returncode != 0
     # each rank's line (two processes share the pipe: a line may arrive without its newline
     # before the other's, so the lines are found in the whole text)
@@ -78,8 +95,14 @@ def test_full_disk_during_a_sharded_save(shared_tiny_model, tmp_path):
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_000001"]  # no .tmp-*
     assert (ckpts / "latest").read_text().strip() == "step_000001"
     # with room again, the run resumes from step 1 and finishes
-    r = subprocess.run([*TORCHRUN, *args, "--resume"], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=300, env=env)  # fmt: skip
+    r = subprocess.run(
+        [*TORCHRUN, *args, "--resume"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "out" / "final").is_dir()
     assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_"))[-1] == (

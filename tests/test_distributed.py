@@ -33,9 +33,13 @@ def test_two_ranks_equal_one_process(tiny_checkpoints, tmp_path, rank_pool):
     (tmp_path / "single").mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(tmp_path / "single.err", "w+") as err:  # the reference, beside the two ranks
-        single = subprocess.Popen([sys.executable, worker, ckpt, str(tmp_path / "single")],
-                                  cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                                  stderr=err)  # fmt: skip
+        single = subprocess.Popen(
+            [sys.executable, worker, ckpt, str(tmp_path / "single")],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
         try:  # the session's ranks (tests/rank_pool.py): ddp, then fsdp
             rank_pool.run("ddp_worker:run_modes", ckpt, str(tmp_path), "ddp,fsdp")
             single.wait(timeout=300)
@@ -63,8 +67,9 @@ def test_two_ranks_equal_one_process(tiny_checkpoints, tmp_path, rank_pool):
     for name in cases:
         b = load_file(tmp_path / "single" / name)
         if name.endswith("full.safetensors"):  # the update moved the weights
-            moved = [(b[k] - start[f"model.{k}"]).abs().max().item()
-                     for k in b if f"model.{k}" in start]  # fmt: skip
+            moved = [
+                (b[k] - start[f"model.{k}"]).abs().max().item() for k in b if f"model.{k}" in start
+            ]
             assert moved and max(moved) > 1e-5, name  # ten times the bound below
         for mode in ("ddp", "fsdp"):
             a = load_file(tmp_path / mode / name)
@@ -84,8 +89,10 @@ def test_two_ranks_equal_one_process(tiny_checkpoints, tmp_path, rank_pool):
         for k in want:
             assert abs(got[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k])), (mode, k, got, want)
     for mode in ("ddp", "fsdp"):  # packed by tokens: unequal needs, equal micro-batch counts
-        counts = [json.loads((tmp_path / mode / f"grpo_packed_tokens_counts_{r}.json").read_text())
-                  for r in (0, 1)]  # fmt: skip
+        counts = [
+            json.loads((tmp_path / mode / f"grpo_packed_tokens_counts_{r}.json").read_text())
+            for r in (0, 1)
+        ]
         assert counts[0]["needed"] != counts[1]["needed"], counts
         assert counts[0]["used"] == counts[1]["used"] == max(c["needed"] for c in counts)
         moved = json.loads((tmp_path / mode / "balance_0.json").read_text())  # same on rank 1
@@ -100,24 +107,55 @@ P = pytest.mark.process  # the variants of `grpo train` under torchrun (the defa
 
 @pytest.mark.parametrize(
     "command, precision",
-    [("train", []), pytest.param("sft", [], marks=P),
-     pytest.param("train", ["model.autocast_bf16=true", "train.shared_prefix=on"],
-                  marks=P),  # the tutorial's
-     pytest.param("sft", ["model.dtype=bfloat16"], marks=P),  # bf16 base, float32 adapters
-     pytest.param("train", ["train.parallel=fsdp", "model.autocast_bf16=true",
-                            "model.gradient_checkpointing=true"], marks=P),
-     pytest.param("sft", ["train.parallel=fsdp", "model.dtype=bfloat16",
-                          "train.fsdp_offload=true"], marks=P)],
-    ids=["train", "sft", "train-bf16-autocast", "sft-bf16-weights", "train-fsdp-bf16-autocast",
-         "sft-fsdp-bf16-weights-offload"],
-)  # fmt: skip
+    [
+        ("train", []),
+        pytest.param("sft", [], marks=P),
+        pytest.param(
+            "train", ["model.autocast_bf16=true", "train.shared_prefix=on"], marks=P
+        ),  # the tutorial's
+        pytest.param("sft", ["model.dtype=bfloat16"], marks=P),  # bf16 base, float32 adapters
+        pytest.param(
+            "train",
+            [
+                "train.parallel=fsdp",
+                "model.autocast_bf16=true",
+                "model.gradient_checkpointing=true",
+            ],
+            marks=P,
+        ),
+        pytest.param(
+            "sft",
+            ["train.parallel=fsdp", "model.dtype=bfloat16", "train.fsdp_offload=true"],
+            marks=P,
+        ),
+    ],
+    ids=[
+        "train",
+        "sft",
+        "train-bf16-autocast",
+        "sft-bf16-weights",
+        "train-fsdp-bf16-autocast",
+        "sft-fsdp-bf16-weights-offload",
+    ],
+)
 def test_torchrun_cli_end_to_end(shared_tiny_model, tmp_path, command, precision):
     cfg = str(REPO / "configs" / "tiny_ci.yaml")
     r = run(
-        [*TORCHRUN, "-m", "grpo", command, "--config", cfg, f"model.path={shared_tiny_model}",
-         "train.output_dir=out", "train.progress=false", "train.max_steps=2", *precision],
+        [
+            *TORCHRUN,
+            "-m",
+            "grpo",
+            command,
+            "--config",
+            cfg,
+            f"model.path={shared_tiny_model}",
+            "train.output_dir=out",
+            "train.progress=false",
+            "train.max_steps=2",
+            *precision,
+        ],
         cwd=tmp_path,
-    )  # fmt: skip
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]  # one set of metrics, not one per rank
@@ -180,8 +218,9 @@ def test_cuda_ranks_join_nccl_bound_to_their_local_device(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(td, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("set_device", d))
-    monkeypatch.setattr(td, "init_process_group",
-                        lambda backend, **kw: calls.update(backend=backend, **kw))  # fmt: skip
+    monkeypatch.setattr(
+        td, "init_process_group", lambda backend, **kw: calls.update(backend=backend, **kw)
+    )
     monkeypatch.setattr(td, "new_group", lambda **kw: "gloo side group")
     dist = D.init_distributed("cuda", timeout_s=42)
     assert (dist.rank, dist.world_size, dist.local_rank) == (3, 4, 1)
@@ -245,8 +284,11 @@ def test_fsdp_offload_on_cuda_joins_gloo_beside_nccl(monkeypatch, shared_tiny_mo
         raise Joined
 
     monkeypatch.setattr(loop, "init_distributed", joined)
-    base = [f"model.path={shared_tiny_model}", f"train.output_dir={tmp_path / 'run'}",
-            "train.parallel=fsdp"]  # fmt: skip
+    base = [
+        f"model.path={shared_tiny_model}",
+        f"train.output_dir={tmp_path / 'run'}",
+        "train.parallel=fsdp",
+    ]
     for offload, backend in ((True, "cpu:gloo,cuda:nccl"), (False, "nccl")):
         cfg = load_config(
             REPO / "configs" / "tiny_ci.yaml", [*base, f"train.fsdp_offload={offload}"]
@@ -282,10 +324,15 @@ def launch_ranks(cmd, cwd: Path, deadline_s: float, env=None, world: int = 2):
         out, err = open(cwd / f"rank{rank}.out", "w+"), open(cwd / f"rank{rank}.err", "w+")
         files.append((out, err))
         rank_env = {
-            **os.environ, "OMP_NUM_THREADS": "1", **(env or {}), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "RANK": str(rank),
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            **(env or {}),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(world),
+            "RANK": str(rank),
             "LOCAL_RANK": str(rank),
-        }  # fmt: skip
+        }
         procs.append(subprocess.Popen(cmd, cwd=cwd, env=rank_env, stdout=out, stderr=err))
     end = time.monotonic() + deadline_s
     try:
@@ -370,15 +417,24 @@ def test_on_step_failing_on_rank_0_stops_every_rank_within_seconds(shared_tiny_m
     rank 1 must not sit in the step's next collective for 300 s but stop at once with one line
     naming rank 0, the phase, the step and the cause; rank 0 keeps its own error."""
     (tmp_path / "on_step_job.py").write_text(ON_STEP_SCRIPT)
-    cmd = [sys.executable, "on_step_job.py", str(REPO / "configs" / "tiny_ci.yaml"),
-           f"model.path={shared_tiny_model}", "train.output_dir=out", "train.progress=false",
-           "train.dist_timeout_s=300", "data.eval_samples=0"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "on_step_job.py",
+        str(REPO / "configs" / "tiny_ci.yaml"),
+        f"model.path={shared_tiny_model}",
+        "train.output_dir=out",
+        "train.progress=false",
+        "train.dist_timeout_s=300",
+        "data.eval_samples=0",
+    ]
     (code0, out0, err0), (code1, out1, err1) = launch_ranks(cmd, tmp_path, deadline_s=90)
     last0 = out0.splitlines()[-1] if out0 else ""  # after rank 0's metrics line of step 1
     assert (code0, last0) == (3, "ValueError: on_step refused step 1"), err0[-3000:]
-    assert (code1, out1) == (3, "RankFailed: rank 1: stopped: rank 0 failed (evaluation / "
-                                "logging, step 1): ValueError: on_step refused step 1\n"
-                             ), err1[-3000:]  # fmt: skip
+    assert (code1, out1) == (
+        3,
+        "RankFailed: rank 1: stopped: rank 0 failed (evaluation / "
+        "logging, step 1): ValueError: on_step refused step 1\n",
+    ), err1[-3000:]
 
 
 @pytest.mark.process
@@ -386,10 +442,19 @@ def test_bad_eval_split_on_rank_0_fails_every_rank_with_one_line(shared_tiny_mod
     """Rank 0 alone loads the evaluation rows; a bad eval split fails it at start-up. Through
     the CLI, with train.dist_timeout_s=300, both ranks exit 2 within seconds, each with one
     error line: rank 0 the cause, rank 1 that rank 0 failed and why."""
-    cmd = [sys.executable, "-m", "grpo", "train", "--config",
-           str(REPO / "configs" / "tiny_ci.yaml"), f"model.path={shared_tiny_model}",
-           "train.output_dir=out", "train.progress=false", "train.dist_timeout_s=300",
-           "data.eval_split=nope"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpo",
+        "train",
+        "--config",
+        str(REPO / "configs" / "tiny_ci.yaml"),
+        f"model.path={shared_tiny_model}",
+        "train.output_dir=out",
+        "train.progress=false",
+        "train.dist_timeout_s=300",
+        "data.eval_split=nope",
+    ]
     results = launch_ranks(cmd, tmp_path, deadline_s=60)
     cause = "dataset 'minimath' has splits train and test, not 'nope'"
     errors = [[x for x in err.splitlines() if "error:" in x] for _, _, err in results]
@@ -397,7 +462,7 @@ def test_bad_eval_split_on_rank_0_fails_every_rank_with_one_line(shared_tiny_mod
     assert errors == [
         [f"grpo train: error: rank 0 (start-up): {cause}"],
         [f"grpo train: error: rank 1: stopped: rank 0 failed (start-up): {cause}"],
-    ]  # fmt: skip
+    ]
 
 
 def test_fsdp_settings_that_cannot_work_are_one_line(tmp_path):
@@ -412,8 +477,19 @@ def test_fsdp_settings_that_cannot_work_are_one_line(tmp_path):
         cfg.check_grpo()
     load_config(base=base, overrides=["train.parallel=fsdp", "rollout.compile=auto"]).check_grpo()
     cfg_file = str(REPO / "configs" / "tiny_ci.yaml")
-    r = run([sys.executable, "-m", "grpo", "train", "--config", cfg_file, "train.parallel=fsdp",
-             "rollout.compile=on"], cwd=tmp_path)  # fmt: skip
+    r = run(
+        [
+            sys.executable,
+            "-m",
+            "grpo",
+            "train",
+            "--config",
+            cfg_file,
+            "train.parallel=fsdp",
+            "rollout.compile=on",
+        ],
+        cwd=tmp_path,
+    )
     assert r.returncode == 2 and "rollout.compile: 'on' cannot run" in r.stderr
     assert "Traceback" not in r.stderr
 
@@ -439,8 +515,11 @@ def test_torchrun_with_one_rank_joins_a_process_group(shared_tiny_model, tmp_pat
         assert r.returncode == 0, (name, r.stderr[-3000:])
     metrics = {name: read_metrics(tmp_path / name / "metrics.jsonl") for name in runs}
     parallel = {name: m[0]["run/parallel"] for name, m in metrics.items()}
-    assert parallel == {"plain": "single process", "ddp": "ddp over 1 rank (gloo)",
-                        "fsdp": "fsdp over 1 rank (gloo)"}  # fmt: skip
+    assert parallel == {
+        "plain": "single process",
+        "ddp": "ddp over 1 rank (gloo)",
+        "fsdp": "fsdp over 1 rank (gloo)",
+    }
     weights = {n: load_file(tmp_path / n / "final" / "model.safetensors") for n in runs}
     for k, w in weights["plain"].items():
         assert w.equal(weights["ddp"][k]), k

@@ -41,8 +41,11 @@ def test_calculator_env_turns():
 
 
 def test_env_registry_errors():
-    with pytest.raises(GrpoError, match=r"rollout.env: unknown environment 'nope'; registered: "
-                                        r"calculator, python, single_turn"):  # fmt: skip
+    with pytest.raises(
+        GrpoError,
+        match=r"rollout.env: unknown environment 'nope'; registered: "
+        r"calculator, python, single_turn",
+    ):
         env_factory("nope")
     with pytest.raises(GrpoError, match="rollout.env_kwargs: .*unexpected keyword argument 'x'"):
         env_factory("calculator", {"x": 1})
@@ -57,13 +60,22 @@ def test_env_registry_errors():
 def test_turn_token_rewards_discounted_return():
     # one row, 2 turns: turn 0 = cols 0-1, observation cols 2-3, turn 1 = cols 4-5
     scored = torch.tensor([[True, True, False, False, True, True]])
-    r = Rollout(ids=torch.zeros(1, 7, dtype=torch.long), prompt_lens=torch.tensor([1]),
-                prompt_width=1, completion_ids=torch.zeros(1, 6, dtype=torch.long),
-                completion_mask=torch.ones(1, 6, dtype=torch.bool),
-                completion_lens=torch.tensor([6]), finished=torch.tensor([True]),
-                logprobs=torch.zeros(1, 6), group_size=1, generated_mask=scored,
-                turn_ids=torch.tensor([[0, 0, 0, 0, 1, 1]]), turn_rewards=[[0.1, 0.0]],
-                turn_texts=[[[1], [2]]], infos=[{}])  # fmt: skip
+    r = Rollout(
+        ids=torch.zeros(1, 7, dtype=torch.long),
+        prompt_lens=torch.tensor([1]),
+        prompt_width=1,
+        completion_ids=torch.zeros(1, 6, dtype=torch.long),
+        completion_mask=torch.ones(1, 6, dtype=torch.bool),
+        completion_lens=torch.tensor([6]),
+        finished=torch.tensor([True]),
+        logprobs=torch.zeros(1, 6),
+        group_size=1,
+        generated_mask=scored,
+        turn_ids=torch.tensor([[0, 0, 0, 0, 1, 1]]),
+        turn_rewards=[[0.1, 0.0]],
+        turn_texts=[[[1], [2]]],
+        infos=[{}],
+    )
     # step reward 0.1 at turn 0's last token; final reward 0.6 at the last token, x gamma^1
     tok = turn_token_rewards(torch.tensor([0.6]), r, gamma=0.9)
     assert tok[0].tolist() == pytest.approx([0.0, 0.1, 0.0, 0.0, 0.0, 0.9 * 0.6])
@@ -105,11 +117,23 @@ def grpo_here(monkeypatch, tmp_path, *argv) -> int:
 
 def test_multi_turn_training_end_to_end(shared_tiny_model, tmp_path, monkeypatch, capsys):
     (tmp_path / "echo_env.py").write_text(ECHO_ENV)
-    code = grpo_here(monkeypatch, tmp_path, "train", "--config", str(REPO / "configs/tiny_ci.yaml"),
-                     f"model.path={shared_tiny_model}", "train.output_dir=run",
-                     "train.max_steps=2", "train.progress=false", "data.eval_samples=4",
-                     "rewards=[{name: step}]", "rollout.env=echo_env:Echo", "rollout.max_turns=3",
-                     "rollout.max_new_tokens=8", "rollout.gamma=0.9")  # fmt: skip
+    code = grpo_here(
+        monkeypatch,
+        tmp_path,
+        "train",
+        "--config",
+        str(REPO / "configs/tiny_ci.yaml"),
+        f"model.path={shared_tiny_model}",
+        "train.output_dir=run",
+        "train.max_steps=2",
+        "train.progress=false",
+        "data.eval_samples=4",
+        "rewards=[{name: step}]",
+        "rollout.env=echo_env:Echo",
+        "rollout.max_turns=3",
+        "rollout.max_new_tokens=8",
+        "rollout.gamma=0.9",
+    )
     assert code == 0, capsys.readouterr().err[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     last = rows[-1]
@@ -121,29 +145,65 @@ def test_multi_turn_training_end_to_end(shared_tiny_model, tmp_path, monkeypatch
 
 def test_broken_environment_is_one_line(shared_tiny_model, tmp_path, monkeypatch, capsys):
     (tmp_path / "echo_env.py").write_text(ECHO_ENV)
-    code = grpo_here(monkeypatch, tmp_path, "train", "--config", str(REPO / "configs/tiny_ci.yaml"),
-                     f"model.path={shared_tiny_model}", "train.output_dir=run",
-                     "train.progress=false", "rollout.env=echo_env:Broken")  # fmt: skip
+    code = grpo_here(
+        monkeypatch,
+        tmp_path,
+        "train",
+        "--config",
+        str(REPO / "configs/tiny_ci.yaml"),
+        f"model.path={shared_tiny_model}",
+        "train.output_dir=run",
+        "train.progress=false",
+        "rollout.env=echo_env:Broken",
+    )
     assert code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "grpo train: error: environment 'echo_env:Broken': step() returned str, expected a "
         "grpo.envs.Step"
     )
-    code = cli.main(["train", "--config", str(REPO / "configs/tiny_ci.yaml"),
-                     f"model.path={shared_tiny_model}", "train.output_dir=run2",
-                     "rollout.env=nope"])  # fmt: skip
+    code = cli.main(
+        [
+            "train",
+            "--config",
+            str(REPO / "configs/tiny_ci.yaml"),
+            f"model.path={shared_tiny_model}",
+            "train.output_dir=run2",
+            "rollout.env=nope",
+        ]
+    )
     assert code == 2 and "unknown environment 'nope'" in capsys.readouterr().err
     assert not (tmp_path / "run2").exists()
 
 
 def test_eval_with_calculator_env(shared_tiny_model, tmp_path, monkeypatch, capsys):
-    code = grpo_here(monkeypatch, tmp_path, "eval", "--model", str(shared_tiny_model), "--data",
-                     "minimath:test", "--max-samples", "4", "--max-new-tokens", "8", "--env",
-                     "calculator", "--max-turns", "2", "--out", "res.json")  # fmt: skip
+    code = grpo_here(
+        monkeypatch,
+        tmp_path,
+        "eval",
+        "--model",
+        str(shared_tiny_model),
+        "--data",
+        "minimath:test",
+        "--max-samples",
+        "4",
+        "--max-new-tokens",
+        "8",
+        "--env",
+        "calculator",
+        "--max-turns",
+        "2",
+        "--out",
+        "res.json",
+    )
     assert code == 0, capsys.readouterr().err[-2000:]
     summary = json.loads((tmp_path / "res.json").read_text())["models"]["model"]["summary"]
-    for key in ("accuracy", "turns_mean", "tool_calls_mean", "invalid_call_rate",
-                "turn_limit_frac"):  # fmt: skip
+    for key in (
+        "accuracy",
+        "turns_mean",
+        "tool_calls_mean",
+        "invalid_call_rate",
+        "turn_limit_frac",
+    ):
         assert key in summary
     assert 1.0 <= summary["turns_mean"] <= 2.0
 

@@ -21,9 +21,14 @@ NO_FORMAT = "Step 1: 3 + 5 = 8\nthe answer is 16"  # right number, no Final Answ
 def test_score_correct():
     s = score_completion(CORRECT, "16", n_tokens=20)
     assert s == {
-        "correct": True, "format_ok": True, "steps": 2, "n_tokens": 20, "pred": "16",
-        "abs_error": 0.0, "error_type": None,
-    }  # fmt: skip
+        "correct": True,
+        "format_ok": True,
+        "steps": 2,
+        "n_tokens": 20,
+        "pred": "16",
+        "abs_error": 0.0,
+        "error_type": None,
+    }
 
 
 def test_error_categories():
@@ -81,13 +86,26 @@ def test_evaluate_runs_through_the_sampler(tiny_checkpoints, tiny_tokenizer):
 
     model = load_model(tiny_checkpoints("qwen3", vocab_size=len(tiny_tokenizer)))
     rows = [
-        {"prompt_ids": tiny_tokenizer("What is 2+2?")["input_ids"], "ground_truth": "4",
-         "full_answer": "2+2=4\n#### 4"},
-        {"prompt_ids": tiny_tokenizer("What is 3+3?")["input_ids"], "ground_truth": "6",
-         "full_answer": "#### 6"},
-    ]  # fmt: skip
-    res = evaluate(model, tiny_tokenizer, rows, stop_ids=[tiny_tokenizer.eos_token_id],
-                   max_new_tokens=8, k=3, details=True)  # fmt: skip
+        {
+            "prompt_ids": tiny_tokenizer("What is 2+2?")["input_ids"],
+            "ground_truth": "4",
+            "full_answer": "2+2=4\n#### 4",
+        },
+        {
+            "prompt_ids": tiny_tokenizer("What is 3+3?")["input_ids"],
+            "ground_truth": "6",
+            "full_answer": "#### 6",
+        },
+    ]
+    res = evaluate(
+        model,
+        tiny_tokenizer,
+        rows,
+        stop_ids=[tiny_tokenizer.eos_token_id],
+        max_new_tokens=8,
+        k=3,
+        details=True,
+    )
     s = res.summary
     assert s["n"] == 2 and 0 <= s["accuracy"] <= s["pass@3"] <= 1
     assert 1 <= s["avg_length"] <= 8
@@ -119,9 +137,14 @@ def test_eval_compare_gives_each_model_prompts_from_its_own_tokenizer(
         return real(model, tokenizer, rows, **kw)
 
     monkeypatch.setattr(grpo.eval, "evaluate", spy)
-    payload = run_eval_command(str(shared_tiny_model), "minimath:test", max_samples=3,
-                               max_new_tokens=2, batch_size=4,
-                               compare=[f"other={other}"])  # fmt: skip
+    payload = run_eval_command(
+        str(shared_tiny_model),
+        "minimath:test",
+        max_samples=3,
+        max_new_tokens=2,
+        batch_size=4,
+        compare=[f"other={other}"],
+    )
     assert [m["summary"]["n"] for m in payload["models"].values()] == [3, 3]
     expected = [
         load_rows(DataConfig(), "test", 3, "rl", load_tokenizer(path))
@@ -154,12 +177,14 @@ def test_eval_env_kwargs_default_to_the_rollouts_for_the_same_env():
     grpo = load_config(base={**model, "rollout": {"env": "calculator", "env_kwargs": calc}})
     assert eval_env_settings(grpo)["env_kwargs"] == calc
     # SFT: its rollout.env is single_turn; its evaluation episodes get none unless given
-    sft = load_config(base={**model, "rollout": {"env_kwargs": calc},
-                            "eval": {"env": "calculator"}})  # fmt: skip
+    sft = load_config(
+        base={**model, "rollout": {"env_kwargs": calc}, "eval": {"env": "calculator"}}
+    )
     assert eval_env_settings(sft)["env_kwargs"] == {}
     own = {"use_template_tools": True}
-    for base in ({"rollout": {"env": "calculator", "env_kwargs": calc}},
-                 {"rollout": {"env": "single_turn"}}):  # fmt: skip
-        cfg = load_config(base={**model, **base,
-                                "eval": {"env": "calculator", "env_kwargs": own}})  # fmt: skip
+    for base in (
+        {"rollout": {"env": "calculator", "env_kwargs": calc}},
+        {"rollout": {"env": "single_turn"}},
+    ):
+        cfg = load_config(base={**model, **base, "eval": {"env": "calculator", "env_kwargs": own}})
         assert eval_env_settings(cfg)["env_kwargs"] == own

@@ -29,8 +29,17 @@ def doc_module() -> str:
 def train(model, *overrides) -> int:
     """`grpo train` of tiny_ci in this process (in the `my_pkg` fixture's directory); the exit
     code."""
-    return cli.main(["train", "--config", TINY, f"model.path={model}", "train.progress=false",
-                     "data.eval_samples=0", *overrides])  # fmt: skip
+    return cli.main(
+        [
+            "train",
+            "--config",
+            TINY,
+            f"model.path={model}",
+            "train.progress=false",
+            "data.eval_samples=0",
+            *overrides,
+        ]
+    )
 
 
 @pytest.fixture()
@@ -48,9 +57,14 @@ def my_pkg(tmp_path, monkeypatch):
 
 
 def test_extending_example_runs_end_to_end(my_pkg, shared_tiny_model, capsys):
-    code = train(shared_tiny_model, "train.output_dir=run", "train.max_steps=2",
-                 "loss.advantage=my_pkg.my_mod:my_adv", "loss.policy_loss=my_pkg.my_mod:my_loss",
-                 "loss.policy_loss_kwargs={cap: 1.5}")  # fmt: skip
+    code = train(
+        shared_tiny_model,
+        "train.output_dir=run",
+        "train.max_steps=2",
+        "loss.advantage=my_pkg.my_mod:my_adv",
+        "loss.policy_loss=my_pkg.my_mod:my_loss",
+        "loss.policy_loss_kwargs={cap: 1.5}",
+    )
     assert code == 0, capsys.readouterr().err[-2000:]
     lines = (my_pkg / "run" / "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
@@ -63,9 +77,12 @@ def test_extending_example_runs_end_to_end(my_pkg, shared_tiny_model, capsys):
 
 def test_bad_kwarg_fails_before_anything_is_written(my_pkg, shared_tiny_model, capsys, caplog):
     caplog.set_level(logging.INFO)  # what `python -m grpo` logs to stderr
-    code = train(shared_tiny_model, "train.output_dir=run",
-                 "loss.policy_loss=my_pkg.my_mod:my_loss",
-                 "loss.policy_loss_kwargs={kap: 1.5}")  # fmt: skip
+    code = train(
+        shared_tiny_model,
+        "train.output_dir=run",
+        "loss.policy_loss=my_pkg.my_mod:my_loss",
+        "loss.policy_loss_kwargs={kap: 1.5}",
+    )
     assert code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "grpo train: error: loss.policy_loss_kwargs: 'kap' is not a parameter of policy loss "
@@ -85,10 +102,17 @@ def test_broken_estimator_named_with_step_and_checkpoint_kept(my_pkg, shared_tin
         "    out = grpo(scores, mask, group_size=group_size, eps=eps)\n"
         "    return out if len(calls) <= 2 else out[:, :1]\n"
     )
-    code = train(shared_tiny_model, "train.output_dir=run", "train.max_steps=4",
-                 "train.save_every=2", "loss.advantage=my_pkg.flaky:adv")  # fmt: skip
+    code = train(
+        shared_tiny_model,
+        "train.output_dir=run",
+        "train.max_steps=4",
+        "train.save_every=2",
+        "loss.advantage=my_pkg.flaky:adv",
+    )
     assert code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("grpo train: error: step 3: advantage estimator 'my_pkg.flaky:adv' "
-                           "returned shape (8, 1), expected (B, T_c) = (8, "), last  # fmt: skip
+    assert last.startswith(
+        "grpo train: error: step 3: advantage estimator 'my_pkg.flaky:adv' "
+        "returned shape (8, 1), expected (B, T_c) = (8, "
+    ), last
     assert (my_pkg / "run" / "checkpoints" / "step_000002").is_dir()

@@ -26,18 +26,33 @@ from benchmarks.gpu_check import Check, Results, Step, run_plan
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
 # What such an image lacks (its package list); dill and multiprocess come with datasets.
-NOT_ON_IMAGE = ("datasets", "dill", "multiprocess", "fastapi", "uvicorn", "starlette", "openai",
-                "optuna", "trl", "liger_kernel")  # fmt: skip
+NOT_ON_IMAGE = (
+    "datasets",
+    "dill",
+    "multiprocess",
+    "fastapi",
+    "uvicorn",
+    "starlette",
+    "openai",
+    "optuna",
+    "trl",
+    "liger_kernel",
+)
 
 
 def test_plans_put_the_most_valuable_steps_first():
     """The main plan in the issue's order of value; the second command carries the rest."""
     main = [s.name for s in gpu_check.PLANS["main"]]
-    assert main == ["env", "decode", "known-failing", "grpo-step", "packing", "cuda-rest",
-                    "parity"]  # fmt: skip
+    assert main == ["env", "decode", "known-failing", "grpo-step", "packing", "cuda-rest", "parity"]
     more = {s.name for s in gpu_check.PLANS["more"]}
-    assert {"grpo-ddp", "grpo-fsdp", "tutorial-grpo", "tutorial-async", "precision",
-            "logprobs"} <= more  # fmt: skip
+    assert {
+        "grpo-ddp",
+        "grpo-fsdp",
+        "tutorial-grpo",
+        "tutorial-async",
+        "precision",
+        "logprobs",
+    } <= more
     for plan in gpu_check.PLANS.values():
         names = [s.name for s in plan]
         assert len(names) == len(set(names)) and all(s.gpu_s > 0 and s.dry_s > 0 for s in plan)
@@ -137,8 +152,13 @@ run_plan(check, [Step("fast", 1, 1, fast), Step("hang", 1, 1, hang), Step("never
 
 def _driver(out: Path, budget: float) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-c", _DRIVER, str(out), str(budget)], cwd=REPO,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-c", _DRIVER, str(out), str(budget)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
 
 
 def _wait_for(path: Path, pred, timeout=60.0):
@@ -237,8 +257,11 @@ def test_nothing_comes_from_an_index_and_jobs_stay_on_this_host():
 
 def image_env(hidden) -> dict:
     """This environment as a Python without the `hidden` packages (tests/image_sim)."""
-    return {**os.environ, "GRPO_HIDE_PACKAGES": ",".join(hidden),
-            "PYTHONPATH": str(REPO / "tests" / "image_sim")}  # fmt: skip
+    return {
+        **os.environ,
+        "GRPO_HIDE_PACKAGES": ",".join(hidden),
+        "PYTHONPATH": str(REPO / "tests" / "image_sim"),
+    }
 
 
 def test_training_needs_no_serving_or_search_package(tmp_path):
@@ -249,23 +272,38 @@ def test_training_needs_no_serving_or_search_package(tmp_path):
     probe = "import importlib.util as u; assert u.find_spec('fastapi') is None; import fastapi"
     hidden = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
     assert "No module named 'fastapi'" in hidden.stderr, hidden.stderr  # the simulation holds
-    code = ("import grpo.apps.cli, grpo.train.grpo, grpo.train.sft, grpo.eval, grpo.apps.pipeline"
-            ", grpo.apps.demo, grpo_kernels, benchmarks.bench_step, "
-            "benchmarks.gpu_run")  # fmt: skip
+    code = (
+        "import grpo.apps.cli, grpo.train.grpo, grpo.train.sft, grpo.eval, grpo.apps.pipeline"
+        ", grpo.apps.demo, grpo_kernels, benchmarks.bench_step, "
+        "benchmarks.gpu_run"
+    )
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
-    r = subprocess.run([sys.executable, "-m", "grpo", "tiny-model", "--out", str(tmp_path / "m")],
-                       env=env, capture_output=True, text=True, cwd=REPO, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "grpo", "tiny-model", "--out", str(tmp_path / "m")],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
 
 
 def record(step, **kw):
     base = {
-        "step": step, "perf/step_s": 1.0 + step, "perf/rollout_s": 0.5, "perf/logprob_s": 0.2,
-        "perf/update_s": 0.3, "perf/tokens_per_s": 100.0, "perf/peak_mem_mib": 10.0 * step,
-        "rollout/logprob_diff_max": 1e-6, "rollout/logprob_diff_mean": 1e-7,
-        "rollout/first_pass_ratio_mean": 1.0, "rollout/reward_mean": 0.1 * step,
-    }  # fmt: skip
+        "step": step,
+        "perf/step_s": 1.0 + step,
+        "perf/rollout_s": 0.5,
+        "perf/logprob_s": 0.2,
+        "perf/update_s": 0.3,
+        "perf/tokens_per_s": 100.0,
+        "perf/peak_mem_mib": 10.0 * step,
+        "rollout/logprob_diff_max": 1e-6,
+        "rollout/logprob_diff_mean": 1e-7,
+        "rollout/first_pass_ratio_mean": 1.0,
+        "rollout/reward_mean": 0.1 * step,
+    }
     return {**base, **kw}
 
 
@@ -308,9 +346,14 @@ def test_dry_run_passes_every_step_on_the_image_python(tmp_path):
         assert subprocess.run([sys.executable, "-c", probe, name], env=image).returncode == 0
     for plan in ("main", "more"):
         out = tmp_path / plan
-        run = subprocess.run(["bash", str(SCRIPT), plan], cwd=REPO, capture_output=True,
-                             text=True, timeout=3600, env={**image, "DRY_RUN": "1",
-                             "OUT": str(out), "WHEELS": str(wheels)})  # fmt: skip
+        run = subprocess.run(
+            ["bash", str(SCRIPT), plan],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=3600,
+            env={**image, "DRY_RUN": "1", "OUT": str(out), "WHEELS": str(wheels)},
+        )
         recs = Results.read(out / "results.jsonl")
         status = {r["step"]: r["status"] for r in recs if r.get("status") not in (None, "started")}
         want = {s.name for s in gpu_check.PLANS[plan]}

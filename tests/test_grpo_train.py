@@ -36,18 +36,28 @@ def make_cfg(tmp_path, *overrides):
 
 def rollout_batch(model, G=4, T=12, seed=0):
     prompts = [[5, 17, 33, 9], [101, 7]]
-    r = sample(model, prompts, group_size=G, max_new_tokens=T, temperature=1.0,
-               stop_ids=[3], seed=seed, pad_id=0)  # fmt: skip
+    r = sample(
+        model,
+        prompts,
+        group_size=G,
+        max_new_tokens=T,
+        temperature=1.0,
+        stop_ids=[3],
+        seed=seed,
+        pad_id=0,
+    )
     g = torch.Generator().manual_seed(seed)
     adv = torch.randn(r.ids.shape[0], generator=g)
     # what the update reads, before the config gives its micro-batch plan (`as_update`)
-    return SimpleNamespace(rollout=r, advantages=adv, counted_mask=r.completion_mask.clone(),
-                           ref_logprobs=None)  # fmt: skip
+    return SimpleNamespace(
+        rollout=r, advantages=adv, counted_mask=r.completion_mask.clone(), ref_logprobs=None
+    )
 
 
 def as_update(cfg, batch):
-    return update_batch(cfg, batch.rollout, batch.advantages, batch.counted_mask,
-                        batch.ref_logprobs)  # fmt: skip
+    return update_batch(
+        cfg, batch.rollout, batch.advantages, batch.counted_mask, batch.ref_logprobs
+    )
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -56,8 +66,16 @@ def test_sampler_logprobs_equal_training_recompute(tiny_checkpoints, lora, tempe
     model = load_model(tiny_checkpoints("qwen3"))
     if lora:
         live_lora(model, ["q_proj", "v_proj", "lm_head"], std=0.05, seed=0)
-    r = sample(model, [[5, 17, 33, 9], [101, 7]], group_size=3, max_new_tokens=10,
-               temperature=temperature, stop_ids=[3], seed=1, pad_id=0)  # fmt: skip
+    r = sample(
+        model,
+        [[5, 17, 33, 9], [101, 7]],
+        group_size=3,
+        max_new_tokens=10,
+        temperature=temperature,
+        stop_ids=[3],
+        seed=1,
+        pad_id=0,
+    )
     model.train()  # the training path: train mode (no dropout configured)
     recomputed = completion_logprobs(
         model, r.ids, r.attention_mask(), r.prompt_width, r.completion_mask, temperature
@@ -104,17 +122,27 @@ def test_clipping_path_is_live_with_mu_2(tiny_checkpoints, tmp_path):
     model = load_model(tiny_checkpoints("qwen3"))
     batch = rollout_batch(model)
     stats = run_update(
-        tmp_path, model, batch, "optim.lr=0.05", "loss.num_iterations=2", "loss.beta=0",
+        tmp_path,
+        model,
+        batch,
+        "optim.lr=0.05",
+        "loss.num_iterations=2",
+        "loss.beta=0",
         "optim.max_grad_norm=null",
-    )  # fmt: skip
+    )
     assert stats["train/clip_frac_low"] + stats["train/clip_frac_high"] > 0
     assert stats["train/ratio_max"] > 1.2
 
 
 # ------------------------------------------------- the step's statistics: read once per step
 
-STEP = ["optim.lr=0.05", "loss.num_iterations=2", "loss.beta=0.04", "loss.tis_cap=2.0",
-        "train.shared_prefix=off"]  # fmt: skip
+STEP = [
+    "optim.lr=0.05",
+    "loss.num_iterations=2",
+    "loss.beta=0.04",
+    "loss.tis_cap=2.0",
+    "train.shared_prefix=off",
+]
 
 
 def stat_batch(model):
@@ -156,8 +184,9 @@ def float_accumulation(records, grad_norms, passes):
 
 
 @pytest.mark.parametrize("micro", [8, 2])
-def test_step_stats_equal_the_per_micro_batch_float_reads(tiny_checkpoints, tmp_path,
-                                                          monkeypatch, micro):  # fmt: skip
+def test_step_stats_equal_the_per_micro_batch_float_reads(
+    tiny_checkpoints, tmp_path, monkeypatch, micro
+):
     """The stats summed on the device equal, to 1e-12, the old per-micro-batch float sums of
     the same step (mu = 2 passes, 1 or 4 micro-batches, kl, entropy, clip and TIS stats)."""
     import grpo.train.grpo as trainer
@@ -178,8 +207,7 @@ def test_step_stats_equal_the_per_micro_batch_float_reads(tiny_checkpoints, tmp_
 
     monkeypatch.setattr(trainer, "policy_loss_on_device", loss_spy)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_spy)
-    stats = run_update(tmp_path, model, stat_batch(model), *STEP,
-                       f"train.micro_batch_size={micro}")  # fmt: skip
+    stats = run_update(tmp_path, model, stat_batch(model), *STEP, f"train.micro_batch_size={micro}")
     assert len(records) == 2 * (8 // micro) and len(grad_norms) == 2
     want = float_accumulation(records, grad_norms, passes=2)
     assert {"train/kl", "train/entropy", "train/tis_weight_mean", "train/ratio_max"} <= set(want)
@@ -199,9 +227,15 @@ def test_stat_sums_of_tensors_equal_those_of_floats():
     records = []
     for i in range(5):
         x = torch.rand(3, generator=g).tolist()
-        records.append({"kl": x[0], "ratio_max": x[1] if i != 2 else math.nan,
-                        "ratio_min": x[2] if i else math.nan, "policy_loss": -x[0],
-                        "tokens": float(7 + i)})  # fmt: skip
+        records.append(
+            {
+                "kl": x[0],
+                "ratio_max": x[1] if i != 2 else math.nan,
+                "ratio_min": x[2] if i else math.nan,
+                "policy_loss": -x[0],
+                "tokens": float(7 + i),
+            }
+        )
 
     def as_tensor(k, v):
         dtype = torch.long if k == "tokens" else torch.float32
@@ -246,8 +280,9 @@ def count_host_reads(monkeypatch):
     return counts
 
 
-def test_update_phase_host_reads_do_not_grow_with_micro_batches(tiny_checkpoints, tmp_path,
-                                                                 monkeypatch):  # fmt: skip
+def test_update_phase_host_reads_do_not_grow_with_micro_batches(
+    tiny_checkpoints, tmp_path, monkeypatch
+):
     """A host read per micro-batch stalls the GPU queue: the step reads its stats once per pass
     and once after the loop, so 4 micro-batches read the host as often as 1."""
     import grpo.train.grpo as trainer
@@ -285,8 +320,9 @@ def test_update_phase_names_the_loss_and_the_batch_row(tiny_checkpoints, tmp_pat
     batch = rollout_batch(model)
     assert batch.counted_mask[5].any()
     batch.advantages[5] = 123.0
-    cfg = make_cfg(tmp_path, "loss.policy_loss=test_inf_at_sentinel", "loss.beta=0",
-                   "train.micro_batch_size=2")  # fmt: skip
+    cfg = make_cfg(
+        tmp_path, "loss.policy_loss=test_inf_at_sentinel", "loss.beta=0", "train.micro_batch_size=2"
+    )
     policy = Policy(model, None, [3], None, tmp_path, lora=False)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(params, cfg.optim)
@@ -299,14 +335,31 @@ def test_update_phase_names_the_loss_and_the_batch_row(tiny_checkpoints, tmp_pat
 
 
 DESIGN_METRICS = [
-    "rollout/reward_mean", "rollout/reward_std", "rollout/frac_zero_std_groups",
-    "rollout/completion_len_mean", "rollout/completion_len_min", "rollout/completion_len_max",
-    "rollout/truncated_frac", "rewards/accuracy", "rewards/format", "train/loss",
-    "train/policy_loss", "train/kl", "train/clip_frac_low", "train/clip_frac_high",
-    "train/ratio_max", "train/entropy", "train/grad_norm", "train/lr", "perf/step_s",
-    "perf/rollout_s", "perf/logprob_s", "perf/update_s", "perf/tokens_per_s",
+    "rollout/reward_mean",
+    "rollout/reward_std",
+    "rollout/frac_zero_std_groups",
+    "rollout/completion_len_mean",
+    "rollout/completion_len_min",
+    "rollout/completion_len_max",
+    "rollout/truncated_frac",
+    "rewards/accuracy",
+    "rewards/format",
+    "train/loss",
+    "train/policy_loss",
+    "train/kl",
+    "train/clip_frac_low",
+    "train/clip_frac_high",
+    "train/ratio_max",
+    "train/entropy",
+    "train/grad_norm",
+    "train/lr",
+    "perf/step_s",
+    "perf/rollout_s",
+    "perf/logprob_s",
+    "perf/update_s",
+    "perf/tokens_per_s",
     "perf/peak_mem_mib",
-]  # fmt: skip
+]
 
 
 def grpo_cli(*args, cwd):
@@ -322,8 +375,9 @@ def test_tiny_ci_end_to_end_and_resume(tmp_path):
     r = grpo_cli("train", "--config", cfg, "train.progress=false", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     # the command logs to stderr, a line per event (the in-process tests read caplog)
-    assert re.search(r"^\d\d:\d\d:\d\d INFO grpo\.run\.loop: run: advantage grpo \|", r.stderr,
-                     re.M), r.stderr[-2000:]  # fmt: skip
+    assert re.search(
+        r"^\d\d:\d\d:\d\d INFO grpo\.run\.loop: run: advantage grpo \|", r.stderr, re.M
+    ), r.stderr[-2000:]
     run = tmp_path / "runs" / "tiny-ci"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
@@ -333,8 +387,15 @@ def test_tiny_ci_end_to_end_and_resume(tmp_path):
     assert (run / "config.yaml").is_file() and (run / "final" / "adapter_config.json").is_file()
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_000003"
     # Resume with a longer schedule: continues at step 4, does not restart.
-    r = grpo_cli("train", "--config", cfg, "train.max_steps=4", "train.progress=false",
-                 "--resume", cwd=tmp_path)  # fmt: skip
+    r = grpo_cli(
+        "train",
+        "--config",
+        cfg,
+        "train.max_steps=4",
+        "train.progress=false",
+        "--resume",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
@@ -344,8 +405,9 @@ def test_resume_without_checkpoint_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert cli.main(["tiny-model", "--out", "m"]) == 0
     cfg = str(REPO / "configs" / "tiny_ci.yaml")
-    code = cli.main(["train", "--config", cfg, "model.path=m", "train.output_dir=empty",
-                     "--resume"])  # fmt: skip
+    code = cli.main(
+        ["train", "--config", cfg, "model.path=m", "train.output_dir=empty", "--resume"]
+    )
     err = capsys.readouterr().err
     assert code == 2
     assert "no checkpoint" in err and "Traceback" not in err
@@ -368,13 +430,23 @@ def test_kl_monitoring_without_beta_leaves_the_update_alone(shared_tiny_model, t
     register_reward("test_reply_length", reply_length, overwrite=True)
 
     def run(name: str, kl_every: int):
-        cfg = load_config(REPO / "configs" / "tiny_ci.yaml", [
-            f"model.path={shared_tiny_model}", f"train.output_dir={tmp_path / name}",
-            f"lora.enabled={str(lora).lower()}", "loss.beta=0", f"log.kl_every={kl_every}",
-            "train.max_steps=4", "train.save_every=0", "train.log_every=1",
-            "data.eval_samples=0", "train.progress=false", "loss.num_iterations=1",
-            "rewards=[{name: test_reply_length}]",  # random-init replies are never right
-        ])  # fmt: skip
+        cfg = load_config(
+            REPO / "configs" / "tiny_ci.yaml",
+            [
+                f"model.path={shared_tiny_model}",
+                f"train.output_dir={tmp_path / name}",
+                f"lora.enabled={str(lora).lower()}",
+                "loss.beta=0",
+                f"log.kl_every={kl_every}",
+                "train.max_steps=4",
+                "train.save_every=0",
+                "train.log_every=1",
+                "data.eval_samples=0",
+                "train.progress=false",
+                "loss.num_iterations=1",
+                "rewards=[{name: test_reply_length}]",  # random-init replies are never right
+            ],
+        )
         final = Path(train_grpo(cfg)["final"])
         weights = load_file(final / ("adapter_model.safetensors" if lora else "model.safetensors"))
         return read_metrics(tmp_path / name / "metrics.jsonl"), weights

@@ -131,16 +131,23 @@ def test_rows_without_a_program(answer, status):
 
 
 def test_a_solution_without_a_final_answer_is_refused_naming_its_row():
-    rows = [{"question": "Q?", "answer": "<<1+1=2>>2\n#### 2"},
-            {"question": "Q?", "answer": "two lines\nand no final answer"}]  # fmt: skip
+    rows = [
+        {"question": "Q?", "answer": "<<1+1=2>>2\n#### 2"},
+        {"question": "Q?", "answer": "two lines\nand no final answer"},
+    ]
     with pytest.raises(GrpoError, match=r"row 1: .*####"):
         trace_rows(rows)
 
 
 def test_vendored_test_split_statuses(rows):
     traced, counts = trace_rows(rows, tool_frac=1.0)
-    assert dict(counts) == {"ok": 1208, "no_annotation": 18, "answer_not_computed": 93,
-                            "form:tool": 1208, "form:mental": 111}  # fmt: skip
+    assert dict(counts) == {
+        "ok": 1208,
+        "no_annotation": 18,
+        "answer_not_computed": 93,
+        "form:tool": 1208,
+        "form:mental": 111,
+    }
     for row in traced:
         if row["form"] == "tool":  # every program prints the reference answer
             assert compare_answers(row["messages"][2]["content"], extract_answer(row["answer"]))
@@ -259,15 +266,19 @@ def test_tool_use_summary_reads_transcripts():
     call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(x)"}}\n</tool_call>'
     after = "<|im_end|>\n<|im_start|>assistant\n"
     samples = [
-        {"transcript": f"{call}<|im_end|>\n<|im_start|>tool\n72.0{after}Final Answer: 72.0",
-         "correct": True},
-        {"transcript": f"{call}<|im_end|>\n<|im_start|>tool\n"
-                       f"error: NameError: name 'x' is not defined{after}Final Answer: 1",
-         "correct": False},
+        {
+            "transcript": f"{call}<|im_end|>\n<|im_start|>tool\n72.0{after}Final Answer: 72.0",
+            "correct": True,
+        },
+        {
+            "transcript": f"{call}<|im_end|>\n<|im_start|>tool\n"
+            f"error: NameError: name 'x' is not defined{after}Final Answer: 1",
+            "correct": False,
+        },
         {"transcript": "Step 1: 2 + 1 = 3\nFinal Answer: 3<|im_end|>", "correct": True},
         {"transcript": "Final Answer: 4<|im_end|>", "correct": False},
         {"transcript": "Final Answer: 5<|im_end|>", "correct": False},
-    ]  # fmt: skip
+    ]
     assert tool_use_summary(samples) == {
         "problems": 5,
         "tool_use_rate": 0.4,
@@ -284,8 +295,21 @@ def test_gsm8k_tools_demo_quick_writes_every_output(tmp_path, capsys):
     from grpo.apps.cli import main
 
     out = tmp_path / "gsm8k-tools"
-    assert main(["demo", "--task", "gsm8k-tools", "--out", str(out), "--quick",
-                 f"base.data.source={GSM8K}", "base.data.split=test[16:]"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "demo",
+                "--task",
+                "gsm8k-tools",
+                "--out",
+                str(out),
+                "--quick",
+                f"base.data.source={GSM8K}",
+                "base.data.split=test[16:]",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "without the tool" in printed and "tool use" in printed
     results = json.loads((out / "results.json").read_text())

@@ -28,9 +28,15 @@ from tests.test_reliability import nan_at_update
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CI = str(REPO / "configs" / "tiny_ci.yaml")
-FAST = ["train.progress=false", "data.eval_samples=0", "rollout.compile=off",
-        "data.max_samples=16", "loss.num_iterations=1", "train.save_every=0",
-        "rollout.max_new_tokens=4"]  # fmt: skip
+FAST = [
+    "train.progress=false",
+    "data.eval_samples=0",
+    "rollout.compile=off",
+    "data.max_samples=16",
+    "loss.num_iterations=1",
+    "train.save_every=0",
+    "rollout.max_new_tokens=4",
+]
 # rewards the random model gets no spread from: every completion scores the same
 GUARD_REWARDS = '''
 from grpo.rewards.bounds import bounded
@@ -60,8 +66,15 @@ def guard_rewards(tmp_path, monkeypatch):
 
 
 def train_args(model: str, *overrides: str) -> list[str]:
-    return ["train", "--config", TINY_CI, *FAST, f"model.path={model}", "train.output_dir=run",
-            *overrides]  # fmt: skip
+    return [
+        "train",
+        "--config",
+        TINY_CI,
+        *FAST,
+        f"model.path={model}",
+        "train.output_dir=run",
+        *overrides,
+    ]
 
 
 def one_line(capsys) -> tuple[str, str]:
@@ -141,9 +154,14 @@ def test_a_value_outside_the_declared_bounds_is_an_error_naming_the_function_and
 def solved_step(hi: float) -> dict:
     """Every group equal at `hi`: no gradient, no weight change, a flat reward, every
     completion truncated (a reward that needs no ending, like the quickstart's)."""
-    return {"rollout/truncated_frac": 1.0, "rollout/frac_zero_std_groups": 1.0,
-            "rollout/reward_mean": hi, "train/grad_norm": 0.0, "train/weight_change": 0.0,
-            "train/lr": 1e-3}  # fmt: skip
+    return {
+        "rollout/truncated_frac": 1.0,
+        "rollout/frac_zero_std_groups": 1.0,
+        "rollout/reward_mean": hi,
+        "train/grad_norm": 0.0,
+        "train/weight_change": 0.0,
+        "train/lr": 1e-3,
+    }
 
 
 def cfg_with(*overrides):
@@ -157,15 +175,18 @@ def test_every_group_at_the_highest_reward_is_solved_not_stalled(caplog):
     stall as before, every rule firing."""
     h = LearningHealth(cfg_with(), reward_hi=1.1)
     with caplog.at_level("INFO", logger="grpo.train.health"):
-        events = [(e.rule, e.step, e.fired)
-                  for s in (1, 2) for e in h.observe(s, solved_step(1.1))]  # fmt: skip
+        events = [(e.rule, e.step, e.fired) for s in (1, 2) for e in h.observe(s, solved_step(1.1))]
     assert events == [("solved", 2, True)] and h.summary() == {} and not h.finished
     assert h.converged_summary() == {
-        "first_step": 1, "fired_step": 2, "last_step": 2, "times": 1, "stopped": False,
+        "first_step": 1,
+        "fired_step": 2,
+        "last_step": 2,
+        "times": 1,
+        "stopped": False,
         "message": "every completion in every group got the rewards' maximum (1.1) for 2 steps "
-                   "(steps 1-2): the task is learned; harder prompts (data) would give the policy "
-                   "more to learn",
-    }  # fmt: skip
+        "(steps 1-2): the task is learned; harder prompts (data) would give the policy "
+        "more to learn",
+    }
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("INFO", f"learning health: solved at step 2: {h.converged.message}")
     ]
@@ -178,9 +199,12 @@ def test_every_group_at_the_highest_reward_is_solved_not_stalled(caplog):
     for hi, mean in ((None, 1.1), (1.1, 1.0)):  # unknown bounds; equal rewards below the top
         stalled = LearningHealth(cfg_with("train.stop_on_stall=true"), reward_hi=hi)
         stalled.observe(1, solved_step(mean))
-        with pytest.raises(StallError, match=r"^learning stalled at step 2: completions truncat"
-                           r".*\(also fired: zero_variance, zero_gradient, frozen_weights, "
-                           r"flat_reward\); stopped by train.stop_on_stall$"):  # fmt: skip
+        with pytest.raises(
+            StallError,
+            match=r"^learning stalled at step 2: completions truncat"
+            r".*\(also fired: zero_variance, zero_gradient, frozen_weights, "
+            r"flat_reward\); stopped by train.stop_on_stall$",
+        ):
             stalled.observe(2, solved_step(mean))
         assert not stalled.finished and stalled.converged is None
 
@@ -188,42 +212,56 @@ def test_every_group_at_the_highest_reward_is_solved_not_stalled(caplog):
 # ----------------------------------------------------------------------- grpo train, end to end
 
 
-def test_a_solved_task_ends_with_final_weights_and_exit_0(shared_tiny_model, guard_rewards,
-                                                          capsys):  # fmt: skip
+def test_a_solved_task_ends_with_final_weights_and_exit_0(shared_tiny_model, guard_rewards, capsys):
     """train.stop_on_stall with a reward at its declared maximum for every completion: the run
     ends at the step `solved` fires (2 of 5) as at its last step: checkpoint, final/, exit 0,
     one stdout line "converged at step 2: ..."."""
-    code = cli.main(train_args(shared_tiny_model, "rewards=[{name: 'guard_rewards:full'}]",
-                               "train.max_steps=5", "train.stall_steps=2",
-                               "train.stop_on_stall=true"))  # fmt: skip
+    code = cli.main(
+        train_args(
+            shared_tiny_model,
+            "rewards=[{name: 'guard_rewards:full'}]",
+            "train.max_steps=5",
+            "train.stall_steps=2",
+            "train.stop_on_stall=true",
+        )
+    )
     out, err = one_line(capsys)
     assert code == 0 and err == "", err
     assert final_lines(out) == [
         "converged at step 2: every completion in every group got the rewards' maximum (1) for 2 "
         "steps (steps 1-2): the task is learned; harder prompts (data) would give the policy "
         "more to learn; stopped by train.stop_on_stall; weights in run/final"
-    ]  # fmt: skip
+    ]
     run = guard_rewards / "run"
     assert (run / "final").is_dir() and latest_checkpoint(run).name == "step_000002"
     assert steps_logged(run) == [1, 2]
 
 
-def test_a_stall_with_unknown_bounds_saves_first_and_resumes(shared_tiny_model, guard_rewards,
-                                                             capsys, caplog):  # fmt: skip
+def test_a_stall_with_unknown_bounds_saves_first_and_resumes(
+    shared_tiny_model, guard_rewards, capsys, caplog
+):
     """The same run with a reward that declares no bounds: a stall as before (exit 2, one
     line), but the step's checkpoint is saved first and the line names the resume command,
     which (with the setting changed) continues from that step to the end."""
-    code = cli.main(train_args(shared_tiny_model, "rewards=[{name: 'guard_rewards:flat'}]",
-                               "train.max_steps=4", "train.stall_steps=2",
-                               "train.stop_on_stall=true"))  # fmt: skip
+    code = cli.main(
+        train_args(
+            shared_tiny_model,
+            "rewards=[{name: 'guard_rewards:flat'}]",
+            "train.max_steps=4",
+            "train.stall_steps=2",
+            "train.stop_on_stall=true",
+        )
+    )
     _, err = one_line(capsys)
     # the flat reward stalls the run (which rule the line leads with depends on the draws:
     # truncation fires too when no completion of the tiny model stops within 4 tokens)
     assert code == 2 and err.startswith("grpo train: error: learning stalled at step 2: "), err
     assert "no reward variance: " in err or "zero_variance" in err, err
-    tail = ("stopped by train.stop_on_stall; checkpoint saved in run/checkpoints/step_000002; "
-            "resume with: grpo train --config run/config.yaml --resume (append the settings to "
-            "change, e.g. train.stop_on_stall=false)")  # fmt: skip
+    tail = (
+        "stopped by train.stop_on_stall; checkpoint saved in run/checkpoints/step_000002; "
+        "resume with: grpo train --config run/config.yaml --resume (append the settings to "
+        "change, e.g. train.stop_on_stall=false)"
+    )
     assert err.endswith(tail), err
     run = guard_rewards / "run"
     assert latest_checkpoint(run).name == "step_000002" and not (run / "final").exists()
@@ -234,8 +272,10 @@ def test_a_stall_with_unknown_bounds_saves_first_and_resumes(shared_tiny_model, 
         code = cli.main([*resume[1:], "train.stop_on_stall=false"])
     out, err = one_line(capsys)
     assert code == 0 and final_lines(out)[0] == "done: 4 steps; weights in run/final", (out, err)
-    assert any("resumed from run/checkpoints/step_000002 (step 2)" in r.getMessage()
-               for r in caplog.records)  # fmt: skip
+    assert any(
+        "resumed from run/checkpoints/step_000002 (step 2)" in r.getMessage()
+        for r in caplog.records
+    )
     assert steps_logged(run) == [1, 2, 3, 4]
 
 
@@ -278,14 +318,17 @@ def test_nonfinite_weights_are_never_saved_and_the_good_checkpoint_is_named(
     """An update that leaves a weight NaN (step 2): nothing is saved; the line names the last
     good checkpoint (step 1) and the resume command, or says none was written yet."""
     monkeypatch.setattr("grpo.run.loop.build_optimizer", nan_at_update(2))
-    code = cli.main(train_args(shared_tiny_model, "train.max_steps=3",
-                               f"train.save_every={save_every}"))  # fmt: skip
+    code = cli.main(
+        train_args(shared_tiny_model, "train.max_steps=3", f"train.save_every={save_every}")
+    )
     _, err = one_line(capsys)
     assert code == 2 and err.startswith(
         "grpo train: error: step 2: the weights are not finite after the update (loss "
-    ), err  # fmt: skip
-    assert "; lower optim.lr (and keep optim.max_grad_norm set); nothing saved (the weights " \
-           "after the update of step 2 are not finite); " in err, err  # fmt: skip
+    ), err
+    assert (
+        "; lower optim.lr (and keep optim.max_grad_norm set); nothing saved (the weights "
+        "after the update of step 2 are not finite); " in err
+    ), err
     run = guard_rewards / "run"
     if save_every:
         assert err.endswith(
@@ -294,8 +337,10 @@ def test_nonfinite_weights_are_never_saved_and_the_good_checkpoint_is_named(
         )
         assert latest_checkpoint(run).name == "step_000001"
     else:
-        assert err.endswith("no checkpoint was written before it (train.save_every=0: at the "
-                            "end only); start again with --overwrite"), err  # fmt: skip
+        assert err.endswith(
+            "no checkpoint was written before it (train.save_every=0: at the "
+            "end only); start again with --overwrite"
+        ), err
         assert latest_checkpoint(run) is None
     assert not (run / "final").exists()
 
@@ -319,31 +364,48 @@ def test_done_is_printed_by_rank_0_only(monkeypatch, capsys):
         "done: 9 steps; weights in run/final",
         "converged at step 5: every completion ... (train.stop_on_stall: true ends such a run "
         "there)",
-    ]  # fmt: skip
+    ]
     cli.print_done({**summary, "converged": converged}, rank=2)
     assert capsys.readouterr().out == ""
 
 
 @pytest.mark.process
-def test_a_solved_task_stops_every_torchrun_rank_at_the_same_step(shared_tiny_model,
-                                                                   guard_rewards):  # fmt: skip
+def test_a_solved_task_stops_every_torchrun_rank_at_the_same_step(shared_tiny_model, guard_rewards):
     """Two DDP ranks read the same reduced metrics: both end at step 2 with exit 0, after the
     checkpoint and final/; rank 0 alone prints the one stdout line."""
     r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "grpo", *train_args(shared_tiny_model, "rewards=[{name: 'guard_rewards:full'}]",
-                                   "train.max_steps=5", "train.stall_steps=2",
-                                   "train.stop_on_stall=true")],
-        cwd=guard_rewards, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1",
-             "PYTHONPATH": os.pathsep.join([str(guard_rewards), str(REPO)])},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "grpo",
+            *train_args(
+                shared_tiny_model,
+                "rewards=[{name: 'guard_rewards:full'}]",
+                "train.max_steps=5",
+                "train.stall_steps=2",
+                "train.stop_on_stall=true",
+            ),
+        ],
+        cwd=guard_rewards,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(guard_rewards), str(REPO)]),
+        },
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert final_lines(r.stdout) == [
         "converged at step 2: every completion in every group got the rewards' maximum (1) for 2 "
         "steps (steps 1-2): the task is learned; harder prompts (data) would give the policy "
         "more to learn; stopped by train.stop_on_stall; weights in run/final"
-    ], r.stdout  # fmt: skip
+    ], r.stdout
     run = guard_rewards / "run"
     assert (run / "final").is_dir() and latest_checkpoint(run).name == "step_000002"
     assert steps_logged(run) == [1, 2]
@@ -358,10 +420,18 @@ def test_the_converged_quickstart_ends_with_exit_0(shared_tiny_model, tmp_path, 
 
     assert bounds_of(digit_share) == (0.0, 1.0)
     out = tmp_path / "run"
-    code = cli.main(["train", "--config", str(REPO / "configs" / "quickstart.yaml"),
-                     f"model.path={shared_tiny_model}", f"train.output_dir={out}",
-                     "train.max_steps=60", "train.stop_on_stall=true",
-                     "train.progress=false"])  # fmt: skip
+    code = cli.main(
+        [
+            "train",
+            "--config",
+            str(REPO / "configs" / "quickstart.yaml"),
+            f"model.path={shared_tiny_model}",
+            f"train.output_dir={out}",
+            "train.max_steps=60",
+            "train.stop_on_stall=true",
+            "train.progress=false",
+        ]
+    )
     printed = capsys.readouterr().out.strip().splitlines()
     assert code == 0
     assert printed[-1].startswith("converged at step ") and printed[-1].endswith(f"{out}/final")

@@ -97,9 +97,20 @@ def test_env_stamp_is_json_serializable():
 
 def test_bench_logprobs_smoke(tmp_path):
     bench_logprobs.main(
-        ["--quick", "--shapes", "64x32x300", "--impls", "naive,chunked,liger,triton",
-         "--repeats", "1", "--out-dir", str(tmp_path), "--name", "smoke"]
-    )  # fmt: skip
+        [
+            "--quick",
+            "--shapes",
+            "64x32x300",
+            "--impls",
+            "naive,chunked,liger,triton",
+            "--repeats",
+            "1",
+            "--out-dir",
+            str(tmp_path),
+            "--name",
+            "smoke",
+        ]
+    )
     rows = json.loads((tmp_path / "smoke.json").read_text())["rows"]
     assert len(rows) == 3 * 4 + 2  # modes x impls, and bwd (derived) of naive and chunked
     chunked = [r for r in rows if r["impl"] == "chunked" and r["mode"] != "bwd"]
@@ -129,8 +140,9 @@ def test_benchmark_arguments_name_the_bad_item(capsys):
     assert "--cases: unknown 'x'; valid: ['a', 'b']" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not isolation().complete,
-                    reason=f"the sandbox is not available here: {isolation().error}")  # fmt: skip
+@pytest.mark.skipif(
+    not isolation().complete, reason=f"the sandbox is not available here: {isolation().error}"
+)
 def test_bench_python_env_smoke(tmp_path):
     """The sandbox-cost benchmark runs both modes on one code and writes its table."""
     from benchmarks import bench_python_env

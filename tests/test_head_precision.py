@@ -71,10 +71,20 @@ def test_invalid_head_precision_fails_in_one_line_naming_the_field():
     assert msg.startswith("model.head_precision:") and "\n" not in msg
     assert "'float32', 'tf32', 'bf16'" in msg and "'fp16'" in msg
     r = subprocess.run(
-        [sys.executable, "-m", "grpo", "config", "--config", "configs/tiny_ci.yaml",
-         "model.head_precision=fp16"],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "grpo",
+            "config",
+            "--config",
+            "configs/tiny_ci.yaml",
+            "model.head_precision=fp16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert r.returncode != 0 and "Traceback" not in r.stderr
     lines = [ln for ln in r.stderr.splitlines() if "model.head_precision" in ln]
     assert len(lines) == 1 and "fp16" in lines[0], r.stderr
@@ -173,19 +183,19 @@ def test_each_head_against_float64(mode, lora):
         lp = torch.log_softmax(z / t, -1).gather(1, ids[:, None])[:, 0]
         return [lp, *torch.autograd.grad(lp, leaves, grad.double())]
 
-    gold = formula(lambda a: a.double(), [a.detach().double().requires_grad_(True)
-                                          for a in leaves])  # fmt: skip
+    gold = formula(lambda a: a.double(), [a.detach().double().requires_grad_(True) for a in leaves])
     if mode != "bf16":
         for got, exp in zip(ours, gold):
             torch.testing.assert_close(got.double(), exp, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(sampler, gold[0], rtol=1e-5, atol=1e-5)
         return
-    ref = formula(lambda a: a.bfloat16(), [a.detach().clone().requires_grad_(True)
-                                           for a in leaves])  # fmt: skip
-    for name, got, r, exp in zip(("logprobs", "d_hidden", "d_lora_a", "d_lora_b"), ours, ref,
-                                 gold):  # fmt: skip
-        assert rel_err(got, exp) <= 1.5 * rel_err(r, exp) + 1e-6, (name, rel_err(got, exp),
-                                                                  rel_err(r, exp))  # fmt: skip
+    ref = formula(lambda a: a.bfloat16(), [a.detach().clone().requires_grad_(True) for a in leaves])
+    for name, got, r, exp in zip(("logprobs", "d_hidden", "d_lora_a", "d_lora_b"), ours, ref, gold):
+        assert rel_err(got, exp) <= 1.5 * rel_err(r, exp) + 1e-6, (
+            name,
+            rel_err(got, exp),
+            rel_err(r, exp),
+        )
     assert rel_err(sampler, gold[0]) <= 1.5 * rel_err(ref[0], gold[0]) + 1e-6
     assert rel_err(trainer, gold[0]) > 1e-4  # bf16 did run (float32: ~1e-7)
     assert (sampler - trainer.double()).abs().max() <= BF16_GAP[False][0]
@@ -221,8 +231,9 @@ def test_bf16_head_never_copies_a_bf16_weight_to_float32(tiny_checkpoints, monke
     r = Sampler(model, precision=prec, pack=False).sample(
         PROMPTS, group_size=2, max_new_tokens=6, temperature=1.0, stop_ids=[3], seed=0, pad_id=0
     )
-    CompletionLogprobs(model, prec)(r.ids, r.attention_mask(), r.prompt_width,
-                                    r.completion_mask, 1.0)  # fmt: skip
+    CompletionLogprobs(model, prec)(
+        r.ids, r.attention_mask(), r.prompt_width, r.completion_mask, 1.0
+    )
     assert {s[0] for s in seen} == {"sampler", "trainer"}
     for who, h_dtype, w_dtype, ptr in seen:
         assert (h_dtype, w_dtype, ptr) == (torch.bfloat16, torch.bfloat16, weight.data_ptr()), who
@@ -242,14 +253,15 @@ def test_sampler_and_trainer_agree_for_each_head(tiny_checkpoints, mode, autocas
     live_lora(model, SECTIONS, std=0.05)
     prec = Precision(torch.float32, torch.bfloat16 if autocast else torch.float32, mode)
     prec.prepare(model)
-    r = Sampler(model, precision=prec).sample(PROMPTS, group_size=4, max_new_tokens=16,
-                                              temperature=1.0, stop_ids=[3], seed=0,
-                                              pad_id=0)  # fmt: skip
+    r = Sampler(model, precision=prec).sample(
+        PROMPTS, group_size=4, max_new_tokens=16, temperature=1.0, stop_ids=[3], seed=0, pad_id=0
+    )
     mask = r.completion_mask
     with torch.no_grad():
         for G in (None, 4):  # full rows, shared prefix
-            lp = CompletionLogprobs(model, prec)(r.ids, r.attention_mask(), r.prompt_width, mask,
-                                                 1.0, group_size=G)  # fmt: skip
+            lp = CompletionLogprobs(model, prec)(
+                r.ids, r.attention_mask(), r.prompt_width, mask, 1.0, group_size=G
+            )
             d = (lp - r.logprobs)[mask].abs()
             if mode == "bf16" or autocast:
                 max_gap, mean_gap = BF16_GAP[autocast]
@@ -257,8 +269,9 @@ def test_sampler_and_trainer_agree_for_each_head(tiny_checkpoints, mode, autocas
             else:
                 assert d.max() <= FP32_GAP, (G, d.max())
         fp32_head = Precision(prec.param_dtype, prec.compute_dtype)
-        lp32 = CompletionLogprobs(model, fp32_head)(r.ids, r.attention_mask(), r.prompt_width,
-                                                    mask, 1.0, group_size=4)  # fmt: skip
+        lp32 = CompletionLogprobs(model, fp32_head)(
+            r.ids, r.attention_mask(), r.prompt_width, mask, 1.0, group_size=4
+        )
     moved = (lp - lp32)[mask].abs().max()
     assert moved > 0 if mode == "bf16" else moved == 0, moved
 
@@ -269,14 +282,15 @@ def test_compiled_decode_with_a_bf16_head(tiny_checkpoints):
     live_lora(model, SECTIONS, std=0.05)
     prec = Precision(torch.float32, torch.bfloat16, "bf16")
     prec.prepare(model)
-    sampler = Sampler(model, precision=prec, compile=True,
-                      compile_options={"backend": "aot_eager"})  # fmt: skip
-    r = sampler.sample(PROMPTS, group_size=2, max_new_tokens=10, temperature=1.0, stop_ids=[3],
-                       seed=0, pad_id=0)  # fmt: skip
+    sampler = Sampler(model, precision=prec, compile=True, compile_options={"backend": "aot_eager"})
+    r = sampler.sample(
+        PROMPTS, group_size=2, max_new_tokens=10, temperature=1.0, stop_ids=[3], seed=0, pad_id=0
+    )
     assert sampler._compiled_shapes  # the compiled step ran
     with torch.no_grad():
-        lp = CompletionLogprobs(model, prec)(r.ids, r.attention_mask(), r.prompt_width,
-                                             r.completion_mask, 1.0)  # fmt: skip
+        lp = CompletionLogprobs(model, prec)(
+            r.ids, r.attention_mask(), r.prompt_width, r.completion_mask, 1.0
+        )
     d = (lp - r.logprobs)[r.completion_mask].abs()
     assert d.max() <= BF16_GAP[True][0] and d.mean() <= BF16_GAP[True][1], (d.max(), d.mean())
 
@@ -290,8 +304,9 @@ class _HeadOnly(torch.nn.Module):
         self.lm_head = torch.nn.Linear(c, v, bias=False)
 
 
-@pytest.mark.skipif(cpu_packing_missing(torch.float32) is not None,
-                    reason=str(cpu_packing_missing(torch.float32)))  # fmt: skip
+@pytest.mark.skipif(
+    cpu_packing_missing(torch.float32) is not None, reason=str(cpu_packing_missing(torch.float32))
+)
 @pytest.mark.parametrize("mode", HEADS)
 def test_packed_cpu_head_follows_the_head_precision(mode, monkeypatch):
     """A packed head (V x C >= MIN_NUMEL) packs in the head's operand dtype and gives the
@@ -310,8 +325,10 @@ def test_packed_cpu_head_follows_the_head_precision(mode, monkeypatch):
         tol = 2**-7 * want.abs().max() if mode == "bf16" else 1e-5  # one bf16 ulp
         assert (got - want).abs().max() <= tol
     if mode == "bf16":  # a CPU without bf16 packing: unpacked head, float32 packing unchanged
-        monkeypatch.setattr("grpo.rollout.packing.cpu_packing_missing",
-                            lambda dt: None if dt == torch.float32 else "no bf16")  # fmt: skip
+        monkeypatch.setattr(
+            "grpo.rollout.packing.cpu_packing_missing",
+            lambda dt: None if dt == torch.float32 else "no bf16",
+        )
         packed = PackedLinears(model, prec)
         with packed.installed():
             assert packed.head(hidden) is None and packed._head is None
@@ -352,8 +369,14 @@ def test_triton_takes_tf32_through_forward_and_backward_interpreted():
     `test_triton_tf32_rounds_its_operands_interpreted`); the tensor cores on CUDA below."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, "-c", _INTERPRETED_TF32], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED_TF32],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
 
 
@@ -422,18 +445,44 @@ def test_triton_tf32_rounds_its_operands_interpreted():
     than 10x the float32 tolerance."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, "-c", _INTERPRETED_TF32_ROUNDING], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED_TF32_ROUNDING],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
 
 
 def test_round_to_tf32_is_round_to_nearest():
     """`round_to_tf32` (the kernels' rounding, in torch): nearest TF32 value, ties away from
     zero, checked against float64 arithmetic on hand-picked and random values."""
-    x = torch.tensor([1.0, 1 + 2**-11, 1 + 2**-12, 1 + 3 * 2**-12, -(1 + 2**-11), 2**-130,
-                      float("inf"), -float("inf"), 3.4028235e38])  # fmt: skip
-    want = [1.0, 1 + 2**-10, 1.0, 1 + 2**-10, -(1 + 2**-10), 2**-130, float("inf"),
-            -float("inf"), float("inf")]  # fmt: skip
+    x = torch.tensor(
+        [
+            1.0,
+            1 + 2**-11,
+            1 + 2**-12,
+            1 + 3 * 2**-12,
+            -(1 + 2**-11),
+            2**-130,
+            float("inf"),
+            -float("inf"),
+            3.4028235e38,
+        ]
+    )
+    want = [
+        1.0,
+        1 + 2**-10,
+        1.0,
+        1 + 2**-10,
+        -(1 + 2**-10),
+        2**-130,
+        float("inf"),
+        -float("inf"),
+        float("inf"),
+    ]
     assert grpo_kernels.round_to_tf32(x).tolist() == want
     assert grpo_kernels.round_to_tf32(torch.tensor([float("nan")])).isnan().all()
     r = torch.randn(10000, generator=torch.Generator().manual_seed(0)) * 1e3
@@ -477,15 +526,17 @@ def test_cuda_head_precision_against_float64(mode, lora):
             lp = torch.log_softmax(z / t, -1).gather(1, ids[:, None])[:, 0]
             return [lp, *torch.autograd.grad(lp, leaves, grad.double())]
 
-    gold = formula([a.detach().double().requires_grad_(True) for a in leaves], torch.float64,
-                   False)  # fmt: skip
+    gold = formula([a.detach().double().requires_grad_(True) for a in leaves], torch.float64, False)
     dtype = torch.bfloat16 if mode == "bf16" else torch.float32
     ref = formula([a.detach().clone().requires_grad_(True) for a in leaves], dtype, True)
     # log-probs: 1.5x torch's error; gradients: 2x, the Triton rule of tests/test_kernels.py
     # (G is stored in the input dtype between the kernel and the GEMMs)
     for i, (got, r, exp) in enumerate(zip(ours, ref, gold)):
         factor = 1.5 if i == 0 else 2.0
-        assert rel_err(got, exp) <= factor * rel_err(r, exp) + 1e-6, (i, rel_err(got, exp),
-                                                                     rel_err(r, exp))  # fmt: skip
+        assert rel_err(got, exp) <= factor * rel_err(r, exp) + 1e-6, (
+            i,
+            rel_err(got, exp),
+            rel_err(r, exp),
+        )
     assert (sampler - trainer.double()).abs().max() <= BF16_GAP[False][0]
     assert (trainer - exact).abs().max() > 0  # TF32 / bf16 ran, not IEEE float32

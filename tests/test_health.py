@@ -23,8 +23,14 @@ from grpo.train.health import RULES, LearningHealth, StallError, WeightChange, d
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CI = str(REPO / "configs" / "tiny_ci.yaml")
-FAST = ["train.progress=false", "data.eval_samples=0", "rollout.compile=off",
-        "data.max_samples=16", "loss.num_iterations=1", "train.save_every=0"]  # fmt: skip
+FAST = [
+    "train.progress=false",
+    "data.eval_samples=0",
+    "rollout.compile=off",
+    "data.max_samples=16",
+    "loss.num_iterations=1",
+    "train.save_every=0",
+]
 # Every completion cut: greedy, the random model's argmax never ends one (at temperature 1 it
 # ends one in 8 now and then, and 7 of 8 is under the 90% the rule asks for)
 TRUNCATING = ["rollout.max_new_tokens=4", "rollout.temperature=0"]
@@ -50,13 +56,16 @@ def healthy(step: int) -> dict:
 # each rule's symptom at step s, applied to a healthy step (the others stay healthy): for
 # truncation, 95% cut, 90% of groups equal, and a reward sliding to new lows
 SYMPTOMS = {
-    "truncated": lambda s: {"rollout/truncated_frac": 0.95, "rollout/frac_zero_std_groups": 0.9,
-                            "rollout/reward_mean": -0.01 * s},
+    "truncated": lambda s: {
+        "rollout/truncated_frac": 0.95,
+        "rollout/frac_zero_std_groups": 0.9,
+        "rollout/reward_mean": -0.01 * s,
+    },
     "zero_variance": lambda s: {"rollout/frac_zero_std_groups": 1.0},
     "zero_gradient": lambda s: {"train/grad_norm": 0.0},
     "frozen_weights": lambda s: {"train/weight_change": 0.0},
     "flat_reward": lambda s: {"rollout/reward_mean": 0.3},
-}  # fmt: skip
+}
 
 
 def feed(health: LearningHealth, steps: list[dict], start: int = 1) -> list:
@@ -77,9 +86,14 @@ def test_each_rule_fires_on_the_nth_step_of_its_symptom_and_clears(rule):
     events = feed(h, steps)
     assert events == [(rule, 5, True), (rule, 7, False)], events
     assert h.summary() == {
-        rule: {"first_step": 3, "fired_step": 5, "last_step": 6, "times": 1,
-               "message": h.stalls[rule].message}
-    }  # fmt: skip
+        rule: {
+            "first_step": 3,
+            "fired_step": 5,
+            "last_step": 6,
+            "times": 1,
+            "message": h.stalls[rule].message,
+        }
+    }
     assert describe(h.summary()).startswith(f"learning stalled: {rule} (steps 3-6); ")
 
 
@@ -104,10 +118,21 @@ def test_truncated_at_a_saturated_reward_is_not_blamed_on_the_budget():
     """Every completion truncated and every group equal, but at the run's highest reward (the
     quickstart's steps 25-30: the task is learned): no-variance fires, truncation does not.
     With loss.mask_truncated_completions truncation alone is the stall."""
-    rising = [{"rollout/reward_mean": r, "rollout/truncated_frac": 1.0,
-               "rollout/frac_zero_std_groups": 0.0} for r in (0.0, 0.5)]  # fmt: skip
-    saturated = [{"rollout/reward_mean": 1.0, "rollout/truncated_frac": 1.0,
-                  "rollout/frac_zero_std_groups": 1.0}] * 2  # fmt: skip
+    rising = [
+        {
+            "rollout/reward_mean": r,
+            "rollout/truncated_frac": 1.0,
+            "rollout/frac_zero_std_groups": 0.0,
+        }
+        for r in (0.0, 0.5)
+    ]
+    saturated = [
+        {
+            "rollout/reward_mean": 1.0,
+            "rollout/truncated_frac": 1.0,
+            "rollout/frac_zero_std_groups": 1.0,
+        }
+    ] * 2
     fired = feed(LearningHealth(cfg_with("train.stall_steps=2")), rising + saturated)
     assert {r for r, _, _ in fired} == {"zero_variance", "flat_reward"}, fired
     masked = LearningHealth(cfg_with("train.stall_steps=2", "loss.mask_truncated_completions=true"))
@@ -129,9 +154,12 @@ def test_truncated_at_a_saturated_reward_is_not_blamed_on_the_budget():
     ],
 )
 def test_thresholds(key, values, holds):
-    rule = {"train/grad_norm": "zero_gradient", "train/weight_change": "frozen_weights",
-            "rollout/reward_mean": "flat_reward",
-            "rollout/frac_zero_std_groups": "zero_variance"}[key]  # fmt: skip
+    rule = {
+        "train/grad_norm": "zero_gradient",
+        "train/weight_change": "frozen_weights",
+        "rollout/reward_mean": "flat_reward",
+        "rollout/frac_zero_std_groups": "zero_variance",
+    }[key]
     h = LearningHealth(cfg_with("train.stall_steps=2"))
     fired = feed(h, [healthy(1) | {key: v} for v in values])
     assert (rule in h.stalls) is holds, fired
@@ -147,17 +175,25 @@ def test_flat_reward_needs_two_steps():
 def test_a_healthy_run_never_fires():
     """A quickstart-like run (every completion at the budget, rising reward) and tiny noise."""
     h = LearningHealth(cfg_with("train.stall_steps=2"))
-    steps = [healthy(s) | {"rollout/truncated_frac": 1.0, "rollout/frac_zero_std_groups": 0.0}
-             for s in range(1, 40)]  # fmt: skip
+    steps = [
+        healthy(s) | {"rollout/truncated_frac": 1.0, "rollout/frac_zero_std_groups": 0.0}
+        for s in range(1, 40)
+    ]
     assert feed(h, steps) == [] and h.summary() == {}
 
 
 def test_messages_name_the_numbers_and_the_setting():
-    h = LearningHealth(cfg_with("train.stall_steps=2", "rollout.max_new_tokens=16",
-                                "optim.lr=1e-30"))  # fmt: skip
-    truncated = {"rollout/truncated_frac": 1.0, "rollout/frac_zero_std_groups": 1.0,
-                 "rollout/reward_mean": 0.0, "train/grad_norm": 0.5,
-                 "train/weight_change": 0.0, "train/lr": 1e-30}  # fmt: skip
+    h = LearningHealth(
+        cfg_with("train.stall_steps=2", "rollout.max_new_tokens=16", "optim.lr=1e-30")
+    )
+    truncated = {
+        "rollout/truncated_frac": 1.0,
+        "rollout/frac_zero_std_groups": 1.0,
+        "rollout/reward_mean": 0.0,
+        "train/grad_norm": 0.5,
+        "train/weight_change": 0.0,
+        "train/lr": 1e-30,
+    }
     feed(h, [truncated, truncated])
     msg = {name: s.message for name, s in h.stalls.items()}
     assert msg["truncated"] == (
@@ -237,31 +273,51 @@ def test_truncated_run_warns_in_the_log_and_the_summary(
     cause), and the summary line after `done:`."""
     monkeypatch.chdir(tmp_path)
     with caplog.at_level(logging.WARNING, logger="grpo.train.health"):
-        code = cli.main(["train", "--config", TINY_CI, *FAST, *TRUNCATING,
-                         f"model.path={shared_tiny_model}", "train.output_dir=run",
-                         "train.max_steps=3", "train.stall_steps=2"])  # fmt: skip
+        code = cli.main(
+            [
+                "train",
+                "--config",
+                TINY_CI,
+                *FAST,
+                *TRUNCATING,
+                f"model.path={shared_tiny_model}",
+                "train.output_dir=run",
+                "train.max_steps=3",
+                "train.stall_steps=2",
+            ]
+        )
     out, err = capsys.readouterr()
     assert code == 0, err[-3000:]
-    warned = [r.getMessage() for r in caplog.records
-              if r.name == "grpo.train.health" and r.levelname == "WARNING"]  # fmt: skip
+    warned = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "grpo.train.health" and r.levelname == "WARNING"
+    ]
     assert all(len(w.splitlines()) == 1 for w in warned), warned
     assert [w.split(": ", 2)[1] for w in warned] == [
-        "completions truncated", "no reward variance", "zero gradient", "weights unchanged",
+        "completions truncated",
+        "no reward variance",
+        "zero gradient",
+        "weights unchanged",
         "reward flat",
-    ], warned  # fmt: skip
+    ], warned
     assert warned[0] == (
         "learning stalled at step 2: completions truncated: 100% of completions hit "
         "rollout.max_new_tokens=4 for 2 steps (steps 1-2; reward mean 0.000, 100% of groups "
         "with equal rewards: no learning signal); raise rollout.max_new_tokens or ask for "
         "shorter answers (data.system_prompt)"
     )
-    assert warned[3].startswith("learning stalled at step 2: weights unchanged: the trainable "
-                                "weights moved by at most 0 (relative")  # fmt: skip
+    assert warned[3].startswith(
+        "learning stalled at step 2: weights unchanged: the trainable "
+        "weights moved by at most 0 (relative"
+    )
     done = out.splitlines()[-2:]
     assert done[0].startswith("done: 3 steps; weights in ")
-    assert done[1].startswith("learning stalled: truncated (steps 1-3), zero_variance (steps "
-                              "1-3), zero_gradient (steps 1-3), frozen_weights (steps 1-3), "
-                              "flat_reward (steps 1-3); ")  # fmt: skip
+    assert done[1].startswith(
+        "learning stalled: truncated (steps 1-3), zero_variance (steps "
+        "1-3), zero_gradient (steps 1-3), frozen_weights (steps 1-3), "
+        "flat_reward (steps 1-3); "
+    )
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [row["train/weight_change"] for row in rows] == [0.0, 0.0, 0.0]
 
@@ -271,27 +327,45 @@ def test_stop_on_stall_exits_2_with_one_line(shared_tiny_model, tmp_path, monkey
     the rule, the setting, the checkpoint it saved of step 2 first and the resume command; the
     checkpoint of step 1 stays, no final/."""
     monkeypatch.chdir(tmp_path)
-    code = cli.main(["train", "--config", TINY_CI, *FAST, f"model.path={shared_tiny_model}",
-                     "train.output_dir=run", "train.max_steps=4", "train.save_every=1",
-                     *TRUNCATING, "train.stall_steps=2", "train.stop_on_stall=true"])  # fmt: skip
+    code = cli.main(
+        [
+            "train",
+            "--config",
+            TINY_CI,
+            *FAST,
+            f"model.path={shared_tiny_model}",
+            "train.output_dir=run",
+            "train.max_steps=4",
+            "train.save_every=1",
+            *TRUNCATING,
+            "train.stall_steps=2",
+            "train.stop_on_stall=true",
+        ]
+    )
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert err.startswith("grpo train: error: learning stalled at step 2: completions truncated: "
-                          "100% of completions hit rollout.max_new_tokens=4 ")  # fmt: skip
-    assert err.endswith("(also fired: zero_variance, zero_gradient, frozen_weights, flat_reward); "
-                        "stopped by train.stop_on_stall; checkpoint saved in "
-                        "run/checkpoints/step_000002; resume with: grpo train --config "
-                        "run/config.yaml --resume (append the settings to change, e.g. "
-                        "train.stop_on_stall=false)")  # fmt: skip
+    assert err.startswith(
+        "grpo train: error: learning stalled at step 2: completions truncated: "
+        "100% of completions hit rollout.max_new_tokens=4 "
+    )
+    assert err.endswith(
+        "(also fired: zero_variance, zero_gradient, frozen_weights, flat_reward); "
+        "stopped by train.stop_on_stall; checkpoint saved in "
+        "run/checkpoints/step_000002; resume with: grpo train --config "
+        "run/config.yaml --resume (append the settings to change, e.g. "
+        "train.stop_on_stall=false)"
+    )
     run = tmp_path / "run"
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_000002"
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == [
-        "step_000001", "step_000002",
-    ]  # fmt: skip
+        "step_000001",
+        "step_000002",
+    ]
     assert not (run / "final").exists()
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [
-        1, 2,
-    ]  # fmt: skip
+        1,
+        2,
+    ]
 
 
 def test_too_small_lr_is_caught_as_frozen_weights(shared_tiny_model, tmp_path, caplog):
@@ -300,11 +374,20 @@ def test_too_small_lr_is_caught_as_frozen_weights(shared_tiny_model, tmp_path, c
     frozen-weights rule fires, and says to raise optim.lr."""
     from grpo.train.grpo import train_grpo
 
-    cfg = load_config(TINY_CI, [*FAST, f"model.path={shared_tiny_model}",
-                                f"train.output_dir={tmp_path / 'run'}", "train.max_steps=3",
-                                "lora.enabled=false", "loss.beta=0", "optim.lr=1e-30",
-                                "rewards=[{name: 'grpo.tiny:digit_share'}]",
-                                "train.stall_steps=2"])  # fmt: skip
+    cfg = load_config(
+        TINY_CI,
+        [
+            *FAST,
+            f"model.path={shared_tiny_model}",
+            f"train.output_dir={tmp_path / 'run'}",
+            "train.max_steps=3",
+            "lora.enabled=false",
+            "loss.beta=0",
+            "optim.lr=1e-30",
+            "rewards=[{name: 'grpo.tiny:digit_share'}]",
+            "train.stall_steps=2",
+        ],
+    )
     with caplog.at_level(logging.WARNING, logger="grpo.train.health"):
         summary = train_grpo(cfg)
     assert list(summary["health"]) == ["frozen_weights"], summary["health"]
@@ -322,20 +405,41 @@ def test_stop_on_stall_stops_every_torchrun_rank_at_the_same_step(shared_tiny_mo
     reports each), after the checkpoint of step 2 (collective); rank 0 alone logs the warnings
     and prints the one line, naming the torchrun resume command."""
     r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "grpo", "train", "--config", TINY_CI, *FAST, *TRUNCATING,
-         f"model.path={shared_tiny_model}", "train.output_dir=run", "train.max_steps=4",
-         "train.save_every=1", "train.stall_steps=2", "train.stop_on_stall=true"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "grpo",
+            "train",
+            "--config",
+            TINY_CI,
+            *FAST,
+            *TRUNCATING,
+            f"model.path={shared_tiny_model}",
+            "train.output_dir=run",
+            "train.max_steps=4",
+            "train.save_every=1",
+            "train.stall_steps=2",
+            "train.stop_on_stall=true",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    )
     assert r.returncode != 0
     ours = [x for x in r.stderr.splitlines() if x.startswith("grpo train:")]
     assert len(ours) == 1 and ours[0].startswith(
         "grpo train: error: learning stalled at step 2: completions truncated: "
-    ), r.stderr[-3000:]  # fmt: skip
+    ), r.stderr[-3000:]
     assert r.stderr.count("exitcode  : 2") == 2, r.stderr[-3000:]  # both ranks, the same exit
     assert sum(" WARNING grpo.train.health: " in x for x in r.stderr.splitlines()) == 5
-    assert ("resume with: torchrun --standalone --nproc_per_node=2 -m grpo train --config "
-            "run/config.yaml --resume") in ours[0]  # fmt: skip
+    assert (
+        "resume with: torchrun --standalone --nproc_per_node=2 -m grpo train --config "
+        "run/config.yaml --resume"
+    ) in ours[0]
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_000002"

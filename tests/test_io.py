@@ -65,8 +65,14 @@ def test_corrupt_and_truncated_weights_name_the_file(model_copy, tmp_path, capsy
     with pytest.raises(GrpoError, match="no safetensors weights in"):
         load_model(model_copy)
     weights.write_bytes(good[:-100])  # through the CLI: one line, exit 2, before any output
-    argv = ["train", "--config", TINY_CI, f"model.path={model_copy}",
-            f"train.output_dir={tmp_path}/run", "train.progress=false"]  # fmt: skip
+    argv = [
+        "train",
+        "--config",
+        TINY_CI,
+        f"model.path={model_copy}",
+        f"train.output_dir={tmp_path}/run",
+        "train.progress=false",
+    ]
     err = cli_error(argv, capsys)
     assert str(weights) in err and "expected a safetensors file" in err
     assert not (tmp_path / "run").exists()
@@ -215,9 +221,18 @@ def test_non_utf8_data_is_one_line_naming_file_and_line(tmp_path, shared_tiny_mo
     with pytest.raises(FileError) as e:
         load_gsm8k("train", source=str(data))
     assert one_line(e) == expected
-    err = cli_error(["train", "--config", TINY_CI, f"model.path={shared_tiny_model}",
-                     f"data.dataset={data}", f"train.output_dir={tmp_path}/run",
-                     "train.progress=false"], capsys)  # fmt: skip
+    err = cli_error(
+        [
+            "train",
+            "--config",
+            TINY_CI,
+            f"model.path={shared_tiny_model}",
+            f"data.dataset={data}",
+            f"train.output_dir={tmp_path}/run",
+            "train.progress=false",
+        ],
+        capsys,
+    )
     assert err == f"grpo train: error: {expected}"
     csv_file = tmp_path / "latin1.csv"
     csv_file.write_bytes("question,answer\ncafé?,#### 1\n".encode("latin-1"))
@@ -257,8 +272,13 @@ def test_metrics_config_tokenizer_and_sweep_files(tmp_path, model_copy):
     record.parent.mkdir(parents=True)
     record.write_text('{"trial": 0, "params": ')  # cut short
     with pytest.raises(FileError) as e:
-        run_sweep(TINY_CI, {"optim.lr": [1e-3]}, out_dir=tmp_path / "sweep",
-                  overrides=["model.path=m"], resume=True)  # fmt: skip
+        run_sweep(
+            TINY_CI,
+            {"optim.lr": [1e-3]},
+            out_dir=tmp_path / "sweep",
+            overrides=["model.path=m"],
+            resume=True,
+        )
     assert one_line(e) == (
         f"{record}: invalid JSON at line 1, column 24 (Expecting value); "
         "expected a sweep trial record (trial.json)"
@@ -269,8 +289,9 @@ def test_metrics_config_tokenizer_and_sweep_files(tmp_path, model_copy):
         read_text(record.parent)
 
 
-def test_eval_out_directory_fails_before_the_evaluation(shared_tiny_model, tmp_path, monkeypatch,
-                                                       capsys):  # fmt: skip
+def test_eval_out_directory_fails_before_the_evaluation(
+    shared_tiny_model, tmp_path, monkeypatch, capsys
+):
     import grpo.eval
     import grpo.models
 
@@ -374,8 +395,12 @@ def mount_tmpfs(path: Path) -> bool:
     """Mount a 1 MiB tmpfs at `path`; False where that is not permitted (or no `mount`)."""
     path.mkdir()
     try:
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)],
-                           capture_output=True, text=True, timeout=30)  # fmt: skip
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return r.returncode == 0
@@ -397,9 +422,20 @@ def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(mode, model_cop
     try:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         r = subprocess.run(
-            [sys.executable, "-c", FULL_DISK_SCRIPT, mode, str(disk), str(model_copy),
-             str(adapter)], capture_output=True, text=True, timeout=240, env=env,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-c",
+                FULL_DISK_SCRIPT,
+                mode,
+                str(disk),
+                str(model_copy),
+                str(adapter),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=env,
+        )
     finally:
         if mounted:
             subprocess.run(["umount", str(disk)], check=True)
@@ -415,8 +451,15 @@ def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(mode, model_cop
     assert out["metrics"].startswith(f"could not write {disk / 'logs' / 'metrics.jsonl'}: ")
     assert out["save_pretrained"].startswith(f"could not write {disk / 'export'}/")
     assert out["merge"].startswith(f"could not write {disk}/.merged.merge-tmp-")
-    for name in ("checkpoint", "torch_save", "safetensors", "write_json", "metrics",
-                 "save_pretrained", "merge"):  # fmt: skip
+    for name in (
+        "checkpoint",
+        "torch_save",
+        "safetensors",
+        "write_json",
+        "metrics",
+        "save_pretrained",
+        "merge",
+    ):
         assert why in out[name] and "\n" not in out[name], (name, out[name])
     # nothing saved before was lost, nothing half-written was left
     assert out["entries"] == ["latest", "step_000001"] and out["latest"] == "step_000001"

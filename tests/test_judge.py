@@ -38,9 +38,13 @@ def judge(base_url: str, **kwargs):
 
 
 def chat_reply(text: str) -> dict:
-    return {"object": "chat.completion", "model": NAME, "choices": [
-        {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
-    ]}  # fmt: skip
+    return {
+        "object": "chat.completion",
+        "model": NAME,
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+        ],
+    }
 
 
 class FakeJudge:
@@ -58,8 +62,9 @@ class FakeJudge:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with fake.lock:
-                    fake.requests.append({"path": self.path, "body": body,
-                                          "auth": self.headers.get("Authorization")})  # fmt: skip
+                    fake.requests.append(
+                        {"path": self.path, "body": body, "auth": self.headers.get("Authorization")}
+                    )
                     n = len(fake.requests)
                     fake.in_flight += 1
                     fake.max_in_flight = max(fake.max_in_flight, fake.in_flight)
@@ -87,8 +92,7 @@ class FakeJudge:
                 pass  # a client that gave up (timeout tests) closed the socket: expected
 
         self.server = Server(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,),
-                                       daemon=True)  # fmt: skip
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
         self.thread.start()
         self.url = f"http://127.0.0.1:{self.server.server_port}/v1"
 
@@ -157,13 +161,29 @@ def judge_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(judge_model, serve_cli):
     """`grpo serve` of the judge model; requests arriving within 200 ms share a batch."""
-    with serve_cli("--model", str(judge_model), "--port", "0", "--served-model-name", NAME,
-                   "--batch-window-ms", "200", "--max-tokens-limit", "16") as running:  # fmt: skip
+    with serve_cli(
+        "--model",
+        str(judge_model),
+        "--port",
+        "0",
+        "--served-model-name",
+        NAME,
+        "--batch-window-ms",
+        "200",
+        "--max-tokens-limit",
+        "16",
+    ) as running:
         yield running
 
 
-COMPLETIONS = ["Step 1: 3 + 5 = 8\nFinal Answer: 8", "I think it is 12.", "no idea",
-               "Final Answer: 6", "7", "Tom has 8 apples, so 8 - 2 = 6"]  # fmt: skip
+COMPLETIONS = [
+    "Step 1: 3 + 5 = 8\nFinal Answer: 8",
+    "I think it is 12.",
+    "no idea",
+    "Final Answer: 6",
+    "7",
+    "Tom has 8 apples, so 8 - 2 = 6",
+]
 QUESTIONS = ["Tom has 3 apples and buys 5 more. How many?"] * 3 + ["What is 2 * 3?"] * 3
 TRUTHS = ["8"] * 3 + ["6"] * 3
 
@@ -174,23 +194,34 @@ def direct_replies(served, max_tokens: int) -> list[str]:
     out = []
     for c, q, t in zip(COMPLETIONS, QUESTIONS, TRUTHS):
         content = DEFAULT_TEMPLATE.format(question=q, reference=t, completion=c)
-        status, data = post_json(served.url, "/v1/chat/completions", {
-            "model": NAME, "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens, "temperature": 0})  # fmt: skip
+        status, data = post_json(
+            served.url,
+            "/v1/chat/completions",
+            {
+                "model": NAME,
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+            },
+        )
         assert status == 200, data
         out.append(data["choices"][0]["message"]["content"])
     return out
 
 
 def test_scores_are_the_parsed_replies_of_grpo_serve(served, tmp_path, monkeypatch):
-    write_package(tmp_path, {"parse.py": "def length(text):\n    return float(len(text))\n"},
-                  name="judge_parsers")  # fmt: skip
+    write_package(
+        tmp_path,
+        {"parse.py": "def length(text):\n    return float(len(text))\n"},
+        name="judge_parsers",
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     replies = direct_replies(served, max_tokens=12)
     assert len({len(r) for r in replies}) > 1, replies  # the rows can be told apart
 
-    by_length = judge(served.url + "/v1", parser="judge_parsers.parse:length", max_tokens=12,
-                      concurrency=4)  # fmt: skip
+    by_length = judge(
+        served.url + "/v1", parser="judge_parsers.parse:length", max_tokens=12, concurrency=4
+    )
     values, metrics = by_length(COMPLETIONS, question=QUESTIONS, ground_truth=TRUTHS)
     assert values == [float(len(r)) for r in replies]
     assert metrics["failures"] == 0 and metrics["retries"] == 0 and metrics["latency_s"] > 0
@@ -198,7 +229,8 @@ def test_scores_are_the_parsed_replies_of_grpo_serve(served, tmp_path, monkeypat
     # parser number, on_failure 0.5: the last number of each reply where it has one
     numbers = [score_parser("number")(r) for r in replies]
     values, metrics = judge(served.url + "/v1", max_tokens=12, on_failure=0.5)(
-        COMPLETIONS, question=QUESTIONS, ground_truth=TRUTHS)  # fmt: skip
+        COMPLETIONS, question=QUESTIONS, ground_truth=TRUTHS
+    )
     assert values == [0.5 if x is None else x for x in numbers]
     assert metrics["failures"] == sum(x is None for x in numbers)
 
@@ -237,51 +269,63 @@ def test_an_unknown_model_is_one_request_and_names_the_status(served):
 # -- parsing and scale, by hand ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("reply, score", [
-    ("Score: 7", 7.0),
-    ("Score: 7/10", 7.0),  # a denominator is not the score
-    ("**8**", 8.0),
-    ("I give it 8.5 out of 10", 10.0),  # the last number: `pattern` reads such replies
-    ("Score: -1", -1.0),
-    ("gpt4 rates it 6.", 6.0),  # a number glued to a word is not one
-    ("1-10 scale, answer 3", 3.0),
-    ("no score here", None),
-    ("", None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "reply, score",
+    [
+        ("Score: 7", 7.0),
+        ("Score: 7/10", 7.0),  # a denominator is not the score
+        ("**8**", 8.0),
+        ("I give it 8.5 out of 10", 10.0),  # the last number: `pattern` reads such replies
+        ("Score: -1", -1.0),
+        ("gpt4 rates it 6.", 6.0),  # a number glued to a word is not one
+        ("1-10 scale, answer 3", 3.0),
+        ("no score here", None),
+        ("", None),
+    ],
+)
 def test_number_parser(reply, score):
     assert score_parser("number")(reply) == score
 
 
-@pytest.mark.parametrize("pattern, reply, score", [
-    (r"(\d+(?:\.\d+)?) out of", "I give it 8.5 out of 10", 8.5),
-    (r"Score:\s*(\d+)", "Score: 3\nOn reflection, Score: 9", 9.0),  # the last match
-    (r"Score:\s*(\d+)", "score 3", None),  # case matters
-    (r"\d+", "a 12 b 3", 3.0),  # no group: the whole match
-    (r"verdict: (\w+)", "verdict: good", None),  # group 1 is not a number
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "pattern, reply, score",
+    [
+        (r"(\d+(?:\.\d+)?) out of", "I give it 8.5 out of 10", 8.5),
+        (r"Score:\s*(\d+)", "Score: 3\nOn reflection, Score: 9", 9.0),  # the last match
+        (r"Score:\s*(\d+)", "score 3", None),  # case matters
+        (r"\d+", "a 12 b 3", 3.0),  # no group: the whole match
+        (r"verdict: (\w+)", "verdict: good", None),  # group 1 is not a number
+    ],
+)
 def test_number_parser_with_a_pattern(pattern, reply, score):
     assert score_parser("number", pattern)(reply) == score
 
 
-@pytest.mark.parametrize("reply, score", [
-    ("Yes, the answer is right.", 1.0),
-    ("NO.", 0.0),
-    ("The answer is not correct, so: no", 0.0),  # 'not' is not the word 'no'
-    ("yes and no", 1.0),  # the first one decides
-    ("Yesterday I knew", None),
-    ("", None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "reply, score",
+    [
+        ("Yes, the answer is right.", 1.0),
+        ("NO.", 0.0),
+        ("The answer is not correct, so: no", 0.0),  # 'not' is not the word 'no'
+        ("yes and no", 1.0),  # the first one decides
+        ("Yesterday I knew", None),
+        ("", None),
+    ],
+)
 def test_yes_no_parser(reply, score):
     assert score_parser("yes_no")(reply) == score
 
 
-@pytest.mark.parametrize("scale, reply, value", [
-    ([0, 10], "Score: 7", 0.7),
-    ([0, 10], "Score: 0", 0.0),
-    ([0, 10], "Score: 10/10", 1.0),
-    ([1, 5], "4", 0.75),  # (4 - 1) / (5 - 1)
-    ([-1, 1], "0", 0.5),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "scale, reply, value",
+    [
+        ([0, 10], "Score: 7", 0.7),
+        ([0, 10], "Score: 0", 0.0),
+        ([0, 10], "Score: 10/10", 1.0),
+        ([1, 5], "4", 0.75),  # (4 - 1) / (5 - 1)
+        ([-1, 1], "0", 0.5),
+    ],
+)
 def test_scale_maps_linearly_to_0_1(echo, scale, reply, value):
     fn = judge(echo.url, template="{completion}", scale=scale)
     values, metrics = fn([reply])
@@ -289,30 +333,42 @@ def test_scale_maps_linearly_to_0_1(echo, scale, reply, value):
     assert reward_bounds(fn) == (0.0, 1.0)
 
 
-@pytest.mark.parametrize("reply, cause", [
-    ("Score: 12", r"score 12 is outside scale \[0, 10\]: the judge did not follow the scale"),
-    ("Score: -3", r"score -3 is outside scale \[0, 10\]"),
-    ("I cannot grade this.", r"no score in the reply 'I cannot grade this.' \(parser 'number'\)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "reply, cause",
+    [
+        ("Score: 12", r"score 12 is outside scale \[0, 10\]: the judge did not follow the scale"),
+        ("Score: -3", r"score -3 is outside scale \[0, 10\]"),
+        (
+            "I cannot grade this.",
+            r"no score in the reply 'I cannot grade this.' \(parser 'number'\)",
+        ),
+    ],
+)
 def test_an_unreadable_or_out_of_scale_score_is_a_failure(echo, reply, cause):
     fn = judge(echo.url, template="{completion}", scale=[0, 10])
     with pytest.raises(GrpoError, match=rf"row 1 .*{cause}"):
         fn(["Score: 5", reply])
-    values, metrics = judge(echo.url, template="{completion}", scale=[0, 10],
-                            on_failure=-1.0)(["Score: 5", reply])  # fmt: skip
+    values, metrics = judge(echo.url, template="{completion}", scale=[0, 10], on_failure=-1.0)(
+        ["Score: 5", reply]
+    )
     assert values == [0.5, -1.0]
     assert metrics["failures"] == 1 and isinstance(metrics["failures"], Sum)
 
 
 def test_a_custom_parser_that_raises_fails_the_row(echo, tmp_path, monkeypatch):
-    write_package(tmp_path, {"parse.py": "def strict(text):\n    return float(text)\n"},
-                  name="judge_strict")  # fmt: skip
+    write_package(
+        tmp_path, {"parse.py": "def strict(text):\n    return float(text)\n"}, name="judge_strict"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
-    fn = judge(echo.url, template="{completion}", parser="judge_strict.parse:strict",
-               on_failure=0.0)  # fmt: skip
+    fn = judge(
+        echo.url, template="{completion}", parser="judge_strict.parse:strict", on_failure=0.0
+    )
     assert fn(["2.5", "two"])[0] == [2.5, 0.0]
-    with pytest.raises(GrpoError, match=r"row 0 .*parser 'judge_strict.parse:strict' raised "
-                                        r"ValueError"):  # fmt: skip
+    with pytest.raises(
+        GrpoError,
+        match=r"row 0 .*parser 'judge_strict.parse:strict' raised "
+        r"ValueError",
+    ):
         judge(echo.url, template="{completion}", parser="judge_strict.parse:strict")(["two"])
 
 
@@ -322,52 +378,66 @@ def test_a_custom_parser_that_raises_fails_the_row(echo, tmp_path, monkeypatch):
 def test_the_request_carries_the_rendered_template_and_settings(fake_judge, monkeypatch):
     monkeypatch.setenv("GRPO_TEST_JUDGE_KEY", "sekret")
     fake = fake_judge(lambda body, n: (200, chat_reply("Score: 4"), {}))
-    fn = judge(fake.url + "/", template="Q={question} R={reference} A={completion}",
-               max_tokens=7, temperature=0.5, api_key_env="GRPO_TEST_JUDGE_KEY")  # fmt: skip
+    fn = judge(
+        fake.url + "/",
+        template="Q={question} R={reference} A={completion}",
+        max_tokens=7,
+        temperature=0.5,
+        api_key_env="GRPO_TEST_JUDGE_KEY",
+    )
     values, _ = fn(["x {y}", "z"], question=["q1", "q2"], answer=["1", "2"])  # answer: reference
     assert values == [4.0, 4.0]
     assert sorted(fake.contents()) == ["Q=q1 R=1 A=x {y}", "Q=q2 R=2 A=z"]
     for r in fake.requests:
         assert r["path"] == "/v1/chat/completions" and r["auth"] == "Bearer sekret"
         assert {k: v for k, v in r["body"].items() if k != "messages"} == {
-            "model": NAME, "max_tokens": 7, "temperature": 0.5}  # fmt: skip
+            "model": NAME,
+            "max_tokens": 7,
+            "temperature": 0.5,
+        }
     # ground_truth comes before answer
     fn(["z"], question=["q"], ground_truth=["gt"], answer=["a"])
     assert fake.contents()[-1] == "Q=q R=gt A=z"
 
 
 def test_a_field_the_rows_lack_is_named_at_the_first_call(echo):
-    with pytest.raises(GrpoError, match=r"uses \{question\} and the rows have no 'question' "
-                                        r"column \(columns: ground_truth\)"):  # fmt: skip
+    with pytest.raises(
+        GrpoError,
+        match=r"uses \{question\} and the rows have no 'question' "
+        r"column \(columns: ground_truth\)",
+    ):
         judge(echo.url)(["x"], ground_truth=["1"])
     with pytest.raises(GrpoError, match=r"uses \{reference\} .* no 'ground_truth' or 'answer'"):
         judge(echo.url)(["x"], question=["q"])
     assert not echo.requests
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"base_url": None}, r"base_url is required"),
-    ({"base_url": "file:///etc/passwd"}, r"base_url must be an http\(s\):// URL"),
-    ({"model": None}, r"model is required"),
-    ({"parser": "score"}, r"parser must be 'number', 'yes_no' or a 'package.module:function'"),
-    ({"parser": "no_such_judge_pkg.mod:fn"}, r"cannot import module 'no_such_judge_pkg.mod'"),
-    ({"parser": "yes_no", "pattern": r"\d"}, r"pattern is read by parser 'number'"),
-    ({"pattern": "(unclosed"}, r"pattern '\(unclosed' is not a valid regex"),
-    ({"template": "{question} {score}"}, r"template has unknown fields \['score'\]"),
-    ({"template": "{question"}, r"template is not a valid format string"),
-    ({"template": "{question:>x}"}, r"template is not a valid format string"),
-    ({"scale": [10, 0]}, r"scale must be \[lo, hi\]"),
-    ({"scale": [0]}, r"scale must be \[lo, hi\]"),
-    ({"concurrency": 0}, r"concurrency must be a whole number >= 1, got 0"),
-    ({"retries": -1}, r"retries must be a whole number >= 0"),
-    ({"request_timeout_s": 0}, r"request_timeout_s must be a finite number > 0"),
-    ({"on_failure": "skip"}, r"on_failure must be 'error' or a finite number"),
-    ({"on_failure": True}, r"on_failure must be 'error' or a finite number"),
-    ({"max_tokens": 0}, r"max_tokens must be a whole number >= 1"),
-    ({"temperature": -1}, r"temperature must be a finite number >= 0"),
-    ({"api_key_env": "GRPO_TEST_JUDGE_UNSET"}, r"GRPO_TEST_JUDGE_UNSET is not set"),
-    ({"temperatur": 0.0}, r"reward 'judge': .*temperatur.* \(parameters: base_url, model"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"base_url": None}, r"base_url is required"),
+        ({"base_url": "file:///etc/passwd"}, r"base_url must be an http\(s\):// URL"),
+        ({"model": None}, r"model is required"),
+        ({"parser": "score"}, r"parser must be 'number', 'yes_no' or a 'package.module:function'"),
+        ({"parser": "no_such_judge_pkg.mod:fn"}, r"cannot import module 'no_such_judge_pkg.mod'"),
+        ({"parser": "yes_no", "pattern": r"\d"}, r"pattern is read by parser 'number'"),
+        ({"pattern": "(unclosed"}, r"pattern '\(unclosed' is not a valid regex"),
+        ({"template": "{question} {score}"}, r"template has unknown fields \['score'\]"),
+        ({"template": "{question"}, r"template is not a valid format string"),
+        ({"template": "{question:>x}"}, r"template is not a valid format string"),
+        ({"scale": [10, 0]}, r"scale must be \[lo, hi\]"),
+        ({"scale": [0]}, r"scale must be \[lo, hi\]"),
+        ({"concurrency": 0}, r"concurrency must be a whole number >= 1, got 0"),
+        ({"retries": -1}, r"retries must be a whole number >= 0"),
+        ({"request_timeout_s": 0}, r"request_timeout_s must be a finite number > 0"),
+        ({"on_failure": "skip"}, r"on_failure must be 'error' or a finite number"),
+        ({"on_failure": True}, r"on_failure must be 'error' or a finite number"),
+        ({"max_tokens": 0}, r"max_tokens must be a whole number >= 1"),
+        ({"temperature": -1}, r"temperature must be a finite number >= 0"),
+        ({"api_key_env": "GRPO_TEST_JUDGE_UNSET"}, r"GRPO_TEST_JUDGE_UNSET is not set"),
+        ({"temperatur": 0.0}, r"reward 'judge': .*temperatur.* \(parameters: base_url, model"),
+    ],
+)
 def test_bad_parameters_fail_at_construction(kwargs, message, monkeypatch):
     monkeypatch.delenv("GRPO_TEST_JUDGE_UNSET", raising=False)
     spec = {"name": "judge", "base_url": "http://127.0.0.1:1/v1", "model": NAME, **kwargs}
@@ -381,9 +451,12 @@ def test_bad_parameters_fail_at_construction(kwargs, message, monkeypatch):
 def test_a_closed_port_raises_naming_the_url_or_counts_failures(caplog):
     url = f"http://127.0.0.1:{closed_port()}/v1"
     fn = judge(url, retries=1, backoff_s=0.01)
-    with pytest.raises(GrpoError, match=r"reward 'judge' failed at row 0 \(completion 'x'\): "
-                       rf"POST {url}/chat/completions failed after 2 attempts: connection "
-                       r"refused"):  # fmt: skip
+    with pytest.raises(
+        GrpoError,
+        match=r"reward 'judge' failed at row 0 \(completion 'x'\): "
+        rf"POST {url}/chat/completions failed after 2 attempts: connection "
+        r"refused",
+    ):
         fn(["x"], question=["q"], ground_truth=["1"])
 
     fn = judge(url, retries=1, backoff_s=0.01, on_failure=0.0)
@@ -413,8 +486,9 @@ def test_transient_errors_are_retried(fake_judge, status):
 
 
 def test_retry_after_is_waited(fake_judge):
-    fake = fake_judge(lambda body, n: (429, "", {"Retry-After": "1"}) if n == 1
-                      else (200, chat_reply("3"), {}))  # fmt: skip
+    fake = fake_judge(
+        lambda body, n: (429, "", {"Retry-After": "1"}) if n == 1 else (200, chat_reply("3"), {})
+    )
     start = time.monotonic()
     values, _ = judge(fake.url, template="{completion}", backoff_s=0.0)(["x"])
     assert values == [3.0] and time.monotonic() - start >= 1.0
@@ -427,11 +501,14 @@ def test_a_client_error_is_not_retried(fake_judge):
     assert len(fake.requests) == 1
 
 
-@pytest.mark.parametrize("payload, cause", [
-    ("not json", r"the reply has no choices\[0\].message.content: 'not json'"),
-    ({"choices": []}, r"the reply has no choices\[0\].message.content"),
-    ({"choices": [{"message": {"content": None}}]}, r"content is None, not text"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "payload, cause",
+    [
+        ("not json", r"the reply has no choices\[0\].message.content: 'not json'"),
+        ({"choices": []}, r"the reply has no choices\[0\].message.content"),
+        ({"choices": [{"message": {"content": None}}]}, r"content is None, not text"),
+    ],
+)
 def test_a_malformed_reply_is_a_failure(fake_judge, payload, cause):
     fake = fake_judge(lambda body, n: (200, payload, {}))
     with pytest.raises(GrpoError, match=cause):
@@ -447,8 +524,15 @@ def test_a_slow_judge_fails_within_the_timeout(fake_judge):
         fn(["x"])
     assert time.monotonic() - start < 3.0
 
-    fn = judge(fake.url, template="{completion}", request_timeout_s=0.5, retries=1,
-               backoff_s=0.01, on_failure=0.25, concurrency=2)  # fmt: skip
+    fn = judge(
+        fake.url,
+        template="{completion}",
+        request_timeout_s=0.5,
+        retries=1,
+        backoff_s=0.01,
+        on_failure=0.25,
+        concurrency=2,
+    )
     start = time.monotonic()
     values, metrics = fn(["x", "y"])
     assert values == [0.25, 0.25] and metrics["failures"] == 2 and metrics["retries"] == 2
@@ -482,8 +566,17 @@ def test_the_trainer_does_not_send_the_requests_again_to_name_a_row(fake_judge):
         return 400, {"error": {"message": "no"}}, {}
 
     fake = fake_judge(refuse)
-    fns = build_rewards([{"name": "judge", "base_url": fake.url, "model": NAME,
-                          "template": "{completion}", "concurrency": 3}])  # fmt: skip
+    fns = build_rewards(
+        [
+            {
+                "name": "judge",
+                "base_url": fake.url,
+                "model": NAME,
+                "template": "{completion}",
+                "concurrency": 3,
+            }
+        ]
+    )
     with pytest.raises(GrpoError, match=r"^reward 'judge' failed at row \d .*HTTP 400: 'no'"):
         compute_rewards(fns, ["a", "b", "c"], {})
     assert len(fake.requests) == 3
@@ -501,14 +594,32 @@ def test_one_grpo_step_is_scored_by_the_judge(shared_tiny_model, tmp_path, fake_
         return 200, chat_reply(f"Score: {len(completion) % 11}"), {}
 
     fake = fake_judge(grade)
-    spec = [{"name": "judge", "weight": 1.0, "kwargs": {
-        "base_url": fake.url, "model": NAME, "template": "Q: {question}\nR: {reference}\nA: "
-        "{completion}", "scale": [0, 10]}}]  # fmt: skip
-    cfg = load_config(REPO / "configs" / "tiny_ci.yaml", [
-        f"model.path={shared_tiny_model}", f"train.output_dir={tmp_path / 'run'}",
-        "train.max_steps=1", "train.save_every=0", "train.log_every=1", "data.eval_samples=0",
-        "train.progress=false", "loss.num_iterations=1", f"rewards={json.dumps(spec)}",
-    ])  # fmt: skip
+    spec = [
+        {
+            "name": "judge",
+            "weight": 1.0,
+            "kwargs": {
+                "base_url": fake.url,
+                "model": NAME,
+                "template": "Q: {question}\nR: {reference}\nA: {completion}",
+                "scale": [0, 10],
+            },
+        }
+    ]
+    cfg = load_config(
+        REPO / "configs" / "tiny_ci.yaml",
+        [
+            f"model.path={shared_tiny_model}",
+            f"train.output_dir={tmp_path / 'run'}",
+            "train.max_steps=1",
+            "train.save_every=0",
+            "train.log_every=1",
+            "data.eval_samples=0",
+            "train.progress=false",
+            "loss.num_iterations=1",
+            f"rewards={json.dumps(spec)}",
+        ],
+    )
     from grpo.train.grpo import train_grpo
 
     train_grpo(cfg)

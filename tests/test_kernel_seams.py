@@ -39,8 +39,14 @@ def logprobs(hidden, weight, ids, *args, **kwargs):
 
 @pytest.fixture()
 def my_pkg(tmp_path, monkeypatch):
-    write_package(tmp_path, {"kernel.py": docs_example("# my_pkg/kernel.py"),
-                             "counting.py": COUNTING, "rewards.py": LENGTH_REWARD})  # fmt: skip
+    write_package(
+        tmp_path,
+        {
+            "kernel.py": docs_example("# my_pkg/kernel.py"),
+            "counting.py": COUNTING,
+            "rewards.py": LENGTH_REWARD,
+        },
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in [m for m in sys.modules if m == "my_pkg" or m.startswith("my_pkg.")]:
         monkeypatch.delitem(sys.modules, name)  # another test's my_pkg: import this one
@@ -62,14 +68,17 @@ def test_the_docs_kernel_passes_the_check_by_path_and_by_name(my_pkg):
         grpo_kernels.fused_logprobs(h, w, torch.tensor([0, 1, 2, 3, 30]), impl="test_docs_kernel")
 
 
-def forgets_temperature(hidden, weight, ids, temperature=1.0, return_entropy=False, *,
-                        entropy_grad=False, tf32=False):  # fmt: skip
-    return grpo_kernels.chunked_logprobs(hidden, weight, ids, 1.0, return_entropy,
-                                    entropy_grad=entropy_grad)  # fmt: skip
+def forgets_temperature(
+    hidden, weight, ids, temperature=1.0, return_entropy=False, *, entropy_grad=False, tf32=False
+):
+    return grpo_kernels.chunked_logprobs(
+        hidden, weight, ids, 1.0, return_entropy, entropy_grad=entropy_grad
+    )
 
 
-def logits_in_bf16(hidden, weight, ids, temperature=1.0, return_entropy=False, *,
-                   entropy_grad=False, tf32=False):  # fmt: skip
+def logits_in_bf16(
+    hidden, weight, ids, temperature=1.0, return_entropy=False, *, entropy_grad=False, tf32=False
+):
     z = (hidden @ weight.t()) / temperature  # the input dtype: bf16 logits, bf16 logsumexp
     out = (z.gather(1, ids[:, None])[:, 0] - torch.logsumexp(z, 1)).float()
     if not return_entropy:
@@ -79,17 +88,21 @@ def logits_in_bf16(hidden, weight, ids, temperature=1.0, return_entropy=False, *
     return out, entropy if entropy_grad else entropy.detach()
 
 
-def no_entropy_gradient(hidden, weight, ids, temperature=1.0, return_entropy=False, *,
-                        entropy_grad=False, tf32=False):  # fmt: skip
+def no_entropy_gradient(
+    hidden, weight, ids, temperature=1.0, return_entropy=False, *, entropy_grad=False, tf32=False
+):
     out = grpo_kernels.naive_logprobs(hidden, weight, ids, temperature, return_entropy)
     return (out[0], out[1].detach()) if return_entropy else out  # entropy_grad ignored
 
 
-@pytest.mark.parametrize("kernel, check, detail", [
-    (forgets_temperature, "temperature", "log-probs: max error"),
-    (logits_in_bf16, "forward", "(bfloat16, N=37 C=64 V=1003)"),
-    (no_entropy_gradient, "entropy_grad", "d hidden: max error"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kernel, check, detail",
+    [
+        (forgets_temperature, "temperature", "log-probs: max error"),
+        (logits_in_bf16, "forward", "(bfloat16, N=37 C=64 V=1003)"),
+        (no_entropy_gradient, "entropy_grad", "d hidden: max error"),
+    ],
+)
 def test_seeded_kernel_bugs_are_caught(kernel, check, detail):
     with pytest.raises(ConformanceError) as e:
         check_logprob_impl(kernel)
@@ -102,11 +115,22 @@ def test_training_calls_the_configured_kernel(my_pkg, shared_tiny_model, monkeyp
     calls = my_pkg / "calls.txt"
     monkeypatch.setenv("KERNEL_CALLS", str(calls))
     monkeypatch.chdir(my_pkg)
-    code = cli.main(["train", "--config", TINY, f"model.path={shared_tiny_model}",
-                     "train.progress=false", "data.eval_samples=0", "rollout.compile=off",
-                     "train.log_every=1", "train.max_steps=2", "train.output_dir=run",
-                     "rewards=[{name: my_pkg.rewards:length}]",
-                     "model.logprob_impl=my_pkg.counting:logprobs"])  # fmt: skip
+    code = cli.main(
+        [
+            "train",
+            "--config",
+            TINY,
+            f"model.path={shared_tiny_model}",
+            "train.progress=false",
+            "data.eval_samples=0",
+            "rollout.compile=off",
+            "train.log_every=1",
+            "train.max_steps=2",
+            "train.output_dir=run",
+            "rewards=[{name: my_pkg.rewards:length}]",
+            "model.logprob_impl=my_pkg.counting:logprobs",
+        ]
+    )
     assert code == 0, capsys.readouterr().err[-3000:]
     rows = [json.loads(x) for x in (my_pkg / "run" / "metrics.jsonl").read_text().splitlines()]
     assert "log-probs my_pkg.counting:logprobs" in rows[0]["run/precision"]
@@ -123,8 +147,7 @@ def test_config_names_a_bad_kernel(shared_tiny_model):
     with pytest.raises(ConfigError, match="model.logprob_impl: unknown log-prob impl 'nope'"):
         load_config(TINY, [f"model.path={shared_tiny_model}", "model.logprob_impl=nope"])
     with pytest.raises(ConfigError, match="model.logprob_impl: log-prob impl 'no_such.mod:f'"):
-        load_config(TINY, [f"model.path={shared_tiny_model}",
-                           "model.logprob_impl=no_such.mod:f"])  # fmt: skip
+        load_config(TINY, [f"model.path={shared_tiny_model}", "model.logprob_impl=no_such.mod:f"])
 
 
 def test_the_benchmark_times_an_outside_kernel_beside_the_built_ins(my_pkg, tmp_path):
@@ -133,9 +156,23 @@ def test_the_benchmark_times_an_outside_kernel_beside_the_built_ins(my_pkg, tmp_
         "def logprobs(h, w, ids, temperature=1.0, return_entropy=False, **kw):\n"
         "    return grpo_kernels.naive_logprobs(h, w, ids, temperature) + 0.01\n"
     )
-    argv = ["--quick", "--shapes", "64x32x300", "--impls", "naive,chunked", "--repeats", "1",
-            "--impl", "my_pkg.kernel:logprobs", "--impl", "my_pkg.broken:logprobs",
-            "--out-dir", str(tmp_path / "out"), "--name", "mine"]  # fmt: skip
+    argv = [
+        "--quick",
+        "--shapes",
+        "64x32x300",
+        "--impls",
+        "naive,chunked",
+        "--repeats",
+        "1",
+        "--impl",
+        "my_pkg.kernel:logprobs",
+        "--impl",
+        "my_pkg.broken:logprobs",
+        "--out-dir",
+        str(tmp_path / "out"),
+        "--name",
+        "mine",
+    ]
     bench_logprobs.main(argv)
     result = json.loads((tmp_path / "out" / "mine.json").read_text())
     rows = result["rows"]

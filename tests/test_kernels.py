@@ -121,8 +121,10 @@ def assert_error_budget(ours, ref, expected, factor=2.0, floor=1e-6):
         err_ours, err_ref = rel_err(o, e), rel_err(r, e)
         ok = err_ours <= factor * err_ref + floor
         ratio = err_ours / max(err_ref, 1e-300)
-        lines.append(f"{name}: ours {err_ours:.3g}, reference {err_ref:.3g}, ratio {ratio:.3g} "
-                     f"(budget {factor}x){'' if ok else ' MISSED'}")  # fmt: skip
+        lines.append(
+            f"{name}: ours {err_ours:.3g}, reference {err_ref:.3g}, ratio {ratio:.3g} "
+            f"(budget {factor}x){'' if ok else ' MISSED'}"
+        )
         missed += [] if ok else [name]
     print("relative L2 error vs float64:\n  " + "\n  ".join(lines))
     assert not missed, "; ".join(lines)
@@ -439,8 +441,12 @@ def interpreted():
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
         [sys.executable, "-c", code, __file__],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1][len("REPORT ") :])

@@ -30,9 +30,13 @@ PROMPTS = [[5 + i + j for j in range(7 + 3 * i)] for i in range(4)]  # 4 widths:
 
 
 def tiny(layers: int = 2, lora: bool = False, dtype=torch.float32, qk_norm=True) -> Decoder:
-    cfg = ModelConfig(family="qwen3" if qk_norm else "llama", qk_norm=qk_norm,
-                      num_hidden_layers=layers, max_position_embeddings=256,
-                      tie_word_embeddings=False)  # fmt: skip
+    cfg = ModelConfig(
+        family="qwen3" if qk_norm else "llama",
+        qk_norm=qk_norm,
+        num_hidden_layers=layers,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     m = Decoder(cfg)
     m.init_weights(seed=0)
@@ -54,7 +58,7 @@ def step_cost(layers, lora, precision, cuda) -> dict:
         return per_decode_step(
             lambda n: s.sample(
                 PROMPTS, group_size=8, max_new_tokens=n, temperature=1.0, stop_ids=[], seed=0
-            )  # fmt: skip
+            )
         )
 
 
@@ -88,8 +92,11 @@ def test_host_syncs_per_rollout(n, k):
     """floor((n - 1) / k) + 1 host syncs for n steps: the loop's "all done?" every k steps,
     then the trim to the longest row; none in prefill, draws or bookkeeping."""
     s = Sampler(tiny(), sync_every=k)
-    c = count_ops(lambda: s.sample(PROMPTS, group_size=2, max_new_tokens=n, temperature=1.0,
-                                   stop_ids=[], seed=0))  # fmt: skip
+    c = count_ops(
+        lambda: s.sample(
+            PROMPTS, group_size=2, max_new_tokens=n, temperature=1.0, stop_ids=[], seed=0
+        )
+    )
     assert c.syncs == (n - 1) // k + 1
 
 
@@ -115,8 +122,16 @@ def test_the_whole_iteration_is_one_graph_without_syncs_that_mutates_only_its_st
     assert len(iteration) == 1  # the whole iteration, not forward + eager draw
     calls = [n for n in iteration[0].graph.nodes if n.op in ("call_function", "call_method")]
     names = {getattr(n.target, "__name__", str(n.target)) for n in calls}
-    bad = {"_local_scalar_dense", "item", "tolist", "nonzero", "tensor", "as_tensor",
-           "scalar_tensor", "from_numpy"}  # fmt: skip
+    bad = {
+        "_local_scalar_dense",
+        "item",
+        "tolist",
+        "nonzero",
+        "tensor",
+        "as_tensor",
+        "scalar_tensor",
+        "from_numpy",
+    }
     assert not names & bad, names & bad
     assert {"index_copy_", "isin", "searchsorted"} <= names  # the draw and the stop test
 
@@ -184,8 +199,7 @@ def test_decode_weights_draw_from_the_adapted_policy(cuda):
     model = tiny(lora=True)
     s = Sampler(model, precision=TUTORIAL, pack=False)
     with cuda_decode_paths() if cuda else contextlib.nullcontext():
-        r = s.sample(PROMPTS, group_size=2, max_new_tokens=10, temperature=1.0, stop_ids=[],
-                     seed=0)  # fmt: skip
+        r = s.sample(PROMPTS, group_size=2, max_new_tokens=10, temperature=1.0, stop_ids=[], seed=0)
     assert s.decode_weights.copied_bytes > 0
 
     def recompute():
@@ -225,8 +239,9 @@ def test_a_compiled_step_attends_over_the_filled_slots_only():
     s = Sampler(model, compile=True, compile_options={"backend": "eager"})
     real = s._bound
     s._bound = lambda cache, filled: seen.append(filled) or real(cache, filled)
-    s.sample([list(range(3, 63))], group_size=2, max_new_tokens=8, temperature=1.0,
-             stop_ids=[], seed=0)  # fmt: skip
+    s.sample(
+        [list(range(3, 63))], group_size=2, max_new_tokens=8, temperature=1.0, stop_ids=[], seed=0
+    )
     assert seen == list(range(61, 68))  # T_p + t for t = 1 .. 7
     assert next(iter(s._caches.values())).limit is None  # reset after the call
 
@@ -237,8 +252,13 @@ def test_a_compiled_sampler_keeps_its_graphs_as_the_adapter_trains():
     next rollout samples from the updated adapter (= an eager sampler)."""
     model = tiny(lora=True)
     kw = dict(group_size=2, max_new_tokens=5, temperature=1.0, stop_ids=[], seed=4)
-    s = Sampler(model, precision=TUTORIAL, pack=False, compile=True,
-                compile_options={"backend": "aot_eager"})  # fmt: skip
+    s = Sampler(
+        model,
+        precision=TUTORIAL,
+        pack=False,
+        compile=True,
+        compile_options={"backend": "aot_eager"},
+    )
     s.sample(PROMPTS, **kw)
     s.sample(PROMPTS, **kw)  # the second bucket of nothing: every graph of the call built
     with torch.no_grad():

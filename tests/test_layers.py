@@ -61,13 +61,19 @@ def is_kit(module: str) -> bool:
 
 
 def test_imported_modules_sees_every_spelling():
-    src = ("import grpo.apps.cli\nfrom grpo import apps\nfrom grpo.apps.serving import Engine\n"
-           "def f():\n    from ..apps import tool\n    from . import batch\n")  # fmt: skip
+    src = (
+        "import grpo.apps.cli\nfrom grpo import apps\nfrom grpo.apps.serving import Engine\n"
+        "def f():\n    from ..apps import tool\n    from . import batch\n"
+    )
     found = [m for _, m in imported_modules(src, "grpo.train.probe")]
     assert [m for m in found if is_app(m)] == [
-        "grpo.apps.cli", "grpo.apps", "grpo.apps.serving", "grpo.apps.serving.Engine",
-        "grpo.apps", "grpo.apps.tool",
-    ]  # fmt: skip
+        "grpo.apps.cli",
+        "grpo.apps",
+        "grpo.apps.serving",
+        "grpo.apps.serving.Engine",
+        "grpo.apps",
+        "grpo.apps.tool",
+    ]
     assert "grpo.train.batch" in found
 
 
@@ -136,8 +142,11 @@ def test_no_file_imports_a_top_level_kernels_package():
             if name == "kernels" or name.startswith("kernels."):
                 bad.append(f"{path.relative_to(REPO)}:{line}")
         # and scripts run in subprocesses, which are strings to the parser
-        bad += [f"{path.relative_to(REPO)}: {line.strip()}" for line in text.splitlines()
-                if re.match(r"\s*\"?(import kernels\b|from kernels[. ])", line)]  # fmt: skip
+        bad += [
+            f"{path.relative_to(REPO)}: {line.strip()}"
+            for line in text.splitlines()
+            if re.match(r"\s*\"?(import kernels\b|from kernels[. ])", line)
+        ]
     assert not bad, bad
 
 
@@ -145,9 +154,11 @@ def test_import_kernels_in_the_repo_root_loads_no_file_of_the_repo():
     """From the repo root (where `python -m ...` puts the root on sys.path), `kernels` is
     Hugging Face's package where it is installed, else at most a namespace portion of our
     source root: never a module file of this repo."""
-    code = ("import importlib.util as u, sys\n"
-            "s = u.find_spec('kernels')\n"
-            "print('NONE' if s is None else (s.origin or 'NAMESPACE'))\n")  # fmt: skip
+    code = (
+        "import importlib.util as u, sys\n"
+        "s = u.find_spec('kernels')\n"
+        "print('NONE' if s is None else (s.origin or 'NAMESPACE'))\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     origin = r.stdout.strip()
     assert r.returncode == 0, r.stderr

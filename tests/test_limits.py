@@ -67,8 +67,11 @@ def test_estimator_result_only_as_B_by_T():
 
     hint = r"; for one value per row return grpo\.algo\.broadcast\(values, mask\)$"
     for name in ("test_per_token_vector", "test_per_row_vector"):
-        with pytest.raises(GrpoError, match=rf"'{name}' returned shape \(4,\), expected \(B, T_c\) "
-                                            rf"= \(4, 4\){hint}"):  # fmt: skip
+        with pytest.raises(
+            GrpoError,
+            match=rf"'{name}' returned shape \(4,\), expected \(B, T_c\) "
+            rf"= \(4, 4\){hint}",
+        ):
             compute_advantages(name, rewards, mask, group_size=2)
     a = compute_advantages("test_per_row_broadcast", rewards, mask, group_size=2)
     torch.testing.assert_close(a[:, 0], torch.tensor([0.25, -0.75, 0.25, 0.25]))
@@ -107,12 +110,19 @@ def fake_rollout(turns: list[int], finished: list[bool], truncated: list[int]) -
     B = len(turns)
     z = torch.zeros(B, 1)
     return Rollout(
-        ids=z.long(), prompt_lens=z[:, 0].long(), prompt_width=0, completion_ids=z.long(),
-        completion_mask=z.bool(), completion_lens=z[:, 0].long(),
-        finished=torch.tensor(finished), logprobs=z, group_size=B,
-        turn_rewards=[[0.0] * n for n in turns], turn_texts=[[[1]] * n for n in turns],
+        ids=z.long(),
+        prompt_lens=z[:, 0].long(),
+        prompt_width=0,
+        completion_ids=z.long(),
+        completion_mask=z.bool(),
+        completion_lens=z[:, 0].long(),
+        finished=torch.tensor(finished),
+        logprobs=z,
+        group_size=B,
+        turn_rewards=[[0.0] * n for n in turns],
+        turn_texts=[[[1]] * n for n in turns],
         infos=[{"obs_truncated": t} if t else {} for t in truncated],
-    )  # fmt: skip
+    )
 
 
 def test_env_metrics_name_the_limit_that_cut():
@@ -148,25 +158,45 @@ def test_budget_notice_is_what_the_sampler_does(shared_tiny_model):
     from grpo.rollout import Sampler
     from grpo.rollout.multiturn import sample_with_env
 
-    model, tok, stops, _ = load_trained_model(TrainedModel(str(shared_tiny_model), ()), "float32",
-                                              "cpu")  # fmt: skip
-    cfg = config(f"model.path={shared_tiny_model}", "rollout.env=calculator",
-                 "rollout.max_turns=3", "rollout.max_new_tokens=8", "rollout.max_obs_tokens=8",
-                 "data.eval_samples=0")  # fmt: skip
+    model, tok, stops, _ = load_trained_model(
+        TrainedModel(str(shared_tiny_model), ()), "float32", "cpu"
+    )
+    cfg = config(
+        f"model.path={shared_tiny_model}",
+        "rollout.env=calculator",
+        "rollout.max_turns=3",
+        "rollout.max_new_tokens=8",
+        "rollout.max_obs_tokens=8",
+        "data.eval_samples=0",
+    )
     assert turn_budget_notices(cfg) == []  # the settings alone: 3 * 8 + 2 * (8 + 16) = 72 fits
     (line,) = turn_budget_notices(cfg, tokenizer=tok)
-    assert line.startswith("rollout.max_total_tokens (default: 72 tokens) guarantees a rollout "
-                           "2 of rollout.max_turns=3 turns: "), line  # fmt: skip
-    need = int(re.search(r"Set rollout.max_total_tokens=(\d+) to guarantee every turn$",
-                         line).group(1))  # fmt: skip
+    assert line.startswith(
+        "rollout.max_total_tokens (default: 72 tokens) guarantees a rollout "
+        "2 of rollout.max_turns=3 turns: "
+    ), line
+    need = int(
+        re.search(r"Set rollout.max_total_tokens=(\d+) to guarantee every turn$", line).group(1)
+    )
     rows = load_rows(cfg.data, "train", 4, "rl", tok)
 
     def rollout(total):
         return sample_with_env(
-            Sampler(model), tok, rows, LongObservations, env_name="long", group_size=4,
-            max_new_tokens=8, max_turns=3, max_total_tokens=total, max_obs_tokens=8,
-            stop_ids=stops, seed=0, pad_id=tok.pad_token_id, temperature=1.0,
-        )  # fmt: skip
+            Sampler(model),
+            tok,
+            rows,
+            LongObservations,
+            env_name="long",
+            group_size=4,
+            max_new_tokens=8,
+            max_turns=3,
+            max_total_tokens=total,
+            max_obs_tokens=8,
+            stop_ids=stops,
+            seed=0,
+            pad_id=tok.pad_token_id,
+            temperature=1.0,
+        )
 
     cut = rollout(cfg.rollout.total_tokens)
     m = env_metrics(cut, 3)
@@ -184,8 +214,13 @@ def test_turn_budget_notice_from_the_settings():
     assert guaranteed_turns(8, 3, 8, 72, OBS_GLUE_TOKENS) == 3
     assert guaranteed_turns(8, 3, 8, 71, OBS_GLUE_TOKENS) == 2
     assert guaranteed_turns(8, 3, 8, 8, OBS_GLUE_TOKENS) == 1
-    multi = ("rollout.env=calculator", "rollout.max_turns=3", "rollout.max_new_tokens=8",
-             "rollout.max_obs_tokens=8", "eval.max_new_tokens=null")  # fmt: skip
+    multi = (
+        "rollout.env=calculator",
+        "rollout.max_turns=3",
+        "rollout.max_new_tokens=8",
+        "rollout.max_obs_tokens=8",
+        "eval.max_new_tokens=null",
+    )
     assert turn_budget_notices(config(*multi)) == []
     assert turn_budget_notices(config("rollout.max_total_tokens=20")) == []  # single turn
     lines = turn_budget_notices(config(*multi, "rollout.max_total_tokens=50"))
@@ -197,14 +232,19 @@ def test_turn_budget_notice_from_the_settings():
         "rollout.max_total_tokens=72 to guarantee every turn"
     ]
     # the evaluation's own per-turn limit: a second line, for eval/budget_cut_frac
-    lines = turn_budget_notices(config(*multi, "rollout.max_total_tokens=72",
-                                       "eval.max_new_tokens=16"))  # fmt: skip
+    lines = turn_budget_notices(
+        config(*multi, "rollout.max_total_tokens=72", "eval.max_new_tokens=16")
+    )
     assert len(lines) == 1 and "guarantees an evaluation episode 2 of" in lines[0]
     assert "eval.max_new_tokens=16" in lines[0] and "eval/budget_cut_frac" in lines[0]
     # SFT samples nothing; its pipeline's evaluation does
     assert turn_budget_notices(config(*multi, "rollout.max_total_tokens=50"), "sft") == []
-    assert len(turn_budget_notices(config(*multi, "rollout.max_total_tokens=50"), "sft",
-                                   pipeline=True)) == 1  # fmt: skip
+    assert (
+        len(
+            turn_budget_notices(config(*multi, "rollout.max_total_tokens=50"), "sft", pipeline=True)
+        )
+        == 1
+    )
 
 
 # ----------------------------------------------------------------- evaluation fit
@@ -307,20 +347,33 @@ def test_train_states_limits_and_logs_the_header(
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     caplog.set_level(logging.INFO)  # what `python -m grpo` logs to stderr
-    code = cli.main(["train", "--config", str(TINY_CI), f"model.path={shared_tiny_model}",
-                     "train.output_dir=run", "train.max_steps=1", "train.progress=false",
-                     "data.eval_samples=2", "rewards=[{name: format}]",
-                     "rollout.env=long_env:Long", "rollout.max_turns=3",
-                     "rollout.max_new_tokens=8", "rollout.max_obs_tokens=8",
-                     "eval.max_new_tokens=8"])  # fmt: skip
+    code = cli.main(
+        [
+            "train",
+            "--config",
+            str(TINY_CI),
+            f"model.path={shared_tiny_model}",
+            "train.output_dir=run",
+            "train.max_steps=1",
+            "train.progress=false",
+            "data.eval_samples=2",
+            "rewards=[{name: format}]",
+            "rollout.env=long_env:Long",
+            "rollout.max_turns=3",
+            "rollout.max_new_tokens=8",
+            "rollout.max_obs_tokens=8",
+            "eval.max_new_tokens=8",
+        ]
+    )
     assert code == 0, capsys.readouterr().err[-3000:]
     lines = [x for r in caplog.records for x in f"{r.levelname} {r.getMessage()}".splitlines()]
     budget = [x for x in lines if "guarantees a rollout 2 of" in x]
     fit = [x for x in lines if "eval.env: evaluation episodes run in" in x]
     assert len(budget) == 1 and len(fit) == 1 and budget[0].startswith("WARNING "), lines
     assert "'long_env:Long' (rollout.env's, as eval.env is unset)" in fit[0]
-    assert any("run: advantage grpo | policy_loss clip | kl_estimator k3 | aggregation" in x
-               for x in lines), lines  # fmt: skip
+    assert any(
+        "run: advantage grpo | policy_loss clip | kl_estimator k3 | aggregation" in x for x in lines
+    ), lines
     (row,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert row["step"] == 1
     assert row["run/advantage"] == "grpo" and row["run/policy_loss"] == "clip"

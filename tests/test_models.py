@@ -204,9 +204,12 @@ def test_meta_decoder_builds_the_modules_without_running_an_initializer(tiny_che
     assert {n: p.shape for n, p in meta.named_parameters()} == want
     assert all(p.is_meta for p in meta.parameters())
     assert meta.inv_freq.is_meta and meta.inv_freq.shape == rope_inv_freq(cfg).shape
-    code = ("import sys; from grpo.models import load_model; load_model(sys.argv[1]); "
-            "print([m for m in sys.modules if m.startswith('torch._dynamo')][:3])")  # fmt: skip
-    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
-                       timeout=120)  # fmt: skip
+    code = (
+        "import sys; from grpo.models import load_model; load_model(sys.argv[1]); "
+        "print([m for m in sys.modules if m.startswith('torch._dynamo')][:3])"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "[]"

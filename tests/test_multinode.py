@@ -30,10 +30,21 @@ def tiny_model(tmp_path_factory):
 
 def train_args(model: Path, out: Path, parallel: str) -> list[str]:
     """The quickstart for 2 steps, full fine-tuning; `out` is shared by every node."""
-    return ["-m", "grpo", "train", "--config", str(REPO / "configs" / "quickstart.yaml"),
-            f"model.path={model}", "train.max_steps=2", "train.batch_size=16",
-            "rollout.max_new_tokens=8", "train.progress=false", "data.eval_samples=0",
-            f"train.output_dir={out}", f"train.parallel={parallel}"]  # fmt: skip
+    return [
+        "-m",
+        "grpo",
+        "train",
+        "--config",
+        str(REPO / "configs" / "quickstart.yaml"),
+        f"model.path={model}",
+        "train.max_steps=2",
+        "train.batch_size=16",
+        "rollout.max_new_tokens=8",
+        "train.progress=false",
+        "data.eval_samples=0",
+        f"train.output_dir={out}",
+        f"train.parallel={parallel}",
+    ]
 
 
 def free_port() -> int:
@@ -47,8 +58,10 @@ def run_agents(cmds: list[list[str]], cwd: Path) -> None:
     within TIMEOUT_S; fail with each agent's exit code and stderr tail otherwise."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     logs = [open(cwd / f"agent{k}.err", "w+") for k in range(len(cmds))]
-    procs = [subprocess.Popen(c, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=log)
-             for c, log in zip(cmds, logs)]  # fmt: skip
+    procs = [
+        subprocess.Popen(c, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=log)
+        for c, log in zip(cmds, logs)
+    ]
     end = time.monotonic() + TIMEOUT_S
     for p in procs:
         try:
@@ -75,12 +88,25 @@ def test_two_nodes_equal_one_node(tiny_model, tmp_path, parallel):
     same ranks on the same batch, so the same final weights (bitwise, and to 1e-6 whatever
     the transport)."""
     port = free_port()
-    nodes = [[*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", f"--node_rank={k}",
-              "--master_addr=127.0.0.1", f"--master_port={port}",
-              *train_args(tiny_model, tmp_path / "nodes", parallel)] for k in (0, 1)]  # fmt: skip
+    nodes = [
+        [
+            *TORCHRUN,
+            "--nnodes=2",
+            "--nproc_per_node=1",
+            f"--node_rank={k}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+            *train_args(tiny_model, tmp_path / "nodes", parallel),
+        ]
+        for k in (0, 1)
+    ]
     run_agents(nodes, tmp_path)
-    one = [*TORCHRUN, "--standalone", "--nproc_per_node=2",
-           *train_args(tiny_model, tmp_path / "one", parallel)]  # fmt: skip
+    one = [
+        *TORCHRUN,
+        "--standalone",
+        "--nproc_per_node=2",
+        *train_args(tiny_model, tmp_path / "one", parallel),
+    ]
     run_agents([one], tmp_path)
 
     a = load_file(tmp_path / "nodes" / "final" / "model.safetensors")

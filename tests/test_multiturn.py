@@ -40,10 +40,19 @@ def fake_env(calls: list):
 def run(model, temperature=1.0, seed=0, **kw):
     calls: list = []
     r = multiturn.sample_turns(
-        Sampler(model), PROMPTS, group_size=3, observe=fake_env(calls), max_new_tokens=6,
-        max_turns=4, max_total_tokens=48, stop_ids=[STOP], turn_end_ids=TURN_END,
-        temperature=temperature, seed=seed, **kw,
-    )  # fmt: skip
+        Sampler(model),
+        PROMPTS,
+        group_size=3,
+        observe=fake_env(calls),
+        max_new_tokens=6,
+        max_turns=4,
+        max_total_tokens=48,
+        stop_ids=[STOP],
+        turn_end_ids=TURN_END,
+        temperature=temperature,
+        seed=seed,
+        **kw,
+    )
     return r, calls
 
 
@@ -61,13 +70,21 @@ def test_multiturn_logprobs_equal_training_forward(tiny_checkpoints, lora, tempe
     lens = [len(t) for turns in r.turn_texts for t in turns]
     assert min(lens) < max(lens)  # turns of different lengths: holes inside model turns too
     model.train()
-    recomputed = completion_logprobs(model, r.ids, r.attention_mask(), r.prompt_width,
-                                     r.generated_mask, temperature, has_holes=True)  # fmt: skip
+    recomputed = completion_logprobs(
+        model,
+        r.ids,
+        r.attention_mask(),
+        r.prompt_width,
+        r.generated_mask,
+        temperature,
+        has_holes=True,
+    )
     diff = (recomputed - r.logprobs)[r.generated_mask].abs().max().item()
     assert diff <= 1e-5
     # without the hole-aware gather the holes would shift the predictions: the flag matters
-    naive = completion_logprobs(model, r.ids, r.attention_mask(), r.prompt_width, r.generated_mask,
-                                temperature)  # fmt: skip
+    naive = completion_logprobs(
+        model, r.ids, r.attention_mask(), r.prompt_width, r.generated_mask, temperature
+    )
     assert (naive - r.logprobs)[r.generated_mask].abs().max().item() > 1e-3
 
 
@@ -149,9 +166,18 @@ def test_ended_trajectories_leave_the_batch(tiny_checkpoints):
     sampler.decode = counting
     calls: list = []
     r = multiturn.sample_turns(
-        sampler, PROMPTS, group_size=3, observe=fake_env(calls), max_new_tokens=6, max_turns=4,
-        max_total_tokens=48, stop_ids=[STOP], turn_end_ids=TURN_END, temperature=0.0, seed=0,
-    )  # fmt: skip
+        sampler,
+        PROMPTS,
+        group_size=3,
+        observe=fake_env(calls),
+        max_new_tokens=6,
+        max_turns=4,
+        max_total_tokens=48,
+        stop_ids=[STOP],
+        turn_end_ids=TURN_END,
+        temperature=0.0,
+        seed=0,
+    )
     # rows end after 1, 2 or 3 turns: the decode batch shrinks from 6 to 4 to 2
     assert sizes[0] == 6 and sorted(set(sizes)) == [2, 4, 6]
     assert [len(t) for t in r.turn_texts] == [1, 2, 3, 1, 2, 3]
@@ -160,8 +186,23 @@ def test_ended_trajectories_leave_the_batch(tiny_checkpoints):
 # --- host syncs: "has every row ended its turn?" every sync_every steps, one copy per turn ---
 
 
-def reference_turn_loop(sampler, logits, cache, kv_mask, pos, T_p, observe, max_new_tokens,
-                        max_turns, draw, gen, stops, ends, pad_id, total):  # fmt: skip
+def reference_turn_loop(
+    sampler,
+    logits,
+    cache,
+    kv_mask,
+    pos,
+    T_p,
+    observe,
+    max_new_tokens,
+    max_turns,
+    draw,
+    gen,
+    stops,
+    ends,
+    pad_id,
+    total,
+):
     """The slow twin of `multiturn._turn_loop`: its code before the sparse host syncs. It reads
     "every row ended its turn?" after every decode step and does the turn's bookkeeping row by
     row (each `.tolist()` / `bool()` a device->host sync on CUDA); `gen` is unused."""
@@ -237,8 +278,9 @@ def reference_turn_loop(sampler, logits, cache, kv_mask, pos, T_p, observe, max_
         exists[act, col : col + L] = real
         turn_ids[act, col : col + L] = torch.where(real, turn, -1)
         positions = pos[:, None] + torch.arange(L, device=dev)[None, :]
-        hidden = sampler.hidden_states(chunk, position_ids=positions, attention_mask=kv_mask,
-                                       kv_cache=cache)  # fmt: skip
+        hidden = sampler.hidden_states(
+            chunk, position_ids=positions, attention_mask=kv_mask, kv_cache=cache
+        )
         last = hidden[torch.arange(b_now, device=dev), (lens - 1).clamp(min=0)]
         logits = sampler.logits(last)
         pos += lens
@@ -267,10 +309,19 @@ def varied_env(calls: list):
 def rollout_turns(sampler, env, *, seed, temperature, max_new_tokens, total, turn_end, **kw):
     calls: list = []
     r = multiturn.sample_turns(
-        sampler, [[5, 17, 33, 9], [101, 7], [9] * 7], group_size=3, observe=env(calls),
-        max_new_tokens=max_new_tokens, max_turns=5, max_total_tokens=total, stop_ids=[STOP, 11],
-        turn_end_ids=turn_end, temperature=temperature, seed=seed, **kw,
-    )  # fmt: skip
+        sampler,
+        [[5, 17, 33, 9], [101, 7], [9] * 7],
+        group_size=3,
+        observe=env(calls),
+        max_new_tokens=max_new_tokens,
+        max_turns=5,
+        max_total_tokens=total,
+        stop_ids=[STOP, 11],
+        turn_end_ids=turn_end,
+        temperature=temperature,
+        seed=seed,
+        **kw,
+    )
     return r, calls
 
 
@@ -309,14 +360,28 @@ def test_sparse_syncs_give_the_reference_rollout(tiny_checkpoints, monkeypatch, 
     advance = KVCache.advance
     monkeypatch.setattr(KVCache, "advance", lambda c, T: (undone.append(T < 0), advance(c, T)))
     for seed, temperature, filters, mnt, total in CASES:
-        r, calls = rollout_turns(sampler, env, seed=seed, temperature=temperature,
-                                 max_new_tokens=mnt, total=total, turn_end=TURN_END,
-                                 **filters)  # fmt: skip
+        r, calls = rollout_turns(
+            sampler,
+            env,
+            seed=seed,
+            temperature=temperature,
+            max_new_tokens=mnt,
+            total=total,
+            turn_end=TURN_END,
+            **filters,
+        )
         with monkeypatch.context() as m:
             m.setattr(multiturn, "_turn_loop", reference_turn_loop)
-            want, want_calls = rollout_turns(sampler, env, seed=seed, temperature=temperature,
-                                             max_new_tokens=mnt, total=total, turn_end=TURN_END,
-                                             **filters)  # fmt: skip
+            want, want_calls = rollout_turns(
+                sampler,
+                env,
+                seed=seed,
+                temperature=temperature,
+                max_new_tokens=mnt,
+                total=total,
+                turn_end=TURN_END,
+                **filters,
+            )
         assert_same_rollout(r, want)
         assert calls == want_calls
     assert any(undone) == (sync_every > 1)  # the cases do run (and undo) extra steps
@@ -327,14 +392,28 @@ def test_sparse_syncs_compiled(tiny_checkpoints, monkeypatch):
     model = load_model(tiny_checkpoints("qwen3"))
     sampler = Sampler(model, compile=True, compile_options={"backend": "aot_eager"}, sync_every=4)
     for seed, temperature, filters, mnt, total in CASES[:2]:
-        r, calls = rollout_turns(sampler, varied_env, seed=seed, temperature=temperature,
-                                 max_new_tokens=mnt, total=total, turn_end=TURN_END,
-                                 **filters)  # fmt: skip
+        r, calls = rollout_turns(
+            sampler,
+            varied_env,
+            seed=seed,
+            temperature=temperature,
+            max_new_tokens=mnt,
+            total=total,
+            turn_end=TURN_END,
+            **filters,
+        )
         with monkeypatch.context() as m:
             m.setattr(multiturn, "_turn_loop", reference_turn_loop)
-            want, want_calls = rollout_turns(sampler, varied_env, seed=seed,
-                                             temperature=temperature, max_new_tokens=mnt,
-                                             total=total, turn_end=TURN_END, **filters)  # fmt: skip
+            want, want_calls = rollout_turns(
+                sampler,
+                varied_env,
+                seed=seed,
+                temperature=temperature,
+                max_new_tokens=mnt,
+                total=total,
+                turn_end=TURN_END,
+                **filters,
+            )
         assert_same_rollout(r, want)
         assert calls == want_calls
 
@@ -370,8 +449,9 @@ def test_host_syncs_per_turn_not_per_token(tiny_checkpoints, monkeypatch, sync_e
     (r, _), n = count_syncs(monkeypatch, lambda: rollout_turns(sampler, varied_env, **kw))
     with monkeypatch.context() as m:
         m.setattr(multiturn, "_turn_loop", reference_turn_loop)
-        (want, _), n_ref = count_syncs(monkeypatch, lambda: rollout_turns(sampler, varied_env,
-                                                                          **kw))  # fmt: skip
+        (want, _), n_ref = count_syncs(
+            monkeypatch, lambda: rollout_turns(sampler, varied_env, **kw)
+        )
     assert_same_rollout(r, want)
     # decode steps of turn k: until its last row ended (or a limit cut it)
     steps = [int((r.generated_mask & (r.turn_ids == k)).sum(1).max()) for k in range(5)]

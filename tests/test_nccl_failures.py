@@ -91,8 +91,12 @@ def test_scalars_and_agreements_of_a_cuda_rank_go_over_the_gloo_side_group(monke
     cuda = D.Dist(rank=0, world_size=2, device=torch.device("meta"), group=NCCL, cpu_group=GLOO)
     every_scalar_collective(cuda)
     kinds = [kind for kind, _, _ in seen]
-    assert kinds == ["all_reduce"] * 6 + ["all_gather_object", "all_reduce", "all_reduce",
-                                          "all_gather_object"], kinds  # fmt: skip
+    assert kinds == ["all_reduce"] * 6 + [
+        "all_gather_object",
+        "all_reduce",
+        "all_reduce",
+        "all_gather_object",
+    ], kinds
     for kind, group, device in seen:
         assert group is GLOO, (kind, group)
         assert device in (None, torch.device("cpu")), (kind, device)

@@ -35,19 +35,29 @@ def update(tmp_path, model, r, *overrides):
     """One update on rollout `r` with seeded random (B,) advantages."""
     adv = torch.randn(r.ids.shape[0], generator=torch.Generator().manual_seed(0))
     cfg = make_cfg(tmp_path, "loss.beta=0", *overrides)
-    policy = Policy(model, None, [3], None, tmp_path, lora=False,
-                    precision=Precision.from_config(cfg.model))  # fmt: skip
+    policy = Policy(
+        model, None, [3], None, tmp_path, lora=False, precision=Precision.from_config(cfg.model)
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(params, cfg.optim)
     batch = update_batch(cfg, r, adv)
     return update_phase(cfg, policy, batch, opt, build_scheduler(opt, 10, cfg.optim), params)
 
 
-def test_first_pass_agrees_with_the_sampler_and_the_check_sees_a_mismatch(tiny_checkpoints,
-                                                                         tmp_path):  # fmt: skip
+def test_first_pass_agrees_with_the_sampler_and_the_check_sees_a_mismatch(
+    tiny_checkpoints, tmp_path
+):
     base = load_model(tiny_checkpoints("qwen3"))
-    r = sample(base, PROMPTS, group_size=4, max_new_tokens=10, temperature=1.0, stop_ids=[3],
-               seed=0, pad_id=0)  # fmt: skip
+    r = sample(
+        base,
+        PROMPTS,
+        group_size=4,
+        max_new_tokens=10,
+        temperature=1.0,
+        stop_ids=[3],
+        seed=0,
+        pad_id=0,
+    )
     stats = update(tmp_path, copy.deepcopy(base), r)
     assert stats["rollout/logprob_diff_max"] <= 1e-5  # float32, no dropout: the same numbers
     assert stats["rollout/logprob_diff_mean"] <= stats["rollout/logprob_diff_max"]
@@ -67,8 +77,16 @@ def test_first_pass_agrees_with_the_sampler_and_the_check_sees_a_mismatch(tiny_c
 
 def test_old_logprobs_recompute_is_the_trainer_forward(tiny_checkpoints, tmp_path):
     model = load_model(tiny_checkpoints("qwen3"))
-    r = sample(model, PROMPTS, group_size=4, max_new_tokens=10, temperature=0.7, stop_ids=[3],
-               seed=1, pad_id=0)  # fmt: skip
+    r = sample(
+        model,
+        PROMPTS,
+        group_size=4,
+        max_new_tokens=10,
+        temperature=0.7,
+        stop_ids=[3],
+        seed=1,
+        pad_id=0,
+    )
     policy = Policy(model, None, [3], None, tmp_path, lora=False)
     m, plan = r.completion_mask, micro_batch_plan(r, 8)
     cfg = make_cfg(tmp_path, "rollout.temperature=0.7")
@@ -95,13 +113,26 @@ def test_sampler_runs_under_the_trainers_precision(tiny_checkpoints, tmp_path):
     policy.tokenizer = Tok()
     rows = [{"prompt_ids": p} for p in PROMPTS]
     matched = sample_round(cfg, policy, Sampler(model, precision=precision), rows, seed=3)
-    fp32 = sample(model, PROMPTS, group_size=4, max_new_tokens=12, temperature=1.0,
-                  stop_ids=[3], seed=3, pad_id=0)  # fmt: skip
+    fp32 = sample(
+        model,
+        PROMPTS,
+        group_size=4,
+        max_new_tokens=12,
+        temperature=1.0,
+        stop_ids=[3],
+        seed=3,
+        pad_id=0,
+    )
     assert not torch.equal(matched.logprobs, fp32.logprobs)  # autocast did reach the sampler
     diffs = {}
     for name, r in (("matched", matched), ("fp32", fp32)):
-        stats = update(tmp_path, copy.deepcopy(model), r, "model.autocast_bf16=true",
-                       "rollout.max_new_tokens=12")  # fmt: skip
+        stats = update(
+            tmp_path,
+            copy.deepcopy(model),
+            r,
+            "model.autocast_bf16=true",
+            "rollout.max_new_tokens=12",
+        )
         diffs[name] = stats["rollout/logprob_diff_mean"]
     assert diffs["matched"] < diffs["fp32"], diffs
 

@@ -101,11 +101,20 @@ def test_logged_lr_is_the_lr_of_the_steps_update(shared_tiny_model, tmp_path, tr
     from grpo.train.sft import train_sft
 
     steps = 2 if trainer == "grpo" else 4
-    cfg = load_config(REPO / "configs" / "tiny_ci.yaml", [
-        f"model.path={shared_tiny_model}", f"train.output_dir={tmp_path / 'run'}",
-        f"train.max_steps={steps}", "optim.warmup_ratio=0.5", "loss.num_iterations=2",
-        "data.eval_samples=0", "train.save_every=0", "train.log_every=1", "train.progress=false",
-    ])  # fmt: skip
+    cfg = load_config(
+        REPO / "configs" / "tiny_ci.yaml",
+        [
+            f"model.path={shared_tiny_model}",
+            f"train.output_dir={tmp_path / 'run'}",
+            f"train.max_steps={steps}",
+            "optim.warmup_ratio=0.5",
+            "loss.num_iterations=2",
+            "data.eval_samples=0",
+            "train.save_every=0",
+            "train.log_every=1",
+            "train.progress=false",
+        ],
+    )
     # Both make 4 updates with W = round(0.5 * 4) = 2: lr 0.5, 1.0, then cosine
     # (1 + cos(pi * (k - 2) / 2)) / 2 = 1.0, 0.5 (x 1e-3). GRPO: 2 steps of 2 passes each,
     # logged at each step's first update (k = 0, 2); SFT: one update per step.

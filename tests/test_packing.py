@@ -19,8 +19,13 @@ from grpo.models.varlen import PackedSegments, plan_buckets
 
 def packed_logprobs_and_grads(model, r, shared: bool):
     model.zero_grad(set_to_none=True)
-    packed = pack_rows(r.attention_mask(), r.prompt_width, r.generated_mask,
-                       r.group_size if shared else None, packed_overhead(model))  # fmt: skip
+    packed = pack_rows(
+        r.attention_mask(),
+        r.prompt_width,
+        r.generated_mask,
+        r.group_size if shared else None,
+        packed_overhead(model),
+    )
     lp = completion_logprobs(model, r.ids, None, r.prompt_width, None, 0.7, packed=packed)
     weights = torch.linspace(-1, 1, lp.numel()).view_as(lp)  # the padded test's loss
     (lp * weights).sum().backward()
@@ -98,8 +103,16 @@ def test_attention_scores_scale_with_each_rows_square():
     assert own <= layout.score_elements <= 1.5 * own
     assert layout.score_elements < lens.sum() ** 2 / 10
     # a prefix layout: 2 prompts of 5 and 9, each with 3 completions
-    segs = [(0, 5, 0, 0), (5, 9, 0, 0), (14, 4, 0, 5), (18, 1, 0, 5), (19, 6, 0, 5),
-            (25, 2, 5, 9), (27, 7, 5, 9), (34, 3, 5, 9)]  # fmt: skip
+    segs = [
+        (0, 5, 0, 0),
+        (5, 9, 0, 0),
+        (14, 4, 0, 5),
+        (18, 1, 0, 5),
+        (19, 6, 0, 5),
+        (25, 2, 5, 9),
+        (27, 7, 5, 9),
+        (34, 3, 5, 9),
+    ]
     N = 37
     layout = PackedSegments(segs, np.zeros(N, dtype=np.int64), overhead=1)
     dense = np.zeros((N, N), dtype=bool)
@@ -167,8 +180,9 @@ def test_bad_layouts_are_refused(tiny_checkpoints):
         completion_logprobs(model, r.ids[:3], None, r.prompt_width, None, packed=packed)
 
 
-def update_weights(tiny_checkpoints, tmp_path, overrides, lora=True, turns="single",
-                   checkpointing=False):  # fmt: skip
+def update_weights(
+    tiny_checkpoints, tmp_path, overrides, lora=True, turns="single", checkpointing=False
+):
     """The trainable weights after step_batch + update_phase on one fixed 9-row rollout (3
     prompts x 3, or multi-turn 3 x 2) from the same start, as configured."""
     from grpo.config import load_config
@@ -186,19 +200,39 @@ def update_weights(tiny_checkpoints, tmp_path, overrides, lora=True, turns="sing
     B, G = r.ids.shape[0], r.group_size
     rewards = torch.randn(B, generator=torch.Generator().manual_seed(0))
     multi = ["loss.advantage=grpo_turn", "rollout.gamma=0.9"] if turns == "multi" else []
-    cfg = load_config(base={"model": {"path": str(tmp_path)}}, overrides=[
-        f"train.batch_size={B}", f"rollout.group_size={G}", "rollout.temperature=0.7",
-        "loss.num_iterations=2", "loss.beta=0.04", "optim.lr=1e-3", *multi, *overrides,
-        # Adam's first step is about g / (|g| + eps): a gradient near eps (full weights: rows
-        # of tokens barely used), whose last bits depend on the summation order, moves its
-        # weight by a visible fraction of lr either way; eps 1e-6 bounds that (ddp_worker.py)
-        "optim.eps=1e-6"])  # fmt: skip
+    cfg = load_config(
+        base={"model": {"path": str(tmp_path)}},
+        overrides=[
+            f"train.batch_size={B}",
+            f"rollout.group_size={G}",
+            "rollout.temperature=0.7",
+            "loss.num_iterations=2",
+            "loss.beta=0.04",
+            "optim.lr=1e-3",
+            *multi,
+            *overrides,
+            # Adam's first step is about g / (|g| + eps): a gradient near eps (full weights: rows
+            # of tokens barely used), whose last bits depend on the summation order, moves its
+            # weight by a visible fraction of lr either way; eps 1e-6 bounds that (ddp_worker.py)
+            "optim.eps=1e-6",
+        ],
+    )
     policy = Policy(model, None, [3], None, tmp_path, lora=lora)
-    token = (turn_token_rewards(rewards, r, 0.9) if turns == "multi"
-             else outcome_token_rewards(rewards, r.completion_mask))  # fmt: skip
-    batch = RolloutBatch(rollout=r, rows=[{}] * B, texts=[""] * B, rewards=rewards,
-                         token_rewards=token, per_fn={}, policy_version=0,
-                         frac_zero_std=0.0)  # fmt: skip
+    token = (
+        turn_token_rewards(rewards, r, 0.9)
+        if turns == "multi"
+        else outcome_token_rewards(rewards, r.completion_mask)
+    )
+    batch = RolloutBatch(
+        rollout=r,
+        rows=[{}] * B,
+        texts=[""] * B,
+        rewards=rewards,
+        token_rewards=token,
+        per_fn={},
+        policy_version=0,
+        frac_zero_std=0.0,
+    )
     inputs = step_batch(cfg, policy, batch, step=1)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(params, cfg.optim)
@@ -221,12 +255,17 @@ def test_packed_update_equals_padded(tiny_checkpoints, tmp_path, aggregation, sh
     """A whole step (reference log-probs, advantages, mu = 2 updates with KL, micro-batches
     of one group) moves the LoRA weights the same packed and padded, for every aggregation,
     and reports the same loss and on-policy numbers."""
-    common = [f"loss.aggregation={aggregation}", f"train.shared_prefix={shared}",
-              "train.micro_batch_size=3"]  # fmt: skip
-    padded, s_pad, i_pad = update_weights(tiny_checkpoints, tmp_path,
-                                          [*common, "train.pack_sequences=off"])  # fmt: skip
-    packed, s_pack, i_pack = update_weights(tiny_checkpoints, tmp_path,
-                                            [*common, "train.pack_sequences=on"])  # fmt: skip
+    common = [
+        f"loss.aggregation={aggregation}",
+        f"train.shared_prefix={shared}",
+        "train.micro_batch_size=3",
+    ]
+    padded, s_pad, i_pad = update_weights(
+        tiny_checkpoints, tmp_path, [*common, "train.pack_sequences=off"]
+    )
+    packed, s_pack, i_pack = update_weights(
+        tiny_checkpoints, tmp_path, [*common, "train.pack_sequences=on"]
+    )
     assert all(mb.packed is None for mb in i_pad.plan)
     assert all(mb.packed is not None for mb in i_pack.plan)
     m = i_pad.counted_mask
@@ -240,8 +279,11 @@ def test_packed_update_equals_padded(tiny_checkpoints, tmp_path, aggregation, sh
 def test_packed_update_equals_padded_full_weights_and_turns(tiny_checkpoints, tmp_path, case):
     """Full fine-tuning; multi-turn rows (observation tokens scored by nobody, holes between
     turns); gradient checkpointing (each block recomputed through the same layout)."""
-    kw = {"lora": case != "full", "turns": "multi" if case == "multi_turn" else "single",
-          "checkpointing": case == "checkpointing"}  # fmt: skip
+    kw = {
+        "lora": case != "full",
+        "turns": "multi" if case == "multi_turn" else "single",
+        "checkpointing": case == "checkpointing",
+    }
     runs = {}
     for mode in ("off", "on"):
         over = [f"train.pack_sequences={mode}", "train.micro_batch_size=3"]
@@ -257,8 +299,9 @@ def test_micro_batch_tokens_equal_row_micro_batches(tiny_checkpoints, tmp_path):
     micro-batches cut by rows: the loss normalizers do not depend on the cut."""
     off = "train.shared_prefix=off"
     rows, _, _ = update_weights(tiny_checkpoints, tmp_path, ["train.micro_batch_size=3", off])
-    toks, _, i_toks = update_weights(tiny_checkpoints, tmp_path,
-                                     ["train.micro_batch_tokens=24", off])  # fmt: skip
+    toks, _, i_toks = update_weights(
+        tiny_checkpoints, tmp_path, ["train.micro_batch_tokens=24", off]
+    )
     sizes = [mb.rows.stop - mb.rows.start for mb in i_toks.plan]
     assert sum(sizes) == 9 and len(set(sizes)) > 1  # not the row cut
     assert all(mb.packed.real_tokens <= 24 for mb in i_toks.plan)
@@ -298,20 +341,32 @@ def test_sft_packed_step_equals_padded(tiny_checkpoints, tmp_path, budget):
     from grpo.train.sft import sft_slices, sft_update
 
     g = torch.Generator().manual_seed(1)
-    rows = [{"prompt_ids": torch.randint(4, 250, (2 + i % 3,), generator=g).tolist(),
-             "completion_ids": torch.randint(4, 250, (1 + 3 * (i % 4),), generator=g).tolist()}
-            for i in range(8)]  # fmt: skip
+    rows = [
+        {
+            "prompt_ids": torch.randint(4, 250, (2 + i % 3,), generator=g).tolist(),
+            "completion_ids": torch.randint(4, 250, (1 + 3 * (i % 4),), generator=g).tolist(),
+        }
+        for i in range(8)
+    ]
     moved = {}
     for mode in ("off", "on"):
         model = load_model(tiny_checkpoints("qwen3"))
         apply_lora(model, rank=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"], seed=0)
-        size = [f"train.micro_batch_tokens={budget}"] if budget and mode == "on" else [
-            "train.micro_batch_size=2"]  # fmt: skip
-        cfg = load_config(base={"model": {"path": str(tmp_path)}}, overrides=[
-            "train.batch_size=8", "optim.lr=1e-3", f"train.pack_sequences={mode}",
-            *size])  # fmt: skip
-        policy = Policy(model, type("T", (), {"pad_token_id": 0})(), [3], None, tmp_path,
-                        lora=True)  # fmt: skip
+        size = (
+            [f"train.micro_batch_tokens={budget}"]
+            if budget and mode == "on"
+            else ["train.micro_batch_size=2"]
+        )
+        cfg = load_config(
+            base={"model": {"path": str(tmp_path)}},
+            overrides=[
+                "train.batch_size=8",
+                "optim.lr=1e-3",
+                f"train.pack_sequences={mode}",
+                *size,
+            ],
+        )
+        policy = Policy(model, type("T", (), {"pad_token_id": 0})(), [3], None, tmp_path, lora=True)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = build_optimizer(params, cfg.optim)
         scorer = CompletionLogprobs(model)
@@ -320,8 +375,11 @@ def test_sft_packed_step_equals_padded(tiny_checkpoints, tmp_path, budget):
             assert len({c.stop - c.start for c in cuts}) > 1  # uneven rows, even tokens
         sched = build_scheduler(opt, 10, cfg.optim)
         total, tokens, _ = sft_update(cfg, policy, scorer, rows, opt, sched, params, SINGLE)
-        moved[mode] = ({n: p.detach().clone() for n, p in model.named_parameters()
-                        if p.requires_grad}, total, tokens)  # fmt: skip
+        moved[mode] = (
+            {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad},
+            total,
+            tokens,
+        )
     assert moved["on"][2] == moved["off"][2]
     assert moved["on"][1] == pytest.approx(moved["off"][1], rel=1e-6)
     assert_same_update(moved["off"][0], moved["on"][0])
@@ -351,8 +409,9 @@ def test_packing_costs_are_recorded_per_device_type_and_decide_auto(monkeypatch,
         assert varlen.packs_by_default(device_type) == want
     cfg = load_config(base={"model": {"path": str(tmp_path)}})
     assert cfg.packs_sequences("cpu") and not cfg.packs_sequences("cuda")
-    monkeypatch.setitem(varlen.PACKING_COSTS, "cuda",
-                        varlen.PackingCost(10**9, 0.8, "a later measurement"))  # fmt: skip
+    monkeypatch.setitem(
+        varlen.PACKING_COSTS, "cuda", varlen.PackingCost(10**9, 0.8, "a later measurement")
+    )
     assert (
         cfg.packs_sequences("cuda:1") and varlen.bucket_overhead(16, 128, "cuda") == 10**9 // 2048
     )
@@ -384,8 +443,9 @@ def test_config_says_where_packing_runs(tmp_path):
     assert cfg("train.pack_sequences=on").packs_sequences("cuda")
     assert not cfg("train.pack_sequences=off").packs_sequences("cpu")
     assert not auto.packs_sequences("mps")  # nothing measured there: padded
-    with pytest.raises(ConfigError, match="train.micro_batch_tokens: set it or "
-                                          "train.micro_batch_size, not both"):  # fmt: skip
+    with pytest.raises(
+        ConfigError, match="train.micro_batch_tokens: set it or train.micro_batch_size, not both"
+    ):
         cfg("train.micro_batch_tokens=64", "train.micro_batch_size=4")
     with pytest.raises(ConfigError, match="train.micro_batch_tokens: cuts packed"):
         cfg("train.micro_batch_tokens=64", "train.pack_sequences=off")
@@ -421,10 +481,16 @@ def test_balance_in_one_process_round_trips_and_names_a_bad_row(tiny_checkpoints
     model = load_model(tiny_checkpoints("qwen3"))
     r = rollout(model)
     rewards = torch.randn(9, generator=torch.Generator().manual_seed(0))
-    batch = RolloutBatch(rollout=r, rows=[{"q": i} for i in range(9)], texts=["t"] * 9,
-                         rewards=rewards, token_rewards=outcome_token_rewards(rewards,
-                                                                              r.completion_mask),
-                         per_fn={}, policy_version=3, frac_zero_std=0.0)  # fmt: skip
+    batch = RolloutBatch(
+        rollout=r,
+        rows=[{"q": i} for i in range(9)],
+        texts=["t"] * 9,
+        rewards=rewards,
+        token_rewards=outcome_token_rewards(rewards, r.completion_mask),
+        per_fn={},
+        policy_version=3,
+        frac_zero_std=0.0,
+    )
     out, moved = balance_ranks(batch, SINGLE, 0)
     assert moved["perf/rank_tokens_max_ratio"] == moved["perf/rank_tokens_max_ratio_before"] == 1
     assert torch.equal(out.rollout.ids, r.ids) and torch.equal(out.rewards, rewards)

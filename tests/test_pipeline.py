@@ -47,8 +47,10 @@ def test_gsm8k_configs_load_with_the_tutorial_settings():
     assert (grpo.rollout.temperature, grpo.optim.lr, grpo.loss.beta) == (0.8, 1e-5, 0.05)
     assert grpo.loss.epsilon_low == grpo.loss.epsilon_high == 0.2
     assert [(r.name, r.weight) for r in grpo.rewards] == [
-        ("accuracy", 1.0), ("length_penalty", 0.5), ("step", 0.3),
-    ]  # fmt: skip
+        ("accuracy", 1.0),
+        ("length_penalty", 0.5),
+        ("step", 0.3),
+    ]
     assert grpo.model.adapter == "runs/gsm8k-qwen3-0.6b-sft/final"
     pipe = load_pipeline_config(CONFIGS / "pipeline_gsm8k.yaml")
     assert pipe.sft.lora.rank == 16 and pipe.grpo.rollout.group_size == 4
@@ -73,14 +75,20 @@ def test_pipeline_config_errors_name_the_stage_and_field(tmp_path):
     # the top level and file stages go through the config's one builder: types by field
     for doc, message in (
         ({"output_dir": 3, "sft": {}, "grpo": {}}, "output_dir: expected a string, got 3"),
-        ({"output_dir": "o", "sft": {}, "grpo": {}, "evaluate_base": "yes"},
-         "evaluate_base: expected true/false"),
+        (
+            {"output_dir": "o", "sft": {}, "grpo": {}, "evaluate_base": "yes"},
+            "evaluate_base: expected true/false",
+        ),
         ({"output_dir": "o", "sft": [], "grpo": {}}, "sft: expected a mapping, got []"),
-        ({"output_dir": "o", "sft": {"config": "a.yaml", "x": 1}, "grpo": {}},
-         "sft.x: unknown key; valid keys of sft: config, overrides"),
-        ({"output_dir": "o", "sft": {"config": "a.yaml", "overrides": [1]}, "grpo": {}},
-         "sft.overrides[0]: expected a string, got 1"),
-    ):  # fmt: skip
+        (
+            {"output_dir": "o", "sft": {"config": "a.yaml", "x": 1}, "grpo": {}},
+            "sft.x: unknown key; valid keys of sft: config, overrides",
+        ),
+        (
+            {"output_dir": "o", "sft": {"config": "a.yaml", "overrides": [1]}, "grpo": {}},
+            "sft.overrides[0]: expected a string, got 1",
+        ),
+    ):
         bad.write_text(yaml.safe_dump(doc))
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_pipeline_config(bad)
@@ -93,8 +101,9 @@ def test_pipeline_config_errors_name_the_stage_and_field(tmp_path):
     with pytest.raises(ConfigError, match=r"^grpo: train.batch_size: .*not divisible"):
         load_pipeline_config(good, ["grpo.rollout.group_size=3"])
     assert load_pipeline_config(good, ["sft.rollout.group_size=3"]).sft.rollout.group_size == 3
-    bad.write_text(yaml.safe_dump({"output_dir": "o", "sft": {"config": "missing.yaml"},
-                                   "grpo": {}}))  # fmt: skip
+    bad.write_text(
+        yaml.safe_dump({"output_dir": "o", "sft": {"config": "missing.yaml"}, "grpo": {}})
+    )
     with pytest.raises(ConfigError, match="sft: config file .*missing.yaml"):
         load_pipeline_config(bad)
 
@@ -113,9 +122,17 @@ def test_grpo_starts_from_the_sft_result():
 def tiny_pipeline(shared_tiny_model, tmp_path_factory):
     """The offline tiny pipeline, through the `grpo pipeline` CLI function."""
     out = tmp_path_factory.mktemp("pipeline") / "run"
-    args = cli(["pipeline", "--config", str(CONFIGS / "pipeline_tiny.yaml"),
-                f"model.path={shared_tiny_model}", f"output_dir={out}", "grpo.train.max_steps=1",
-                "eval.max_samples=4"])  # fmt: skip
+    args = cli(
+        [
+            "pipeline",
+            "--config",
+            str(CONFIGS / "pipeline_tiny.yaml"),
+            f"model.path={shared_tiny_model}",
+            f"output_dir={out}",
+            "grpo.train.max_steps=1",
+            "eval.max_samples=4",
+        ]
+    )
     return out, args.func(args)
 
 
@@ -144,8 +161,9 @@ def test_tiny_pipeline_writes_complete_results(tiny_pipeline, capsys):
     grpo_cfg = yaml.safe_load(Path(stages["grpo"]["paths"]["config"]).read_text())
     assert grpo_cfg["model"]["adapter"] == str(sft_final)
     assert stages["grpo_eval"]["paths"]["adapters"] == [
-        str(sft_final), stages["grpo"]["paths"]["final"],
-    ]  # fmt: skip
+        str(sft_final),
+        stages["grpo"]["paths"]["final"],
+    ]
     assert set(results["summary"]) == {"sft", "grpo"} and results["total_s"] > 0
 
 
@@ -169,11 +187,19 @@ def test_sft_threshold_stops_before_grpo(shared_tiny_model, tmp_path, monkeypatc
     import grpo.apps.pipeline as pipeline
 
     monkeypatch.setattr("grpo.train.sft.train_sft", _fake_sft)
-    monkeypatch.setattr(pipeline, "evaluate_config",
-                        lambda cfg, spec, details: {"n": 2, "accuracy": 0.25})  # fmt: skip
-    args = cli(["pipeline", "--config", str(CONFIGS / "pipeline_tiny.yaml"),
-                f"model.path={shared_tiny_model}", f"output_dir={tmp_path}",
-                "sft.eval.sft_accuracy_threshold=0.5"])  # fmt: skip
+    monkeypatch.setattr(
+        pipeline, "evaluate_config", lambda cfg, spec, details: {"n": 2, "accuracy": 0.25}
+    )
+    args = cli(
+        [
+            "pipeline",
+            "--config",
+            str(CONFIGS / "pipeline_tiny.yaml"),
+            f"model.path={shared_tiny_model}",
+            f"output_dir={tmp_path}",
+            "sft.eval.sft_accuracy_threshold=0.5",
+        ]
+    )
     assert args.func(args) == 1
     err = capsys.readouterr().err
     assert "accuracy 0.2500 < eval.sft_accuracy_threshold 0.5" in err

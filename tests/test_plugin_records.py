@@ -77,8 +77,7 @@ def records(monkeypatch):
     monkeypatch.setattr(reward_registry, "_REGISTERED", dict(reward_registry._REGISTERED))
     monkeypatch.setattr(envs_base, "_REGISTERED", dict(envs_base._REGISTERED))
     monkeypatch.setattr(formats, "_REGISTERED", dict(formats._REGISTERED))
-    for reg in (algo_registry.ADVANTAGES, algo_registry.POLICY_LOSSES,
-                algo_registry.KL_ESTIMATORS):  # fmt: skip
+    for reg in (algo_registry.ADVANTAGES, algo_registry.POLICY_LOSSES, algo_registry.KL_ESTIMATORS):
         monkeypatch.setattr(reg, "_fns", dict(reg._fns))
         monkeypatch.setattr(reg, "_claims", dict(reg._claims))
     monkeypatch.delenv("RANK", raising=False)
@@ -92,8 +91,11 @@ def installed(root: Path, name: str, version: str, entry_points: str) -> Path:
 
 
 def replaced_lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.name == "grpo.plugins" and r.getMessage().startswith("replaced ")]  # fmt: skip
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "grpo.plugins" and r.getMessage().startswith("replaced ")
+    ]
 
 
 def test_each_replacement_logs_one_line_with_both_qualnames_and_the_caller(records, caplog):
@@ -131,12 +133,14 @@ def test_each_replacement_logs_one_line_with_both_qualnames_and_the_caller(recor
         f"replaced environment 'calculator': grpo.envs.calculator:CalculatorEnv -> "
         f"{here}.<locals>.Calc {by}",
         f"replaced dataset 'minimath': grpo.data.formats:_minimath_dataset -> a list {by}",
-    ]  # fmt: skip
+    ]
     assert all(r.levelno == logging.WARNING for r in caplog.records if r.name == "grpo.plugins")
     assert [(r.kind, r.name) for r in plugins.replacements()] == [
-        ("reward", "accuracy"), ("advantage estimator", "grpo"), ("environment", "calculator"),
+        ("reward", "accuracy"),
+        ("advantage estimator", "grpo"),
+        ("environment", "calculator"),
         ("dataset", "minimath"),
-    ]  # fmt: skip
+    ]
     assert get_reward("accuracy")(["x"]) == [1.0]  # and the replacement is what runs
 
 
@@ -156,19 +160,32 @@ def test_entry_point_and_config_plugins_are_named_with_their_versions(
         "grpo_rec_acc:accuracy (by entry point 'acc' of grpo-rec-acc 1.2.0)",
         "replaced KL estimator 'k3': grpo.algo.kl:k3 -> grpo_rec_kl:k3 (by plugin "
         "'grpo_rec_kl' (plugins[0]))",
-    ]  # fmt: skip
+    ]
     header = plugins.plugin_header()
     assert json.loads(header["run/plugins"]) == {
-        "grpo_rec_acc:hook": {"source": "entry point 'acc'", "dist": "grpo-rec-acc",
-                              "version": "1.2.0"},
+        "grpo_rec_acc:hook": {
+            "source": "entry point 'acc'",
+            "dist": "grpo-rec-acc",
+            "version": "1.2.0",
+        },
         "grpo_rec_kl": {"source": "plugins[0]", "dist": None, "version": "0.3"},
-    }  # fmt: skip
+    }
     assert json.loads(header["run/replaced"]) == [
-        {"kind": "reward", "name": "accuracy", "old": "grpo.rewards.functions:make_accuracy",
-         "new": "grpo_rec_acc:accuracy", "by": "entry point 'acc' of grpo-rec-acc 1.2.0"},
-        {"kind": "KL estimator", "name": "k3", "old": "grpo.algo.kl:k3",
-         "new": "grpo_rec_kl:k3", "by": "plugin 'grpo_rec_kl' (plugins[0])"},
-    ]  # fmt: skip
+        {
+            "kind": "reward",
+            "name": "accuracy",
+            "old": "grpo.rewards.functions:make_accuracy",
+            "new": "grpo_rec_acc:accuracy",
+            "by": "entry point 'acc' of grpo-rec-acc 1.2.0",
+        },
+        {
+            "kind": "KL estimator",
+            "name": "k3",
+            "old": "grpo.algo.kl:k3",
+            "new": "grpo_rec_kl:k3",
+            "by": "plugin 'grpo_rec_kl' (plugins[0])",
+        },
+    ]
 
 
 def test_run_records_its_plugins_and_a_resume_with_other_plugins_warns(
@@ -185,9 +202,19 @@ def test_run_records_its_plugins_and_a_resume_with_other_plugins_warns(
     monkeypatch.syspath_prepend(str(tmp_path))
     caplog.set_level(logging.INFO)
     run = tmp_path / "run"
-    args = ["train", "--config", TINY, f"model.path={shared_tiny_model}", f"train.output_dir={run}",
-            "train.progress=false", "data.eval_samples=0", "data.max_samples=16",
-            "loss.num_iterations=1", "rollout.max_new_tokens=4", "train.save_every=1"]  # fmt: skip
+    args = [
+        "train",
+        "--config",
+        TINY,
+        f"model.path={shared_tiny_model}",
+        f"train.output_dir={run}",
+        "train.progress=false",
+        "data.eval_samples=0",
+        "data.max_samples=16",
+        "loss.num_iterations=1",
+        "rollout.max_new_tokens=4",
+        "train.save_every=1",
+    ]
 
     assert cli.main([*args, "train.max_steps=1"]) == 0
     assert replaced_lines(caplog) == [
@@ -197,14 +224,20 @@ def test_run_records_its_plugins_and_a_resume_with_other_plugins_warns(
     (first,) = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert first["rewards/accuracy"] == 0.75  # the replacement ran
     assert json.loads(first["run/plugins"]) == {
-        "grpo_rec_acc2:hook": {"source": "entry point 'acc'", "dist": "grpo-rec-acc2",
-                               "version": "1.2.0"},
-    }  # fmt: skip
+        "grpo_rec_acc2:hook": {
+            "source": "entry point 'acc'",
+            "dist": "grpo-rec-acc2",
+            "version": "1.2.0",
+        },
+    }
     (replaced,) = json.loads(first["run/replaced"])
-    assert replaced == {"kind": "reward", "name": "accuracy",
-                        "old": "grpo.rewards.functions:make_accuracy",
-                        "new": "grpo_rec_acc2:accuracy",
-                        "by": "entry point 'acc' of grpo-rec-acc2 1.2.0"}  # fmt: skip
+    assert replaced == {
+        "kind": "reward",
+        "name": "accuracy",
+        "old": "grpo.rewards.functions:make_accuracy",
+        "new": "grpo_rec_acc2:accuracy",
+        "by": "entry point 'acc' of grpo-rec-acc2 1.2.0",
+    }
 
     caplog.clear()
     assert cli.main([*args, "train.max_steps=2", "--resume", "--plugin", "grpo_rec_extra"]) == 0
@@ -223,15 +256,23 @@ def test_resume_compares_with_the_start_that_saved_the_checkpoint(records, tmp_p
     from grpo.run.rundir import plugin_changes, warn_plugin_changes
 
     def header(plugins_: dict) -> str:
-        return json.dumps({k: {"source": "plugins[0]", "dist": None, "version": v}
-                           for k, v in plugins_.items()})  # fmt: skip
+        return json.dumps(
+            {k: {"source": "plugins[0]", "dist": None, "version": v} for k, v in plugins_.items()}
+        )
 
-    rows = [{"step": 1, "run/plugins": header({"a": "1.0", "b": "0.1"})}, {"step": 2},
-            {"step": 3, "run/plugins": header({"z": None})}]  # fmt: skip
+    rows = [
+        {"step": 1, "run/plugins": header({"a": "1.0", "b": "0.1"})},
+        {"step": 2},
+        {"step": 3, "run/plugins": header({"z": None})},
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     ckpt = tmp_path / "checkpoints" / "step_000002"
-    plugins._LOADED.update({"a": plugins.Plugin("a", "plugins[0]", None, "1.1"),
-                            "c": plugins.Plugin("c", "plugins[1]")})  # fmt: skip
+    plugins._LOADED.update(
+        {
+            "a": plugins.Plugin("a", "plugins[0]", None, "1.1"),
+            "c": plugins.Plugin("c", "plugins[1]"),
+        }
+    )
     caplog.set_level(logging.INFO)
     warn_plugin_changes(tmp_path, ckpt)  # step 3 came from a later start: step 1's is compared
     assert [r.getMessage() for r in caplog.records] == [
@@ -248,8 +289,11 @@ def test_resume_compares_with_the_start_that_saved_the_checkpoint(records, tmp_p
 
 def test_plugin_timeout_setting_is_checked(monkeypatch):
     monkeypatch.setenv(plugins.TIMEOUT_ENV, "soon")
-    with pytest.raises(plugins.GrpoError, match=r"^GRPO_PLUGIN_TIMEOUT_S: expected a number of "
-                       r"seconds > 0, got 'soon'$"):  # fmt: skip
+    with pytest.raises(
+        plugins.GrpoError,
+        match=r"^GRPO_PLUGIN_TIMEOUT_S: expected a number of "
+        r"seconds > 0, got 'soon'$",
+    ):
         plugins._timeout_s()
     monkeypatch.setenv(plugins.TIMEOUT_ENV, "2.5")
     assert plugins._timeout_s() == 2.5
@@ -269,14 +313,26 @@ def test_plugin_hanging_on_rank_1_is_one_line_naming_the_rank_and_the_plugin(tmp
     store = td.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
     def start(rank: int, attempt: int, plugin: str) -> subprocess.Popen:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path),
-               "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
-               "TORCHELASTIC_RESTART_COUNT": str(attempt),
-               "GRPO_PLUGIN_TIMEOUT_S": "2"}  # fmt: skip
-        return subprocess.Popen([sys.executable, "-m", "grpo", "config", "--config", TINY,
-                                 "--plugin", plugin], cwd=tmp_path, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(tmp_path),
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(store.port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": str(attempt),
+            "GRPO_PLUGIN_TIMEOUT_S": "2",
+        }
+        return subprocess.Popen(
+            [sys.executable, "-m", "grpo", "config", "--config", TINY, "--plugin", plugin],
+            cwd=tmp_path,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
 
     ranks = [start(r, 0, "grpo_rec_ok") for r in (0, 1)]
     try:
@@ -311,22 +367,42 @@ def test_plugin_hanging_on_rank_1_under_torchrun(tmp_path):
     cfg = yaml.safe_load(Path(TINY).read_text())
     cfg["plugins"] = ["grpo_rec_hang"]
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path),
-           "GRPO_PLUGIN_TIMEOUT_S": "2"}  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(tmp_path),
+        "GRPO_PLUGIN_TIMEOUT_S": "2",
+    }
     t0 = time.monotonic()
-    job = subprocess.Popen([*TORCHRUN, "-m", "grpo", "train", "--config", "c.yaml",
-                            "model.path=nowhere", "train.output_dir=out",
-                            "train.dist_timeout_s=4"], cwd=tmp_path, env=env, text=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           start_new_session=True)  # fmt: skip
+    job = subprocess.Popen(
+        [
+            *TORCHRUN,
+            "-m",
+            "grpo",
+            "train",
+            "--config",
+            "c.yaml",
+            "model.path=nowhere",
+            "train.output_dir=out",
+            "train.dist_timeout_s=4",
+        ],
+        cwd=tmp_path,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         _, err = job.communicate(timeout=120)
     finally:
         if job.poll() is None:  # torchrun and its workers
             os.killpg(job.pid, signal.SIGKILL)
             job.communicate()
-    line = ("rank 0 (plugins): stopped: rank 1 did not finish loading plugin 'grpo_rec_hang' "
-            "(plugins[0]) within GRPO_PLUGIN_TIMEOUT_S=2 s (hung or too slow)")  # fmt: skip
+    line = (
+        "rank 0 (plugins): stopped: rank 1 did not finish loading plugin 'grpo_rec_hang' "
+        "(plugins[0]) within GRPO_PLUGIN_TIMEOUT_S=2 s (hung or too slow)"
+    )
     assert job.returncode != 0
     ours = [x for x in err.splitlines() if x.startswith("grpo train:")]
     assert ours == [f"grpo train: error: {line}"], err[-3000:]

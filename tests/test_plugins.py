@@ -97,9 +97,15 @@ def hook():
         return broadcast(torch.full_like(scores, 2.0), mask)
 '''
 
-ALL_FIVE = ["loss.advantage=ext_adv", "loss.policy_loss=ext_loss", "loss.kl_estimator=ext_kl",
-            "rewards=[{name: ext_reward}]", "rollout.env=ext_env",
-            "rollout.env_kwargs={bonus: 0.5}", "rollout.max_turns=2"]  # fmt: skip
+ALL_FIVE = [
+    "loss.advantage=ext_adv",
+    "loss.policy_loss=ext_loss",
+    "loss.kl_estimator=ext_kl",
+    "rewards=[{name: ext_reward}]",
+    "rollout.env=ext_env",
+    "rollout.env_kwargs={bonus: 0.5}",
+    "rollout.max_turns=2",
+]
 
 
 def dist_info(root: Path, name: str, entry_points: str, version: str = "0.1") -> Path:
@@ -126,8 +132,9 @@ def plugin_paths(tmp_path_factory):
 
 def grpo(args, cwd, pythonpath, timeout=300, prefix=(sys.executable, "-m", "grpo")):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(pythonpath)}
-    return subprocess.run([*prefix, *args], cwd=cwd, capture_output=True, text=True,
-                          env=env, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [*prefix, *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 @pytest.fixture
@@ -138,9 +145,15 @@ def new_process(monkeypatch, tmp_path, caplog):
     once-per-process entry-point and plugin caches start empty; the plugin modules are imported
     afresh) and the registries as they were before the test (copies, dropped after it). Logs
     reach caplog at INFO, the level `python -m grpo` prints them to stderr at."""
-    saved = {(reg, attr): getattr(reg, attr)
-             for reg in (algo_registry.ADVANTAGES, algo_registry.POLICY_LOSSES,
-                         algo_registry.KL_ESTIMATORS) for attr in ("_fns", "_claims")}  # fmt: skip
+    saved = {
+        (reg, attr): getattr(reg, attr)
+        for reg in (
+            algo_registry.ADVANTAGES,
+            algo_registry.POLICY_LOSSES,
+            algo_registry.KL_ESTIMATORS,
+        )
+        for attr in ("_fns", "_claims")
+    }
     for owner in (reward_registry, envs_base, formats):
         saved[owner, "_REGISTERED"] = owner._REGISTERED
     activate = plugins._activate.__wrapped__
@@ -178,9 +191,18 @@ def stderr(capsys, caplog) -> str:
 
 
 def train_args(model, *overrides, config=TINY):
-    return ["train", "--config", str(config), f"model.path={model}", "train.output_dir=run",
-            "train.max_steps=1", "train.progress=false", "data.eval_samples=0",
-            "loss.num_iterations=1", *overrides]  # fmt: skip
+    return [
+        "train",
+        "--config",
+        str(config),
+        f"model.path={model}",
+        "train.output_dir=run",
+        "train.max_steps=1",
+        "train.progress=false",
+        "data.eval_samples=0",
+        "loss.num_iterations=1",
+        *overrides,
+    ]
 
 
 def metrics(run: Path) -> list[dict]:
@@ -211,8 +233,10 @@ def test_config_plugins_train_and_the_saved_config_imports_them(
     assert yaml.safe_load(out)["loss"]["advantage"] == "ext_adv"
     # `grpo config` rejects the plugin environment's unknown kwargs, as `grpo train` does
     stderr(capsys, caplog)
-    code = new_process(["config", "--config", "run/config.yaml", "rollout.env_kwargs={bonsu: 1}"],
-                       [plugin_paths["mods"]])  # fmt: skip
+    code = new_process(
+        ["config", "--config", "run/config.yaml", "rollout.env_kwargs={bonsu: 1}"],
+        [plugin_paths["mods"]],
+    )
     assert code == 2
     assert stderr(capsys, caplog).strip() == (
         "grpo config: error: rollout.env_kwargs: got an unexpected keyword argument 'bonsu' "
@@ -224,16 +248,31 @@ def test_entry_point_plugin_trains_and_its_function_is_called(
     plugin_paths, shared_tiny_model, tmp_path, new_process, capsys
 ):
     overrides = [o.replace("=ext_adv", "=ext_hooked") for o in ALL_FIVE]
-    code = new_process(train_args(shared_tiny_model, *overrides),
-                       [plugin_paths["mods"], plugin_paths["ep"]])  # fmt: skip
+    code = new_process(
+        train_args(shared_tiny_model, *overrides), [plugin_paths["mods"], plugin_paths["ep"]]
+    )
     assert code == 0, capsys.readouterr().err[-3000:]
     (row,) = metrics(tmp_path / "run")
     assert row["train/ext_adv"] == 2.0  # registered by the hook the entry point names
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["plugins"] == []
     # `grpo eval` of the trained adapter in episodes of the entry point's environment
-    args = ["eval", "--model", str(shared_tiny_model), "--adapter", "run/final", "--env",
-            "ext_env", "--max-turns", "2", "--max-samples", "2", "--max-new-tokens", "4",
-            "--out", "eval.json"]  # fmt: skip
+    args = [
+        "eval",
+        "--model",
+        str(shared_tiny_model),
+        "--adapter",
+        "run/final",
+        "--env",
+        "ext_env",
+        "--max-turns",
+        "2",
+        "--max-samples",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--out",
+        "eval.json",
+    ]
     code = new_process(args, [plugin_paths["mods"], plugin_paths["ep"]])
     assert code == 0, capsys.readouterr().err[-3000:]
     summary = json.loads((tmp_path / "eval.json").read_text())["models"]["model"]["summary"]
@@ -243,8 +282,12 @@ def test_entry_point_plugin_trains_and_its_function_is_called(
 @pytest.mark.process
 def test_two_ranks_train_with_a_cli_plugin(plugin_paths, shared_tiny_model, tmp_path):
     args = train_args(shared_tiny_model, "loss.advantage=ext_adv", "loss.policy_loss=ext_loss")
-    r = grpo([*args, "--plugin", "grpo_test_ext"], tmp_path, [plugin_paths["mods"]],
-             prefix=(*TORCHRUN, "-m", "grpo"))  # fmt: skip
+    r = grpo(
+        [*args, "--plugin", "grpo_test_ext"],
+        tmp_path,
+        [plugin_paths["mods"]],
+        prefix=(*TORCHRUN, "-m", "grpo"),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     (row,) = metrics(tmp_path / "run")  # one row: rank 0 logs
     assert row["train/ext_adv"] == 1.0
@@ -259,11 +302,15 @@ def test_failing_plugins_are_one_line(plugin_paths, new_process, capsys, caplog)
         "grpo config: error: entry point 'bad' of group 'grpo.plugins': cannot import "
         "'grpo_test_missing': ModuleNotFoundError: No module named 'grpo_test_missing'\n"
     )
-    code = new_process(["sft", "--config", str(TINY), "--plugin", "grpo_test_ext", "--plugin",
-                        "nope.mod"], [plugin_paths["mods"]])  # fmt: skip
+    code = new_process(
+        ["sft", "--config", str(TINY), "--plugin", "grpo_test_ext", "--plugin", "nope.mod"],
+        [plugin_paths["mods"]],
+    )
     assert code == 2
-    assert stderr(capsys, caplog) == ("grpo sft: error: --plugin[1]: cannot import 'nope.mod': "
-                                      "ModuleNotFoundError: No module named 'nope'\n")  # fmt: skip
+    assert stderr(capsys, caplog) == (
+        "grpo sft: error: --plugin[1]: cannot import 'nope.mod': "
+        "ModuleNotFoundError: No module named 'nope'\n"
+    )
 
 
 # -- in this process: plugins that register nothing -------------------------------------------
@@ -283,13 +330,19 @@ def test_config_plugins_are_imported_first_and_kept(tmp_path, monkeypatch, capsy
     with pytest.raises(ConfigError, match=r"^plugins: expected a list, got 'grpo_test_probe'$"):
         load_config(base={"model": {"path": "m"}}, overrides=["plugins=grpo_test_probe"])
     bad = [
-        ("plugins=[grpo_test_broken]",
-         "plugins[0]: cannot import 'grpo_test_broken': RuntimeError: broken\non purpose"),
-        ("plugins=['grpo_test_probe:nope']",
-         "plugins[0]: 'grpo_test_probe:nope': module 'grpo_test_probe' has no attribute 'nope'"),
-        ("plugins=['grpo_test_probe:CALLS']",
-         "plugins[0]: 'grpo_test_probe:CALLS': 'CALLS' is a list, not a function"),
-    ]  # fmt: skip
+        (
+            "plugins=[grpo_test_broken]",
+            "plugins[0]: cannot import 'grpo_test_broken': RuntimeError: broken\non purpose",
+        ),
+        (
+            "plugins=['grpo_test_probe:nope']",
+            "plugins[0]: 'grpo_test_probe:nope': module 'grpo_test_probe' has no attribute 'nope'",
+        ),
+        (
+            "plugins=['grpo_test_probe:CALLS']",
+            "plugins[0]: 'grpo_test_probe:CALLS': 'CALLS' is a list, not a function",
+        ),
+    ]
     for override, message in bad:
         with pytest.raises(ConfigError) as e:
             load_config(base={"model": {"path": "m"}}, overrides=[override])
@@ -308,11 +361,15 @@ def test_pipeline_and_sweep_stages_keep_cli_plugins(tmp_path, monkeypatch):
 
     (tmp_path / "grpo_test_probe2.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
-    p = load_pipeline_config(REPO / "configs" / "pipeline_tiny.yaml",
-                             [f"output_dir={tmp_path / 'p'}"], ["grpo_test_probe2"])  # fmt: skip
+    p = load_pipeline_config(
+        REPO / "configs" / "pipeline_tiny.yaml",
+        [f"output_dir={tmp_path / 'p'}"],
+        ["grpo_test_probe2"],
+    )
     assert p.sft.plugins == p.grpo.plugins == ("grpo_test_probe2",)
-    setup = SweepSetup(str(TINY), (), tmp_path, "eval/accuracy", "max", "grpo",
-                       ("grpo_test_probe2",))  # fmt: skip
+    setup = SweepSetup(
+        str(TINY), (), tmp_path, "eval/accuracy", "max", "grpo", ("grpo_test_probe2",)
+    )
     assert setup.trial_config({"optim.lr": 1e-4}, tmp_path / "t").plugins == ("grpo_test_probe2",)
 
 
@@ -321,13 +378,15 @@ def test_pipeline_and_sweep_stages_keep_cli_plugins(tmp_path, monkeypatch):
     [
         (["rollout.env=nope"], "rollout.env: unknown environment 'nope'"),
         (["eval.env=nope"], "eval.env: unknown environment 'nope'"),
-        (["rollout.env=calculator", "rollout.env_kwargs={zz: 1}"],
-         "rollout.env_kwargs: got an unexpected keyword argument 'zz'"),
+        (
+            ["rollout.env=calculator", "rollout.env_kwargs={zz: 1}"],
+            "rollout.env_kwargs: got an unexpected keyword argument 'zz'",
+        ),
         (["rewards=[{name: nope}]"], "unknown reward 'nope'"),
         (["rewards=[{name: step, betta: 1}]"], "betta"),
         (["train.batch_size=6", "train.micro_batch_size=3"], "GRPO needs whole groups"),
     ],
-)  # fmt: skip
+)
 def test_config_checks_what_train_checks_before_the_model(overrides, message, capsys):
     """`grpo config` runs the checks `grpo train` runs before loading the model."""
     assert cli.main(["config", "--config", str(TINY), *overrides]) == 2
@@ -339,12 +398,26 @@ def test_config_preflight_reads_a_local_model_only(shared_tiny_model, tmp_path, 
     """With model.path on this machine `grpo config` runs the preflight (token budgets against
     the checkpoint's context); a model it cannot see is not fetched; --trainer sft checks
     as `grpo sft` (dropout allowed)."""
-    local = ["--config", str(TINY), f"model.path={shared_tiny_model}",
-             f"train.output_dir={tmp_path / 'run'}"]  # fmt: skip
+    local = [
+        "--config",
+        str(TINY),
+        f"model.path={shared_tiny_model}",
+        f"train.output_dir={tmp_path / 'run'}",
+    ]
     assert cli.main(["config", *local, "rollout.max_new_tokens=4000"]) == 2
     assert "rollout.max_new_tokens: 4000 new tokens leave no room" in capsys.readouterr().err
-    assert cli.main(["config", "--config", str(TINY), "model.path=nobody/nothing",
-                     "rollout.max_new_tokens=4000"]) == 0  # fmt: skip
+    assert (
+        cli.main(
+            [
+                "config",
+                "--config",
+                str(TINY),
+                "model.path=nobody/nothing",
+                "rollout.max_new_tokens=4000",
+            ]
+        )
+        == 0
+    )
     assert cli.main(["config", *local, "lora.dropout=0.1"]) == 2
     assert "lora.dropout: must be 0 for GRPO" in capsys.readouterr().err
     assert cli.main(["config", *local, "lora.dropout=0.1", "--trainer", "sft"]) == 0

@@ -56,13 +56,17 @@ def random_batch(seed=0, B=6, T=7, holes=False):
     return rewards, values, mask
 
 
-@pytest.mark.parametrize("gamma, lam, holes", [(0.9, 0.8, False), (1.0, 0.95, True),
-                                               (0.99, 0.0, True), (0.7, 1.0, False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "gamma, lam, holes",
+    [(0.9, 0.8, False), (1.0, 0.95, True), (0.99, 0.0, True), (0.7, 1.0, False)],
+)
 def test_gae_equals_the_float64_sum_of_discounted_deltas(gamma, lam, holes):
     rewards, values, mask = random_batch(1, holes=holes)
     adv, ret = gae_returns(rewards, values, mask, gamma, lam)
-    want = torch.tensor(gae_by_hand(rewards.tolist(), values.tolist(), mask.tolist(), gamma,
-                                    lam), dtype=torch.float64)  # fmt: skip
+    want = torch.tensor(
+        gae_by_hand(rewards.tolist(), values.tolist(), mask.tolist(), gamma, lam),
+        dtype=torch.float64,
+    )
     torch.testing.assert_close(adv, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(ret, torch.where(mask, want + values, 0.0), rtol=0, atol=1e-12)
     assert (adv[~mask] == 0).all() and (ret[~mask] == 0).all()
@@ -98,21 +102,40 @@ def test_gae_skips_observation_tokens_of_a_multi_turn_row():
 
 def rollout_with(values, mask):
     return EstimatorRollout(
-        completion_ids=torch.where(mask, 7, 0), completion_mask=mask, generated_mask=mask,
-        turn_ids=torch.where(mask, 0, -1), logprobs=torch.zeros(mask.shape),
-        prompt_lens=torch.ones(mask.shape[0], dtype=torch.long), extras={"values": values},
-    )  # fmt: skip
+        completion_ids=torch.where(mask, 7, 0),
+        completion_mask=mask,
+        generated_mask=mask,
+        turn_ids=torch.where(mask, 0, -1),
+        logprobs=torch.zeros(mask.shape),
+        prompt_lens=torch.ones(mask.shape[0], dtype=torch.long),
+        extras={"values": values},
+    )
 
 
 def test_the_gae_estimator_whitens_over_the_batch_and_reports_the_critic():
     rewards, values, mask = random_batch(3, B=8)
     reported: dict = {}
-    adv = compute_advantages("gae", rewards.float(), mask, group_size=4, eps=1e-4, gamma=0.95,
-                             gae_lambda=0.9, rollout=rollout_with(values.float(), mask),
-                             metrics=reported)  # fmt: skip
-    raw = torch.tensor(gae_by_hand(rewards.float().double().tolist(),
-                                   values.float().double().tolist(), mask.tolist(), 0.95, 0.9),
-                       dtype=torch.float64)  # fmt: skip
+    adv = compute_advantages(
+        "gae",
+        rewards.float(),
+        mask,
+        group_size=4,
+        eps=1e-4,
+        gamma=0.95,
+        gae_lambda=0.9,
+        rollout=rollout_with(values.float(), mask),
+        metrics=reported,
+    )
+    raw = torch.tensor(
+        gae_by_hand(
+            rewards.float().double().tolist(),
+            values.float().double().tolist(),
+            mask.tolist(),
+            0.95,
+            0.9,
+        ),
+        dtype=torch.float64,
+    )
     x = raw[mask]
     want = torch.where(mask, (raw - x.mean()) / (x.std() + 1e-4), 0.0)  # unbiased std
     torch.testing.assert_close(adv.double(), want, rtol=1e-5, atol=1e-5)
@@ -122,9 +145,16 @@ def test_the_gae_estimator_whitens_over_the_batch_and_reports_the_critic():
     assert math.isclose(reported["advantage/explained_variance"], ev, rel_tol=1e-5)
     assert math.isclose(reported["advantage/return_mean"], float(ret.mean()), rel_tol=1e-5)
     assert math.isclose(reported["advantage/value_mean"], float(v.mean()), rel_tol=1e-5)
-    plain = compute_advantages("gae", rewards.float(), mask, group_size=4, gamma=0.95,
-                               gae_lambda=0.9, params={"whiten": False},
-                               rollout=rollout_with(values.float(), mask))  # fmt: skip
+    plain = compute_advantages(
+        "gae",
+        rewards.float(),
+        mask,
+        group_size=4,
+        gamma=0.95,
+        gae_lambda=0.9,
+        params={"whiten": False},
+        rollout=rollout_with(values.float(), mask),
+    )
     torch.testing.assert_close(plain.double(), raw, rtol=1e-5, atol=1e-5)
 
 
@@ -163,26 +193,30 @@ def test_the_value_loss_equals_a_hand_computation():
     old = torch.tensor([0.8, 0.9, 0.0], dtype=torch.float64)
     ret = torch.tensor([1.5, 0.0, 0.3], dtype=torch.float64)
     loss, clipped = value_loss(v, old, ret, 0.2)
-    torch.testing.assert_close(loss, torch.tensor([0.125, 0.245, 0.125], dtype=torch.float64),
-                               rtol=0, atol=1e-12)  # fmt: skip
+    torch.testing.assert_close(
+        loss, torch.tensor([0.125, 0.245, 0.125], dtype=torch.float64), rtol=0, atol=1e-12
+    )
     assert clipped.tolist() == [False, True, False]
     loss, clipped = value_loss(v, old, ret, None)
-    torch.testing.assert_close(loss, torch.full((3,), 0.125, dtype=torch.float64), rtol=0,
-                               atol=1e-12)  # fmt: skip
+    torch.testing.assert_close(
+        loss, torch.full((3,), 0.125, dtype=torch.float64), rtol=0, atol=1e-12
+    )
     assert not clipped.any()
     # its gradient: (V - R) where unclipped wins, 0 where the clipped branch is flat
     vg = v.clone().requires_grad_(True)
     value_loss(vg, old, ret, 0.2)[0].sum().backward()
-    torch.testing.assert_close(vg.grad, torch.tensor([-0.5, 0.0, -0.5], dtype=torch.float64),
-                               rtol=0, atol=1e-12)  # fmt: skip
+    torch.testing.assert_close(
+        vg.grad, torch.tensor([-0.5, 0.0, -0.5], dtype=torch.float64), rtol=0, atol=1e-12
+    )
 
 
 # ------------------------------------------------------------------------------- the critic
 
 
 def tiny_cfg(model, *over, modules="[{name: critic}]"):
-    return load_config(TINY, [f"model.path={model}", "loss.advantage=gae",
-                              f"modules={modules}", *over])  # fmt: skip
+    return load_config(
+        TINY, [f"model.path={model}", "loss.advantage=gae", f"modules={modules}", *over]
+    )
 
 
 def build(cfg):
@@ -196,7 +230,7 @@ def build(cfg):
 
 def test_a_lora_critic_shares_the_policy_base_and_trains_only_adapter_and_head(
     shared_tiny_model,
-):  # fmt: skip
+):
     policy, critic = build(tiny_cfg(shared_tiny_model))
     ours = critic.model.layers[0].self_attn.q_proj
     theirs = policy.model.layers[0].self_attn.q_proj
@@ -220,8 +254,16 @@ def test_critic_values_sit_at_the_positions_that_predict_each_token(shared_tiny_
     policy, critic = build(tiny_cfg(shared_tiny_model))
     with torch.no_grad():
         critic.model.score.weight.normal_(0, 1.0)  # values that differ
-    r = sample(policy.model, [[5, 17, 33, 9, 21], [101, 7]], group_size=2, max_new_tokens=6,
-               temperature=1.0, stop_ids=[3], seed=0, pad_id=0)  # fmt: skip
+    r = sample(
+        policy.model,
+        [[5, 17, 33, 9, 21], [101, 7]],
+        group_size=2,
+        max_new_tokens=6,
+        temperature=1.0,
+        stop_ids=[3],
+        seed=0,
+        pad_id=0,
+    )
     with torch.no_grad():
         got = critic.values(r, slice(0, 4))
         for b in range(4):
@@ -250,18 +292,30 @@ def test_a_critic_starts_from_a_reward_model_head(shared_tiny_model, tmp_path):
     assert critic.model.score.weight.requires_grad
 
 
-@pytest.mark.parametrize("over, field", [
-    (["modules=[]"], "loss.advantage"),
-    (["rollout.gamma=0.9", "rollout.env=calculator"], "rollout.gamma"),
-    (["loss.advantage=grpo", "modules=[]", "train.critic_warmup_steps=2"],
-     "train.critic_warmup_steps"),
-    (["modules=[{name: critic, kwargs: {valu_clip: 0.2}}]"], "modules[0].kwargs"),
-    (["loss.gae_lambda=1.5"], "loss.gae_lambda"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "over, field",
+    [
+        (["modules=[]"], "loss.advantage"),
+        (["rollout.gamma=0.9", "rollout.env=calculator"], "rollout.gamma"),
+        (
+            ["loss.advantage=grpo", "modules=[]", "train.critic_warmup_steps=2"],
+            "train.critic_warmup_steps",
+        ),
+        (["modules=[{name: critic, kwargs: {valu_clip: 0.2}}]"], "modules[0].kwargs"),
+        (["loss.gae_lambda=1.5"], "loss.gae_lambda"),
+    ],
+)
 def test_ppo_settings_that_cannot_work_are_named(shared_tiny_model, over, field):
     with pytest.raises(ConfigError) as e:
-        load_config(TINY, [f"model.path={shared_tiny_model}", "loss.advantage=gae",
-                           "modules=[{name: critic}]", *over]).check_grpo()  # fmt: skip
+        load_config(
+            TINY,
+            [
+                f"model.path={shared_tiny_model}",
+                "loss.advantage=gae",
+                "modules=[{name: critic}]",
+                *over,
+            ],
+        ).check_grpo()
     assert field in str(e.value)
 
 
@@ -294,8 +348,15 @@ def my_pkg(tmp_path):
 
 
 def grpo_train(cwd, model, *args, env=None):
-    return tiny_train(cwd, model, "loss.advantage=gae", "loss.kl_in_reward=0.05",
-                      "plugins=[my_pkg.killer]", *args, env=env)  # fmt: skip
+    return tiny_train(
+        cwd,
+        model,
+        "loss.advantage=gae",
+        "loss.kl_in_reward=0.05",
+        "plugins=[my_pkg.killer]",
+        *args,
+        env=env,
+    )
 
 
 def step_rows(path: Path) -> list[dict]:
@@ -303,12 +364,21 @@ def step_rows(path: Path) -> list[dict]:
     return [r for r in rows if "module/critic/loss" in r]
 
 
-def test_ppo_trains_with_its_critic_and_warms_the_critic_up_first(my_pkg, shared_tiny_model,
-                                                                  monkeypatch, capsys):  # fmt: skip
-    code = tiny_train_here(monkeypatch, my_pkg, shared_tiny_model, "loss.advantage=gae",
-                           "loss.kl_in_reward=0.05", "train.output_dir=run", "train.max_steps=3",
-                           "train.critic_warmup_steps=2", "train.save_every=2",
-                           "modules=[{name: critic, optim: {lr: 0.01}}]")  # fmt: skip
+def test_ppo_trains_with_its_critic_and_warms_the_critic_up_first(
+    my_pkg, shared_tiny_model, monkeypatch, capsys
+):
+    code = tiny_train_here(
+        monkeypatch,
+        my_pkg,
+        shared_tiny_model,
+        "loss.advantage=gae",
+        "loss.kl_in_reward=0.05",
+        "train.output_dir=run",
+        "train.max_steps=3",
+        "train.critic_warmup_steps=2",
+        "train.save_every=2",
+        "modules=[{name: critic, optim: {lr: 0.01}}]",
+    )
     assert code == 0, capsys.readouterr().err[-3000:]
     rows = step_rows(my_pkg / "run" / "metrics.jsonl")
     assert [m["step"] for m in rows] == [1, 2, 3]
@@ -334,12 +404,17 @@ def test_ppo_trains_with_its_critic_and_warms_the_critic_up_first(my_pkg, shared
 def test_a_killed_ppo_run_resumes_bitwise(my_pkg, shared_tiny_model):
     """SIGKILL at step 3 (after the step-2 checkpoint); `--resume` ends where the run never
     stopped ends: the policy's adapter and the critic (adapter and head), bitwise."""
-    common = ["train.max_steps=4", "train.save_every=2", "loss.num_iterations=2",
-              "modules=[{name: killed_critic, label: critic, optim: {lr: 0.01}}]"]  # fmt: skip
+    common = [
+        "train.max_steps=4",
+        "train.save_every=2",
+        "loss.num_iterations=2",
+        "modules=[{name: killed_critic, label: critic, optim: {lr: 0.01}}]",
+    ]
     whole = grpo_train(my_pkg, shared_tiny_model, "train.output_dir=whole", *common)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    killed = grpo_train(my_pkg, shared_tiny_model, "train.output_dir=cut", *common,
-                        env={"KILL_AT_VERSION": "2"})  # fmt: skip
+    killed = grpo_train(
+        my_pkg, shared_tiny_model, "train.output_dir=cut", *common, env={"KILL_AT_VERSION": "2"}
+    )
     assert killed.returncode == -9, killed.stderr[-2000:]
     resumed = grpo_train(my_pkg, shared_tiny_model, "train.output_dir=cut", *common, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

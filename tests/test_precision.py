@@ -39,8 +39,11 @@ def cfg_of(**model):
 
 def test_policy_of_each_config():
     p = Precision.from_config(cfg_of(autocast_bf16=True).model)
-    assert (p.param_dtype, p.compute_dtype, p.kv_dtype) == (torch.float32, torch.bfloat16,
-                                                            torch.bfloat16)  # fmt: skip
+    assert (p.param_dtype, p.compute_dtype, p.kv_dtype) == (
+        torch.float32,
+        torch.bfloat16,
+        torch.bfloat16,
+    )
     assert p.autocast_enabled and p.head_dtype == p.trainable_dtype == torch.float32
     p = Precision.from_config(cfg_of().model)
     assert (p.param_dtype, p.compute_dtype) == (torch.float32, torch.float32)
@@ -49,8 +52,10 @@ def test_policy_of_each_config():
     assert (p.param_dtype, p.compute_dtype) == (torch.bfloat16, torch.bfloat16)
     with pytest.raises(GrpoError, match="model.dtype: float16 cannot train here"):
         Precision.from_config(cfg_of(dtype="float16").model)
-    assert Precision.from_config(cfg_of(dtype="float16").model, training=False).compute_dtype \
-        == torch.float16  # fmt: skip
+    assert (
+        Precision.from_config(cfg_of(dtype="float16").model, training=False).compute_dtype
+        == torch.float16
+    )
 
 
 def test_float32_policy_blocks_an_outer_autocast(tiny_checkpoints):
@@ -138,8 +143,12 @@ def test_kv_cache_stores_the_compute_dtype(tiny_checkpoints, static):
     cache = KVCache.for_model(model, rows=1, max_len=16, static=static, dtype=BF16.kv_dtype)
     ids = torch.tensor([PROMPTS[0]])
     with BF16.autocast("cpu"):
-        h = model(ids, attention_mask=torch.ones(1, 16, dtype=torch.bool), kv_cache=cache,
-                  return_hidden=True)  # fmt: skip
+        h = model(
+            ids,
+            attention_mask=torch.ones(1, 16, dtype=torch.bool),
+            kv_cache=cache,
+            return_hidden=True,
+        )
     assert cache.k_layers[0].dtype == torch.bfloat16 and cache.pos == len(PROMPTS[0])
     with BF16.autocast("cpu"):
         full = model(ids, return_hidden=True)
@@ -172,8 +181,16 @@ def rollout(sampler, multi_turn: bool):
     if not multi_turn:
         return sampler.sample(PROMPTS, max_new_tokens=20, **kw)
     observe_fn.calls = {}
-    return sample_turns(sampler, PROMPTS, observe=observe_fn, max_new_tokens=6, max_turns=3,
-                        max_total_tokens=40, turn_end_ids=list(range(4, 60)), **kw)  # fmt: skip
+    return sample_turns(
+        sampler,
+        PROMPTS,
+        observe=observe_fn,
+        max_new_tokens=6,
+        max_turns=3,
+        max_total_tokens=40,
+        turn_end_ids=list(range(4, 60)),
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("multi_turn", [False, True], ids=["single", "multi"])
@@ -188,19 +205,21 @@ def test_sampler_and_trainer_agree_under_bf16(tiny_checkpoints, lora, compiled, 
         live_lora(model, SECTIONS, std=0.05)
     BF16.prepare(model)
     head_check(model, torch.randn(6, model.config.hidden_size))
-    sampler = Sampler(model, precision=BF16, compile=compiled,
-                      compile_options={"backend": "aot_eager"})  # fmt: skip
+    sampler = Sampler(
+        model, precision=BF16, compile=compiled, compile_options={"backend": "aot_eager"}
+    )
     r = rollout(sampler, multi_turn)
     if compiled:
         assert [c.dtype for c in sampler._caches.values()] == [torch.bfloat16]
     mask = r.generated_mask
     holes = r.multi_turn
     for G in (None, 4):  # full rows, shared prefix
-        bf16 = CompletionLogprobs(model, BF16)(r.ids, r.attention_mask(), r.prompt_width, mask,
-                                               1.0, has_holes=holes, group_size=G)  # fmt: skip
-        fp32 = CompletionLogprobs(model, Precision())(r.ids, r.attention_mask(), r.prompt_width,
-                                                      mask, 1.0, has_holes=holes,
-                                                      group_size=G)  # fmt: skip
+        bf16 = CompletionLogprobs(model, BF16)(
+            r.ids, r.attention_mask(), r.prompt_width, mask, 1.0, has_holes=holes, group_size=G
+        )
+        fp32 = CompletionLogprobs(model, Precision())(
+            r.ids, r.attention_mask(), r.prompt_width, mask, 1.0, has_holes=holes, group_size=G
+        )
         d = (bf16 - r.logprobs)[mask].abs()
         assert d.max() <= MAX_DIFF and d.mean() <= MEAN_DIFF, (G, d.max(), d.mean())
         assert d.max() > 0  # bf16 did run (float32 agrees to 1e-5: tests/test_on_policy.py)
@@ -216,11 +235,13 @@ def test_bf16_gradients_follow_float32(tiny_checkpoints):
         torch.manual_seed(0)  # live_lora draws B from the global generator
         live_lora(model, SECTIONS, std=0.05)
         prec.prepare(model)
-        r = Sampler(model).sample(PROMPTS, group_size=2, max_new_tokens=8, temperature=1.0,
-                                  stop_ids=[3], seed=0, pad_id=0)  # fmt: skip
+        r = Sampler(model).sample(
+            PROMPTS, group_size=2, max_new_tokens=8, temperature=1.0, stop_ids=[3], seed=0, pad_id=0
+        )
         model.train()
-        lp = CompletionLogprobs(model, prec)(r.ids, r.attention_mask(), r.prompt_width,
-                                             r.completion_mask, 1.0)  # fmt: skip
+        lp = CompletionLogprobs(model, prec)(
+            r.ids, r.attention_mask(), r.prompt_width, r.completion_mask, 1.0
+        )
         lp.sum().backward()
         grads[name] = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
         assert grads[name].dtype == torch.float32
@@ -234,9 +255,12 @@ def test_bf16_weights_keep_float32_master_weights(tmp_path, shared_tiny_model):
     the frozen reference copy stays bf16."""
     from grpo.policy import build_policy
 
-    cfg = load_config(base={"model": {"path": str(shared_tiny_model), "dtype": "bfloat16",
-                                      "device": "cpu"},
-                            "lora": {"enabled": False}})  # fmt: skip
+    cfg = load_config(
+        base={
+            "model": {"path": str(shared_tiny_model), "dtype": "bfloat16", "device": "cpu"},
+            "lora": {"enabled": False},
+        }
+    )
     policy = build_policy(cfg, torch.device("cpu"), need_ref=True)
     params = [p for p in policy.model.parameters() if p.requires_grad]
     assert params and all(p.dtype == torch.float32 for p in params)
@@ -253,8 +277,10 @@ def test_bf16_weights_keep_float32_master_weights(tmp_path, shared_tiny_model):
     total = sum(m.numel() for m in moved)
     assert landed >= 0.9 * total, (landed, total)  # Adam's first step: ~lr on every weight
     # the same update stored in bf16 would have been lost on (almost) every weight
-    lost = sum(int(((b.bfloat16().float() + 1e-6) .bfloat16().float() == b.bfloat16().float())
-                   .sum()) for b in before)  # fmt: skip
+    lost = sum(
+        int(((b.bfloat16().float() + 1e-6).bfloat16().float() == b.bfloat16().float()).sum())
+        for b in before
+    )
     assert lost >= 0.9 * total
 
 
@@ -263,11 +289,21 @@ def test_float16_training_is_refused_in_one_line(tmp_path, shared_tiny_model):
     import sys
 
     r = subprocess.run(
-        [sys.executable, "-m", "grpo", "sft", "--config", "configs/tiny_ci.yaml",
-         f"model.path={shared_tiny_model}", "model.dtype=float16",
-         f"train.output_dir={tmp_path / 'run'}"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "grpo",
+            "sft",
+            "--config",
+            "configs/tiny_ci.yaml",
+            f"model.path={shared_tiny_model}",
+            "model.dtype=float16",
+            f"train.output_dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0
     assert "model.dtype: float16 cannot train here" in r.stderr
     assert "Traceback" not in r.stderr
@@ -283,17 +319,33 @@ def test_eval_runs_in_the_given_precision(tiny_checkpoints, tiny_tokenizer, monk
     rows = [{"prompt_ids": p, "ground_truth": "8", "full_answer": "#### 8"} for p in PROMPTS]
     caches = []
     for_model = KVCache.for_model.__func__
-    monkeypatch.setattr(KVCache, "for_model", classmethod(
-        lambda cls, *a, **kw: caches.append(for_model(cls, *a, **kw)) or caches[-1]))  # fmt: skip
+    monkeypatch.setattr(
+        KVCache,
+        "for_model",
+        classmethod(lambda cls, *a, **kw: caches.append(for_model(cls, *a, **kw)) or caches[-1]),
+    )
     pad = tiny_tokenizer.pad_token_id
     for prec in (Precision(), BF16):
         caches.clear()
-        res = evaluate(model, tiny_tokenizer, copy.deepcopy(rows), stop_ids=[3],
-                       max_new_tokens=8, precision=prec, details=True)  # fmt: skip
+        res = evaluate(
+            model,
+            tiny_tokenizer,
+            copy.deepcopy(rows),
+            stop_ids=[3],
+            max_new_tokens=8,
+            precision=prec,
+            details=True,
+        )
         assert res.summary["n"] == len(rows)
         assert caches and all(c.dtype == prec.kv_dtype for c in caches)
-        want = Sampler(model, precision=prec).sample(PROMPTS, group_size=1, max_new_tokens=8,
-                                                     temperature=0.0, stop_ids=[3], seed=0,
-                                                     pad_id=pad)  # fmt: skip
+        want = Sampler(model, precision=prec).sample(
+            PROMPTS,
+            group_size=1,
+            max_new_tokens=8,
+            temperature=0.0,
+            stop_ids=[3],
+            seed=0,
+            pad_id=pad,
+        )
         texts = want.decode(tiny_tokenizer, skip_special_tokens=True)
         assert [r["completion"] for r in res.samples] == texts

@@ -52,8 +52,11 @@ def test_explicit_strings_are_plain_text(tiny_tokenizer):
 def test_explicit_messages(tiny_tokenizer):
     tok = tiny_tokenizer
     prompt = [SYSTEM, USER]
-    row = {"prompt": prompt, "chosen": "Final Answer: 8",
-           "rejected": [{"role": "assistant", "content": "Final Answer: 9"}]}  # fmt: skip
+    row = {
+        "prompt": prompt,
+        "chosen": "Final Answer: 8",
+        "rejected": [{"role": "assistant", "content": "Final Answer: 9"}],
+    }
     pair = one_pair(tok, row)
     head = encode_chat(tok, prompt, add_generation_prompt=True)
     assert pair.prompt_ids == head == encode_prompt(tok, USER["content"], SYSTEM["content"])
@@ -153,8 +156,11 @@ def test_margin_column(tiny_tokenizer):
 
 def test_over_length_prompt_is_cut_from_the_left(tiny_tokenizer):
     tok = tiny_tokenizer
-    row = {"prompt": "Tom has 3 apples and buys 5 more. How many apples does Tom have?",
-           "chosen": "Step 1: 3 + 5 = 8", "rejected": "8"}  # fmt: skip
+    row = {
+        "prompt": "Tom has 3 apples and buys 5 more. How many apples does Tom have?",
+        "chosen": "Step 1: 3 + 5 = 8",
+        "rejected": "8",
+    }
     prompt, chosen, rejected = (plain_ids(tok, row[k]) for k in ("prompt", "chosen", "rejected"))
     assert len(prompt) > 5 and len(chosen) > len(rejected)
     whole = len(prompt) + len(chosen)
@@ -169,8 +175,11 @@ def test_over_length_prompt_is_cut_from_the_left(tiny_tokenizer):
 def test_over_length_message_prompt_keeps_its_end(tiny_tokenizer):
     tok = tiny_tokenizer
     pair = one_pair(tok, {"prompt": [SYSTEM, USER], "chosen": "8", "rejected": "9"})
-    cut = one_pair(tok, {"prompt": [SYSTEM, USER], "chosen": "8", "rejected": "9"},
-                   max_length=len(pair.chosen_ids) + 4)  # fmt: skip
+    cut = one_pair(
+        tok,
+        {"prompt": [SYSTEM, USER], "chosen": "8", "rejected": "9"},
+        max_length=len(pair.chosen_ids) + 4,
+    )
     assert cut.prompt_ids == pair.prompt_ids[-4:]  # the end of the assistant header
     assert tok.decode(pair.prompt_ids).endswith("<|im_start|>assistant\n")
     assert (cut.chosen_ids, cut.rejected_ids) == (pair.chosen_ids, pair.rejected_ids)
@@ -179,9 +188,11 @@ def test_over_length_message_prompt_keeps_its_end(tiny_tokenizer):
 def test_too_long_completion_is_skipped_and_counted(tiny_tokenizer):
     tok = tiny_tokenizer
     long = "Step 1: 3 + 5 = 8\nStep 2: 8 * 2 = 16\nFinal Answer: 16"
-    rows = [{"prompt": "q", "chosen": "a", "rejected": "b"},
-            {"prompt": "q", "chosen": "a", "rejected": long},
-            {"prompt": "q", "chosen": "c", "rejected": "d"}]  # fmt: skip
+    rows = [
+        {"prompt": "q", "chosen": "a", "rejected": "b"},
+        {"prompt": "q", "chosen": "a", "rejected": long},
+        {"prompt": "q", "chosen": "c", "rejected": "d"},
+    ]
     max_length = len(plain_ids(tok, long)) - 1
     pairs, skipped = preference_pairs(rows, tok, max_length)
     assert skipped == 1 and [p.row for p in pairs] == [0, 2]
@@ -205,20 +216,30 @@ BAD_ROWS = [
     ("text", "is a str, expected an object"),
     ({"prompt": "q", "chosen": 5, "rejected": "b"}, "chosen must be a string, got a int"),
     ({"prompt": 3, "chosen": "a", "rejected": "b"}, "prompt must be a string or a message list"),
-    ({"prompt": [USER], "chosen": {"x": 1}, "rejected": "b"},
-     "chosen must be a string or a message list, got a dict"),
+    (
+        {"prompt": [USER], "chosen": {"x": 1}, "rejected": "b"},
+        "chosen must be a string or a message list, got a dict",
+    ),
     ({"chosen": 5, "rejected": 6}, "chosen must be a string, got a int"),
-    ({"prompt": [{"role": "user"}], "chosen": "a", "rejected": "b"},
-     "prompt[0] must be a message with a 'role' and a 'content' string"),
-    ({"prompt": [{"content": "hi"}], "chosen": "a", "rejected": "b"},
-     "prompt[0] must be a message with a 'role'"),
-    ({"prompt": [USER], "chosen": [{"role": "assistant"}], "rejected": "b"},
-     "chosen[0] must be a message"),
+    (
+        {"prompt": [{"role": "user"}], "chosen": "a", "rejected": "b"},
+        "prompt[0] must be a message with a 'role' and a 'content' string",
+    ),
+    (
+        {"prompt": [{"content": "hi"}], "chosen": "a", "rejected": "b"},
+        "prompt[0] must be a message with a 'role'",
+    ),
+    (
+        {"prompt": [USER], "chosen": [{"role": "assistant"}], "rejected": "b"},
+        "chosen[0] must be a message",
+    ),
     ({"chosen": [USER, "hi"], "rejected": [USER, B]}, "chosen[1] must be a message"),
     ({"prompt": [], "chosen": "a", "rejected": "b"}, "prompt is an empty message list"),
     ({"prompt": "q", "chosen": "a", "rejected": "a"}, "chosen and rejected are the same"),
-    ({"prompt": [USER], "chosen": "8", "rejected": [{"role": "assistant", "content": "8"}]},
-     "chosen and rejected are the same"),
+    (
+        {"prompt": [USER], "chosen": "8", "rejected": [{"role": "assistant", "content": "8"}]},
+        "chosen and rejected are the same",
+    ),
     ({"chosen": [USER, A], "rejected": [USER, A]}, "chosen and rejected are the same"),
     ({"chosen": "same", "rejected": "same"}, "chosen and rejected are the same"),
     ({"prompt": "q", "chosen": "", "rejected": "b"}, "chosen is empty"),
@@ -227,16 +248,19 @@ BAD_ROWS = [
     ({"chosen": "abc", "rejected": "abcd"}, "chosen is empty"),
     ({"chosen": [USER], "rejected": [USER, A]}, "chosen is empty"),
     ({"prompt": "q", "chosen": "a", "rejected": "b", "margin": math.nan}, "margin must be finite"),
-    ({"prompt": "q", "chosen": "a", "rejected": "b", "margin": -math.inf},
-     "margin must be finite"),
+    ({"prompt": "q", "chosen": "a", "rejected": "b", "margin": -math.inf}, "margin must be finite"),
     ({"prompt": "q", "chosen": "a", "rejected": "b", "margin": "0.5"}, "margin must be a number"),
     ({"prompt": "q", "chosen": "a", "rejected": "b", "margin": True}, "margin must be a number"),
-    ({"prompt": "q", "chosen": [A], "rejected": "b"},
-     "prompt is a string but chosen is a message list"),
+    (
+        {"prompt": "q", "chosen": [A], "rejected": "b"},
+        "prompt is a string but chosen is a message list",
+    ),
     ({"chosen": "a", "rejected": [USER, B]}, "chosen is a str but rejected is a message list"),
-    ({"chosen": [USER, A], "rejected": [{"role": "user", "content": "other"}, B]},
-     "share no leading message"),
-]  # fmt: skip
+    (
+        {"chosen": [USER, A], "rejected": [{"role": "user", "content": "other"}, B]},
+        "share no leading message",
+    ),
+]
 
 
 @pytest.mark.parametrize(("row", "problem"), BAD_ROWS)
@@ -252,10 +276,14 @@ def test_bad_row_is_one_error_naming_source_and_row(tiny_tokenizer, row, problem
 # --- loading -------------------------------------------------------------------------------
 
 ROWS = [
-    {"prompt": [USER], "chosen": f"Final Answer: {i}", "rejected": f"Final Answer: {i + 1}",
-     "margin": float(i)}
+    {
+        "prompt": [USER],
+        "chosen": f"Final Answer: {i}",
+        "rejected": f"Final Answer: {i + 1}",
+        "margin": float(i),
+    }
     for i in range(4)
-]  # fmt: skip
+]
 
 
 def write_jsonl(path, rows):
@@ -289,8 +317,9 @@ def test_load_directory_split_files(tmp_path, tiny_tokenizer):
     assert load_preference_rows(str(tmp_path)) == ROWS
     assert load_preference_rows(str(tmp_path), "train[:2]") == ROWS[:2]
     assert load_preference_rows(str(tmp_path), "test") == ROWS[:2]  # shards in order
-    pairs, skipped = preference_pairs(load_preference_rows(str(tmp_path), "train[2:]"),
-                                      tiny_tokenizer, 100)  # fmt: skip
+    pairs, skipped = preference_pairs(
+        load_preference_rows(str(tmp_path), "train[2:]"), tiny_tokenizer, 100
+    )
     assert skipped == 0 and [(p.row, p.margin) for p in pairs] == [(0, 2.0), (1, 3.0)]
     with pytest.raises(GrpoError, match="no file for split 'validation'"):
         load_preference_rows(str(tmp_path), "validation")
@@ -299,8 +328,9 @@ def test_load_directory_split_files(tmp_path, tiny_tokenizer):
 def test_load_registered_datasets(monkeypatch):
     monkeypatch.setattr(formats, "_REGISTERED", dict(formats._REGISTERED))
     register_dataset("prefs-list", ROWS)
-    register_dataset("prefs-dict", DatasetDict(train=Dataset.from_list(ROWS),
-                                               test=Dataset.from_list(ROWS[:1])))  # fmt: skip
+    register_dataset(
+        "prefs-dict", DatasetDict(train=Dataset.from_list(ROWS), test=Dataset.from_list(ROWS[:1]))
+    )
     calls = []
 
     def factory(split="train", max_samples=None):
@@ -351,8 +381,10 @@ HAND = {
 
 
 def hand_solution(a: int, op1: str, b1: int, c1: int, op2: str, b2: int, c2: int) -> str:
-    return (f"Step 1: Ben has {a}{op1}{b1} = {c1} marbles.\n"
-            f"Step 2: Cara has {c1}{op2}{b2} = {c2} marbles.\nFinal Answer: {c2}")  # fmt: skip
+    return (
+        f"Step 1: Ben has {a}{op1}{b1} = {c1} marbles.\n"
+        f"Step 2: Cara has {c1}{op2}{b2} = {c2} marbles.\nFinal Answer: {c2}"
+    )
 
 
 def test_math_preferences_hand_checked_problem():
@@ -368,18 +400,24 @@ def test_math_preferences_hand_checked_problem():
         "arithmetic": {hand_solution(5, "+", 3, 8 + d, "*", 2, 16 + 2 * d) for d in slips}
         | {hand_solution(5, "+", 3, 8, "*", 2, 16 + d) for d in slips},
         # 5-3 = 2 -> 4; 5*3 = 15 -> 30; 8/2 = 4; 8+2 = 10
-        "operation": {hand_solution(5, "-", 3, 2, "*", 2, 4),
-                      hand_solution(5, "*", 3, 15, "*", 2, 30),
-                      hand_solution(5, "+", 3, 8, "/", 2, 4),
-                      hand_solution(5, "+", 3, 8, "+", 2, 10)},
+        "operation": {
+            hand_solution(5, "-", 3, 2, "*", 2, 4),
+            hand_solution(5, "*", 3, 15, "*", 2, 30),
+            hand_solution(5, "+", 3, 8, "/", 2, 4),
+            hand_solution(5, "+", 3, 8, "+", 2, 10),
+        },
         # 3 misread as 1..6, 2 as 3..5, or 5 as 2..8
         "operand": {hand_solution(5, "+", b, 5 + b, "*", 2, 2 * (5 + b)) for b in (1, 2, 4, 5, 6)}
         | {hand_solution(5, "+", 3, 8, "*", b, 8 * b) for b in (3, 4, 5)}
         | {hand_solution(a, "+", 3, a + 3, "*", 2, 2 * (a + 3)) for a in (2, 3, 4, 6, 7, 8)},
         "final_answer": {f"{steps}\nFinal Answer: {v}" for v in (5, 8, 13, 14, 15, 17, 18, 19)},
-        "no_final_answer": {steps, f"{steps}\nFinal Answer 16", f"{steps}\nAnswer: 16",
-                            f"{steps}\nFinal Answer:"},
-    }  # fmt: skip
+        "no_final_answer": {
+            steps,
+            f"{steps}\nFinal Answer 16",
+            f"{steps}\nAnswer: 16",
+            f"{steps}\nFinal Answer:",
+        },
+    }
     for row in rows:
         assert row["rejected"] in allowed[row["kind"]], row
     # each kind's draws cover its options over seeds
@@ -448,8 +486,11 @@ def test_math_rejected_differs_only_by_its_error():
             assert len(rejected.splitlines()) <= len(steps) + 1
             continue
         # same wording, numbers (and for `operation` one operator) aside
-        shape = (lambda t: digits.sub("N", t)) if kind != "operation" else (
-            lambda t: re.sub(r"[-+*/]", "o", digits.sub("N", t)))  # fmt: skip
+        shape = (
+            (lambda t: digits.sub("N", t))
+            if kind != "operation"
+            else (lambda t: re.sub(r"[-+*/]", "o", digits.sub("N", t)))
+        )
         assert shape(rejected) == shape(chosen), row
         assert rejected.endswith(f"Final Answer: {bad[-1][3]}") or kind == "final_answer"
         assert all(bad[k][0] == bad[k - 1][3] for k in range(1, len(bad)))  # the chain holds

@@ -25,9 +25,18 @@ PIPELINE_TINY = str(REPO / "configs" / "pipeline_tiny.yaml")
 FAST = ["train.progress=false", "train.max_steps=1", "data.max_samples=8"]
 
 # the STYLE.md tiny shape: L=2, C=64, H=4, H_kv=2, D=16, I=128, V=256
-TINY = ModelConfig(family="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128,
-                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                   head_dim=16, max_position_embeddings=256, qk_norm=True)  # fmt: skip
+TINY = ModelConfig(
+    family="qwen3",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    qk_norm=True,
+)
 
 
 @pytest.fixture
@@ -52,11 +61,21 @@ def one_line(code: int, capsys) -> str:
 
 
 def test_memory_estimate_follows_its_formula_and_the_real_sizes():
-    cfg = load_config(None, ["model.path=m", "lora.rank=8", "lora.targets=[q_proj, v_proj]",
-                             "train.batch_size=8", "train.micro_batch_size=4",
-                             "rollout.group_size=4", "rollout.max_new_tokens=16",
-                             "data.max_prompt_len=32", "data.eval_samples=0",
-                             "train.shared_prefix=off"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "model.path=m",
+            "lora.rank=8",
+            "lora.targets=[q_proj, v_proj]",
+            "train.batch_size=8",
+            "train.micro_batch_size=4",
+            "rollout.group_size=4",
+            "rollout.max_new_tokens=16",
+            "data.max_prompt_len=32",
+            "data.eval_samples=0",
+            "train.shared_prefix=off",
+        ],
+    )
     est = pf.estimate_memory(cfg, TINY, "grpo")
     model = Decoder(TINY)
     n_params = sum(p.numel() for p in model.parameters())  # 90,496 (tied head counted once)
@@ -81,26 +100,48 @@ def test_memory_estimate_follows_its_formula_and_the_real_sizes():
     est_full = pf.estimate_memory(full, TINY, "grpo")
     assert est_full.reference == est_full.weights and est_full.optimizer == 3 * est_full.weights
     # shared prefix: each group's prompt counted once (4 rows = 1 group of G=4)
-    shared = load_config(None, ["model.path=m", "train.batch_size=8", "train.micro_batch_size=4",
-                                "rollout.max_new_tokens=16", "data.max_prompt_len=32",
-                                "train.shared_prefix=on"])  # fmt: skip
+    shared = load_config(
+        None,
+        [
+            "model.path=m",
+            "train.batch_size=8",
+            "train.micro_batch_size=4",
+            "rollout.max_new_tokens=16",
+            "data.max_prompt_len=32",
+            "train.shared_prefix=on",
+        ],
+    )
     tokens = 1 * 32 + 4 * 16
     assert pf.estimate_memory(shared, TINY, "grpo").training == tokens * 2 * 704 * 4 + 2**25
     # gradient checkpointing keeps one C vector per token and layer, plus one layer's A; bf16
     # autocast halves the activations
-    ckpt = load_config(None, ["model.path=m", "model.gradient_checkpointing=true",
-                              "model.autocast_bf16=true", "train.micro_batch_size=4",
-                              "rollout.max_new_tokens=16", "data.max_prompt_len=32",
-                              "train.shared_prefix=off"])  # fmt: skip
+    ckpt = load_config(
+        None,
+        [
+            "model.path=m",
+            "model.gradient_checkpointing=true",
+            "model.autocast_bf16=true",
+            "train.micro_batch_size=4",
+            "rollout.max_new_tokens=16",
+            "data.max_prompt_len=32",
+            "train.shared_prefix=off",
+        ],
+    )
     est_ckpt = pf.estimate_memory(ckpt, TINY, "grpo")
     assert est_ckpt.training == 4 * 48 * (2 * 64 + 704) * 2 + 2**25
     # packed micro-batches of at most 500 tokens (train.micro_batch_tokens), and a budget
     # under one group's worst case (32 + 4 x 16 = 96 tokens: it runs alone)
     for budget, tokens in ((500, 500), (50, 96)):
-        packed = load_config(None, ["model.path=m", "train.batch_size=8",
-                                    f"train.micro_batch_tokens={budget}",
-                                    "rollout.max_new_tokens=16",
-                                    "data.max_prompt_len=32"])  # fmt: skip
+        packed = load_config(
+            None,
+            [
+                "model.path=m",
+                "train.batch_size=8",
+                f"train.micro_batch_tokens={budget}",
+                "rollout.max_new_tokens=16",
+                "data.max_prompt_len=32",
+            ],
+        )
         assert pf.estimate_memory(packed, TINY, "grpo").training == (tokens * 2 * 704 * 4 + 2**25)
 
 
@@ -108,13 +149,23 @@ def test_memory_estimate_under_fsdp_is_per_rank():
     """train.parallel: fsdp at W ranks: each rank holds 1/W of the weights, the reference and
     the optimizer states (the bytes bench_fsdp measures), a rollout gathers the whole weights
     back, and a training pass the root and one block (real parameter counts)."""
-    over = ["model.path=m", "lora.enabled=false", "loss.beta=0.04", "train.batch_size=8",
-            "rollout.group_size=4", "data.eval_samples=0"]  # fmt: skip
+    over = [
+        "model.path=m",
+        "lora.enabled=false",
+        "loss.beta=0.04",
+        "train.batch_size=8",
+        "rollout.group_size=4",
+        "data.eval_samples=0",
+    ]
     ddp = pf.estimate_memory(load_config(None, over), TINY, "grpo", world_size=4)
-    fsdp = pf.estimate_memory(load_config(None, [*over, "train.parallel=fsdp"]), TINY, "grpo",
-                              world_size=4)  # fmt: skip
+    fsdp = pf.estimate_memory(
+        load_config(None, [*over, "train.parallel=fsdp"]), TINY, "grpo", world_size=4
+    )
     assert (fsdp.weights, fsdp.reference, fsdp.optimizer) == (
-        ddp.weights // 4, ddp.reference // 4, ddp.optimizer // 4)  # fmt: skip
+        ddp.weights // 4,
+        ddp.reference // 4,
+        ddp.optimizer // 4,
+    )
     assert fsdp.rollout == ddp.rollout + ddp.weights - ddp.weights // 4
     model = Decoder(TINY)
     root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("layers."))
@@ -130,11 +181,25 @@ def test_memory_estimate_follows_the_precision_policy():
     it in full fine-tuning), and a bf16 KV cache under autocast: the real tensors' sizes."""
     from grpo.precision import Precision
 
-    base = ["model.path=m", "model.dtype=bfloat16", "rollout.max_new_tokens=16",
-            "data.max_prompt_len=32", "data.eval_samples=0", "train.batch_size=8"]  # fmt: skip
+    base = [
+        "model.path=m",
+        "model.dtype=bfloat16",
+        "rollout.max_new_tokens=16",
+        "data.max_prompt_len=32",
+        "data.eval_samples=0",
+        "train.batch_size=8",
+    ]
     for lora in (True, False):
-        cfg = load_config(None, [*base, f"lora.enabled={str(lora).lower()}", "lora.rank=8",
-                                 "lora.targets=[q_proj, v_proj]", "loss.beta=0"])  # fmt: skip
+        cfg = load_config(
+            None,
+            [
+                *base,
+                f"lora.enabled={str(lora).lower()}",
+                "lora.rank=8",
+                "lora.targets=[q_proj, v_proj]",
+                "loss.beta=0",
+            ],
+        )
         est = pf.estimate_memory(cfg, TINY, "grpo")
         model = Decoder(TINY).to(torch.bfloat16)
         if lora:
@@ -142,8 +207,9 @@ def test_memory_estimate_follows_the_precision_policy():
         else:
             model.requires_grad_(True)
         Precision.from_config(cfg.model).prepare(model)
-        frozen = sum(p.numel() * p.element_size() for p in model.parameters()
-                     if not p.requires_grad)  # fmt: skip
+        frozen = sum(
+            p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad
+        )
         trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         if lora:  # weights: the bf16 base; optimizer: float32 adapters, gradients, 2 moments
             assert est.weights == frozen and est.optimizer == trained * 4
@@ -162,9 +228,11 @@ def test_memory_check_compares_with_available_memory_and_can_be_skipped(monkeypa
     fields = pf._memory_fields(cfg)
     monkeypatch.setattr(pf, "available_memory", lambda device: (est.total, "test"))
     pf.check_memory(est, torch.device("cpu"), 1, fields)  # exactly fits
-    message = (r"^train.micro_batch_size: the run needs an estimated .* x 2 ranks\) but .* "
-               r"available \(test\); lower train.micro_batch_size, or set "
-               r"train.skip_memory_check=true")  # fmt: skip
+    message = (
+        r"^train.micro_batch_size: the run needs an estimated .* x 2 ranks\) but .* "
+        r"available \(test\); lower train.micro_batch_size, or set "
+        r"train.skip_memory_check=true"
+    )
     with pytest.raises(pf.PreflightError, match=message):
         pf.check_memory(est, torch.device("cpu"), 2, fields)  # CPU ranks share the memory
     pf.check_memory(est, torch.device("cuda"), 2, fields)  # one GPU per rank
@@ -187,36 +255,65 @@ def train_cases(tmp: Path) -> list[tuple[str, list[str], str]]:
     """(name, overrides, the start of the message after 'error: ') for `grpo train`."""
     (tmp / "a_file").write_text("x")
     return [
-        ("eval budget", ["data.eval_samples=2", "eval.max_new_tokens=512"],
-         "eval.max_new_tokens: 512 new tokens leave no room for a prompt in the model's context "
-         "(max_position_embeddings=512 in"),
-        ("rollout budget", ["rollout.max_new_tokens=600", "eval.max_new_tokens=16"],
-         "rollout.max_new_tokens: 600 new tokens leave no room"),
-        ("multi-turn budget", ["rollout.env=calculator", "rollout.max_new_tokens=200",
-                               "rollout.max_turns=3"],
-         "rollout.max_new_tokens (x rollout.max_turns 3 + observations): 760 new tokens"),
-        ("lora rank", ["lora.rank=64"],
-         "lora.rank: 64 > the width of layers.0.self_attn.k_proj (64 -> 32); at most 32"),
-        ("lora targets", ["lora.targets=[q_prj]"],
-         "lora.targets: ['q_prj'] match no linear layer; available: ['down_proj', "),
-        ("generated data", ["data.max_samples=1000000"],
-         "data.max_samples: 1000000 rows of generated 'minimath' data; at most 100000"),
-        ("memory", ["train.batch_size=1073741824"],
-         "train.batch_size: the run needs an estimated "),
-        ("output dir", [f"train.output_dir={tmp}/a_file/run"],
-         f"train.output_dir: '{tmp}/a_file/run' cannot be created: '{tmp}/a_file' is a file"),
+        (
+            "eval budget",
+            ["data.eval_samples=2", "eval.max_new_tokens=512"],
+            "eval.max_new_tokens: 512 new tokens leave no room for a prompt in the model's context "
+            "(max_position_embeddings=512 in",
+        ),
+        (
+            "rollout budget",
+            ["rollout.max_new_tokens=600", "eval.max_new_tokens=16"],
+            "rollout.max_new_tokens: 600 new tokens leave no room",
+        ),
+        (
+            "multi-turn budget",
+            ["rollout.env=calculator", "rollout.max_new_tokens=200", "rollout.max_turns=3"],
+            "rollout.max_new_tokens (x rollout.max_turns 3 + observations): 760 new tokens",
+        ),
+        (
+            "lora rank",
+            ["lora.rank=64"],
+            "lora.rank: 64 > the width of layers.0.self_attn.k_proj (64 -> 32); at most 32",
+        ),
+        (
+            "lora targets",
+            ["lora.targets=[q_prj]"],
+            "lora.targets: ['q_prj'] match no linear layer; available: ['down_proj', ",
+        ),
+        (
+            "generated data",
+            ["data.max_samples=1000000"],
+            "data.max_samples: 1000000 rows of generated 'minimath' data; at most 100000",
+        ),
+        (
+            "memory",
+            ["train.batch_size=1073741824"],
+            "train.batch_size: the run needs an estimated ",
+        ),
+        (
+            "output dir",
+            [f"train.output_dir={tmp}/a_file/run"],
+            f"train.output_dir: '{tmp}/a_file/run' cannot be created: '{tmp}/a_file' is a file",
+        ),
         ("infinite lr", ["optim.lr=.inf"], "optim.lr: must be a finite number, got inf"),
         ("nan beta", ["loss.beta=.nan"], "loss.beta: must be a finite number, got nan"),
         ("betas", ["optim.betas=[0.9, 1.0]"], "optim.betas: must both be in [0, 1)"),
         ("eps", ["optim.eps=0"], "optim.eps: must be > 0"),
-    ]  # fmt: skip
+    ]
 
 
-def test_train_fails_up_front_naming_the_field(shared_tiny_model, tmp_path, capsys,
-                                               no_model_load):  # fmt: skip
+def test_train_fails_up_front_naming_the_field(shared_tiny_model, tmp_path, capsys, no_model_load):
     out = tmp_path / "run"
-    base = ["train", "--config", TINY_CI, f"model.path={shared_tiny_model}",
-            f"train.output_dir={out}", "data.eval_samples=0", *FAST]  # fmt: skip
+    base = [
+        "train",
+        "--config",
+        TINY_CI,
+        f"model.path={shared_tiny_model}",
+        f"train.output_dir={out}",
+        "data.eval_samples=0",
+        *FAST,
+    ]
     for name, extra, expect in train_cases(tmp_path):
         err = one_line(cli.main(base + extra), capsys)
         assert err.startswith(f"grpo train: error: {expect}"), (name, err)
@@ -226,8 +323,14 @@ def test_train_fails_up_front_naming_the_field(shared_tiny_model, tmp_path, caps
 
 def test_sft_fails_up_front_naming_the_field(shared_tiny_model, tmp_path, capsys, no_model_load):
     out = tmp_path / "run"
-    base = ["sft", "--config", TINY_CI, f"model.path={shared_tiny_model}",
-            f"train.output_dir={out}", *FAST]  # fmt: skip
+    base = [
+        "sft",
+        "--config",
+        TINY_CI,
+        f"model.path={shared_tiny_model}",
+        f"train.output_dir={out}",
+        *FAST,
+    ]
     cases = [
         (["data.eval_samples=2", "eval.max_new_tokens=600"], "eval.max_new_tokens: 600 new"),
         (["rollout.max_new_tokens=512", "eval.max_new_tokens=16"], "rollout.max_new_tokens: 512"),
@@ -249,8 +352,9 @@ def test_unwritable_output_dir(tmp_path, monkeypatch):
 
 
 def test_several_problems_in_one_line(shared_tiny_model):
-    cfg = load_config(TINY_CI, [f"model.path={shared_tiny_model}", "lora.rank=64",
-                                "data.max_samples=1000000"])  # fmt: skip
+    cfg = load_config(
+        TINY_CI, [f"model.path={shared_tiny_model}", "lora.rank=64", "data.max_samples=1000000"]
+    )
     with pytest.raises(pf.PreflightError) as info:
         pf.preflight(cfg, "grpo", "cpu")
     message = str(info.value)
@@ -264,13 +368,17 @@ def test_skip_memory_check_overrides_only_the_memory_check(shared_tiny_model):
     mc = pf.preflight(load_config(TINY_CI, [*huge, "train.skip_memory_check=true"]), "grpo", "cpu")
     assert mc.max_position_embeddings == 512
     with pytest.raises(pf.PreflightError, match="^lora.rank"):  # the rest still runs
-        pf.preflight(load_config(TINY_CI, [*huge, "train.skip_memory_check=true",
-                                           "lora.rank=64"]), "grpo", "cpu")  # fmt: skip
+        pf.preflight(
+            load_config(TINY_CI, [*huge, "train.skip_memory_check=true", "lora.rank=64"]),
+            "grpo",
+            "cpu",
+        )
 
 
 def test_a_hub_id_reads_only_config_json_and_fails_offline_with_one_line(tmp_path):
-    cfg = load_config(TINY_CI, ["model.path=no-such-org/no-such-model",
-                                f"train.output_dir={tmp_path}/run"])  # fmt: skip
+    cfg = load_config(
+        TINY_CI, ["model.path=no-such-org/no-such-model", f"train.output_dir={tmp_path}/run"]
+    )
     with pytest.raises(GrpoError, match="could not fetch model 'no-such-org/no-such-model'"):
         pf.preflight(cfg, "grpo", "cpu")
     cfg = load_config(TINY_CI, [f"model.path={tmp_path}/missing"])
@@ -279,15 +387,23 @@ def test_a_hub_id_reads_only_config_json_and_fails_offline_with_one_line(tmp_pat
 
 
 def test_float_fields_must_be_finite():
-    for override, field in (("rollout.temperature=.inf", "rollout.temperature"),
-                            ("loss.epsilon_high=.nan", "loss.epsilon_high"),
-                            ("optim.max_grad_norm=1e999", "optim.max_grad_norm"),
-                            ("optim.betas=[.nan, 0.9]", "optim.betas[0]")):  # fmt: skip
-        with pytest.raises(ConfigError, match=rf"^{field.replace('[', '.').replace(']', '.')}: "
-                                              r"must be a finite number"):  # fmt: skip
+    for override, field in (
+        ("rollout.temperature=.inf", "rollout.temperature"),
+        ("loss.epsilon_high=.nan", "loss.epsilon_high"),
+        ("optim.max_grad_norm=1e999", "optim.max_grad_norm"),
+        ("optim.betas=[.nan, 0.9]", "optim.betas[0]"),
+    ):
+        with pytest.raises(
+            ConfigError,
+            match=rf"^{field.replace('[', '.').replace(']', '.')}: "
+            r"must be a finite number",
+        ):
             load_config(None, ["model.path=m", override])
-    for kwargs, field in (({"lr": float("inf")}, "optim.lr"), ({"eps": float("nan")}, "optim.eps"),
-                          ({"betas": (0.9, float("inf"))}, "optim.betas")):  # fmt: skip
+    for kwargs, field in (
+        ({"lr": float("inf")}, "optim.lr"),
+        ({"eps": float("nan")}, "optim.eps"),
+        ({"betas": (0.9, float("inf"))}, "optim.betas"),
+    ):
         with pytest.raises(ConfigError, match=f"^{field}: must be a finite number"):
             OptimConfig(**kwargs)
 
@@ -314,26 +430,35 @@ def test_prompts_that_do_not_fit_fail_before_anything_is_written(
     # GRPO: 500 new tokens leave 12 positions; every chat-templated prompt is longer
     train = ["train", *base, f"model.path={shared_tiny_model}"]
     err = one_line(cli.main([*train, "data.eval_samples=0", "rollout.max_new_tokens=500"]), capsys)
-    assert err.startswith("grpo train: error: rollout.max_new_tokens: 500 new tokens leave 12 "
-                          "positions of the model's context (512) for a prompt, but row 0 of "
-                          "'minimath' (train) has a ")  # fmt: skip
+    assert err.startswith(
+        "grpo train: error: rollout.max_new_tokens: 500 new tokens leave 12 "
+        "positions of the model's context (512) for a prompt, but row 0 of "
+        "'minimath' (train) has a "
+    )
     assert not out.exists()
     # the evaluation's prompts: found at the start, not after training
     err = one_line(cli.main([*train, "data.eval_samples=2", "eval.max_new_tokens=500"]), capsys)
     assert "eval.max_new_tokens: 500 new tokens leave 12 positions" in err
     assert "row 0 of 'minimath' (test)" in err and not out.exists()
     # SFT: prompt + completion past a 64-position context
-    err = one_line(cli.main(["sft", *base, f"model.path={short_context_model}",
-                             "data.eval_samples=0"]), capsys)  # fmt: skip
+    err = one_line(
+        cli.main(["sft", *base, f"model.path={short_context_model}", "data.eval_samples=0"]), capsys
+    )
     assert "grpo sft: error: rollout.max_new_tokens: row 0 of 'minimath' (train) has a " in err
     assert "positions > the model's context 64" in err and not out.exists()
 
 
-def test_pipeline_checks_both_stages_before_writing(shared_tiny_model, tmp_path, capsys,
-                                                    no_model_load):  # fmt: skip
+def test_pipeline_checks_both_stages_before_writing(
+    shared_tiny_model, tmp_path, capsys, no_model_load
+):
     out = tmp_path / "pipe"
-    base = ["pipeline", "--config", PIPELINE_TINY, f"model.path={shared_tiny_model}",
-            f"output_dir={out}"]  # fmt: skip
+    base = [
+        "pipeline",
+        "--config",
+        PIPELINE_TINY,
+        f"model.path={shared_tiny_model}",
+        f"output_dir={out}",
+    ]
     err = one_line(cli.main([*base, "grpo.lora.rank=64"]), capsys)
     assert err.startswith("grpo pipeline: error: grpo: lora.rank: 64 > the width of")
     assert not out.exists()
@@ -348,8 +473,17 @@ def test_pipeline_checks_both_stages_before_writing(shared_tiny_model, tmp_path,
 
 def test_eval_command_checks_before_loading(shared_tiny_model, tmp_path, capsys, no_model_load):
     out = tmp_path / "x" / "results.json"
-    base = ["eval", "--model", str(shared_tiny_model), "--data", "minimath:test",
-            "--max-samples", "2", "--out", str(out)]  # fmt: skip
+    base = [
+        "eval",
+        "--model",
+        str(shared_tiny_model),
+        "--data",
+        "minimath:test",
+        "--max-samples",
+        "2",
+        "--out",
+        str(out),
+    ]
     err = one_line(cli.main([*base, "--max-new-tokens", "600"]), capsys)
     assert err.startswith("grpo eval: error: --max-new-tokens: 600 new tokens leave no room")
     err = one_line(cli.main([*base, "--max-new-tokens", "500"]), capsys)
@@ -358,10 +492,12 @@ def test_eval_command_checks_before_loading(shared_tiny_model, tmp_path, capsys,
     assert err.startswith("grpo eval: error: --batch-size: must be >= 1, got 0")
     err = one_line(cli.main([*base, "--batch-size", "100000000", "--k", "64"]), capsys)
     assert err.startswith("grpo eval: error: --batch-size: the run needs an estimated")
-    assert err.endswith("or pass --skip-memory-check if the estimate is wrong for your data "
-                        "(docs/safety.md)")  # fmt: skip
-    err = one_line(cli.main(["eval", "--model", str(shared_tiny_model), "--max-samples",
-                             "1000000"]), capsys)  # fmt: skip
+    assert err.endswith(
+        "or pass --skip-memory-check if the estimate is wrong for your data (docs/safety.md)"
+    )
+    err = one_line(
+        cli.main(["eval", "--model", str(shared_tiny_model), "--max-samples", "1000000"]), capsys
+    )
     assert err.startswith("grpo eval: error: --max-samples: 1000000 rows of generated data")
     # the environment's options: JSON, an object, known to the environment, only with --env
     env = [*base, "--env", "calculator", "--env-kwargs"]

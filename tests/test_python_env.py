@@ -169,10 +169,19 @@ def test_no_network():
 
 @pytest.mark.parametrize(
     "bad",
-    [dict(timeout_s=0), dict(cpu_s=-1), dict(memory_mb=float("inf")), dict(cpu_s=True),
-     dict(memory_mb=1e30), dict(timeout_s=1e9), dict(max_file_mb=1e6), dict(max_processes=10**6),
-     dict(max_output_chars=10**12), dict(max_processes=2.5)],
-)  # fmt: skip
+    [
+        dict(timeout_s=0),
+        dict(cpu_s=-1),
+        dict(memory_mb=float("inf")),
+        dict(cpu_s=True),
+        dict(memory_mb=1e30),
+        dict(timeout_s=1e9),
+        dict(max_file_mb=1e6),
+        dict(max_processes=10**6),
+        dict(max_output_chars=10**12),
+        dict(max_processes=2.5),
+    ],
+)
 def test_limits_must_be_positive(bad):
     with pytest.raises(GrpoError, match=next(iter(bad))):
         run_python("print(1)", **small(**bad))
@@ -202,8 +211,9 @@ def test_tool_schema_and_registry():
 
 @pytest.fixture
 def env():
-    return PythonEnv(**SMALL, max_calls_per_turn=2, tool_reward=0.5, invalid_penalty=0.25,
-                     error_penalty=0.125)  # fmt: skip
+    return PythonEnv(
+        **SMALL, max_calls_per_turn=2, tool_reward=0.5, invalid_penalty=0.25, error_penalty=0.125
+    )
 
 
 @pytest.mark.parametrize(
@@ -263,7 +273,7 @@ def env():
         "two_blocks",
         "unterminated_block",
         "call_and_block",
-    ],  # fmt: skip
+    ],
 )
 def test_env_step(env, text, observation, counts):
     step = check_step("python", env.step(text, [1, 2]))
@@ -326,19 +336,37 @@ def test_rollout_goes_on_after_a_runaway_program(shared_tiny_model):
     from grpo.rollout import Sampler
     from grpo.rollout.multiturn import sample_with_env
 
-    model, tok, stops, _ = load_trained_model(TrainedModel(str(shared_tiny_model), ()), "float32",
-                                              "cpu")  # fmt: skip
+    model, tok, stops, _ = load_trained_model(
+        TrainedModel(str(shared_tiny_model), ()), "float32", "cpu"
+    )
     question = "What is 12345 * 80000?"
-    text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                   add_generation_prompt=True)  # fmt: skip
-    rows = [{"prompt_ids": tok(text, add_special_tokens=False)["input_ids"],
-             "question": question, "ground_truth": "987654321"}]  # fmt: skip
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
+    rows = [
+        {
+            "prompt_ids": tok(text, add_special_tokens=False)["input_ids"],
+            "question": question,
+            "ground_truth": "987654321",
+        }
+    ]
     start = time.monotonic()
     rollout = sample_with_env(
-        Sampler(model), tok, rows, RunawayEnv, env_name="runaway", group_size=2,
-        max_new_tokens=8, max_turns=2, max_total_tokens=160, max_obs_tokens=64,
-        stop_ids=stops, seed=0, pad_id=tok.pad_token_id, temperature=1.0,
-    )  # fmt: skip
+        Sampler(model),
+        tok,
+        rows,
+        RunawayEnv,
+        env_name="runaway",
+        group_size=2,
+        max_new_tokens=8,
+        max_turns=2,
+        max_total_tokens=160,
+        max_obs_tokens=64,
+        stop_ids=stops,
+        seed=0,
+        pad_id=tok.pad_token_id,
+        temperature=1.0,
+    )
     assert time.monotonic() - start < 10.0
     assert [len(t) for t in rollout.turn_texts] == [2, 2]
     for info, transcript in zip(rollout.infos, rollout.transcript(tok)):

@@ -53,10 +53,24 @@ def launch(tmp_path: Path, model: Path, *args: str, timeout: float = 120):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)}
     start = time.monotonic()
     r = subprocess.run(
-        [*TORCHRUN, "-m", "grpo", "train", "--config", TINY_CI, f"model.path={model}",
-         "train.output_dir=out", *FAST, *args],
-        cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=env,
-    )  # fmt: skip
+        [
+            *TORCHRUN,
+            "-m",
+            "grpo",
+            "train",
+            "--config",
+            TINY_CI,
+            f"model.path={model}",
+            "train.output_dir=out",
+            *FAST,
+            *args,
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     return r.returncode, r.stderr, time.monotonic() - start
 
 
@@ -84,11 +98,14 @@ def check_clean(stderr: str) -> None:
 
 @pytest.mark.parametrize(
     "reward, cause",
-    [("raises", "reward function 'raises' raised ValueError: boom on rank 1"),
-     pytest.param("nan", "reward function 'nan' returned nan at row 0 (",
-                  marks=pytest.mark.process)],
+    [
+        ("raises", "reward function 'raises' raised ValueError: boom on rank 1"),
+        pytest.param(
+            "nan", "reward function 'nan' returned nan at row 0 (", marks=pytest.mark.process
+        ),
+    ],
     ids=["raises", "nan"],
-)  # fmt: skip
+)
 def test_rank_whose_reward_fails_names_itself_and_the_other_rank_relays_it(
     shared_tiny_model, tmp_path, reward, cause
 ):
@@ -110,9 +127,11 @@ def test_rank_that_exits_without_a_word_is_named_by_the_other(shared_tiny_model,
     code, err, _ = launch(tmp_path, shared_tiny_model, "rewards=[{name: 'faults:exits'}]")
     assert code != 0
     assert our_lines(err) == {
-        0: ["grpo train: error: rank 0 (rollout, step 1): stopped: rank 1 left the job without a "
-            "report (killed, os._exit or a crash; torchrun's summary gives its exit code)"],
-    }, err[-3000:]  # fmt: skip
+        0: [
+            "grpo train: error: rank 0 (rollout, step 1): stopped: rank 1 left the job without a "
+            "report (killed, os._exit or a crash; torchrun's summary gives its exit code)"
+        ],
+    }, err[-3000:]
     root = root_cause(err)
     assert re.search(r"rank +: 1 \(local_rank: 1\)\s+exitcode +: 3 ", root), root
     check_clean(err)
@@ -125,15 +144,20 @@ def test_hung_rank_is_named_by_the_rank_that_timed_out_and_says_where_it_hung(
     """Rank 1 sleeps in its reward for ever; rank 0 gives up after train.dist_timeout_s=4 and
     names it; torchrun's SIGTERM then stops rank 1 at once (not after torchrun's 30 s grace)
     with a line saying where it was."""
-    code, err, seconds = launch(tmp_path, shared_tiny_model, "train.dist_timeout_s=4",
-                                "rewards=[{name: 'faults:hangs'}]")  # fmt: skip
+    code, err, seconds = launch(
+        tmp_path, shared_tiny_model, "train.dist_timeout_s=4", "rewards=[{name: 'faults:hangs'}]"
+    )
     assert code != 0
     assert our_lines(err) == {
-        0: ["grpo train: error: rank 0 (rollout, step 1): stopped: rank 1 did not reach this "
-            "collective within train.dist_timeout_s=4 s (hung or too slow)"],
-        1: ["grpo train: error: rank 1 (rollout, step 1): stopped at faults.py:22 in hangs(): "
-            "rank 0 timed out waiting for it (train.dist_timeout_s=4)"],
-    }, err[-3000:]  # fmt: skip
+        0: [
+            "grpo train: error: rank 0 (rollout, step 1): stopped: rank 1 did not reach this "
+            "collective within train.dist_timeout_s=4 s (hung or too slow)"
+        ],
+        1: [
+            "grpo train: error: rank 1 (rollout, step 1): stopped at faults.py:22 in hangs(): "
+            "rank 0 timed out waiting for it (train.dist_timeout_s=4)"
+        ],
+    }, err[-3000:]
     assert "traceback : grpo train: error: rank 1 (rollout, step 1)" in root_cause(err)
     assert "SIGKILL" not in err and "stopping after this step" not in err, err[-3000:]
     check_clean(err)
@@ -146,9 +170,16 @@ def test_checkpoint_of_one_rank_resumed_on_two_is_one_line(shared_tiny_model, tm
     naming both world sizes, every rank exits non-zero."""
     from grpo.apps import cli
 
-    args = ["train", "--config", TINY_CI, f"model.path={shared_tiny_model}", *FAST,
-            f"train.output_dir={tmp_path / 'out'}", "train.max_steps=1",
-            "rollout.max_new_tokens=4"]  # fmt: skip
+    args = [
+        "train",
+        "--config",
+        TINY_CI,
+        f"model.path={shared_tiny_model}",
+        *FAST,
+        f"train.output_dir={tmp_path / 'out'}",
+        "train.max_steps=1",
+        "rollout.max_new_tokens=4",
+    ]
     assert cli.main(args) == 0, capsys.readouterr().err[-3000:]
     code, err, _ = launch(tmp_path, shared_tiny_model, "train.max_steps=2", "--resume")
     assert code != 0
@@ -158,7 +189,7 @@ def test_checkpoint_of_one_rank_resumed_on_two_is_one_line(shared_tiny_model, tm
         "of 1 rank, this job has 2: it resumes on at most 1 rank (it holds one RNG state per "
         "rank); relaunch with --nproc_per_node=1 or without torchrun, or start afresh in "
         "another train.output_dir"
-    ], err[-3000:]  # fmt: skip
+    ], err[-3000:]
     assert len(re.findall(r"exitcode +: 2 ", err)) == 2, err[-3000:]  # both ranks, our code
     assert "precision:" not in err  # no model was loaded
     check_clean(err)
@@ -212,7 +243,7 @@ def test_lines_name_the_rank_that_failed_first_else_the_silent_one(monkeypatch):
     assert rank_of(1, store)._stopped("timeout", 4, "Timed out") == (
         "rank 1 (update, step 2): stopped: one of ranks 0, 2 did not reach this collective "
         "within train.dist_timeout_s=4 s (hung or too slow)"
-    )  # fmt: skip
+    )
     assert rank_of(0, store)._stopped("timeout", 4, "Timed out") == (
         "rank 0 (update, step 2): stopped: rank 2 did not reach this collective within "
         "train.dist_timeout_s=4 s (hung or too slow)"
@@ -251,7 +282,7 @@ def test_signal_after_a_peer_reported_prints_where_this_rank_was_and_exits(
         f"grpo train: error: rank 1 (rollout, step 3): stopped at {here} in "
         "test_signal_after_a_peer_reported_prints_where_this_rank_was_and_exits(): rank 0 "
         "timed out waiting for it (train.dist_timeout_s=4)"
-    )  # fmt: skip
+    )
     seen = ProcessFailure(local_rank=1, pid=1, exitcode=2, error_file=str(tmp_path / "error.json"))
     assert seen.message["message"] == line and abs(seen.timestamp - time.time()) < 5
     assert hung.on_signal(15, None) is True  # leaving already: further signals are ignored

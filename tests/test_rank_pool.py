@@ -23,7 +23,10 @@ def test_a_task_runs_on_both_ranks_of_one_group(rank_pool):
 
 
 def test_a_failing_rank_is_named_and_the_next_task_gets_a_fresh_pool(rank_pool):
-    with pytest.raises(RuntimeError, match=r"rank 1 failed in test_rank_pool:raise_on_rank_1"
-                                           r"(.|\n)*ValueError: boom on rank 1"):  # fmt: skip
+    with pytest.raises(
+        RuntimeError,
+        match=r"rank 1 failed in test_rank_pool:raise_on_rank_1"
+        r"(.|\n)*ValueError: boom on rank 1",
+    ):
         rank_pool.run("test_rank_pool:raise_on_rank_1", timeout_s=60)
     assert rank_pool.run("test_rank_pool:rank_and_sum", 1.0)[1] == (1, 2, 3.0)

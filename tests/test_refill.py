@@ -20,8 +20,9 @@ PROMPTS = [[5 + 3 * i + j for j in range(3 + 4 * i)] for i in range(5)]  # width
 
 @pytest.fixture(scope="module")
 def model64():
-    cfg = ModelConfig(family="qwen3", qk_norm=True, max_position_embeddings=256,
-                      tie_word_embeddings=False)  # fmt: skip
+    cfg = ModelConfig(
+        family="qwen3", qk_norm=True, max_position_embeddings=256, tie_word_embeddings=False
+    )
     m = Decoder(cfg)
     m.init_weights(std=0.2, seed=0)  # peaked logits: stop ids get drawn at varied steps
     return m.double().eval()
@@ -34,8 +35,9 @@ def stops_for(model):
 @pytest.mark.parametrize("max_rows,sync_every", [(3, 4), (7, 1), (4, 3)])
 def test_refill_gives_the_completions_of_one_batch(model64, max_rows, sync_every):
     """float64: every row's tokens identical whatever slot it ran in and whoever ran beside it."""
-    kw = dict(group_size=3, max_new_tokens=20, temperature=1.0, stop_ids=stops_for(model64),
-              seed=11)  # fmt: skip
+    kw = dict(
+        group_size=3, max_new_tokens=20, temperature=1.0, stop_ids=stops_for(model64), seed=11
+    )
     whole = Sampler(model64, sync_every=sync_every).sample(PROMPTS, **kw)
     refilled = Sampler(model64, sync_every=sync_every, max_rows=max_rows).sample(PROMPTS, **kw)
     lens = whole.completion_lens
@@ -50,8 +52,7 @@ def test_refill_gives_the_completions_of_one_batch(model64, max_rows, sync_every
 
 
 def test_refill_takes_about_sum_of_lengths_over_slots_decode_steps(model64, monkeypatch):
-    kw = dict(group_size=4, max_new_tokens=24, temperature=1.0, stop_ids=stops_for(model64),
-              seed=2)  # fmt: skip
+    kw = dict(group_size=4, max_new_tokens=24, temperature=1.0, stop_ids=stops_for(model64), seed=2)
     steps = []
     sampler = Sampler(model64, sync_every=2, max_rows=5)
     real = sampler._decode_step
@@ -104,8 +105,9 @@ def test_compiled_refill_is_one_graph_per_step_and_equals_eager(model64):
         graphs.append(gm)
         return gm.forward
 
-    kw = dict(group_size=3, max_new_tokens=20, temperature=1.0, stop_ids=stops_for(model64),
-              seed=11)  # fmt: skip
+    kw = dict(
+        group_size=3, max_new_tokens=20, temperature=1.0, stop_ids=stops_for(model64), seed=11
+    )
     eager = Sampler(model64, max_rows=4).sample(PROMPTS, **kw)
     s = Sampler(model64, max_rows=4, compile=True, compile_options={"backend": backend})
     out = s.sample(PROMPTS, **kw)
@@ -121,8 +123,7 @@ def test_compiled_refill_is_one_graph_per_step_and_equals_eager(model64):
     assert again.ids.shape[0] == eager.ids.shape[0]
 
 
-def test_grpo_train_refills_with_rollout_max_rows(tmp_path, shared_tiny_model, monkeypatch,
-                                                  capsys):  # fmt: skip
+def test_grpo_train_refills_with_rollout_max_rows(tmp_path, shared_tiny_model, monkeypatch, capsys):
     """`rollout.max_rows` reaches the run's sampler: `grpo train` samples through refill (the
     tiny config's 8 rows through 3 slots) and trains; a negative value is one line, exit 2."""
     import json
@@ -133,8 +134,14 @@ def test_grpo_train_refills_with_rollout_max_rows(tmp_path, shared_tiny_model, m
     real = sampler_mod.refill_loop
     monkeypatch.setattr(sampler_mod, "refill_loop", lambda *a: calls.append(a[7]) or real(*a))
     pkg = write_package(tmp_path, {"rewards.py": LENGTH_REWARD})
-    code = tiny_train_here(monkeypatch, pkg, shared_tiny_model, "train.output_dir=run",
-                           "train.max_steps=1", "rollout.max_rows=3")  # fmt: skip
+    code = tiny_train_here(
+        monkeypatch,
+        pkg,
+        shared_tiny_model,
+        "train.output_dir=run",
+        "train.max_steps=1",
+        "rollout.max_rows=3",
+    )
     assert code == 0, capsys.readouterr().err[-3000:]
     assert calls and set(calls) == {3}
     rows = [json.loads(x) for x in (pkg / "run" / "metrics.jsonl").read_text().splitlines()]

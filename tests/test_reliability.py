@@ -39,8 +39,11 @@ def model_dir(shared_tiny_model):
 
 
 def grpo_cmd(*args, torchrun=False):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc_per_node=2"] if torchrun else [sys.executable]  # fmt: skip
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        if torchrun
+        else [sys.executable]
+    )
     return [*launcher, "-m", "grpo", *args]
 
 
@@ -77,8 +80,14 @@ def run_and_kill(cmd, cwd, ckpt_root: Path, seed: int):
     """Start `cmd`, wait for its first checkpoint, SIGKILL its whole process group at a random
     moment shortly after (possibly inside a later save)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    p = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 240
     while not (ckpt_root / "latest").exists():
         assert p.poll() is None, "the run ended before its first checkpoint"
@@ -103,8 +112,15 @@ CASES = [
 @pytest.mark.parametrize("command, name, extra", CASES)
 def test_sigkill_then_resume_is_bitwise_identical(model_dir, tmp_path, command, name, extra):
     steps = 4
-    common = [command, "--config", TINY_CI, f"model.path={model_dir}", *FAST,
-              f"train.max_steps={steps}", *extra]  # fmt: skip
+    common = [
+        command,
+        "--config",
+        TINY_CI,
+        f"model.path={model_dir}",
+        *FAST,
+        f"train.max_steps={steps}",
+        *extra,
+    ]
     straight = start(grpo_cmd(*common, "train.output_dir=straight"), tmp_path, "straight.err")
     cmd = grpo_cmd(*common, "train.output_dir=killed")
     run_and_kill(cmd, tmp_path, tmp_path / "killed" / "checkpoints", seed=len(name))
@@ -121,8 +137,14 @@ def test_sigkill_then_resume_is_bitwise_identical(model_dir, tmp_path, command, 
 @pytest.mark.process
 def test_sigkill_then_resume_under_torchrun(model_dir, tmp_path):
     steps = 3
-    common = ["train", "--config", TINY_CI, f"model.path={model_dir}", *FAST,
-              f"train.max_steps={steps}"]  # fmt: skip
+    common = [
+        "train",
+        "--config",
+        TINY_CI,
+        f"model.path={model_dir}",
+        *FAST,
+        f"train.max_steps={steps}",
+    ]
     run_to_end(grpo_cmd(*common, "train.output_dir=straight", torchrun=True), tmp_path)
     cmd = grpo_cmd(*common, "train.output_dir=killed", torchrun=True)
     run_and_kill(cmd, tmp_path, tmp_path / "killed" / "checkpoints", seed=3)
@@ -146,11 +168,20 @@ def test_fsdp_sigkill_resume_is_exact_and_resumes_on_one_process(
     final weights are a checkpoint `grpo eval` loads. The one-process resume and `grpo eval`
     go through the CLI in this process (no interpreter to start)."""
     steps = 3
-    common = ["train", "--config", QUICKSTART, f"model.path={model_dir}", *FAST,
-              "train.batch_size=16", "rollout.max_new_tokens=8", "train.keep_last=5"]  # fmt: skip
+    common = [
+        "train",
+        "--config",
+        QUICKSTART,
+        f"model.path={model_dir}",
+        *FAST,
+        "train.batch_size=16",
+        "rollout.max_new_tokens=8",
+        "train.keep_last=5",
+    ]
     fsdp = [*common, "train.parallel=fsdp"]
-    straight = grpo_cmd(*fsdp, f"train.max_steps={steps}", "train.output_dir=straight",
-                        torchrun=True)  # fmt: skip
+    straight = grpo_cmd(
+        *fsdp, f"train.max_steps={steps}", "train.output_dir=straight", torchrun=True
+    )
     run_to_end(straight, tmp_path)
     cmd = grpo_cmd(*fsdp, f"train.max_steps={steps}", "train.output_dir=killed", torchrun=True)
     run_and_kill(cmd, tmp_path, tmp_path / "killed" / "checkpoints", seed=5)
@@ -191,8 +222,19 @@ def test_fsdp_sigkill_resume_is_exact_and_resumes_on_one_process(
     final = tmp_path / "straight" / "final"
     assert (final / "model.safetensors").is_file()
     out = tmp_path / "eval.json"
-    code = cli.main(["eval", "--model", str(final), "--data", "minimath", "--max-samples", "4",
-                     "--out", str(out)])  # fmt: skip
+    code = cli.main(
+        [
+            "eval",
+            "--model",
+            str(final),
+            "--data",
+            "minimath",
+            "--max-samples",
+            "4",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0, capsys.readouterr().err[-3000:]
     assert json.loads(out.read_text())
 
@@ -285,8 +327,9 @@ def test_sharded_checkpoint_round_trip_and_verify(tmp_path):
     tmp = checkpoint_tmp(tmp_path, 2)
     prepare_tmp(tmp)
     groups = save_shards(tmp, model, opt)
-    ckpt = save_checkpoint(tmp_path, TrainState(step=2), model, opt, sched, {},
-                           sharded=(tmp, groups))  # fmt: skip
+    ckpt = save_checkpoint(
+        tmp_path, TrainState(step=2), model, opt, sched, {}, sharded=(tmp, groups)
+    )
     assert not (ckpt / "trainable.safetensors").exists() and list((ckpt / "shards").iterdir())
     assert verify_checkpoint(ckpt) is None and not tmp.exists()
     manifest = json.loads((ckpt / "manifest.json").read_text())["sizes"]
@@ -338,8 +381,9 @@ def tiny_training_objects():
 
 
 def test_kill_inside_save_keeps_latest_readable(tmp_path):
-    p = subprocess.Popen([sys.executable, "-c", SAVE_SCRIPT, str(tmp_path)],
-                         stdout=subprocess.PIPE, text=True)  # fmt: skip
+    p = subprocess.Popen(
+        [sys.executable, "-c", SAVE_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
     assert p.stdout.readline().strip() == "IN_SAVE"  # step 2 is half written
     p.kill()
     p.wait()
@@ -397,9 +441,14 @@ def test_nonfinite_updates_are_skipped_then_stop(model_dir, tmp_path, monkeypatc
         return loss * float("nan"), stats, bad_row
 
     monkeypatch.setattr(g, "policy_loss_on_device", nan_loss)
-    overrides = [f"model.path={model_dir}", f"train.output_dir={tmp_path}/run",
-                 "train.progress=false", "data.eval_samples=0", "loss.num_iterations=1",
-                 "train.max_nonfinite_steps=2"]  # fmt: skip
+    overrides = [
+        f"model.path={model_dir}",
+        f"train.output_dir={tmp_path}/run",
+        "train.progress=false",
+        "data.eval_samples=0",
+        "loss.num_iterations=1",
+        "train.max_nonfinite_steps=2",
+    ]
     cfg = load_config(TINY_CI, overrides)
     with pytest.raises(GrpoError, match="2 consecutive updates had a non-finite loss") as e:
         g.train_grpo(cfg)
@@ -431,21 +480,32 @@ def nan_at_update(k: int):
     return build
 
 
-@pytest.mark.parametrize("command, extra", [("train", ["loss.num_iterations=1"]),
-                                            ("sft", ["lora.enabled=false"])])  # fmt: skip
-def test_nonfinite_weights_stop_the_run_at_that_step(model_dir, tmp_path, capsys, monkeypatch,
-                                                     command, extra):  # fmt: skip
+@pytest.mark.parametrize(
+    "command, extra", [("train", ["loss.num_iterations=1"]), ("sft", ["lora.enabled=false"])]
+)
+def test_nonfinite_weights_stop_the_run_at_that_step(
+    model_dir, tmp_path, capsys, monkeypatch, command, extra
+):
     """An update that leaves a weight NaN stops the run at that step in one line naming the
     step, its loss, grad norm and lr; the checkpoint before it stays, no final/ is written."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("grpo.run.loop.build_optimizer", nan_at_update(2))
-    args = [command, "--config", TINY_CI, f"model.path={model_dir}", *FAST, *extra,
-            "train.max_steps=3", "train.output_dir=run"]  # fmt: skip
+    args = [
+        command,
+        "--config",
+        TINY_CI,
+        f"model.path={model_dir}",
+        *FAST,
+        *extra,
+        "train.max_steps=3",
+        "train.output_dir=run",
+    ]
     code = cli.main(args)
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert err.startswith(f"grpo {command}: error: step 2: the weights are not finite after the "
-                          "update (loss "), err  # fmt: skip
+    assert err.startswith(
+        f"grpo {command}: error: step 2: the weights are not finite after the update (loss "
+    ), err
     # lr: update 2 of 3 on the cosine from 1e-3: 1e-3 * (1 + cos(pi / 3)) / 2
     assert ", grad norm " in err and ", lr 0.00075); lower optim.lr" in err, err
     run = tmp_path / "run"
@@ -477,8 +537,15 @@ def test_resume_at_or_past_max_steps(model_dir, tmp_path, capsys, monkeypatch):
     written: "nothing to do", exit 0; neither writes anything. At it without final/ (killed
     between the last checkpoint and the final save) the run writes final/ and ends."""
     monkeypatch.chdir(tmp_path)
-    args = ["train", "--config", TINY_CI, f"model.path={model_dir}", *FAST,
-            "loss.num_iterations=1", "train.output_dir=run"]  # fmt: skip
+    args = [
+        "train",
+        "--config",
+        TINY_CI,
+        f"model.path={model_dir}",
+        *FAST,
+        "loss.num_iterations=1",
+        "train.output_dir=run",
+    ]
     assert cli.main([*args, "train.max_steps=2"]) == 0
     capsys.readouterr()
     run = tmp_path / "run"
@@ -496,9 +563,11 @@ def test_resume_at_or_past_max_steps(model_dir, tmp_path, capsys, monkeypatch):
     code = cli.main([*args, "train.max_steps=2", "--resume"])
     out = capsys.readouterr()
     assert code == 0 and out.out == "", out
-    assert out.err.strip() == ("grpo train: nothing to do: the run already reached "
-                               "train.max_steps=2 (weights in run/final); raise it to train "
-                               "further")  # fmt: skip
+    assert out.err.strip() == (
+        "grpo train: nothing to do: the run already reached "
+        "train.max_steps=2 (weights in run/final); raise it to train "
+        "further"
+    )
     assert run_files(run) == before and tree_digest(run) == digest
 
     final = tree_digest(run / "final")
@@ -638,8 +707,15 @@ def test_bad_input_matrix(model_dir, bad_inputs, capsys, monkeypatch):
     d = bad_inputs
     monkeypatch.syspath_prepend(str(d))
     before = tree_digest(d / "run")
-    base = ["train", "--config", TINY_CI, f"model.path={model_dir}", f"train.output_dir={d}/run",
-            "train.progress=false", "data.eval_samples=0"]  # fmt: skip
+    base = [
+        "train",
+        "--config",
+        TINY_CI,
+        f"model.path={model_dir}",
+        f"train.output_dir={d}/run",
+        "train.progress=false",
+        "data.eval_samples=0",
+    ]
     results = []
     for name, extra, expect in matrix(d, model_dir):
         # --overwrite gets past the refusal of a used directory (tests/test_rundir.py) to the
@@ -664,8 +740,10 @@ def test_bad_input_matrix(model_dir, bad_inputs, capsys, monkeypatch):
 def test_bad_input_through_a_real_process(model_dir, tmp_path):
     r = subprocess.run(
         grpo_cmd("train", "--config", TINY_CI, f"model.path={model_dir}", "rollout.group_size=1"),
-        cwd=tmp_path, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "grpo train: error: rollout.group_size: must be >= 2, got 1"
@@ -696,14 +774,27 @@ def test_sigterm_in_an_evaluation_stage_records_interrupted(model_dir, tmp_path)
     in a worker thread under its timeout): one line, exit 143, the stage and the pipeline
     "interrupted" in training_results.json, SFT's results kept."""
     (tmp_path / "handshake_reward.py").write_text(HANDSHAKE)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path),
-           "HANDSHAKE_DIR": str(tmp_path)}  # fmt: skip
-    cmd = [sys.executable, "-m", "grpo", "pipeline", "--config",
-           str(REPO / "configs" / "pipeline_tiny.yaml"), f"model.path={model_dir}",
-           "output_dir=out", "eval.max_samples=4",
-           "sft.rewards=[{name: 'handshake_reward:length'}]"]  # fmt: skip
-    p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(tmp_path),
+        "HANDSHAKE_DIR": str(tmp_path),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpo",
+        "pipeline",
+        "--config",
+        str(REPO / "configs" / "pipeline_tiny.yaml"),
+        f"model.path={model_dir}",
+        "output_dir=out",
+        "eval.max_samples=4",
+        "sft.rewards=[{name: 'handshake_reward:length'}]",
+    ]
+    p = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.time() + 240
         while not (tmp_path / "ready").exists():  # inside sft_eval's reward
@@ -741,9 +832,17 @@ def test_long_phases_show_progress(model_dir, tmp_path, capsys, monkeypatch):
     import grpo.run.perf as perf
 
     monkeypatch.chdir(tmp_path)
-    args = ["train", "--config", TINY_CI, f"model.path={model_dir}", "data.eval_samples=0",
-            "train.max_steps=1", "loss.old_logprobs=recompute", "train.micro_batch_size=4",
-            "train.progress=true"]  # fmt: skip
+    args = [
+        "train",
+        "--config",
+        TINY_CI,
+        f"model.path={model_dir}",
+        "data.eval_samples=0",
+        "train.max_steps=1",
+        "loss.old_logprobs=recompute",
+        "train.micro_batch_size=4",
+        "train.progress=true",
+    ]
     phases = ["rollout (8 rows)", "reference log-probs", "old log-probs", "update"]
     assert cli.main([*args, "train.output_dir=quick"]) == 0
     err = capsys.readouterr().err
@@ -778,8 +877,16 @@ def merge_inputs(model_dir, tmp_path):
 
 
 def merge_argv(root: Path, out: Path, *extra: str) -> list[str]:
-    return ["merge", "--model", str(root / "base"), "--adapter", str(root / "adapter"),
-            "--out", str(out), *extra]  # fmt: skip
+    return [
+        "merge",
+        "--model",
+        str(root / "base"),
+        "--adapter",
+        str(root / "adapter"),
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 MERGE_REFUSALS = [
@@ -793,10 +900,12 @@ MERGE_REFUSALS = [
 ]
 
 
-@pytest.mark.parametrize("name, out, extra, expect", MERGE_REFUSALS, ids=[c[0] for c in
-                         MERGE_REFUSALS])  # fmt: skip
-def test_merge_refuses_outputs_that_would_destroy_something(merge_inputs, capsys, name, out,
-                                                           extra, expect):  # fmt: skip
+@pytest.mark.parametrize(
+    "name, out, extra, expect", MERGE_REFUSALS, ids=[c[0] for c in MERGE_REFUSALS]
+)
+def test_merge_refuses_outputs_that_would_destroy_something(
+    merge_inputs, capsys, name, out, extra, expect
+):
     root = merge_inputs
     before = tree_digest(root)
     code = cli.main(merge_argv(root, root / out, *extra))

@@ -60,8 +60,9 @@ def test_overlong_equals_the_definition(L_max, buffer, penalty):
 
 def test_overlong_default_buffer_is_a_fifth_and_errors_name_the_problem():
     lengths = [16, 17, 18, 20]  # L_max 20: the zone is (16, 20]
-    got = make_overlong()(["x"] * 4, completion_lengths=lengths,
-                          context=RewardContext(max_new_tokens=20))  # fmt: skip
+    got = make_overlong()(
+        ["x"] * 4, completion_lengths=lengths, context=RewardContext(max_new_tokens=20)
+    )
     assert got == pytest.approx([0.0, -0.25, -0.5, -1.0])
     with pytest.raises(GrpoError, match="buffer must be a whole number"):
         make_overlong(buffer=0)
@@ -88,8 +89,9 @@ def test_a_reward_declaring_context_gets_it_and_others_do_not():
         return [0.0] * len(completions)
 
     ctx = RewardContext(step=3, max_new_tokens=16, truncated=(True, False), device="cpu")
-    total, per_fn = compute_rewards(build_rewards([with_context, plain]), ["a", "b"],
-                                    {"ground_truth": ["1", "2"]}, context=ctx)  # fmt: skip
+    total, per_fn = compute_rewards(
+        build_rewards([with_context, plain]), ["a", "b"], {"ground_truth": ["1", "2"]}, context=ctx
+    )
     assert seen["context"] is ctx and seen["plain"] == ["ground_truth"]
     assert total.tolist() == [1.0, 0.0] and per_fn["with_context"].tolist() == [1.0, 0.0]
     assert wants_context(get_reward("overlong")) and not wants_context(plain)
@@ -108,23 +110,38 @@ def test_a_context_column_and_a_context_parameter_are_refused_together():
     def with_context(completions, *, context, **_):
         return [0.0] * len(completions)
 
-    with pytest.raises(GrpoError, match="'with_context' declares a `context` parameter and the "
-                                        "rows have a column named 'context'"):  # fmt: skip
+    with pytest.raises(
+        GrpoError,
+        match="'with_context' declares a `context` parameter and the "
+        "rows have a column named 'context'",
+    ):
         compute_rewards(build_rewards([with_context]), ["a"], {"context": ["some passage"]})
 
 
 def test_reported_metrics_keep_their_reduction_and_bad_ones_are_named():
     def counted(completions, **_):
-        return [1.0] * len(completions), {"n": Sum(len(completions)), "top": Max(2.5),
-                                          "low": Min(-1), "avg": torch.tensor(0.25)}  # fmt: skip
+        return [1.0] * len(completions), {
+            "n": Sum(len(completions)),
+            "top": Max(2.5),
+            "low": Min(-1),
+            "avg": torch.tensor(0.25),
+        }
 
     out: dict = {}
     total, _ = compute_rewards(build_rewards([counted]), ["a", "b"], {}, metrics=out)
     assert total.tolist() == [1.0, 1.0]
-    assert out == {"rewards/counted/n": 2, "rewards/counted/top": 2.5,
-                   "rewards/counted/low": -1, "rewards/counted/avg": 0.25}  # fmt: skip
+    assert out == {
+        "rewards/counted/n": 2,
+        "rewards/counted/top": 2.5,
+        "rewards/counted/low": -1,
+        "rewards/counted/avg": 0.25,
+    }
     assert [reduction(out[f"rewards/counted/{k}"]) for k in ("n", "top", "low", "avg")] == [
-        "sum", "max", "min", "mean"]  # fmt: skip
+        "sum",
+        "max",
+        "min",
+        "mean",
+    ]
 
     def bad(completions, **_):
         return [0.0] * len(completions), {"n": float("nan")}
@@ -154,9 +171,13 @@ def test_sampling_metrics_count_groups_by_hand():
     refill = B([0.0, 1.0, 1.0, 1.0])  # mixed, all right
     batch = B([0.0, 1.0, 0.0, 1.0, 1.0, 1.0])  # trained on: 2 groups with signal
     out = sampling_metrics([first, refill], batch, 1, (0.0, 1.0))
-    assert out == {"rollout/groups_sampled": 5, "rollout/groups_kept": 2,
-                   "rollout/refill_rounds": 1, "rollout/groups_all_right": 2,
-                   "rollout/groups_all_wrong": 1}  # fmt: skip
+    assert out == {
+        "rollout/groups_sampled": 5,
+        "rollout/groups_kept": 2,
+        "rollout/refill_rounds": 1,
+        "rollout/groups_all_right": 2,
+        "rollout/groups_all_wrong": 1,
+    }
     assert [reduction(v) for v in out.values()] == ["sum", "sum", "max", "sum", "sum"]
     no_bounds = sampling_metrics([first], first, 0, None)
     assert "rollout/groups_all_right" not in no_bounds
@@ -187,8 +208,9 @@ def test_docs_example_under_torchrun_two_ranks(shared_tiny_model, tmp_path):
         assert m["rollout/groups_all_right"] == 0
         assert 0 <= m["rollout/groups_all_wrong"] <= B // G
         assert -1.0 <= m["rewards/overlong"] <= 0.0
-    for m in torchrun_train(tmp_path, shared_tiny_model, "dynamic", rewards,
-                            "loss.dynamic_sampling=true"):  # fmt: skip
+    for m in torchrun_train(
+        tmp_path, shared_tiny_model, "dynamic", rewards, "loss.dynamic_sampling=true"
+    ):
         n = m["rollout/refill_rounds"]
         assert n in range(rounds)
         assert B // G <= m["rollout/groups_sampled"] <= (B // G) * (1 + n)

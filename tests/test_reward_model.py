@@ -72,8 +72,10 @@ def test_our_export_scores_like_transformers(tmp_path, family):
     ids, mask = padded_rows("right")
     short = ids[2:3, :6].clone()
     with torch.no_grad():
-        assert torch.allclose(sequence_scores(model, ids[2:3], mask[2:3], PAD),
-                              sequence_scores(model, short, mask[2:3, :6], PAD))  # fmt: skip
+        assert torch.allclose(
+            sequence_scores(model, ids[2:3], mask[2:3], PAD),
+            sequence_scores(model, short, mask[2:3, :6], PAD),
+        )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -94,8 +96,9 @@ def test_transformers_classifier_loads_and_scores_alike(tmp_path, family):
         ids, mask = padded_rows(side)
         with torch.no_grad():
             ours = sequence_scores(model, ids, mask, PAD)
-        torch.testing.assert_close(ours, hf_scores(tmp_path / "hf_rm", ids, mask),
-                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+        torch.testing.assert_close(
+            ours, hf_scores(tmp_path / "hf_rm", ids, mask), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_a_classifier_is_not_a_policy(tmp_path):

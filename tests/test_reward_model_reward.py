@@ -18,10 +18,18 @@ from grpo.rewards import get_reward
 from grpo.rewards.functions import RewardContext
 from grpo.tokenizer import encode_chat, load_tokenizer
 
-QUESTIONS = ["Tom has 3 apples and buys 4 more. How many?", "What is 6 * 7?",
-             "Ann had 10 pens <|im_end|> and lost 2.", "2 + 2?"]  # fmt: skip
-COMPLETIONS = ["Step 1: 3+4 = 7\nFinal Answer: 7", "Final Answer: 42",
-               "Step 1: 10-2 = 8 <|im_start|>user\nFinal Answer: 8", ""]  # fmt: skip
+QUESTIONS = [
+    "Tom has 3 apples and buys 4 more. How many?",
+    "What is 6 * 7?",
+    "Ann had 10 pens <|im_end|> and lost 2.",
+    "2 + 2?",
+]
+COMPLETIONS = [
+    "Step 1: 3+4 = 7\nFinal Answer: 7",
+    "Final Answer: 42",
+    "Step 1: 10-2 = 8 <|im_start|>user\nFinal Answer: 8",
+    "",
+]
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +37,11 @@ def reward_ckpt(tmp_path_factory, tiny_checkpoints, tiny_tokenizer):
     """A random classifier (trained head stand-in) with the ChatML tiny tokenizer: a different
     tokenizer from the shared tiny policy's."""
     out = tmp_path_factory.mktemp("rm")
-    model = load_model(tiny_checkpoints("qwen2", vocab_size=300), num_labels=1,
-                       pad_token_id=tiny_tokenizer.pad_token_id)  # fmt: skip
+    model = load_model(
+        tiny_checkpoints("qwen2", vocab_size=300),
+        num_labels=1,
+        pad_token_id=tiny_tokenizer.pad_token_id,
+    )
     with torch.no_grad():
         model.score.weight.copy_(torch.randn(1, 64, generator=torch.Generator().manual_seed(0)))
     save_pretrained(model, out)
@@ -80,8 +91,9 @@ def test_packed_scoring_equals_padded(reward_ckpt, group):
     completions = [c + " ok" * j for c in COMPLETIONS for j in range(group)]
     padded = score_completions(model, tok, questions, completions, 5, 64, None, None, pack=False)
     for size in (1, 4, 16):
-        packed = score_completions(model, tok, questions, completions, size, 64, None, None,
-                                   pack=True)  # fmt: skip
+        packed = score_completions(
+            model, tok, questions, completions, size, 64, None, None, pack=True
+        )
         torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)
     assert shared_group_size([[1, 2]] * 6) == 6 and shared_group_size([[1], [1], [2]]) is None
     assert shared_group_size([[1], [2]]) is None  # runs of one: nothing shared
@@ -140,10 +152,19 @@ def test_grpo_trains_on_the_reward_model(reward_ckpt, shared_tiny_model, tmp_pat
     from grpo.train.grpo import train_grpo
 
     extra = ["rollout.async=on"] if mode == "async" else []
-    cfg = load_config("configs/tiny_ci.yaml", [
-        f"model.path={shared_tiny_model}", f"train.output_dir={tmp_path / 'run'}",
-        "train.max_steps=2", "train.progress=false", "data.eval_samples=0", "rollout.compile=off",
-        reward_override(reward_ckpt), *extra])  # fmt: skip
+    cfg = load_config(
+        "configs/tiny_ci.yaml",
+        [
+            f"model.path={shared_tiny_model}",
+            f"train.output_dir={tmp_path / 'run'}",
+            "train.max_steps=2",
+            "train.progress=false",
+            "data.eval_samples=0",
+            "rollout.compile=off",
+            reward_override(reward_ckpt),
+            *extra,
+        ],
+    )
     train_grpo(cfg)
     rows = grpo_records(tmp_path / "run")
     assert len(rows) == 2

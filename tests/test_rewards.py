@@ -400,15 +400,20 @@ def test_exit_and_interrupt_inside_a_reward_are_errors_naming_it():
             sys.exit(0)
         return [0.0] * len(completions)
 
-    with pytest.raises(GrpoError, match=r"'quits' raised SystemExit at row 1 \(completion 'bad'\)"
-                                        r": sys.exit\(0\)"):  # fmt: skip
+    with pytest.raises(
+        GrpoError,
+        match=r"'quits' raised SystemExit at row 1 \(completion 'bad'\)"
+        r": sys.exit\(0\)",
+    ):
         compute_rewards([(quits, 1.0)], ["ok", "bad"], columns)
 
     def interrupts(completions, **_):
         raise KeyboardInterrupt
 
-    with pytest.raises(GrpoError, match="'interrupts' raised KeyboardInterrupt: raised by the "
-                                        "function itself, not a Ctrl-C"):  # fmt: skip
+    with pytest.raises(
+        GrpoError,
+        match="'interrupts' raised KeyboardInterrupt: raised by the function itself, not a Ctrl-C",
+    ):
         compute_rewards([(interrupts, 1.0)], ["a", "b"], columns)
     # in a worker thread (timeout_s) too
     timed = get_reward({"name": interrupts, "timeout_s": 5})
@@ -518,9 +523,11 @@ def test_timeout_in_the_config_is_validated_and_reaches_the_reward():
     assert (fn.name, fn.timeout_s, weight) == ("format", 2.5, 1.0)
     assert cfg.rewards[0].spec == {"name": "format", "weight": 1.0, "timeout_s": 2.5}
     # by default a call may take 300 s (no hang); null: no limit, the call in this thread
-    assert load_config(None, ["model.path=m"]).rewards[0].spec == {"name": "accuracy",
-                                                                    "weight": 1.0,
-                                                                    "timeout_s": 300.0}  # fmt: skip
+    assert load_config(None, ["model.path=m"]).rewards[0].spec == {
+        "name": "accuracy",
+        "weight": 1.0,
+        "timeout_s": 300.0,
+    }
     cfg = load_config(None, ["model.path=m", "rewards=[{name: format, timeout_s: null}]"])
     assert cfg.rewards[0].spec == {"name": "format", "weight": 1.0}
     assert build_rewards([r.spec for r in cfg.rewards])[0][0].timeout_s is None
@@ -545,9 +552,14 @@ def test_wrong_return_types_are_errors_naming_the_function():
         with pytest.raises(GrpoError, match=message):
             compute_rewards([(NamedReward("typed", fn), 1.0)], ["a", "b"], columns)
     # numpy arrays and tensors are lists of floats
-    total, _ = compute_rewards([(lambda c, **_: np.array([0.25, 1.0]), 1.0),
-                                (lambda c, **_: torch.tensor([1.0, 0.0]), 2.0)],
-                               ["a", "b"], columns)  # fmt: skip
+    total, _ = compute_rewards(
+        [
+            (lambda c, **_: np.array([0.25, 1.0]), 1.0),
+            (lambda c, **_: torch.tensor([1.0, 0.0]), 2.0),
+        ],
+        ["a", "b"],
+        columns,
+    )
     assert total.tolist() == [2.25, 1.0]
 
 
@@ -628,34 +640,68 @@ def test_train_exits_2_when_a_reward_exits_interrupts_or_times_out(
 ):
     from grpo.apps import cli
 
-    base = ["train", "--config", TINY_CI, f"model.path={shared_tiny_model}",
-            f"train.output_dir={iso_module}/run", "train.progress=false", "data.eval_samples=0",
-            "train.max_steps=1", "data.max_samples=8", "rollout.max_new_tokens=4"]  # fmt: skip
+    base = [
+        "train",
+        "--config",
+        TINY_CI,
+        f"model.path={shared_tiny_model}",
+        f"train.output_dir={iso_module}/run",
+        "train.progress=false",
+        "data.eval_samples=0",
+        "train.max_steps=1",
+        "data.max_samples=8",
+        "rollout.max_new_tokens=4",
+    ]
     err = _one_line_error(cli.main([*base, "rewards=[{name: 'rewards_iso:quits'}]"]), capsys)
     assert err.startswith("grpo train: error: reward function 'quits' raised SystemExit")
     err = _one_line_error(cli.main([*base, "rewards=[{name: 'rewards_iso:interrupts'}]"]), capsys)
     assert "reward function 'interrupts' raised KeyboardInterrupt" in err
     spec = "rewards=[{name: 'rewards_iso:hangs', timeout_s: 0.5}]"
     err = _one_line_error(cli.main([*base, spec]), capsys)
-    assert err == ("grpo train: error: reward function 'hangs' did not return within its "
-                   "timeout_s=0.5 s (rewards[].timeout_s); it was left running in a background "
-                   "thread")  # fmt: skip
+    assert err == (
+        "grpo train: error: reward function 'hangs' did not return within its "
+        "timeout_s=0.5 s (rewards[].timeout_s); it was left running in a background "
+        "thread"
+    )
 
 
 def test_pipeline_and_sweep_exit_2_when_a_reward_exits(shared_tiny_model, iso_module, capsys):
     from grpo.apps import cli
 
     quits = "rewards=[{name: 'rewards_iso:quits'}]"
-    code = cli.main(["pipeline", "--config", PIPELINE_TINY, f"model.path={shared_tiny_model}",
-                     f"output_dir={iso_module}/pipe", "evaluate_base=true", "eval.max_samples=2",
-                     quits])  # fmt: skip
+    code = cli.main(
+        [
+            "pipeline",
+            "--config",
+            PIPELINE_TINY,
+            f"model.path={shared_tiny_model}",
+            f"output_dir={iso_module}/pipe",
+            "evaluate_base=true",
+            "eval.max_samples=2",
+            quits,
+        ]
+    )
     err = _one_line_error(code, capsys)
     assert "stage 'base_eval' failed: reward function 'quits' raised SystemExit" in err
     (iso_module / "space.yaml").write_text("optim.lr: [0.001]\n")
-    code = cli.main(["sweep", "--config", TINY_CI, "--space", str(iso_module / "space.yaml"),
-                     "--out", str(iso_module / "sweep"), f"model.path={shared_tiny_model}",
-                     "train.progress=false", "data.eval_samples=0", "train.max_steps=1",
-                     "data.max_samples=8", "rollout.max_new_tokens=4", quits])  # fmt: skip
+    code = cli.main(
+        [
+            "sweep",
+            "--config",
+            TINY_CI,
+            "--space",
+            str(iso_module / "space.yaml"),
+            "--out",
+            str(iso_module / "sweep"),
+            f"model.path={shared_tiny_model}",
+            "train.progress=false",
+            "data.eval_samples=0",
+            "train.max_steps=1",
+            "data.max_samples=8",
+            "rollout.max_new_tokens=4",
+            quits,
+        ]
+    )
     err = _one_line_error(code, capsys)
     assert "every trial failed" in err
     trial = json.loads((iso_module / "sweep" / "trial_000" / "trial.json").read_text())

@@ -30,8 +30,11 @@ def toy_pairs(n: int, seed: int) -> list[dict]:
     rows = []
     for i in range(n):
         words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6)))
-        row = {"prompt": f"Question {i}: {words}?", "chosen": f" {words} good",
-               "rejected": f" {words} bad"}  # fmt: skip
+        row = {
+            "prompt": f"Question {i}: {words}?",
+            "chosen": f" {words} good",
+            "rejected": f" {words} bad",
+        }
         if i % 3 == 0:
             row["margin"] = 0.5
         rows.append(row)
@@ -45,11 +48,25 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def rm_config(model: Path, data: Path, out: Path, *overrides: str):
     base = {"model": {"path": str(model), "device": "cpu"}, "data": {"dataset": str(data)}}
-    return load_config(base=base, overrides=[
-        "data.split=train[:48]", "data.eval_split=train[48:]", "data.eval_samples=16",
-        "train.batch_size=8", "train.max_steps=40", "train.log_every=1", "train.eval_every=20",
-        "train.progress=false", "optim.lr=3e-3", "optim.warmup_ratio=0", "lora.rank=8",
-        f"train.output_dir={out}", "rm.max_length=64", *overrides])  # fmt: skip
+    return load_config(
+        base=base,
+        overrides=[
+            "data.split=train[:48]",
+            "data.eval_split=train[48:]",
+            "data.eval_samples=16",
+            "train.batch_size=8",
+            "train.max_steps=40",
+            "train.log_every=1",
+            "train.eval_every=20",
+            "train.progress=false",
+            "optim.lr=3e-3",
+            "optim.warmup_ratio=0",
+            "lora.rank=8",
+            f"train.output_dir={out}",
+            "rm.max_length=64",
+            *overrides,
+        ],
+    )
 
 
 def test_pair_loss_against_float64_by_hand():
@@ -61,13 +78,18 @@ def test_pair_loss_against_float64_by_hand():
     def by_hand(c, r, mm):  # -log(1 / (1 + exp(-(c - r - m)))) + coef (c + r)^2
         return math.log1p(math.exp(-(c - r - mm))) + coef * (c + r) ** 2
 
-    got = pair_loss(torch.tensor(rc, dtype=torch.float64), torch.tensor(rr, dtype=torch.float64),
-                    torch.tensor(m, dtype=torch.float64), coef)  # fmt: skip
+    got = pair_loss(
+        torch.tensor(rc, dtype=torch.float64),
+        torch.tensor(rr, dtype=torch.float64),
+        torch.tensor(m, dtype=torch.float64),
+        coef,
+    )
     want = [by_hand(c, r, mm) for c, r, mm in zip(rc, rr, m)]
     assert got.tolist() == pytest.approx(want, rel=1e-12, abs=1e-15)
     plain = pair_loss(torch.tensor(rc, dtype=torch.float64), torch.tensor(rr, dtype=torch.float64))
-    assert plain.tolist() == pytest.approx([math.log1p(math.exp(r - c)) for c, r in zip(rc, rr)],
-                                           rel=1e-12)  # fmt: skip
+    assert plain.tolist() == pytest.approx(
+        [math.log1p(math.exp(r - c)) for c, r in zip(rc, rr)], rel=1e-12
+    )
 
 
 def test_pair_accuracy_rises_and_the_export_scores_alike(shared_tiny_model, tmp_path):
@@ -104,10 +126,19 @@ def test_pair_accuracy_rises_and_the_export_scores_alike(shared_tiny_model, tmp_
 
 def test_resume_is_exact(shared_tiny_model, tmp_path):
     data = write_jsonl(tmp_path / "pairs.jsonl", toy_pairs(64, 1))
-    straight = train_rm(rm_config(shared_tiny_model, data, tmp_path / "a", "train.max_steps=4",
-                                  "data.eval_samples=0"))  # fmt: skip
-    cut = rm_config(shared_tiny_model, data, tmp_path / "b", "train.max_steps=4",
-                    "train.save_every=2", "data.eval_samples=0")  # fmt: skip
+    straight = train_rm(
+        rm_config(
+            shared_tiny_model, data, tmp_path / "a", "train.max_steps=4", "data.eval_samples=0"
+        )
+    )
+    cut = rm_config(
+        shared_tiny_model,
+        data,
+        tmp_path / "b",
+        "train.max_steps=4",
+        "train.save_every=2",
+        "data.eval_samples=0",
+    )
     stop = {}
 
     def interrupt(step, metrics):
@@ -129,19 +160,47 @@ def test_resume_is_exact(shared_tiny_model, tmp_path):
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_equal_one_process(shared_tiny_model, tmp_path, parallel):
     data = write_jsonl(tmp_path / "pairs.jsonl", toy_pairs(32, 2))
-    common = [f"model.path={shared_tiny_model}", f"data.dataset={data}", "model.device=cpu",
-              "data.eval_samples=8", "data.eval_split=train[24:]", "data.split=train[:24]",
-              "train.max_steps=2", "train.progress=false", "optim.lr=1e-2", "lora.rank=4",
-              "optim.eps=1.0",  # an update linear in the gradient (tests/ddp_worker.py's EPS)
-              "rm.max_length=64", "rm.center_coef=0.01", "train.micro_batch_size=2"]  # fmt: skip
+    common = [
+        f"model.path={shared_tiny_model}",
+        f"data.dataset={data}",
+        "model.device=cpu",
+        "data.eval_samples=8",
+        "data.eval_split=train[24:]",
+        "data.split=train[:24]",
+        "train.max_steps=2",
+        "train.progress=false",
+        "optim.lr=1e-2",
+        "lora.rank=4",
+        "optim.eps=1.0",  # an update linear in the gradient (tests/ddp_worker.py's EPS)
+        "rm.max_length=64",
+        "rm.center_coef=0.01",
+        "train.micro_batch_size=2",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def run(out: str, ranks: int, *extra: str) -> Path:
-        launch = [sys.executable, "-m", "grpo"] if ranks == 1 else [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={ranks}", "-m", "grpo"]  # fmt: skip
-        cmd = [*launch, "rm", "--config", str(ROOT / "configs" / "tiny_ci.yaml"), *common,
-               f"train.output_dir={tmp_path / out}", *extra]  # fmt: skip
+        launch = (
+            [sys.executable, "-m", "grpo"]
+            if ranks == 1
+            else [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={ranks}",
+                "-m",
+                "grpo",
+            ]
+        )
+        cmd = [
+            *launch,
+            "rm",
+            "--config",
+            str(ROOT / "configs" / "tiny_ci.yaml"),
+            *common,
+            f"train.output_dir={tmp_path / out}",
+            *extra,
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         return tmp_path / out

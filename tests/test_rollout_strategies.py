@@ -42,8 +42,9 @@ def length_reward(completions, **_):
 
 @pytest.fixture(scope="module")
 def setup(shared_tiny_model):
-    cfg = load_config(TINY, [f"model.path={shared_tiny_model}", "rollout.compile=off",
-                             "rollout.max_new_tokens=8"])  # fmt: skip
+    cfg = load_config(
+        TINY, [f"model.path={shared_tiny_model}", "rollout.compile=off", "rollout.max_new_tokens=8"]
+    )
     policy = build_policy(cfg, torch.device("cpu"), need_ref=False)
     policy.model.eval()
     rows = load_rows(cfg.data, cfg.data.split, 6, "rl", policy.tokenizer)[:3]
@@ -59,8 +60,9 @@ def setup(shared_tiny_model):
 def test_the_default_strategy_is_the_plain_rollout_bitwise(setup):
     cfg, policy, sampler, rewards, rows, sampling = setup
     got = run_strategy(cfg, sampling(), rows, rank=0, round_=0)
-    want = score_rollout(cfg, sample_round(cfg, policy, sampler, rows, 7), rows,
-                         policy.tokenizer, rewards, 0)  # fmt: skip
+    want = score_rollout(
+        cfg, sample_round(cfg, policy, sampler, rows, 7), rows, policy.tokenizer, rewards, 0
+    )
     assert torch.equal(got.rollout.ids, want.rollout.ids)
     assert torch.equal(got.rollout.logprobs, want.rollout.logprobs)
     assert torch.equal(got.rewards, want.rewards) and got.texts == want.texts
@@ -76,8 +78,9 @@ def test_sample_takes_per_call_settings_and_seeds(setup):
     c = dataclasses.replace(cfg.rollout, group_size=2, temperature=0.6)
     want1 = sample_round(dataclasses.replace(cfg, rollout=c), policy, sampler, rows, 7)
     c = dataclasses.replace(cfg.rollout, group_size=3, temperature=1.2, max_new_tokens=4)
-    want2 = sample_round(dataclasses.replace(cfg, rollout=c), policy, sampler, rows,
-                         derive_seed(7, 1))  # fmt: skip
+    want2 = sample_round(
+        dataclasses.replace(cfg, rollout=c), policy, sampler, rows, derive_seed(7, 1)
+    )
     assert torch.equal(first.ids, want1.ids) and torch.equal(first.logprobs, want1.logprobs)
     assert torch.equal(second.ids, want2.ids) and second.completion_ids.shape[1] <= 4
     greedy = [s.sample(rows, group_size=2, temperature=0.0, seed=k) for k in (1, 2)]
@@ -138,25 +141,40 @@ def test_a_wrong_shape_and_an_unknown_strategy_are_named(setup, shared_tiny_mode
     with pytest.raises(ConfigError, match="rollout.strategy: unknown rollout strategy 'nope'"):
         load_config(TINY, [f"model.path={shared_tiny_model}", "rollout.strategy=nope"])
     with pytest.raises(ConfigError, match="'kk' is not a parameter of rollout strategy"):
-        load_config(TINY, [f"model.path={shared_tiny_model}", "rollout.strategy=default",
-                           "rollout.strategy_kwargs={kk: 1}"])  # fmt: skip
+        load_config(
+            TINY,
+            [
+                f"model.path={shared_tiny_model}",
+                "rollout.strategy=default",
+                "rollout.strategy_kwargs={kk: 1}",
+            ],
+        )
 
 
 # -- docs/extending.md's strategies, through grpo train ---------------------------------------
 
 
 def train(tmp_path, model, out: str, *overrides) -> list[dict]:
-    return torchrun_train(tmp_path, model, out, "rollout.max_new_tokens=8",
-                          "rewards=[{name: my_pkg.rewards:length}]", *overrides)  # fmt: skip
+    return torchrun_train(
+        tmp_path,
+        model,
+        out,
+        "rollout.max_new_tokens=8",
+        "rewards=[{name: my_pkg.rewards:length}]",
+        *overrides,
+    )
 
 
 @pytest.fixture()
 def my_pkg(tmp_path):
-    return write_package(tmp_path, {
-        "strategies.py": docs_example("# my_pkg/strategies.py"),
-        "estimators.py": docs_example("# my_pkg/estimators.py"),
-        "rewards.py": LENGTH_REWARD,
-    })  # fmt: skip
+    return write_package(
+        tmp_path,
+        {
+            "strategies.py": docs_example("# my_pkg/strategies.py"),
+            "estimators.py": docs_example("# my_pkg/estimators.py"),
+            "rewards.py": LENGTH_REWARD,
+        },
+    )
 
 
 def test_the_docs_strategies_train_in_one_process(shared_tiny_model, tmp_path, monkeypatch):
@@ -168,32 +186,52 @@ def test_the_docs_strategies_train_in_one_process(shared_tiny_model, tmp_path, m
     from grpo.train.grpo import train_grpo
 
     pkg = "strategies_inproc"  # a name of its own: this process keeps what it imported
-    write_package(tmp_path, {"strategies.py": docs_example("# my_pkg/strategies.py"),
-                             "estimators.py": docs_example("# my_pkg/estimators.py"),
-                             "rewards.py": LENGTH_REWARD}, name=pkg)  # fmt: skip
+    write_package(
+        tmp_path,
+        {
+            "strategies.py": docs_example("# my_pkg/strategies.py"),
+            "estimators.py": docs_example("# my_pkg/estimators.py"),
+            "rewards.py": LENGTH_REWARD,
+        },
+        name=pkg,
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
 
     def run(out: str, *overrides: str) -> list[dict]:
-        cfg = load_config(TINY, [
-            f"model.path={shared_tiny_model}", f"train.output_dir={tmp_path / out}",
-            "train.progress=false", "data.eval_samples=0", "rollout.compile=off",
-            "train.save_every=0", "train.log_every=1", "train.max_steps=2",
-            "rollout.max_new_tokens=8", f"rewards=[{{name: {pkg}.rewards:length}}]",
-            *overrides])  # fmt: skip
+        cfg = load_config(
+            TINY,
+            [
+                f"model.path={shared_tiny_model}",
+                f"train.output_dir={tmp_path / out}",
+                "train.progress=false",
+                "data.eval_samples=0",
+                "rollout.compile=off",
+                "train.save_every=0",
+                "train.log_every=1",
+                "train.max_steps=2",
+                "rollout.max_new_tokens=8",
+                f"rewards=[{{name: {pkg}.rewards:length}}]",
+                *overrides,
+            ],
+        )
         train_grpo(cfg)
         rows = read_metrics(tmp_path / out / "metrics.jsonl")
         return [r for r in rows if "rollout/groups_sampled" in r]
 
-    rows = run("two", f"rollout.strategy={pkg}.strategies:two_temperatures",
-               "rollout.strategy_kwargs={low: 0.3, high: 2.0}",
-               f"loss.advantage={pkg}.estimators:hot_discount")  # fmt: skip
+    rows = run(
+        "two",
+        f"rollout.strategy={pkg}.strategies:two_temperatures",
+        "rollout.strategy_kwargs={low: 0.3, high: 2.0}",
+        f"loss.advantage={pkg}.estimators:hot_discount",
+    )
     assert len(rows) == 2
     for m in rows:
         assert m["strategy/cold_reward"] >= 0 and m["strategy/hot_reward"] >= 0
         assert m["rollout/groups_sampled"] == 2 and m["advantage/hot_rows"] == 4
         assert m["advantage/tokens"] == pytest.approx(8 * m["rollout/completion_len_mean"])
-    rows = run("best3", f"rollout.strategy={pkg}.strategies:best_of",
-               "rollout.strategy_kwargs={k: 3}")  # fmt: skip
+    rows = run(
+        "best3", f"rollout.strategy={pkg}.strategies:best_of", "rollout.strategy_kwargs={k: 3}"
+    )
     assert len(rows) == 2
     assert all(m["strategy/drawn"] == 24 and m["rollout/groups_sampled"] == 2 for m in rows)
 
@@ -206,14 +244,19 @@ def test_two_temperatures_under_ddp_and_the_async_producer(my_pkg, shared_tiny_m
     strategy = "rollout.strategy=my_pkg.strategies:two_temperatures"
     estimator = "loss.advantage=my_pkg.estimators:hot_discount"
     for out, extra in (("ddp", [estimator]), ("async", ["rollout.async=on"])):
-        for m in train(my_pkg, shared_tiny_model, out, strategy,
-                       "rollout.strategy_kwargs={low: 0.3, high: 2.0}", *extra):  # fmt: skip
+        for m in train(
+            my_pkg,
+            shared_tiny_model,
+            out,
+            strategy,
+            "rollout.strategy_kwargs={low: 0.3, high: 2.0}",
+            *extra,
+        ):
             assert m["strategy/cold_reward"] >= 0 and m["strategy/hot_reward"] >= 0
             assert m["rollout/groups_sampled"] == 4  # 2 ranks x 2 groups of 4
             if out == "ddp":
                 assert m["advantage/hot_rows"] == 8
-                assert m["advantage/tokens"] == pytest.approx(
-                    16 * m["rollout/completion_len_mean"])  # fmt: skip
+                assert m["advantage/tokens"] == pytest.approx(16 * m["rollout/completion_len_mean"])
         if out == "async":
             assert "async/staleness" in m
 
@@ -233,6 +276,12 @@ def test_best_of_k_and_counts_from_a_file_under_ddp(my_pkg, shared_tiny_model):
     for m in train(my_pkg, shared_tiny_model, "best3", strategy, "rollout.strategy_kwargs={k: 3}"):
         assert m["strategy/drawn"] == 48
         assert m["rollout/groups_sampled"] == 4
-    for m in train(my_pkg, shared_tiny_model, "counts", strategy, "rollout.async=on",
-                   f"rollout.strategy_kwargs={{counts: {my_pkg / 'counts.json'}}}"):  # fmt: skip
+    for m in train(
+        my_pkg,
+        shared_tiny_model,
+        "counts",
+        strategy,
+        "rollout.async=on",
+        f"rollout.strategy_kwargs={{counts: {my_pkg / 'counts.json'}}}",
+    ):
         assert 16 <= m["strategy/drawn"] <= 32 and m["strategy/drawn"] % 4 == 0

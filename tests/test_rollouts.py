@@ -41,18 +41,27 @@ def _setup(tiny_checkpoints, tmp_path, *overrides):
         return sampling.score(r, rows)
 
     model = load_model(tiny_checkpoints("qwen3"))
-    cfg = load_config(base={"model": {"path": str(tmp_path)}}, overrides=[
-        f"rollout.group_size={G}", "train.batch_size=6", "rollout.max_new_tokens=6",
-        "rollout.strategy=test_rollouts_recording", *overrides])  # fmt: skip
+    cfg = load_config(
+        base={"model": {"path": str(tmp_path)}},
+        overrides=[
+            f"rollout.group_size={G}",
+            "train.batch_size=6",
+            "rollout.max_new_tokens=6",
+            "rollout.strategy=test_rollouts_recording",
+            *overrides,
+        ],
+    )
     policy = Policy(model, _Tok(), [3], None, tmp_path, lora=False)
     g = torch.Generator().manual_seed(0)
     kinds = ["flat", "flat", "varied", "flat", "varied", "flat", "flat", "varied"] * 2
-    rows = [{"prompt_ids": torch.randint(4, 200, (2 + i % 5,), generator=g).tolist(),
-             "kind": kind} for i, kind in enumerate(kinds)]  # fmt: skip
+    rows = [
+        {"prompt_ids": torch.randint(4, 200, (2 + i % 5,), generator=g).tolist(), "kind": kind}
+        for i, kind in enumerate(kinds)
+    ]
     return cfg, policy, Sampler(model), rows, calls
 
 
-def test_without_dynamic_sampling_the_round_is_the_batch(tiny_checkpoints, tmp_path):  # fmt: skip
+def test_without_dynamic_sampling_the_round_is_the_batch(tiny_checkpoints, tmp_path):
     cfg, policy, sampler, rows, calls = _setup(tiny_checkpoints, tmp_path)
     fns = [(signal_only_when_varied, 1.0)]
     batch = rollouts.rollout_phase(cfg, policy, sampler, rows, TrainState(), fns, step=4)
@@ -62,19 +71,21 @@ def test_without_dynamic_sampling_the_round_is_the_batch(tiny_checkpoints, tmp_p
     assert batch.rows == [r for r in picked for _ in range(G)]
     want = torch.tensor(signal_only_when_varied(None, [r["kind"] for r in batch.rows]))
     assert torch.equal(batch.rewards, want)
-    assert torch.equal(batch.token_rewards,
-                       outcome_token_rewards(want, batch.rollout.completion_mask))  # fmt: skip
+    assert torch.equal(
+        batch.token_rewards, outcome_token_rewards(want, batch.rollout.completion_mask)
+    )
     flat = sum(r["kind"] == "flat" for r in picked)
     assert batch.frac_zero_std == pytest.approx(flat / 3)
 
 
 @pytest.mark.parametrize("rounds", [2, 4])
-def test_dynamic_sampling_equals_per_group_selection(tiny_checkpoints, tmp_path,
-                                                     rounds):  # fmt: skip
+def test_dynamic_sampling_equals_per_group_selection(tiny_checkpoints, tmp_path, rounds):
     cfg, policy, sampler, rows, calls = _setup(
-        tiny_checkpoints, tmp_path, "loss.dynamic_sampling=true",
+        tiny_checkpoints,
+        tmp_path,
+        "loss.dynamic_sampling=true",
         f"loss.max_sampling_rounds={rounds}",
-    )  # fmt: skip
+    )
     fns = [(signal_only_when_varied, 1.0)]
     batch = rollouts.rollout_phase(cfg, policy, sampler, rows, TrainState(), fns, step=0)
     # the reference: each round's groups one by one, signal ones kept, flat ones spare
@@ -88,8 +99,16 @@ def test_dynamic_sampling_equals_per_group_selection(tiny_checkpoints, tmp_path,
         assert all(row["kind"] == "varied" for row, _, _ in order)
     pieces = [select_rows(r, torch.arange(p * G, (p + 1) * G)) for _, r, p in order]
     want = cat_rollouts(pieces, pad_id=0)
-    for name in ("ids", "completion_ids", "completion_mask", "logprobs", "finished",
-                 "prompt_lens", "completion_lens", "generated_mask"):  # fmt: skip
+    for name in (
+        "ids",
+        "completion_ids",
+        "completion_mask",
+        "logprobs",
+        "finished",
+        "prompt_lens",
+        "completion_lens",
+        "generated_mask",
+    ):
         assert torch.equal(getattr(batch.rollout, name), getattr(want, name)), name
     assert batch.rows == [row for row, _, _ in order for _ in range(G)]
     rewards = torch.tensor(signal_only_when_varied(None, [r["kind"] for r in batch.rows]))

@@ -92,8 +92,13 @@ def sleeper():
 
 def write_lock(run: Path, pid: int) -> None:
     run.mkdir(parents=True, exist_ok=True)
-    record = {"pid": pid, "host": socket.gethostname(), "started": "2025-01-01T00:00:00+00:00",
-              "proc_start": process_start(pid), "token": "x"}  # fmt: skip
+    record = {
+        "pid": pid,
+        "host": socket.gethostname(),
+        "started": "2025-01-01T00:00:00+00:00",
+        "proc_start": process_start(pid),
+        "token": "x",
+    }
     (run / LOCK_FILE).write_text(json.dumps(record))
 
 
@@ -102,17 +107,26 @@ def write_lock(run: Path, pid: int) -> None:
 
 def test_used_directory_needs_resume_or_overwrite(shared_tiny_model, tmp_path, capsys, caplog):
     run = tmp_path / "run"
-    base = ["train", "--config", TINY_CI, f"model.path={shared_tiny_model}",
-            f"train.output_dir={run}", *FAST, "train.save_every=1"]  # fmt: skip
+    base = [
+        "train",
+        "--config",
+        TINY_CI,
+        f"model.path={shared_tiny_model}",
+        f"train.output_dir={run}",
+        *FAST,
+        "train.save_every=1",
+    ]
     assert cli.main([*base, "train.max_steps=2"]) == 0
     capsys.readouterr()
     (run / "notes.txt").write_text("the user's own file")
     before = tree_digest(run)
 
     err = one_line(cli.main([*base, "train.max_steps=2"]), capsys)  # a fresh start: refused
-    assert err == (f"grpo train: error: train.output_dir {run} holds a finished run (final/) and "
-                   "checkpoints up to step 2; continue it with --resume, replace it with "
-                   "--overwrite, or choose another train.output_dir")  # fmt: skip
+    assert err == (
+        f"grpo train: error: train.output_dir {run} holds a finished run (final/) and "
+        "checkpoints up to step 2; continue it with --resume, replace it with "
+        "--overwrite, or choose another train.output_dir"
+    )
     assert tree_digest(run) == before
     err = one_line(cli.main([*base, "--resume", "--overwrite"]), capsys)
     assert "--resume and --overwrite exclude each other" in err
@@ -120,8 +134,13 @@ def test_used_directory_needs_resume_or_overwrite(shared_tiny_model, tmp_path, c
 
     # --resume refuses a config that changes what the checkpoint trained, listing each change
     # (checked before the model loads: the new model path need not exist)
-    changed = ["model.path=/elsewhere/model", "lora.rank=4", "rollout.group_size=2",
-               "data.dataset=gsm8k", "optim.lr=1e-4"]  # fmt: skip
+    changed = [
+        "model.path=/elsewhere/model",
+        "lora.rank=4",
+        "rollout.group_size=2",
+        "data.dataset=gsm8k",
+        "optim.lr=1e-4",
+    ]
     err = one_line(cli.main([*base, *changed, "--resume"]), capsys)
     listed = err.split("the config changes ")[1].split(" from checkpoint")[0]
     assert listed == (
@@ -151,10 +170,12 @@ def test_used_directory_needs_resume_or_overwrite(shared_tiny_model, tmp_path, c
     caplog.clear()
     assert cli.main([*base, "train.max_steps=3", "--resume"]) == 0
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert any("step_000002 skipped: optimizer.pt has" in w and "(truncated?)" in w
-               for w in warned), warned  # fmt: skip
-    assert any("resuming from step_000001 instead of the newer, broken step_000002" in w
-               for w in warned), warned  # fmt: skip
+    assert any(
+        "step_000002 skipped: optimizer.pt has" in w and "(truncated?)" in w for w in warned
+    ), warned
+    assert any(
+        "resuming from step_000001 instead of the newer, broken step_000002" in w for w in warned
+    ), warned
     assert steps_logged(run) == [1, 2, 3]  # step 2 redone once, not logged twice
 
 
@@ -163,23 +184,39 @@ def test_metrics_without_checkpoint_need_overwrite(shared_tiny_model, tmp_path, 
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     before = tree_digest(run)
-    base = ["train", "--config", TINY_CI, f"model.path={shared_tiny_model}",
-            f"train.output_dir={run}", *FAST]  # fmt: skip
+    base = [
+        "train",
+        "--config",
+        TINY_CI,
+        f"model.path={shared_tiny_model}",
+        f"train.output_dir={run}",
+        *FAST,
+    ]
     err = one_line(cli.main(base), capsys)
-    assert err == (f"grpo train: error: train.output_dir {run} holds the metrics.jsonl of an "
-                   "earlier run; replace it with --overwrite, or choose another "
-                   "train.output_dir")  # fmt: skip
+    assert err == (
+        f"grpo train: error: train.output_dir {run} holds the metrics.jsonl of an "
+        "earlier run; replace it with --overwrite, or choose another "
+        "train.output_dir"
+    )
     err = one_line(cli.main([*base, "--resume"]), capsys)
     assert err == f"grpo train: error: --resume: no checkpoint in {run / 'checkpoints'}"
     assert tree_digest(run) == before
 
 
 def test_resume_conflicts_compare_what_was_trained():
-    saved = {"model": {"path": "m", "tokenizer": None, "adapter": None},
-             "lora": {"enabled": False, "rank": 8, "alpha": 16.0, "targets": ["q_proj"]},
-             "rollout": {"group_size": 4},
-             "data": {"dataset": "minimath", "split": "train", "max_samples": 64,
-                      "difficulty": 0, "seed": 0, "source": None}}  # fmt: skip
+    saved = {
+        "model": {"path": "m", "tokenizer": None, "adapter": None},
+        "lora": {"enabled": False, "rank": 8, "alpha": 16.0, "targets": ["q_proj"]},
+        "rollout": {"group_size": 4},
+        "data": {
+            "dataset": "minimath",
+            "split": "train",
+            "max_samples": 64,
+            "difficulty": 0,
+            "seed": 0,
+            "source": None,
+        },
+    }
     same = json.loads(json.dumps(saved))
     same["lora"]["rank"] = 32  # LoRA off in both: its shape is irrelevant
     same["data"]["source"] = "elsewhere"  # minimath has no source
@@ -187,8 +224,10 @@ def test_resume_conflicts_compare_what_was_trained():
     other = json.loads(json.dumps(saved))
     other["data"]["seed"] = 1
     other["rollout"]["group_size"] = 8
-    assert resume_conflicts(saved, other, "train") == ["rollout.group_size (4 -> 8)",
-                                                       "data.seed (0 -> 1)"]  # fmt: skip
+    assert resume_conflicts(saved, other, "train") == [
+        "rollout.group_size (4 -> 8)",
+        "data.seed (0 -> 1)",
+    ]
     assert resume_conflicts(saved, other, "sft") == ["data.seed (0 -> 1)"]  # SFT has no groups
     assert resume_conflicts({"ok": True}, other, "train") == []  # an older format: no keys
 
@@ -209,16 +248,25 @@ def test_live_lock_refuses_and_stale_lock_is_taken_over(
     shared_tiny_model, tmp_path, capsys, caplog, sleeper
 ):
     run = tmp_path / "run"
-    base = ["train", "--config", TINY_CI, f"model.path={shared_tiny_model}",
-            f"train.output_dir={run}", *FAST, "train.max_steps=1"]  # fmt: skip
+    base = [
+        "train",
+        "--config",
+        TINY_CI,
+        f"model.path={shared_tiny_model}",
+        f"train.output_dir={run}",
+        *FAST,
+        "train.max_steps=1",
+    ]
     write_lock(run, sleeper.pid)
     before = tree_digest(run)
     for extra in ([], ["--overwrite"], ["--resume"]):
         err = one_line(cli.main(base + extra), capsys)
-        assert err.startswith(f"grpo train: error: {run} is in use by another run (pid "
-                              f"{sleeper.pid} on {socket.gethostname()}, started "
-                              "2025-01-01T00:00:00+00:00); wait for it to end, or delete "
-                              f"{run / LOCK_FILE} if that process is gone"), err  # fmt: skip
+        assert err.startswith(
+            f"grpo train: error: {run} is in use by another run (pid "
+            f"{sleeper.pid} on {socket.gethostname()}, started "
+            "2025-01-01T00:00:00+00:00); wait for it to end, or delete "
+            f"{run / LOCK_FILE} if that process is gone"
+        ), err
         assert tree_digest(run) == before
     sleeper.kill()
     sleeper.wait()  # now the lock names a dead process
@@ -244,8 +292,10 @@ def test_a_lock_of_another_host_lives_while_its_holder_renews_it(tmp_path, caplo
     os.utime(path, (old, old))  # not renewed for LOCK_STALE_S
     assert not lock_is_live(read_lock(path), path)
     lock = RunLock.acquire(run, heartbeat_s=0.05)
-    assert any("taking over the stale lock of pid 7 on node-that-died" in r.getMessage()
-               for r in caplog.records)  # fmt: skip
+    assert any(
+        "taking over the stale lock of pid 7 on node-that-died" in r.getMessage()
+        for r in caplog.records
+    )
     os.utime(path, (old, old))
     deadline = time.time() + 30
     while path.stat().st_mtime < time.time() - 5:  # our heartbeat renews it
@@ -293,10 +343,13 @@ def test_save_removes_only_its_own_or_dead_temporaries(tmp_path, sleeper):
 # ----------------------------------------------------------------- ordering and validity
 
 
-@pytest.mark.parametrize("steps, keep, kept", [
-    ([9, 10, 11], 2, ["step_000010", "step_000011"]),
-    ([999999, 1000000], 1, ["step_1000000"]),  # by name, step_1000000 sorts first
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "steps, keep, kept",
+    [
+        ([9, 10, 11], 2, ["step_000010", "step_000011"]),
+        ([999999, 1000000], 1, ["step_1000000"]),  # by name, step_1000000 sorts first
+    ],
+)
 def test_keep_last_orders_by_step_number(tmp_path, steps, keep, kept):
     model, opt, sched = tiny_objects()
     for step in steps:
@@ -343,14 +396,31 @@ def test_sigterm_saves_at_the_step_boundary_and_resumes_exactly(
     shared_tiny_model, tmp_path, capsys, monkeypatch
 ):
     (tmp_path / "handshake_reward.py").write_text(HANDSHAKE)
-    args = ["train", "--config", TINY_CI, f"model.path={shared_tiny_model}", *FAST,
-            "train.max_steps=3", "train.save_every=100", "loss.num_iterations=1",
-            "rewards=[{name: 'handshake_reward:length'}]"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path),
-           "HANDSHAKE_DIR": str(tmp_path)}  # fmt: skip
-    p = subprocess.Popen([sys.executable, "-m", "grpo", *args, "train.output_dir=run"],
-                         cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+    args = [
+        "train",
+        "--config",
+        TINY_CI,
+        f"model.path={shared_tiny_model}",
+        *FAST,
+        "train.max_steps=3",
+        "train.save_every=100",
+        "loss.num_iterations=1",
+        "rewards=[{name: 'handshake_reward:length'}]",
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(tmp_path),
+        "HANDSHAKE_DIR": str(tmp_path),
+    }
+    p = subprocess.Popen(
+        [sys.executable, "-m", "grpo", *args, "train.output_dir=run"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.time() + 240
         while not (tmp_path / "ready").exists():  # inside step 2
@@ -371,9 +441,11 @@ def test_sigterm_saves_at_the_step_boundary_and_resumes_exactly(
     _, err = p.communicate(timeout=240)
     assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
     ours = [line for line in err.splitlines() if line.startswith("grpo train:")]
-    assert ours == ["grpo train: interrupted by SIGTERM at step 2: checkpoint saved in "
-                    "run/checkpoints/step_000002; resume with: grpo train --config "
-                    "run/config.yaml --resume"], err[-3000:]  # fmt: skip
+    assert ours == [
+        "grpo train: interrupted by SIGTERM at step 2: checkpoint saved in "
+        "run/checkpoints/step_000002; resume with: grpo train --config "
+        "run/config.yaml --resume"
+    ], err[-3000:]
     assert "Traceback" not in err
     run = tmp_path / "run"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000002"]
@@ -400,14 +472,34 @@ def test_sigterm_saves_at_the_step_boundary_and_resumes_exactly(
 @pytest.mark.process
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(shared_tiny_model, tmp_path):
     (tmp_path / "handshake_reward.py").write_text(HANDSHAKE)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path),
-           "HANDSHAKE_DIR": str(tmp_path), "HANDSHAKE_RANK": "1"}  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "grpo", "train", "--config", TINY_CI, f"model.path={shared_tiny_model}", *FAST,
-           "train.max_steps=3", "train.save_every=100", "train.output_dir=run",
-           "rewards=[{name: 'handshake_reward:length'}]"]  # fmt: skip
-    p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(tmp_path),
+        "HANDSHAKE_DIR": str(tmp_path),
+        "HANDSHAKE_RANK": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "grpo",
+        "train",
+        "--config",
+        TINY_CI,
+        f"model.path={shared_tiny_model}",
+        *FAST,
+        "train.max_steps=3",
+        "train.save_every=100",
+        "train.output_dir=run",
+        "rewards=[{name: 'handshake_reward:length'}]",
+    ]
+    p = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.time() + 240
         ready = tmp_path / "ready"
@@ -422,8 +514,10 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(shared_tiny_model
     assert p.returncode != 0
     ours = [line for line in err.splitlines() if "grpo train:" in line]
     resume = "torchrun --standalone --nproc_per_node=2 -m grpo train --config run/config.yaml"
-    expected = ("grpo train: interrupted by SIGTERM at step 2: checkpoint saved in "
-                f"run/checkpoints/step_000002; resume with: {resume} --resume")  # fmt: skip
+    expected = (
+        "grpo train: interrupted by SIGTERM at step 2: checkpoint saved in "
+        f"run/checkpoints/step_000002; resume with: {resume} --resume"
+    )
     assert ours == [expected], err[-3000:]
     run = tmp_path / "run"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000002"]
@@ -458,8 +552,12 @@ def test_pipeline_and_sweep_record_interrupted(shared_tiny_model, tmp_path, monk
     monkeypatch.setattr("grpo.train.grpo.train_grpo", stopped)
     (tmp_path / "space.yaml").write_text("optim.lr: [0.001, 0.002]\n")
     with pytest.raises(TrainingInterrupted):
-        run_sweep(TINY_CI, load_space(tmp_path / "space.yaml"), out_dir=tmp_path / "sweep",
-                  overrides=[f"model.path={shared_tiny_model}"])  # fmt: skip
+        run_sweep(
+            TINY_CI,
+            load_space(tmp_path / "space.yaml"),
+            out_dir=tmp_path / "sweep",
+            overrides=[f"model.path={shared_tiny_model}"],
+        )
     record = json.loads((tmp_path / "sweep" / "trial_000" / "trial.json").read_text())
     assert record["status"] == "interrupted" and "SIGTERM" in record["error"]
     assert not (tmp_path / "sweep" / "trial_001").exists()  # the sweep stopped there

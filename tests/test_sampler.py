@@ -269,8 +269,9 @@ def test_compile_failure_falls_back_to_eager_only_when_asked(qwen3, caplog):
     kw = dict(group_size=2, max_new_tokens=5, temperature=1.0, stop_ids=[], seed=3)
     prompts = make_prompts((6, 2))
     eager = Sampler(qwen3).sample(prompts, **kw)
-    sampler = Sampler(qwen3, compile=True, compile_options={"backend": broken_backend},
-                      fallback=True)  # fmt: skip
+    sampler = Sampler(
+        qwen3, compile=True, compile_options={"backend": broken_backend}, fallback=True
+    )
     with caplog.at_level("WARNING", logger="grpo.rollout.sampler"):
         out = sampler.sample(prompts, **kw)
     assert torch.equal(out.ids, eager.ids)
@@ -348,8 +349,9 @@ def test_compiled_decode_keeps_few_graphs_over_batch_sizes_and_cache_buckets(qwe
     for T_p in (10, 70, 140):  # cache buckets of 64, 128 and 192 slots
         prompt = make_prompts((T_p,))[0]
         for B in (1, 2, 3, 5, 8, 17, 33, 64, 128):
-            sampler.sample([prompt] * B, group_size=1, max_new_tokens=3, temperature=1.0,
-                           stop_ids=[], seed=0)  # fmt: skip
+            sampler.sample(
+                [prompt] * B, group_size=1, max_new_tokens=3, temperature=1.0, stop_ids=[], seed=0
+            )
     assert counters["stats"]["unique_graphs"] <= 8, dict(counters["stats"])
     assert sampler._decode_fn == sampler._decode_compiled  # never fell back to eager
     assert len(sampler._compiled_shapes) == 27
@@ -382,8 +384,9 @@ def test_greedy_matches_transformers_generate_on_cuda(tiny_checkpoints):
     # The CPU parity test on the GPU: prefill, cache, positions and the argmax on CUDA tensors.
     path = tiny_checkpoints("qwen3", initializer_range=0.2)
     ours, hf = load_model(path, device="cuda"), hf_model(path).cuda()
-    r = sample(ours, make_prompts(), group_size=1, max_new_tokens=32, temperature=0, stop_ids=[],
-               seed=0)  # fmt: skip
+    r = sample(
+        ours, make_prompts(), group_size=1, max_new_tokens=32, temperature=0, stop_ids=[], seed=0
+    )
     assert r.ids.is_cuda and r.completion_ids.shape == (4, 32)
     assert all(len(set(row)) > 5 for row in r.completion_ids.tolist())  # not a trivial repeat
     assert torch.equal(r.completion_ids, hf_greedy(hf, r, 32, eos=None))
@@ -394,8 +397,17 @@ def test_greedy_matches_transformers_generate_on_cuda(tiny_checkpoints):
 def test_logprobs_equal_a_fresh_forward_on_cuda(tiny_checkpoints):
     # Sampled on the device generator with top-k / top-p; some rows stop early.
     model = load_model(tiny_checkpoints("qwen3"), device="cuda")
-    r = sample(model, make_prompts(), group_size=3, max_new_tokens=24, temperature=0.7,
-               top_k=20, top_p=0.9, stop_ids=range(3, 13), seed=0)  # fmt: skip
+    r = sample(
+        model,
+        make_prompts(),
+        group_size=3,
+        max_new_tokens=24,
+        temperature=0.7,
+        top_k=20,
+        top_p=0.9,
+        stop_ids=range(3, 13),
+        seed=0,
+    )
     assert r.logprobs.is_cuda and r.finished.any() and not r.finished.all()
     with torch.no_grad():
         logits = model(r.ids, attention_mask=r.attention_mask())  # (B, T_p + T_c, V)

@@ -21,8 +21,10 @@ from grpo.rollout.prompts import left_pad
 from tests.conftest import live_lora
 from tests.test_sampler import make_prompts
 
-pytestmark = pytest.mark.skipif(not packing_mod.packing_supported(torch.nn.Linear(2, 2)),
-                                reason="this torch has no oneDNN linear packing")  # fmt: skip
+pytestmark = pytest.mark.skipif(
+    not packing_mod.packing_supported(torch.nn.Linear(2, 2)),
+    reason="this torch has no oneDNN linear packing",
+)
 
 
 @pytest.mark.parametrize("G,H,H_kv", [(4, 6, 2), (1, 6, 2), (4, 2, 2), (1, 2, 2)])
@@ -38,8 +40,12 @@ def test_grouped_attention_equals_attention_over_the_copied_prompt_float64(G, H,
     mask = torch.zeros(B, 1, 1, T_p + S_c, dtype=torch.float64).masked_fill(
         ~keep[:, None, None], float("-inf")
     )
-    want = decode_attention(q, torch.cat([k_p.repeat_interleave(G, 0), k], 2),
-                            torch.cat([v_p.repeat_interleave(G, 0), v], 2), mask)  # fmt: skip
+    want = decode_attention(
+        q,
+        torch.cat([k_p.repeat_interleave(G, 0), k], 2),
+        torch.cat([v_p.repeat_interleave(G, 0), v], 2),
+        mask,
+    )
     got = grouped_decode_attention(q, k_p, v_p, k, v, mask)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)  # float64 throughout
 
@@ -158,8 +164,14 @@ def pack_everything(monkeypatch):
 
 
 def _sample(sampler, temperature=1.0):
-    return sampler.sample(make_prompts(), group_size=3, max_new_tokens=12, temperature=temperature,
-                          stop_ids=[2], seed=0)  # fmt: skip
+    return sampler.sample(
+        make_prompts(),
+        group_size=3,
+        max_new_tokens=12,
+        temperature=temperature,
+        stop_ids=[2],
+        seed=0,
+    )
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -176,8 +188,7 @@ def test_packed_sampler_samples_what_the_plain_one_does(tiny_checkpoints, pack_e
         pack_everything.clear()
         assert torch.equal(a.completion_ids, b.completion_ids)
         torch.testing.assert_close(b.logprobs, a.logprobs, rtol=0, atol=1e-5)
-    n_linear = sum(isinstance(m, torch.nn.Linear) or hasattr(m, "lora_a")
-                   for m in model.modules())  # fmt: skip
+    n_linear = sum(isinstance(m, torch.nn.Linear) or hasattr(m, "lora_a") for m in model.modules())
     # every layer but the head (tied to the embedding here: packed apart, in float32)
     assert len(packed.packed._packs) == n_linear - 1 and packed.packed._head is not None
     assert not any("forward" in m.__dict__ or "_packed_base" in m.__dict__
@@ -211,9 +222,11 @@ def test_packed_weights_follow_in_place_updates(tiny_checkpoints, pack_everythin
     torch.testing.assert_close(after.logprobs, want.logprobs, rtol=0, atol=1e-5)
 
 
-@pytest.mark.skipif(cpu_packing_missing(torch.bfloat16) is not None,
-                    reason=f"{cpu_packing_missing(torch.bfloat16)} (the plain path is tested by "
-                    "test_a_cpu_without_bf16_packing_decodes_plainly)")  # fmt: skip
+@pytest.mark.skipif(
+    cpu_packing_missing(torch.bfloat16) is not None,
+    reason=f"{cpu_packing_missing(torch.bfloat16)} (the plain path is tested by "
+    "test_a_cpu_without_bf16_packing_decodes_plainly)",
+)
 def test_packed_sampler_under_bf16_autocast(tiny_checkpoints, pack_everything):
     """float32 weights, bf16 autocast (the tutorial's configs): the layers are packed in bf16
     and compute what autocast's bf16 matmuls compute; the head stays float32."""
@@ -273,8 +286,11 @@ def test_a_cpu_without_bf16_packing_decodes_plainly(tiny_checkpoints):
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
     out = subprocess.run(
         [sys.executable, "-c", AVX2_ONLY, str(tiny_checkpoints("qwen3", initializer_range=0.2))],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = dict(line.split(": ", 1) for line in out.stdout.splitlines())
     assert "avx512bw, avx512vl and avx512dq, or avx_ne_convert" in lines["missing"]

@@ -304,8 +304,11 @@ def test_no_pth_into_the_interpreters_site_packages(tmp_path):
     """The code's interpreter is the trainer's: a .pth it wrote into site-packages would run in
     every later interpreter, the trainer's included. A throwaway venv stands for it."""
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages",
-                    str(venv)], check=True, timeout=120)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
+        check=True,
+        timeout=120,
+    )
     standin = StandIn(python=str(venv / "bin" / "python"))
     try:
         code = (
@@ -386,13 +389,20 @@ def _unprivileged_python() -> str | None:
 
 
 RUNNER = ROOT / "grpo" / "envs" / "_sandbox.py"
-NOBODY = (os.geteuid() == 0 and shutil.which("setpriv") is not None
-          and _unprivileged_python() is not None and _others_can_read(RUNNER))  # fmt: skip
+NOBODY = (
+    os.geteuid() == 0
+    and shutil.which("setpriv") is not None
+    and _unprivileged_python() is not None
+    and _others_can_read(RUNNER)
+)
 
 
 @needs_isolation
-@pytest.mark.skipif(not NOBODY, reason="needs root to become nobody, setpriv, and a python3 "
-                    "and a checkout that others can read")  # fmt: skip
+@pytest.mark.skipif(
+    not NOBODY,
+    reason="needs root to become nobody, setpriv, and a python3 "
+    "and a checkout that others can read",
+)
 def test_the_sandbox_without_root():
     """The same layers for a caller without root (here: nobody, through setpriv): the code's
     uid maps to the caller's own, and the process cap still stops a fork loop."""
@@ -416,16 +426,39 @@ def run_unprivileged(setpriv: str, python: str, runner: Path, tmp_path: Path) ->
     )
     code.chmod(0o644)
     status_r, status_w = os.pipe()
-    cfg = dict(code=str(code), cpu_s=5, as_bytes=256 << 20, file_bytes=1 << 20, nofile=64,
-               nproc=8, dir_bytes=1 << 20, work=str(tmp_path / "work"),
-               root=str(tmp_path / "root"), isolate=True, status_fd=status_w)  # fmt: skip
+    cfg = dict(
+        code=str(code),
+        cpu_s=5,
+        as_bytes=256 << 20,
+        file_bytes=1 << 20,
+        nofile=64,
+        nproc=8,
+        dir_bytes=1 << 20,
+        work=str(tmp_path / "work"),
+        root=str(tmp_path / "root"),
+        isolate=True,
+        status_fd=status_w,
+    )
     try:
         r = subprocess.run(
-            [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", python, "-s", "-u",
-             str(runner), json.dumps(cfg)],
-            pass_fds=(status_w,), capture_output=True, timeout=60, cwd=tmp_path / "work",
-            env={"PATH": os.environ.get("PATH", os.defpath)}, start_new_session=True,
-        )  # fmt: skip
+            [
+                setpriv,
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                python,
+                "-s",
+                "-u",
+                str(runner),
+                json.dumps(cfg),
+            ],
+            pass_fds=(status_w,),
+            capture_output=True,
+            timeout=60,
+            cwd=tmp_path / "work",
+            env={"PATH": os.environ.get("PATH", os.defpath)},
+            start_new_session=True,
+        )
     finally:
         os.close(status_w)
     status = os.read(status_r, 65536).decode()
@@ -439,8 +472,9 @@ def run_unprivileged(setpriv: str, python: str, runner: Path, tmp_path: Path) ->
     assert int(forked) < 8  # the cap counts the sandbox's own processes (2 or 3) too
 
 
-def test_a_run_refuses_to_start_without_the_sandbox(shared_tiny_model, tmp_path, monkeypatch,
-                                                    capsys):  # fmt: skip
+def test_a_run_refuses_to_start_without_the_sandbox(
+    shared_tiny_model, tmp_path, monkeypatch, capsys
+):
     """`grpo train` with the python environment on a machine missing a layer: one line naming
     it and the escape, exit 2, before the model loads and before anything is written."""
     from grpo.apps import cli
@@ -449,14 +483,26 @@ def test_a_run_refuses_to_start_without_the_sandbox(shared_tiny_model, tmp_path,
     broken = env.Isolation({}, "user: unshare: Operation not permitted")
     monkeypatch.setattr(env, "isolation", lambda: broken)
     out = tmp_path / "run"
-    args = ["train", "--config", str(ROOT / "configs" / "gsm8k_qwen3_0.6b_tools.yaml"),
-            f"model.path={shared_tiny_model}", f"data.source={ROOT / 'tests/data/gsm8k'}",
-            "data.split=test", f"train.output_dir={out}", "train.max_steps=1",
-            "train.progress=false", "rollout.max_new_tokens=12", "eval.max_new_tokens=8",
-            "rollout.max_obs_tokens=16", "rollout.max_total_tokens=64"]  # fmt: skip
+    args = [
+        "train",
+        "--config",
+        str(ROOT / "configs" / "gsm8k_qwen3_0.6b_tools.yaml"),
+        f"model.path={shared_tiny_model}",
+        f"data.source={ROOT / 'tests/data/gsm8k'}",
+        "data.split=test",
+        f"train.output_dir={out}",
+        "train.max_steps=1",
+        "train.progress=false",
+        "rollout.max_new_tokens=12",
+        "eval.max_new_tokens=8",
+        "rollout.max_obs_tokens=16",
+        "rollout.max_total_tokens=64",
+    ]
     assert cli.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["grpo train: error: python environment: sandbox layer unavailable: user: "
-                   "unshare: Operation not permitted; set require_isolation: false "
-                   "(rollout.env_kwargs) to run the code without it"], err  # fmt: skip
+    assert err == [
+        "grpo train: error: python environment: sandbox layer unavailable: user: "
+        "unshare: Operation not permitted; set require_isolation: false "
+        "(rollout.env_kwargs) to run the code without it"
+    ], err
     assert not out.exists()

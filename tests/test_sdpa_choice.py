@@ -215,7 +215,10 @@ def test_prepare_asks_about_every_kind_of_call_a_model_makes(mock, tiny_checkpoi
     model = load_model(tiny_checkpoints("qwen3"))
     sdpa_choice.prepare(model, torch.bfloat16)
     assert selector.asked == ["grouped"] * 3  # decode, masked queries, causal queries
-    heads = (model.config.num_attention_heads, model.config.num_key_value_heads,
-             model.config.head_dim)  # fmt: skip
+    heads = (
+        model.config.num_attention_heads,
+        model.config.num_key_value_heads,
+        model.config.head_dim,
+    )
     assert sdpa_choice.chosen_backend("decode", "cpu", torch.bfloat16, heads) == FLASH
     assert selector.asked == ["grouped"] * 3

@@ -33,8 +33,18 @@ NAME = "tiny"  # --served-model-name
 @pytest.fixture(scope="module")
 def server(shared_tiny_model, serve_cli):
     """`grpo serve --model TINY --port 0 --max-queue 4 ...` in a thread; yields its handle."""
-    with serve_cli("--model", str(shared_tiny_model), "--port", "0", "--max-queue", "4",
-                   "--max-tokens-limit", "32", "--served-model-name", NAME) as running:  # fmt: skip
+    with serve_cli(
+        "--model",
+        str(shared_tiny_model),
+        "--port",
+        "0",
+        "--max-queue",
+        "4",
+        "--max-tokens-limit",
+        "32",
+        "--served-model-name",
+        NAME,
+    ) as running:
         yield running
 
 
@@ -62,15 +72,22 @@ def post(srv, payload, path: str = "/generate") -> tuple[int, dict]:
 def direct(srv, prompt_ids, n=1, **kw):
     """The sampler called directly on the served model: (texts, rollout)."""
     tok = srv.service.tokenizer
-    r = sample(srv.engine.sampler.model, [prompt_ids], group_size=n, stop_ids=srv.engine.stop_ids,
-               pad_id=srv.engine.pad_id, **{"seed": 0, **kw})  # fmt: skip
+    r = sample(
+        srv.engine.sampler.model,
+        [prompt_ids],
+        group_size=n,
+        stop_ids=srv.engine.stop_ids,
+        pad_id=srv.engine.pad_id,
+        **{"seed": 0, **kw},
+    )
     return r.decode(tok, skip_special_tokens=True), r
 
 
 def chat_ids(srv, text: str) -> list[int]:
     tok = srv.service.tokenizer
-    rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                       add_generation_prompt=True)  # fmt: skip
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
     return tok(rendered, add_special_tokens=False)["input_ids"]
 
 
@@ -101,8 +118,9 @@ def test_chat_greedy_equals_sampler_streamed_or_not(server, client):
     assert out.usage.total_tokens == len(ids) + int(r.completion_lens[0])
     assert out.model == NAME and out.object == "chat.completion"
 
-    stream = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=8,
-                                            temperature=0, stream=True)  # fmt: skip
+    stream = client.chat.completions.create(
+        model=NAME, messages=msgs, max_tokens=8, temperature=0, stream=True
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
@@ -116,18 +134,24 @@ def test_completion_greedy_equals_sampler_streamed_or_not(server, client, prompt
     texts, r = direct(server, raw_ids(server, prompt), max_new_tokens=12, temperature=0)
     assert out.choices[0].text == texts[0] and texts[0].strip()  # the model repeats itself
     assert out.usage.completion_tokens == int(r.completion_lens[0])
-    stream = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
-                                       stream=True,
-                                       stream_options={"include_usage": True})  # fmt: skip
+    stream = client.completions.create(
+        model=NAME,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == texts[0]
     assert len(chunks) > 3  # text arrives token by token, not in one piece
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == (
         out.usage.completion_tokens
-    )  # fmt: skip
+    )
     # token ids in, the same completion out
-    by_ids = client.completions.create(model=NAME, prompt=raw_ids(server, prompt), max_tokens=12,
-                                       temperature=0)  # fmt: skip
+    by_ids = client.completions.create(
+        model=NAME, prompt=raw_ids(server, prompt), max_tokens=12, temperature=0
+    )
     assert by_ids.choices[0].text == texts[0]
 
 
@@ -135,8 +159,9 @@ def test_n_with_seed_equals_one_sampler_call(server, client):
     """n=3 with a seed runs alone, seeded with it: the choices are the sampler's 3 rows."""
     kw = dict(model=NAME, prompt="Ben", max_tokens=6, temperature=1.0, n=3, seed=11)
     out = client.completions.create(**kw)
-    texts, r = direct(server, raw_ids(server, "Ben"), n=3, max_new_tokens=6, temperature=1.0,
-                      seed=11)  # fmt: skip
+    texts, r = direct(
+        server, raw_ids(server, "Ben"), n=3, max_new_tokens=6, temperature=1.0, seed=11
+    )
     assert [c.index for c in out.choices] == [0, 1, 2]
     assert [c.text for c in out.choices] == texts
     assert len(set(texts)) == 3  # rows of a group differ
@@ -148,8 +173,9 @@ def test_n_with_seed_equals_one_sampler_call(server, client):
         streamed[c.choices[0].index] += c.choices[0].text
     assert streamed == texts
     # two prompts x n=2: index = prompt * n + k
-    two = client.completions.create(model=NAME, prompt=["Ben", "hi"], max_tokens=4,
-                                    temperature=1.0, n=2, seed=5)  # fmt: skip
+    two = client.completions.create(
+        model=NAME, prompt=["Ben", "hi"], max_tokens=4, temperature=1.0, n=2, seed=5
+    )
     assert [c.index for c in two.choices] == [0, 1, 2, 3]
 
 
@@ -158,8 +184,11 @@ def test_stop_strings_cut_the_text(server, client):
     full = client.completions.create(**kw).choices[0]
     text = full.text
     # a two-character stop string from the middle of the text (printable ASCII)
-    k = next(i for i in range(2, len(text) - 1) if text[i : i + 2].isascii()
-             and text[i : i + 2].isprintable())  # fmt: skip
+    k = next(
+        i
+        for i in range(2, len(text) - 1)
+        if text[i : i + 2].isascii() and text[i : i + 2].isprintable()
+    )
     stop = text[k : k + 2]
     want = text[: text.index(stop)]
     cut = client.completions.create(**kw, stop=[stop, "never-there"]).choices[0]
@@ -194,13 +223,21 @@ COMPLETION = {"model": NAME, "prompt": "hi", "max_tokens": 2}
         ("/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000, "body"),  # too deep to parse
         ("/v1/chat/completions", {"model": NAME}, "messages"),
         ("/v1/chat/completions", {**CHAT, "messages": "hi"}, "messages"),
-        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]},
-         "messages[0].role"),
-        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": 5}]},
-         "messages[0].content"),
-        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x",
-                                                        "tool_calls": []}]},
-         "messages[0].tool_calls"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "robot", "content": "x"}]},
+            "messages[0].role",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "user", "content": 5}]},
+            "messages[0].content",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+            "messages[0].tool_calls",
+        ),
         ("/v1/chat/completions", {**CHAT, "max_tokens": "8"}, "max_tokens"),
         ("/v1/chat/completions", {**CHAT, "max_tokens": 33}, "max_tokens"),  # over the limit
         ("/v1/chat/completions", {**CHAT, "temperature": 3}, "temperature"),
@@ -227,17 +264,25 @@ COMPLETION = {"model": NAME, "prompt": "hi", "max_tokens": 2}
         ("/v1/completions", {**COMPLETION, "prompt": [5] * 500, "max_tokens": 32}, "prompt"),
         ("/v1/completions", {**COMPLETION, "prompt": ["a"] * 9, "n": 4}, "prompt"),
         # JSON's "\ud800" decodes to a lone surrogate: not text any tokenizer encodes
-        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "a\ud800"}]},
-         "messages[0].content"),
-        ("/v1/chat/completions", {**CHAT, "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
-         "messages[0].content[0].text"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "user", "content": "a\ud800"}]},
+            "messages[0].content",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                **CHAT,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}],
+            },
+            "messages[0].content[0].text",
+        ),
         ("/v1/chat/completions", {**CHAT, "stop": ["ok", "\ud800"]}, "stop[1]"),
         ("/v1/chat/completions", {**CHAT, "user": "\ud800"}, "user"),
         ("/v1/completions", {**COMPLETION, "prompt": "\ud800 hi"}, "prompt"),
         ("/v1/completions", {**COMPLETION, "prompt": ["ok", "\udfff"]}, "prompt[1]"),
     ],
-)  # fmt: skip
+)
 def test_malformed_openai_requests_get_400(server, path, body, field):
     status, data = post(server, body, path)
     assert status == 400, data
@@ -294,8 +339,12 @@ def test_routes_and_methods(server):
 def test_parse_request_defaults():
     req = parse_request(b'{"text": "What is 2+2?"}', max_tokens_limit=1024)
     assert (req.max_tokens, req.temperature, req.top_p, req.seed, req.raw) == (
-        256, 1.0, 1.0, None, False,
-    )  # fmt: skip
+        256,
+        1.0,
+        1.0,
+        None,
+        False,
+    )
     assert parse_request(b'{"text": "x"}', max_tokens_limit=16).max_tokens == 16
     with pytest.raises(RequestError, match="seed"):
         parse_request(b'{"text": "x", "seed": -1}', 16)
@@ -307,8 +356,9 @@ def test_parse_request_defaults():
 def test_generate_answers_over_http(server):
     status, out = post(server, {"text": "Ann has 3 apples.", "max_tokens": 8, "temperature": 0})
     assert status == 200, out
-    texts, r = direct(server, chat_ids(server, "Ann has 3 apples."), max_new_tokens=8,
-                      temperature=0)  # fmt: skip
+    texts, r = direct(
+        server, chat_ids(server, "Ann has 3 apples."), max_new_tokens=8, temperature=0
+    )
     assert out["text"] == texts[0] and out["tokens"] == int(r.completion_lens[0])
     assert out["logprob"] == pytest.approx(float(r.logprobs[0].sum()), abs=1e-5)
     assert out["finish_reason"] in ("stop", "length") and out["seed"] is None
@@ -316,8 +366,9 @@ def test_generate_answers_over_http(server):
     b = post(server, {"text": "Ben", "max_tokens": 6, "temperature": 1.0, "seed": 7})[1]
     assert a == b and a["seed"] == 7  # same seed, same sample
     raw = post(server, {"text": "Ben", "max_tokens": 6, "temperature": 0, "raw": True})[1]
-    assert raw["text"] == direct(server, raw_ids(server, "Ben"), max_new_tokens=6,
-                                 temperature=0)[0][0]  # fmt: skip
+    assert (
+        raw["text"] == direct(server, raw_ids(server, "Ben"), max_new_tokens=6, temperature=0)[0][0]
+    )
 
 
 # -- batching and the queue --------------------------------------------------------------------
@@ -337,15 +388,21 @@ def test_concurrent_requests_share_one_sampler_call(server, client, monkeypatch)
     engine = server.engine
     calls = []
     real = engine.sampler.sample
-    monkeypatch.setattr(engine.sampler, "sample", lambda prompts, **kw: (
-        calls.append((list(prompts), kw)), real(prompts, **kw))[1])  # fmt: skip
+    monkeypatch.setattr(
+        engine.sampler,
+        "sample",
+        lambda prompts, **kw: (calls.append((list(prompts), kw)), real(prompts, **kw))[1],
+    )
 
     def complete(prompt, **kw):
         return lambda: client.completions.create(model=NAME, prompt=prompt, **kw)
 
     # prompt -> request; the model repeats a prompt's last token: "BenBenBen..." stops at "nBe"
-    greedy = {"Ben": dict(max_tokens=4, stop="nBe"), "What is 48 + 24?": dict(max_tokens=9, n=2),
-              "7 + 5 =": dict(max_tokens=6)}  # fmt: skip
+    greedy = {
+        "Ben": dict(max_tokens=4, stop="nBe"),
+        "What is 48 + 24?": dict(max_tokens=9, n=2),
+        "7 + 5 =": dict(max_tokens=6),
+    }
     queue = [(p, dict(kw, temperature=0.0)) for p, kw in greedy.items()]
     queue.insert(2, ("sampled", dict(max_tokens=3, temperature=1.0)))  # another batch key
     results, threads = [], []
@@ -408,8 +465,14 @@ def test_engine_stop_fails_what_is_left_with_503(server):
     engine = Engine(server.engine.sampler.model, server.service.tokenizer, server.engine.stop_ids)
     engine.start()
     done = []
-    jobs = [Job([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0),
-                notify=lambda e, i=i: done.append(i)) for i in range(2)]  # fmt: skip
+    jobs = [
+        Job(
+            [[5, 6, 7]],
+            SamplingParams(max_tokens=4, temperature=0),
+            notify=lambda e, i=i: done.append(i),
+        )
+        for i in range(2)
+    ]
     with engine.lock:
         engine.submit(jobs[0])
         wait_for(lambda: engine.running == [jobs[0]], "the first job to start")
@@ -432,7 +495,9 @@ def test_cancelled_stream_stops_its_rows(server):
     engine = Engine(server.engine.sampler.model, server.service.tokenizer, server.engine.stop_ids)
     widths, real = [], engine.sampler.sample
     engine.sampler.sample = lambda prompts, **kw: (
-        r := real(prompts, **kw), widths.append(r.completion_ids.shape[1]))[0]  # fmt: skip
+        r := real(prompts, **kw),
+        widths.append(r.completion_ids.shape[1]),
+    )[0]
     job = Job([raw_ids(server, "hi")], SamplingParams(max_tokens=300, temperature=0), stream=True)
     done = threading.Event()
 
@@ -456,8 +521,7 @@ def stream_then_signal(url: str, send_signal, out: dict) -> None:
     host, port = url.removeprefix("http://").rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     body = {"model": NAME, "prompt": "hi", "max_tokens": 400, "temperature": 0, "stream": True}
-    conn.request("POST", "/v1/completions", json.dumps(body),
-                 {"Content-Type": "application/json"})  # fmt: skip
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     out["status"] = resp.status
     out["first"] = resp.readline()
@@ -479,16 +543,25 @@ def test_sigint_lets_the_running_request_finish(shared_tiny_model, caplog):
     caplog.set_level(logging.INFO, logger="grpo.apps.serve")
     parser = argparse.ArgumentParser(prog="grpo")
     add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["serve", "--model", str(shared_tiny_model), "--port", "0",
-                              "--served-model-name", NAME, "--max-tokens-limit",
-                              "400"])  # fmt: skip
+    args = parser.parse_args(
+        [
+            "serve",
+            "--model",
+            str(shared_tiny_model),
+            "--port",
+            "0",
+            "--served-model-name",
+            NAME,
+            "--max-tokens-limit",
+            "400",
+        ]
+    )
     out: dict = {}
     threads = []
 
     def on_ready(running):
         sigint = lambda: os.kill(os.getpid(), signal.SIGINT)  # noqa: E731
-        threads.append(threading.Thread(target=stream_then_signal,
-                                        args=(running.url, sigint, out)))  # fmt: skip
+        threads.append(threading.Thread(target=stream_then_signal, args=(running.url, sigint, out)))
         threads[0].start()
 
     args.on_ready = on_ready
@@ -503,10 +576,25 @@ def test_sigterm_process_exits_0_without_traceback(shared_tiny_model):
     ends normally, the process exits 0 and prints no traceback."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "grpo", "serve", "--model", str(shared_tiny_model), "--port", "0",
-         "--served-model-name", NAME, "--max-tokens-limit", "400"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "grpo",
+            "serve",
+            "--model",
+            str(shared_tiny_model),
+            "--port",
+            "0",
+            "--served-model-name",
+            NAME,
+            "--max-tokens-limit",
+            "400",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         line = proc.stdout.readline()
         assert line.startswith(f"serving {NAME} on http://"), (line, proc.stderr.read())

@@ -37,8 +37,16 @@ def server(shared_tiny_model, serve_cli):
     """`GRPO_API_KEY=KEY grpo serve --model TINY --port 0 ...` in a thread."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("GRPO_API_KEY", KEY)
-        with serve_cli("--model", str(shared_tiny_model), "--port", "0", "--served-model-name",
-                       NAME, "--max-tokens-limit", "400") as running:  # fmt: skip
+        with serve_cli(
+            "--model",
+            str(shared_tiny_model),
+            "--port",
+            "0",
+            "--served-model-name",
+            NAME,
+            "--max-tokens-limit",
+            "400",
+        ) as running:
             yield running
 
 
@@ -51,8 +59,9 @@ def call(url: str, method: str, path: str, body=None, headers=None, timeout: flo
     """(status, decoded JSON, response) of one request on a fresh connection."""
     body = json.dumps(body).encode() if isinstance(body, dict | list) else body
     conn = http.client.HTTPConnection(*address(url), timeout=timeout)
-    conn.request(method, path, body=body, headers={"Content-Type": "application/json",
-                                                   **(headers or {})})  # fmt: skip
+    conn.request(
+        method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     resp = conn.getresponse()
     data = json.loads(resp.read())
     conn.close()
@@ -77,9 +86,15 @@ def test_api_key_is_required_on_every_route_but_health(server, monkeypatch):
     compared = []
     real = hmac.compare_digest
     monkeypatch.setattr(hmac, "compare_digest", lambda a, b: compared.append(1) or real(a, b))
-    wrong = [{}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"},
-             {"Authorization": f"Bearer {KEY}x"}, {"Authorization": f"Bearer {KEY[:-1]}"},
-             {"Authorization": "Bearer"}, {"X-Api-Key": KEY}]  # fmt: skip
+    wrong = [
+        {},
+        {"Authorization": KEY},
+        {"Authorization": f"Basic {KEY}"},
+        {"Authorization": f"Bearer {KEY}x"},
+        {"Authorization": f"Bearer {KEY[:-1]}"},
+        {"Authorization": "Bearer"},
+        {"X-Api-Key": KEY},
+    ]
     for headers in wrong:
         status, data, resp = call(server.url, "POST", "/v1/chat/completions", CHAT, headers)
         assert status == 401 and resp.getheader("WWW-Authenticate") == "Bearer", data
@@ -119,10 +134,13 @@ def test_api_key_sources_and_bad_keys():
     assert serve.api_key(None, {}) is None
     assert serve.api_key(None, {serve.API_KEY_ENV: "k1"}) == "k1"
     assert serve.api_key("k2", {serve.API_KEY_ENV: "k1"}) == "k2"  # the flag wins
-    for flag, env, source in [(None, {serve.API_KEY_ENV: ""}, serve.API_KEY_ENV),
-                              ("", {}, "--api-key"), ("sk secret", {}, "--api-key"),
-                              (None, {serve.API_KEY_ENV: "sk-\u00e9secret"}, serve.API_KEY_ENV),
-                              ("sk-\nsecret", {}, "--api-key")]:  # fmt: skip
+    for flag, env, source in [
+        (None, {serve.API_KEY_ENV: ""}, serve.API_KEY_ENV),
+        ("", {}, "--api-key"),
+        ("sk secret", {}, "--api-key"),
+        (None, {serve.API_KEY_ENV: "sk-\u00e9secret"}, serve.API_KEY_ENV),
+        ("sk-\nsecret", {}, "--api-key"),
+    ]:
         with pytest.raises(GrpoError, match=f"^{source}") as e:
             serve.api_key(flag, env)
         assert "secret" not in str(e.value)  # never the key itself
@@ -136,10 +154,14 @@ def big_bodies() -> dict[str, tuple[str, bytes]]:
     many_ids = {"model": NAME, "prompt": [[5, 6, 7]] * 90_000, "max_tokens": 2}
     many_msgs = {**CHAT, "messages": [{"role": "user", "content": "hi"}] * 28_000}
     long_text = {**CHAT, "messages": [{"role": "user", "content": "word " * 209_000}]}
-    return {name: (path, json.dumps(body).encode()) for name, path, body in [
-        ("a 1 MiB message", "/v1/chat/completions", long_text),
-        ("28k messages", "/v1/chat/completions", many_msgs),
-        ("90k token-id prompts", "/v1/completions", many_ids)]}  # fmt: skip
+    return {
+        name: (path, json.dumps(body).encode())
+        for name, path, body in [
+            ("a 1 MiB message", "/v1/chat/completions", long_text),
+            ("28k messages", "/v1/chat/completions", many_msgs),
+            ("90k token-id prompts", "/v1/completions", many_ids),
+        ]
+    }
 
 
 @pytest.mark.parametrize("case", list(big_bodies()))
@@ -191,8 +213,11 @@ def test_keep_alive_answers_are_not_held_back(server):
         conn.request("GET", "/health")
         conn.getresponse().read()
         latencies.append(time.perf_counter() - start)
-    (ours,) = [c for c in server.server.server_state.connections
-               if c.transport.get_extra_info("peername") == conn.sock.getsockname()]  # fmt: skip
+    (ours,) = [
+        c
+        for c in server.server.server_state.connections
+        if c.transport.get_extra_info("peername") == conn.sock.getsockname()
+    ]
     sock = ours.transport.get_extra_info("socket")
     assert sock.getsockopt(socket_module.IPPROTO_TCP, socket_module.TCP_NODELAY)
     conn.close()
@@ -206,8 +231,9 @@ def test_text_that_cannot_fit_is_refused_before_tokenizing(server, monkeypatch):
     calls = []
     for name in ("__call__", "apply_chat_template"):
         real = getattr(type(tok), name)
-        monkeypatch.setattr(type(tok), name, lambda self, *a, _r=real, **k: (
-            calls.append(1), _r(self, *a, **k))[1])  # fmt: skip
+        monkeypatch.setattr(
+            type(tok), name, lambda self, *a, _r=real, **k: (calls.append(1), _r(self, *a, **k))[1]
+        )
     per_token = 4 * server.service.max_token_chars
     text = "x" * (per_token * server.engine.context)
     body = {**CHAT, "messages": [{"role": "user", "content": text}]}
@@ -239,13 +265,26 @@ def raw_request(url: str, path: str, body: bytes, length: int | None = None, rst
     return sock
 
 
-STREAM = {"model": NAME, "prompt": "hi", "max_tokens": 400, "temperature": 0, "stream": True,
-          "n": 4}  # fmt: skip
+STREAM = {
+    "model": NAME,
+    "prompt": "hi",
+    "max_tokens": 400,
+    "temperature": 0,
+    "stream": True,
+    "n": 4,
+}
 
 
 @pytest.mark.parametrize(
-    "case", ["body cut short", "body cut short (reset)", "mid-stream", "mid-stream (reset)",
-             "waiting for a completion"])  # fmt: skip
+    "case",
+    [
+        "body cut short",
+        "body cut short (reset)",
+        "mid-stream",
+        "mid-stream (reset)",
+        "waiting for a completion",
+    ],
+)
 def test_client_disconnect_costs_at_most_one_log_line(server, caplog, case):
     """However the client goes away, the server logs at most one line for it, never a
     traceback (a body cut short was Starlette's 62-line `ClientDisconnect` traceback; a reset
@@ -263,8 +302,9 @@ def test_client_disconnect_costs_at_most_one_log_line(server, caplog, case):
         wait_for(lambda: getattr(server.server, "servers", None), "the server to listen")
         loop = server.server.servers[0].get_loop()
         for pause in (0.0, 0.05, 0.1):
-            sock = raw_request(server.url, "/v1/completions", json.dumps(STREAM).encode(),
-                               rst="reset" in case)  # fmt: skip
+            sock = raw_request(
+                server.url, "/v1/completions", json.dumps(STREAM).encode(), rst="reset" in case
+            )
             sock.recv(100)  # the response has begun
             # the event loop stalls while the engine decodes: deltas pile up, and the loop
             # finds the connection gone with all of them to write
@@ -292,11 +332,25 @@ def test_stream_reassembles_to_the_non_streamed_answer(server):
     now go out in one write each: a chat stream with tools, n=2 and usage still reassembles
     to the non-streamed answer in the openai client."""
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
-    tools = [{"type": "function", "function": {"name": "calc", "parameters": {
-        "type": "object", "properties": {"expression": {"type": "string"}}}}}]  # fmt: skip
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "calc",
+                "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+            },
+        }
+    ]
     for choice in ("required", "auto"):
-        kw = dict(model=NAME, messages=[{"role": "user", "content": "What is 2 + 3?"}],
-                  tools=tools, tool_choice=choice, max_tokens=16, temperature=0, n=2)  # fmt: skip
+        kw = dict(
+            model=NAME,
+            messages=[{"role": "user", "content": "What is 2 + 3?"}],
+            tools=tools,
+            tool_choice=choice,
+            max_tokens=16,
+            temperature=0,
+            n=2,
+        )
         full = client.chat.completions.create(**kw)
         chunks = list(
             client.chat.completions.create(
@@ -323,9 +377,11 @@ def test_bad_or_busy_port_is_one_line_and_exit_2(shared_tiny_model, capfd):
     taken.listen(1)
     busy = taken.getsockname()[1]
     try:
-        for port, want in [("70000", "--port: must be in [0, 65535], got 70000"),
-                           ("-1", "--port: must be in [0, 65535], got -1"),
-                           (str(busy), f"cannot listen on 127.0.0.1:{busy}")]:  # fmt: skip
+        for port, want in [
+            ("70000", "--port: must be in [0, 65535], got 70000"),
+            ("-1", "--port: must be in [0, 65535], got -1"),
+            (str(busy), f"cannot listen on 127.0.0.1:{busy}"),
+        ]:
             rc = main(["serve", "--model", str(shared_tiny_model), "--port", port])
             err = capfd.readouterr().err
             assert rc == 2 and err.count("\n") == 1, err
@@ -341,10 +397,25 @@ def test_second_sigterm_stops_at_once_without_traceback(shared_tiny_model):
     process exits 0, and stderr holds no traceback, no `CancelledError` and not the key."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GRPO_API_KEY": KEY}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "grpo", "serve", "--model", str(shared_tiny_model), "--port", "0",
-         "--served-model-name", NAME, "--max-tokens-limit", "400"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "grpo",
+            "serve",
+            "--model",
+            str(shared_tiny_model),
+            "--port",
+            "0",
+            "--served-model-name",
+            NAME,
+            "--max-tokens-limit",
+            "400",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     err_lines: list[str] = []
     reader = threading.Thread(target=lambda: err_lines.extend(iter(proc.stderr.readline, "")))
     reader.start()
@@ -359,8 +430,12 @@ def test_second_sigterm_stops_at_once_without_traceback(shared_tiny_model):
             results[i] = call(url, "POST", "/v1/completions", body, AUTH)[0]
 
         conn = http.client.HTTPConnection(*address(url), timeout=60)
-        conn.request("POST", "/v1/completions", json.dumps({**STREAM, "n": 1}),
-                     {"Content-Type": "application/json", **AUTH})  # fmt: skip
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({**STREAM, "n": 1}),
+            {"Content-Type": "application/json", **AUTH},
+        )
         resp = conn.getresponse()
         assert resp.status == 200 and resp.readline().startswith(b"data: {")
         waiting = [threading.Thread(target=queued, args=(i,)) for i in range(2)]

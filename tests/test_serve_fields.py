@@ -47,9 +47,13 @@ pytestmark = pytest.mark.usefixtures("loopback_only")
 
 NAME = "tiny"
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "serving.md"
-MESSAGE_PARAMS = ("ChatCompletionAssistantMessageParam", "ChatCompletionUserMessageParam",
-                  "ChatCompletionSystemMessageParam", "ChatCompletionDeveloperMessageParam",
-                  "ChatCompletionToolMessageParam")  # fmt: skip
+MESSAGE_PARAMS = (
+    "ChatCompletionAssistantMessageParam",
+    "ChatCompletionUserMessageParam",
+    "ChatCompletionSystemMessageParam",
+    "ChatCompletionDeveloperMessageParam",
+    "ChatCompletionToolMessageParam",
+)
 
 
 # -- the field lists ---------------------------------------------------------------------------
@@ -73,8 +77,12 @@ def test_every_openai_field_is_classified_and_parsed(scope):
     fields = openai_fields()[scope]
     missing = sorted(fields - set(FIELDS[scope]))
     assert not missing, f"{scope}: fields of openai {openai.__version__} not in FIELDS: {missing}"
-    cls = {"chat": ChatBody, "completions": CompletionBody, "message": Message,
-           "stream_options": StreamOptions}[scope]  # fmt: skip
+    cls = {
+        "chat": ChatBody,
+        "completions": CompletionBody,
+        "message": Message,
+        "stream_options": StreamOptions,
+    }[scope]
     keys = {setting_key(f) for f in cls.__dataclass_fields__.values() if f.init}
     assert set(FIELDS[scope]) <= keys  # every classified field is read by the body
     assert {s for s, _ in FIELDS[scope].values()} <= {IMPLEMENTED, IGNORED, REFUSED}
@@ -126,9 +134,16 @@ def test_sampler_adjustments_equal_float64_recompute(tiny_checkpoints):
     prompts = [[5, 6, 7, 5], [9, 10]]
     penalty = torch.tensor([1.7, 1.0])
     bias = logit_bias_tensor([{11: 3.0}, {12: 100.0}], V)
-    r = Sampler(model).sample(prompts, group_size=1, max_new_tokens=6, temperature=0.0,
-                              stop_ids=[V - 1], seed=0, logit_bias=bias,
-                              repetition_penalty=penalty)  # fmt: skip
+    r = Sampler(model).sample(
+        prompts,
+        group_size=1,
+        max_new_tokens=6,
+        temperature=0.0,
+        stop_ids=[V - 1],
+        seed=0,
+        logit_bias=bias,
+        repetition_penalty=penalty,
+    )
     assert r.completion_ids[1].tolist() == [12] * 6  # +100 forces the token
     for b, prompt in enumerate(prompts):
         ids = list(prompt)
@@ -147,8 +162,16 @@ def test_sampler_adjustments_equal_float64_recompute(tiny_checkpoints):
 
 @pytest.fixture(scope="module")
 def server(shared_tiny_model, serve_cli):
-    with serve_cli("--model", str(shared_tiny_model), "--port", "0", "--max-tokens-limit", "64",
-                   "--served-model-name", NAME) as running:  # fmt: skip
+    with serve_cli(
+        "--model",
+        str(shared_tiny_model),
+        "--port",
+        "0",
+        "--max-tokens-limit",
+        "64",
+        "--served-model-name",
+        NAME,
+    ) as running:
         yield running
 
 
@@ -196,8 +219,12 @@ def test_model_by_id_and_wrong_methods(server, client):
         assert method in data["error"]["message"] and resp.getheader("Allow")
 
 
-CHAT = dict(model=NAME, messages=[{"role": "user", "content": "Ann has 3 apples."}],
-            max_tokens=4, temperature=0)  # fmt: skip
+CHAT = dict(
+    model=NAME,
+    messages=[{"role": "user", "content": "Ann has 3 apples."}],
+    max_tokens=4,
+    temperature=0,
+)
 
 # a typical value the openai client sends for each field that is implemented or ignored
 TYPICAL = {
@@ -245,7 +272,7 @@ def test_accepted_fields_at_typical_values(server, client):
                 "logit_bias",
                 "stop",
             )
-        },  # fmt: skip
+        },
         extra_body={"min_p": 0.1, "repetition_penalty": 1.2, "top_k": 5},
     )
     assert out.choices[0].message.role == "assistant"
@@ -270,14 +297,23 @@ def test_echoed_response_message_is_accepted(client):
     assert out.choices[0].message.role == "assistant"
 
 
-@pytest.mark.parametrize("key,value,why", [
-    ("reasoning_effort", "high", "reasoning"), ("verbosity", "low", "verbosity"),
-    ("modalities", ["audio"], "text only"), ("audio", {"voice": "x"}, "audio"),
-    ("functions", [{"name": "f"}], "tools"), ("web_search_options", {}, "web search"),
-    ("presence_penalty", 0.5, "0"), ("logit_bias", {"5": 101}, "[-100, 100]"),
-    ("logit_bias", {"a": 1}, "token ids"), ("logit_bias", {"999999": 1}, "vocabulary"),
-    ("min_p", 1.5, "[0.0, 1.0]"), ("repetition_penalty", 0, "(0.0, 10.0]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "key,value,why",
+    [
+        ("reasoning_effort", "high", "reasoning"),
+        ("verbosity", "low", "verbosity"),
+        ("modalities", ["audio"], "text only"),
+        ("audio", {"voice": "x"}, "audio"),
+        ("functions", [{"name": "f"}], "tools"),
+        ("web_search_options", {}, "web search"),
+        ("presence_penalty", 0.5, "0"),
+        ("logit_bias", {"5": 101}, "[-100, 100]"),
+        ("logit_bias", {"a": 1}, "token ids"),
+        ("logit_bias", {"999999": 1}, "vocabulary"),
+        ("min_p", 1.5, "[0.0, 1.0]"),
+        ("repetition_penalty", 0, "(0.0, 10.0]"),
+    ],
+)
 def test_refused_fields_name_the_field_and_why(server, key, value, why):
     status, data, _ = call(server, "POST", "/v1/chat/completions", {**CHAT, key: value})
     assert status == 400
@@ -287,8 +323,9 @@ def test_refused_fields_name_the_field_and_why(server, key, value, why):
 
 def test_refused_message_fields(server):
     msg = {"role": "assistant", "content": "hi", "refusal": "no"}
-    status, data, _ = call(server, "POST", "/v1/chat/completions",
-                           {**CHAT, "messages": [*CHAT["messages"], msg]})  # fmt: skip
+    status, data, _ = call(
+        server, "POST", "/v1/chat/completions", {**CHAT, "messages": [*CHAT["messages"], msg]}
+    )
     assert status == 400 and data["error"]["param"] == "messages[1].refusal"
 
 
@@ -303,8 +340,9 @@ def test_unknown_fields_ignored_with_header_or_strict(server, client, caplog):
     assert "X-Ignored-Fields" not in raw.headers
     server.service.strict_requests = True
     try:
-        status, data, _ = call(server, "POST", "/v1/completions",
-                               {"model": NAME, "prompt": "Ben", "zz_custom": 1})  # fmt: skip
+        status, data, _ = call(
+            server, "POST", "/v1/completions", {"model": NAME, "prompt": "Ben", "zz_custom": 1}
+        )
     finally:
         server.service.strict_requests = False
     assert status == 400 and data["error"]["param"] == "zz_custom"
@@ -314,15 +352,19 @@ def test_logit_bias_served_per_row(server, client):
     """+100 on a token forces it; a request with a bias and one without, batched together,
     each get their own (greedy = the plain request alone)."""
     plain = client.completions.create(model=NAME, prompt="Ben", max_tokens=5, temperature=0)
-    forced = client.completions.create(model=NAME, prompt="Ben", max_tokens=5, temperature=0,
-                                       logit_bias={"40": 100})  # fmt: skip
+    forced = client.completions.create(
+        model=NAME, prompt="Ben", max_tokens=5, temperature=0, logit_bias={"40": 100}
+    )
     tok = server.service.tokenizer
     assert forced.choices[0].text == tok.decode([40] * 5, skip_special_tokens=True)
     assert plain.choices[0].text != forced.choices[0].text
     with ThreadPool(2) as pool:
-        both = pool.map(lambda bias: client.completions.create(
-            model=NAME, prompt="Ben", max_tokens=5, temperature=0, logit_bias=bias),
-            [{}, {"40": 100}])  # fmt: skip
+        both = pool.map(
+            lambda bias: client.completions.create(
+                model=NAME, prompt="Ben", max_tokens=5, temperature=0, logit_bias=bias
+            ),
+            [{}, {"40": 100}],
+        )
     assert [b.choices[0].text for b in both] == [plain.choices[0].text, forced.choices[0].text]
 
 
@@ -341,14 +383,25 @@ def test_stream_disconnect_frees_its_rows_within_one_step(server):
         return decode(*args, **kw)
 
     ban = {str(t): -100 for t in engine.stop_ids}  # never stops by itself
-    payload = {"model": NAME, "prompt": "Ben", "max_tokens": 64, "temperature": 0, "n": 2,
-               "stream": True, "logit_bias": ban}  # fmt: skip
+    payload = {
+        "model": NAME,
+        "prompt": "Ben",
+        "max_tokens": 64,
+        "temperature": 0,
+        "n": 2,
+        "stream": True,
+        "logit_bias": ban,
+    }
     sampler.decode = slow_decode
     try:
         host, port = server.url.removeprefix("http://").rsplit(":", 1)
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
-        conn.request("POST", "/v1/completions", body=json.dumps(payload).encode(),
-                     headers={"Content-Type": "application/json"})  # fmt: skip
+        conn.request(
+            "POST",
+            "/v1/completions",
+            body=json.dumps(payload).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         resp = conn.getresponse()
         assert resp.status == 200
         assert resp.readline().startswith(b"data: ")  # mid-stream

@@ -24,8 +24,9 @@ NAME = "tiny"
 
 @pytest.fixture(scope="module")
 def server(shared_tiny_model, serve_cli):
-    with serve_cli("--model", str(shared_tiny_model), "--port", "0",
-                   "--served-model-name", NAME) as running:  # fmt: skip
+    with serve_cli(
+        "--model", str(shared_tiny_model), "--port", "0", "--served-model-name", NAME
+    ) as running:
         yield running
 
 
@@ -54,8 +55,14 @@ def trainer_logprobs(model, context: list[int], continuation: list[int]) -> list
 def test_echo_scores_equal_the_trainers_logprobs(server, client):
     model = server.engine.sampler.model
     context, continuation = ids_of(server, "12 + 7 ="), ids_of(server, " 19 and more")
-    r = client.completions.create(model=NAME, prompt=[context + continuation], echo=True,
-                                  max_tokens=1, logprobs=3, temperature=0)  # fmt: skip
+    r = client.completions.create(
+        model=NAME,
+        prompt=[context + continuation],
+        echo=True,
+        max_tokens=1,
+        logprobs=3,
+        temperature=0,
+    )
     (choice,) = r.choices
     lp = choice.logprobs
     n = len(context) + len(continuation)
@@ -73,8 +80,16 @@ def test_echo_scores_equal_the_trainers_logprobs(server, client):
         best = ref[t - 1].topk(3).values.tolist()
         assert max(abs(a - b) for a, b in zip(top, best[: len(top)])) <= 1e-5
     # the appended token is the sampler's greedy choice, and is its position's top entry
-    r = sample(model, [context + continuation], group_size=1, max_new_tokens=1, temperature=0.0,
-               stop_ids=server.engine.stop_ids, pad_id=server.engine.pad_id, seed=0)  # fmt: skip
+    r = sample(
+        model,
+        [context + continuation],
+        group_size=1,
+        max_new_tokens=1,
+        temperature=0.0,
+        stop_ids=server.engine.stop_ids,
+        pad_id=server.engine.pad_id,
+        seed=0,
+    )
     greedy = int(r.completion_ids[0, 0])
     assert lp.tokens[-1] == server.engine.decode([greedy])
     assert lp.token_logprobs[-1] == max(lp.top_logprobs[-1].values())
@@ -102,8 +117,15 @@ def test_a_multiple_choice_question_as_lm_eval_asks_it(server):
     model = server.engine.sampler.model
     context = ids_of(server, "Question: 3 + 4 = ?\nAnswer:")
     answers = [ids_of(server, f" {a}") for a in ("7", "8", "12", "34")]
-    payload = {"model": NAME, "prompt": [context + a for a in answers], "temperature": 0,
-               "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}  # fmt: skip
+    payload = {
+        "model": NAME,
+        "prompt": [context + a for a in answers],
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
     status, out = post(server, payload)
     assert status == 200, out
     parsed = lm_eval_parse(out, [len(context)] * len(answers))
@@ -111,15 +133,18 @@ def test_a_multiple_choice_question_as_lm_eval_asks_it(server):
     for (total, _), want, a in zip(parsed, direct, answers):
         assert total == pytest.approx(want, abs=1e-5 * len(a))  # 1e-5 per token (fp32)
     assert max(range(4), key=lambda i: parsed[i][0]) == max(range(4), key=lambda i: direct[i])
-    assert out["usage"] == {"prompt_tokens": sum(len(context + a) for a in answers),
-                            "completion_tokens": 4,
-                            "total_tokens": sum(len(context + a) for a in answers) + 4}  # fmt: skip
+    assert out["usage"] == {
+        "prompt_tokens": sum(len(context + a) for a in answers),
+        "completion_tokens": 4,
+        "total_tokens": sum(len(context + a) for a in answers) + 4,
+    }
 
 
 def test_max_tokens_0_scores_the_prompt_alone(server):
     prompt = "5 + 5 = 10"
-    status, out = post(server, {"model": NAME, "prompt": prompt, "echo": True, "max_tokens": 0,
-                                "logprobs": 0})  # fmt: skip
+    status, out = post(
+        server, {"model": NAME, "prompt": prompt, "echo": True, "max_tokens": 0, "logprobs": 0}
+    )
     assert status == 200, out
     (choice,) = out["choices"]
     ids = ids_of(server, prompt)
@@ -176,19 +201,31 @@ def test_lm_eval_multiple_choice_task_equals_a_direct_computation(
     from lm_eval.tasks import TaskManager
 
     pairs = [(1, 2), (3, 4), (12, 7), (5, 5), (20, 3), (8, 9)]
-    docs = [{"question": f"{a} + {b} = ?", "choices": [str(a + b + d) for d in (0, 1, 3, 10)],
-             "label": 0} for a, b in pairs]  # fmt: skip
+    docs = [
+        {
+            "question": f"{a} + {b} = ?",
+            "choices": [str(a + b + d) for d in (0, 1, 3, 10)],
+            "label": 0,
+        }
+        for a, b in pairs
+    ]
     data = tmp_path / "mc.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in docs))
     tasks = lm_eval_tasks
     (tasks / "grpo_mc.yaml").write_text(MC_TASK.format(data=data))
-    args = (f"model={NAME},base_url={server.url}/v1/completions,tokenizer={shared_tiny_model},"
-            "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,"
-            "max_retries=1")  # fmt: skip
-    out = lm_eval.simple_evaluate(model="local-completions", model_args=args,
-                                  tasks=["grpo_mc"], task_manager=TaskManager(
-                                      include_path=str(tasks)), batch_size=1,
-                                  log_samples=False)  # fmt: skip
+    args = (
+        f"model={NAME},base_url={server.url}/v1/completions,tokenizer={shared_tiny_model},"
+        "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,"
+        "max_retries=1"
+    )
+    out = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=args,
+        tasks=["grpo_mc"],
+        task_manager=TaskManager(include_path=str(tasks)),
+        batch_size=1,
+        log_samples=False,
+    )
     acc = out["results"]["grpo_mc"]["acc,none"]
     model, tok = server.engine.sampler.model, server.service.tokenizer
     right = 0
@@ -208,15 +245,23 @@ def test_lm_eval_multiple_choice_task_equals_a_direct_computation(
 
 def chat_prompt_ids(srv, text: str) -> list[int]:
     tok = srv.service.tokenizer
-    rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                       add_generation_prompt=True)  # fmt: skip
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
     return tok(rendered, add_special_tokens=False)["input_ids"]
 
 
 def greedy_ids(srv, prompt: list[int], n: int) -> list[int]:
-    r = sample(srv.engine.sampler.model, [prompt], group_size=1, max_new_tokens=n,
-               temperature=0.0, stop_ids=srv.engine.stop_ids, pad_id=srv.engine.pad_id,
-               seed=0)  # fmt: skip
+    r = sample(
+        srv.engine.sampler.model,
+        [prompt],
+        group_size=1,
+        max_new_tokens=n,
+        temperature=0.0,
+        stop_ids=srv.engine.stop_ids,
+        pad_id=srv.engine.pad_id,
+        seed=0,
+    )
     return r.completion_ids[0, : int(r.completion_lens[0])].tolist()
 
 
@@ -225,8 +270,9 @@ def test_completion_logprobs_of_generated_tokens(server, client):
     trainer's numbers, 1e-5) with its k most likely alternatives."""
     model = server.engine.sampler.model
     prompt = ids_of(server, "2 + 2 =")
-    r = client.completions.create(model=NAME, prompt=[prompt], max_tokens=6, temperature=0,
-                                  logprobs=2)  # fmt: skip
+    r = client.completions.create(
+        model=NAME, prompt=[prompt], max_tokens=6, temperature=0, logprobs=2
+    )
     (choice,) = r.choices
     reply = greedy_ids(server, prompt, 6)[: r.usage.completion_tokens]
     want = trainer_logprobs(model, prompt, reply)
@@ -241,9 +287,14 @@ def test_completion_logprobs_of_generated_tokens(server, client):
 
 def test_chat_logprobs_and_top_logprobs(server, client):
     model = server.engine.sampler.model
-    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
-                                       max_tokens=5, temperature=0, logprobs=True,
-                                       top_logprobs=3)  # fmt: skip
+    r = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     (choice,) = r.choices
     prompt = chat_prompt_ids(server, "hi")
     reply = greedy_ids(server, prompt, 5)[: r.usage.completion_tokens]
@@ -263,12 +314,18 @@ def test_chat_logprobs_and_top_logprobs(server, client):
     "path, payload, field",
     [
         ("/v1/completions", {"prompt": "a", "logprobs": 1, "stream": True}, "stream"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
-                                  "logprobs": True, "stream": True}, "stream"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
-                                  "top_logprobs": 2}, "top_logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "stream": True},
+            "stream",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
+            "top_logprobs",
+        ),
     ],
-)  # fmt: skip
+)
 def test_logprobs_refusals_name_the_field(server, path, payload, field):
     status, data = post_json(server.url, path, {"model": NAME, **payload}, timeout=60)
     assert status == 400 and data["error"]["param"] == field, data

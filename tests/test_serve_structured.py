@@ -26,34 +26,57 @@ NAME = "tiny"
 pytestmark = pytest.mark.usefixtures("loopback_only")
 
 SCHEMAS = [
-    {"type": "object",
-     "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 999},
-                    "unit": {"enum": ["apples", "pens", "dollars"]},
-                    "sure": {"type": "boolean"},
-                    "note": {"type": "string", "maxLength": 8}},
-     "required": ["answer", "unit", "sure", "note"], "additionalProperties": False},
-    {"type": "object",
-     "properties": {"steps": {"type": "array", "items": {"type": "integer", "minimum": -9,
-                                                         "maximum": 9},
-                              "minItems": 1, "maxItems": 4},
-                    "final": {"type": "object",
-                              "properties": {"value": {"type": "number", "minimum": 0,
-                                                       "maximum": 10}},
-                              "required": ["value"]}},
-     "required": ["steps", "final"]},
-]  # fmt: skip
+    {
+        "type": "object",
+        "properties": {
+            "answer": {"type": "integer", "minimum": 0, "maximum": 999},
+            "unit": {"enum": ["apples", "pens", "dollars"]},
+            "sure": {"type": "boolean"},
+            "note": {"type": "string", "maxLength": 8},
+        },
+        "required": ["answer", "unit", "sure", "note"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "steps": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": -9, "maximum": 9},
+                "minItems": 1,
+                "maxItems": 4,
+            },
+            "final": {
+                "type": "object",
+                "properties": {"value": {"type": "number", "minimum": 0, "maximum": 10}},
+                "required": ["value"],
+            },
+        },
+        "required": ["steps", "final"],
+    },
+]
 CHAT = {"model": NAME, "messages": [{"role": "user", "content": "Tom has 3 apples."}]}
 
 
 def response_format(schema: dict, strict: bool = True) -> dict:
-    return {"type": "json_schema",
-            "json_schema": {"name": "answer", "schema": schema, "strict": strict}}  # fmt: skip
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": "answer", "schema": schema, "strict": strict},
+    }
 
 
 @pytest.fixture(scope="module")
 def server(shared_tiny_model, serve_cli):
-    with serve_cli("--model", str(shared_tiny_model), "--port", "0", "--served-model-name", NAME,
-                   "--batch-window-ms", "20") as running:  # fmt: skip
+    with serve_cli(
+        "--model",
+        str(shared_tiny_model),
+        "--port",
+        "0",
+        "--served-model-name",
+        NAME,
+        "--batch-window-ms",
+        "20",
+    ) as running:
         yield running
 
 
@@ -71,9 +94,14 @@ def test_every_reply_parses_and_validates(server, client, schema):
     """Temperature 1, four seeds, four choices each: every reply that stopped is JSON valid
     under the schema, and every one stopped (the bounds keep a random model's JSON short)."""
     for seed in range(4):
-        r = client.chat.completions.create(**CHAT, response_format=response_format(schema),
-                                           temperature=1.0, n=4, seed=seed,
-                                           max_tokens=120)  # fmt: skip
+        r = client.chat.completions.create(
+            **CHAT,
+            response_format=response_format(schema),
+            temperature=1.0,
+            n=4,
+            seed=seed,
+            max_tokens=120,
+        )
         for choice in r.choices:
             assert choice.finish_reason == "stop", choice
             jsonschema.validate(json.loads(choice.message.content), schema)
@@ -81,8 +109,13 @@ def test_every_reply_parses_and_validates(server, client, schema):
 
 def test_json_object_is_an_object(client):
     for seed in range(3):
-        r = client.chat.completions.create(**CHAT, response_format={"type": "json_object"},
-                                           temperature=1.0, seed=seed, max_tokens=200)  # fmt: skip
+        r = client.chat.completions.create(
+            **CHAT,
+            response_format={"type": "json_object"},
+            temperature=1.0,
+            seed=seed,
+            max_tokens=200,
+        )
         c = r.choices[0]
         if c.finish_reason == "stop":  # a random model's keys may run long: stop = complete
             assert isinstance(json.loads(c.message.content), dict)
@@ -92,8 +125,9 @@ def test_json_object_is_an_object(client):
 
 def test_a_cut_reply_says_length(client):
     """max_tokens ends the reply mid-JSON: finish_reason length, never a claim of JSON."""
-    r = client.chat.completions.create(**CHAT, response_format=response_format(SCHEMAS[0]),
-                                       temperature=1.0, seed=0, max_tokens=4)  # fmt: skip
+    r = client.chat.completions.create(
+        **CHAT, response_format=response_format(SCHEMAS[0]), temperature=1.0, seed=0, max_tokens=4
+    )
     c = r.choices[0]
     assert c.finish_reason == "length" and c.message.content.startswith('{"')
     with pytest.raises(json.JSONDecodeError):
@@ -101,12 +135,13 @@ def test_a_cut_reply_says_length(client):
 
 
 def test_streamed_equals_non_streamed(client):
-    kw = dict(**CHAT, response_format=response_format(SCHEMAS[0]), temperature=0,
-              max_tokens=120)  # fmt: skip
+    kw = dict(**CHAT, response_format=response_format(SCHEMAS[0]), temperature=0, max_tokens=120)
     whole = client.chat.completions.create(**kw).choices[0]
-    streamed = "".join(chunk.choices[0].delta.content or ""
-                       for chunk in client.chat.completions.create(stream=True, **kw)
-                       if chunk.choices)  # fmt: skip
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(stream=True, **kw)
+        if chunk.choices
+    )
     assert streamed == whole.message.content and whole.finish_reason == "stop"
     jsonschema.validate(json.loads(streamed), SCHEMAS[0])
 
@@ -119,8 +154,14 @@ def test_constrained_and_free_rows_share_a_batch(shared_tiny_model, server):
     grammars = Grammars(load_tokenizer(shared_tiny_model), engine.vocab_size)
     g = grammars.compile("json_schema", SCHEMAS[0], strict=True)
     prompts = [[5, 6, 7, 8]] * 4
-    kw = dict(group_size=1, max_new_tokens=60, temperature=1.0, stop_ids=stop, seed=3,
-              pad_id=engine.pad_id)  # fmt: skip
+    kw = dict(
+        group_size=1,
+        max_new_tokens=60,
+        temperature=1.0,
+        stop_ids=stop,
+        seed=3,
+        pad_id=engine.pad_id,
+    )
     with engine.lock:
         free = sampler.sample(prompts, **kw)
         mixed = sampler.sample(prompts, constraint=grammars.constraint([g, None, g, None]), **kw)
@@ -133,14 +174,21 @@ def test_constrained_and_free_rows_share_a_batch(shared_tiny_model, server):
         jsonschema.validate(json.loads(text), SCHEMAS[0])
 
 
-@pytest.mark.parametrize("fmt, field", [
-    ({"type": "json_schema", "json_schema": {"name": "a", "schema": {"$ref": "#/nope"}}},
-     "response_format.json_schema.schema"),
-    ({"type": "json_schema"}, "response_format.json_schema"),
-    ({"type": "json_schema", "json_schema": {"name": "bad name", "schema": {}}},
-     "response_format.json_schema.name"),
-    ({"type": "yaml"}, "response_format.type"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "fmt, field",
+    [
+        (
+            {"type": "json_schema", "json_schema": {"name": "a", "schema": {"$ref": "#/nope"}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"type": "json_schema"}, "response_format.json_schema"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "bad name", "schema": {}}},
+            "response_format.json_schema.name",
+        ),
+        ({"type": "yaml"}, "response_format.type"),
+    ],
+)
 def test_bad_formats_are_400s_naming_the_field(server, fmt, field):
     status, data = post(server, {**CHAT, "response_format": fmt})
     assert status == 400 and data["error"]["param"] == field, data
@@ -148,8 +196,9 @@ def test_bad_formats_are_400s_naming_the_field(server, fmt, field):
 
 
 def test_text_is_accepted_and_tools_with_json_refused(server, client):
-    r = client.chat.completions.create(**CHAT, response_format={"type": "text"}, max_tokens=4,
-                                       temperature=0)  # fmt: skip
+    r = client.chat.completions.create(
+        **CHAT, response_format={"type": "text"}, max_tokens=4, temperature=0
+    )
     plain = client.chat.completions.create(**CHAT, max_tokens=4, temperature=0)
     assert r.choices[0].message.content == plain.choices[0].message.content
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -160,8 +209,9 @@ def test_text_is_accepted_and_tools_with_json_refused(server, client):
 
 
 def test_strict_refuses_unnamed_properties():
-    s = strict_schema({"type": "object", "properties": {"a": {"type": "object"}},
-                       "items": [{"properties": {}}]})  # fmt: skip
+    s = strict_schema(
+        {"type": "object", "properties": {"a": {"type": "object"}}, "items": [{"properties": {}}]}
+    )
     assert s["additionalProperties"] is False
     assert s["properties"]["a"]["additionalProperties"] is False
     assert s["items"][0]["additionalProperties"] is False
@@ -187,7 +237,7 @@ def test_agents_sdk_structured_output_type(server):
         ModelSettings,
         OpenAIChatCompletionsModel,
         Runner,
-        set_tracing_disabled,  # fmt: skip
+        set_tracing_disabled,
     )
     from openai import AsyncOpenAI
 
@@ -195,9 +245,12 @@ def test_agents_sdk_structured_output_type(server):
 
     async def run():
         client = AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        agent = Agent(name="reader", output_type=Reading,
-                      model=OpenAIChatCompletionsModel(model=NAME, openai_client=client),
-                      model_settings=ModelSettings(temperature=1.0, max_tokens=60))  # fmt: skip
+        agent = Agent(
+            name="reader",
+            output_type=Reading,
+            model=OpenAIChatCompletionsModel(model=NAME, openai_client=client),
+            model_settings=ModelSettings(temperature=1.0, max_tokens=60),
+        )
         out = [await Runner.run(agent, "How many apples?", max_turns=1) for _ in range(3)]
         await client.close()
         return out
@@ -209,38 +262,70 @@ def test_agents_sdk_structured_output_type(server):
 def test_langchain_with_structured_output(server):
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model=NAME, base_url=server.url + "/v1", api_key="unused",
-                     temperature=1.0, max_tokens=60, max_retries=0)  # fmt: skip
+    llm = ChatOpenAI(
+        model=NAME,
+        base_url=server.url + "/v1",
+        api_key="unused",
+        temperature=1.0,
+        max_tokens=60,
+        max_retries=0,
+    )
     structured = llm.with_structured_output(Reading, method="json_schema", strict=True)
     for _ in range(3):
         reading = structured.invoke("How many pens?")
         assert isinstance(reading, Reading), reading
 
 
-STRICT_TOOL = {"type": "function", "function": {
-    "name": "calculator", "strict": True,
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string",
-                                                                   "maxLength": 4}},
-                   "required": ["expression"], "additionalProperties": False}}}  # fmt: skip
-FLAG_TOOL = {"type": "function", "function": {
-    "name": "f", "strict": True,
-    "parameters": {"type": "object", "properties": {"b": {"type": "boolean"}}}}}  # fmt: skip
-LOOSE_TOOL = {"type": "function", "function": {
-    "name": "lookup", "parameters": {"type": "object",
-                                     "properties": {"q": {"type": "string"}}}}}  # fmt: skip
+STRICT_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "maxLength": 4}},
+            "required": ["expression"],
+            "additionalProperties": False,
+        },
+    },
+}
+FLAG_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "f",
+        "strict": True,
+        "parameters": {"type": "object", "properties": {"b": {"type": "boolean"}}},
+    },
+}
+LOOSE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+    },
+}
 
 
 @pytest.mark.parametrize("choice", ["named", "required"])
 def test_strict_tool_arguments_are_enforced(client, choice):
     """A forced call to a `strict` function: the wrapper is the server's fixed text and the
     arguments are JSON of the function's parameters, even from a random model at T 1."""
-    tool_choice = ({"type": "function", "function": {"name": "calculator"}}
-                   if choice == "named" else "required")  # fmt: skip
+    tool_choice = (
+        {"type": "function", "function": {"name": "calculator"}}
+        if choice == "named"
+        else "required"
+    )
     tools = [STRICT_TOOL]  # two schemas would not leave room in the tiny model's context
     for seed in range(4):
-        r = client.chat.completions.create(**CHAT, tools=tools, tool_choice=tool_choice,
-                                           temperature=1.0, seed=seed, n=2,
-                                           max_tokens=60)  # fmt: skip
+        r = client.chat.completions.create(
+            **CHAT,
+            tools=tools,
+            tool_choice=tool_choice,
+            temperature=1.0,
+            seed=seed,
+            n=2,
+            max_tokens=60,
+        )
         for c in r.choices:
             assert c.finish_reason == "tool_calls", c
             [call] = c.message.tool_calls
@@ -280,8 +365,9 @@ def test_auto_grammar_frees_text_and_fixes_every_call(shared_tiny_model, paralle
     validated, loose ones any object); text may follow a call; one call at most without
     parallel_tool_calls; the tag never appears in text outside a call."""
     tok = load_tokenizer(shared_tiny_model)
-    g = Grammars(tok, len(tok)).tool_calls([STRICT_TOOL, FLAG_TOOL, LOOSE_TOOL], parallel,
-                                           "<tool_call>", "</tool_call>")  # fmt: skip
+    g = Grammars(tok, len(tok)).tool_calls(
+        [STRICT_TOOL, FLAG_TOOL, LOOSE_TOOL], parallel, "<tool_call>", "</tool_call>"
+    )
 
     def accepts(text: str) -> bool:
         m = g.start.deep_copy()
@@ -290,16 +376,28 @@ def test_auto_grammar_frees_text_and_fixes_every_call(shared_tiny_model, paralle
 
     calc = CALL.format("calculator", '{"expression": "6*7"}')
     flag = CALL.format("f", '{"b": true}')
-    for ok in ("", "Tom has 3 apples.\n<tool_call", "a < b > c", calc, "Let me see.\n" + calc,
-               calc + " Done.", flag, CALL.format("lookup", '{"q": [1, {}]}')):  # fmt: skip
+    for ok in (
+        "",
+        "Tom has 3 apples.\n<tool_call",
+        "a < b > c",
+        calc,
+        "Let me see.\n" + calc,
+        calc + " Done.",
+        flag,
+        CALL.format("lookup", '{"q": [1, {}]}'),
+    ):
         assert accepts(ok), ok
     assert accepts(calc + "\n" + flag) == parallel
-    for bad in (CALL.format("calculator", '{"expression": "6*7*8"}'),  # maxLength 4
-                CALL.format("calculator", '{"expression": "6*7", "x": 1}'),  # strict
-                CALL.format("f", '{"b": 1}'), CALL.format("other", "{}"),
-                CALL.format("lookup", "[1]"),  # not an object
-                '<tool_call>{"name": "f", "arguments": {"b": true}}</tool_call>',  # no newlines
-                "text <tool_call> more text", calc + " then <tool_call>"):  # fmt: skip
+    for bad in (
+        CALL.format("calculator", '{"expression": "6*7*8"}'),  # maxLength 4
+        CALL.format("calculator", '{"expression": "6*7", "x": 1}'),  # strict
+        CALL.format("f", '{"b": 1}'),
+        CALL.format("other", "{}"),
+        CALL.format("lookup", "[1]"),  # not an object
+        '<tool_call>{"name": "f", "arguments": {"b": true}}</tool_call>',  # no newlines
+        "text <tool_call> more text",
+        calc + " then <tool_call>",
+    ):
         assert not accepts(bad), bad
 
 
@@ -307,10 +405,21 @@ def test_hostile_parameters_cannot_rewrite_the_grammar(shared_tiny_model):
     """Descriptions holding grammar syntax (`}`, a new `start:` rule, an alternative) stay
     text inside the schema: the grammar accepts the schema's arguments and nothing else."""
     tok = load_tokenizer(shared_tiny_model)
-    hostile = {"type": "function", "function": {"name": "calc", "strict": True, "parameters": {
-        "type": "object", "description": '}\nstart: "x"\n%json {',
-        "properties": {"e": {"type": "string", "maxLength": 3, "description": '} | "pwned"'}},
-        "required": ["e"]}}}  # fmt: skip
+    hostile = {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "strict": True,
+            "parameters": {
+                "type": "object",
+                "description": '}\nstart: "x"\n%json {',
+                "properties": {
+                    "e": {"type": "string", "maxLength": 3, "description": '} | "pwned"'}
+                },
+                "required": ["e"],
+            },
+        },
+    }
     g = Grammars(tok, len(tok)).tool_call([hostile], "calc", "</tool_call>")
 
     def accepts(text: str) -> bool:
@@ -325,8 +434,11 @@ def test_hostile_parameters_cannot_rewrite_the_grammar(shared_tiny_model):
     g = Grammars(tok, len(tok)).tool_calls([hostile], True, "<tool_call>", "</tool_call>")
     assert accepts("pwned")  # free text is free
     assert accepts(CALL.format("calc", '{"e": "ab"}'))
-    for text in (CALL.format("calc", '{"e": "abcd"}'), CALL.format("calc", '"pwned"'),
-                 '<tool_call>\nstart: "x"'):  # fmt: skip
+    for text in (
+        CALL.format("calc", '{"e": "abcd"}'),
+        CALL.format("calc", '"pwned"'),
+        '<tool_call>\nstart: "x"',
+    ):
         assert not accepts(text), text
 
 

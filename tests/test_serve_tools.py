@@ -65,21 +65,59 @@ CHAT = {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}
         ({**CHAT, "tools": [CALCULATOR_TOOL, CALCULATOR_TOOL]}, "tools"),
         ({**CHAT, "tool_choice": "auto"}, "tool_choice"),  # no tools
         ({**CHAT, "tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
-        ({**CHAT, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
-         "tool_choice"),
+        (
+            {
+                **CHAT,
+                "tools": TOOLS,
+                "tool_choice": {"type": "function", "function": {"name": "x"}},
+            },
+            "tool_choice",
+        ),
         ({**CHAT, "messages": [{"role": "assistant", "content": None}]}, "messages[0].content"),
-        ({**CHAT, "messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]},
-         "messages[0].tool_call_id"),
-        ({**CHAT, "messages": [{"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c", "type": "function", "function": {"name": "calculator",
-                                                         "arguments": "{not json"}}]}]},
-         "messages[0].tool_calls[0].function.arguments"),
-        ({**CHAT, "messages": [{"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c", "type": "function", "function": {"name": "calculator",
-                                                         "arguments": "[1]"}}]}]},
-         "messages[0].tool_calls[0].function.arguments"),
+        (
+            {**CHAT, "messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]},
+            "messages[0].tool_call_id",
+        ),
+        (
+            {
+                **CHAT,
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "id": "c",
+                                "type": "function",
+                                "function": {"name": "calculator", "arguments": "{not json"},
+                            }
+                        ],
+                    }
+                ],
+            },
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        (
+            {
+                **CHAT,
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "id": "c",
+                                "type": "function",
+                                "function": {"name": "calculator", "arguments": "[1]"},
+                            }
+                        ],
+                    }
+                ],
+            },
+            "messages[0].tool_calls[0].function.arguments",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_tool_requests_name_the_field(body, field):
     with pytest.raises(RequestError) as e:
         read_body(json.dumps(body).encode(), ChatBody)
@@ -102,8 +140,9 @@ def test_tool_choice_sets_what_is_rendered_and_the_reply_start():
 
 
 def test_reply_text_becomes_a_message():
-    use = tool_use(read_body(json.dumps({**CHAT, "tools": TOOLS}).encode(), ChatBody).tools,
-                   None, True)  # fmt: skip
+    use = tool_use(
+        read_body(json.dumps({**CHAT, "tools": TOOLS}).encode(), ChatBody).tools, None, True
+    )
     call = tool_call_text("calculator", {"expression": "37 * 48"})
     message, reason = use.message(f"Let me compute.\n{call}", "stop")
     assert reason == "tool_calls" and message["content"] == "Let me compute."
@@ -156,11 +195,19 @@ def test_template_renders_an_assistant_call_as_the_model_wrote_it(tool_model):
     user = [{"role": "user", "content": "What is 37 * 48?"}]
     call = tool_call_text("calculator", {"expression": "37 * 48"})
     sent = user + [
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "c1", "type": "function",
-             "function": {"name": "calculator", "arguments": {"expression": "37 * 48"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": {"expression": "37 * 48"}},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "1776"},
-    ]  # fmt: skip
+    ]
     server = tok.apply_chat_template(sent, tools=TOOLS, tokenize=False, add_generation_prompt=True)
     start = tok.apply_chat_template(user, tools=TOOLS, tokenize=False, add_generation_prompt=True)
     tool_msg = {"role": "tool", "content": "1776"}
@@ -179,37 +226,61 @@ def tool_model(tmp_path_factory):
     root = tmp_path_factory.mktemp("tool_agent")
     train = toolmath(768, seed=0, split="train", hard_frac=1.0)
     test = toolmath(N_TEST, seed=0, split="test", hard_frac=1.0)
-    model_dir = make_tiny_model(root / "base", size="ci", corpus=corpus(train, VARIANTS),
-                                vocab_size=768, extra_special_tokens=TOOL_TOKENS,
-                                max_position_embeddings=1024)  # fmt: skip
+    model_dir = make_tiny_model(
+        root / "base",
+        size="ci",
+        corpus=corpus(train, VARIANTS),
+        vocab_size=768,
+        extra_special_tokens=TOOL_TOKENS,
+        max_position_embeddings=1024,
+    )
     tok = load_tokenizer(model_dir)
     pairs = [
         {"question": r["question"], "answer": r["answer"], **p}
         for r in train
         for p in sft_pairs(tok, trace(r, use_tool=True), tools=tools_for(r["question"], VARIANTS))
     ]
-    register_dataset("test-tool-agent-sft", DatasetDict(train=Dataset.from_list(pairs)),
-                     overwrite=True)  # fmt: skip
+    register_dataset(
+        "test-tool-agent-sft", DatasetDict(train=Dataset.from_list(pairs)), overwrite=True
+    )
     out = root / "sft"
-    cfg = load_config(base={"model": {"path": str(model_dir), "device": "cpu"}}, overrides=[
-        "lora.enabled=false", "data.dataset=test-tool-agent-sft", "data.split=train",
-        "data.eval_samples=0", "data.max_prompt_len=512", "rollout.max_new_tokens=32",
-        "optim.lr=8e-3", "optim.warmup_ratio=0.05", "optim.min_lr_ratio=0.1",
-        "train.max_steps=200", "train.batch_size=32", "train.log_every=100",
-        "train.save_every=0", "train.progress=false", f"train.output_dir={out}", "train.seed=0",
-    ])  # fmt: skip
+    cfg = load_config(
+        base={"model": {"path": str(model_dir), "device": "cpu"}},
+        overrides=[
+            "lora.enabled=false",
+            "data.dataset=test-tool-agent-sft",
+            "data.split=train",
+            "data.eval_samples=0",
+            "data.max_prompt_len=512",
+            "rollout.max_new_tokens=32",
+            "optim.lr=8e-3",
+            "optim.warmup_ratio=0.05",
+            "optim.min_lr_ratio=0.1",
+            "train.max_steps=200",
+            "train.batch_size=32",
+            "train.log_every=100",
+            "train.save_every=0",
+            "train.progress=false",
+            f"train.output_dir={out}",
+            "train.seed=0",
+        ],
+    )
     train_sft(cfg)
     data = root / "test.jsonl"
-    data.write_text("".join(json.dumps({"question": r["question"],
-                                        "answer": f"#### {r['answer']}"}) + "\n"
-                            for r in test))  # fmt: skip
+    data.write_text(
+        "".join(
+            json.dumps({"question": r["question"], "answer": f"#### {r['answer']}"}) + "\n"
+            for r in test
+        )
+    )
     return {"model": out / "final", "data": data, "problems": test, "root": root}
 
 
 @pytest.fixture(scope="module")
 def agent_server(tool_model, serve_cli):
-    with serve_cli("--model", str(tool_model["model"]), "--port", "0",
-                   "--served-model-name", NAME) as running:  # fmt: skip
+    with serve_cli(
+        "--model", str(tool_model["model"]), "--port", "0", "--served-model-name", NAME
+    ) as running:
         yield running
 
 
@@ -221,17 +292,26 @@ def client(agent_server):
 def evaluate_on(tool_model, tools: list[dict], tmp_path) -> dict:
     """`grpo eval --env calculator` of the held-out problems, the schemas `tools` rendered."""
     payload = run_eval_command(
-        model=str(tool_model["model"]), data=str(tool_model["data"]), env="calculator",
-        env_kwargs={"use_template_tools": True, "tools": tools}, max_turns=MAX_TURNS,
-        max_new_tokens=MAX_TOKENS, batch_size=8, details=True, out=str(tmp_path / "eval.json"),
-    )  # fmt: skip
+        model=str(tool_model["model"]),
+        data=str(tool_model["data"]),
+        env="calculator",
+        env_kwargs={"use_template_tools": True, "tools": tools},
+        max_turns=MAX_TURNS,
+        max_new_tokens=MAX_TOKENS,
+        batch_size=8,
+        details=True,
+        out=str(tmp_path / "eval.json"),
+    )
     return payload["models"]["model"]
 
 
 def served_tools(recorder: clients.Recorder) -> list[dict]:
     """The tools of the client's requests as the server renders them (`ToolSpec.schema`)."""
-    body = {"model": NAME, "messages": [{"role": "user", "content": "x"}],
-            "tools": recorder.sent_tools()}  # fmt: skip
+    body = {
+        "model": NAME,
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": recorder.sent_tools(),
+    }
     return read_body(json.dumps(body).encode(), ChatBody).tool_use.schemas
 
 
@@ -240,8 +320,10 @@ def assert_same_as_eval(tool_model, episodes: list[clients.Episode], evaluated: 
     tool calls; and the model does use the tool through the client."""
     by_question = {s["question"]: s for s in evaluated["samples"]}
     problems = [by_question[r["question"]] for r in tool_model["problems"]]
-    scores = [score_completion(e.content, r["answer"])
-              for e, r in zip(episodes, tool_model["problems"], strict=True)]  # fmt: skip
+    scores = [
+        score_completion(e.content, r["answer"])
+        for e, r in zip(episodes, tool_model["problems"], strict=True)
+    ]
     assert [s["pred"] for s in scores] == [s["pred"] for s in problems]
     assert [s["correct"] for s in scores] == [s["correct"] for s in problems]
     summary = evaluated["summary"]
@@ -260,13 +342,21 @@ def test_openai_agent_loop_equals_grpo_eval(tool_model, client, agent_server, tm
     unseen = calculator_tool_variant(VARIANTS + 3)
     for tools in ([CALCULATOR_TOOL], [unseen]):
         recorder = clients.Recorder()
-        http = openai.OpenAI(base_url=agent_server.url + "/v1", api_key="unused",
-                             max_retries=0, http_client=recorder.client())  # fmt: skip
-        episodes = [clients.openai_episode(http, NAME, r["question"], tools,
-                                           max_turns=MAX_TURNS, max_tokens=MAX_TOKENS)
-                    for r in tool_model["problems"]]  # fmt: skip
-        assert_same_as_eval(tool_model, episodes, evaluate_on(tool_model, served_tools(recorder),
-                                                              tmp_path))  # fmt: skip
+        http = openai.OpenAI(
+            base_url=agent_server.url + "/v1",
+            api_key="unused",
+            max_retries=0,
+            http_client=recorder.client(),
+        )
+        episodes = [
+            clients.openai_episode(
+                http, NAME, r["question"], tools, max_turns=MAX_TURNS, max_tokens=MAX_TOKENS
+            )
+            for r in tool_model["problems"]
+        ]
+        assert_same_as_eval(
+            tool_model, episodes, evaluate_on(tool_model, served_tools(recorder), tmp_path)
+        )
 
 
 def test_agents_sdk_runner_equals_grpo_eval(tool_model, agent_server, tmp_path):
@@ -274,24 +364,34 @@ def test_agents_sdk_runner_equals_grpo_eval(tool_model, agent_server, tmp_path):
     into a `strict` schema (its own description, titles, key order), tracing off."""
     recorder = clients.Recorder()
     episodes = clients.agents_sdk_episodes(
-        agent_server.url + "/v1", NAME, [r["question"] for r in tool_model["problems"]],
-        recorder=recorder, max_turns=MAX_TURNS, max_tokens=MAX_TOKENS)  # fmt: skip
+        agent_server.url + "/v1",
+        NAME,
+        [r["question"] for r in tool_model["problems"]],
+        recorder=recorder,
+        max_turns=MAX_TURNS,
+        max_tokens=MAX_TOKENS,
+    )
     [sent] = recorder.sent_tools()
     assert sent["function"]["strict"] is True
     assert sent["function"]["parameters"]["additionalProperties"] is False
-    assert_same_as_eval(tool_model, episodes, evaluate_on(tool_model, served_tools(recorder),
-                                                          tmp_path))  # fmt: skip
+    assert_same_as_eval(
+        tool_model, episodes, evaluate_on(tool_model, served_tools(recorder), tmp_path)
+    )
 
 
 def test_langchain_bind_tools_equals_grpo_eval(tool_model, agent_server, tmp_path):
     """LangChain: `ChatOpenAI(base_url=...).bind_tools([tool])`, `invoke`, `ToolMessage`s."""
     recorder = clients.Recorder()
-    llm = clients.langchain_model(agent_server.url + "/v1", NAME, recorder=recorder,
-                                  max_tokens=MAX_TOKENS)  # fmt: skip
-    episodes = [clients.langchain_episode(llm, r["question"], max_turns=MAX_TURNS)
-                for r in tool_model["problems"]]  # fmt: skip
-    assert_same_as_eval(tool_model, episodes, evaluate_on(tool_model, served_tools(recorder),
-                                                          tmp_path))  # fmt: skip
+    llm = clients.langchain_model(
+        agent_server.url + "/v1", NAME, recorder=recorder, max_tokens=MAX_TOKENS
+    )
+    episodes = [
+        clients.langchain_episode(llm, r["question"], max_turns=MAX_TURNS)
+        for r in tool_model["problems"]
+    ]
+    assert_same_as_eval(
+        tool_model, episodes, evaluate_on(tool_model, served_tools(recorder), tmp_path)
+    )
 
 
 GEN_TASK = """task: grpo_gen
@@ -323,18 +423,27 @@ def test_lm_eval_chat_generation_task_equals_greedy_decoding(agent_server, tmp_p
     from grpo.rollout import sample
     from grpo.tokenizer import encode_chat
 
-    docs = [{"question": f"What is {a} * {b}?", "answer": str(a * b)}
-            for a, b in [(37, 48), (12, 4), (7, 7), (23, 61)]]  # fmt: skip
+    docs = [
+        {"question": f"What is {a} * {b}?", "answer": str(a * b)}
+        for a, b in [(37, 48), (12, 4), (7, 7), (23, 61)]
+    ]
     data = tmp_path / "gen.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in docs))
     tasks = lm_eval_tasks
     (tasks / "grpo_gen.yaml").write_text(GEN_TASK.format(data=data))
-    args = (f"model={NAME},base_url={agent_server.url}/v1/chat/completions,num_concurrent=1,"
-            "max_retries=1")  # fmt: skip
-    out = lm_eval.simple_evaluate(model="local-chat-completions", model_args=args,
-                                  tasks=["grpo_gen"], apply_chat_template=True,
-                                  task_manager=TaskManager(include_path=str(tasks)),
-                                  batch_size=1, log_samples=True)  # fmt: skip
+    args = (
+        f"model={NAME},base_url={agent_server.url}/v1/chat/completions,num_concurrent=1,"
+        "max_retries=1"
+    )
+    out = lm_eval.simple_evaluate(
+        model="local-chat-completions",
+        model_args=args,
+        tasks=["grpo_gen"],
+        apply_chat_template=True,
+        task_manager=TaskManager(include_path=str(tasks)),
+        batch_size=1,
+        log_samples=True,
+    )
     samples = sorted(out["samples"]["grpo_gen"], key=lambda s: s["doc_id"])
     engine, tok = agent_server.engine, agent_server.service.tokenizer
     for sample_, doc in zip(samples, docs, strict=True):
@@ -371,8 +480,13 @@ def test_the_guard_refuses_other_addresses(loopback_only):
 
 def test_streamed_tool_calls_equal_the_non_streamed(tool_model, client):
     q = tool_model["problems"][0]["question"]
-    kw = dict(model=NAME, messages=[{"role": "user", "content": q}], tools=TOOLS,
-              temperature=0, max_tokens=MAX_TOKENS)  # fmt: skip
+    kw = dict(
+        model=NAME,
+        messages=[{"role": "user", "content": q}],
+        tools=TOOLS,
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+    )
     whole = client.chat.completions.create(**kw).choices[0]
     assert whole.finish_reason == "tool_calls" and whole.message.content is None
     content, calls, reasons = "", {}, []
@@ -383,15 +497,17 @@ def test_streamed_tool_calls_equal_the_non_streamed(tool_model, client):
                 calls[tc.index] = (tc.function.name, tc.function.arguments)
             reasons.append(choice.finish_reason)
     assert content == ""
-    assert list(calls.values()) == [(c.function.name, c.function.arguments)
-                                    for c in whole.message.tool_calls]  # fmt: skip
+    assert list(calls.values()) == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls
+    ]
     assert reasons[-1] == "tool_calls"
 
 
 def test_tool_choice_over_http(tool_model, client):
     q = tool_model["problems"][1]["question"]
-    base = dict(model=NAME, messages=[{"role": "user", "content": q}], temperature=0,
-                max_tokens=MAX_TOKENS)  # fmt: skip
+    base = dict(
+        model=NAME, messages=[{"role": "user", "content": q}], temperature=0, max_tokens=MAX_TOKENS
+    )
     # none: the tools are not rendered and nothing is parsed, so a call is plain text
     none = client.chat.completions.create(tools=TOOLS, tool_choice="none", **base).choices[0]
     plain = client.chat.completions.create(**base).choices[0]
@@ -417,15 +533,23 @@ def test_strict_tools_under_auto_hold_every_call_to_its_schema(tool_model, clien
     `strict` every call it writes, at temperature 1, is JSON of that schema and is parsed as a
     call (no `<tool_call>` left in content); without `strict` the same sampling writes its
     habit, which the schema refuses. The grammar, not the model, makes the calls valid."""
-    params = {"type": "object", "required": ["expr"],
-              "properties": {"expr": {"type": "string", "pattern": "^[0-9*+-]{1,9}$"}}}  # fmt: skip
+    params = {
+        "type": "object",
+        "required": ["expr"],
+        "properties": {"expr": {"type": "string", "pattern": "^[0-9*+-]{1,9}$"}},
+    }
     tools = [_tool_spec(description="Evaluate arithmetic.", parameters=params, strict=strict)]
     valid, calls = 0, 0
     for i, problem in enumerate(tool_model["problems"][:4]):
         r = client.chat.completions.create(
-            model=NAME, messages=[{"role": "user", "content": problem["question"]}],
-            tools=tools, temperature=1.0, seed=i, n=4, max_tokens=MAX_TOKENS,
-        )  # fmt: skip
+            model=NAME,
+            messages=[{"role": "user", "content": problem["question"]}],
+            tools=tools,
+            temperature=1.0,
+            seed=i,
+            n=4,
+            max_tokens=MAX_TOKENS,
+        )
         for c in r.choices:
             if strict:
                 assert "<tool_call>" not in (c.message.content or ""), c

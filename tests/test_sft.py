@@ -26,17 +26,23 @@ class _Tok:
 
 def sft_rows() -> list[dict]:
     g = torch.Generator().manual_seed(1)
-    return [{"prompt_ids": torch.randint(4, 250, (2 + i % 3,), generator=g).tolist(),
-             "completion_ids": torch.randint(4, 250, (3 + i % 4,), generator=g).tolist()}
-            for i in range(8)]  # fmt: skip
+    return [
+        {
+            "prompt_ids": torch.randint(4, 250, (2 + i % 3,), generator=g).tolist(),
+            "completion_ids": torch.randint(4, 250, (3 + i % 4,), generator=g).tolist(),
+        }
+        for i in range(8)
+    ]
 
 
 def sft_step(ckpt: Path, micro: int, monkeypatch):
     """One `sft_update` over `sft_rows` in micro-batches of `micro` rows: its result, the loss
     of each micro-batch (read afterwards) and the counts of LOSS_READS during the step."""
     model = load_model(ckpt)
-    cfg = load_config(base={"model": {"path": str(ckpt)}}, overrides=[
-        "optim.lr=1e-3", "train.batch_size=8", f"train.micro_batch_size={micro}"])  # fmt: skip
+    cfg = load_config(
+        base={"model": {"path": str(ckpt)}},
+        overrides=["optim.lr=1e-3", "train.batch_size=8", f"train.micro_batch_size={micro}"],
+    )
     policy = Policy(model, _Tok(), [3], None, Path(ckpt), lora=False)
     params = policy.trainable_parameters()
     opt = build_optimizer(params, cfg.optim)
@@ -59,8 +65,9 @@ def sft_step(ckpt: Path, micro: int, monkeypatch):
                 return _real(self, *args, **kwargs)
 
             m.setattr(torch.Tensor, name, counted)
-        out = sft.sft_update(cfg, policy, CompletionLogprobs(model), rows, opt, sched, params,
-                             SINGLE)  # fmt: skip
+        out = sft.sft_update(
+            cfg, policy, CompletionLogprobs(model), rows, opt, sched, params, SINGLE
+        )
     return out, losses, counts
 
 

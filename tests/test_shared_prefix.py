@@ -20,8 +20,16 @@ PROMPTS = [[5, 17, 33, 9, 12, 40], [101, 7], [44, 45, 46]]  # different lengths:
 
 
 def rollout(model, G=3):
-    return sample(model, PROMPTS, group_size=G, max_new_tokens=9, temperature=1.0,
-                  stop_ids=[3], seed=0, pad_id=0)  # fmt: skip
+    return sample(
+        model,
+        PROMPTS,
+        group_size=G,
+        max_new_tokens=9,
+        temperature=1.0,
+        stop_ids=[3],
+        seed=0,
+        pad_id=0,
+    )
 
 
 def multiturn(model, G=2):
@@ -29,16 +37,32 @@ def multiturn(model, G=2):
         return Observation([], done=True) if b % 2 else Observation([200, 201][: b % 3 + 1])
 
     return sample_turns(
-        Sampler(model), PROMPTS, group_size=G, observe=observe, max_new_tokens=5, max_turns=2,
-        max_total_tokens=20, stop_ids=[3], turn_end_ids=list(range(4, 40)), seed=1, pad_id=0,
-    )  # fmt: skip
+        Sampler(model),
+        PROMPTS,
+        group_size=G,
+        observe=observe,
+        max_new_tokens=5,
+        max_turns=2,
+        max_total_tokens=20,
+        stop_ids=[3],
+        turn_end_ids=list(range(4, 40)),
+        seed=1,
+        pad_id=0,
+    )
 
 
 def logprobs_and_grads(model, r, shared: bool, holes: bool = False):
     model.zero_grad(set_to_none=True)
-    lp = completion_logprobs(model, r.ids, r.attention_mask(), r.prompt_width, r.generated_mask,
-                             0.7, has_holes=holes,
-                             group_size=r.group_size if shared else None)  # fmt: skip
+    lp = completion_logprobs(
+        model,
+        r.ids,
+        r.attention_mask(),
+        r.prompt_width,
+        r.generated_mask,
+        0.7,
+        has_holes=holes,
+        group_size=r.group_size if shared else None,
+    )
     weights = torch.linspace(-1, 1, lp.numel()).view_as(lp)  # a loss touching every token
     (lp * weights).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -69,8 +93,9 @@ def test_rows_must_form_groups(tiny_checkpoints):
     model = load_model(tiny_checkpoints("qwen3"))
     r = rollout(model)
     with pytest.raises(ValueError, match="do not split into groups of 4"):
-        completion_logprobs(model, r.ids, r.attention_mask(), r.prompt_width,
-                            r.completion_mask, group_size=4)  # fmt: skip
+        completion_logprobs(
+            model, r.ids, r.attention_mask(), r.prompt_width, r.completion_mask, group_size=4
+        )
 
 
 def test_update_with_shared_prefix_equals_full_rows(tiny_checkpoints, tmp_path):
@@ -93,22 +118,40 @@ def test_update_with_shared_prefix_equals_full_rows(tiny_checkpoints, tmp_path):
     moved = {}
     for mode in ("off", "on"):
         model = copy.deepcopy(base)
-        cfg = load_config(base={"model": {"path": str(tmp_path)}}, overrides=[
-            f"train.shared_prefix={mode}", "train.batch_size=9", "train.micro_batch_size=3",
-            "rollout.group_size=3", "rollout.temperature=0.7", "loss.num_iterations=2",
-            "loss.beta=0.04", "optim.lr=0.1", "optim.eps=1.0"])  # fmt: skip
+        cfg = load_config(
+            base={"model": {"path": str(tmp_path)}},
+            overrides=[
+                f"train.shared_prefix={mode}",
+                "train.batch_size=9",
+                "train.micro_batch_size=3",
+                "rollout.group_size=3",
+                "rollout.temperature=0.7",
+                "loss.num_iterations=2",
+                "loss.beta=0.04",
+                "optim.lr=0.1",
+                "optim.eps=1.0",
+            ],
+        )
         assert cfg.shared_prefix_groups == (3 if mode == "on" else None)
         policy = Policy(model, None, [3], None, tmp_path, lora=True)
-        batch = RolloutBatch(rollout=r, rows=[{}] * 9, texts=[""] * 9, rewards=rewards,
-                             token_rewards=outcome_token_rewards(rewards, r.completion_mask),
-                             per_fn={}, policy_version=0, frac_zero_std=0.0)  # fmt: skip
+        batch = RolloutBatch(
+            rollout=r,
+            rows=[{}] * 9,
+            texts=[""] * 9,
+            rewards=rewards,
+            token_rewards=outcome_token_rewards(rewards, r.completion_mask),
+            per_fn={},
+            policy_version=0,
+            frac_zero_std=0.0,
+        )
         batch = step_batch(cfg, policy, batch, step=1)  # reference log-probs, advantages
         assert batch.ref_logprobs is not None
         params = [p for p in model.parameters() if p.requires_grad]
         opt = build_optimizer(params, cfg.optim)
         update_phase(cfg, policy, batch, opt, build_scheduler(opt, 10, cfg.optim), params)
-        moved[mode] = {n: p.detach().clone() for n, p in model.named_parameters()
-                       if p.requires_grad}  # fmt: skip
+        moved[mode] = {
+            n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad
+        }
     start = dict(base.named_parameters())
     assert max((moved["off"][n] - start[n]).abs().max() for n in moved["off"]) > 1e-4
     for n in moved["off"]:
@@ -120,26 +163,42 @@ def test_on_needs_whole_groups_per_micro_batch(tmp_path):
     from grpo.config import load_config
     from grpo.settings import ConfigError
 
-    cfg = load_config(base={"model": {"path": str(tmp_path)}}, overrides=[
-        "train.shared_prefix=on", "train.batch_size=8", "train.micro_batch_size=2",
-        "rollout.group_size=4"])  # fmt: skip
+    cfg = load_config(
+        base={"model": {"path": str(tmp_path)}},
+        overrides=[
+            "train.shared_prefix=on",
+            "train.batch_size=8",
+            "train.micro_batch_size=2",
+            "rollout.group_size=4",
+        ],
+    )
     with pytest.raises(ConfigError, match="train.shared_prefix: 'on' needs micro-batches"):
         cfg.check_grpo()
-    auto = load_config(base={"model": {"path": str(tmp_path)}}, overrides=[
-        "train.shared_prefix=auto", "train.batch_size=8", "train.micro_batch_size=2",
-        "rollout.group_size=4"])  # fmt: skip
+    auto = load_config(
+        base={"model": {"path": str(tmp_path)}},
+        overrides=[
+            "train.shared_prefix=auto",
+            "train.batch_size=8",
+            "train.micro_batch_size=2",
+            "rollout.group_size=4",
+        ],
+    )
     assert auto.shared_prefix_groups is None  # auto falls back to full rows
 
 
 def test_defaults_share_the_prefix_and_compile_where_supported(tmp_path):
     from grpo.config import load_config
 
-    cfg = load_config(base={"model": {"path": str(tmp_path)}}, overrides=[
-        "train.batch_size=8", "rollout.group_size=4"])  # fmt: skip
+    cfg = load_config(
+        base={"model": {"path": str(tmp_path)}},
+        overrides=["train.batch_size=8", "rollout.group_size=4"],
+    )
     assert cfg.train.shared_prefix == "auto" and cfg.shared_prefix_groups == 4
     assert cfg.rollout.compile == "auto"
-    ckpt = load_config(base={"model": {"path": str(tmp_path), "gradient_checkpointing": True}},
-                       overrides=["train.batch_size=8", "rollout.group_size=4"])  # fmt: skip
+    ckpt = load_config(
+        base={"model": {"path": str(tmp_path), "gradient_checkpointing": True}},
+        overrides=["train.batch_size=8", "rollout.group_size=4"],
+    )
     assert ckpt.shared_prefix_groups == 4  # the shared-prefix passes checkpoint too
     as_bool = load_config(
         base={"model": {"path": str(tmp_path)}},
@@ -166,16 +225,25 @@ def test_micro_batches_run_only_their_own_columns(tiny_checkpoints, tmp_path, tu
         real = attn[3 * i : 3 * i + 3].any(0).nonzero().flatten()
         assert (lo, hi) == (int(real[0]), max(int(real[-1]) + 1, r.prompt_width + 1))
     assert any(lo > 0 or hi < T for lo, hi in bounds)  # some micro-batch is trimmed
-    cfg = load_config(base={"model": {"path": str(tmp_path)}}, overrides=[
-        "rollout.group_size=3", f"train.batch_size={B}", "train.micro_batch_size=3",
-        f"train.shared_prefix={shared}", "loss.beta=0.1", "rollout.temperature=0.7"])  # fmt: skip
+    cfg = load_config(
+        base={"model": {"path": str(tmp_path)}},
+        overrides=[
+            "rollout.group_size=3",
+            f"train.batch_size={B}",
+            "train.micro_batch_size=3",
+            f"train.shared_prefix={shared}",
+            "loss.beta=0.1",
+            "rollout.temperature=0.7",
+        ],
+    )
     plan = micro_batch_plan(r, cfg.train.micro_batch_size)
     assert [mb.cols for mb in plan] == bounds
     assert [mb.rows for mb in plan] == [slice(i, i + 3) for i in range(0, B, 3)]
     policy = type("P", (), {"model": model, "ref_model": None, "precision": Precision()})()
     ref = reference_phase(cfg, policy, r, r.generated_mask.clone(), plan, 1)
     with torch.no_grad():
-        full = completion_logprobs(model, r.ids, attn, r.prompt_width, r.generated_mask, 0.7,
-                                   has_holes=turns == "multi")  # fmt: skip
+        full = completion_logprobs(
+            model, r.ids, attn, r.prompt_width, r.generated_mask, 0.7, has_holes=turns == "multi"
+        )
     assert ref.shape == full.shape
     assert (ref - full).abs().max().item() <= 1e-5

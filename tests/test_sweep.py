@@ -23,11 +23,20 @@ TINY = str(REPO / "configs" / "tiny_ci.yaml")
 
 
 def tiny_overrides(model: Path) -> list[str]:
-    return [f"model.path={model}", "train.max_steps=1", "train.save_every=0",
-            "train.progress=false", "data.max_samples=8", "data.eval_samples=2",
-            "rollout.max_new_tokens=8", "eval.max_new_tokens=8", "train.batch_size=4",
-            "train.micro_batch_size=4", "loss.num_iterations=1",
-            "rollout.compile=off"]  # fmt: skip
+    return [
+        f"model.path={model}",
+        "train.max_steps=1",
+        "train.save_every=0",
+        "train.progress=false",
+        "data.max_samples=8",
+        "data.eval_samples=2",
+        "rollout.max_new_tokens=8",
+        "eval.max_new_tokens=8",
+        "train.batch_size=4",
+        "train.micro_batch_size=4",
+        "loss.num_iterations=1",
+        "rollout.compile=off",
+    ]
 
 
 def write_space(path: Path, space: dict) -> Path:
@@ -41,8 +50,19 @@ def grid_sweep(shared_tiny_model, tmp_path_factory):
     space = write_space(tmp / "space.yaml", {"optim.lr": [1e-3, 5e-4], "loss.beta": [0.0, 0.04]})
     parser = argparse.ArgumentParser(prog="grpo")
     add_parser(parser.add_subparsers(dest="command"))
-    argv = ["sweep", "--config", TINY, "--space", str(space), "--method", "grid",
-            "--metric", "rollout/reward_mean", "--out", str(tmp / "out")]  # fmt: skip
+    argv = [
+        "sweep",
+        "--config",
+        TINY,
+        "--space",
+        str(space),
+        "--method",
+        "grid",
+        "--metric",
+        "rollout/reward_mean",
+        "--out",
+        str(tmp / "out"),
+    ]
     args = parser.parse_args([*argv, *tiny_overrides(shared_tiny_model)])
     return tmp, args
 
@@ -61,16 +81,19 @@ def test_grid_sweep_completes_and_prints_its_table(grid_sweep, capsys):
     results = json.loads((tmp / "out" / "sweep_results.json").read_text())
     trials = results["trials"]
     assert [t["params"] for t in trials] == [
-        {"optim.lr": 1e-3, "loss.beta": 0.0}, {"optim.lr": 1e-3, "loss.beta": 0.04},
-        {"optim.lr": 5e-4, "loss.beta": 0.0}, {"optim.lr": 5e-4, "loss.beta": 0.04},
-    ]  # fmt: skip
+        {"optim.lr": 1e-3, "loss.beta": 0.0},
+        {"optim.lr": 1e-3, "loss.beta": 0.04},
+        {"optim.lr": 5e-4, "loss.beta": 0.0},
+        {"optim.lr": 5e-4, "loss.beta": 0.04},
+    ]
     for i, t in enumerate(trials):
         run = tmp / "out" / f"trial_{i:03d}"
         assert t["status"] == "done" and (run / "trial.json").is_file()
         cfg = yaml.safe_load((run / "config.yaml").read_text())
         assert (cfg["optim"]["lr"], cfg["loss"]["beta"]) == (
-            t["params"]["optim.lr"], t["params"]["loss.beta"],
-        )  # fmt: skip
+            t["params"]["optim.lr"],
+            t["params"]["loss.beta"],
+        )
         assert "eval/accuracy" in t["metrics"]
     # sorted by the metric, best first
     values = [float(line.split("|")[5]) for line in lines[1:]]
@@ -94,17 +117,37 @@ def test_rerun_resumes_without_training(grid_sweep, monkeypatch, shared_tiny_mod
         run_sweep(TINY, space, method="optuna", out_dir=tmp / "out", overrides=over, resume=True)
     with pytest.raises(GrpoError, match="--resume: no sweep in"):
         run_sweep(TINY, space, out_dir=tmp / "new", overrides=over, resume=True)
-    records = run_sweep(TINY, space, method="grid", metric="train/loss", mode="min",
-                        out_dir=tmp / "out", overrides=over, resume=True)  # fmt: skip
+    records = run_sweep(
+        TINY,
+        space,
+        method="grid",
+        metric="train/loss",
+        mode="min",
+        out_dir=tmp / "out",
+        overrides=over,
+        resume=True,
+    )
     assert len(records) == 4 and all(r["status"] == "done" for r in records)
     assert all(r["metric"] == r["metrics"]["train/loss"] for r in records)  # --metric changed
     with pytest.raises(GrpoError, match="not in the trials' metrics"):
-        run_sweep(TINY, space, method="grid", metric="nope", out_dir=tmp / "out",
-                  overrides=tiny_overrides(shared_tiny_model), resume=True)  # fmt: skip
+        run_sweep(
+            TINY,
+            space,
+            method="grid",
+            metric="nope",
+            out_dir=tmp / "out",
+            overrides=tiny_overrides(shared_tiny_model),
+            resume=True,
+        )
     other = write_space(tmp / "other.yaml", {"optim.lr": [1e-4]})
     with pytest.raises(GrpoError, match="run with other parameters"):
-        run_sweep(TINY, load_space(other), out_dir=tmp / "out",
-                  overrides=tiny_overrides(shared_tiny_model), resume=True)  # fmt: skip
+        run_sweep(
+            TINY,
+            load_space(other),
+            out_dir=tmp / "out",
+            overrides=tiny_overrides(shared_tiny_model),
+            resume=True,
+        )
 
 
 def test_space_validation(tmp_path):
@@ -157,8 +200,13 @@ def test_optuna_method_without_optuna_is_one_clear_error(tmp_path, monkeypatch):
     # sys.modules makes `import optuna` fail whether or not the package is installed.
     monkeypatch.setitem(sys.modules, "optuna", None)
     with pytest.raises(GrpoError, match="needs the optuna package"):
-        run_sweep(TINY, {"loss.beta": [0.0]}, method="optuna", out_dir=tmp_path / "o",
-                  overrides=["model.path=m"])  # fmt: skip
+        run_sweep(
+            TINY,
+            {"loss.beta": [0.0]},
+            method="optuna",
+            out_dir=tmp_path / "o",
+            overrides=["model.path=m"],
+        )
 
 
 # ----------------------------------------------------------------- optuna
@@ -167,9 +215,22 @@ OPTUNA_METRIC = "eval/avg_length"  # with a random-init model: about eval.max_ne
 
 
 def optuna_argv(tmp: Path, model: Path, space: Path, steps: int, *extra: str) -> list[str]:
-    argv = ["sweep", "--config", TINY, "--space", str(space), "--method", "optuna",
-            "--metric", OPTUNA_METRIC, "--mode", "max", "--out", str(tmp / "out"),
-            *extra]  # fmt: skip
+    argv = [
+        "sweep",
+        "--config",
+        TINY,
+        "--space",
+        str(space),
+        "--method",
+        "optuna",
+        "--metric",
+        OPTUNA_METRIC,
+        "--mode",
+        "max",
+        "--out",
+        str(tmp / "out"),
+        *extra,
+    ]
     return [*argv, *tiny_overrides(model), f"train.max_steps={steps}", "train.eval_every=1"]
 
 
@@ -186,8 +247,9 @@ def test_optuna_sweep_prunes_trailing_trials(shared_tiny_model, tmp_path, capsys
 
     space = write_space(tmp_path / "space.yaml", {"eval.max_new_tokens": [2, 8]})
     steps = 3
-    argv = optuna_argv(tmp_path, shared_tiny_model, space, steps, "--trials", "4",
-                       "--prune-startup", "1")  # fmt: skip
+    argv = optuna_argv(
+        tmp_path, shared_tiny_model, space, steps, "--trials", "4", "--prune-startup", "1"
+    )
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
     lines = [line for line in printed.splitlines() if line.startswith("| ")]
@@ -218,8 +280,9 @@ def test_optuna_sweep_prunes_trailing_trials(shared_tiny_model, tmp_path, capsys
     statuses = [t["status"] for t in trials]
     assert statuses.count("pruned") >= 1 and statuses.count("done") >= 2, statuses
     # the study in sqlite agrees: outcomes, final values, every intermediate value reported
-    study = optuna.load_study(study_name="grpo-sweep",
-                              storage=f"sqlite:///{tmp_path / 'out' / 'optuna.db'}")  # fmt: skip
+    study = optuna.load_study(
+        study_name="grpo-sweep", storage=f"sqlite:///{tmp_path / 'out' / 'optuna.db'}"
+    )
     state = {"done": optuna.trial.TrialState.COMPLETE, "pruned": optuna.trial.TrialState.PRUNED}
     for t, ft in zip(trials, study.get_trials()):
         assert ft.state == state[t["status"]] and ft.params == t["params"]
@@ -235,8 +298,7 @@ def test_optuna_sweep_prunes_trailing_trials(shared_tiny_model, tmp_path, capsys
     assert done_values == sorted(done_values, reverse=True)
 
 
-def test_optuna_sweep_resumes_after_interruptions(shared_tiny_model, tmp_path, monkeypatch,
-                                                   capsys):  # fmt: skip
+def test_optuna_sweep_resumes_after_interruptions(shared_tiny_model, tmp_path, monkeypatch, capsys):
     import optuna
 
     import grpo.apps.sweep as sweep_mod
@@ -314,8 +376,11 @@ def test_optuna_sweep_resumes_after_interruptions(shared_tiny_model, tmp_path, m
     assert sorted(r.split("|")[2].strip() for r in rows) == ["trial_000", "trial_002", "trial_003"]
     study = optuna.load_study(study_name="grpo-sweep", storage=storage)
     assert [t.state for t in study.get_trials()] == [
-        states.COMPLETE, states.FAIL, states.COMPLETE, states.COMPLETE,
-    ]  # fmt: skip
+        states.COMPLETE,
+        states.FAIL,
+        states.COMPLETE,
+        states.COMPLETE,
+    ]
     results = json.loads((tmp_path / "out" / "sweep_results.json").read_text())["trials"]
     assert [r["name"] for r in results] == ["trial_000", "trial_002", "trial_003"]
     for r, t in zip(results, [study.get_trials()[i] for i in (0, 2, 3)]):
@@ -333,6 +398,11 @@ def test_huge_spaces_are_refused_before_anything_is_built(tmp_path):
     assert first == [{**{f"k{i}": 0 for i in range(7)}, "k7": j} for j in range(3)]
     out = tmp_path / "sweep"
     with pytest.raises(GrpoError, match=f"--trials: must be in \\[1, {MAX_TRIALS}\\]"):
-        run_sweep(str(tmp_path / "missing.yaml"), {"optim.lr": [1e-3]}, method="random",
-                  trials=10**7, out_dir=str(out))  # fmt: skip
+        run_sweep(
+            str(tmp_path / "missing.yaml"),
+            {"optim.lr": [1e-3]},
+            method="random",
+            trials=10**7,
+            out_dir=str(out),
+        )
     assert not out.exists()

@@ -37,10 +37,14 @@ class KilledValueHead(ValueHead):
 
 @pytest.fixture()
 def my_pkg(tmp_path):
-    return write_package(tmp_path, {
-        "value.py": docs_example("# my_pkg/value.py"), "killer.py": KILLER,
-        "rewards.py": LENGTH_REWARD,
-    })  # fmt: skip
+    return write_package(
+        tmp_path,
+        {
+            "value.py": docs_example("# my_pkg/value.py"),
+            "killer.py": KILLER,
+            "rewards.py": LENGTH_REWARD,
+        },
+    )
 
 
 def grpo_train(cwd, model, *args, env=None):
@@ -52,11 +56,19 @@ def metrics(path: Path) -> list[dict]:
     return [r for r in rows if "module/ValueHead/loss" in r]
 
 
-def test_the_docs_value_head_trains_beside_the_policy(my_pkg, shared_tiny_model, monkeypatch,
-                                                      capsys):  # fmt: skip
-    code = tiny_train_here(monkeypatch, my_pkg, shared_tiny_model, "train.output_dir=run",
-                           "train.max_steps=3", "train.save_every=2", MODULE,
-                           ESTIMATOR)  # fmt: skip
+def test_the_docs_value_head_trains_beside_the_policy(
+    my_pkg, shared_tiny_model, monkeypatch, capsys
+):
+    code = tiny_train_here(
+        monkeypatch,
+        my_pkg,
+        shared_tiny_model,
+        "train.output_dir=run",
+        "train.max_steps=3",
+        "train.save_every=2",
+        MODULE,
+        ESTIMATOR,
+    )
     assert code == 0, capsys.readouterr().err[-3000:]
     rows = metrics(my_pkg / "run" / "metrics.jsonl")
     assert [m["step"] for m in rows] == [1, 2, 3]
@@ -64,11 +76,15 @@ def test_the_docs_value_head_trains_beside_the_policy(my_pkg, shared_tiny_model,
         assert m["module/ValueHead/loss"] >= 0 and m["module/ValueHead/abs_error"] >= 0
         assert m["module/ValueHead/grad_norm"] > 0
     header = json.loads((my_pkg / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    assert re.search(r"ValueHead \(my_pkg\.value\.ValueHead, \d+ parameters\)",
-                     header["run/modules"])  # fmt: skip
+    assert re.search(
+        r"ValueHead \(my_pkg\.value\.ValueHead, \d+ parameters\)", header["run/modules"]
+    )
     ckpt = my_pkg / "run" / "checkpoints" / "step_000002" / "modules" / "ValueHead"
-    assert {p.name for p in ckpt.iterdir()} == {"weights.safetensors", "optimizer.pt",
-                                                  "scheduler.pt"}  # fmt: skip
+    assert {p.name for p in ckpt.iterdir()} == {
+        "weights.safetensors",
+        "optimizer.pt",
+        "scheduler.pt",
+    }
     saved = load_file(ckpt / "weights.safetensors")
     final = load_file(my_pkg / "run" / "final" / "modules" / "ValueHead" / "weights.safetensors")
     assert set(saved) == set(final) == {"embed.weight", "out.weight", "out.bias"}
@@ -83,8 +99,9 @@ def test_a_killed_run_resumes_bitwise(my_pkg, shared_tiny_model):
     common = ["train.max_steps=4", "train.save_every=2", killer, ESTIMATOR]
     whole = grpo_train(my_pkg, shared_tiny_model, "train.output_dir=whole", *common)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    killed = grpo_train(my_pkg, shared_tiny_model, "train.output_dir=cut", *common,
-                        env={"KILL_AT_VERSION": "2"})  # fmt: skip
+    killed = grpo_train(
+        my_pkg, shared_tiny_model, "train.output_dir=cut", *common, env={"KILL_AT_VERSION": "2"}
+    )
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert not (my_pkg / "cut" / "final").exists()
     resumed = grpo_train(my_pkg, shared_tiny_model, "train.output_dir=cut", *common, "--resume")
@@ -139,40 +156,80 @@ def test_two_ranks_train_a_module_as_one_process(my_pkg, shared_tiny_model):
     (my_pkg / "worker.py").write_text(WORKER)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(my_pkg)}
     args = [TINY, str(shared_tiny_model), MODULE]
-    one = subprocess.run([sys.executable, "worker.py", *args, "one.safetensors"], cwd=my_pkg,
-                         capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    one = subprocess.run(
+        [sys.executable, "worker.py", *args, "one.safetensors"],
+        cwd=my_pkg,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc_per_node=2", "worker.py", *args, "two.safetensors"],
-                         cwd=my_pkg, capture_output=True, text=True, env=env,
-                         timeout=300)  # fmt: skip
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "worker.py",
+            *args,
+            "two.safetensors",
+        ],
+        cwd=my_pkg,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = load_file(my_pkg / "one.safetensors"), load_file(my_pkg / "two.safetensors")
     for k in a:  # the mean of two half-batch means is the whole batch's mean (float32 sums)
         assert (a[k] - b[k]).abs().max() <= 1e-6, k
     # and training moved the weights (the check is not of two untouched inits)
-    init = subprocess.run([sys.executable, "worker.py", TINY, str(shared_tiny_model),
-                           MODULE.replace("lr: 0.01", "lr: 1.0e-12"), "init.safetensors"],
-                          cwd=my_pkg, capture_output=True, text=True, env=env,
-                          timeout=300)  # fmt: skip
+    init = subprocess.run(
+        [
+            sys.executable,
+            "worker.py",
+            TINY,
+            str(shared_tiny_model),
+            MODULE.replace("lr: 0.01", "lr: 1.0e-12"),
+            "init.safetensors",
+        ],
+        cwd=my_pkg,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert init.returncode == 0, init.stderr[-3000:]
     c = load_file(my_pkg / "init.safetensors")
     assert max(float((a[k] - c[k]).abs().max()) for k in a) > 1e-3
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("modules=[{name: my_pkg.value:Nope}]",
-     "modules[0].name: 'my_pkg.value:Nope': module 'my_pkg.value' has no attribute 'Nope'"),
-    ("modules=[{name: my_pkg.value:ValueHead, kwargs: {dims: 3}}]",
-     "modules[0].kwargs: 'dims' is not a parameter of trained module"),
-    ("modules=[{name: my_pkg.value:ValueHead, optim: {lrr: 1}}]",
-     "modules[].optim.lrr: unknown key"),
-])  # fmt: skip
-def test_bad_module_specs_are_named_before_anything_is_written(my_pkg, shared_tiny_model,
-                                                               monkeypatch, capsys, spec,
-                                                               message):  # fmt: skip
-    code = tiny_train_here(monkeypatch, my_pkg, shared_tiny_model, "train.output_dir=run",
-                           "train.max_steps=1", spec)  # fmt: skip
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            "modules=[{name: my_pkg.value:Nope}]",
+            "modules[0].name: 'my_pkg.value:Nope': module 'my_pkg.value' has no attribute 'Nope'",
+        ),
+        (
+            "modules=[{name: my_pkg.value:ValueHead, kwargs: {dims: 3}}]",
+            "modules[0].kwargs: 'dims' is not a parameter of trained module",
+        ),
+        (
+            "modules=[{name: my_pkg.value:ValueHead, optim: {lrr: 1}}]",
+            "modules[].optim.lrr: unknown key",
+        ),
+    ],
+)
+def test_bad_module_specs_are_named_before_anything_is_written(
+    my_pkg, shared_tiny_model, monkeypatch, capsys, spec, message
+):
+    code = tiny_train_here(
+        monkeypatch, my_pkg, shared_tiny_model, "train.output_dir=run", "train.max_steps=1", spec
+    )
     err = capsys.readouterr().err
     assert code == 2, err[-2000:]
     assert message in err, err[-2000:]
@@ -185,17 +242,47 @@ def test_grpo_train_with_a_module_under_torchrun(my_pkg, shared_tiny_model):
     module replicated: it trains, its extras reach the estimator, its checkpoint resumes."""
     parallel = "fsdp"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(my_pkg)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "grpo", "train", "--config", TINY, f"model.path={shared_tiny_model}",
-           "train.progress=false", "data.eval_samples=0", "rollout.compile=off",
-           "train.log_every=1", "rollout.max_new_tokens=8", "train.save_every=1",
-           "rewards=[{name: my_pkg.rewards:length}]", f"train.parallel={parallel}",
-           "train.output_dir=run", MODULE, ESTIMATOR]  # fmt: skip
-    r = subprocess.run([*cmd, "train.max_steps=1"], cwd=my_pkg, capture_output=True, text=True,
-                       env=env, timeout=300)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "grpo",
+        "train",
+        "--config",
+        TINY,
+        f"model.path={shared_tiny_model}",
+        "train.progress=false",
+        "data.eval_samples=0",
+        "rollout.compile=off",
+        "train.log_every=1",
+        "rollout.max_new_tokens=8",
+        "train.save_every=1",
+        "rewards=[{name: my_pkg.rewards:length}]",
+        f"train.parallel={parallel}",
+        "train.output_dir=run",
+        MODULE,
+        ESTIMATOR,
+    ]
+    r = subprocess.run(
+        [*cmd, "train.max_steps=1"],
+        cwd=my_pkg,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    r = subprocess.run([*cmd, "train.max_steps=2", "--resume"], cwd=my_pkg, capture_output=True,
-                       text=True, env=env, timeout=300)  # fmt: skip
+    r = subprocess.run(
+        [*cmd, "train.max_steps=2", "--resume"],
+        cwd=my_pkg,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = metrics(my_pkg / "run" / "metrics.jsonl")
     assert [m["step"] for m in rows] == [1, 2]

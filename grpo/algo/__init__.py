@@ -35,8 +35,22 @@ def check_algorithm(loss_cfg) -> None:
 
 
 __all__ = [
-    "ADVANTAGES", "AGGREGATIONS", "KL_ESTIMATORS", "LossSettings", "POLICY_LOSSES", "broadcast",
-    "check_algorithm", "check_estimator", "check_policy_loss", "compute_advantages",
-    "group_advantages", "kl_penalty", "loss_normalizer", "policy_loss", "register_advantage",
-    "register_kl", "register_policy_loss", "zero_std_groups",
-]  # fmt: skip
+    "ADVANTAGES",
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "LossSettings",
+    "POLICY_LOSSES",
+    "broadcast",
+    "check_algorithm",
+    "check_estimator",
+    "check_policy_loss",
+    "compute_advantages",
+    "group_advantages",
+    "kl_penalty",
+    "loss_normalizer",
+    "policy_loss",
+    "register_advantage",
+    "register_kl",
+    "register_policy_loss",
+    "zero_std_groups",
+]

@@ -42,8 +42,18 @@ from grpo.algo.registry import ADVANTAGES, register_advantage
 from grpo.errors import GrpoError
 from grpo.metrics import split_metrics
 
-INPUTS = ("token_rewards", "scores", "mask", "group_size", "eps", "gamma", "turn_ids",
-          "turn_gamma", "gae_lambda", "rollout")  # fmt: skip
+INPUTS = (
+    "token_rewards",
+    "scores",
+    "mask",
+    "group_size",
+    "eps",
+    "gamma",
+    "turn_ids",
+    "turn_gamma",
+    "gae_lambda",
+    "rollout",
+)
 
 
 @dataclass(frozen=True)
@@ -237,14 +247,18 @@ def gae(
     extras = rollout.extras if rollout is not None else {}
     if values_key not in extras:
         have = ", ".join(sorted(extras)) or "none"
-        raise GrpoError(f"loss.advantage=gae reads the critic's values from the batch's extras "
-                        f"({values_key!r}; extras here: {have}): add the value model, "
-                        "modules: [{name: critic}] (docs/algorithm.md)")  # fmt: skip
+        raise GrpoError(
+            f"loss.advantage=gae reads the critic's values from the batch's extras "
+            f"({values_key!r}; extras here: {have}): add the value model, "
+            "modules: [{name: critic}] (docs/algorithm.md)"
+        )
     values = extras[values_key]
     if values.shape != mask.shape:
-        raise GrpoError(f"loss.advantage=gae: extras[{values_key!r}] has shape "
-                        f"{tuple(values.shape)}, expected (B, T_c) = "
-                        f"{tuple(mask.shape)}")  # fmt: skip
+        raise GrpoError(
+            f"loss.advantage=gae: extras[{values_key!r}] has shape "
+            f"{tuple(values.shape)}, expected (B, T_c) = "
+            f"{tuple(mask.shape)}"
+        )
     adv, returns = gae_returns(token_rewards.float(), values.float(), mask, gamma, gae_lambda)
     n = max(int(mask.sum()), 1)
     metrics = {
@@ -410,8 +424,9 @@ def group_advantages(
         raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
     mask = torch.ones(rewards.shape[0], 1, dtype=torch.bool, device=rewards.device)
     fn = ADVANTAGES.get(names[scale])
-    out = ADVANTAGES.call(fn, {"scores": rewards.float(), "mask": mask,
-                               "group_size": group_size, "eps": eps})  # fmt: skip
+    out = ADVANTAGES.call(
+        fn, {"scores": rewards.float(), "mask": mask, "group_size": group_size, "eps": eps}
+    )
     return out[:, 0]
 
 

@@ -79,9 +79,13 @@ def kl_penalty(
     return kl
 
 
-def reward_minus_kl(token_rewards: torch.Tensor, logprobs: torch.Tensor,
-                    ref_logprobs: torch.Tensor | None, mask: torch.Tensor,
-                    loss_cfg) -> torch.Tensor:  # fmt: skip
+def reward_minus_kl(
+    token_rewards: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    mask: torch.Tensor,
+    loss_cfg,
+) -> torch.Tensor:
     """The token rewards an estimator (and PPO's critic) sees: with loss.kl_in_reward = b > 0,
     r_t - b * KL_t on the `mask` tokens (KL of the sampler's log-probs to the reference, by
     loss.kl_estimator and its clamps; REINFORCE++, classic PPO); else the rewards as they are."""
@@ -89,6 +93,7 @@ def reward_minus_kl(token_rewards: torch.Tensor, logprobs: torch.Tensor,
         return token_rewards
     if ref_logprobs is None:
         raise GrpoError("loss.kl_in_reward needs reference log-probs (reference_phase)")
-    kl = kl_penalty(logprobs, ref_logprobs, loss_cfg.kl_estimator, loss_cfg.log_ratio_clamp,
-                    loss_cfg.kl_clamp)  # fmt: skip
+    kl = kl_penalty(
+        logprobs, ref_logprobs, loss_cfg.kl_estimator, loss_cfg.log_ratio_clamp, loss_cfg.kl_clamp
+    )
     return token_rewards - loss_cfg.kl_in_reward * torch.where(mask, kl, 0.0)

@@ -96,8 +96,9 @@ def completion_logprobs(
         (B, T_c) float32 log-probs, 0 where completion_mask is False [and the entropy].
     """
     if packed is not None:
-        return packed_completion_logprobs(model, ids, packed, temperature, impl, return_entropy,
-                                          entropy_grad, head_precision)  # fmt: skip
+        return packed_completion_logprobs(
+            model, ids, packed, temperature, impl, return_entropy, entropy_grad, head_precision
+        )
     w = prompt_width
     if group_size is None:
         hidden = model(ids, attention_mask=attention_mask, return_hidden=True)  # (B, T, C)
@@ -116,8 +117,16 @@ def completion_logprobs(
         rows, prev = _previous_real(attention_mask)
         h_scored = tail[rows[:, w:][mask], prev[:, w:][mask] - (w - 1)]  # (N, C)
     return_entropy = return_entropy or entropy_grad
-    out = head_logprobs(model.lm_head, h_scored, targets[mask], temperature, impl,
-                        return_entropy, entropy_grad, head_precision)  # (N,)  # fmt: skip
+    out = head_logprobs(
+        model.lm_head,
+        h_scored,
+        targets[mask],
+        temperature,
+        impl,
+        return_entropy,
+        entropy_grad,
+        head_precision,
+    )  # (N,)
     logprobs, entropy = out if return_entropy else (out, None)
     full = torch.zeros(mask.shape, dtype=torch.float32, device=ids.device)
     full = full.masked_scatter(mask, logprobs)  # (B, T_c)
@@ -207,18 +216,25 @@ def pack_rows(
         N_p = int(p_lens.sum())
         p_starts = np.concatenate([[0], np.cumsum(p_lens)[:-1]])
         c_starts = N_p + np.concatenate([[0], np.cumsum(c_lens)[:-1]])
-        src = np.concatenate([
-            (rows_flat[::G] + np.arange(w)[None])[p_real],
-            (rows_flat + w + np.arange(T_c)[None])[c_real],
-        ])  # fmt: skip
+        src = np.concatenate(
+            [
+                (rows_flat[::G] + np.arange(w)[None])[p_real],
+                (rows_flat + w + np.arange(T_c)[None])[c_real],
+            ]
+        )
         group_of = np.arange(B) // G
-        positions = np.concatenate([
-            (np.cumsum(p_real, 1) - 1)[p_real],
-            (p_lens[group_of][:, None] + np.cumsum(c_real, 1) - 1)[c_real],
-        ])  # fmt: skip
+        positions = np.concatenate(
+            [
+                (np.cumsum(p_real, 1) - 1)[p_real],
+                (p_lens[group_of][:, None] + np.cumsum(c_real, 1) - 1)[c_real],
+            ]
+        )
         segments = [(int(s), int(n), 0, 0) for s, n in zip(p_starts, p_lens) if n]
-        segments += [(int(c_starts[r]), int(c_lens[r]), int(p_starts[group_of[r]]),
-                      int(p_lens[group_of[r]])) for r in range(B) if c_lens[r]]  # fmt: skip
+        segments += [
+            (int(c_starts[r]), int(c_lens[r]), int(p_starts[group_of[r]]), int(p_lens[group_of[r]]))
+            for r in range(B)
+            if c_lens[r]
+        ]
     where = np.full(B * T, -1, dtype=np.int64)  # flat (row, column) -> stream index
     where[src] = np.arange(len(src))
     target = (rows_flat + w + np.arange(T_c)[None])[score]  # (N_s,) flat ids index
@@ -244,9 +260,15 @@ def packed_overhead(model: torch.nn.Module) -> int:
 
 
 def packed_completion_logprobs(
-    model, ids, packed: PackedRows, temperature=1.0, impl="auto", return_entropy=False,
-    entropy_grad=False, head_precision="float32",
-):  # fmt: skip
+    model,
+    ids,
+    packed: PackedRows,
+    temperature=1.0,
+    impl="auto",
+    return_entropy=False,
+    entropy_grad=False,
+    head_precision="float32",
+):
     """`completion_logprobs` of packed rows: one forward over the stream's N real tokens, the
     head at the scored positions only. Same arguments and result; `ids` (B, T) are the rows
     the layout was built from."""
@@ -258,8 +280,16 @@ def packed_completion_logprobs(
     hidden = model(tokens, packed=packed.segments, return_hidden=True)[0]  # (N, C)
     return_entropy = return_entropy or entropy_grad
     h = hidden.index_select(0, packed.pred)  # (N_s, C): each scored token's predictor
-    out = head_logprobs(model.lm_head, h, flat[packed.target], temperature, impl,
-                        return_entropy, entropy_grad, head_precision)  # (N_s,)  # fmt: skip
+    out = head_logprobs(
+        model.lm_head,
+        h,
+        flat[packed.target],
+        temperature,
+        impl,
+        return_entropy,
+        entropy_grad,
+        head_precision,
+    )  # (N_s,)
     logprobs, entropy = out if return_entropy else (out, None)
     full = torch.zeros(B * T_c, dtype=torch.float32, device=ids.device)
     full = full.index_copy(0, packed.dst, logprobs.float()).view(B, T_c)
@@ -341,11 +371,13 @@ def shared_prefix_hidden(model, ids, attention_mask, prompt_width: int, group_si
     if B % G:
         raise ValueError(f"{B} rows do not split into groups of {G}")
     record = _RecordKV(len(model.layers))
-    prompt_hidden = model(ids[::G, :w], attention_mask=attention_mask[::G, :w], kv_cache=record,
-                          return_hidden=True)  # (P, T_p, C)  # fmt: skip
+    prompt_hidden = model(
+        ids[::G, :w], attention_mask=attention_mask[::G, :w], kv_cache=record, return_hidden=True
+    )  # (P, T_p, C)
     prefix = _PrefixKV(record.k, record.v, G)  # repeated to the G rows layer by layer
-    completion_hidden = model(ids[:, w:], attention_mask=attention_mask, kv_cache=prefix,
-                              return_hidden=True)  # (B, T_c, C)  # fmt: skip
+    completion_hidden = model(
+        ids[:, w:], attention_mask=attention_mask, kv_cache=prefix, return_hidden=True
+    )  # (B, T_c, C)
     last = prompt_hidden[:, -1:].repeat_interleave(G, dim=0)  # (B, 1, C)
     return torch.cat([last, completion_hidden], dim=1)
 
@@ -372,13 +404,32 @@ class CompletionLogprobs(torch.nn.Module):
         self.model = model
         self.precision = precision or Precision.of_model(model)
 
-    def forward(self, ids, attention_mask, prompt_width, completion_mask, temperature=1.0,
-                return_entropy=False, entropy_grad=False, has_holes=False,
-                group_size=None, packed=None):  # fmt: skip
+    def forward(
+        self,
+        ids,
+        attention_mask,
+        prompt_width,
+        completion_mask,
+        temperature=1.0,
+        return_entropy=False,
+        entropy_grad=False,
+        has_holes=False,
+        group_size=None,
+        packed=None,
+    ):
         with self.precision.autocast(ids.device):
             return completion_logprobs(
-                self.model, ids, attention_mask, prompt_width, completion_mask, temperature,
-                return_entropy=return_entropy, entropy_grad=entropy_grad, has_holes=has_holes,
-                group_size=group_size, head_precision=self.precision.head,
-                impl=self.precision.logprob_impl, packed=packed,
-            )  # fmt: skip
+                self.model,
+                ids,
+                attention_mask,
+                prompt_width,
+                completion_mask,
+                temperature,
+                return_entropy=return_entropy,
+                entropy_grad=entropy_grad,
+                has_holes=has_holes,
+                group_size=group_size,
+                head_precision=self.precision.head,
+                impl=self.precision.logprob_impl,
+                packed=packed,
+            )

@@ -151,9 +151,17 @@ def policy_loss(
             token from finite inputs.
     """
     loss, stats, bad_row = policy_loss_on_device(
-        logprobs, old_logprobs, ref_logprobs, advantages, completion_mask, cfg, normalizer,
-        max_new_tokens, entropy, behaviour_logprobs,
-    )  # fmt: skip
+        logprobs,
+        old_logprobs,
+        ref_logprobs,
+        advantages,
+        completion_mask,
+        cfg,
+        normalizer,
+        max_new_tokens,
+        entropy,
+        behaviour_logprobs,
+    )
     row, *values = torch.stack([bad_row.double(), *(v.double() for v in stats.values())]).tolist()
     check_bad_row(cfg.policy_loss, int(row))
     return loss, dict(zip(stats, values))
@@ -226,14 +234,16 @@ def policy_loss_on_device(
         if ref_logprobs is None:
             raise ValueError("beta > 0 needs ref_logprobs")
         ref = _zero_masked(ref_logprobs.to(logprobs.dtype), mask)
-        kl = kl_penalty(logprobs, ref, cfg.kl_estimator, cfg.log_ratio_clamp, cfg.kl_clamp,
-                        kl_stats)  # fmt: skip
+        kl = kl_penalty(
+            logprobs, ref, cfg.kl_estimator, cfg.log_ratio_clamp, cfg.kl_clamp, kl_stats
+        )
         per_token = per_token + cfg.beta * kl
     elif ref_logprobs is not None:  # measured for the logs only: not part of the loss
         with torch.no_grad():
             ref = _zero_masked(ref_logprobs.to(logprobs.dtype), mask)
-            kl = kl_penalty(logprobs, ref, cfg.kl_estimator, cfg.log_ratio_clamp, cfg.kl_clamp,
-                            kl_stats)  # fmt: skip
+            kl = kl_penalty(
+                logprobs, ref, cfg.kl_estimator, cfg.log_ratio_clamp, cfg.kl_clamp, kl_stats
+            )
     if entropy is not None:
         entropy = _zero_masked(entropy.to(logprobs.dtype), mask)
         if cfg.entropy_coef:
@@ -294,13 +304,15 @@ def check_bad_row(name: str, row: int, step: int | None = None) -> None:
 
 def check_policy_loss(cfg) -> None:
     """Fail early (before a run writes anything) on unknown names or parameters."""
-    POLICY_LOSSES.check_params(cfg.policy_loss, cfg.policy_loss_kwargs or {},
-                               set(policy_losses.INPUTS))  # fmt: skip
+    POLICY_LOSSES.check_params(
+        cfg.policy_loss, cfg.policy_loss_kwargs or {}, set(policy_losses.INPUTS)
+    )
     KL_ESTIMATORS.check_params(cfg.kl_estimator, {}, {"logprobs", "ref_logprobs"})
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-               clip: float | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's per-token value loss (a critic's, grpo.train.critic), before aggregation:
 
         1/2 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)
@@ -319,5 +331,14 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return 0.5 * torch.maximum(err, err_clip), err_clip > err
 
 
-__all__ = ["AGGREGATIONS", "LossSettings", "aggregate", "check_bad_row", "loss_normalizer",
-           "policy_loss", "policy_loss_on_device", "reduce_stat", "value_loss"]  # fmt: skip
+__all__ = [
+    "AGGREGATIONS",
+    "LossSettings",
+    "aggregate",
+    "check_bad_row",
+    "loss_normalizer",
+    "policy_loss",
+    "policy_loss_on_device",
+    "reduce_stat",
+    "value_loss",
+]

@@ -26,8 +26,16 @@ import torch
 
 from grpo.algo.registry import register_policy_loss
 
-INPUTS = ("logprobs", "old_logprobs", "log_ratio", "advantages", "mask", "epsilon_low",
-          "epsilon_high", "dual_clip")  # fmt: skip
+INPUTS = (
+    "logprobs",
+    "old_logprobs",
+    "log_ratio",
+    "advantages",
+    "mask",
+    "epsilon_low",
+    "epsilon_high",
+    "dual_clip",
+)
 
 
 def row_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -84,8 +92,9 @@ def gspo(
     like `clip`; its gradient reaches every token of the row. The paper's clip range is much
     narrower than PPO's (e.g. 3e-4 / 4e-4)."""
     seq = row_mean(log_ratio, mask).expand_as(log_ratio)  # (B, T_c)
-    return clip(seq, advantages, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-                dual_clip=dual_clip)  # fmt: skip
+    return clip(
+        seq, advantages, epsilon_low=epsilon_low, epsilon_high=epsilon_high, dual_clip=dual_clip
+    )
 
 
 @register_policy_loss("gspo_token")

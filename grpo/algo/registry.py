@@ -47,8 +47,10 @@ class Registry:
             old = self._fns.get(name)
             if old is not None and old is not fn:
                 if not overwrite:
-                    raise GrpoError(f"{self.kind} {name!r} is already registered; pass "
-                                    "overwrite=True to replace it")  # fmt: skip
+                    raise GrpoError(
+                        f"{self.kind} {name!r} is already registered; pass "
+                        "overwrite=True to replace it"
+                    )
                 note_replacement(self.kind, name, old, fn)
             self._fns[name] = fn
             self._claims[name] = frozenset(claims)

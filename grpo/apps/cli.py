@@ -57,8 +57,9 @@ def check_before_model(cfg, trainer: str) -> None:
     if not Path(cfg.model.path).expanduser().exists():
         logging.getLogger(__name__).info(
             "model.path %r is not on this machine: the checks that read its config.json "
-            "(context, LoRA shapes, memory) run when training starts", cfg.model.path,
-        )  # fmt: skip
+            "(context, LoRA shapes, memory) run when training starts",
+            cfg.model.path,
+        )
         return
     if trainer == "rm":
         from grpo.train.rm import check_rm
@@ -104,8 +105,10 @@ def print_done(summary: dict, rank: int = 0) -> None:
         return
     converged = summary.get("converged")
     if converged and converged.get("stopped"):
-        print(f"converged at step {summary['step']}: {converged['message']}; stopped by "
-              f"train.stop_on_stall; weights in {summary['final']}")  # fmt: skip
+        print(
+            f"converged at step {summary['step']}: {converged['message']}; stopped by "
+            f"train.stop_on_stall; weights in {summary['final']}"
+        )
     else:
         print(f"done: {summary['step']} steps; weights in {summary['final']}")
     if summary.get("health"):  # learning-health rules that fired (their warnings say more)
@@ -113,8 +116,10 @@ def print_done(summary: dict, rank: int = 0) -> None:
 
         print(describe(summary["health"]))
     if converged and not converged.get("stopped"):
-        print(f"converged at step {converged['fired_step']}: {converged['message']} "
-              "(train.stop_on_stall: true ends such a run there)")  # fmt: skip
+        print(
+            f"converged at step {converged['fired_step']}: {converged['message']} "
+            "(train.stop_on_stall: true ends such a run there)"
+        )
 
 
 def cmd_sft(args) -> int:
@@ -143,8 +148,14 @@ def cmd_demo(args) -> int:
     run = run_demo
     if demo_task(args.config, args.task) == "rlhf":  # SFT -> reward model -> GRPO
         from grpo.apps.demo_rlhf import run_rlhf as run
-    run(args.out, quick=args.quick, seed=args.seed, config=args.config, task=args.task,
-        overrides=args.overrides)  # fmt: skip
+    run(
+        args.out,
+        quick=args.quick,
+        seed=args.seed,
+        config=args.config,
+        task=args.task,
+        overrides=args.overrides,
+    )
     return 0
 
 
@@ -184,13 +195,23 @@ def cmd_eval(args) -> int:
     from grpo.eval import run_eval_command
 
     run_eval_command(
-        model=args.model, adapter=args.adapter, data=args.data, max_samples=args.max_samples,
-        k=args.k, out=args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-        details=args.details, compare=args.compare, env=args.env, max_turns=args.max_turns,
-        skip_memory_check=args.skip_memory_check, max_prompt_len=args.max_prompt_len,
+        model=args.model,
+        adapter=args.adapter,
+        data=args.data,
+        max_samples=args.max_samples,
+        k=args.k,
+        out=args.out,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        details=args.details,
+        compare=args.compare,
+        env=args.env,
+        max_turns=args.max_turns,
+        skip_memory_check=args.skip_memory_check,
+        max_prompt_len=args.max_prompt_len,
         env_kwargs=_json_object(args.env_kwargs, "--env-kwargs"),
         without_tool=not args.no_without_tool,
-    )  # fmt: skip
+    )
     return 0
 
 
@@ -233,10 +254,11 @@ def build_parser() -> argparse.ArgumentParser:
         "trained on preference pairs is GRPO's only reward",
     )
     p.add_argument(
-        "overrides", nargs="*",
+        "overrides",
+        nargs="*",
         help="pipeline overrides, stage.section.key=value (stage: base, sft, grpo; rm with "
         "--task rlhf), e.g. grpo.rollout.async=on",
-    )  # fmt: skip
+    )
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("plot", help="PNG curves of a run from its metrics.jsonl")
@@ -247,9 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
         "config", help="check a config as `grpo train` does before loading the model; print it"
     )
     _add_config_args(p)
-    p.add_argument("--trainer", default="grpo", choices=("grpo", "sft", "rm"),
-                   help="check it for `grpo train` (grpo, default), `grpo sft` or "
-                        "`grpo rm`")  # fmt: skip
+    p.add_argument(
+        "--trainer",
+        default="grpo",
+        choices=("grpo", "sft", "rm"),
+        help="check it for `grpo train` (grpo, default), `grpo sft` or `grpo rm`",
+    )
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("sft", help="supervised fine-tuning on worked solutions")
@@ -275,27 +300,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", help="a LoRA adapter directory to apply")
     p.add_argument("--data", default="minimath:test", help="NAME[:SPLIT] or a .jsonl/.parquet")
     p.add_argument("--max-samples", type=int, default=None)
-    p.add_argument("--max-prompt-len", type=int, default=DataConfig.max_prompt_len,
-                   help="longest prompt in tokens (longer ones fail, naming the row)")  # fmt: skip
+    p.add_argument(
+        "--max-prompt-len",
+        type=int,
+        default=DataConfig.max_prompt_len,
+        help="longest prompt in tokens (longer ones fail, naming the row)",
+    )
     p.add_argument("--k", type=int, default=1, help="samples per prompt for pass@k")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--out", help="write the results JSON here")
     p.add_argument("--details", action="store_true", help="keep per-sample records in --out")
     p.add_argument(
-        "--compare", nargs="*", default=[], metavar="NAME=MODEL[+ADAPTER]",
+        "--compare",
+        nargs="*",
+        default=[],
+        metavar="NAME=MODEL[+ADAPTER]",
         help="more models to evaluate on the same data, shown side by side",
-    )  # fmt: skip
-    p.add_argument("--env", default=None,
-                   help="multi-turn episodes with this environment (e.g. calculator)")  # fmt: skip
+    )
+    p.add_argument(
+        "--env", default=None, help="multi-turn episodes with this environment (e.g. calculator)"
+    )
     p.add_argument("--max-turns", type=int, default=4, help="model turns per episode (--env)")
-    p.add_argument("--env-kwargs", default=None, metavar="JSON",
-                   help='the environment\'s keyword arguments, e.g. \'{"use_template_tools": '
-                        'true}\'')  # fmt: skip
-    p.add_argument("--no-without-tool", action="store_true",
-                   help="with --env, skip the second pass without the tool")  # fmt: skip
-    p.add_argument("--skip-memory-check", action="store_true",
-                   help="skip the start-up memory estimate (docs/safety.md)")  # fmt: skip
+    p.add_argument(
+        "--env-kwargs",
+        default=None,
+        metavar="JSON",
+        help="the environment's keyword arguments, e.g. '{\"use_template_tools\": true}'",
+    )
+    p.add_argument(
+        "--no-without-tool",
+        action="store_true",
+        help="with --env, skip the second pass without the tool",
+    )
+    p.add_argument(
+        "--skip-memory-check",
+        action="store_true",
+        help="skip the start-up memory estimate (docs/safety.md)",
+    )
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("merge", help="fold a LoRA adapter into its base: an HF checkpoint")
@@ -303,8 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", required=True, help="PEFT-format adapter directory")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: base)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the contents of a non-empty --out")  # fmt: skip
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace the contents of a non-empty --out"
+    )
     p.set_defaults(func=cmd_merge)
 
     from grpo.apps import pipeline, serve, sweep
@@ -320,9 +363,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tiny_model)
 
     for p in sub.choices.values():  # every command, so each torchrun worker gets them too
-        p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
-                       help="import MODULE (package.module, or package.module:function to "
-                       "call) first: the names it registers become valid (repeatable)")  # fmt: skip
+        p.add_argument(
+            "--plugin",
+            action="append",
+            default=[],
+            metavar="MODULE",
+            help="import MODULE (package.module, or package.module:function to "
+            "call) first: the names it registers become valid (repeatable)",
+        )
     return parser
 
 

@@ -103,9 +103,13 @@ class DemoSettings(Settings):
 
     def level(self) -> Level:
         return Level(
-            self.min_steps, self.max_steps, self.start_max, self.add_max, self.factor_max,
+            self.min_steps,
+            self.max_steps,
+            self.start_max,
+            self.add_max,
+            self.factor_max,
             self.value_max,
-        )  # fmt: skip
+        )
 
 
 @dataclass(frozen=True)
@@ -207,8 +211,12 @@ def register_demo_data(s: DemoSettings, solutions: bool = False) -> dict[str, in
         from grpo.data.formats import sft_solution, split_solution
 
         def add(rows: list[dict]) -> Dataset:
-            return Dataset.from_list([{**r, "solution": sft_solution(*split_solution(
-                r["answer"], row=i))} for i, r in enumerate(rows)])  # fmt: skip
+            return Dataset.from_list(
+                [
+                    {**r, "solution": sft_solution(*split_solution(r["answer"], row=i))}
+                    for i, r in enumerate(rows)
+                ]
+            )
 
         splits = DatasetDict({k: add(v.to_list()) for k, v in splits.items()})
     register_dataset(DATASET, splits, overwrite=True)
@@ -238,16 +246,24 @@ def register_tools_data(
         tools = env.tools if env.start(row) is not None else None  # as its episode renders
         for pair in sft_pairs(tokenizer, trace(row, use_tool), tools=tools):  # keep the problem
             pairs.append({"question": row["question"], "answer": row["answer"], **pair})
-    problems = DatasetDict(train=Dataset.from_list(train),
-                           validation=Dataset.from_list(validation),
-                           test=Dataset.from_list(test))  # fmt: skip
+    problems = DatasetDict(
+        train=Dataset.from_list(train),
+        validation=Dataset.from_list(validation),
+        test=Dataset.from_list(test),
+    )
     register_dataset(TOOLS_DATASET, problems, overwrite=True)
-    sft = DatasetDict(train=Dataset.from_list(pairs), validation=problems["validation"],
-                      test=problems["test"])  # fmt: skip
+    sft = DatasetDict(
+        train=Dataset.from_list(pairs), validation=problems["validation"], test=problems["test"]
+    )
     register_dataset(TOOLS_SFT_DATASET, sft, overwrite=True)
-    return {"train": len(train), "validation": len(validation), "test": len(test),
-            "sft_pairs": len(pairs), "test_hard": sum(r["kind"] == "hard" for r in test),
-            "train_hard": sum(r["kind"] == "hard" for r in train)}  # fmt: skip
+    return {
+        "train": len(train),
+        "validation": len(validation),
+        "test": len(test),
+        "sft_pairs": len(pairs),
+        "test_hard": sum(r["kind"] == "hard" for r in test),
+        "train_hard": sum(r["kind"] == "hard" for r in train),
+    }
 
 
 def gsm8k_tools_corpus(data) -> tuple[list[str], dict[str, int]]:
@@ -456,8 +472,9 @@ def run_demo(
     overrides = [*quick_overrides, *overrides]
     check_task(settings, task)
     if settings.task == "rlhf":
-        raise ConfigError("demo.task rlhf runs through grpo.apps.demo_rlhf.run_rlhf "
-                          "(`grpo demo --task rlhf`)")  # fmt: skip
+        raise ConfigError(
+            "demo.task rlhf runs through grpo.apps.demo_rlhf.run_rlhf (`grpo demo --task rlhf`)"
+        )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     _clean(out)
@@ -501,8 +518,9 @@ def run_demo(
         if task == "tools":
             from grpo.tokenizer import load_tokenizer
 
-            sizes = register_tools_data(settings, load_tokenizer(model_dir),
-                                        pcfg.grpo.rollout.env_kwargs)  # fmt: skip
+            sizes = register_tools_data(
+                settings, load_tokenizer(model_dir), pcfg.grpo.rollout.env_kwargs
+            )
         elif task == "math":
             sizes = register_demo_data(settings)
         n_params = sum(p.numel() for p in load_model(model_dir, device="cpu").parameters())

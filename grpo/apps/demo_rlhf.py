@@ -52,13 +52,20 @@ def register_preferences(settings, seed: int) -> dict[str, Any]:
     train = math_preferences(train_problems, seed, n)
     test = math_preferences(test_problems, seed + 1, n)
     keep = ("prompt", "chosen", "rejected")
-    register_dataset(PREFERENCES, DatasetDict(
-        train=_dataset([{k: r[k] for k in keep} for r in train]),
-        test=_dataset([{k: r[k] for k in keep} for r in test]),
-    ), overwrite=True)  # fmt: skip
-    return {"train": len(train), "test": len(test),
-            "kinds": dict(sorted(Counter(r["kind"] for r in train).items())),
-            "test_rows": test}  # fmt: skip
+    register_dataset(
+        PREFERENCES,
+        DatasetDict(
+            train=_dataset([{k: r[k] for k in keep} for r in train]),
+            test=_dataset([{k: r[k] for k in keep} for r in test]),
+        ),
+        overwrite=True,
+    )
+    return {
+        "train": len(train),
+        "test": len(test),
+        "kinds": dict(sorted(Counter(r["kind"] for r in train).items())),
+        "test_rows": test,
+    }
 
 
 def accuracy_by_kind(rm_dir: str, rows: list[dict], max_length: int) -> dict[str, float]:
@@ -96,8 +103,9 @@ def _dataset(rows: list[dict]):
     return Dataset.from_list(rows)
 
 
-def rm_config(base: dict, section: dict, sft_final: str, out: Path, seed: int,
-              overrides: list[str]):  # fmt: skip
+def rm_config(
+    base: dict, section: dict, sft_final: str, out: Path, seed: int, overrides: list[str]
+):
     """The reward model's `grpo rm` config: the pipeline's base, the demo's `rm` section, the
     SFT model as its start and the registered pairs as its data."""
     from grpo.apps.pipeline import _deep_merge
@@ -105,15 +113,24 @@ def rm_config(base: dict, section: dict, sft_final: str, out: Path, seed: int,
 
     data = _deep_merge(base, section)
     data["model"] = {**(data.get("model") or {}), "path": sft_final, "tokenizer": sft_final}
-    data["data"] = {**(data.get("data") or {}), "dataset": PREFERENCES, "split": "train",
-                    "eval_split": "test"}  # fmt: skip
+    data["data"] = {
+        **(data.get("data") or {}),
+        "dataset": PREFERENCES,
+        "split": "train",
+        "eval_split": "test",
+    }
     data["train"] = {**(data.get("train") or {}), "seed": seed, "output_dir": str(out)}
     return load_config(base=data, overrides=overrides)
 
 
-def run_rlhf(out: str | Path = "runs/rlhf", quick: bool = False, seed: int = 0,
-             config: str | Path | None = None, task: str | None = "rlhf",
-             overrides: list[str] | tuple[str, ...] = ()) -> dict:  # fmt: skip
+def run_rlhf(
+    out: str | Path = "runs/rlhf",
+    quick: bool = False,
+    seed: int = 0,
+    config: str | Path | None = None,
+    task: str | None = "rlhf",
+    overrides: list[str] | tuple[str, ...] = (),
+) -> dict:
     """`grpo demo --task rlhf`: the arguments of `grpo.apps.demo.run_demo`; returns what it
     writes to out/results.json."""
     import torch
@@ -137,14 +154,28 @@ def run_rlhf(out: str | Path = "runs/rlhf", quick: bool = False, seed: int = 0,
     threads_before = torch.get_num_threads()
     torch.set_num_threads(max(1, min(settings.threads, os.cpu_count() or 1)))
     try:
-        return run_rlhf_demo(out, settings, pipeline, _demo_file(path).rm,
-                             [*quick_overrides, *overrides], seed, quick)  # fmt: skip
+        return run_rlhf_demo(
+            out,
+            settings,
+            pipeline,
+            _demo_file(path).rm,
+            [*quick_overrides, *overrides],
+            seed,
+            quick,
+        )
     finally:
         torch.set_num_threads(threads_before)
 
 
-def run_rlhf_demo(out: Path, settings, pipeline: dict, rm_section: dict, overrides: list[str],
-                  seed: int, quick: bool) -> dict:  # fmt: skip
+def run_rlhf_demo(
+    out: Path,
+    settings,
+    pipeline: dict,
+    rm_section: dict,
+    overrides: list[str],
+    seed: int,
+    quick: bool,
+) -> dict:
     """Run the demo (module docstring) into `out`; returns what it writes to results.json."""
     import torch
 
@@ -172,12 +203,19 @@ def run_rlhf_demo(out: Path, settings, pipeline: dict, rm_section: dict, overrid
         if spec.get("name") == "reward_model":
             spec.setdefault("kwargs", {})["path"] = str(rm_final)
     pcfg = load_pipeline_config(_pipeline_file(out, pipeline, model_dir, seed, "math"), pipe_over)
-    make_tiny_model(model_dir, size=settings.model_size, vocab_size=settings.vocab_size,
-                    seed=seed, max_position_embeddings=settings.context)  # fmt: skip
+    make_tiny_model(
+        model_dir,
+        size=settings.model_size,
+        vocab_size=settings.vocab_size,
+        seed=seed,
+        max_position_embeddings=settings.context,
+    )
     sizes = register_demo_data(settings, solutions=True)
     n_params = sum(p.numel() for p in load_model(model_dir, device="cpu").parameters())
-    print(f"model: {settings.model_size} ({n_params / 1e6:.2f}M parameters); problems: {sizes}",
-          flush=True)  # fmt: skip
+    print(
+        f"model: {settings.model_size} ({n_params / 1e6:.2f}M parameters); problems: {sizes}",
+        flush=True,
+    )
     times["setup"] = time.perf_counter() - t_start
 
     _say(2, "SFT on worked solutions")
@@ -198,9 +236,12 @@ def run_rlhf_demo(out: Path, settings, pipeline: dict, rm_section: dict, overrid
     times["rm_train"] = time.perf_counter() - t_rm
     rm_eval = {k.removeprefix("eval/"): v for k, v in rm.items() if k.startswith("eval/")}
     by_kind = accuracy_by_kind(rm["final"], test_rows, rcfg.rm.max_length)
-    print(f"reward model: held-out pair accuracy {rm_eval.get('accuracy', float('nan')):.3f} "
-          f"on {rm_eval.get('pairs', 0)} pairs; by error kind on all {len(test_rows)}: "
-          f"{by_kind}", flush=True)  # fmt: skip
+    print(
+        f"reward model: held-out pair accuracy {rm_eval.get('accuracy', float('nan')):.3f} "
+        f"on {rm_eval.get('pairs', 0)} pairs; by error kind on all {len(test_rows)}: "
+        f"{by_kind}",
+        flush=True,
+    )
     times["rm"] = time.perf_counter() - t
 
     grpo_cfg = grpo_config_from_sft(pcfg.grpo, sft_cfg, sft["final"])
@@ -227,8 +268,9 @@ def run_rlhf_demo(out: Path, settings, pipeline: dict, rm_section: dict, overrid
     times["total"] = time.perf_counter() - t_start
     times["cpu"] = time.process_time() - cpu_start
 
-    metrics = _combined_metrics(out, sft["step"], grpo["step"], {"sft": sft_eval,
-                                                                 "grpo": grpo_eval})  # fmt: skip
+    metrics = _combined_metrics(
+        out, sft["step"], grpo["step"], {"sft": sft_eval, "grpo": grpo_eval}
+    )
     curves = plot_run(out)
     from grpo.apps.demo import _examples
 
@@ -239,22 +281,40 @@ def run_rlhf_demo(out: Path, settings, pipeline: dict, rm_section: dict, overrid
         "settings": dataclasses.asdict(settings),
         "problems": sizes,
         "preference_pairs": pairs,
-        "reward_model": {"eval": rm_eval, "steps": rm["step"], "accuracy_by_kind": by_kind,
-                         "train_accuracy_last": rm.get("train/accuracy")},  # fmt: skip
-        "eval": {"split": grpo_cfg.data.eval_split, "n": sft_eval["n"], "k": grpo_cfg.eval.k,
-                 "decoding": "greedy for accuracy and the reward model's score"},  # fmt: skip
+        "reward_model": {
+            "eval": rm_eval,
+            "steps": rm["step"],
+            "accuracy_by_kind": by_kind,
+            "train_accuracy_last": rm.get("train/accuracy"),
+        },
+        "eval": {
+            "split": grpo_cfg.data.eval_split,
+            "n": sft_eval["n"],
+            "k": grpo_cfg.eval.k,
+            "decoding": "greedy for accuracy and the reward model's score",
+        },
         "sft": {"eval": sft_eval, "rm_score": sft_eval["average_reward"]},
-        "grpo": {"eval": grpo_eval, "rm_score": grpo_eval["average_reward"],
-                 "steps": grpo["step"], "reward_last": grpo.get("rollout/reward_mean"),
-                 "kl_last": grpo.get("train/kl")},  # fmt: skip
+        "grpo": {
+            "eval": grpo_eval,
+            "rm_score": grpo_eval["average_reward"],
+            "steps": grpo["step"],
+            "reward_last": grpo.get("rollout/reward_mean"),
+            "kl_last": grpo.get("train/kl"),
+        },
         "accuracy_gain": grpo_eval["accuracy"] - sft_eval["accuracy"],
         "rm_score_gain": grpo_eval["average_reward"] - sft_eval["average_reward"],
         "examples": _examples(sft_samples, grpo_samples),
         "time_s": {k: round(v, 2) for k, v in times.items()},
         "threads": torch.get_num_threads(),
-        "paths": {"model": str(model_dir), "sft": sft["final"], "rm": rm["final"],
-                  "grpo": grpo["final"], "metrics": str(metrics), "curves": str(curves)},
-    }  # fmt: skip
+        "paths": {
+            "model": str(model_dir),
+            "sft": sft["final"],
+            "rm": rm["final"],
+            "grpo": grpo["final"],
+            "metrics": str(metrics),
+            "curves": str(curves),
+        },
+    }
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     print("\n" + summary_table(results))
     print(f"results.json, metrics.jsonl and curves.png are in {out}", flush=True)
@@ -266,18 +326,25 @@ def summary_table(results: dict) -> str:
     from grpo.apps.demo import _fmt_s
 
     rm = results["reward_model"]["eval"]
-    lines = ["| model | true greedy accuracy | reward-model score | format | length | train time |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| model | true greedy accuracy | reward-model score | format | length | train time |",
+        "|---|---|---|---|---|---|",
+    ]
     for name in ("sft", "grpo"):
         e = results[name]["eval"]
-        lines.append(f"| {name.upper()} | {e['accuracy']:.3f} | {results[name]['rm_score']:+.3f} "
-                     f"| {e['format_rate']:.3f} | {e['avg_length']:.1f} | "
-                     f"{_fmt_s(results['time_s'][name])} |")  # fmt: skip
-    lines += ["", f"reward model: held-out pair accuracy {rm.get('accuracy', float('nan')):.3f} "
-              f"({rm.get('pairs', 0)} pairs), trained in "
-              f"{_fmt_s(results['time_s']['rm_train'])}",
-              f"GRPO - SFT: {100 * results['accuracy_gain']:+.1f} points of true accuracy, "
-              f"{results['rm_score_gain']:+.3f} reward-model score on {results['eval']['n']} "
-              f"held-out problems; total {_fmt_s(results['time_s']['total'])} on "
-              f"{os.cpu_count()} core(s)"]  # fmt: skip
+        lines.append(
+            f"| {name.upper()} | {e['accuracy']:.3f} | {results[name]['rm_score']:+.3f} "
+            f"| {e['format_rate']:.3f} | {e['avg_length']:.1f} | "
+            f"{_fmt_s(results['time_s'][name])} |"
+        )
+    lines += [
+        "",
+        f"reward model: held-out pair accuracy {rm.get('accuracy', float('nan')):.3f} "
+        f"({rm.get('pairs', 0)} pairs), trained in "
+        f"{_fmt_s(results['time_s']['rm_train'])}",
+        f"GRPO - SFT: {100 * results['accuracy_gain']:+.1f} points of true accuracy, "
+        f"{results['rm_score_gain']:+.3f} reward-model score on {results['eval']['n']} "
+        f"held-out problems; total {_fmt_s(results['time_s']['total'])} on "
+        f"{os.cpu_count()} core(s)",
+    ]
     return "\n".join(lines)

@@ -346,8 +346,13 @@ def _sigterm_stops_stages() -> Iterator[dict]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _run_stages(pcfg: PipelineConfig, overwrite: bool, details: bool,
-                on_stage: Callable[[str], None] | None, signals: dict) -> dict:  # fmt: skip
+def _run_stages(
+    pcfg: PipelineConfig,
+    overwrite: bool,
+    details: bool,
+    on_stage: Callable[[str], None] | None,
+    signals: dict,
+) -> dict:
     """`run_pipeline`'s stages; `signals` from `_sigterm_stops_stages`."""
     from grpo.run.preflight import check_prompt_room
     from grpo.run.rundir import TrainingInterrupted
@@ -529,6 +534,9 @@ def add_parser(subparsers) -> None:
         nargs="*",
         help="output_dir=DIR, sft.optim.lr=1e-4, grpo.loss.beta=0.0, model.path=X (both stages)",
     )
-    p.add_argument("--overwrite", action="store_true",
-                   help="rerun the training stages over an earlier pipeline's runs")  # fmt: skip
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="rerun the training stages over an earlier pipeline's runs",
+    )
     p.set_defaults(func=cmd_pipeline)

@@ -31,7 +31,7 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
             ("rewards/format", "format"),
             ("rewards/reward_model", "reward model"),
         ],
-    ),  # fmt: skip
+    ),
     (
         "Accuracy",
         "fraction correct",

@@ -70,8 +70,10 @@ def api_key(flag: str | None, environ: Mapping[str, str] = os.environ) -> str | 
     if not key:
         raise GrpoError(f"{source} is set but empty; unset it to serve without a key")
     if not (key.isascii() and key.isprintable()) or any(c.isspace() for c in key):
-        raise GrpoError(f"{source}: the API key must be printable ASCII without white space "
-                        "(clients send it in the Authorization header)")  # fmt: skip
+        raise GrpoError(
+            f"{source}: the API key must be printable ASCII without white space "
+            "(clients send it in the Authorization header)"
+        )
     return key
 
 
@@ -107,9 +109,13 @@ def _uvicorn_server(config, engine: Engine, shutdown_timeout: float):
                 self.force_exit = True
                 engine.abort()
             else:
-                log.info("%s: finishing %d running and %d queued requests (up to %gs), then "
-                         "exiting", signal.Signals(sig).name, len(engine.running), engine.queued,
-                         shutdown_timeout)  # fmt: skip
+                log.info(
+                    "%s: finishing %d running and %d queued requests (up to %gs), then exiting",
+                    signal.Signals(sig).name,
+                    len(engine.running),
+                    engine.queued,
+                    shutdown_timeout,
+                )
             self.should_exit = True
 
         async def shutdown(self, sockets=None):
@@ -156,8 +162,9 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def load_engine(model: str, adapter: str | None = None, dtype: str = "float32",
-                device: str = "auto", **kw):  # fmt: skip
+def load_engine(
+    model: str, adapter: str | None = None, dtype: str = "float32", device: str = "auto", **kw
+):
     """(Engine, tokenizer) over a checkpoint (or a run / adapter directory) plus an adapter."""
     from grpo.loading import TrainedModel, load_trained_model, resolve_trained
 
@@ -171,12 +178,13 @@ def load_engine(model: str, adapter: str | None = None, dtype: str = "float32",
 def cmd_serve(args) -> int:
     """`grpo serve`: load the model, then answer requests until SIGINT / SIGTERM."""
     for flag, value, lo in (
-        ("--max-queue", args.max_queue, 0), ("--max-batch-rows", args.max_batch_rows, 1),
+        ("--max-queue", args.max_queue, 0),
+        ("--max-batch-rows", args.max_batch_rows, 1),
         ("--max-tokens-limit", args.max_tokens_limit, 1),
         ("--max-request-bytes", args.max_request_bytes, 1),
         ("--batch-window-ms", args.batch_window_ms, 0),
         ("--shutdown-timeout", args.shutdown_timeout, 0),
-    ):  # fmt: skip
+    ):
         check_value(flag, value, between(lo))  # (nan fails too)
     check_value("--port", args.port, between(0, 65535))
     key = api_key(args.api_key)
@@ -184,39 +192,63 @@ def cmd_serve(args) -> int:
         import fastapi  # noqa: F401
         import uvicorn
     except ImportError as e:
-        raise GrpoError(f"grpo serve needs fastapi and uvicorn ({e}); "
-                        "pip install 'grpo[serve]'") from None  # fmt: skip
+        raise GrpoError(
+            f"grpo serve needs fastapi and uvicorn ({e}); pip install 'grpo[serve]'"
+        ) from None
     thinking = {"true": True, "false": False, None: None}[args.enable_thinking]
     sock = _listen(args.host, args.port)
     try:
         engine, tok = load_engine(
-            args.model, args.adapter, dtype=args.dtype, device=args.device,
-            max_queue=args.max_queue, max_batch_rows=args.max_batch_rows,
-            batch_window_ms=args.batch_window_ms, seed=args.seed,
-        )  # fmt: skip
+            args.model,
+            args.adapter,
+            dtype=args.dtype,
+            device=args.device,
+            max_queue=args.max_queue,
+            max_batch_rows=args.max_batch_rows,
+            batch_window_ms=args.batch_window_ms,
+            seed=args.seed,
+        )
     except BaseException:
         sock.close()
         raise
-    name = args.served_model_name or (args.model if not args.adapter
-                                       else f"{args.model}+{args.adapter}")  # fmt: skip
-    service = Service(engine, tok, name, args.max_tokens_limit, args.system_prompt, thinking,
-                      args.max_request_bytes, args.strict_requests)  # fmt: skip
+    name = args.served_model_name or (
+        args.model if not args.adapter else f"{args.model}+{args.adapter}"
+    )
+    service = Service(
+        engine,
+        tok,
+        name,
+        args.max_tokens_limit,
+        args.system_prompt,
+        thinking,
+        args.max_request_bytes,
+        args.strict_requests,
+    )
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     holder: dict = {}
 
     def on_startup():
         auth = "; an API key on all but /health" if key is not None else ""
-        print(f"serving {name} on {url} (POST /v1/chat/completions, /v1/completions, "
-              f"/generate; GET /v1/models, /health){auth}", flush=True)  # fmt: skip
+        print(
+            f"serving {name} on {url} (POST /v1/chat/completions, /v1/completions, "
+            f"/generate; GET /v1/models, /health){auth}",
+            flush=True,
+        )
         if args.on_ready is not None:  # tests and embedders get the handle (to shut down)
             args.on_ready(holder["running"])
 
     from grpo.apps.serving.app import build_app
 
     app = build_app(service, on_startup, api_key=key)
-    config = uvicorn.Config(app, lifespan="on", log_config=None, log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=None)  # fmt: skip
+    config = uvicorn.Config(
+        app,
+        lifespan="on",
+        log_config=None,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=None,
+    )
     server = _uvicorn_server(config, engine, args.shutdown_timeout)
     holder["running"] = Running(url, service, server)
     engine.start()

@@ -132,8 +132,10 @@ def grid_trials(space: Space, limit: int | None = None) -> list[dict]:
             raise GrpoError(f"space {key}: --method grid needs a list of values, not a range")
     size = math.prod(len(v) for v in space.values())
     if (limit or size) > MAX_TRIALS:
-        raise GrpoError(f"the grid has {size} combinations; at most {MAX_TRIALS} trials run in "
-                        "one sweep (pass --trials N to run the first N)")  # fmt: skip
+        raise GrpoError(
+            f"the grid has {size} combinations; at most {MAX_TRIALS} trials run in "
+            "one sweep (pass --trials N to run the first N)"
+        )
     keys = list(space)
     combos = itertools.islice(itertools.product(*space.values()), limit)
     return [dict(zip(keys, combo)) for combo in combos]
@@ -277,10 +279,13 @@ def sweep_table(records: list[dict], keys: list[str], metric: str, mode: str) ->
     for rank, r in enumerate(ordered, start=1):
         value = r.get("metric")
         cells = [
-            str(rank), r["name"], *(_fmt(r["params"].get(k)) for k in keys),
-            _fmt(value) if value is not None else "-", r.get("status", "?"),
+            str(rank),
+            r["name"],
+            *(_fmt(r["params"].get(k)) for k in keys),
+            _fmt(value) if value is not None else "-",
+            r.get("status", "?"),
             f"{r.get('seconds', 0):.1f}",
-        ]  # fmt: skip
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -376,9 +381,14 @@ def run_sweep(
     records: list[dict] = []
 
     def save() -> None:
-        summary = {"config": config, "method": method, "metric": metric, "mode": mode,
-                   "space": {k: v if isinstance(v, list) else vars(v) for k, v in space.items()},
-                   "trials": records}  # fmt: skip
+        summary = {
+            "config": config,
+            "method": method,
+            "metric": metric,
+            "mode": mode,
+            "space": {k: v if isinstance(v, list) else vars(v) for k, v in space.items()},
+            "trials": records,
+        }
         write_json(out / "sweep_results.json", summary)
         write_text(out / "sweep_table.md", sweep_table(records, keys, metric, mode) + "\n")
 
@@ -421,9 +431,12 @@ def _distributions(optuna, space: Space) -> dict:
 def _open_study(optuna, setup: SweepSetup, dists: dict, seed: int, opts: dict):
     """Create, or load and check, the study in OUT/optuna.db (sqlite: a killed sweep's
     finished trials, intermediate values and pending retries survive)."""
-    fingerprint = {"metric": setup.metric, "mode": setup.mode, "seed": seed,
-                   "space": {k: optuna.distributions.distribution_to_json(d)
-                             for k, d in dists.items()}}  # fmt: skip
+    fingerprint = {
+        "metric": setup.metric,
+        "mode": setup.mode,
+        "seed": seed,
+        "space": {k: optuna.distributions.distribution_to_json(d) for k, d in dists.items()},
+    }
     storage = f"sqlite:///{(setup.out_dir / STUDY_DB).resolve()}"
     exists = (setup.out_dir / STUDY_DB).is_file()
     if opts["pruner"] == "median":
@@ -432,9 +445,12 @@ def _open_study(optuna, setup: SweepSetup, dists: dict, seed: int, opts: dict):
         pruner = optuna.pruners.NopPruner()
     try:
         study = optuna.create_study(
-            storage=storage, study_name=STUDY_NAME, load_if_exists=True, pruner=pruner,
+            storage=storage,
+            study_name=STUDY_NAME,
+            load_if_exists=True,
+            pruner=pruner,
             direction="maximize" if setup.mode == "max" else "minimize",
-        )  # fmt: skip
+        )
     except Exception as e:  # not sqlite, or not optuna's schema
         raise GrpoError(f"{setup.out_dir / STUDY_DB}: cannot be opened as a study: {e}") from None
     # A resumed study seeds its sampler past the draws it has made, so it does not repeat them.
@@ -449,8 +465,9 @@ def _open_study(optuna, setup: SweepSetup, dists: dict, seed: int, opts: dict):
     return study
 
 
-def _run_optuna(setup: SweepSetup, space: Space, n: int, seed: int, records: list, save,
-                opts: dict) -> None:  # fmt: skip
+def _run_optuna(
+    setup: SweepSetup, space: Space, n: int, seed: int, records: list, save, opts: dict
+) -> None:
     """TPE over the space with optuna's ask/tell API, the study stored in OUT/optuna.db, the
     trainer reporting `setup.metric` at every step so that the pruner can stop a bad trial.
 
@@ -529,11 +546,22 @@ def cmd_sweep(args) -> int:
     space = load_space(args.space)
     out = args.out or f"runs/sweep-{Path(args.config).stem}"
     records = run_sweep(
-        args.config, space, method=args.method, trials=args.trials, metric=args.metric,
-        mode=mode, out_dir=out, overrides=args.overrides, trainer=args.trainer, seed=args.seed,
-        resume=args.resume, pruner=args.pruner, prune_startup=args.prune_startup,
-        prune_warmup=args.prune_warmup, plugins=getattr(args, "plugin", ()),
-    )  # fmt: skip
+        args.config,
+        space,
+        method=args.method,
+        trials=args.trials,
+        metric=args.metric,
+        mode=mode,
+        out_dir=out,
+        overrides=args.overrides,
+        trainer=args.trainer,
+        seed=args.seed,
+        resume=args.resume,
+        pruner=args.pruner,
+        prune_startup=args.prune_startup,
+        prune_warmup=args.prune_warmup,
+        plugins=getattr(args, "plugin", ()),
+    )
     print(sweep_table(records, list(space), args.metric, mode))
     best = sorted(records, key=lambda r: _sort_key(r, mode))[0]
     print(f"best: {best['name']} ({args.metric} = {_fmt(best.get('metric'))}): {best['params']}")
@@ -548,20 +576,42 @@ def add_parser(subparsers) -> None:
     p.add_argument("--space", required=True, help="YAML: dotted key -> [values] or {low, high}")
     p.add_argument("--method", default="grid", choices=METHODS)
     p.add_argument("--trials", type=int, default=None, help="trials (random/optuna default 10)")
-    p.add_argument("--metric", default="eval/accuracy",
-                   help="metric to sort by (optuna: to optimize and prune on)")  # fmt: skip
-    p.add_argument("--mode", choices=("max", "min"), default=None,
-                   help="best end of the metric (default: min for losses, else max)")  # fmt: skip
+    p.add_argument(
+        "--metric",
+        default="eval/accuracy",
+        help="metric to sort by (optuna: to optimize and prune on)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=("max", "min"),
+        default=None,
+        help="best end of the metric (default: min for losses, else max)",
+    )
     p.add_argument("--out", default=None, help="sweep directory (default runs/sweep-CONFIG)")
     p.add_argument("--trainer", default="grpo", choices=("grpo", "sft"))
     p.add_argument("--seed", type=int, default=0, help="seed of random / optuna sampling")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the sweep in --out (finished trials are kept)")  # fmt: skip
-    p.add_argument("--pruner", default="median", choices=PRUNERS,
-                   help="optuna: stop a trial whose metric trails the median")  # fmt: skip
-    p.add_argument("--prune-startup", type=int, default=3,
-                   help="optuna: trials that finish before any is pruned (default 3)")  # fmt: skip
-    p.add_argument("--prune-warmup", type=int, default=0,
-                   help="optuna: steps of a trial before it may be pruned (default 0)")  # fmt: skip
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the sweep in --out (finished trials are kept)",
+    )
+    p.add_argument(
+        "--pruner",
+        default="median",
+        choices=PRUNERS,
+        help="optuna: stop a trial whose metric trails the median",
+    )
+    p.add_argument(
+        "--prune-startup",
+        type=int,
+        default=3,
+        help="optuna: trials that finish before any is pruned (default 3)",
+    )
+    p.add_argument(
+        "--prune-warmup",
+        type=int,
+        default=0,
+        help="optuna: steps of a trial before it may be pruned (default 0)",
+    )
     p.add_argument("overrides", nargs="*", help="dotted overrides for every trial")
     p.set_defaults(func=cmd_sweep)

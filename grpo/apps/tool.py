@@ -259,9 +259,11 @@ class FormatArgs(Params):
 
 
 REWARD_ARGS: dict[str, type[Params]] = {
-    "accuracy": AccuracyArgs, "length_penalty": LengthPenaltyArgs, "step": StepArgs,
+    "accuracy": AccuracyArgs,
+    "length_penalty": LengthPenaltyArgs,
+    "step": StepArgs,
     "format": FormatArgs,
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -287,10 +289,15 @@ def _reward_arg_fields() -> list[tuple]:
 
 CreateReward = dataclasses.make_dataclass(
     "CreateReward",
-    [("reward_type", str, param(MISSING, non_empty)), ("reward_config", dict, param(factory=dict)),
-     *_reward_arg_fields()],
-    bases=(Params,), frozen=True, kw_only=True,
-)  # fmt: skip
+    [
+        ("reward_type", str, param(MISSING, non_empty)),
+        ("reward_config", dict, param(factory=dict)),
+        *_reward_arg_fields(),
+    ],
+    bases=(Params,),
+    frozen=True,
+    kw_only=True,
+)
 
 
 def values_of(p: Params) -> dict:
@@ -509,8 +516,11 @@ class RLTrainingTool:
                 "checkpoint with `grpo merge` first",
             )
         d = {"model": {}, "data": {}, "train": {}, **config_sections(p)}
-        d["model"].update(path=model.path, tokenizer=model.tokenizer,
-                          adapter=model.adapters[0] if model.adapters else None)  # fmt: skip
+        d["model"].update(
+            path=model.path,
+            tokenizer=model.tokenizer,
+            adapter=model.adapters[0] if model.adapters else None,
+        )
         d["data"]["dataset"] = dataset
         return d
 
@@ -543,9 +553,11 @@ class RLTrainingTool:
         )
         d.setdefault("optim", {})["lr"] = p.learning_rate or (2e-5 if sft else 1e-5)
         d["train"].update(
-            batch_size=rows * gas, micro_batch_size=rows, max_steps=p.max_steps or 1,
+            batch_size=rows * gas,
+            micro_batch_size=rows,
+            max_steps=p.max_steps or 1,
             epochs=None if (p.max_steps or not sft) else float(p.num_epochs),
-        )  # fmt: skip
+        )
         if not sft:
             d["rewards"] = self._rewards(p, dataset)
         try:
@@ -565,11 +577,17 @@ class RLTrainingTool:
             summary = train_grpo(cfg, resume=p.resume)
         metrics = {k: v for k, v in summary.items() if k not in ("output_dir", "final")}
         result = {
-            "algorithm": p.algorithm, "model_name": p.model_name,
-            "output_dir": summary["output_dir"], "model_path": summary["final"],
-            "config": str(out_dir / "config.yaml"), "dataset": dataset, "num_samples": n_rows,
-            "num_epochs": p.num_epochs, "steps": summary["step"], "use_lora": p.use_lora,
-        }  # fmt: skip
+            "algorithm": p.algorithm,
+            "model_name": p.model_name,
+            "output_dir": summary["output_dir"],
+            "model_path": summary["final"],
+            "config": str(out_dir / "config.yaml"),
+            "dataset": dataset,
+            "num_samples": n_rows,
+            "num_epochs": p.num_epochs,
+            "steps": summary["step"],
+            "use_lora": p.use_lora,
+        }
         if sft:
             result["final_loss"] = summary.get("train/loss")
         else:
@@ -591,11 +609,14 @@ class RLTrainingTool:
         rows = load_rows(data, p.split, p.max_samples, p.format, tok)
         keys = [k for k in rows[0] if k != "prompt_ids"]
         return {
-            "dataset": dataset, "format": p.format, "split": p.split,
-            "dataset_size": len(rows), "sample_keys": keys,
+            "dataset": dataset,
+            "format": p.format,
+            "split": p.split,
+            "dataset_size": len(rows),
+            "sample_keys": keys,
             "sample": {k: rows[0][k] for k in keys},
             "max_prompt_tokens": max(len(r["prompt_ids"]) for r in rows),
-        }  # fmt: skip
+        }
 
     def _create_reward(self, p) -> dict:
         from grpo.rewards import build_rewards, compute_rewards
@@ -644,12 +665,17 @@ class RLTrainingTool:
         s = evaluate_config(cfg, spec, details=True)
         samples = s.pop("samples")
         result = {
-            "model_path": p.model_path, "base_model": spec.path,
-            "adapters": list(spec.adapters), "dataset": dataset, "split": p.split,
-            "num_samples": s["n"], "accuracy": s.get("accuracy", 0.0),
-            "average_reward": s["average_reward"], "k": p.k,
+            "model_path": p.model_path,
+            "base_model": spec.path,
+            "adapters": list(spec.adapters),
+            "dataset": dataset,
+            "split": p.split,
+            "num_samples": s["n"],
+            "accuracy": s.get("accuracy", 0.0),
+            "average_reward": s["average_reward"],
+            "k": p.k,
             "device": resolve_device(cfg.model.device).type,
-        }  # fmt: skip
+        }
         k = p.k
         for m in p.metrics:
             if m == "accuracy_at_k":

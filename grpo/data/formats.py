@@ -36,8 +36,14 @@ from grpo.tokenizer import render_prompt
 FORMAT_TYPES = ("sft", "rl")
 # what the trainer hands reward functions besides the dataset's own columns
 # (grpo.train.rollouts.score_rollout): a dataset column may not take these names
-RESERVED_COLUMNS = ("completions", "completion_lengths", "completion_ids", "prompt_ids",
-                    "num_turns", "env_info")  # fmt: skip
+RESERVED_COLUMNS = (
+    "completions",
+    "completion_lengths",
+    "completion_ids",
+    "prompt_ids",
+    "num_turns",
+    "env_info",
+)
 SOURCE_DATASETS = ("gsm8k", "gsm8k-tools-sft")  # names that read GSM8K from data.source
 MATH_SYSTEM_PROMPT = (
     "Solve the math problem step by step. Write each step on its own line as 'Step k: ...' "

@@ -138,14 +138,21 @@ def _split_files(directory: Path, split: str) -> list[Path]:
     """The files of `split` in `directory` (or its ``main/`` / ``data/`` subfolder): one file,
     or the shards of one parquet split. Files of several kinds for one split (e.g. a .jsonl
     next to parquet shards) are refused, naming them, rather than one picked silently."""
-    patterns = (f"{split}.jsonl", f"{split}.json", f"{split}.csv", f"{split}.parquet",
-                f"{split}-*.parquet")  # fmt: skip
+    patterns = (
+        f"{split}.jsonl",
+        f"{split}.json",
+        f"{split}.csv",
+        f"{split}.parquet",
+        f"{split}-*.parquet",
+    )
     for folder in (directory, directory / "main", directory / "data"):
         kinds = [found for p in patterns if (found := sorted(folder.glob(p)))]
         if len(kinds) > 1:
             names = ", ".join(f.name for kind in kinds for f in kind)
-            raise GrpoError(f"{folder}: several files for split {split!r} ({names}); keep one, "
-                            "or point data.source at the file to use")  # fmt: skip
+            raise GrpoError(
+                f"{folder}: several files for split {split!r} ({names}); keep one, "
+                "or point data.source at the file to use"
+            )
         if kinds:
             return kinds[0]
     raise GrpoError(
@@ -212,8 +219,10 @@ def rows_dataset(rows: list[dict], source: str) -> Dataset:
     try:
         return Dataset.from_list(rows)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
-        raise GrpoError(f"{source}: {_mixed_column(rows) or f'rows Arrow cannot read ({e})'}; "
-                        "give every row the same type in each column") from None  # fmt: skip
+        raise GrpoError(
+            f"{source}: {_mixed_column(rows) or f'rows Arrow cannot read ({e})'}; "
+            "give every row the same type in each column"
+        ) from None
 
 
 def _mixed_column(rows: list[dict]) -> str | None:
@@ -261,9 +270,11 @@ def _load_hub(source: str, split: str) -> Dataset:
 
     offline = hub_unreachable()
     if offline and source in HUB_CONFIGS:  # the library would retry for half a minute
-        raise GrpoError(f"dataset {source!r} is on the hub, which cannot be reached ({offline}); "
-                        "pass a local copy as data.source (a .jsonl/.parquet file or "
-                        "directory)")  # fmt: skip
+        raise GrpoError(
+            f"dataset {source!r} is on the hub, which cannot be reached ({offline}); "
+            "pass a local copy as data.source (a .jsonl/.parquet file or "
+            "directory)"
+        )
     if offline:
         raise GrpoError(
             f"dataset {source!r} is not a local file or directory, and the hub cannot be "

@@ -128,8 +128,10 @@ def _read_file(path: Path) -> list[dict]:
     elif suffix in (".jsonl", ".json"):
         rows = _read_json(path)
     else:
-        raise GrpoError(f"{path}: unsupported file type {suffix!r} for preference data "
-                        "(expected .jsonl, .json, .parquet)")  # fmt: skip
+        raise GrpoError(
+            f"{path}: unsupported file type {suffix!r} for preference data "
+            "(expected .jsonl, .json, .parquet)"
+        )
     if not rows:
         raise GrpoError(f"{path}: no rows")
     return rows
@@ -181,16 +183,17 @@ def encode_prompt_completion(
     """
     if isinstance(prompt, str):
         if not isinstance(completion, str):
-            raise GrpoError(f"a string prompt takes a string completion, got a "
-                            f"{_kind(completion)}")  # fmt: skip
+            raise GrpoError(f"a string prompt takes a string completion, got a {_kind(completion)}")
         return plain_ids(tokenizer, prompt), plain_ids(tokenizer, completion)
     if not isinstance(prompt, list):
         raise GrpoError(f"prompt must be a string or a message list, got a {_kind(prompt)}")
     if isinstance(completion, str):
         completion = [{"role": "assistant", "content": completion}]
     elif not isinstance(completion, list):
-        raise GrpoError(f"a message-list prompt takes a message list or string completion, "
-                        f"got a {_kind(completion)}")  # fmt: skip
+        raise GrpoError(
+            f"a message-list prompt takes a message list or string completion, "
+            f"got a {_kind(completion)}"
+        )
     full = encode_chat(tokenizer, [*prompt, *completion], add_generation_prompt=False)
     head = encode_chat(tokenizer, prompt, add_generation_prompt=True)
     k = _common_prefix(full, head)
@@ -235,8 +238,10 @@ def preference_pairs(
         # the cut may differ by a token between the sides: share the common part
         k = _common_prefix(prompt_c, prompt_r)
         prompt_ids, chosen_ids, rejected_ids = (
-            prompt_c[:k], prompt_c[k:] + chosen_ids, prompt_r[k:] + rejected_ids,
-        )  # fmt: skip
+            prompt_c[:k],
+            prompt_c[k:] + chosen_ids,
+            prompt_r[k:] + rejected_ids,
+        )
         for side, ids in (("chosen", chosen_ids), ("rejected", rejected_ids)):
             if not ids:
                 raise GrpoError(f"{where}: {side} has no completion tokens")
@@ -259,31 +264,38 @@ def _extract(row: Any, where: str) -> tuple[str | list[dict], Any, Any]:
     missing = [c for c in ("chosen", "rejected") if row.get(c) is None]
     if missing:
         have = ", ".join(sorted(row)) or "none"
-        raise GrpoError(f"{where}: no {' or '.join(map(repr, missing))} column (columns: {have}); "
-                        "expected prompt + chosen + rejected, or chosen + rejected")  # fmt: skip
+        raise GrpoError(
+            f"{where}: no {' or '.join(map(repr, missing))} column (columns: {have}); "
+            "expected prompt + chosen + rejected, or chosen + rejected"
+        )
     chosen, rejected = row["chosen"], row["rejected"]
     if row.get("prompt") is not None:
         prompt = row["prompt"]
         if isinstance(prompt, str):
             for side, value in (("chosen", chosen), ("rejected", rejected)):
                 if isinstance(value, list):
-                    raise GrpoError(f"{where}: prompt is a string but {side} is a message "
-                                    "list; use strings for all three, or messages")  # fmt: skip
+                    raise GrpoError(
+                        f"{where}: prompt is a string but {side} is a message "
+                        "list; use strings for all three, or messages"
+                    )
                 _check_text(value, where, side)
         elif isinstance(prompt, list):
             prompt = _messages(prompt, where, "prompt")
             chosen = _completion(chosen, where, "chosen")
             rejected = _completion(rejected, where, "rejected")
         else:
-            raise GrpoError(f"{where}: prompt must be a string or a message list, got a "
-                            f"{_kind(prompt)}")  # fmt: skip
+            raise GrpoError(
+                f"{where}: prompt must be a string or a message list, got a {_kind(prompt)}"
+            )
     elif isinstance(chosen, list) and isinstance(rejected, list):
         chosen = _messages(chosen, where, "chosen")
         rejected = _messages(rejected, where, "rejected")
         k = _common_prefix(chosen, rejected)
         if k == 0 and chosen != rejected:
-            raise GrpoError(f"{where}: chosen and rejected share no leading message, so there is "
-                            "no prompt; give a prompt column or start both with it")  # fmt: skip
+            raise GrpoError(
+                f"{where}: chosen and rejected share no leading message, so there is "
+                "no prompt; give a prompt column or start both with it"
+            )
         prompt, chosen, rejected = chosen[:k], chosen[k:], rejected[k:]
     elif isinstance(chosen, str) and isinstance(rejected, str):
         k = _common_prefix(chosen, rejected)
@@ -292,8 +304,10 @@ def _extract(row: Any, where: str) -> tuple[str | list[dict], Any, Any]:
         for side, value in (("chosen", chosen), ("rejected", rejected)):
             if not isinstance(value, (str, list)):
                 _check_text(value, where, side)
-        raise GrpoError(f"{where}: chosen is a {_kind(chosen)} but rejected is a "
-                        f"{_kind(rejected)}; use strings for both, or messages")  # fmt: skip
+        raise GrpoError(
+            f"{where}: chosen is a {_kind(chosen)} but rejected is a "
+            f"{_kind(rejected)}; use strings for both, or messages"
+        )
     if chosen == rejected:
         raise GrpoError(f"{where}: chosen and rejected are the same (after the prompt)")
     for side, value in (("chosen", chosen), ("rejected", rejected)):
@@ -313,8 +327,9 @@ def _completion(value: Any, where: str, field: str) -> list[dict]:
     if isinstance(value, str):
         return [{"role": "assistant", "content": value}]
     if not isinstance(value, list):
-        raise GrpoError(f"{where}: {field} must be a string or a message list, got a "
-                        f"{_kind(value)}")  # fmt: skip
+        raise GrpoError(
+            f"{where}: {field} must be a string or a message list, got a {_kind(value)}"
+        )
     return _messages(value, where, field)
 
 
@@ -330,8 +345,10 @@ def _messages(value: list, where: str, field: str) -> list[dict]:
         if content is None and ok and m.get("tool_calls"):
             content = ""
         if not isinstance(content, str):
-            raise GrpoError(f"{where}: {field}[{j}] must be a message with a 'role' and a "
-                            f"'content' string, got {_short(m)}")  # fmt: skip
+            raise GrpoError(
+                f"{where}: {field}[{j}] must be a message with a 'role' and a "
+                f"'content' string, got {_short(m)}"
+            )
         out.append({**{k: v for k, v in m.items() if v is not None}, "content": content})
     return out
 
@@ -431,8 +448,9 @@ def math_preferences(
     if isinstance(pairs_per_problem, bool) or pairs_per_problem not in range(
         1, len(MATH_ERROR_KINDS) + 1
     ):
-        raise GrpoError(f"pairs_per_problem must be 1 to {len(MATH_ERROR_KINDS)}, got "
-                        f"{pairs_per_problem!r}")  # fmt: skip
+        raise GrpoError(
+            f"pairs_per_problem must be 1 to {len(MATH_ERROR_KINDS)}, got {pairs_per_problem!r}"
+        )
     out = []
     for i, problem in enumerate(problems):
         question = problem.get("question") if isinstance(problem, dict) else None
@@ -445,14 +463,16 @@ def math_preferences(
         kinds = [kind for kind in MATH_ERROR_KINDS if options[kind]]
         rng = random.Random(f"math-preferences|{seed}|{question}")
         for kind in rng.sample(kinds, min(pairs_per_problem, len(kinds))):
-            out.append({
-                "prompt": math_prompt_messages(question, system_prompt),
-                "chosen": chosen,
-                "rejected": rng.choice(options[kind]),
-                "kind": kind,
-                "question": question,
-                "ground_truth": final,
-            })  # fmt: skip
+            out.append(
+                {
+                    "prompt": math_prompt_messages(question, system_prompt),
+                    "chosen": chosen,
+                    "rejected": rng.choice(options[kind]),
+                    "kind": kind,
+                    "question": question,
+                    "ground_truth": final,
+                }
+            )
     return out
 
 
@@ -515,18 +535,27 @@ def _wrong_texts(kind: str, lines: list[str], works: list[Work]) -> list[str]:
     if kind == "arithmetic":
         chains = [_chain(start, steps, (k, d)) for k in range(n) for d in _SLIPS]
     elif kind == "operation":
-        chains = [_chain(start, [*steps[:k], (op2, steps[k][1]), *steps[k + 1 :]])
-                  for k in range(n) for op2 in _WRONG_OPS[steps[k][0]]]  # fmt: skip
+        chains = [
+            _chain(start, [*steps[:k], (op2, steps[k][1]), *steps[k + 1 :]])
+            for k in range(n)
+            for op2 in _WRONG_OPS[steps[k][0]]
+        ]
     elif kind == "operand":
         lowest = {"+": 1, "-": 1, "*": 2, "/": 2}
-        chains = [_chain(start, [*steps[:k], (op, b + d), *steps[k + 1 :]])
-                  for k, (op, b) in enumerate(steps) for d in _SLIPS
-                  if b + d >= lowest[op]]  # fmt: skip
+        chains = [
+            _chain(start, [*steps[:k], (op, b + d), *steps[k + 1 :]])
+            for k, (op, b) in enumerate(steps)
+            for d in _SLIPS
+            if b + d >= lowest[op]
+        ]
         chains += [_chain(start + d, steps) for d in _SLIPS if start + d >= 1]
     else:
         raise GrpoError(f"unknown error kind {kind!r} ({', '.join(MATH_ERROR_KINDS)})")
-    texts = [sft_solution(_rewrite(lines, c), str(c[-1][3]))
-             for c in chains if c is not None and c[-1][3] != answer]  # fmt: skip
+    texts = [
+        sft_solution(_rewrite(lines, c), str(c[-1][3]))
+        for c in chains
+        if c is not None and c[-1][3] != answer
+    ]
     return list(dict.fromkeys(texts))
 
 

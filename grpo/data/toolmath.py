@@ -78,9 +78,11 @@ def trace(row: dict, use_tool: bool) -> list[dict]:
 
 
 def sft_pairs(
-    tokenizer, messages: list[dict], system_prompt: str | None = None,
+    tokenizer,
+    messages: list[dict],
+    system_prompt: str | None = None,
     tools: list[dict] | None = None,
-) -> list[dict]:  # fmt: skip
+) -> list[dict]:
     """One {prompt, completion} text pair per assistant turn of `messages`: the prompt is the
     conversation so far, built as the sampler builds it (the rendered first user turn, then
     each earlier assistant turn and the template's delta for the message after it). With
@@ -119,6 +121,7 @@ def corpus(rows: list[dict], tool_variants: int = 0) -> list[str]:
         for use_tool in (True, False):
             out += [m["content"] for m in trace(row, use_tool)]
         if tool_variants:
-            out += [json.dumps(t, ensure_ascii=False)
-                    for t in tools_for(row["question"], tool_variants)]  # fmt: skip
+            out += [
+                json.dumps(t, ensure_ascii=False) for t in tools_for(row["question"], tool_variants)
+            ]
     return out

@@ -70,9 +70,17 @@ def check(result, layer, what):
 
 
 def mount(source, target, fstype, flags, data, layer="mount"):
-    check(libc.mount(source and source.encode(), target.encode(), fstype and fstype.encode(),
-                     ctypes.c_ulong(flags), data and data.encode()),
-          layer, f"mount {target}")  # fmt: skip
+    check(
+        libc.mount(
+            source and source.encode(),
+            target.encode(),
+            fstype and fstype.encode(),
+            ctypes.c_ulong(flags),
+            data and data.encode(),
+        ),
+        layer,
+        f"mount {target}",
+    )
 
 
 # ------------------------------------------------------------------------------ limits, code
@@ -272,8 +280,13 @@ def init(source, cfg, status_fd, code_w):
 
 def build(cfg):
     """I's setup, in order; returns the layers that applied (every required one, or raises)."""
-    layers = {"user": cfg.get("user", "caller's uid"), "pid": True, "network": True,
-              "ipc": True, "uts": True}  # fmt: skip
+    layers = {
+        "user": cfg.get("user", "caller's uid"),
+        "pid": True,
+        "network": True,
+        "ipc": True,
+        "uts": True,
+    }
     check(libc.sethostname(b"sandbox", 7), "uts", "sethostname")
     # What to bind, resolved while this process still has the caller's file access (a root
     # caller's home may be closed to the sandbox uid): O_PATH descriptors, bound through
@@ -371,8 +384,12 @@ def read_only(target, is_dir, device):
     rdonly = 0 if target.endswith("/dev/null") else 1
     flags = rdonly | 2 | (0 if device else 4)  # MOUNT_ATTR_ RDONLY | NOSUID | NODEV
     attr = struct.pack("QQQQ", flags, 0, 0, 0)
-    if libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, target.encode(), AT_RECURSIVE, attr,
-                    ctypes.c_size_t(32)) == 0:  # fmt: skip
+    if (
+        libc.syscall(
+            SYS_MOUNT_SETATTR, AT_FDCWD, target.encode(), AT_RECURSIVE, attr, ctypes.c_size_t(32)
+        )
+        == 0
+    ):
         return
     flags = MS_REMOUNT | MS_BIND | MS_NOSUID | (MS_RDONLY if rdonly else 0)
     mount(None, target, None, flags | (0 if device else MS_NODEV), None)
@@ -404,8 +421,13 @@ def landlock(work):
     net = 3 if abi >= 4 else 0  # BIND_TCP | CONNECT_TCP: no rule allows either
     scoped = 3 if abi >= 6 else 0  # ABSTRACT_UNIX_SOCKET | SIGNAL
     attr = struct.pack("QQQ", fs, net, scoped)[: 24 if abi >= 6 else 16 if abi >= 4 else 8]
-    ruleset = check(libc.syscall(SYS_LANDLOCK_CREATE_RULESET, attr, ctypes.c_size_t(len(attr)),
-                                 ctypes.c_uint32(0)), "landlock", "create ruleset")  # fmt: skip
+    ruleset = check(
+        libc.syscall(
+            SYS_LANDLOCK_CREATE_RULESET, attr, ctypes.c_size_t(len(attr)), ctypes.c_uint32(0)
+        ),
+        "landlock",
+        "create ruleset",
+    )
     read = 1 | 4 | 8  # EXECUTE | READ_FILE | READ_DIR
     file_rights = 1 | 2 | 4 | (1 << 14 if abi >= 3 else 0)  # EXECUTE WRITE_FILE READ_FILE TRUNC
     try:
@@ -426,8 +448,13 @@ def interpreter_paths():
     """What the code's interpreter loads from: its prefixes, its executable's directory and the
     site-packages directories on its path (other sys.path entries, such as an editable
     install's source tree or PYTHONPATH directories, are left out)."""
-    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-             os.path.dirname(os.path.realpath(sys.executable))}  # fmt: skip
+    paths = {
+        sys.prefix,
+        sys.base_prefix,
+        sys.exec_prefix,
+        sys.base_exec_prefix,
+        os.path.dirname(os.path.realpath(sys.executable)),
+    }
     paths.update(p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages"))
     return sorted(p for p in paths if p and os.path.isdir(p))
 
@@ -456,8 +483,11 @@ def legacy_network():
     uid, gid = os.getuid(), os.getgid()
     if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
         return
-    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
-                       ("gid_map", f"{gid} {gid} 1")):  # fmt: skip
+    for name, text in (
+        ("setgroups", "deny"),
+        ("uid_map", f"{uid} {uid} 1"),
+        ("gid_map", f"{gid} {gid} 1"),
+    ):
         try:
             with open("/proc/self/" + name, "w") as f:
                 f.write(text)

@@ -84,8 +84,11 @@ def available_envs() -> list[str]:
     return sorted(_REGISTERED)
 
 
-def env_factory(spec: str | Callable[..., Environment], kwargs: Mapping[str, Any] | None = None,
-                key: str = "rollout.env") -> Callable[[], Environment]:  # fmt: skip
+def env_factory(
+    spec: str | Callable[..., Environment],
+    kwargs: Mapping[str, Any] | None = None,
+    key: str = "rollout.env",
+) -> Callable[[], Environment]:
     """A zero-argument factory of fresh environments from a name, a path or a class.
 
     Raises:
@@ -144,8 +147,9 @@ def check_step(name: str, step: Any) -> Step:
     except (TypeError, ValueError):
         reward = float("nan")
     if reward != reward or reward in (float("inf"), float("-inf")):
-        raise GrpoError(f"environment {name!r}: step reward must be a finite number, "
-                        f"got {step.reward!r}")  # fmt: skip
+        raise GrpoError(
+            f"environment {name!r}: step reward must be a finite number, got {step.reward!r}"
+        )
     return step
 
 

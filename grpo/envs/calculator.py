@@ -95,8 +95,11 @@ def calculator_tool_variant(index: int) -> dict[str, Any]:
         prop["title"] = "Expression"
     if rng.random() < 0.3:
         prop["examples"] = rng.sample(_EXAMPLES, 2)
-    params: dict[str, Any] = {"type": "object", "properties": {"expression": _shuffled(prop, rng)},
-                              "required": ["expression"]}  # fmt: skip
+    params: dict[str, Any] = {
+        "type": "object",
+        "properties": {"expression": _shuffled(prop, rng)},
+        "required": ["expression"],
+    }
     strict = rng.random() < 0.5
     if strict:
         params["additionalProperties"] = False
@@ -377,12 +380,15 @@ class CalculatorEnv:
         if tools is not None and not (
             isinstance(tools, list) and tools and all(isinstance(t, dict) for t in tools)
         ):
-            raise GrpoError(f"calculator: tools must be a non-empty list of tool schemas "
-                            f"(objects), got {tools!r:.80}")  # fmt: skip
+            raise GrpoError(
+                f"calculator: tools must be a non-empty list of tool schemas "
+                f"(objects), got {tools!r:.80}"
+            )
         variants_ok = isinstance(tool_variants, int) and not isinstance(tool_variants, bool)
         if not variants_ok or tool_variants < 0:
-            raise GrpoError(f"calculator: tool_variants must be an integer >= 0, got "
-                            f"{tool_variants!r}")  # fmt: skip
+            raise GrpoError(
+                f"calculator: tool_variants must be an integer >= 0, got {tool_variants!r}"
+            )
         self.tools = list(tools) if tools is not None else [CALCULATOR_TOOL]
         self.tool_variants = tool_variants
         self.tool_reward = tool_reward

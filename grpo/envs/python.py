@@ -106,8 +106,16 @@ _LINE_CHARS = 300  # an error line is cut here
 _RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox.py")
 # Layers a run needs before it counts as isolated; "proc" (the sandbox's own /proc) and
 # "landlock" are reported but optional.
-REQUIRED_LAYERS = ("user", "pid", "mount", "network", "ipc", "capabilities", "no_new_privs",
-                   "nproc")  # fmt: skip
+REQUIRED_LAYERS = (
+    "user",
+    "pid",
+    "mount",
+    "network",
+    "ipc",
+    "capabilities",
+    "no_new_privs",
+    "nproc",
+)
 
 
 @dataclass(frozen=True)
@@ -186,17 +194,21 @@ def run_python(
     iso = isolation()
     if require_isolation and not iso.complete:
         raise GrpoError(iso.refusal())
-    limits = dict(cpu_s=max(1, math.ceil(cpu_s)), as_bytes=int(memory_mb * 2**20),
-                  file_bytes=int(max_file_mb * 2**20), nofile=_MAX_OPEN_FILES,
-                  nproc=max_processes, dir_bytes=int(16 * max_file_mb * 2**20))  # fmt: skip
+    limits = dict(
+        cpu_s=max(1, math.ceil(cpu_s)),
+        as_bytes=int(memory_mb * 2**20),
+        file_bytes=int(max_file_mb * 2**20),
+        nofile=_MAX_OPEN_FILES,
+        nproc=max_processes,
+        dir_bytes=int(16 * max_file_mb * 2**20),
+    )
     start = time.monotonic()
     returncode, out, err, stopped, cpu_used, status = _run(
         code, limits, iso.complete, start + timeout_s, 4 * max_output_chars + 4
     )
     if status.startswith("error ") and iso.complete:  # the code did not run
         if require_isolation:
-            raise GrpoError(f"python environment: isolation layer {status[6:]}; "
-                            f"{_ESCAPE}")  # fmt: skip
+            raise GrpoError(f"python environment: isolation layer {status[6:]}; {_ESCAPE}")
         returncode, out, err, stopped, cpu_used, status = _run(
             code, limits, False, start + timeout_s, 4 * max_output_chars + 4
         )
@@ -204,10 +216,16 @@ def run_python(
     text = out.decode("utf-8", "replace")
     truncated = len(text) > max_output_chars
     error, limit = _ending(
-        returncode, stopped, cpu_used, _last_line(err), timeout_s=timeout_s,
-        cpu_s=limits["cpu_s"], memory_mb=memory_mb, max_file_mb=max_file_mb,
+        returncode,
+        stopped,
+        cpu_used,
+        _last_line(err),
+        timeout_s=timeout_s,
+        cpu_s=limits["cpu_s"],
+        memory_mb=memory_mb,
+        max_file_mb=max_file_mb,
         max_output_chars=max_output_chars,
-    )  # fmt: skip
+    )
     return PythonResult(
         output=text[:max_output_chars],
         ok=error is None and not truncated,
@@ -228,8 +246,15 @@ def _run(code: str, limits: dict, isolate: bool, deadline: float, max_out_bytes:
         with open(path, "w", encoding="utf-8", errors="replace") as f:
             f.write(code)
         status_r, status_w = os.pipe()
-        cfg = dict(limits, code=path, work=work, root=os.path.join(root, "root"),
-                   isolate=isolate, network=True, status_fd=status_w)  # fmt: skip
+        cfg = dict(
+            limits,
+            code=path,
+            work=work,
+            root=os.path.join(root, "root"),
+            isolate=isolate,
+            network=True,
+            status_fd=status_w,
+        )
         try:
             proc = subprocess.Popen(
                 [*_python_argv(), json.dumps(cfg)],
@@ -330,11 +355,18 @@ def isolation() -> Isolation:
     layer, `error` says why)."""
     if not sys.platform.startswith("linux"):
         return Isolation({}, f"user: not Linux ({sys.platform})")
-    limits = dict(cpu_s=10, as_bytes=1 << 30, file_bytes=1 << 20, nofile=_MAX_OPEN_FILES,
-                  nproc=16, dir_bytes=1 << 20)  # fmt: skip
+    limits = dict(
+        cpu_s=10,
+        as_bytes=1 << 30,
+        file_bytes=1 << 20,
+        nofile=_MAX_OPEN_FILES,
+        nproc=16,
+        dir_bytes=1 << 20,
+    )
     try:
-        returncode, _, err, stopped, _, status = _run("pass", limits, True,
-                                                      time.monotonic() + 30, 4096)  # fmt: skip
+        returncode, _, err, stopped, _, status = _run(
+            "pass", limits, True, time.monotonic() + 30, 4096
+        )
     except OSError as e:
         return Isolation({}, f"user: cannot start the probe: {e.strerror}")
     if status.startswith("ok "):
@@ -381,25 +413,37 @@ def _child_env(work: str) -> dict[str, str]:
 
 # Largest accepted value of each limit: beyond these a number is a typo, not a setting (an hour of
 # wall or CPU time per call, 64 GiB of address space, ...).
-LIMIT_MAX = dict(timeout_s=3600, cpu_s=3600, memory_mb=65536, max_output_chars=10_000_000,
-                 max_file_mb=1024, max_processes=4096)  # fmt: skip
+LIMIT_MAX = dict(
+    timeout_s=3600,
+    cpu_s=3600,
+    memory_mb=65536,
+    max_output_chars=10_000_000,
+    max_file_mb=1024,
+    max_processes=4096,
+)
 
 
-def _check_limits(timeout_s, cpu_s, memory_mb, max_output_chars, max_file_mb,
-                  max_processes=16) -> None:  # fmt: skip
-    values = dict(timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb,
-                  max_output_chars=max_output_chars, max_file_mb=max_file_mb,
-                  max_processes=max_processes)  # fmt: skip
+def _check_limits(
+    timeout_s, cpu_s, memory_mb, max_output_chars, max_file_mb, max_processes=16
+) -> None:
+    values = dict(
+        timeout_s=timeout_s,
+        cpu_s=cpu_s,
+        memory_mb=memory_mb,
+        max_output_chars=max_output_chars,
+        max_file_mb=max_file_mb,
+        max_processes=max_processes,
+    )
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
             raise GrpoError(f"python environment: {name} must be a number > 0, got {value!r}")
         if not math.isfinite(value) or value > LIMIT_MAX[name]:
-            raise GrpoError(f"python environment: {name} must be at most {LIMIT_MAX[name]}, "
-                            f"got {value!r}")  # fmt: skip
+            raise GrpoError(
+                f"python environment: {name} must be at most {LIMIT_MAX[name]}, got {value!r}"
+            )
     for name in ("max_output_chars", "max_processes"):
         if not isinstance(values[name], int):
-            raise GrpoError(f"python environment: {name} must be an integer, "
-                            f"got {values[name]!r}")  # fmt: skip
+            raise GrpoError(f"python environment: {name} must be an integer, got {values[name]!r}")
 
 
 def _collect(proc: subprocess.Popen, deadline: float, max_out_bytes: int):
@@ -491,8 +535,18 @@ def _last_line(err: bytes) -> str:
     return line if len(line) <= _LINE_CHARS else line[: _LINE_CHARS - 3] + "..."
 
 
-def _ending(returncode, stopped, cpu_used, line, *, timeout_s, cpu_s, memory_mb, max_file_mb,
-            max_output_chars) -> tuple[str | None, str | None]:  # fmt: skip
+def _ending(
+    returncode,
+    stopped,
+    cpu_used,
+    line,
+    *,
+    timeout_s,
+    cpu_s,
+    memory_mb,
+    max_file_mb,
+    max_output_chars,
+) -> tuple[str | None, str | None]:
     """(error line, limit) of a finished run: the parent's reason first, then the exit status."""
     if stopped == "output":
         return f"output cut at {max_output_chars} characters", "output"
@@ -610,19 +664,28 @@ class PythonEnv:
     ):
         _check_limits(timeout_s, cpu_s, memory_mb, max_output_chars, max_file_mb, max_processes)
         if not isinstance(require_isolation, bool):
-            raise GrpoError(f"python environment: require_isolation must be true or false, "
-                            f"got {require_isolation!r}")  # fmt: skip
+            raise GrpoError(
+                f"python environment: require_isolation must be true or false, "
+                f"got {require_isolation!r}"
+            )
         self.isolation = isolation()
         if require_isolation and not self.isolation.complete:
             raise GrpoError(self.isolation.refusal())
         n = max_calls_per_turn
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise GrpoError(f"python environment: max_calls_per_turn must be an integer >= 1, "
-                            f"got {max_calls_per_turn!r}")  # fmt: skip
-        self.limits = dict(timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb,
-                           max_output_chars=max_output_chars, max_file_mb=max_file_mb,
-                           max_processes=max_processes,
-                           require_isolation=require_isolation)  # fmt: skip
+            raise GrpoError(
+                f"python environment: max_calls_per_turn must be an integer >= 1, "
+                f"got {max_calls_per_turn!r}"
+            )
+        self.limits = dict(
+            timeout_s=timeout_s,
+            cpu_s=cpu_s,
+            memory_mb=memory_mb,
+            max_output_chars=max_output_chars,
+            max_file_mb=max_file_mb,
+            max_processes=max_processes,
+            require_isolation=require_isolation,
+        )
         self.max_calls_per_turn = max_calls_per_turn
         self.tool_reward = tool_reward
         self.invalid_penalty = invalid_penalty

@@ -24,8 +24,9 @@ def score_positions(ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int
     return (index * keep).argmax(-1)
 
 
-def sequence_scores(model, ids: torch.Tensor, attention_mask: torch.Tensor,
-                    pad_id: int | None) -> torch.Tensor:  # fmt: skip
+def sequence_scores(
+    model, ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int | None
+) -> torch.Tensor:
     """(B, num_labels) float32 scores of a classifier `Decoder` (`ModelConfig.num_labels`; the
     model may be DDP-wrapped, so its pad id comes as `pad_id`): one forward (gradients flow
     when enabled) in which only the scored positions reach the head."""
@@ -33,9 +34,15 @@ def sequence_scores(model, ids: torch.Tensor, attention_mask: torch.Tensor,
     return model(ids, attention_mask=attention_mask, select=pos).float()
 
 
-def packed_sequence_scores(model, ids: torch.Tensor, attention_mask: torch.Tensor,
-                           prompt_width: int, pad_id: int | None, group_size: int | None,
-                           overhead: int) -> torch.Tensor:  # fmt: skip
+def packed_sequence_scores(
+    model,
+    ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_width: int,
+    pad_id: int | None,
+    group_size: int | None,
+    overhead: int,
+) -> torch.Tensor:
     """`sequence_scores` of rows of left-padded prompt + right-padded completion, packed on
     one token axis (`grpo.algo.logprobs.pack_rows`): no pad token runs, and with `group_size`
     G each group's shared prompt runs once for its G completions. Each row is scored where

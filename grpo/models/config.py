@@ -24,8 +24,12 @@ CLASSIFIER_ARCHITECTURES = {
 }
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _REQUIRED_FIELDS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-)  # fmt: skip
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
 
 
 @dataclass(frozen=True)

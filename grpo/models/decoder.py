@@ -175,14 +175,16 @@ def attention(q, k, v, mask):
     """
     H, H_kv = q.shape[1], k.shape[1]
     heads = (H, H_kv, q.shape[-1])
-    arrangement = sdpa_choice.choose("queries", q.device, q.dtype, heads, masked=mask is not None,
-                                     is_causal=mask is None)  # fmt: skip
+    arrangement = sdpa_choice.choose(
+        "queries", q.device, q.dtype, heads, masked=mask is not None, is_causal=mask is None
+    )
     if H != H_kv and arrangement == sdpa_choice.REPEAT:
         # kv head j serves query heads j*H/H_kv ... (j+1)*H/H_kv - 1, as enable_gqa does
         k = k.repeat_interleave(H // H_kv, dim=1)  # (B, H, S, D)
         v = v.repeat_interleave(H // H_kv, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                          enable_gqa=k.shape[1] != H)  # fmt: skip
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=k.shape[1] != H
+    )
 
 
 def decode_step_attention(q, k, v, mask):
@@ -203,8 +205,9 @@ def decode_step_attention(q, k, v, mask):
     q, k, v = q.to(mask.dtype), k.to(mask.dtype), v.to(mask.dtype)
     if arrangement == sdpa_choice.FOLD:
         return decode_sdpa(q, k, v, mask)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                          enable_gqa=q.shape[1] != k.shape[1])  # fmt: skip
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
 class Attention(nn.Module):
@@ -226,8 +229,9 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask, kv_cache: KVCache | None):
         B, T, _ = x.shape
         fused = self.__dict__.get("_fused_qkv")  # a sampler's stacked copy (decode_weights)
-        q, k, v = fused(x) if fused is not None else (self.q_proj(x), self.k_proj(x),
-                                                      self.v_proj(x))  # fmt: skip
+        q, k, v = (
+            fused(x) if fused is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        )
         q = q.view(B, T, self.H, self.D)
         k = k.view(B, T, self.H_kv, self.D)
         v = v.view(B, T, self.H_kv, self.D)
@@ -411,8 +415,10 @@ class Decoder(nn.Module):
         additive = attention_mask is not None and attention_mask.dtype.is_floating_point
         if additive:
             if attention_mask.dim() != 4 or position_ids is None or packed is not None:
-                raise ValueError("an additive attention_mask is (B, 1, T, >= S) and needs "
-                                 "position_ids (and no packed layout)")  # fmt: skip
+                raise ValueError(
+                    "an additive attention_mask is (B, 1, T, >= S) and needs "
+                    "position_ids (and no packed layout)"
+                )
         elif packed is None:
             if attention_mask is None:
                 attention_mask = torch.ones(B, S, dtype=torch.bool, device=dev)

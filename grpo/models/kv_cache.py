@@ -238,8 +238,9 @@ class GroupedKVCache(_LayerBuffers):
         end = start + T
         k_buf, v_buf = self.k_layers[layer], self.v_layers[layer]
         if end > k_buf.shape[2]:
-            raise ValueError(f"KV cache overflow: {self._pos + T} positions > max_len "
-                             f"{self.max_len}")  # fmt: skip
+            raise ValueError(
+                f"KV cache overflow: {self._pos + T} positions > max_len {self.max_len}"
+            )
         k_buf[:, :, start:end] = k.to(k_buf.dtype)
         v_buf[:, :, start:end] = v.to(v_buf.dtype)
         return k_buf[:, :, :end], v_buf[:, :, :end]
@@ -276,8 +277,15 @@ class RowKVCache(_LayerBuffers):
     @classmethod
     def for_model(cls, model, rows: int, max_len: int, dtype: torch.dtype) -> RowKVCache:
         cfg = model.config
-        return cls(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, max_len, cfg.head_dim,
-                   dtype, model.device)  # fmt: skip
+        return cls(
+            cfg.num_hidden_layers,
+            rows,
+            cfg.num_key_value_heads,
+            max_len,
+            cfg.head_dim,
+            dtype,
+            model.device,
+        )
 
     @property
     def attend_len(self) -> int:

@@ -66,13 +66,18 @@ def resolve_model_dir(path_or_id: str | Path) -> Path:
         from huggingface_hub import snapshot_download
 
         patterns = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model"]
-        return Path(snapshot_download(str(path_or_id), allow_patterns=patterns,
-                                      local_files_only=offline is not None))  # fmt: skip
+        return Path(
+            snapshot_download(
+                str(path_or_id), allow_patterns=patterns, local_files_only=offline is not None
+            )
+        )
     except Exception as e:  # offline, unknown repo, auth...
         if offline:
-            raise GrpoError(f"model {str(path_or_id)!r}: not a local directory, not in the hub "
-                            f"cache, and the hub cannot be reached ({offline}); pass a local "
-                            "checkpoint directory") from None  # fmt: skip
+            raise GrpoError(
+                f"model {str(path_or_id)!r}: not a local directory, not in the hub "
+                f"cache, and the hub cannot be reached ({offline}); pass a local "
+                "checkpoint directory"
+            ) from None
         raise GrpoError(f"could not fetch model {str(path_or_id)!r} from the hub: {e}") from None
 
 
@@ -122,8 +127,9 @@ def load_model(
     cfg = ModelConfig.from_hf(model_dir)
     new_head = bool(num_labels) and not cfg.num_labels
     if num_labels and cfg.num_labels and cfg.num_labels != num_labels:
-        raise GrpoError(f"{model_dir} is a classifier with {cfg.num_labels} outputs, not "
-                        f"{num_labels}")  # fmt: skip
+        raise GrpoError(
+            f"{model_dir} is a classifier with {cfg.num_labels} outputs, not {num_labels}"
+        )
     if new_head:
         pad = cfg.pad_token_id if pad_token_id is None else pad_token_id
         cfg = dataclasses.replace(cfg, num_labels=num_labels, pad_token_id=pad)

@@ -40,9 +40,13 @@ from torch.nn.attention import SDPBackend
 GROUPED, REPEAT, FOLD, MATMUL = "grouped", "repeat", "fold", "matmul"
 ARRANGEMENTS = {"queries": (GROUPED, REPEAT), "decode": (GROUPED, FOLD, MATMUL)}
 FUSED = frozenset(
-    {SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-     SDPBackend.OVERRIDEABLE}
-)  # fmt: skip
+    {
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.OVERRIDEABLE,
+    }
+)
 # device types whose decode step attends with two matmuls whatever the selector says (measured)
 MATMUL_DECODE = frozenset({"cpu"})
 
@@ -52,14 +56,22 @@ _LAST: dict[tuple, str] = {}  # key without the enabled backends -> last answer 
 _FORCED: dict[str, str] = {}
 
 
-def sdpa_backend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                 enable_gqa=False) -> SDPBackend:  # fmt: skip
+def sdpa_backend(
+    q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+) -> SDPBackend:
     """The kernel `F.scaled_dot_product_attention` would run for these arguments (its own),
     as its selector decides (the `sdpa_kernel` context included); `SDPBackend.ERROR` if none
     can."""
-    choice = torch._fused_sdp_choice(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                     is_causal=is_causal, scale=scale,
-                                     enable_gqa=enable_gqa)  # fmt: skip
+    choice = torch._fused_sdp_choice(
+        q,
+        k,
+        v,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
     return SDPBackend(choice)
 
 
@@ -67,8 +79,12 @@ def _enabled_backends(device_type: str) -> tuple:
     if device_type != "cuda":
         return ()
     b = torch.backends.cuda
-    return (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled(),
-            b.math_sdp_enabled())  # fmt: skip
+    return (
+        b.flash_sdp_enabled(),
+        b.mem_efficient_sdp_enabled(),
+        b.cudnn_sdp_enabled(),
+        b.math_sdp_enabled(),
+    )
 
 
 def _probe(kind, arrangement, device, dtype, heads, masked, is_causal):
@@ -87,8 +103,14 @@ def _probe(kind, arrangement, device, dtype, heads, masked, is_causal):
     return sdpa_backend(q, k, k, mask, is_causal=is_causal and mask is None, enable_gqa=gqa)
 
 
-def choose(kind: str, device: torch.device, dtype: torch.dtype, heads: tuple[int, int, int],
-           masked: bool = True, is_causal: bool = False) -> str:  # fmt: skip
+def choose(
+    kind: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    heads: tuple[int, int, int],
+    masked: bool = True,
+    is_causal: bool = False,
+) -> str:
     """The arrangement for a call of `kind` ("queries" or "decode") on `device` with q, k, v
     and the mask in `dtype`, `heads` = (H, H_kv, D); see the module docstring for the rules."""
     if _FORCED and kind in _FORCED:

@@ -166,8 +166,13 @@ class PackedSegments:
 
     __slots__ = ("position_ids", "buckets", "order", "score_elements", "num_tokens")
 
-    def __init__(self, segments: list[Segment], position_ids: np.ndarray, overhead: int,
-                 device: torch.device | str = "cpu"):  # fmt: skip
+    def __init__(
+        self,
+        segments: list[Segment],
+        position_ids: np.ndarray,
+        overhead: int,
+        device: torch.device | str = "cpu",
+    ):
         """Args:
         segments: (start, length, prefix_start, prefix_length) of each query segment in the
             stream; every stream token belongs to exactly one; prefix_length 0 = none.
@@ -196,11 +201,14 @@ class PackedSegments:
             )
             keep &= valid[:, :, None]
             keep[:, :, 0] |= ~valid  # padded queries: one key, outputs dropped
-            self.buckets.append(Bucket(
-                torch.as_tensor(q_index).to(device), torch.as_tensor(k_index).to(device),
-                torch.as_tensor(keep[:, None]).to(device),
-                torch.as_tensor(np.flatnonzero(valid)).to(device),
-            ))  # fmt: skip
+            self.buckets.append(
+                Bucket(
+                    torch.as_tensor(q_index).to(device),
+                    torch.as_tensor(k_index).to(device),
+                    torch.as_tensor(keep[:, None]).to(device),
+                    torch.as_tensor(np.flatnonzero(valid)).to(device),
+                )
+            )
             kept.append(q_index[valid])
             self.score_elements += b * T * S
         inverse = np.empty(N, dtype=np.int64)

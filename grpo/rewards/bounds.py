@@ -44,8 +44,10 @@ def check_bounds(lo: Any, hi: Any, name: str = "reward") -> Bounds:
     """
     ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (lo, hi))
     if not ok or math.isnan(lo) or math.isnan(hi) or lo > hi:
-        raise GrpoError(f"{name}: bounds must be two numbers lo <= hi (either may be infinite), "
-                        f"got ({lo!r}, {hi!r})")  # fmt: skip
+        raise GrpoError(
+            f"{name}: bounds must be two numbers lo <= hi (either may be infinite), "
+            f"got ({lo!r}, {hi!r})"
+        )
     return float(lo), float(hi)
 
 

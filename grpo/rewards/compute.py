@@ -89,8 +89,11 @@ def call_reward(
         KeyboardInterrupt: a real Ctrl-C (SIGINT) during the call.
     """
     if "context" in columns and wants_context(fn):
-        raise _error(name, "declares a `context` parameter and the rows have a column named "
-                     "'context': rename the column (data) or the parameter")  # fmt: skip
+        raise _error(
+            name,
+            "declares a `context` parameter and the rows have a column named "
+            "'context': rename the column (data) or the parameter",
+        )
     try:
         values = _guarded_call(fn, completions, columns, timeout_s, context)
     except _Timeout:
@@ -108,8 +111,10 @@ def call_reward(
         where = "" if row is None else f" at row {row} ({_preview(completions[row])})"
         what, detail = _describe(e)
         if timeout_s is not None and "main thread" in str(e):  # signal.signal, outside it
-            detail += (" (under rewards[].timeout_s the function runs in a worker thread; "
-                       "timeout_s: null runs it in the caller's)")  # fmt: skip
+            detail += (
+                " (under rewards[].timeout_s the function runs in a worker thread; "
+                "timeout_s: null runs it in the caller's)"
+            )
         raise _error(name, f"{what}{where}{detail}") from e
     try:
         values, reported = split_metrics(values, f"reward function {name!r}")
@@ -236,9 +241,12 @@ class _OwnInterrupt(Exception):
 
 
 def _guarded_call(
-    fn: RewardFn, completions: list[str], columns: dict[str, Any], timeout_s: float | None,
+    fn: RewardFn,
+    completions: list[str],
+    columns: dict[str, Any],
+    timeout_s: float | None,
     context: RewardContext | None = None,
-) -> Any:  # fmt: skip
+) -> Any:
     """`fn` on fresh copies of the inputs, in this thread or (with `timeout_s`) a worker.
 
     Raises:
@@ -370,8 +378,11 @@ def _finite_float(value: Any) -> float | None:
 def _token_values(name, value, row, completions, token_lengths) -> list[float]:
     """A row's per-token reward list, checked: one finite float per completion token."""
     if token_lengths is None:
-        raise _error(name, f"returned a list at row {row}; per-token rewards need the trainer "
-                           "(expected one float per completion)")  # fmt: skip
+        raise _error(
+            name,
+            f"returned a list at row {row}; per-token rewards need the trainer "
+            "(expected one float per completion)",
+        )
     if len(value) != int(token_lengths[row]):
         raise _error(
             name,
@@ -388,9 +399,12 @@ def _token_values(name, value, row, completions, token_lengths) -> list[float]:
 
 
 def _first_failing_row(
-    fn: RewardFn, completions: list[str], columns: dict[str, Any], timeout_s: float | None,
+    fn: RewardFn,
+    completions: list[str],
+    columns: dict[str, Any],
+    timeout_s: float | None,
     context: RewardContext | None = None,
-) -> int | None:  # fmt: skip
+) -> int | None:
     """The first row on which `fn`, called on that row alone, fails; None when no row or every
     tried row does (the problem is then the batch, e.g. a missing column, not a row).
 

@@ -210,8 +210,9 @@ def make_format() -> RewardFn:
     return with_bounds(format_reward, 0.0, 1.0)
 
 
-def make_overlong(buffer: int | None = None, penalty: float = 1.0,
-                  max_length: int | None = None) -> RewardFn:  # fmt: skip
+def make_overlong(
+    buffer: int | None = None, penalty: float = 1.0, max_length: int | None = None
+) -> RewardFn:
     """DAPO's soft overlong punishment: 0 up to ``L_max - buffer`` tokens, then falling
     linearly to ``-penalty`` at ``L_max`` (and ``-penalty`` beyond it):
 
@@ -230,18 +231,22 @@ def make_overlong(buffer: int | None = None, penalty: float = 1.0,
         penalty: the punishment at L_max (>= 0).
         max_length: L_max (None: the context's max_new_tokens).
     """
-    if buffer is not None and (isinstance(buffer, bool) or not isinstance(buffer, int)
-                               or buffer < 1):  # fmt: skip
+    if buffer is not None and (
+        isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 1
+    ):
         raise GrpoError(f"overlong: buffer must be a whole number of tokens >= 1, got {buffer!r}")
     if not isinstance(penalty, (int, float)) or not math.isfinite(penalty) or penalty < 0:
         raise GrpoError(f"overlong: penalty must be a finite number >= 0, got {penalty!r}")
 
-    def overlong(completions: list[str], *, context: RewardContext | None = None,
-                 **columns: Any) -> list[float]:  # fmt: skip
+    def overlong(
+        completions: list[str], *, context: RewardContext | None = None, **columns: Any
+    ) -> list[float]:
         L_max = max_length if max_length is not None else getattr(context, "max_new_tokens", None)
         if L_max is None:
-            raise GrpoError("needs the completion budget: set max_length, or call it from the "
-                            "trainer (context.max_new_tokens)")  # fmt: skip
+            raise GrpoError(
+                "needs the completion budget: set max_length, or call it from the "
+                "trainer (context.max_new_tokens)"
+            )
         if columns.get("completion_lengths") is None:
             raise GrpoError("needs the column 'completion_lengths' (token counts)")
         lengths = _lengths(completions, columns["completion_lengths"], None)

@@ -167,19 +167,23 @@ def make_judge(
         try:
             s = read(reply)
         except Exception as e:  # a user's parser: its error is the row's cause
-            raise _Failure(f"parser {parser!r} raised {type(e).__name__}: {e} on "
-                           f"{_excerpt(reply)}") from None  # fmt: skip
+            raise _Failure(
+                f"parser {parser!r} raised {type(e).__name__}: {e} on {_excerpt(reply)}"
+            ) from None
         if s is None:
             raise _Failure(f"no score in the reply {_excerpt(reply)} (parser {parser!r})")
         if not _is_number(s):
-            raise _Failure(f"parser {parser!r} returned {s!r} for {_excerpt(reply)}; "
-                           "expected a finite number")  # fmt: skip
+            raise _Failure(
+                f"parser {parser!r} returned {s!r} for {_excerpt(reply)}; expected a finite number"
+            )
         if lo_hi is None:
             return float(s)
         lo, hi = lo_hi
         if not lo <= s <= hi:
-            raise _Failure(f"score {s:g} is outside scale [{lo:g}, {hi:g}]: the judge did not "
-                           f"follow the scale (reply {_excerpt(reply)})")  # fmt: skip
+            raise _Failure(
+                f"score {s:g} is outside scale [{lo:g}, {hi:g}]: the judge did not "
+                f"follow the scale (reply {_excerpt(reply)})"
+            )
         return (float(s) - lo) / (hi - lo)
 
     def judge_one(prompt: str) -> _Outcome:
@@ -202,9 +206,14 @@ def make_judge(
                 cause = f"POST {url}: {e}"
                 return _Outcome(None, cause, time.monotonic() - start, attempt)
 
-    def judge(completions: list[str], *, question: Sequence[Any] | None = None,
-              ground_truth: Sequence[Any] | None = None, context: RewardContext | None = None,
-              **columns: Any) -> tuple[list[float], dict[str, float]]:  # fmt: skip
+    def judge(
+        completions: list[str],
+        *,
+        question: Sequence[Any] | None = None,
+        ground_truth: Sequence[Any] | None = None,
+        context: RewardContext | None = None,
+        **columns: Any,
+    ) -> tuple[list[float], dict[str, float]]:
         rows = _fields(used, completions, question, ground_truth, columns)
         prompts = [template.format_map(row) for row in rows]
         outcomes: list[_Outcome | None] = [None] * len(prompts)
@@ -222,13 +231,22 @@ def make_judge(
         failed = [row for row, o in enumerate(outcomes) if o.value is None]
         if failed:
             first = failed[0]
-            log.warning("judge: %d of %d judgments failed (first: row %d: %s); they get "
-                        "reward %g (on_failure)", len(failed), len(outcomes), first,
-                        outcomes[first].cause, fallback)  # fmt: skip
+            log.warning(
+                "judge: %d of %d judgments failed (first: row %d: %s); they get "
+                "reward %g (on_failure)",
+                len(failed),
+                len(outcomes),
+                first,
+                outcomes[first].cause,
+                fallback,
+            )
         values = [fallback if o.value is None else o.value for o in outcomes]
         latency = sum(o.latency_s for o in outcomes) / max(1, len(outcomes))
-        metrics = {"failures": Sum(len(failed)), "retries": Sum(sum(o.retries for o in outcomes)),
-                   "latency_s": latency}  # fmt: skip
+        metrics = {
+            "failures": Sum(len(failed)),
+            "retries": Sum(sum(o.retries for o in outcomes)),
+            "latency_s": latency,
+        }
         return values, metrics
 
     if lo_hi is None and parser != "yes_no":
@@ -268,8 +286,10 @@ def score_parser(parser: str, pattern: str | None = None) -> Callable[[str], flo
         return _yes_no
     if isinstance(parser, str) and ":" in parser:
         return import_callable(parser, f"judge: parser {parser!r}")
-    raise GrpoError(f"judge: parser must be 'number', 'yes_no' or a 'package.module:function' "
-                    f"path, got {parser!r}")  # fmt: skip
+    raise GrpoError(
+        f"judge: parser must be 'number', 'yes_no' or a 'package.module:function' "
+        f"path, got {parser!r}"
+    )
 
 
 # --------------------------------------------------------------------------- parsers
@@ -337,8 +357,10 @@ def _post(url: str, body: bytes, headers: dict[str, str], timeout_s: float) -> s
         reply = json.loads(data)
         content = reply["choices"][0]["message"]["content"]
     except (ValueError, KeyError, IndexError, TypeError):
-        raise _Failure(f"the reply has no choices[0].message.content: "
-                       f"{_excerpt(data.decode('utf-8', 'replace'))}") from None  # fmt: skip
+        raise _Failure(
+            f"the reply has no choices[0].message.content: "
+            f"{_excerpt(data.decode('utf-8', 'replace'))}"
+        ) from None
     if not isinstance(content, str):
         raise _Failure(f"the reply's choices[0].message.content is {content!r}, not text")
     return content
@@ -405,26 +427,35 @@ def _fields(
     """Per row, the template's fields as strings; a column the template needs and the rows
     lack, or of the wrong length, is a GrpoError naming it."""
     n = len(completions)
-    given = sorted({*columns, *(["question"] if question is not None else []),
-                    *(["ground_truth"] if ground_truth is not None else [])})  # fmt: skip
+    given = sorted(
+        {
+            *columns,
+            *(["question"] if question is not None else []),
+            *(["ground_truth"] if ground_truth is not None else []),
+        }
+    )
     out: dict[str, Sequence[Any]] = {"completion": completions}
     if "question" in used:
         if question is None:
-            raise GrpoError(f"judge: the template uses {{question}} and the rows have no "
-                            f"'question' column (columns: {', '.join(given) or 'none'})"
-                            )  # fmt: skip
+            raise GrpoError(
+                f"judge: the template uses {{question}} and the rows have no "
+                f"'question' column (columns: {', '.join(given) or 'none'})"
+            )
         out["question"] = question
     if "reference" in used:
         reference = ground_truth if ground_truth is not None else columns.get("answer")
         if reference is None:
-            raise GrpoError(f"judge: the template uses {{reference}} and the rows have no "
-                            f"'ground_truth' or 'answer' column (columns: "
-                            f"{', '.join(given) or 'none'})")  # fmt: skip
+            raise GrpoError(
+                f"judge: the template uses {{reference}} and the rows have no "
+                f"'ground_truth' or 'answer' column (columns: "
+                f"{', '.join(given) or 'none'})"
+            )
         out["reference"] = reference
     for name, values in out.items():
         if len(values) != n:
-            raise GrpoError(f"judge: the {name} column has {len(values)} values for {n} "
-                            "completions")  # fmt: skip
+            raise GrpoError(
+                f"judge: the {name} column has {len(values)} values for {n} completions"
+            )
     return [{name: str(values[i]) for name, values in out.items()} for i in range(n)]
 
 
@@ -432,21 +463,26 @@ def _row_error(row: int, completion: str, cause: str) -> GrpoError:
     """The error of a failed row under on_failure: error (named: `call_reward` passes it on
     without calling the reward again row by row, which would send the requests again)."""
     shown = completion if len(completion) <= 60 else completion[:57] + "..."
-    err = GrpoError(f"reward 'judge' failed at row {row} (completion {shown!r}): {cause} "
-                    "(kwargs.on_failure: a number gives failed rows that reward instead)"
-                    )  # fmt: skip
+    err = GrpoError(
+        f"reward 'judge' failed at row {row} (completion {shown!r}): {cause} "
+        "(kwargs.on_failure: a number gives failed rows that reward instead)"
+    )
     err.reward_name = "judge"
     return err
 
 
 def _check_url(base_url: Any) -> str:
     if base_url is None:
-        raise GrpoError("judge: base_url is required: the judge's OpenAI-compatible endpoint, "
-                        "e.g. http://127.0.0.1:8000/v1")  # fmt: skip
+        raise GrpoError(
+            "judge: base_url is required: the judge's OpenAI-compatible endpoint, "
+            "e.g. http://127.0.0.1:8000/v1"
+        )
     parts = urllib.parse.urlsplit(base_url) if isinstance(base_url, str) else None
     if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-        raise GrpoError(f"judge: base_url must be an http(s):// URL such as "
-                        f"http://127.0.0.1:8000/v1, got {base_url!r}")  # fmt: skip
+        raise GrpoError(
+            f"judge: base_url must be an http(s):// URL such as "
+            f"http://127.0.0.1:8000/v1, got {base_url!r}"
+        )
     return base_url.rstrip("/")
 
 
@@ -460,12 +496,16 @@ def _check_template(template: Any) -> frozenset[str]:
         if not unknown:
             template.format(**{f: "x" for f in FIELDS})  # format specs and conversions
     except (ValueError, IndexError, KeyError, AttributeError) as e:
-        raise GrpoError(f"judge: template is not a valid format string ({e}); write a literal "
-                        "brace as {{ or }}") from None  # fmt: skip
+        raise GrpoError(
+            f"judge: template is not a valid format string ({e}); write a literal "
+            "brace as {{ or }}"
+        ) from None
     if unknown:
-        raise GrpoError(f"judge: template has unknown fields {unknown} (fields: "
-                        f"{', '.join('{' + f + '}' for f in FIELDS)}; a literal brace: {{{{ "
-                        "or }})")  # fmt: skip
+        raise GrpoError(
+            f"judge: template has unknown fields {unknown} (fields: "
+            f"{', '.join('{' + f + '}' for f in FIELDS)}; a literal brace: {{{{ "
+            "or }})"
+        )
     return frozenset(names)
 
 
@@ -474,8 +514,9 @@ def _check_scale(scale: Any) -> tuple[float, float] | None:
         return None
     ok = isinstance(scale, (list, tuple)) and len(scale) == 2 and all(map(_is_number, scale))
     if not ok or not scale[0] < scale[1]:
-        raise GrpoError(f"judge: scale must be [lo, hi], two finite numbers with lo < hi, "
-                        f"got {scale!r}")  # fmt: skip
+        raise GrpoError(
+            f"judge: scale must be [lo, hi], two finite numbers with lo < hi, got {scale!r}"
+        )
     return float(scale[0]), float(scale[1])
 
 
@@ -484,8 +525,10 @@ def _check_on_failure(value: Any) -> float | None:
     if value == "error":
         return None
     if not _is_number(value):
-        raise GrpoError(f"judge: on_failure must be 'error' or a finite number (the reward of a "
-                        f"failed row), got {value!r}")  # fmt: skip
+        raise GrpoError(
+            f"judge: on_failure must be 'error' or a finite number (the reward of a "
+            f"failed row), got {value!r}"
+        )
     return float(value)
 
 
@@ -496,8 +539,9 @@ def _check_int(name: str, value: Any, lo: int) -> None:
 
 def _check_number(name: str, value: Any, lo: float, strict: bool = False) -> None:
     if not _is_number(value) or value < lo or (strict and value == lo):
-        raise GrpoError(f"judge: {name} must be a finite number {'>' if strict else '>='} "
-                        f"{lo:g}, got {value!r}")  # fmt: skip
+        raise GrpoError(
+            f"judge: {name} must be a finite number {'>' if strict else '>='} {lo:g}, got {value!r}"
+        )
 
 
 def _is_number(value: Any) -> bool:
@@ -511,8 +555,7 @@ def _api_key(env: Any) -> str:
         raise GrpoError(f"judge: api_key_env must name an environment variable, got {env!r}")
     key = os.environ.get(env)
     if not key:
-        raise GrpoError(f"judge: api_key_env: the environment variable {env} is not set or "
-                        "empty")  # fmt: skip
+        raise GrpoError(f"judge: api_key_env: the environment variable {env} is not set or empty")
     return key
 
 

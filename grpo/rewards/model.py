@@ -50,8 +50,10 @@ def load_reward_model(path: str, device, dtype: str = "float32"):
 
     model_dir = resolve_model_dir(path)
     # the files' identity too: a checkpoint rewritten in place (a rerun) is loaded again
-    stamp = tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size)
-                  for f in sorted(model_dir.glob("*.safetensors")))  # fmt: skip
+    stamp = tuple(
+        (f.name, f.stat().st_mtime_ns, f.stat().st_size)
+        for f in sorted(model_dir.glob("*.safetensors"))
+    )
     key = (str(path), str(device), dtype, stamp)
     with _LOCK:
         if key not in _CACHE:
@@ -62,8 +64,10 @@ def load_reward_model(path: str, device, dtype: str = "float32"):
                     "with `grpo rm` (or give a *ForSequenceClassification checkpoint)"
                 )
             if model.config.num_labels != 1:
-                raise GrpoError(f"reward_model: {path} has {model.config.num_labels} outputs; "
-                                "a reward model has 1")  # fmt: skip
+                raise GrpoError(
+                    f"reward_model: {path} has {model.config.num_labels} outputs; "
+                    "a reward model has 1"
+                )
             for p in model.parameters():
                 p.requires_grad_(False)
             _CACHE[key] = (model.eval(), load_tokenizer(model_dir))
@@ -91,38 +95,65 @@ def make_reward_model(
     if not isinstance(max_length, int) or max_length < 2:
         raise GrpoError(f"reward_model: max_length must be an integer >= 2, got {max_length!r}")
     if normalize not in NORMALIZE:
-        raise GrpoError(f"reward_model: normalize must be one of {', '.join(NORMALIZE)}, "
-                        f"got {normalize!r}")  # fmt: skip
+        raise GrpoError(
+            f"reward_model: normalize must be one of {', '.join(NORMALIZE)}, got {normalize!r}"
+        )
     if dtype not in ("float32", "bfloat16"):
         raise GrpoError(f"reward_model: dtype must be float32 or bfloat16, got {dtype!r}")
-    if reference_column is not None and (not isinstance(reference_column, str)
-                                         or not reference_column):  # fmt: skip
-        raise GrpoError(f"reward_model: reference_column must be a column name, got "
-                        f"{reference_column!r}")  # fmt: skip
+    if reference_column is not None and (
+        not isinstance(reference_column, str) or not reference_column
+    ):
+        raise GrpoError(
+            f"reward_model: reference_column must be a column name, got {reference_column!r}"
+        )
 
-    def reward_model(completions: list[str], *, context: RewardContext | None = None,
-                     question: list[str] | None = None, **columns):  # fmt: skip
+    def reward_model(
+        completions: list[str],
+        *,
+        context: RewardContext | None = None,
+        question: list[str] | None = None,
+        **columns,
+    ):
         if question is None:
-            raise GrpoError("reward_model: the rows have no 'question' column (the prompt the "
-                            "reward model reads with each completion)")  # fmt: skip
+            raise GrpoError(
+                "reward_model: the rows have no 'question' column (the prompt the "
+                "reward model reads with each completion)"
+            )
         context = context or RewardContext()
         device = context.device if context.device is not None else torch.device("cpu")
         refs = None
         if reference_column is not None:
             refs = columns.get(reference_column)
             if refs is None:
-                raise GrpoError(f"reward_model: reference_column {reference_column!r} is not a "
-                                f"column of the rows ({', '.join(sorted(columns))})")  # fmt: skip
+                raise GrpoError(
+                    f"reward_model: reference_column {reference_column!r} is not a "
+                    f"column of the rows ({', '.join(sorted(columns))})"
+                )
         model, tok = load_reward_model(path, device, dtype)
         t0 = time.perf_counter()
-        scores = score_completions(model, tok, list(question), completions, batch_size,
-                                   max_length, system_prompt, context.precision)  # fmt: skip
+        scores = score_completions(
+            model,
+            tok,
+            list(question),
+            completions,
+            batch_size,
+            max_length,
+            system_prompt,
+            context.precision,
+        )
         reported = {}
         if refs is not None:  # each distinct (question, reference) scored once
             pairs = sorted(set(zip(question, map(str, refs))))
-            bound = score_completions(model, tok, [q for q, _ in pairs], [r for _, r in pairs],
-                                      batch_size, max_length, system_prompt,
-                                      context.precision)  # fmt: skip
+            bound = score_completions(
+                model,
+                tok,
+                [q for q, _ in pairs],
+                [r for _, r in pairs],
+                batch_size,
+                max_length,
+                system_prompt,
+                context.precision,
+            )
             cap = dict(zip(pairs, bound.tolist()))
             caps = torch.tensor([cap[(q, str(r))] for q, r in zip(question, refs)])
             reported["capped_frac"] = float((scores > caps).float().mean())
@@ -134,15 +165,23 @@ def make_reward_model(
         if normalize == "batch" and len(raw) > 1:
             std = scores.std().item()
             values = ((scores - scores.mean()) / (std if std > 1e-6 else 1.0)).tolist()
-        return values, {"score_mean": sum(raw) / max(len(raw), 1),
-                        "rows_per_s": len(raw) / max(dt, 1e-9), **reported}  # fmt: skip
+        return values, {
+            "score_mean": sum(raw) / max(len(raw), 1),
+            "rows_per_s": len(raw) / max(dt, 1e-9),
+            **reported,
+        }
 
     reward_model.__name__ = "reward_model"
     return reward_model
 
 
-def encode_rows(tokenizer, questions: list[str], completions: list[str], max_length: int,
-                system_prompt: str | None) -> list[tuple[list[int], list[int]]]:  # fmt: skip
+def encode_rows(
+    tokenizer,
+    questions: list[str],
+    completions: list[str],
+    max_length: int,
+    system_prompt: str | None,
+) -> list[tuple[list[int], list[int]]]:
     """Each row's (prompt ids, completion ids) as the reward model's training pairs were
     encoded (a chat, or plain text for a tokenizer without a chat template), the prompt cut
     from the left to fit `max_length`, the completion cut at its end only when it alone is
@@ -175,10 +214,17 @@ def shared_group_size(prompts: list[list[int]]) -> int | None:
 
 
 @torch.no_grad()
-def score_completions(model, tokenizer, questions: list[str], completions: list[str],
-                      batch_size: int = 16, max_length: int = 1024,
-                      system_prompt: str | None = None, precision=None,
-                      pack: bool | None = None) -> torch.Tensor:  # fmt: skip
+def score_completions(
+    model,
+    tokenizer,
+    questions: list[str],
+    completions: list[str],
+    batch_size: int = 16,
+    max_length: int = 1024,
+    system_prompt: str | None = None,
+    precision=None,
+    pack: bool | None = None,
+) -> torch.Tensor:
     """(B,) float32 scores on the CPU of a classifier `Decoder`, `batch_size` rows per forward.
 
     `pack` (None: as `train.pack_sequences: auto`, `grpo.models.varlen.packs_by_default`): the
@@ -211,8 +257,9 @@ def score_completions(model, tokenizer, questions: list[str], completions: list[
         if packable:
             ids, mask, width = _prompt_completion(rows, batch, pad)
             with autocast:
-                s = packed_sequence_scores(model, ids.to(dev), mask.to(dev), width, pad, G,
-                                           packed_overhead(model))[:, 0]  # fmt: skip
+                s = packed_sequence_scores(
+                    model, ids.to(dev), mask.to(dev), width, pad, G, packed_overhead(model)
+                )[:, 0]
         else:
             T = max(len(rows[i][0]) + len(rows[i][1]) for i in batch)
             ids = torch.full((len(batch), T), pad, dtype=torch.long)

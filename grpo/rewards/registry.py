@@ -181,14 +181,16 @@ def make_combined(weights: Any) -> RewardFn:
     """
     parts = build_rewards(weights)
 
-    def combined(completions: list[str], *, context: RewardContext | None = None,
-                 **columns: Any) -> list[float]:  # fmt: skip
+    def combined(
+        completions: list[str], *, context: RewardContext | None = None, **columns: Any
+    ) -> list[float]:
         total = [0.0] * len(completions)
         for fn, weight in parts:
             name = f"combined/{reward_name(fn)}"
             timeout_s = getattr(fn, "timeout_s", None)
-            values = call_reward(name, fn, completions, columns, timeout_s=timeout_s,
-                                 context=context)  # fmt: skip
+            values = call_reward(
+                name, fn, completions, columns, timeout_s=timeout_s, context=context
+            )
             total = [t + weight * v for t, v in zip(total, values)]
         return total
 
@@ -200,8 +202,10 @@ def _check_timeout(name: str, value: Any) -> float:
     """A reward's timeout_s: a finite number of seconds > 0."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not ok or not math.isfinite(value) or value <= 0:
-        raise GrpoError(f"rewards: timeout_s of {name!r} must be a number of seconds > 0 (or "
-                        f"null for no limit), got {value!r}")  # fmt: skip
+        raise GrpoError(
+            f"rewards: timeout_s of {name!r} must be a number of seconds > 0 (or "
+            f"null for no limit), got {value!r}"
+        )
     return float(value)
 
 

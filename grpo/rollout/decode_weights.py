@@ -47,8 +47,11 @@ def _plain_tensors(model: nn.Module) -> bool:
 
 def _free(m) -> bool:
     """A linear layer in eval mode that no one else computes for (packed weights, a patch)."""
-    return (isinstance(m, (nn.Linear, LoRALinear)) and not m.training
-            and not {"forward", "_packed_base"} & m.__dict__.keys())  # fmt: skip
+    return (
+        isinstance(m, (nn.Linear, LoRALinear))
+        and not m.training
+        and not {"forward", "_packed_base"} & m.__dict__.keys()
+    )
 
 
 def _stamp(tensors) -> tuple:
@@ -97,9 +100,16 @@ class _Stacked:
         dt, layers = self.dtype, self.layers
         w = torch.cat([m.weight.detach() for m in layers]).to(dt)  # (sum out, in)
         has_bias = any(m.bias is not None for m in layers)
-        b = (torch.cat([m.bias.detach() if m.bias is not None
-                        else m.weight.new_zeros(m.weight.shape[0]) for m in layers]).to(dt)
-             if has_bias else None)  # fmt: skip
+        b = (
+            torch.cat(
+                [
+                    m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.weight.shape[0])
+                    for m in layers
+                ]
+            ).to(dt)
+            if has_bias
+            else None
+        )
         adapters = [_adapter(m) for m in layers]
         a_t = b_t = None
         if any(a is not None for a in adapters):
@@ -116,8 +126,10 @@ class _Stacked:
             a_t, b_t = A.t().to(dt), B.t().to(dt)  # (in, R), (R, sum out)
         new = (w, b, a_t, b_t)
         old = (self.weight, self.bias, self.a_t, self.b_t)
-        if all((x is None and y is None) or (x is not None and y is not None
-               and x.shape == y.shape) for x, y in zip(new, old)):  # fmt: skip
+        if all(
+            (x is None and y is None) or (x is not None and y is not None and x.shape == y.shape)
+            for x, y in zip(new, old)
+        ):
             for x, y in zip(new, old):  # in place: a compiled step keeps its graph
                 if y is not None:
                     y.copy_(x)
@@ -170,8 +182,10 @@ class DecodeWeights:
         stacked = set()
         if self.fuse:
             for name, m in self.model.named_modules():
-                groups = {"_fused_qkv": ("q_proj", "k_proj", "v_proj"),
-                          "_fused_gate_up": ("gate_proj", "up_proj")}  # fmt: skip
+                groups = {
+                    "_fused_qkv": ("q_proj", "k_proj", "v_proj"),
+                    "_fused_gate_up": ("gate_proj", "up_proj"),
+                }
                 for attr, parts in groups.items():
                     layers = [getattr(m, p, None) for p in parts]
                     if all(_free(x) for x in layers):

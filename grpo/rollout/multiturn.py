@@ -85,30 +85,40 @@ def sample_turns(
     model = sampler.model
     cfg = model.config
     prompts = check_prompts(prompts, cfg.vocab_size)
-    check_settings(cfg, prompts, group_size, max_total_tokens, temperature, top_k, top_p,
-                   min_p)  # fmt: skip
+    check_settings(cfg, prompts, group_size, max_total_tokens, temperature, top_k, top_p, min_p)
     if max_turns < 1 or max_new_tokens < 1:
         raise GrpoError("max_turns and max_new_tokens must be >= 1")
     dev = model.device
     G = group_size
-    prompt_ids, p_lens, kv_mask = left_pad(prompts, pad_id, max_total_tokens, cfg, dev,
-                                           sampler.slot_multiple)  # fmt: skip
+    prompt_ids, p_lens, kv_mask = left_pad(
+        prompts, pad_id, max_total_tokens, cfg, dev, sampler.slot_multiple
+    )
     T_p = prompt_ids.shape[1]
     gen = torch.Generator(device=dev).manual_seed(seed)
     stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=dev)
-    ends = torch.tensor(sorted(set(stop_ids) | set(turn_end_ids)), dtype=torch.long,
-                        device=dev)  # fmt: skip
+    ends = torch.tensor(sorted(set(stop_ids) | set(turn_end_ids)), dtype=torch.long, device=dev)
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode(), sampler.packing():
             logits, cache = sampler.prefill(prompt_ids, kv_mask, G)
-            out = _turn_loop(sampler,
-                logits, cache, kv_mask.repeat_interleave(G, dim=0),
-                p_lens.repeat_interleave(G), T_p, observe, max_new_tokens, max_turns,
-                lambda lg: next_tokens(lg, gen, temperature, top_k, top_p, min_p), gen,
-                stops, ends, pad_id, max_total_tokens,
-            )  # fmt: skip
+            out = _turn_loop(
+                sampler,
+                logits,
+                cache,
+                kv_mask.repeat_interleave(G, dim=0),
+                p_lens.repeat_interleave(G),
+                T_p,
+                observe,
+                max_new_tokens,
+                max_turns,
+                lambda lg: next_tokens(lg, gen, temperature, top_k, top_p, min_p),
+                gen,
+                stops,
+                ends,
+                pad_id,
+                max_total_tokens,
+            )
     finally:
         model.train(was_training)
     tokens, logprobs, exists, scored, turn_ids, finished, extra = out
@@ -134,8 +144,23 @@ def sample_turns(
     )
 
 
-def _turn_loop(sampler: Sampler, logits, cache, kv_mask, pos, T_p, observe, max_new_tokens,
-               max_turns, draw, gen, stops, ends, pad_id, total):  # fmt: skip
+def _turn_loop(
+    sampler: Sampler,
+    logits,
+    cache,
+    kv_mask,
+    pos,
+    T_p,
+    observe,
+    max_new_tokens,
+    max_turns,
+    draw,
+    gen,
+    stops,
+    ends,
+    pad_id,
+    total,
+):
     """The multi-turn decode/observe loop (see `sample_turns`). Column c of the completion
     region is cache slot T_p + c for every row; it has `total` columns (the cache may have
     more slots: a compiled sampler rounds its length up).
@@ -251,8 +276,9 @@ def _turn_loop(sampler: Sampler, logits, cache, kv_mask, pos, T_p, observe, max_
         exists[act, col : col + L] = real
         turn_ids[act, col : col + L] = torch.where(real, turn, -1)
         positions = pos[:, None] + torch.arange(L, device=dev)[None, :]  # (b, L)
-        hidden = sampler.hidden_states(chunk, position_ids=positions, attention_mask=kv_mask,
-                                       kv_cache=cache)  # (b, L, C)  # fmt: skip
+        hidden = sampler.hidden_states(
+            chunk, position_ids=positions, attention_mask=kv_mask, kv_cache=cache
+        )  # (b, L, C)
         last = hidden[torch.arange(b_now, device=dev), (lens - 1).clamp(min=0)]  # (b, C)
         logits = sampler.logits(last)  # (b, V) after each row's observation
         pos += lens
@@ -301,8 +327,9 @@ class EnvCalls:
         if self.timeout_s is None:
             return fn(*args)
         if self._worker is None:
-            self._worker = threading.Thread(target=self._serve, args=(self._jobs,),
-                                            name="env-calls", daemon=True)  # fmt: skip
+            self._worker = threading.Thread(
+                target=self._serve, args=(self._jobs,), name="env-calls", daemon=True
+            )
             self._worker.start()
         box: dict = {}
         done = threading.Event()
@@ -332,8 +359,13 @@ class EnvCalls:
             self._worker = None
 
 
-def env_prompts(tokenizer, rows: Sequence[dict], envs: Sequence[Environment], G: int,
-                call: Callable | None = None):  # fmt: skip
+def env_prompts(
+    tokenizer,
+    rows: Sequence[dict],
+    envs: Sequence[Environment],
+    G: int,
+    call: Callable | None = None,
+):
     """Start every environment; the prompt of each group: the row's own `prompt_ids`, or the
     rendering (with the environment's tools) of the messages its first environment returned,
     their contents encoded as plain text (`grpo.tokenizer.encode_chat`).

@@ -102,8 +102,12 @@ class PackedLinears:
         plain_head = isinstance(head, nn.Linear) or (
             isinstance(head, LoRALinear) and (head.merged or head.disabled)
         )
-        if (head is None or not plain_head or head.weight.numel() < MIN_NUMEL
-                or cpu_packing_missing(self.head_dtype) is not None):  # fmt: skip
+        if (
+            head is None
+            or not plain_head
+            or head.weight.numel() < MIN_NUMEL
+            or cpu_packing_missing(self.head_dtype) is not None
+        ):
             self._head = None
         elif not self._fresh(self._head, head.weight):
             self._head = None
@@ -130,9 +134,14 @@ class PackedLinears:
         self.refresh()
         layers = dict(self._layers())
         # a LoRA layer's base matmul reads `_packed_base` (grpo.lora.layers)
-        items = ((layers[name], "_packed_base" if isinstance(layers[name], LoRALinear)
-                  else "forward", _bind(packed, bias))
-                 for name, (_, _, packed, bias) in self._packs.items())  # fmt: skip
+        items = (
+            (
+                layers[name],
+                "_packed_base" if isinstance(layers[name], LoRALinear) else "forward",
+                _bind(packed, bias),
+            )
+            for name, (_, _, packed, bias) in self._packs.items()
+        )
         with instance_attributes(self, items):
             yield self
 

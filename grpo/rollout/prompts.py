@@ -84,8 +84,9 @@ def check_settings(cfg, prompts, group_size, max_new_tokens, temperature, top_k,
             )
 
 
-def left_pad(prompts: list[list[int]], pad_id: int, new_slots: int, cfg, device,
-             slot_multiple: int = 1):  # fmt: skip
+def left_pad(
+    prompts: list[list[int]], pad_id: int, new_slots: int, cfg, device, slot_multiple: int = 1
+):
     """The P prompts left-padded, with the attention mask over every KV-cache slot.
 
     Args:

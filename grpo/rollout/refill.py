@@ -70,8 +70,9 @@ def refill_step(sampler, st: RefillState, cache: RowKVCache, sampling) -> None:
     st.step_of.add_(1)
 
 
-def refill_loop(sampler, prompt_ids, kv_mask, G, uniforms, sampling, stops, max_rows, step,
-                prepare):  # fmt: skip
+def refill_loop(
+    sampler, prompt_ids, kv_mask, G, uniforms, sampling, stops, max_rows, step, prepare
+):
     """Decode B = P*G rows through `max_rows` slots, refilling finished slots.
 
     Args:
@@ -137,8 +138,9 @@ def refill_loop(sampler, prompt_ids, kv_mask, G, uniforms, sampling, stops, max_
         s_idx, r_idx = torch.tensor(slots, device=dev), torch.tensor(rows, device=dev)
         cache.load(s_idx, prefix, which, T_p)
         # each newcomer's first token, from its prompt's logits and its own uniform of step 0
-        tok, lp = next_tokens(logits.index_select(0, which), None, *sampling,
-                              uniforms=st.uniforms[r_idx, 0])  # fmt: skip
+        tok, lp = next_tokens(
+            logits.index_select(0, which), None, *sampling, uniforms=st.uniforms[r_idx, 0]
+        )
         st.out_tok[r_idx, 0], st.out_lp[r_idx, 0] = tok, lp
         fresh = torch.full((len(rows), L), float("-inf"), dtype=st.mask.dtype, device=dev)
         fresh[:, :T_p].masked_fill_(kv_mask[p_idx].index_select(0, which), 0.0)

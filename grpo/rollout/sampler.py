@@ -351,8 +351,11 @@ class Sampler:
         """Bytes of the compiled step's decode caches, kept between calls (0 when eager, and
         after `release_caches`): the same tensors every call of a shape, so CUDA graphs replay
         in place. docs/precision.md has the cost at 0.6B."""
-        return sum(t.numel() * t.element_size()
-                   for c in self._caches.values() for t in [*c.k_layers, *c.v_layers])  # fmt: skip
+        return sum(
+            t.numel() * t.element_size()
+            for c in self._caches.values()
+            for t in [*c.k_layers, *c.v_layers]
+        )
 
     def release_caches(self) -> int:
         """Free the compiled step's decode caches (a trainer calls this after its rollouts,
@@ -414,9 +417,12 @@ class Sampler:
         except Exception as e:  # inductor raises many types; any of them means "cannot compile"
             if not self.fallback:
                 raise
-            log.warning("compiling the decode step failed (%s: %s); decoding eagerly "
-                        "(set rollout.compile: off to skip the attempt)", type(e).__name__,
-                        str(e).splitlines()[0] if str(e) else "")  # fmt: skip
+            log.warning(
+                "compiling the decode step failed (%s: %s); decoding eagerly "
+                "(set rollout.compile: off to skip the attempt)",
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
+            )
             self._decode_fn = self._decode_step
             self._iterate_compiled = False
             return eager(*args, **kwargs)
@@ -429,8 +435,13 @@ class Sampler:
     def _decode_step(self, tokens, position_ids, attention_mask, cache) -> torch.Tensor:
         """`decode`'s eager body: (B, 1) ids -> (B, V) float32 logits."""
         with self.precision.autocast(tokens.device):
-            hidden = self.model(tokens, position_ids=position_ids, attention_mask=attention_mask,
-                                kv_cache=cache, return_hidden=True)  # (B, 1, C)  # fmt: skip
+            hidden = self.model(
+                tokens,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                kv_cache=cache,
+                return_hidden=True,
+            )  # (B, 1, C)
         return self.logits(hidden[:, -1])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -501,8 +512,9 @@ class Sampler:
         check_settings(cfg, prompts, group_size, max_new_tokens, temperature, top_k, top_p, min_p)
         dev = model.device
         G = group_size
-        prompt_ids, prompt_lens, kv_mask = left_pad(prompts, pad_id, max_new_tokens, cfg, dev,
-                                                    self.slot_multiple)  # fmt: skip
+        prompt_ids, prompt_lens, kv_mask = left_pad(
+            prompts, pad_id, max_new_tokens, cfg, dev, self.slot_multiple
+        )
         T_p = prompt_ids.shape[1]
         # Completion slots are open from the start: a query never sees a later slot (the causal
         # mask hides it), so no per-step mask update is needed.
@@ -512,8 +524,7 @@ class Sampler:
         B = prompt_lens.shape[0]
         # Each row's own random stream, keyed by (seed, row, step): a row draws the same
         # tokens whatever runs beside it (`row_uniforms`). One (B, T_c) table per rollout.
-        hooked = any(x is not None
-                     for x in (repetition_penalty, logit_bias, constraint, on_step))  # fmt: skip
+        hooked = any(x is not None for x in (repetition_penalty, logit_bias, constraint, on_step))
         refill = 0 < self.max_rows < B and not hooked
         # refill: k more steps per row, drawn by a finished row until the next sync frees it
         uniforms = row_uniforms(seed, B, max_new_tokens + self.sync_every * refill, dev)
@@ -551,18 +562,38 @@ class Sampler:
                 # 0.99x at 512, interleaved in one process)
                 shared = not self.compile and G > 1 and share_prompt_kv(dev)
                 if refill:  # at most max_rows rows at once, finished ones replaced
-                    out = refill_loop(self, prompt_ids, kv_mask[:, :T_p], G, uniforms,
-                                      sampling, stops, self.max_rows,
-                                      functools.partial(self._refill, sampling),
-                                      self._prepare_refill)  # fmt: skip
+                    out = refill_loop(
+                        self,
+                        prompt_ids,
+                        kv_mask[:, :T_p],
+                        G,
+                        uniforms,
+                        sampling,
+                        stops,
+                        self.max_rows,
+                        functools.partial(self._refill, sampling),
+                        self._prepare_refill,
+                    )
                 else:
                     logits, cache = self.prefill(prompt_ids, kv_mask, G, shared=shared)
                     kv_mask = kv_mask.repeat_interleave(G, dim=0)  # (B, max_len)
-                    loop = (self._compiled_loop if self.compile and self._iterate_compiled
-                            and not hooked else self._decode_loop)  # fmt: skip
+                    loop = (
+                        self._compiled_loop
+                        if self.compile and self._iterate_compiled and not hooked
+                        else self._decode_loop
+                    )
                     try:
-                        out = loop(logits, cache, kv_mask, prompt_lens, uniforms, draw, stops,
-                                   sampling, T_p)  # fmt: skip
+                        out = loop(
+                            logits,
+                            cache,
+                            kv_mask,
+                            prompt_lens,
+                            uniforms,
+                            draw,
+                            stops,
+                            sampling,
+                            T_p,
+                        )
                     finally:
                         cache.limit = None  # a kept cache: the next call sets its own
         finally:
@@ -594,9 +625,12 @@ class Sampler:
         )
 
     def prefill(
-        self, prompt_ids: torch.Tensor, kv_mask: torch.Tensor, group_size: int,
+        self,
+        prompt_ids: torch.Tensor,
+        kv_mask: torch.Tensor,
+        group_size: int,
         shared: bool = False,
-    ) -> tuple[torch.Tensor, KVCache | GroupedKVCache]:  # fmt: skip
+    ) -> tuple[torch.Tensor, KVCache | GroupedKVCache]:
         """Run the P prompts once; each prompt's keys and values then serve its G rows.
 
         Two cache layouts: by default each prompt's KV rows are copied G times into a cache of
@@ -625,8 +659,13 @@ class Sampler:
         T_p = prompt_ids.shape[1]
         if shared and self.compile:
             raise GrpoError("prefill(shared=True) is for eager decoding; this sampler compiles")
-        cache = KVCache.for_model(model, rows=P, max_len=T_p if shared else max_len,
-                                  static=self.compile, dtype=self.precision.kv_dtype)  # fmt: skip
+        cache = KVCache.for_model(
+            model,
+            rows=P,
+            max_len=T_p if shared else max_len,
+            static=self.compile,
+            dtype=self.precision.kv_dtype,
+        )
         hidden = self.hidden_states(prompt_ids, attention_mask=kv_mask, kv_cache=cache)
         logits = self.logits(hidden[:, -1])  # (P, V): the last position only
         if shared:
@@ -642,16 +681,18 @@ class Sampler:
         key = (rows, max_len, self.precision.kv_dtype)
         c = self._caches.get(key)
         if c is None:
-            c = KVCache.for_model(self.model, rows=rows, max_len=max_len, static=True,
-                                  dtype=self.precision.kv_dtype)  # fmt: skip
+            c = KVCache.for_model(
+                self.model, rows=rows, max_len=max_len, static=True, dtype=self.precision.kv_dtype
+            )
             if self._cuda:  # unguarded: a new cache re-records CUDA graphs, not a recompile
                 for t in [*c.k_layers, *c.v_layers, c.pos_tensor]:
                     torch._dynamo.mark_static_address(t, guard=False)
             self._caches[key] = c
         return c
 
-    def _decode_loop(self, logits, cache, kv_mask, prompt_lens, uniforms, draw, stops, sampling,
-                     T_p):  # fmt: skip
+    def _decode_loop(
+        self, logits, cache, kv_mask, prompt_lens, uniforms, draw, stops, sampling, T_p
+    ):
         """Sample from `logits` (B, V), feed the tokens back, repeat; all rows in one batch.
 
         Rows that have stopped keep decoding (the batch keeps its shape) but what they draw
@@ -701,12 +742,14 @@ class Sampler:
         a multiple of 8 elements (a view of the first S), as the forward's own masks are."""
         B, S = kv_mask.shape
         S_8 = -(-S // 8) * 8
-        out = torch.zeros(B, 1, 1, S_8, dtype=self.precision.compute_dtype,
-                          device=kv_mask.device)[..., :S]  # fmt: skip
+        out = torch.zeros(B, 1, 1, S_8, dtype=self.precision.compute_dtype, device=kv_mask.device)[
+            ..., :S
+        ]
         return out.masked_fill_(~kv_mask[:, None, None, :], float("-inf"))
 
-    def _compiled_loop(self, logits, cache, kv_mask, prompt_lens, uniforms, draw, stops,
-                       sampling, T_p):  # fmt: skip
+    def _compiled_loop(
+        self, logits, cache, kv_mask, prompt_lens, uniforms, draw, stops, sampling, T_p
+    ):
         """`_decode_loop` with each iteration after the first one compiled call
         (`_iteration`: forward, head, draw, stop test, position update), its state in tensors
         kept across calls of the same shape (CUDA graphs replay in place); same returns."""
@@ -721,9 +764,16 @@ class Sampler:
                 break
             self._bound(cache, T_p + t)
             if self._iterate_compiled:
-                self._run_compiled(self._compiled_iteration, self._iteration,
-                                   ("iteration", B, T, cache.max_len, cache.dtype), st, cache,
-                                   kv_mask, stops, sampling)  # fmt: skip
+                self._run_compiled(
+                    self._compiled_iteration,
+                    self._iteration,
+                    ("iteration", B, T, cache.max_len, cache.dtype),
+                    st,
+                    cache,
+                    kv_mask,
+                    stops,
+                    sampling,
+                )
             else:  # a fallback in this call
                 self._iteration(st, cache, kv_mask, stops, sampling)
             steps += 1
@@ -807,9 +857,15 @@ class _LoopState:
     @classmethod
     def empty(cls, B: int, T: int, device) -> _LoopState:
         z = functools.partial(torch.zeros, device=device)
-        return cls(z(B, T, dtype=torch.long), z(B, T), z(B, dtype=torch.bool),
-                   z(B, 1, dtype=torch.long), z(B, 1, dtype=torch.long),
-                   z(1, dtype=torch.long), z(B, T, dtype=torch.float64))  # fmt: skip
+        return cls(
+            z(B, T, dtype=torch.long),
+            z(B, T),
+            z(B, dtype=torch.bool),
+            z(B, 1, dtype=torch.long),
+            z(B, 1, dtype=torch.long),
+            z(1, dtype=torch.long),
+            z(B, T, dtype=torch.float64),
+        )
 
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]

@@ -140,8 +140,10 @@ class Failures:
             kind = collective_failure(e)
             if kind is None:  # a bug or a system error: its traceback stays
                 self._publish(True, _error_line(e))
-                self._error_file(f"rank {self.dist.rank} ({self.where.label}): {_error_line(e)}",
-                                 callstack=traceback.format_exc())  # fmt: skip
+                self._error_file(
+                    f"rank {self.dist.rank} ({self.where.label}): {_error_line(e)}",
+                    callstack=traceback.format_exc(),
+                )
                 raise
             log.debug("rank %d: collective failed: %s", self.dist.rank, e)
             line = self._stopped(kind, timeout_s, _backend_line(e))
@@ -172,8 +174,9 @@ class Failures:
         else the ranks that published nothing, as gone or hung."""
         me = self.dist.rank
         reports = self._reports(narrow=kind != "failed")
-        failed = sorted((r for r in reports.values() if r.failed and r.rank != me),
-                        key=lambda r: r.time)  # fmt: skip
+        failed = sorted(
+            (r for r in reports.values() if r.failed and r.rank != me), key=lambda r: r.time
+        )
         if failed:
             root = failed[0]
             cause = f"rank {root.rank} failed ({root.where}): {root.cause}"
@@ -191,11 +194,15 @@ class Failures:
             return f"rank {me} ({self.where.label}): stopped: {cause}"
         who = _ranks(missing)
         if kind == "timeout":
-            cause = (f"{who} did not reach this collective within train.dist_timeout_s="
-                     f"{timeout_s:g} s (hung or too slow)")  # fmt: skip
+            cause = (
+                f"{who} did not reach this collective within train.dist_timeout_s="
+                f"{timeout_s:g} s (hung or too slow)"
+            )
         else:
-            cause = (f"{who} left the job without a report (killed, os._exit or a crash; "
-                     "torchrun's summary gives its exit code)")  # fmt: skip
+            cause = (
+                f"{who} left the job without a report (killed, os._exit or a crash; "
+                "torchrun's summary gives its exit code)"
+            )
         waited = timeout_s if kind == "timeout" else None
         self._publish(False, cause, blames=missing, waited=waited)
         return f"rank {me} ({self.where.label}): stopped: {cause}"
@@ -249,12 +256,14 @@ class Failures:
 
     # ------------------------------------------------------------------ store, error file
 
-    def _publish(self, failed: bool, cause: str, blames: tuple[int, ...] = (),
-                 waited: float | None = None) -> None:  # fmt: skip
+    def _publish(
+        self, failed: bool, cause: str, blames: tuple[int, ...] = (), waited: float | None = None
+    ) -> None:
         if self.store is None or self._published:
             return
-        report = Report(self.dist.rank, failed, self.where.label, cause, tuple(blames), waited,
-                        time.time())  # fmt: skip
+        report = Report(
+            self.dist.rank, failed, self.where.label, cause, tuple(blames), waited, time.time()
+        )
         try:
             self.store.set(KEY.format(self.dist.rank), json.dumps(asdict(report)))
             self._published = True
@@ -291,8 +300,12 @@ class Failures:
             return
         text = f"{self.command}: error: {line}"
         stamp = int(time.time()) + (2 if secondary else 0)
-        data = {"message": {"message": text, "extraInfo": {"py_callstack": callstack or text,
-                                                           "timestamp": str(stamp)}}}  # fmt: skip
+        data = {
+            "message": {
+                "message": text,
+                "extraInfo": {"py_callstack": callstack or text, "timestamp": str(stamp)},
+            }
+        }
         with contextlib.suppress(OSError):
             Path(path).write_text(json.dumps(data))
 

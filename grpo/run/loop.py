@@ -61,8 +61,9 @@ class GuardStop(GrpoError):
         self.rank = rank
 
 
-def run_training(cfg: Config, kind: str, resume: bool, overwrite: bool, train_fn, on_step,
-                 producer_fn=None):  # fmt: skip
+def run_training(
+    cfg: Config, kind: str, resume: bool, overwrite: bool, train_fn, on_step, producer_fn=None
+):
     """One process (or torchrun rank) of a training job around `train_fn`: join the job, claim
     the run directory, report a failure on any rank as one line per rank naming the rank that
     failed, its phase and step and the cause (`grpo.run.failures`; `train_fn` keeps the `Where`
@@ -79,8 +80,9 @@ def run_training(cfg: Config, kind: str, resume: bool, overwrite: bool, train_fn
             write nothing; the trainer ranks get their own group as `dist`, and `roles`.
     """
     offload = cfg.train.parallel == "fsdp" and cfg.train.fsdp_offload  # CPU shards: gloo too
-    dist = init_distributed(resolve_device(cfg.model.device).type, cfg.train.dist_timeout_s,
-                            cpu_collectives=offload)  # fmt: skip
+    dist = init_distributed(
+        resolve_device(cfg.model.device).type, cfg.train.dist_timeout_s, cpu_collectives=offload
+    )
     where = Where()
     failures = Failures(dist, where, f"grpo {kind}")
     try:
@@ -165,12 +167,16 @@ class Run:
         if ckpt is None:
             every = self.cfg.train.save_every
             when = f"every {every} steps" if every else "at the end only"
-            kept = (f"no checkpoint was written before it (train.save_every={every}: "
-                    f"{when}); start again with --overwrite")  # fmt: skip
+            kept = (
+                f"no checkpoint was written before it (train.save_every={every}: "
+                f"{when}); start again with --overwrite"
+            )
         else:
             step = int(ckpt.name.removeprefix("step_"))
-            kept = (f"the last checkpoint stays: {ckpt} (step {step}); resume from it with: "
-                    f"{self.rundir.resume_command(dist)}")  # fmt: skip
+            kept = (
+                f"the last checkpoint stays: {ckpt} (step {step}); resume from it with: "
+                f"{self.rundir.resume_command(dist)}"
+            )
         return _completed(error, f"nothing saved ({why}); {kept}", dist)
 
     def _checkpoint(self, policy: Policy, dist, save: bool) -> Path:
@@ -188,10 +194,17 @@ class Run:
         with rank_local(dist, where):
             if save and dist.is_main:
                 save_checkpoint(
-                    self.out_dir, self.state, policy.model, self.optimizer, self.scheduler,
-                    config_to_dict(cfg), cfg.train.keep_last, rng_states=rngs, sharded=sharded,
+                    self.out_dir,
+                    self.state,
+                    policy.model,
+                    self.optimizer,
+                    self.scheduler,
+                    config_to_dict(cfg),
+                    cfg.train.keep_last,
+                    rng_states=rngs,
+                    sharded=sharded,
                     extra=self.modules.save if self.modules else None,
-                )  # fmt: skip
+                )
         return self.out_dir / "checkpoints" / f"step_{self.state.step:06d}"
 
     def _save_shards(self, policy: Policy, dist, where: Where) -> tuple[Path, list[dict]]:
@@ -211,8 +224,9 @@ class Run:
             final = tmp.parent / f"step_{self.state.step:06d}"
             lines = str(e).strip().splitlines()
             why = lines[0] if lines else type(e).__name__
-            raise GrpoError(f"could not write checkpoint {final}: {why}; the checkpoints "
-                            "already written stay") from None  # fmt: skip
+            raise GrpoError(
+                f"could not write checkpoint {final}: {why}; the checkpoints already written stay"
+            ) from None
         return tmp, groups
 
     def finish(self, policy: Policy, dist, metrics: dict) -> dict:
@@ -268,9 +282,15 @@ def start_run(
     if header and dist.is_main:
         log.info("run: %s", " | ".join(f"{k.split('/', 1)[-1]} {v}" for k, v in header.items()))
     logger = MetricLogger(
-        rundir.path, dist.is_main, cfg.log.tensorboard, cfg.log.wandb, cfg.log.wandb_project,
-        config_to_dict(cfg), resume_step=state.step if rundir.resume else None, header=header,
-    )  # fmt: skip
+        rundir.path,
+        dist.is_main,
+        cfg.log.tensorboard,
+        cfg.log.wandb,
+        cfg.log.wandb_project,
+        config_to_dict(cfg),
+        resume_step=state.step if rundir.resume else None,
+        header=header,
+    )
     return Run(cfg, rundir.path, params, optimizer, scheduler, state, logger, rundir, modules)
 
 

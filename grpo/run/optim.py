@@ -69,8 +69,7 @@ def weights_finite(params) -> torch.Tensor:
     return torch.stack([p.to(peaks[0].device) for p in peaks]).isfinite().all()
 
 
-def nonfinite_streak(bad_steps: int, loss: float, grad_norm: float, limit: int,
-                     step: int) -> int:  # fmt: skip
+def nonfinite_streak(bad_steps: int, loss: float, grad_norm: float, limit: int, step: int) -> int:
     """The consecutive skipped (non-finite) updates after this one: 0 after a finite update.
     Raises GrpoError at `limit` (train.max_nonfinite_steps): SFT's and `grpo rm`'s stop."""
     bad_steps = 0 if math.isfinite(loss) and math.isfinite(grad_norm) else bad_steps + 1

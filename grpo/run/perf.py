@@ -15,8 +15,16 @@ def phase_bar(show: bool, desc: str, total: int | None, unit: str) -> tqdm:
     """A progress bar of one phase of a step (the rollout's decode steps, the reference pass's
     micro-batches, ...), under the run's bar: shown when `show` (train.progress, on rank 0)
     once the phase has run `PHASE_BAR_DELAY_S` seconds, and removed when it closes."""
-    return tqdm(total=total, desc=desc, unit=unit, disable=not show, leave=False,
-                delay=PHASE_BAR_DELAY_S, position=1, dynamic_ncols=True)  # fmt: skip
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        disable=not show,
+        leave=False,
+        delay=PHASE_BAR_DELAY_S,
+        position=1,
+        dynamic_ncols=True,
+    )
 
 
 def peak_mem_mib(device: torch.device) -> float:

@@ -204,8 +204,9 @@ def check_output_dir(path: str | Path, field: str) -> None:
             f"{field}: {str(p)!r} cannot be created: {str(existing)!r} is a file, not a directory"
         )
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise PreflightError(f"{field}: {str(existing)!r} is not writable, so {str(p)!r} can "
-                             "not be written")  # fmt: skip
+        raise PreflightError(
+            f"{field}: {str(existing)!r} is not writable, so {str(p)!r} can not be written"
+        )
 
 
 def read_model_config(path_or_id: str | Path) -> tuple[ModelConfig, str]:
@@ -375,14 +376,18 @@ def same_data_notice(cfg: Config) -> str | None:
     path = Path(str(source)).expanduser()
     if path.is_file() and train[1:] == evaluation[1:]:
         field = "data.source" if d.source is not None else "data.dataset"
-        return (f"{field}: one file ({source}) serves both data.split={d.split!r} and "
-                f"data.eval_split={d.eval_split!r} (a file is read whatever the split name): "
-                "the evaluation scores training problems; give a directory with a file per "
-                "split, or slice the file (e.g. data.split='train[:90%]', "
-                "data.eval_split='train[90%:]')")  # fmt: skip
+        return (
+            f"{field}: one file ({source}) serves both data.split={d.split!r} and "
+            f"data.eval_split={d.eval_split!r} (a file is read whatever the split name): "
+            "the evaluation scores training problems; give a directory with a file per "
+            "split, or slice the file (e.g. data.split='train[:90%]', "
+            "data.eval_split='train[90%:]')"
+        )
     if train == evaluation:
-        return (f"data.eval_split: {d.eval_split!r} is data.split: the evaluation scores "
-                "training problems; name a held-out split (e.g. test)")  # fmt: skip
+        return (
+            f"data.eval_split: {d.eval_split!r} is data.split: the evaluation scores "
+            "training problems; name a held-out split (e.g. test)"
+        )
     return None
 
 
@@ -401,16 +406,19 @@ def observation_overhead(tokenizer=None) -> int:
     from grpo.tokenizer import message_delta_ids
 
     try:
-        glue = max(len(message_delta_ids(tokenizer, {"role": "tool", "content": ""},
-                                         after_stop=s)) for s in (True, False))  # fmt: skip
+        glue = max(
+            len(message_delta_ids(tokenizer, {"role": "tool", "content": ""}, after_stop=s))
+            for s in (True, False)
+        )
         mark = len(tokenizer(TRUNCATION_MARK, add_special_tokens=False)["input_ids"])
     except Exception:  # no chat template: the sampler fails on its own, naming it
         return OBS_GLUE_TOKENS
     return glue + mark
 
 
-def guaranteed_turns(max_new_tokens: int, max_turns: int, max_obs_tokens: int, total: int,
-                     overhead: int) -> int:  # fmt: skip
+def guaranteed_turns(
+    max_new_tokens: int, max_turns: int, max_obs_tokens: int, total: int, overhead: int
+) -> int:
     """Turns every trajectory gets within `total` completion slots when each turn runs to
     max_new_tokens and each observation to max_obs_tokens (+ `overhead`): the largest k <=
     max_turns with k * max_new_tokens + (k - 1) * (max_obs_tokens + overhead) <= total
@@ -481,8 +489,9 @@ def check_lora(cfg: Config, meta: Decoder) -> None:
         return
     layers = _lora_layers(cfg, meta)
     if not layers:
-        names = sorted({n.rsplit(".", 1)[-1] for n, m in meta.named_modules()
-                        if type(m) is nn.Linear})  # fmt: skip
+        names = sorted(
+            {n.rsplit(".", 1)[-1] for n, m in meta.named_modules() if type(m) is nn.Linear}
+        )
         raise PreflightError(
             f"lora.targets: {list(cfg.lora.targets)} match no linear layer; available: {names}"
         )
@@ -652,8 +661,18 @@ def check_memory(
     need = estimate.total * sharing
     if need <= free:
         return
-    parts = {k: getattr(estimate, k) for k in ("weights", "reference", "optimizer", "rollout",
-                                                 "training", "evaluation", "producer")}  # fmt: skip
+    parts = {
+        k: getattr(estimate, k)
+        for k in (
+            "weights",
+            "reference",
+            "optimizer",
+            "rollout",
+            "training",
+            "evaluation",
+            "producer",
+        )
+    }
     shown = ", ".join(f"{k} {v / _GIB:.2f}" for k, v in parts.items() if v)
     largest = max(parts, key=parts.get)
     ranks = f" x {sharing} ranks" if sharing > 1 else ""
@@ -711,14 +730,18 @@ def preflight_eval(
         each model's `ModelConfig`, in order (for `check_eval_rows`).
     """
     problems: list[str] = []
-    for flag, value in (("--max-new-tokens", max_new_tokens), ("--batch-size", batch_size),
-                        ("--max-samples", max_samples)):  # fmt: skip
+    for flag, value in (
+        ("--max-new-tokens", max_new_tokens),
+        ("--batch-size", batch_size),
+        ("--max-samples", max_samples),
+    ):
         if value is not None and value < 1:
             problems.append(f"{flag}: must be >= 1, got {value}")
     if max_samples is not None and data.split(":")[0] in GENERATED_DATASETS:
         if max_samples > GENERATED_ROWS_MAX:
-            problems.append(f"--max-samples: {max_samples} rows of generated data; at most "
-                            f"{GENERATED_ROWS_MAX}")  # fmt: skip
+            problems.append(
+                f"--max-samples: {max_samples} rows of generated data; at most {GENERATED_ROWS_MAX}"
+            )
     configs = []
     budget = eval_command_budget(max_new_tokens, env, max_turns)
     for model in models:
@@ -760,8 +783,9 @@ def check_eval_rows(
     for mc in configs:
         weights = sum(p.numel() for p in meta_decoder(mc).parameters()) * 4  # float32 load
         estimate = MemoryEstimate(weights, 0, 0, 0, 0, sampling_bytes(mc, rows_per_call, tokens, 4))
-        fields = dict.fromkeys(("weights", "reference", "optimizer", "rollout", "training"),
-                               "--model")  # fmt: skip
+        fields = dict.fromkeys(
+            ("weights", "reference", "optimizer", "rollout", "training"), "--model"
+        )
         fields["evaluation"] = "--batch-size"
         check_memory(estimate, device, 1, fields, override="pass --skip-memory-check")
 

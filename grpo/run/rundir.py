@@ -43,9 +43,17 @@ LOCK_FILE = "run.lock"
 # What a run writes into its directory: `overwrite` removes these and nothing else (a user's
 # own files beside them stay).
 RUN_OUTPUTS = (
-    "checkpoints", "final", ".final.tmp", "metrics.jsonl", "metrics.jsonl.tmp", "config.yaml",
-    "config.resume.yaml", "tensorboard", "wandb", "curves.png",
-)  # fmt: skip
+    "checkpoints",
+    "final",
+    ".final.tmp",
+    "metrics.jsonl",
+    "metrics.jsonl.tmp",
+    "config.yaml",
+    "config.resume.yaml",
+    "tensorboard",
+    "wandb",
+    "curves.png",
+)
 # Keys of `resume_conflicts` that name files or directories: compared as paths.
 _PATH_KEYS = {"model.path", "model.tokenizer", "model.adapter", "lora.adapter", "data.source"}
 
@@ -220,16 +228,23 @@ class RunLock:
             if held is not None:
                 if lock_is_live(held, path):
                     raise _in_use(run_dir, held)
-                log.warning("%s: taking over the stale lock of %s (that process is gone)",
-                            run_dir, _holder(held))  # fmt: skip
+                log.warning(
+                    "%s: taking over the stale lock of %s (that process is gone)",
+                    run_dir,
+                    _holder(held),
+                )
                 path.unlink(missing_ok=True)
             try:
                 _create_exclusive(path, json.dumps(record))
             except FileExistsError:  # another host took it between our check and our link
                 raise _in_use(run_dir, read_lock(path) or {}) from None
         lock = cls(path, token)
-        threading.Thread(target=_renew, args=(path, token, lock.stop, heartbeat_s),
-                         name="grpo-run-lock", daemon=True).start()  # fmt: skip
+        threading.Thread(
+            target=_renew,
+            args=(path, token, lock.stop, heartbeat_s),
+            name="grpo-run-lock",
+            daemon=True,
+        ).start()
         return lock
 
     def release(self) -> None:
@@ -363,13 +378,19 @@ def warn_plugin_changes(run_dir: Path, ckpt: Path) -> None:
     now = {spec: {"version": p.version} for spec, p in loaded_plugins().items()}
     changes = plugin_changes(saved if isinstance(saved, dict) else {}, now)
     if changes:
-        log.warning("--resume: the plugins differ from those of the start that saved %s "
-                    "(metrics.jsonl, step %s): %s; the names they register may run other code "
-                    "now", ckpt.name, earlier[-1].get("step"), "; ".join(changes))  # fmt: skip
+        log.warning(
+            "--resume: the plugins differ from those of the start that saved %s "
+            "(metrics.jsonl, step %s): %s; the names they register may run other code "
+            "now",
+            ckpt.name,
+            earlier[-1].get("step"),
+            "; ".join(changes),
+        )
 
 
-def check_run_dir(cfg: Config, kind: str, resume: bool, overwrite: bool,
-                  world_size: int = 1) -> Path | None:  # fmt: skip
+def check_run_dir(
+    cfg: Config, kind: str, resume: bool, overwrite: bool, world_size: int = 1
+) -> Path | None:
     """The read-only checks of a start in cfg.train.output_dir (nothing is written).
 
     Returns:
@@ -381,8 +402,9 @@ def check_run_dir(cfg: Config, kind: str, resume: bool, overwrite: bool,
     """
     run_dir = Path(cfg.train.output_dir)
     if resume and overwrite:
-        raise GrpoError("--resume and --overwrite exclude each other: continue the run, or "
-                        "replace it")  # fmt: skip
+        raise GrpoError(
+            "--resume and --overwrite exclude each other: continue the run, or replace it"
+        )
     held = read_lock(run_dir / LOCK_FILE)
     if held is not None and lock_is_live(held, run_dir / LOCK_FILE):
         raise _in_use(run_dir, held)
@@ -390,8 +412,10 @@ def check_run_dir(cfg: Config, kind: str, resume: bool, overwrite: bool,
         used = earlier_run(run_dir)
         if used and not overwrite:
             how = "continue it with --resume, replace" if list_checkpoints(run_dir) else "replace"
-            raise GrpoError(f"train.output_dir {run_dir} holds {used}; {how} it with "
-                            "--overwrite, or choose another train.output_dir")  # fmt: skip
+            raise GrpoError(
+                f"train.output_dir {run_dir} holds {used}; {how} it with "
+                "--overwrite, or choose another train.output_dir"
+            )
         return None
     ckpt, skipped = find_checkpoint(run_dir)
     for path, why in skipped:
@@ -399,15 +423,21 @@ def check_run_dir(cfg: Config, kind: str, resume: bool, overwrite: bool,
     if ckpt is None:
         if skipped:
             path, why = skipped[0]
-            raise GrpoError(f"--resume: no valid checkpoint in {run_dir / 'checkpoints'} "
-                            f"(newest {path.name}: {why})")  # fmt: skip
+            raise GrpoError(
+                f"--resume: no valid checkpoint in {run_dir / 'checkpoints'} "
+                f"(newest {path.name}: {why})"
+            )
         raise GrpoError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
     if skipped:
-        log.warning("resuming from %s instead of the newer, broken %s", ckpt.name,
-                    ", ".join(p.name for p, _ in skipped))  # fmt: skip
+        log.warning(
+            "resuming from %s instead of the newer, broken %s",
+            ckpt.name,
+            ", ".join(p.name for p, _ in skipped),
+        )
     saved = read_json(ckpt / "config.json", "the run config a checkpoint was saved with")
-    conflicts = resume_conflicts(saved if isinstance(saved, dict) else {}, config_to_dict(cfg),
-                                 kind)  # fmt: skip
+    conflicts = resume_conflicts(
+        saved if isinstance(saved, dict) else {}, config_to_dict(cfg), kind
+    )
     if conflicts:
         raise GrpoError(
             f"--resume: the config changes {', '.join(conflicts)} from checkpoint {ckpt}; a "
@@ -429,8 +459,9 @@ def check_run_dir(cfg: Config, kind: str, resume: bool, overwrite: bool,
     return ckpt
 
 
-def _check_global_batch(ckpt: Path, saved: dict, saved_ranks: int, batch_size: int,
-                        world_size: int) -> None:  # fmt: skip
+def _check_global_batch(
+    ckpt: Path, saved: dict, saved_ranks: int, batch_size: int, world_size: int
+) -> None:
     """On another number of ranks, train.batch_size (per rank) must keep the checkpoint's
     global batch: a run saved by 2 ranks and resumed on 1 would otherwise halve it silently."""
     train = saved.get("train") if isinstance(saved, dict) else None
@@ -441,8 +472,11 @@ def _check_global_batch(ckpt: Path, saved: dict, saved_ranks: int, batch_size: i
     if kept == now:
         return
     ranks = f"{world_size} rank" + ("s" if world_size > 1 else "")
-    fix = (f"set train.batch_size={kept // world_size} to keep it, or " if kept % world_size == 0
-           else "")  # fmt: skip
+    fix = (
+        f"set train.batch_size={kept // world_size} to keep it, or "
+        if kept % world_size == 0
+        else ""
+    )
     raise GrpoError(
         f"--resume: checkpoint {ckpt} was saved by {saved_ranks} ranks at train.batch_size="
         f"{before} per rank (a global batch of {kept}); on {ranks} train.batch_size={batch_size}"
@@ -478,8 +512,10 @@ class StopSignal:
             self.restore()
             raise KeyboardInterrupt
         self.signum = signum
-        notice = (f"\n{signal.Signals(signum).name}: stopping after this step (a checkpoint is "
-                  "saved); send it again to stop at once\n")  # fmt: skip
+        notice = (
+            f"\n{signal.Signals(signum).name}: stopping after this step (a checkpoint is "
+            "saved); send it again to stop at once\n"
+        )
         if self.failures is not None:  # torchrun also signals every rank once one has failed
             self.failures.notice_later(notice)
         else:  # os.write, not logging: a signal handler may run while logging holds its lock
@@ -544,13 +580,17 @@ class RunDir:
                     )
                 removed = clear_run_outputs(self.path) if self.overwrite else []
                 if removed:
-                    log.warning("--overwrite: removed the earlier run's %s from %s",
-                                ", ".join(removed), self.path)  # fmt: skip
+                    log.warning(
+                        "--overwrite: removed the earlier run's %s from %s",
+                        ", ".join(removed),
+                        self.path,
+                    )
             save_config(cfg, self.config_file)
         except OSError as e:
             self.close()
-            raise GrpoError(f"train.output_dir {self.path}: {e.strerror or e} "
-                            f"({e.filename})") from None  # fmt: skip
+            raise GrpoError(
+                f"train.output_dir {self.path}: {e.strerror or e} ({e.filename})"
+            ) from None
         except BaseException:
             self.close()
             raise
@@ -603,8 +643,7 @@ def run_directory(
     if ckpt is not None and (kind == "train" or cfg.train.epochs is None):  # SFT epochs: later
         limit = f"train.max_steps={cfg.train.max_steps}"
         check_resume_step(Path(cfg.train.output_dir), ckpt, cfg.train.max_steps, limit, dist.rank)
-    rundir = RunDir(Path(cfg.train.output_dir), kind, resume, overwrite, ckpt,
-                    StopSignal(failures))  # fmt: skip
+    rundir = RunDir(Path(cfg.train.output_dir), kind, resume, overwrite, ckpt, StopSignal(failures))
     try:
         yield rundir
     except BaseException:

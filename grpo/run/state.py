@@ -41,8 +41,12 @@ from grpo.io import (
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FILES = (
-    "trainable.safetensors", "optimizer.pt", "scheduler.pt", "state.json", "config.json",
-)  # fmt: skip
+    "trainable.safetensors",
+    "optimizer.pt",
+    "scheduler.pt",
+    "state.json",
+    "config.json",
+)
 # An FSDP run's checkpoint holds its tensors as shards instead of trainable.safetensors and
 # optimizer.pt: shards/ (every rank's safetensors, written by torch.distributed.checkpoint's
 # Hugging Face storage: offsets in each file's header, no pickle) and optimizer_groups.json.
@@ -104,8 +108,9 @@ def _fsync_tree(path: Path) -> None:
         os.close(fd)
 
 
-def checkpoint_tmp(run_dir: str | Path, step: int, host: str | None = None,
-                   pid: int | None = None) -> Path:  # fmt: skip
+def checkpoint_tmp(
+    run_dir: str | Path, step: int, host: str | None = None, pid: int | None = None
+) -> Path:
     """The temporary directory a save of `step` writes before renaming it into place, named
     after its writer (rank 0's host and pid under torchrun) so a stale one can be told apart."""
     host, pid = host or this_host(), pid or os.getpid()
@@ -168,8 +173,11 @@ def save_checkpoint(
             json.dumps({"train_state": asdict(state), "rng": rng_states or [rng_state()]}),
         )
         write_text(tmp / "config.json", json.dumps(config, indent=1))
-        sizes = {p.relative_to(tmp).as_posix(): p.stat().st_size
-                 for p in sorted(tmp.rglob("*")) if p.is_file()}  # fmt: skip
+        sizes = {
+            p.relative_to(tmp).as_posix(): p.stat().st_size
+            for p in sorted(tmp.rglob("*"))
+            if p.is_file()
+        }
         write_text(tmp / "manifest.json", json.dumps({"sizes": sizes}))  # written last
         _fsync_tree(tmp)
         if final.exists():
@@ -288,8 +296,11 @@ def checkpoint_weights(path: str | Path) -> dict[str, torch.Tensor]:
 
     reader = dcp.HuggingFaceStorageReader(str(path / SHARDS))
     meta = reader.read_metadata().state_dict_metadata
-    out = {k: torch.zeros(m.size, dtype=m.properties.dtype) for k, m in meta.items()
-           if k.startswith("model.")}  # fmt: skip
+    out = {
+        k: torch.zeros(m.size, dtype=m.properties.dtype)
+        for k, m in meta.items()
+        if k.startswith("model.")
+    }
     dcp.load(out, storage_reader=reader, no_dist=True)
     return {k.removeprefix("model."): v for k, v in out.items()}
 
@@ -314,8 +325,9 @@ def verify_checkpoint(path: str | Path) -> str | None:
     """
     path = Path(path)
     sharded = (path / SHARDS).is_dir()
-    missing = [n for n in (SHARDED_FILES if sharded else CHECKPOINT_FILES)
-               if not (path / n).is_file()]  # fmt: skip
+    missing = [
+        n for n in (SHARDED_FILES if sharded else CHECKPOINT_FILES) if not (path / n).is_file()
+    ]
     shards = sorted((path / SHARDS).glob("*.safetensors")) if sharded else []
     if sharded and not shards:
         missing.append(f"{SHARDS}/*.safetensors")
@@ -484,13 +496,15 @@ def _keep_configured_lr(scheduler, configured: list[float], path: Path) -> None:
     saved = list(scheduler.base_lrs)
     if saved == configured or not hasattr(scheduler, "lr_lambdas"):
         return
-    log.warning("resume: optim.lr %s (this config) replaces the checkpoint's %s (%s)",
-                ", ".join(f"{x:g}" for x in configured), ", ".join(f"{x:g}" for x in saved),
-                path.name)  # fmt: skip
+    log.warning(
+        "resume: optim.lr %s (this config) replaces the checkpoint's %s (%s)",
+        ", ".join(f"{x:g}" for x in configured),
+        ", ".join(f"{x:g}" for x in saved),
+        path.name,
+    )
     scheduler.base_lrs = configured
     step = scheduler.last_epoch
-    for group, base, fn in zip(scheduler.optimizer.param_groups, configured,
-                               scheduler.lr_lambdas):  # fmt: skip
+    for group, base, fn in zip(scheduler.optimizer.param_groups, configured, scheduler.lr_lambdas):
         group["initial_lr"] = base
         group["lr"] = base * fn(step)
     scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
@@ -542,5 +556,5 @@ def _named_optimizer_state(state: dict, model: torch.nn.Module, optimizer) -> di
         "state": {order[i]: v for i, v in state["state"].items()},
         "param_groups": [
             {**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]
-        ],  # fmt: skip
+        ],
     }

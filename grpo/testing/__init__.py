@@ -29,9 +29,22 @@ from grpo.testing.references import BUILTIN_REFERENCES, per_row
 from grpo.testing.two_ranks import check_two_ranks, run_two_ranks
 
 __all__ = [
-    "BUILTIN_REFERENCES", "ConformanceError", "Entries", "advantage_checks", "check_advantage",
-    "check_environment", "check_kl", "check_logprob_impl", "check_policy_loss",
-    "check_two_ranks", "environment_checks", "kl_checks", "logprob_impl_checks", "make_inputs",
-    "per_row", "policy_loss_checks",
-    "registered_by", "run_two_ranks",
-]  # fmt: skip
+    "BUILTIN_REFERENCES",
+    "ConformanceError",
+    "Entries",
+    "advantage_checks",
+    "check_advantage",
+    "check_environment",
+    "check_kl",
+    "check_logprob_impl",
+    "check_policy_loss",
+    "check_two_ranks",
+    "environment_checks",
+    "kl_checks",
+    "logprob_impl_checks",
+    "make_inputs",
+    "per_row",
+    "policy_loss_checks",
+    "registered_by",
+    "run_two_ranks",
+]

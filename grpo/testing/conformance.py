@@ -38,8 +38,11 @@ CLAIMS = ("shift_invariant", "group_zero_sum")  # what an estimator may claim (r
 BETA = 0.05  # the KL weight every loss check runs with (k3 in the loss)
 # every policy-loss check runs at the settings given, and again with these on top: a clip
 # range that is not symmetric (a swapped epsilon_low / epsilon_high shows) and the dual clip
-VARIANTS = {"": {}, "asymmetric": {"epsilon_low": 0.2, "epsilon_high": 0.28},
-            "dual_clip": {"dual_clip": 3.0}}  # fmt: skip
+VARIANTS = {
+    "": {},
+    "asymmetric": {"epsilon_low": 0.2, "epsilon_high": 0.28},
+    "dual_clip": {"dual_clip": 3.0},
+}
 
 
 class ConformanceError(AssertionError):
@@ -62,24 +65,36 @@ def make_inputs(seed: int = 0, rows: int = B, width: int = T) -> dict[str, torch
     old = logprobs + 0.3 * torch.randn(rows, width, generator=g)
     ref = logprobs + 0.5 * torch.randn(rows, width, generator=g)
     advantages = torch.randn(rows, width, generator=g)
-    return {"mask": mask, "token_rewards": torch.where(mask, token_rewards, 0.0),
-            "logprobs": logprobs, "old_logprobs": old, "ref_logprobs": ref,
-            "advantages": advantages}  # fmt: skip
+    return {
+        "mask": mask,
+        "token_rewards": torch.where(mask, token_rewards, 0.0),
+        "logprobs": logprobs,
+        "old_logprobs": old,
+        "ref_logprobs": ref,
+        "advantages": advantages,
+    }
 
 
 def loss_settings(
-    spec: str | Callable, kwargs: Mapping | None = None, aggregation: str = "seq_mean_token_mean",
+    spec: str | Callable,
+    kwargs: Mapping | None = None,
+    aggregation: str = "seq_mean_token_mean",
     settings: Mapping | None = None,
-) -> LossSettings:  # fmt: skip
+) -> LossSettings:
     """The loss configuration every check runs a policy loss under (beta = BETA, k3, then
     `settings`: any other `loss.*` field)."""
-    base = {"policy_loss": spec, "policy_loss_kwargs": dict(kwargs or {}), "beta": BETA,
-            "aggregation": aggregation}  # fmt: skip
+    base = {
+        "policy_loss": spec,
+        "policy_loss_kwargs": dict(kwargs or {}),
+        "beta": BETA,
+        "aggregation": aggregation,
+    }
     known = {f.name for f in dataclasses.fields(LossSettings)}
     unknown = sorted(set(settings or {}) - known)
     if unknown:
-        raise ValueError(f"settings: {unknown} are not loss settings; known: "
-                         f"{', '.join(sorted(known))}")  # fmt: skip
+        raise ValueError(
+            f"settings: {unknown} are not loss settings; known: {', '.join(sorted(known))}"
+        )
     return LossSettings(**{**base, **(settings or {})})
 
 
@@ -146,13 +161,18 @@ def kit_rollout(spec, mask: torch.Tensor, names: Iterable[str]) -> EstimatorRoll
     rows, width = mask.shape
     g = torch.Generator().manual_seed(11)
     made = {n: torch.randn(rows, T, generator=g) for n in names}
-    made = {n: torch.nn.functional.pad(v, (0, width - T), value=float("nan"))
-            for n, v in made.items()}  # fmt: skip
+    made = {
+        n: torch.nn.functional.pad(v, (0, width - T), value=float("nan")) for n, v in made.items()
+    }
     return EstimatorRollout(
-        completion_ids=torch.where(mask, 5, 0), completion_mask=mask, generated_mask=mask,
-        turn_ids=torch.where(mask, 0, -1), logprobs=torch.where(mask, -1.0, 0.0),
-        prompt_lens=torch.full((rows,), 3), extras=made,
-    )  # fmt: skip
+        completion_ids=torch.where(mask, 5, 0),
+        completion_mask=mask,
+        generated_mask=mask,
+        turn_ids=torch.where(mask, 0, -1),
+        logprobs=torch.where(mask, -1.0, 0.0),
+        prompt_lens=torch.full((rows,), 3),
+        extras=made,
+    )
 
 
 def advantage_checks(spec: str | Callable, reference: Callable | None = None) -> list[str]:
@@ -197,8 +217,9 @@ def check_advantage(
         return kit_rollout(spec, x["mask"], names)
 
     def adv(x: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return compute_advantages(spec, x["token_rewards"], x["mask"], group_size=G,
-                                  params=kwargs, rollout=rollout_of(x))  # fmt: skip
+        return compute_advantages(
+            spec, x["token_rewards"], x["mask"], group_size=G, params=kwargs, rollout=rollout_of(x)
+        )
 
     def claims():
         unknown = sorted(ADVANTAGES.claims(spec) - set(CLAIMS)) if isinstance(spec, str) else []
@@ -223,13 +244,18 @@ def check_advantage(
         x["mask"][3] = False  # a row with no counted token
         x["token_rewards"][3] = 0.0
         a = adv(x)
-        expect(bool(torch.isfinite(a).all()) and bool((a[3] == 0).all()),
-               "a fully-masked row gets a non-finite or non-zero advantage")  # fmt: skip
+        expect(
+            bool(torch.isfinite(a).all()) and bool((a[3] == 0).all()),
+            "a fully-masked row gets a non-finite or non-zero advantage",
+        )
         # padding columns with garbage (masked) change nothing: ranks pad to the longest T_c
         pad = 5
-        wide = {"mask": torch.nn.functional.pad(x["mask"], (0, pad), value=False),
-                "token_rewards": torch.nn.functional.pad(x["token_rewards"], (0, pad),
-                                                         value=float("nan"))}  # fmt: skip
+        wide = {
+            "mask": torch.nn.functional.pad(x["mask"], (0, pad), value=False),
+            "token_rewards": torch.nn.functional.pad(
+                x["token_rewards"], (0, pad), value=float("nan")
+            ),
+        }
         b = adv(wide)
         torch.testing.assert_close(b[:, :T], a, rtol=0, atol=1e-6)
         expect(bool((b[:, T:] == 0).all()), "padding columns get non-zero advantages")
@@ -246,28 +272,48 @@ def check_advantage(
         sums = per_row.view(-1, G).sum(-1)
         tol = 1e-5
         bad = (sums.abs() > tol).nonzero().flatten().tolist()
-        expect(not bad, f"group {bad[0] if bad else -1} of {G} rows sums to "
-               f"{float(sums[bad[0]]) if bad else 0.0:.3g} (tolerance {tol:g}); "
-               f"{len(bad)} of {B // G} groups miss it")  # fmt: skip
+        expect(
+            not bad,
+            f"group {bad[0] if bad else -1} of {G} rows sums to "
+            f"{float(sums[bad[0]]) if bad else 0.0:.3g} (tolerance {tol:g}); "
+            f"{len(bad)} of {B // G} groups miss it",
+        )
 
     def reference_check():
         expect(reference is not None, "no float64 reference was given")
         x = make_inputs(7)
         rewards = x["token_rewards"].double()
-        inputs = {"token_rewards": rewards, "scores": rewards.sum(-1), "mask": x["mask"],
-                  "group_size": G, "eps": 1e-4, "gamma": 1.0,
-                  "turn_ids": torch.zeros(B, T, dtype=torch.long), "turn_gamma": 1.0,
-                  "gae_lambda": 1.0, "rollout": rollout_of(x), **(kwargs or {})}  # fmt: skip
+        inputs = {
+            "token_rewards": rewards,
+            "scores": rewards.sum(-1),
+            "mask": x["mask"],
+            "group_size": G,
+            "eps": 1e-4,
+            "gamma": 1.0,
+            "turn_ids": torch.zeros(B, T, dtype=torch.long),
+            "turn_gamma": 1.0,
+            "gae_lambda": 1.0,
+            "rollout": rollout_of(x),
+            **(kwargs or {}),
+        }
         want = ADVANTAGES.call(reference, inputs)  # (B, T_c), like the estimator
         m = x["mask"]
         torch.testing.assert_close(adv(x).double()[m], want.double()[m], rtol=1e-5, atol=1e-5)
 
-    table = {"claims": claims, "shape_and_equal_groups": shape_and_equal_groups,
-             "masked_rows_and_padding": masked_rows_and_padding,
-             "shift_invariant": shift_invariant, "group_zero_sum": group_zero_sum,
-             "reference": reference_check}  # fmt: skip
-    run_checks("advantage estimator", spec, table,
-         advantage_checks(spec, reference) if checks is None else checks)  # fmt: skip
+    table = {
+        "claims": claims,
+        "shape_and_equal_groups": shape_and_equal_groups,
+        "masked_rows_and_padding": masked_rows_and_padding,
+        "shift_invariant": shift_invariant,
+        "group_zero_sum": group_zero_sum,
+        "reference": reference_check,
+    }
+    run_checks(
+        "advantage estimator",
+        spec,
+        table,
+        advantage_checks(spec, reference) if checks is None else checks,
+    )
 
 
 # ----------------------------------------------------------------------------- policy losses
@@ -278,8 +324,11 @@ def policy_loss_checks(spec: str | Callable | None = None) -> list[str]:
     reference under each aggregation, NaN/inf at masked positions, padding columns,
     micro-batches; each at the settings given and at every `VARIANTS` entry
     (``gradient:token_mean@asymmetric``, ``micro_batches@dual_clip``, ...)."""
-    base = [f"gradient:{a}" for a in AGGREGATIONS] + ["masked_garbage", "padding_columns",
-                                                      "micro_batches"]  # fmt: skip
+    base = [f"gradient:{a}" for a in AGGREGATIONS] + [
+        "masked_garbage",
+        "padding_columns",
+        "micro_batches",
+    ]
     return [f"{c}@{v}" if v else c for v in VARIANTS for c in base]
 
 
@@ -317,8 +366,10 @@ def check_policy_loss(
     def run(check: str) -> None:
         name, _, variant = check.partition("@")
         if variant not in VARIANTS:
-            raise ValueError(f"unknown settings variant {variant!r}; known: "
-                             f"{', '.join(v for v in VARIANTS if v)}")  # fmt: skip
+            raise ValueError(
+                f"unknown settings variant {variant!r}; known: "
+                f"{', '.join(v for v in VARIANTS if v)}"
+            )
         chosen = {**(settings or {}), **VARIANTS[variant]}
         try:
             table(chosen)[name]()
@@ -327,21 +378,30 @@ def check_policy_loss(
             raise AssertionError(f"{e} (at {shown})" if shown else str(e)) from None
 
     def table(chosen: Mapping) -> dict[str, Callable[[], None]]:
-        def loss_and_grad(x, rows=slice(None), normalizer=None,
-                          aggregation="seq_mean_token_mean"):  # fmt: skip
+        def loss_and_grad(x, rows=slice(None), normalizer=None, aggregation="seq_mean_token_mean"):
             cfg = loss_settings(spec, kwargs, aggregation, chosen)
             lp = x["logprobs"][rows].clone().requires_grad_(True)
             width = x["mask"].shape[1]
-            loss, _ = policy_loss(lp, x["old_logprobs"][rows], x["ref_logprobs"][rows],
-                                  x["advantages"][rows], x["mask"][rows], cfg,
-                                  normalizer=normalizer, max_new_tokens=width)  # fmt: skip
+            loss, _ = policy_loss(
+                lp,
+                x["old_logprobs"][rows],
+                x["ref_logprobs"][rows],
+                x["advantages"][rows],
+                x["mask"][rows],
+                cfg,
+                normalizer=normalizer,
+                max_new_tokens=width,
+            )
             (grad,) = torch.autograd.grad(loss, lp)
             return loss.item(), grad
 
         def gradient(aggregation: str):
-            expect(reference is not None, "no float64 reference was given: pass the loss's "
-                   "float64 twin (the pytest entry: CONFORMANCE_REFERENCES in the plugin "
-                   "module)")  # fmt: skip
+            expect(
+                reference is not None,
+                "no float64 reference was given: pass the loss's "
+                "float64 twin (the pytest entry: CONFORMANCE_REFERENCES in the plugin "
+                "module)",
+            )
             x = make_inputs(3, rows=6, width=5)
             x["advantages"][0] = x["advantages"][0].abs()  # a row of positive advantages
             loss, grad = loss_and_grad(x, aggregation=aggregation)
@@ -355,14 +415,18 @@ def check_policy_loss(
 
         def _diagnose(loss, want, lp64, x, aggregation) -> str:
             """What a mismatch looks like, where it looks like a known mistake."""
-            negated = reference_loss(reference, lp64.detach(), x, aggregation, kwargs, chosen,
-                                     negate=True)  # fmt: skip
+            negated = reference_loss(
+                reference, lp64.detach(), x, aggregation, kwargs, chosen, negate=True
+            )
             if close(loss, negated.item(), atol=1e-6):
                 return ": its per-token loss is the negative of its reference's (a flipped sign)"
-            pad = {k: torch.nn.functional.pad(v, (0, 3), value=False if k == "mask" else 0.0)
-                   for k, v in x.items()}  # fmt: skip
-            if not close(loss_and_grad(pad, aggregation=aggregation)[0], loss, rtol=1e-6,
-                         atol=1e-7):  # fmt: skip
+            pad = {
+                k: torch.nn.functional.pad(v, (0, 3), value=False if k == "mask" else 0.0)
+                for k, v in x.items()
+            }
+            if not close(
+                loss_and_grad(pad, aggregation=aggregation)[0], loss, rtol=1e-6, atol=1e-7
+            ):
                 return (
                     ": it also changes when masked (padding) columns are appended: it reads "
                     "padding (a mean over every column instead of the counted tokens?)"
@@ -372,8 +436,7 @@ def check_policy_loss(
                 swapped = {**chosen, "epsilon_low": eh, "epsilon_high": el}
                 other = reference_loss(reference, lp64.detach(), x, aggregation, kwargs, swapped)
                 if close(loss, other.item(), atol=1e-6):
-                    return (": it equals the reference with epsilon_low and epsilon_high "
-                            "swapped")  # fmt: skip
+                    return ": it equals the reference with epsilon_low and epsilon_high swapped"
             return ""
 
         def masked_garbage():
@@ -381,60 +444,84 @@ def check_policy_loss(
             x["mask"][2] = False  # a fully-masked row
             clean_loss, clean_grad = loss_and_grad(x)
             dirty = {k: v.clone() for k, v in x.items()}
-            garbage = {"logprobs": float("nan"), "old_logprobs": float("inf"),
-                       "ref_logprobs": float("-inf"), "advantages": float("nan")}  # fmt: skip
+            garbage = {
+                "logprobs": float("nan"),
+                "old_logprobs": float("inf"),
+                "ref_logprobs": float("-inf"),
+                "advantages": float("nan"),
+            }
             for key, bad in garbage.items():
                 dirty[key][~x["mask"]] = bad
             loss, grad = loss_and_grad(dirty)
-            expect(math.isfinite(loss) and bool(torch.isfinite(grad).all()),
-                   "NaN/inf at masked positions reach the loss or its gradient")  # fmt: skip
-            expect(close(loss, clean_loss, atol=1e-6),
-                   "NaN/inf at masked positions change the loss")  # fmt: skip
+            expect(
+                math.isfinite(loss) and bool(torch.isfinite(grad).all()),
+                "NaN/inf at masked positions reach the loss or its gradient",
+            )
+            expect(
+                close(loss, clean_loss, atol=1e-6), "NaN/inf at masked positions change the loss"
+            )
             torch.testing.assert_close(grad, clean_grad, rtol=0, atol=1e-7)
             expect(bool((grad[~x["mask"]] == 0).all()), "non-zero gradient at masked positions")
 
         def padding_columns():
             x = make_inputs(9)
             pad = 4
-            wide = {k: torch.nn.functional.pad(v, (0, pad), value=False if k == "mask" else 0.0)
-                    for k, v in x.items()}  # fmt: skip
+            wide = {
+                k: torch.nn.functional.pad(v, (0, pad), value=False if k == "mask" else 0.0)
+                for k, v in x.items()
+            }
             for agg in ("token_mean", "seq_mean_token_mean"):  # normalizers without the width
                 loss, grad = loss_and_grad(x, aggregation=agg)
                 loss_w, grad_w = loss_and_grad(wide, aggregation=agg)
-                expect(close(loss_w, loss, rtol=1e-6, atol=1e-7),
-                       f"{pad} masked (padding) columns appended change the {agg} loss from "
-                       f"{loss:.8g} to {loss_w:.8g}: the loss reads padding (a mean over every "
-                       "column instead of the counted tokens?)")  # fmt: skip
+                expect(
+                    close(loss_w, loss, rtol=1e-6, atol=1e-7),
+                    f"{pad} masked (padding) columns appended change the {agg} loss from "
+                    f"{loss:.8g} to {loss_w:.8g}: the loss reads padding (a mean over every "
+                    "column instead of the counted tokens?)",
+                )
                 torch.testing.assert_close(grad_w[:, :T], grad, rtol=1e-5, atol=1e-7)
 
         def micro_batches():
             x = make_inputs(5)
             norm = loss_normalizer(x["mask"], "seq_mean_token_mean", T)
             full_loss, full_grad = loss_and_grad(x, normalizer=norm)
-            parts = [loss_and_grad(x, rows=sl, normalizer=norm)
-                     for sl in (slice(0, 4), slice(4, 12), slice(12, B))]  # fmt: skip
+            parts = [
+                loss_and_grad(x, rows=sl, normalizer=norm)
+                for sl in (slice(0, 4), slice(4, 12), slice(12, B))
+            ]
             total = sum(p[0] for p in parts)
-            expect(close(total, full_loss, atol=1e-6), f"micro-batches sum to {total:.8g}, "
-                   f"the full batch to {full_loss:.8g}")  # fmt: skip
-            torch.testing.assert_close(torch.cat([p[1] for p in parts]), full_grad, rtol=0,
-                                       atol=1e-7)  # fmt: skip
+            expect(
+                close(total, full_loss, atol=1e-6),
+                f"micro-batches sum to {total:.8g}, the full batch to {full_loss:.8g}",
+            )
+            torch.testing.assert_close(
+                torch.cat([p[1] for p in parts]), full_grad, rtol=0, atol=1e-7
+            )
 
         out: dict[str, Callable[[], None]] = {
             f"gradient:{a}": (lambda a=a: gradient(a)) for a in AGGREGATIONS
         }
-        out.update(masked_garbage=masked_garbage, padding_columns=padding_columns,
-                   micro_batches=micro_batches)  # fmt: skip
+        out.update(
+            masked_garbage=masked_garbage,
+            padding_columns=padding_columns,
+            micro_batches=micro_batches,
+        )
         return out
 
     wanted = policy_loss_checks(spec) if checks is None else list(checks)
     known = {c.partition("@")[0] for c in policy_loss_checks(spec)}
-    runners = {c: (lambda c=c: run(c)) for c in wanted
-               if c.partition("@")[0] in known and c.partition("@")[2] in VARIANTS}  # fmt: skip
+    runners = {
+        c: (lambda c=c: run(c))
+        for c in wanted
+        if c.partition("@")[0] in known and c.partition("@")[2] in VARIANTS
+    }
     for c in wanted:
         if c not in runners:
             variants = ", ".join(v for v in VARIANTS if v)
-            raise ValueError(f"unknown policy loss check {c!r}; known: {', '.join(sorted(known))}"
-                             f" (with an optional @variant: {variants})")  # fmt: skip
+            raise ValueError(
+                f"unknown policy loss check {c!r}; known: {', '.join(sorted(known))}"
+                f" (with an optional @variant: {variants})"
+            )
     run_checks("policy loss", spec, runners, wanted)
 
 
@@ -456,12 +543,24 @@ def reference_loss(
     mask = x["mask"]
     lp = torch.where(mask, logprobs, 0.0)
     old = torch.where(mask, x["old_logprobs"].double(), 0.0)
-    cfg = LossSettings(**{k: v for k, v in (settings or {}).items()
-                          if k in ("epsilon_low", "epsilon_high", "dual_clip")})  # fmt: skip
-    inputs = {"logprobs": lp, "old_logprobs": old, "log_ratio": lp - old,
-              "advantages": torch.where(mask, x["advantages"].double(), 0.0), "mask": mask,
-              "epsilon_low": cfg.epsilon_low, "epsilon_high": cfg.epsilon_high,
-              "dual_clip": cfg.dual_clip, **(kwargs or {})}  # fmt: skip
+    cfg = LossSettings(
+        **{
+            k: v
+            for k, v in (settings or {}).items()
+            if k in ("epsilon_low", "epsilon_high", "dual_clip")
+        }
+    )
+    inputs = {
+        "logprobs": lp,
+        "old_logprobs": old,
+        "log_ratio": lp - old,
+        "advantages": torch.where(mask, x["advantages"].double(), 0.0),
+        "mask": mask,
+        "epsilon_low": cfg.epsilon_low,
+        "epsilon_high": cfg.epsilon_high,
+        "dual_clip": cfg.dual_clip,
+        **(kwargs or {}),
+    }
     out = POLICY_LOSSES.call(reference, inputs)
     pg = out[0] if isinstance(out, tuple) else out
     pg = -pg if negate else pg
@@ -489,8 +588,10 @@ def check_kl(
         lp = make_inputs(6)["logprobs"]
         expect(bool((kl_penalty(lp, lp, spec).abs() < 1e-7).all()), "non-zero on-policy")
         far = kl_penalty(lp, lp + 1e4, spec, log_ratio_clamp=20.0, kl_clamp=10.0)
-        expect(bool(torch.isfinite(far).all()) and bool((far.abs() <= 10).all()),
-               "non-finite or outside the clamp far from the reference")  # fmt: skip
+        expect(
+            bool(torch.isfinite(far).all()) and bool((far.abs() <= 10).all()),
+            "non-finite or outside the clamp far from the reference",
+        )
 
     def reference_check():
         expect(reference is not None, "no float64 reference was given")
@@ -505,8 +606,7 @@ def check_kl(
         (g64,) = torch.autograd.grad(want.sum(), lp64)
         torch.testing.assert_close(g.double(), g64, rtol=1e-5, atol=1e-5)
 
-    table = {"zero_on_policy_and_clamped": zero_on_policy_and_clamped,
-             "reference": reference_check}  # fmt: skip
+    table = {"zero_on_policy_and_clamped": zero_on_policy_and_clamped, "reference": reference_check}
     run_checks(
         "KL estimator", spec, table, kl_checks(spec, reference) if checks is None else checks
     )

@@ -66,12 +66,20 @@ def registered_by(plugins: Sequence[str]) -> Entries:
         references.update(getattr(sys.modules[module], REFERENCES_ATTR, None) or {})
         settings.update(getattr(sys.modules[module], SETTINGS_ATTR, None) or {})
     if not plugins:
-        return Entries((), *(tuple(sorted(after[k])) for k in after), references=references,
-                       settings=settings)  # fmt: skip
+        return Entries(
+            (), *(tuple(sorted(after[k])) for k in after), references=references, settings=settings
+        )
     found = {}
-    for key, registry in (("advantages", ADVANTAGES), ("policy_losses", POLICY_LOSSES),
-                          ("kl_estimators", KL_ESTIMATORS), ("environments", None)):  # fmt: skip
-        defined_here = {n for n in after[key] if registry is not None
-                        and getattr(registry.get(n), "__module__", None) in modules}  # fmt: skip
+    for key, registry in (
+        ("advantages", ADVANTAGES),
+        ("policy_losses", POLICY_LOSSES),
+        ("kl_estimators", KL_ESTIMATORS),
+        ("environments", None),
+    ):
+        defined_here = {
+            n
+            for n in after[key]
+            if registry is not None and getattr(registry.get(n), "__module__", None) in modules
+        }
         found[key] = tuple(sorted((after[key] - before[key]) | defined_here))
     return Entries(tuple(plugins), references=references, settings=settings, **found)

@@ -11,9 +11,13 @@ from grpo.envs import check_step, env_factory
 from grpo.testing.conformance import expect, run_checks, spec_name
 
 ENV_ROWS = ({"question": "What is 2 * 3?", "ground_truth": "6", "prompt_ids": [1]},)
-ENV_TEXTS = ("Final Answer: 6",
-             '<tool_call>{"name": "calculator", "arguments": {"expression": "2 * 3"}}</tool_call>',
-             "<tool_call>{oops", "\x00 \n", "")  # fmt: skip
+ENV_TEXTS = (
+    "Final Answer: 6",
+    '<tool_call>{"name": "calculator", "arguments": {"expression": "2 * 3"}}</tool_call>',
+    "<tool_call>{oops",
+    "\x00 \n",
+    "",
+)
 
 
 def environment_checks(spec: Any = None) -> list[str]:
@@ -49,17 +53,26 @@ def check_environment(
         expect(a is not b, "the factory returned the same object twice")
         for env in (a, b):
             tools = env.tools
-            expect(isinstance(tools, list) and all(isinstance(t, dict) for t in tools),
-                   f"tools must be a list of schema dicts, got {tools!r:.80}")  # fmt: skip
+            expect(
+                isinstance(tools, list) and all(isinstance(t, dict) for t in tools),
+                f"tools must be a list of schema dicts, got {tools!r:.80}",
+            )
 
     def start():
         for row in rows:
             first, second = make().start(dict(row)), make().start(dict(row))
-            ok = first is None or (isinstance(first, list) and all(
-                isinstance(m, dict) and m.get("role") and isinstance(m.get("content"), str)
-                for m in first))  # fmt: skip
-            expect(ok, f"start() must return None or a list of messages with 'role' and "
-                   f"'content', got {first!r:.80}")  # fmt: skip
+            ok = first is None or (
+                isinstance(first, list)
+                and all(
+                    isinstance(m, dict) and m.get("role") and isinstance(m.get("content"), str)
+                    for m in first
+                )
+            )
+            expect(
+                ok,
+                f"start() must return None or a list of messages with 'role' and "
+                f"'content', got {first!r:.80}",
+            )
             expect(first == second, "start() from the same row differs between instances")
 
     def steps():
@@ -68,8 +81,11 @@ def check_environment(
                 env = make()
                 env.start(dict(row))
                 step = check_step(spec_name(spec), env.step(text, [1, 2, 3]))
-                bad = {k: v for k, v in step.info.items()
-                       if not isinstance(v, (int, float)) or not math.isfinite(v)}  # fmt: skip
+                bad = {
+                    k: v
+                    for k, v in step.info.items()
+                    if not isinstance(v, (int, float)) or not math.isfinite(v)
+                }
                 expect(not bad, f"info values must be finite numbers (summed over turns): {bad}")
 
     table = {"fresh_instances": fresh_instances, "start": start, "steps": steps}

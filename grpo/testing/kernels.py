@@ -32,8 +32,15 @@ SHAPES = ((37, 64, 1003), (129, 48, 4099))  # (N, C, V): N, V prime-ish
 # the error allowed beyond the same-dtype torch reference's (forward log-prob units; gradients
 # are compared relative to their largest entry)
 SLACK = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
-CHECKS = ("forward", "backward", "entropy", "entropy_grad", "frozen_weight", "ignored_rows",
-          "temperature")  # fmt: skip
+CHECKS = (
+    "forward",
+    "backward",
+    "entropy",
+    "entropy_grad",
+    "frozen_weight",
+    "ignored_rows",
+    "temperature",
+)
 
 
 def logprob_impl_checks() -> list[str]:
@@ -49,13 +56,23 @@ def _operands(n, c, v, dtype, seed=0):
     return hidden.to(dtype), weight.to(dtype), ids, upstream
 
 
-def _run(fn, hidden, weight, ids, temperature=1.0, entropy=False, entropy_grad=False,
-         upstream=None, weight_grad=True):  # fmt: skip
+def _run(
+    fn,
+    hidden,
+    weight,
+    ids,
+    temperature=1.0,
+    entropy=False,
+    entropy_grad=False,
+    upstream=None,
+    weight_grad=True,
+):
     """(logprobs, entropy or None, d hidden, d weight or None) of one call."""
     h = hidden.detach().clone().requires_grad_(True)
     w = weight.detach().clone().requires_grad_(weight_grad)
-    out = grpo_kernels.fused_logprobs(h, w, ids, temperature, impl=fn, return_entropy=entropy,
-                                 entropy_grad=entropy_grad)  # fmt: skip
+    out = grpo_kernels.fused_logprobs(
+        h, w, ids, temperature, impl=fn, return_entropy=entropy, entropy_grad=entropy_grad
+    )
     lp, ent = out if isinstance(out, tuple) else (out, None)
     if upstream is None:
         return lp.detach(), None if ent is None else ent.detach(), None, None
@@ -75,18 +92,27 @@ def _run(fn, hidden, weight, ids, temperature=1.0, entropy=False, entropy_grad=F
 def _no_worse(name, got, ref, gold, slack, relative=False):
     """max |got - gold| <= max |ref - gold| + slack (relative to max |gold| if `relative`)."""
     expect(got is not None, f"{name}: none returned")
-    expect(got.shape == gold.shape, f"{name}: shape {tuple(got.shape)}, expected "
-           f"{tuple(gold.shape)}")  # fmt: skip
+    expect(
+        got.shape == gold.shape, f"{name}: shape {tuple(got.shape)}, expected {tuple(gold.shape)}"
+    )
     expect(bool(torch.isfinite(got).all()), f"{name}: non-finite values")
     scale = float(gold.abs().max()) if relative and gold.numel() else 1.0
     e_got = float((got.double() - gold).abs().max()) / max(scale, 1e-12) if gold.numel() else 0.0
     e_ref = float((ref.double() - gold).abs().max()) / max(scale, 1e-12) if gold.numel() else 0.0
-    expect(e_got <= e_ref + slack, f"{name}: max error {e_got:.3g} vs float64, the same-dtype "
-           f"torch reference's {e_ref:.3g} (+ {slack:g} allowed)")  # fmt: skip
+    expect(
+        e_got <= e_ref + slack,
+        f"{name}: max error {e_got:.3g} vs float64, the same-dtype "
+        f"torch reference's {e_ref:.3g} (+ {slack:g} allowed)",
+    )
 
 
-def check_logprob_impl(spec, *, dtypes: Iterable[torch.dtype] = (torch.float32, torch.bfloat16),
-                       checks: Iterable[str] | None = None, device="cpu") -> None:  # fmt: skip
+def check_logprob_impl(
+    spec,
+    *,
+    dtypes: Iterable[torch.dtype] = (torch.float32, torch.bfloat16),
+    checks: Iterable[str] | None = None,
+    device="cpu",
+) -> None:
     """Run the checks (module doc) on the kernel `spec` (a registered name, a built-in's,
     a ``package.module:function`` path or the function); raises `ConformanceError` naming the
     kernel, the check, the dtype and shape, and the two errors."""
@@ -96,8 +122,14 @@ def check_logprob_impl(spec, *, dtypes: Iterable[torch.dtype] = (torch.float32, 
     wanted = logprob_impl_checks() if checks is None else list(checks)
     dtypes = tuple(dtypes)
 
-    def compare(check: str, temperature=1.0, entropy=False, entropy_grad=False,
-                weight_grad=True, zero_rows=False):  # fmt: skip
+    def compare(
+        check: str,
+        temperature=1.0,
+        entropy=False,
+        entropy_grad=False,
+        weight_grad=True,
+        zero_rows=False,
+    ):
         for dtype in dtypes:
             slack = SLACK.get(dtype, 1e-5)
             for n, c, v in SHAPES:
@@ -107,15 +139,23 @@ def check_logprob_impl(spec, *, dtypes: Iterable[torch.dtype] = (torch.float32, 
                 if zero_rows:
                     up[::3] = 0.0  # every third row masked out
                 want_grad = check not in ("forward", "entropy")
-                kw = dict(temperature=temperature, entropy=entropy or entropy_grad,
-                          entropy_grad=entropy_grad, upstream=up if want_grad else None,
-                          weight_grad=weight_grad)  # fmt: skip
+                kw = dict(
+                    temperature=temperature,
+                    entropy=entropy or entropy_grad,
+                    entropy_grad=entropy_grad,
+                    upstream=up if want_grad else None,
+                    weight_grad=weight_grad,
+                )
                 try:
                     got = _run(fn, h, w, ids, **kw)
                     ref = _run("chunked", h, w, ids, **kw)
-                    gold = _run("naive", h.double(), w.double(), ids,
-                                **{**kw, "upstream": None if kw["upstream"] is None
-                                   else up.double()})  # fmt: skip
+                    gold = _run(
+                        "naive",
+                        h.double(),
+                        w.double(),
+                        ids,
+                        **{**kw, "upstream": None if kw["upstream"] is None else up.double()},
+                    )
                     names = ("log-probs", "entropy", "d hidden", "d weight")
                     for i, name in enumerate(names):
                         if gold[i] is None:

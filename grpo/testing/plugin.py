@@ -53,16 +53,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     refs = entries.references
     cases = {
-        "advantage_check": [(n, c) for n in entries.advantages
-                            for c in advantage_checks(n, refs.get(n))],
-        "policy_loss_check": [(n, c) for n in entries.policy_losses
-                              for c in policy_loss_checks(n)],
+        "advantage_check": [
+            (n, c) for n in entries.advantages for c in advantage_checks(n, refs.get(n))
+        ],
+        "policy_loss_check": [(n, c) for n in entries.policy_losses for c in policy_loss_checks(n)],
         "kl_check": [(n, c) for n in entries.kl_estimators for c in kl_checks(n, refs.get(n))],
-        "environment_check": [(n, c) for n in entries.environments
-                              for c in environment_checks(n)],
+        "environment_check": [(n, c) for n in entries.environments for c in environment_checks(n)],
         "two_ranks_entry": [("advantage", n) for n in entries.advantages]
         + [("policy_loss", n) for n in entries.policy_losses],
-    }  # fmt: skip
+    }
     for fixture, values in cases.items():
         if fixture in metafunc.fixturenames:
             ids = [f"{a}-{b}" for a, b in values]
@@ -80,5 +79,8 @@ def grpo_two_ranks(grpo_entries: Entries) -> dict:
     """One two-rank torchrun job over every estimator and policy loss under test."""
     from grpo.testing import run_two_ranks
 
-    return run_two_ranks(advantages=grpo_entries.advantages, losses=grpo_entries.policy_losses,
-                         plugins=grpo_entries.plugins)  # fmt: skip
+    return run_two_ranks(
+        advantages=grpo_entries.advantages,
+        losses=grpo_entries.policy_losses,
+        plugins=grpo_entries.plugins,
+    )

@@ -28,8 +28,16 @@ def per_row(row_fn: RowFn) -> Callable[..., torch.Tensor]:
         rows = []
         for i in range(mask.shape[0]):
             idx = [t for t in range(mask.shape[1]) if mask[i, t]]
-            values = row_fn([logprobs[i, t] for t in idx], [old_logprobs[i, t] for t in idx],
-                            [advantages[i, t] for t in idx], kw) if idx else []  # fmt: skip
+            values = (
+                row_fn(
+                    [logprobs[i, t] for t in idx],
+                    [old_logprobs[i, t] for t in idx],
+                    [advantages[i, t] for t in idx],
+                    kw,
+                )
+                if idx
+                else []
+            )
             by_t = dict(zip(idx, values))
             rows.append(torch.stack([zero + by_t.get(t, 0.0) for t in range(mask.shape[1])]))
         return torch.stack(rows)  # (B, T_c)
@@ -51,8 +59,10 @@ def _eps(kw):
 
 def ref_clip(lp, old, A, kw):
     el, eh = _eps(kw)
-    return [_clip_token(torch.exp(lp[t] - old[t]), A[t], el, eh, kw.get("dual_clip"))
-            for t in range(len(lp))]  # fmt: skip
+    return [
+        _clip_token(torch.exp(lp[t] - old[t]), A[t], el, eh, kw.get("dual_clip"))
+        for t in range(len(lp))
+    ]
 
 
 def ref_gspo(lp, old, A, kw):
@@ -108,9 +118,15 @@ def ref_sapo(lp, old, A, kw):
 
 BUILTIN_REFERENCES: dict[str, Callable[..., torch.Tensor]] = {
     name: per_row(fn)
-    for name, fn in {"clip": ref_clip, "gspo": ref_gspo, "gspo_token": ref_gspo_token,
-                     "cispo": ref_cispo, "gmpo": ref_gmpo, "sapo": ref_sapo}.items()
-}  # fmt: skip
+    for name, fn in {
+        "clip": ref_clip,
+        "gspo": ref_gspo,
+        "gspo_token": ref_gspo_token,
+        "cispo": ref_cispo,
+        "gmpo": ref_gmpo,
+        "sapo": ref_sapo,
+    }.items()
+}
 
 
 def reference_objective(

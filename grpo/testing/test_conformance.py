@@ -36,8 +36,13 @@ def test_advantage(grpo_entries, advantage_check):
 
 def test_policy_loss(grpo_entries, policy_loss_check):
     name, check = policy_loss_check
-    _run(check_policy_loss, name, grpo_entries.references.get(name),
-         settings=grpo_entries.settings.get(name), checks=[check])  # fmt: skip
+    _run(
+        check_policy_loss,
+        name,
+        grpo_entries.references.get(name),
+        settings=grpo_entries.settings.get(name),
+        checks=[check],
+    )
 
 
 def test_kl(grpo_entries, kl_check):

@@ -77,14 +77,26 @@ def run_two_ranks(
     with tempfile.TemporaryDirectory(prefix="grpo_two_ranks_") as tmp:
         spec_path, out = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "-m", "grpo.testing.two_ranks_worker", str(spec_path), str(out)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "grpo.testing.two_ranks_worker",
+            str(spec_path),
+            str(out),
+        ]
         # the workers see what this process imports from: its sys.path ("" = the cwd) first
         prefixes = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})  # theirs already
         paths = [os.path.abspath(p or os.curdir) for p in sys.path if not p.startswith(prefixes)]
         old = os.environ.get("PYTHONPATH")
-        env = {**os.environ, "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join(paths + ([old] if old else []))}  # fmt: skip
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(paths + ([old] if old else [])),
+        }
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
         if r.returncode != 0:
             raise RuntimeError(f"two-rank job failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
@@ -98,8 +110,11 @@ def two_ranks_spec(
 ) -> dict:
     """What every rank runs (`two_ranks_worker.run_rank`, as `run_two_ranks` takes them): the
     plugins to load first and each entry's kwargs."""
-    return {"plugins": list(plugins), "advantages": _entries(advantages),
-            "losses": _entries(losses)}  # fmt: skip
+    return {
+        "plugins": list(plugins),
+        "advantages": _entries(advantages),
+        "losses": _entries(losses),
+    }
 
 
 def with_kwargs(result: dict, spec: dict) -> dict:
@@ -133,33 +148,48 @@ def check_two_ranks(
     load_plugins(list(plugins), "plugins")
     if result is None:
         entry = {name: dict(kwargs or {})}
-        result = run_two_ranks(plugins=plugins, **{"advantages" if kind == "advantage"
-                                                   else "losses": entry})  # fmt: skip
+        result = run_two_ranks(
+            plugins=plugins, **{"advantages" if kind == "advantage" else "losses": entry}
+        )
     with checking(label(KINDS[kind], name), "two_ranks"):
         kw = result["kwargs"][kind].get(name)
         expect(kw is not None, "the two-rank job did not run this entry")
         x = make_inputs()
         if kind == "advantage":
             rollout = kit_rollout(name, x["mask"], BUILTIN_EXTRAS.get(name, ()))
-            want = compute_advantages(name, x["token_rewards"], x["mask"], group_size=G,
-                                      params=kw, rollout=rollout)  # fmt: skip
+            want = compute_advantages(
+                name, x["token_rewards"], x["mask"], group_size=G, params=kw, rollout=rollout
+            )
             got = torch.tensor(result["advantages"][name])
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
             return
         lp = x["logprobs"].clone().requires_grad_(True)
-        loss, st = policy_loss(lp, x["old_logprobs"], x["ref_logprobs"], x["advantages"],
-                               x["mask"], loss_settings(name, kw), max_new_tokens=T)  # fmt: skip
+        loss, st = policy_loss(
+            lp,
+            x["old_logprobs"],
+            x["ref_logprobs"],
+            x["advantages"],
+            x["mask"],
+            loss_settings(name, kw),
+            max_new_tokens=T,
+        )
         (grad,) = torch.autograd.grad(loss, lp)
         got_loss, want_loss = result["losses"][name], loss.item()
-        expect(close(got_loss, want_loss, atol=1e-6),
-               f"loss {got_loss:.8g} on two ranks, {want_loss:.8g} in one process")  # fmt: skip
+        expect(
+            close(got_loss, want_loss, atol=1e-6),
+            f"loss {got_loss:.8g} on two ranks, {want_loss:.8g} in one process",
+        )
         torch.testing.assert_close(torch.tensor(result["grads"][name]), grad, rtol=0, atol=1e-7)
         want_stats, got_stats = reduced_stats(st), result["stats"][name]
-        expect(got_stats.keys() == want_stats.keys(),
-               f"stats {sorted(got_stats)} on two ranks, {sorted(want_stats)} in one")  # fmt: skip
+        expect(
+            got_stats.keys() == want_stats.keys(),
+            f"stats {sorted(got_stats)} on two ranks, {sorted(want_stats)} in one",
+        )
         for k, v in want_stats.items():
-            expect(close(got_stats[k], v, rtol=1e-6, atol=1e-7),
-                   f"stat {k}: {got_stats[k]!r} on two ranks, {v!r} in one process")  # fmt: skip
+            expect(
+                close(got_stats[k], v, rtol=1e-6, atol=1e-7),
+                f"stat {k}: {got_stats[k]!r} on two ranks, {v!r} in one process",
+            )
 
 
 def reduced_stats(stats: dict, dist=None) -> dict[str, float]:

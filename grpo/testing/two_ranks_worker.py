@@ -46,8 +46,9 @@ def _batch(name: str, mask: torch.Tensor, rows: slice, width: int):
         logprobs=r.logprobs[rows, :width],
         prompt_lens=r.prompt_lens[rows],
     )
-    return SimpleNamespace(rollout=rollout,
-                           extras={k: v[rows, :width] for k, v in r.extras.items()})  # fmt: skip
+    return SimpleNamespace(
+        rollout=rollout, extras={k: v[rows, :width] for k, v in r.extras.items()}
+    )
 
 
 def run_rank(dist: Dist, spec: dict) -> dict | None:
@@ -62,21 +63,31 @@ def run_rank(dist: Dist, spec: dict) -> dict | None:
     mine = {k: v[rows, :width] for k, v in x.items()}
     result: dict = {"advantages": {}, "grads": {}, "losses": {}, "stats": {}}
     for name, kw in spec["advantages"].items():
-        base = {"model": {"path": "unused"}, "rollout": {"group_size": G},
-                "loss": {"advantage": name, "advantage_kwargs": kw, "gamma": 1.0,
-                         "gae_lambda": 1.0}}  # compute_advantages' defaults  # fmt: skip
+        base = {
+            "model": {"path": "unused"},
+            "rollout": {"group_size": G},
+            "loss": {"advantage": name, "advantage_kwargs": kw, "gamma": 1.0, "gae_lambda": 1.0},
+        }  # compute_advantages' defaults
         batch = _batch(name, x["mask"], rows, width)  # what the estimator reads beyond rewards
-        adv = global_advantages(load_config(base=base), mine["token_rewards"], mine["mask"], dist,
-                                batch=batch)  # fmt: skip
+        adv = global_advantages(
+            load_config(base=base), mine["token_rewards"], mine["mask"], dist, batch=batch
+        )
         parts = gather_objects(torch.nn.functional.pad(adv, (0, T - width)).tolist(), dist)
         result["advantages"][name] = [row for part in parts for row in part]
     for name, kw in spec["losses"].items():
         cfg = loss_settings(name, kw)
         logprobs = mine["logprobs"].clone().requires_grad_(True)
         norm = all_reduce_sum(loss_normalizer(mine["mask"], cfg.aggregation, T), dist)
-        loss, st = policy_loss(logprobs, mine["old_logprobs"], mine["ref_logprobs"],
-                               mine["advantages"], mine["mask"], cfg, normalizer=norm,
-                               max_new_tokens=T)  # fmt: skip
+        loss, st = policy_loss(
+            logprobs,
+            mine["old_logprobs"],
+            mine["ref_logprobs"],
+            mine["advantages"],
+            mine["mask"],
+            cfg,
+            normalizer=norm,
+            max_new_tokens=T,
+        )
         loss.backward()
         grad = torch.nn.functional.pad(logprobs.grad, (0, T - width))
         parts = gather_objects(grad.tolist(), dist)

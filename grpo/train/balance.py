@@ -41,8 +41,9 @@ def assign_groups(costs: list[int], world: int) -> list[list[int]]:
     return [sorted(x) for x in out]
 
 
-def balance_ranks(batch: RolloutBatch, dist: Dist, pad_id: int, shared: bool = True
-                  ) -> tuple[RolloutBatch, dict[str, float]]:  # fmt: skip
+def balance_ranks(
+    batch: RolloutBatch, dist: Dist, pad_id: int, shared: bool = True
+) -> tuple[RolloutBatch, dict[str, float]]:
     """This rank's groups after balancing, and what balancing did: `perf/rank_tokens_max_ratio`
     before and after (the most tokens on a rank / the mean over ranks, 1 = even).
 
@@ -72,11 +73,13 @@ def balance_ranks(batch: RolloutBatch, dist: Dist, pad_id: int, shared: bool = T
         data = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
         batches.append(unpack_batch(h, data, h["extra"]["rows"], device))
     whole = cat_batches(batches, pad_id)  # every rank's groups, in rank order
-    keep = dataclasses.replace(whole.select_groups(mine), metrics=batch.metrics,
-                               policy_version=batch.policy_version,
-                               frac_zero_std=batch.frac_zero_std)  # fmt: skip
+    keep = dataclasses.replace(
+        whole.select_groups(mine),
+        metrics=batch.metrics,
+        policy_version=batch.policy_version,
+        frac_zero_std=batch.frac_zero_std,
+    )
     mean = sum(all_costs) / dist.world_size
     before = max(sum(cs) for _, _, cs in parts) / mean
     after = max(sum(all_costs[g] for g in p) for p in plan) / mean
-    return keep, {"perf/rank_tokens_max_ratio_before": before,
-                  "perf/rank_tokens_max_ratio": after}  # fmt: skip
+    return keep, {"perf/rank_tokens_max_ratio_before": before, "perf/rank_tokens_max_ratio": after}

@@ -371,8 +371,9 @@ def _fill(costs: Sequence[int], cap: int) -> list[list[int]]:
     return parts
 
 
-def token_slices(costs: Sequence[int], max_tokens: int, count: int | None = None,
-                 unit: str = "row") -> list[slice]:  # fmt: skip
+def token_slices(
+    costs: Sequence[int], max_tokens: int, count: int | None = None, unit: str = "row"
+) -> list[slice]:
     """Consecutive slices of units (rows or groups) of `costs` tokens each: `count` of them
     (default: the fewest, `micro_batch_count`), the largest as small as it can be and none
     over `max_tokens` but a unit that alone exceeds it (said in one log line per step).
@@ -387,8 +388,13 @@ def token_slices(costs: Sequence[int], max_tokens: int, count: int | None = None
         raise ValueError(f"cannot cut {n} {unit}s into {count} micro-batches")
     longest = max(costs)
     if longest > max_tokens:
-        log.info("a %s of %d tokens exceeds train.micro_batch_tokens (%d): it runs as a "
-                 "micro-batch of its own", unit, longest, max_tokens)  # fmt: skip
+        log.info(
+            "a %s of %d tokens exceeds train.micro_batch_tokens (%d): it runs as a "
+            "micro-batch of its own",
+            unit,
+            longest,
+            max_tokens,
+        )
 
     lo, hi = 1, max_tokens  # _fill(max_tokens) has the fewest slices, <= count
     while lo < hi:
@@ -396,8 +402,10 @@ def token_slices(costs: Sequence[int], max_tokens: int, count: int | None = None
         lo, hi = (lo, mid) if len(_fill(costs, mid)) <= count else (mid + 1, hi)
     parts = _fill(costs, lo)
     while len(parts) < count:  # split the part of most tokens (of two units or more) in two
-        i = max((j for j in range(len(parts)) if len(parts[j]) > 1),
-                key=lambda j: sum(costs[u] for u in parts[j]))  # fmt: skip
+        i = max(
+            (j for j in range(len(parts)) if len(parts[j]) > 1),
+            key=lambda j: sum(costs[u] for u in parts[j]),
+        )
         part = parts[i]
         before = np.cumsum([costs[u] for u in part])  # tokens up to and including each unit
         cut = 1 + int(np.argmin(np.abs(2 * before[:-1] - before[-1])))  # nearest to half
@@ -428,5 +436,7 @@ def column_bounds(attention_mask: torch.Tensor, slices: list[slice], prompt_widt
         real = attention_mask[sl].any(dim=0)  # (T,)
         ends += [torch.where(real, cols, T).min(), torch.where(real, cols, -1).max()]
     flat = torch.stack(ends).tolist() if ends else []
-    return [(min(flat[2 * i], prompt_width - 1), max(flat[2 * i + 1] + 1, prompt_width + 1))
-            for i in range(len(slices))]  # fmt: skip
+    return [
+        (min(flat[2 * i], prompt_width - 1), max(flat[2 * i + 1] + 1, prompt_width + 1))
+        for i in range(len(slices))
+    ]

@@ -61,8 +61,17 @@ class Critic(TrainedModule):
         updates: optimizer steps per training step on the step's batch (PPO's epochs).
     """
 
-    def __init__(self, model: Decoder, cfg, dist, value_clip: float | None, coef: float,
-                 micro_batch_size: int, lora: bool, updates: int = 1):  # fmt: skip
+    def __init__(
+        self,
+        model: Decoder,
+        cfg,
+        dist,
+        value_clip: float | None,
+        coef: float,
+        micro_batch_size: int,
+        lora: bool,
+        updates: int = 1,
+    ):
         super().__init__()
         self.updates = updates
         self.model = model
@@ -98,10 +107,12 @@ class Critic(TrainedModule):
         KL in them under loss.kl_in_reward), as the `gae` estimator computed them."""
         loss = self.cfg.loss
         r = batch.rollout
-        rewards = reward_minus_kl(batch.token_rewards, r.logprobs, update.ref_logprobs,
-                                  r.generated_mask, loss)  # fmt: skip
-        _, ret = gae_returns(rewards.float(), batch.extras["values"], r.generated_mask,
-                             loss.gamma, loss.gae_lambda)  # fmt: skip
+        rewards = reward_minus_kl(
+            batch.token_rewards, r.logprobs, update.ref_logprobs, r.generated_mask, loss
+        )
+        _, ret = gae_returns(
+            rewards.float(), batch.extras["values"], r.generated_mask, loss.gamma, loss.gae_lambda
+        )
         return ret
 
     def loss(self, batch, update):
@@ -147,8 +158,9 @@ class Critic(TrainedModule):
         if set(weights) != set(params):
             missing = sorted(set(params) - set(weights))[:3]
             unexpected = sorted(set(weights) - set(params))[:3]
-            raise RuntimeError(f"critic state does not fit: missing {missing}, unexpected "
-                               f"{unexpected}")  # fmt: skip
+            raise RuntimeError(
+                f"critic state does not fit: missing {missing}, unexpected {unexpected}"
+            )
         with torch.no_grad():
             for n, p in params.items():
                 if p.shape != weights[n].shape:
@@ -233,8 +245,14 @@ def critic(
             unwrap_lora(source)
         model = value_model_on(source)
     if lcfg.enabled:
-        apply_lora(model, rank=lcfg.rank, alpha=lcfg.alpha, dropout=lcfg.dropout,
-                   targets=lcfg.targets, seed=cfg.train.seed + 1)  # fmt: skip
+        apply_lora(
+            model,
+            rank=lcfg.rank,
+            alpha=lcfg.alpha,
+            dropout=lcfg.dropout,
+            targets=lcfg.targets,
+            seed=cfg.train.seed + 1,
+        )
         model.score.weight.requires_grad_(True)
     else:
         for p in model.parameters():
@@ -259,13 +277,16 @@ def _lora_settings(policy_lora, lora):
     if lora is True:
         return dataclasses.replace(policy_lora, enabled=True)
     if not isinstance(lora, dict):
-        raise GrpoError(f"modules[critic].kwargs.lora must be null, a bool or a mapping, "
-                        f"got {lora!r}")  # fmt: skip
+        raise GrpoError(
+            f"modules[critic].kwargs.lora must be null, a bool or a mapping, got {lora!r}"
+        )
     known = {"enabled", "rank", "alpha", "dropout", "targets"}
     unknown = sorted(set(lora) - known)
     if unknown:
-        raise GrpoError(f"modules[critic].kwargs.lora: unknown key {unknown[0]!r}; valid: "
-                        f"{', '.join(sorted(known))}")  # fmt: skip
+        raise GrpoError(
+            f"modules[critic].kwargs.lora: unknown key {unknown[0]!r}; valid: "
+            f"{', '.join(sorted(known))}"
+        )
     settings = dict(lora)
     if "targets" in settings:
         settings["targets"] = tuple(settings["targets"])

@@ -114,8 +114,9 @@ def step_batch(
     reported: dict[str, float] = {}  # what the estimator reported (the same on every rank)
     advantages = advantage_phase(cfg, batch, ref, dist, step, metrics=reported)
     old = old_logprobs_phase(cfg, policy, batch.rollout, mask, plan, show=show)
-    return UpdateBatch(batch.rollout, mask, advantages, plan, ref_logprobs=ref, old_logprobs=old,
-                       metrics=reported)  # fmt: skip
+    return UpdateBatch(
+        batch.rollout, mask, advantages, plan, ref_logprobs=ref, old_logprobs=old, metrics=reported
+    )
 
 
 def step_plan(cfg: Config, policy, rollout: Rollout, mask: torch.Tensor, dist=SINGLE):
@@ -125,9 +126,16 @@ def step_plan(cfg: Config, policy, rollout: Rollout, mask: torch.Tensor, dist=SI
     size = cfg.train.micro_batch_size or cfg.train.batch_size
     if not cfg.packs_sequences(rollout.ids.device):
         return micro_batch_plan(rollout, size)
-    return micro_batch_plan(rollout, size, mask, pack=True, group_size=cfg.shared_prefix_groups,
-                            max_tokens=cfg.train.micro_batch_tokens,
-                            overhead=packed_overhead(policy.model), dist=dist)  # fmt: skip
+    return micro_batch_plan(
+        rollout,
+        size,
+        mask,
+        pack=True,
+        group_size=cfg.shared_prefix_groups,
+        max_tokens=cfg.train.micro_batch_tokens,
+        overhead=packed_overhead(policy.model),
+        dist=dist,
+    )
 
 
 def each_micro_batch(plan: tuple[MicroBatch, ...], show: bool, desc: str):
@@ -140,9 +148,13 @@ def each_micro_batch(plan: tuple[MicroBatch, ...], show: bool, desc: str):
 
 
 def advantage_phase(
-    cfg: Config, batch: RolloutBatch, ref_logprobs: torch.Tensor | None = None, dist=SINGLE,
-    step: int | None = None, metrics: dict | None = None,
-) -> torch.Tensor:  # fmt: skip
+    cfg: Config,
+    batch: RolloutBatch,
+    ref_logprobs: torch.Tensor | None = None,
+    dist=SINGLE,
+    step: int | None = None,
+    metrics: dict | None = None,
+) -> torch.Tensor:
     """(B, T_c) advantages from the configured estimator over the *global* batch.
 
     Token rewards (minus loss.kl_in_reward * KL_t when set, which needs `ref_logprobs`) of
@@ -162,8 +174,15 @@ def advantage_phase(
         raise GrpoError(f"step {step}: {e}" if step is not None else str(e)) from None
 
 
-def global_advantages(cfg: Config, token_rewards, mask, dist=SINGLE, turn_ids=None,
-                      batch: RolloutBatch | None = None, metrics: dict | None = None):  # fmt: skip
+def global_advantages(
+    cfg: Config,
+    token_rewards,
+    mask,
+    dist=SINGLE,
+    turn_ids=None,
+    batch: RolloutBatch | None = None,
+    metrics: dict | None = None,
+):
     """This rank's (B, T_c) rows of the estimator run on all ranks' rows (rank order), each
     rank's tensors padded to the longest T_c (padding is masked out)."""
     B, T = mask.shape
@@ -175,8 +194,9 @@ def global_advantages(cfg: Config, token_rewards, mask, dist=SINGLE, turn_ids=No
     def gather(x: torch.Tensor, value=0) -> torch.Tensor:  # (B, T_c) or (B,), all ranks
         if x.dtype == torch.bool:
             return gather(x.to(torch.uint8)).bool()
-        return all_gather_cat(torch.nn.functional.pad(x, pad, value=value) if x.dim() == 2
-                              else x, dist)  # fmt: skip
+        return all_gather_cat(
+            torch.nn.functional.pad(x, pad, value=value) if x.dim() == 2 else x, dist
+        )
 
     all_rewards = gather(token_rewards.float())
     all_mask = gather(mask)
@@ -185,22 +205,40 @@ def global_advantages(cfg: Config, token_rewards, mask, dist=SINGLE, turn_ids=No
     if batch is not None and wants_rollout(cfg.loss.advantage):
         r = batch.rollout
         rollout = EstimatorRollout(
-            completion_ids=gather(r.completion_ids), completion_mask=gather(r.completion_mask),
-            generated_mask=all_mask, turn_ids=all_turns, logprobs=gather(r.logprobs.float()),
-            prompt_lens=gather(r.prompt_lens), extras={k: gather(v) for k, v in
-                                                       sorted(batch.extras.items())},
-        )  # fmt: skip
+            completion_ids=gather(r.completion_ids),
+            completion_mask=gather(r.completion_mask),
+            generated_mask=all_mask,
+            turn_ids=all_turns,
+            logprobs=gather(r.logprobs.float()),
+            prompt_lens=gather(r.prompt_lens),
+            extras={k: gather(v) for k, v in sorted(batch.extras.items())},
+        )
     adv = compute_advantages(
-        cfg.loss.advantage, all_rewards, all_mask, group_size=cfg.rollout.group_size,
-        eps=cfg.loss.advantage_eps, gamma=cfg.loss.gamma, turn_ids=all_turns,
-        turn_gamma=cfg.rollout.gamma, gae_lambda=cfg.loss.gae_lambda,
-        params=cfg.loss.advantage_kwargs, rollout=rollout, metrics=metrics,
-    )  # fmt: skip
+        cfg.loss.advantage,
+        all_rewards,
+        all_mask,
+        group_size=cfg.rollout.group_size,
+        eps=cfg.loss.advantage_eps,
+        gamma=cfg.loss.gamma,
+        turn_ids=all_turns,
+        turn_gamma=cfg.rollout.gamma,
+        gae_lambda=cfg.loss.gae_lambda,
+        params=cfg.loss.advantage_kwargs,
+        rollout=rollout,
+        metrics=metrics,
+    )
     return adv[dist.rank * B : (dist.rank + 1) * B, :T]  # (B, T_c)
 
 
-def micro_logprobs(cfg: Config, scorer, rollout: Rollout, mask: torch.Tensor, mb: MicroBatch,
-                   entropy: bool = False, entropy_grad: bool = False):  # fmt: skip
+def micro_logprobs(
+    cfg: Config,
+    scorer,
+    rollout: Rollout,
+    mask: torch.Tensor,
+    mb: MicroBatch,
+    entropy: bool = False,
+    entropy_grad: bool = False,
+):
     """A micro-batch's completion log-probs (mb, T_c) through `scorer` (a CompletionLogprobs,
     maybe DDP), computed over the columns `mb.cols` that hold its real tokens and only at the
     counted tokens of `mask` (B, T_c), zero-padded back to T_c; with `entropy`, also the
@@ -208,8 +246,16 @@ def micro_logprobs(cfg: Config, scorer, rollout: Rollout, mask: torch.Tensor, mb
     r, sl = rollout, mb.rows
     if mb.packed is not None:  # the rows on one token axis: (mb, T_c) out, as scored
         temperature = cfg.rollout.temperature or 1.0
-        return scorer(r.ids[sl], None, r.prompt_width, None, temperature, return_entropy=entropy,
-                      entropy_grad=entropy_grad, packed=mb.packed)  # fmt: skip
+        return scorer(
+            r.ids[sl],
+            None,
+            r.prompt_width,
+            None,
+            temperature,
+            return_entropy=entropy,
+            entropy_grad=entropy_grad,
+            packed=mb.packed,
+        )
     lo, hi = mb.cols
     T_p, T_c = r.prompt_width, r.ids.shape[1] - r.prompt_width
     out = scorer(  # autocast as the policy's precision says (CompletionLogprobs)
@@ -240,9 +286,14 @@ def kl_measured(cfg: Config, step: int | None) -> bool:
 
 @torch.no_grad()
 def reference_phase(
-    cfg: Config, policy, rollout: Rollout, mask: torch.Tensor, plan: tuple[MicroBatch, ...],
-    step: int | None = None, show: bool = False,
-) -> torch.Tensor | None:  # fmt: skip
+    cfg: Config,
+    policy,
+    rollout: Rollout,
+    mask: torch.Tensor,
+    plan: tuple[MicroBatch, ...],
+    step: int | None = None,
+    show: bool = False,
+) -> torch.Tensor | None:
     """Reference log-probs (B, T_c) at the counted tokens `mask`: the base model via disabled
     LoRA, or the frozen copy; None on the steps that do not need them (`kl_measured`).
     `show`: a progress bar when the pass runs long (`each_micro_batch`)."""
@@ -261,9 +312,13 @@ def reference_phase(
 
 @torch.no_grad()
 def old_logprobs_phase(
-    cfg: Config, policy, rollout: Rollout, mask: torch.Tensor, plan: tuple[MicroBatch, ...],
+    cfg: Config,
+    policy,
+    rollout: Rollout,
+    mask: torch.Tensor,
+    plan: tuple[MicroBatch, ...],
     show: bool = False,
-) -> torch.Tensor | None:  # fmt: skip
+) -> torch.Tensor | None:
     """With loss.old_logprobs: recompute (or loss.tis_cap): pi_old (B, T_c) as the trainer
     computes it (no grad, the sampler's eval mode), for the ratio (and the truncated-IS weight
     min(pi_old_trainer / pi_sampler, cap)); else None (the sampler's log-probs are pi_old).
@@ -276,9 +331,16 @@ def old_logprobs_phase(
 
 
 def update_phase(
-    cfg: Config, policy, batch: UpdateBatch, optimizer, scheduler, params, scorer=None,
-    dist=SINGLE, step: int | None = None,
-) -> dict:  # fmt: skip
+    cfg: Config,
+    policy,
+    batch: UpdateBatch,
+    optimizer,
+    scheduler,
+    params,
+    scorer=None,
+    dist=SINGLE,
+    step: int | None = None,
+) -> dict:
     """mu passes over the batch; each pass is one optimizer step over all micro-batches.
 
     Under DDP the aggregation's normalizer is summed over ranks and each rank's loss is
@@ -311,8 +373,9 @@ def update_phase(
     lr = scheduler.get_last_lr()[0]  # this step's first update's; after it, the next one's
     on_policy = OnPolicyCheck.zeros(sampler_logprobs.device)
     n_passes = cfg.loss.num_iterations * len(plan)  # a bar when they are several and run long
-    bar = phase_bar(cfg.train.progress and dist.is_main and n_passes > 1, "update", n_passes,
-                    "micro-batch")  # fmt: skip
+    bar = phase_bar(
+        cfg.train.progress and dist.is_main and n_passes > 1, "update", n_passes, "micro-batch"
+    )
     for it in range(cfg.loss.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), **f64)
@@ -322,9 +385,14 @@ def update_phase(
             ref = batch.ref_logprobs[sl] if batch.ref_logprobs is not None else None
             with no_sync(scorer, skip=i < len(plan) - 1):
                 logprobs, entropy = micro_logprobs(
-                    cfg, scorer, batch.rollout, mask, mb, entropy=True,
+                    cfg,
+                    scorer,
+                    batch.rollout,
+                    mask,
+                    mb,
+                    entropy=True,
                     entropy_grad=cfg.loss.entropy_coef > 0,
-                )  # fmt: skip
+                )
                 try:
                     loss, st, bad = policy_loss_on_device(
                         logprobs,
@@ -377,8 +445,13 @@ def update_phase(
         [c.diff_sum, c.ratio_sum, c.tokens, c.diff_max, policy_share, *oks]
     ).tolist()
     # every rank's loss is its share of the global loss: sum the shares over ranks
-    sums_local = {"loss": sum(losses), "policy_loss": policy_share, "diff": diff_sum,
-                  "ratio": ratio_sum, "n": n_tokens}  # fmt: skip
+    sums_local = {
+        "loss": sum(losses),
+        "policy_loss": policy_share,
+        "diff": diff_sum,
+        "ratio": ratio_sum,
+        "n": n_tokens,
+    }
     for i, ok in enumerate(finite):  # update i left a weight NaN or inf (FSDP: some shard)
         sums_local[f"nonfinite_{i}"] = float(not ok)
     shares = all_reduce_sum_dict(sums_local, dist)
@@ -408,14 +481,20 @@ def update_phase(
 def frozen_policy_metrics(scheduler) -> dict:
     """The update's metrics on a step that does not update the policy (train.
     critic_warmup_steps): its learning rate, no update, ``train/policy_frozen`` 1."""
-    return {"train/lr": scheduler.get_last_lr()[0], "train/nonfinite_skipped": 0,
-            "train/policy_frozen": 1.0}  # fmt: skip
+    return {
+        "train/lr": scheduler.get_last_lr()[0],
+        "train/nonfinite_skipped": 0,
+        "train/policy_frozen": 1.0,
+    }
 
 
 def run_header(
-    cfg: Config, precision, device=None, parallel: str = "single process",
+    cfg: Config,
+    precision,
+    device=None,
+    parallel: str = "single process",
     env: dict[str, str] | None = None,
-) -> dict[str, str]:  # fmt: skip
+) -> dict[str, str]:
     """What a GRPO run computes, by name: logged at the start (rank 0) and written into the
     first metrics.jsonl record of each start (`MetricLogger(header=...)`). Values are strings,
     so consumers that read numeric metrics pass over them."""
@@ -487,8 +566,9 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
     env_meta = env_metadata(make_env) if make_env is not None else {}
     if cfg.eval.env:
         eval_kwargs = eval_env_settings(cfg).get("env_kwargs")
-        env_meta.update(env_metadata(env_factory(cfg.eval.env, eval_kwargs, key="eval.env"),
-                                     "run/eval_env_"))  # fmt: skip
+        env_meta.update(
+            env_metadata(env_factory(cfg.eval.env, eval_kwargs, key="eval.env"), "run/eval_env_")
+        )
     policy = build_policy(cfg, device, need_ref=cfg.loss.needs_reference or cfg.log.kl_every > 0)
     sharded = shard_policy(policy, cfg, dist)  # train.parallel: fsdp (before the optimizer)
     rows = load_rows(cfg.data, cfg.data.split, cfg.data.max_samples, "rl", policy.tokenizer)
@@ -504,10 +584,20 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             log.warning("%s", line)
     modules = ModuleSet(cfg, policy, dist, device, cfg.train.max_steps)  # trained beside it
     # Only now, with model, data and rewards checked, does the run directory get written.
-    run = start_run(cfg, policy, dist, cfg.train.max_steps * cfg.loss.num_iterations, rundir,
-                    header={**run_header(cfg, policy.precision, policy.device,
-                                         describe_parallel(dist, sharded), env_meta),
-                            **modules.header()}, modules=modules)  # fmt: skip
+    run = start_run(
+        cfg,
+        policy,
+        dist,
+        cfg.train.max_steps * cfg.loss.num_iterations,
+        rundir,
+        header={
+            **run_header(
+                cfg, policy.precision, policy.device, describe_parallel(dist, sharded), env_meta
+            ),
+            **modules.header(),
+        },
+        modules=modules,
+    )
     state, optimizer, scheduler, params = run.state, run.optimizer, run.scheduler, run.params
     policy.model.eval()
     scorer = wrap_ddp(CompletionLogprobs(policy.model, policy.precision), dist, device)
@@ -518,11 +608,15 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
 
     def run_eval() -> dict:
         res = evaluate(
-            policy.model, policy.tokenizer, eval_rows, stop_ids=policy.stop_ids,
+            policy.model,
+            policy.tokenizer,
+            eval_rows,
+            stop_ids=policy.stop_ids,
             max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
-            batch_size=cfg.eval.batch_size, precision=policy.precision,
+            batch_size=cfg.eval.batch_size,
+            precision=policy.precision,
             **eval_env_settings(cfg),
-        )  # fmt: skip
+        )
         return {f"eval/{k}": v for k, v in res.summary.items() if isinstance(v, (int, float))}
 
     metrics: dict = {}
@@ -530,8 +624,9 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
     show = cfg.train.progress and dist.is_main
     # the producers (asynchronous rollouts) stop with the block; on a clean end or an
     # interruption they first hand over what they sampled ahead
-    with rollout_source(cfg, policy, rows, reward_fns, make_env, state, dist, sharded,
-                        roles) as source:  # fmt: skip
+    with rollout_source(
+        cfg, policy, rows, reward_fns, make_env, state, dist, sharded, roles
+    ) as source:
         bar = tqdm(total=cfg.train.max_steps, initial=state.step, desc="grpo", disable=not show)
         compiled_s = source.compile_s
         while state.step < cfg.train.max_steps:
@@ -542,8 +637,9 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             batch = source.next(state)
             balanced: dict = {}
             if dist.world_size > 1 and cfg.train.balance_ranks:  # tokens even over ranks
-                batch, balanced = balance_ranks(batch, dist, policy.tokenizer.pad_token_id,
-                                                cfg.shared_prefix_groups is not None)  # fmt: skip
+                batch, balanced = balance_ranks(
+                    batch, dist, policy.tokenizer.pad_token_id, cfg.shared_prefix_groups is not None
+                )
             batch = modules.attach(batch)  # the modules' extras, if any
             t1 = time.perf_counter()
             peaks.end("rollout")
@@ -562,9 +658,21 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             metrics.update(inputs.metrics)  # the estimator's: of the global batch, as they are
             warm_up = state.step < cfg.train.critic_warmup_steps  # the modules alone train
             try:
-                update = frozen_policy_metrics(scheduler) if warm_up else update_phase(
-                    cfg, policy, inputs, optimizer, scheduler, params, scorer, dist,
-                    state.step + 1)  # fmt: skip
+                update = (
+                    frozen_policy_metrics(scheduler)
+                    if warm_up
+                    else update_phase(
+                        cfg,
+                        policy,
+                        inputs,
+                        optimizer,
+                        scheduler,
+                        params,
+                        scorer,
+                        dist,
+                        state.step + 1,
+                    )
+                )
             except NonfiniteWeights as e:  # every rank, at this update: never saved
                 what = str(e).split("; the checkpoints already written", 1)[0]
                 why = f"the weights after the update of step {state.step + 1} are not finite"
@@ -618,11 +726,15 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
                 tqdm.write(f"[sample] reward {float(batch.rewards[0]):.2f}: {batch.texts[0]!r}")
             where.phase = "checkpoint"
             if bad_steps >= cfg.train.max_nonfinite_steps:  # skipped updates: weights intact
-                raise run.guard_stop(policy, dist, GuardStop(
-                    f"{bad_steps} consecutive updates had a non-finite loss or gradient (step "
-                    f"{state.step}); stopped. Lower optim.lr or check the rewards (the weights are "
-                    "those of the last update applied)"
-                ))  # fmt: skip
+                raise run.guard_stop(
+                    policy,
+                    dist,
+                    GuardStop(
+                        f"{bad_steps} consecutive updates had a non-finite loss or gradient "
+                        f"(step {state.step}); stopped. Lower optim.lr or check the rewards (the "
+                        "weights are those of the last update applied)"
+                    ),
+                )
             if stall is not None:
                 then = "(append the settings to change, e.g. train.stop_on_stall=false)"
                 raise run.guard_stop(policy, dist, stall, then)

@@ -103,8 +103,10 @@ def _truncated_message(cfg: Config, w: Window) -> str:
     t, z, r = (w.values(k)[-1] for k in TRUNCATION_KEYS)
     ro = cfg.rollout
     if ro.multi_turn:
-        what = (f"{t:.0%} of trajectories were cut by rollout.max_turns={ro.max_turns} or the "
-                f"token budget (rollout.max_total_tokens={ro.total_tokens})")  # fmt: skip
+        what = (
+            f"{t:.0%} of trajectories were cut by rollout.max_turns={ro.max_turns} or the "
+            f"token budget (rollout.max_total_tokens={ro.total_tokens})"
+        )
         fix = "raise rollout.max_total_tokens / rollout.max_turns or ask for shorter turns"
     else:
         what = f"{t:.0%} of completions hit rollout.max_new_tokens={ro.max_new_tokens}"
@@ -427,8 +429,10 @@ class WeightChange:
     @torch.no_grad()
     def _sample(self) -> list[torch.Tensor]:
         # float32 copies: the difference of two bf16 samples would round away small steps
-        return [_local(p).detach().reshape(-1)[:: self.stride].to(torch.float32, copy=True)
-                for p in self.params]  # fmt: skip
+        return [
+            _local(p).detach().reshape(-1)[:: self.stride].to(torch.float32, copy=True)
+            for p in self.params
+        ]
 
     @torch.no_grad()
     def measure(self, dist=SINGLE) -> float:

@@ -83,14 +83,22 @@ class ModuleSet:
             if name in seen:
                 raise GrpoError(f"modules[{i}]: two modules named {name!r}; give one a `label`")
             seen.add(name)
-            inputs = {"model_config": policy.model.config, "tokenizer": policy.tokenizer,
-                      "config": cfg, "dist": dist, "policy": policy, **spec.kwargs}  # fmt: skip
+            inputs = {
+                "model_config": policy.model.config,
+                "tokenizer": policy.tokenizer,
+                "config": cfg,
+                "dist": dist,
+                "policy": policy,
+                **spec.kwargs,
+            }
             with torch.random.fork_rng(devices=[]):  # its own init; the run's RNG untouched
                 torch.manual_seed(cfg.train.seed + 1000 + i)
                 module = TRAINED_MODULES.call(spec.name, inputs)
             if not isinstance(module, TrainedModule):
-                raise GrpoError(f"modules[{i}]: {spec.name!r} made a {type(module).__name__}, "
-                                "not a grpo.train.modules.TrainedModule")  # fmt: skip
+                raise GrpoError(
+                    f"modules[{i}]: {spec.name!r} made a {type(module).__name__}, "
+                    "not a grpo.train.modules.TrainedModule"
+                )
             module = module.to(device)
             optim = type(cfg.optim)(**spec.optim)  # OptimConfig's defaults, then its own
             params = [p for p in module.parameters() if p.requires_grad]
@@ -133,9 +141,11 @@ class ModuleSet:
                 made = t.module.attach(batch) or {}
             for k, v in made.items():
                 if not isinstance(v, torch.Tensor) or v.shape[0] != batch.size or v.dim() > 2:
-                    raise GrpoError(f"module {t.name!r}: attach returned {k!r} of "
-                                    f"{_shape(v)}; expected (B,) or (B, T_c) with B = "
-                                    f"{batch.size}")  # fmt: skip
+                    raise GrpoError(
+                        f"module {t.name!r}: attach returned {k!r} of "
+                        f"{_shape(v)}; expected (B,) or (B, T_c) with B = "
+                        f"{batch.size}"
+                    )
                 extras[k] = v.float() if v.is_floating_point() else v
         return dataclasses.replace(batch, extras=extras)
 
@@ -168,8 +178,10 @@ class ModuleSet:
         value = float(total)
         if not (math.isfinite(value) and math.isfinite(float(norm))):
             where = f"step {step}: " if step is not None else ""
-            raise GrpoError(f"{where}module {t.name!r}: non-finite loss ({value}) or gradient "
-                            f"norm ({float(norm)})")  # fmt: skip
+            raise GrpoError(
+                f"{where}module {t.name!r}: non-finite loss ({value}) or gradient "
+                f"norm ({float(norm)})"
+            )
         t.optimizer.step()
         t.scheduler.step()
         return {"loss": value, "grad_norm": float(norm), **reported}
@@ -187,8 +199,10 @@ class ModuleSet:
                 return
             loss, got = split_metrics(part, f"module {t.name!r}")
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
-                raise GrpoError(f"module {t.name!r}: loss returned {_shape(loss)}; expected a "
-                                "0-d tensor with a gradient")  # fmt: skip
+                raise GrpoError(
+                    f"module {t.name!r}: loss returned {_shape(loss)}; expected a "
+                    "0-d tensor with a gradient"
+                )
             yield loss, {k: float(v) for k, v in got.items()}
 
     # -- checkpoints ------------------------------------------------------------------------
@@ -212,21 +226,26 @@ class ModuleSet:
         for t in self.items:
             d = Path(checkpoint) / "modules" / t.name
             if not (d / "weights.safetensors").is_file():
-                raise GrpoError(f"checkpoint {checkpoint} has no state of module {t.name!r} "
-                                "(was it trained with this module?)")  # fmt: skip
+                raise GrpoError(
+                    f"checkpoint {checkpoint} has no state of module {t.name!r} "
+                    "(was it trained with this module?)"
+                )
             weights = load_safetensors(d / "weights.safetensors")
             try:
                 t.module.load_checkpoint_state(weights)
             except RuntimeError as e:
                 first = str(e).strip().splitlines()[0]
-                raise GrpoError(f"checkpoint {checkpoint}: module {t.name!r} does not fit: "
-                                f"{first}") from None  # fmt: skip
+                raise GrpoError(
+                    f"checkpoint {checkpoint}: module {t.name!r} does not fit: {first}"
+                ) from None
             t.module.to(self.device)
-            opt = torch_load(d / "optimizer.pt", "a module's optimizer state",
-                             map_location=self.device)  # fmt: skip
+            opt = torch_load(
+                d / "optimizer.pt", "a module's optimizer state", map_location=self.device
+            )
             t.optimizer.load_state_dict(opt)
-            sched = torch_load(d / "scheduler.pt", "a module's schedule state",
-                               map_location=self.device)  # fmt: skip
+            sched = torch_load(
+                d / "scheduler.pt", "a module's schedule state", map_location=self.device
+            )
             t.scheduler.load_state_dict(sched)
 
 
@@ -262,5 +281,10 @@ def _shape(v) -> str:
     return type(v).__name__
 
 
-__all__ = ["TRAINED_MODULES", "ModuleSet", "TrainedModule", "check_trained_module",
-           "register_trained_module"]  # fmt: skip
+__all__ = [
+    "TRAINED_MODULES",
+    "ModuleSet",
+    "TrainedModule",
+    "check_trained_module",
+    "register_trained_module",
+]

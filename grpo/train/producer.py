@@ -134,8 +134,10 @@ def _consume(state: TrainState, p: Produced, step: int, k: int) -> RolloutBatch:
         raise GrpoError(f"rollout producer sent batch {p.index} for step {step + 1}")
     staleness = step - p.batch.policy_version
     if not 0 <= staleness <= k:  # the schedule makes this impossible: a bug if it happens
-        raise GrpoError(f"step {step + 1}: batch sampled by policy {p.batch.policy_version}, "
-                        f"{staleness} updates old (rollout.max_staleness={k})")  # fmt: skip
+        raise GrpoError(
+            f"step {step + 1}: batch sampled by policy {p.batch.policy_version}, "
+            f"{staleness} updates old (rollout.max_staleness={k})"
+        )
     state.epoch, state.data_index = p.data_state
     return p.batch
 
@@ -167,17 +169,34 @@ class _Source:
 class InlineRollouts(_Source):
     """rollout.async: off: each step samples its batch with the current weights."""
 
-    def __init__(self, cfg: Config, policy, sampler, rows, reward_fns, make_env, dist=SINGLE,
-                 sharded: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        cfg: Config,
+        policy,
+        sampler,
+        rows,
+        reward_fns,
+        make_env,
+        dist=SINGLE,
+        sharded: bool = False,
+    ):
         self.cfg, self.policy, self.sampler, self.rows = cfg, policy, sampler, rows
         self.reward_fns, self.make_env = reward_fns, make_env
         self.dist, self.sharded = dist, sharded
 
     def next(self, state: TrainState) -> RolloutBatch:
         with full_weights(self.policy.model, self.sharded):  # FSDP: the sampler needs them whole
-            batch = rollout_phase(self.cfg, self.policy, self.sampler, self.rows, state,
-                                  self.reward_fns, state.step, self.dist,
-                                  self.make_env)  # fmt: skip
+            batch = rollout_phase(
+                self.cfg,
+                self.policy,
+                self.sampler,
+                self.rows,
+                state,
+                self.reward_fns,
+                state.step,
+                self.dist,
+                self.make_env,
+            )
         # the compiled step's KV cache (17.5 GiB at B=128, 1280 slots, Qwen3-0.6B in bf16) is
         # not kept through the reference and update passes
         self.cache_bytes = self.sampler.release_caches()
@@ -225,8 +244,18 @@ class ColocatedRollouts(_Asynchronous):
     group (`lockstep`), apart from the trainers' collectives.
     """
 
-    def __init__(self, cfg: Config, policy, make_sampler, rows, reward_fns, make_env,
-                 state: TrainState, dist=SINGLE, lockstep: Dist = SINGLE):  # fmt: skip
+    def __init__(
+        self,
+        cfg: Config,
+        policy,
+        make_sampler,
+        rows,
+        reward_fns,
+        make_env,
+        state: TrainState,
+        dist=SINGLE,
+        lockstep: Dist = SINGLE,
+    ):
         super().__init__(cfg, state)
         self.model = producer_copy(policy.model)
         self.policy = dataclasses.replace(policy, model=self.model, ref_model=None)
@@ -282,14 +311,28 @@ class ColocatedRollouts(_Asynchronous):
                     loaded = v
                 t1 = time.perf_counter()
                 batch = rollout_batches(
-                    self.cfg, self.policy, self.sampler, self.rows, self.cursor,
-                    self.reward_fns, j, [self.dist.rank], self.dist.world_size, self.lockstep,
-                    self.make_env, policy_version=v,
-                )[0]  # fmt: skip
+                    self.cfg,
+                    self.policy,
+                    self.sampler,
+                    self.rows,
+                    self.cursor,
+                    self.reward_fns,
+                    j,
+                    [self.dist.rank],
+                    self.dist.world_size,
+                    self.lockstep,
+                    self.make_env,
+                    policy_version=v,
+                )[0]
                 if stream is not None:
                     stream.synchronize()
-                done = Produced(batch, j, (self.cursor.epoch, self.cursor.data_index),
-                                time.perf_counter() - t1, t1 - t0)  # fmt: skip
+                done = Produced(
+                    batch,
+                    j,
+                    (self.cursor.epoch, self.cursor.data_index),
+                    time.perf_counter() - t1,
+                    t1 - t0,
+                )
                 with self._cond:
                     self._ready[j] = done
                     self._cond.notify_all()
@@ -318,8 +361,9 @@ class ColocatedRollouts(_Asynchronous):
                 e = self._error
                 line = str(e).strip().splitlines()[0] if str(e).strip() else ""
                 what = line if isinstance(e, GrpoError) else f"{type(e).__name__}: {line}"
-                raise GrpoError(f"the rollout producer failed sampling the batch of step "
-                                f"{j + 1}: {what}") from e  # fmt: skip
+                raise GrpoError(
+                    f"the rollout producer failed sampling the batch of step {j + 1}: {what}"
+                ) from e
             p = self._ready.pop(j)
         if self.model.device.type == "cuda":  # allocated on the producer's stream
             used_on(p.batch, torch.cuda.current_stream(self.model.device))
@@ -398,8 +442,7 @@ class RemoteRollouts(_Asynchronous):
             _wait(work, self.timeout_s)
         data = (state.epoch, state.data_index) if state is not None else (0, 0)
         head = torch.tensor([cmd, version, *data], dtype=torch.int64)
-        self._pending = [(td.broadcast(head, src=0, group=self.roles.weights, async_op=True),
-                          head)]  # fmt: skip
+        self._pending = [(td.broadcast(head, src=0, group=self.roles.weights, async_op=True), head)]
         if cmd != _STOP:
             _, buffer = pack_tensors(trainable_weights(self.policy.model))
             work = td.broadcast(buffer, src=0, group=self.roles.weights, async_op=True)
@@ -419,8 +462,9 @@ class RemoteRollouts(_Asynchronous):
             ) from None
         extra = header["extra"]
         batch = unpack_batch(header, buffer, self.rows, self.device)
-        p = Produced(batch, extra["index"], tuple(extra["data_state"]), extra["sample_s"],
-                     extra["wait_s"])  # fmt: skip
+        p = Produced(
+            batch, extra["index"], tuple(extra["data_state"]), extra["sample_s"], extra["wait_s"]
+        )
         self._record(p, j, time.perf_counter() - t0)
         self._next = j + 1
         return _consume(state, p, j, self.k)
@@ -457,8 +501,9 @@ class RemoteRollouts(_Asynchronous):
             _wait(work, self.timeout_s)
 
 
-def run_producer(cfg: Config, policy, sampler, rows, reward_fns, make_env, roles: Roles,
-                 where) -> dict:  # fmt: skip
+def run_producer(
+    cfg: Config, policy, sampler, rows, reward_fns, make_env, roles: Roles, where
+) -> dict:
     """A producer rank's loop: sample batch j for each trainer rank it serves with policy
     version `behaviour_version(j)`, send it, and take each published version from trainer
     rank 0, until rank 0 says stop. Returns a summary of what it did.
@@ -481,8 +526,10 @@ def _signals_noted():
 
     def note(signum, frame):
         if not seen:
-            log.info("rollout producer: %s noted; the trainer ranks stop the run",
-                     signal.Signals(signum).name)  # fmt: skip
+            log.info(
+                "rollout producer: %s noted; the trainer ranks stop the run",
+                signal.Signals(signum).name,
+            )
         seen.append(signum)
 
     old = {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -530,13 +577,28 @@ def _produce(cfg: Config, policy, sampler, rows, reward_fns, make_env, roles: Ro
                 return _finish(sends, timeout, produced)
         t1 = time.perf_counter()
         where.phase = "rollout"
-        batches = rollout_batches(cfg, policy, sampler, rows, cursor, reward_fns, j, serves,
-                                  roles.n_trainers, roles.lockstep, make_env,
-                                  policy_version=v)  # fmt: skip
+        batches = rollout_batches(
+            cfg,
+            policy,
+            sampler,
+            rows,
+            cursor,
+            reward_fns,
+            j,
+            serves,
+            roles.n_trainers,
+            roles.lockstep,
+            make_env,
+            policy_version=v,
+        )
         sample_s = time.perf_counter() - t1
         for t, batch in zip(serves, batches):
-            extra = {"index": j, "data_state": [cursor.epoch, cursor.data_index],
-                     "sample_s": sample_s, "wait_s": t1 - t0}  # fmt: skip
+            extra = {
+                "index": j,
+                "data_state": [cursor.epoch, cursor.data_index],
+                "sample_s": sample_s,
+                "wait_s": t1 - t0,
+            }
             header, buffer = pack_batch(batch, [index_of[id(r)] for r in batch.rows], extra)
             sends.append(_send_message(header, buffer, t, roles.link))
         produced += 1
@@ -558,9 +620,16 @@ def _finish(sends, timeout: float, produced: int) -> dict:
 
 
 def rollout_source(
-    cfg: Config, policy, rows, reward_fns, make_env, state: TrainState, dist=SINGLE,
-    sharded: bool = False, roles: Roles | None = None,
-) -> _Source:  # fmt: skip
+    cfg: Config,
+    policy,
+    rows,
+    reward_fns,
+    make_env,
+    state: TrainState,
+    dist=SINGLE,
+    sharded: bool = False,
+    roles: Roles | None = None,
+) -> _Source:
     """The rollout source a run's config asks for (see the module docstring)."""
     if not cfg.rollout.asynchronous:
         sampler = make_sampler(cfg, policy, policy.model, sharded)
@@ -570,26 +639,35 @@ def rollout_source(
     lockstep = SINGLE
     if dist.enabled:  # the producer threads' own group, apart from the trainers' collectives
         wait = max(cfg.rollout.async_timeout_s, cfg.train.dist_timeout_s)  # as split_roles
-        group = td.new_group(list(range(dist.world_size)), backend="gloo",
-                             timeout=datetime.timedelta(seconds=wait))  # fmt: skip
+        group = td.new_group(
+            list(range(dist.world_size)), backend="gloo", timeout=datetime.timedelta(seconds=wait)
+        )
         lockstep = Dist(dist.rank, dist.world_size, dist.local_rank, torch.device("cpu"), group)
 
     def thread_sampler(model):
         return make_sampler(cfg, policy, model, producer_thread=True)
 
-    return ColocatedRollouts(cfg, policy, thread_sampler, rows, reward_fns, make_env, state,
-                             dist, lockstep)  # fmt: skip
+    return ColocatedRollouts(
+        cfg, policy, thread_sampler, rows, reward_fns, make_env, state, dist, lockstep
+    )
 
 
-def make_sampler(cfg: Config, policy, model, sharded: bool = False,
-                 producer_thread: bool = False) -> Sampler:  # fmt: skip
+def make_sampler(
+    cfg: Config, policy, model, sharded: bool = False, producer_thread: bool = False
+) -> Sampler:
     """The run's sampler over `model`: the compiled decode step as rollout.compile says (FSDP:
     eager, the sampler reads the gathered weights through FSDP's hooks). A colocated producer
     thread's compiled step records no CUDA graphs (mode "default"): CUDA-graph trees belong to
     the thread that records them, and the trainer's thread replays its own."""
-    compile_ = not sharded and resolve_compile(cfg.rollout.compile, model.device,
-                                               cfg.rollout.multi_turn)  # fmt: skip
+    compile_ = not sharded and resolve_compile(
+        cfg.rollout.compile, model.device, cfg.rollout.multi_turn
+    )
     options = {"mode": "default"} if producer_thread else None
-    return Sampler(model, compile=compile_, fallback=cfg.rollout.compile == "auto",
-                   precision=policy.precision, compile_options=options,
-                   max_rows=cfg.rollout.max_rows)  # fmt: skip
+    return Sampler(
+        model,
+        compile=compile_,
+        fallback=cfg.rollout.compile == "auto",
+        precision=policy.precision,
+        compile_options=options,
+        max_rows=cfg.rollout.max_rows,
+    )

@@ -52,8 +52,12 @@ from grpo.train.sft import total_sft_steps
 log = logging.getLogger(__name__)
 
 
-def pair_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None = None,
-              center_coef: float = 0.0) -> torch.Tensor:  # fmt: skip
+def pair_loss(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    margin: torch.Tensor | None = None,
+    center_coef: float = 0.0,
+) -> torch.Tensor:
     """Per-pair Bradley-Terry loss: -log sigmoid(r_c - r_r - m) + center_coef (r_c + r_r)^2.
 
     Args:
@@ -98,8 +102,15 @@ def collate_pairs(pairs: list, pad_id: int, device) -> dict:
     return {"ids": ids.to(device), "attention_mask": mask.to(device), "margin": margin.to(device)}
 
 
-def pair_stats(scorer, pairs: list, pad_id: int, device, center_coef: float, normalizer: float,
-               weights: torch.Tensor | None = None):  # fmt: skip
+def pair_stats(
+    scorer,
+    pairs: list,
+    pad_id: int,
+    device,
+    center_coef: float,
+    normalizer: float,
+    weights: torch.Tensor | None = None,
+):
     """Score one micro-batch: (loss / normalizer with its graph, detached (loss sum, correct
     pairs, margin sum, score sum) as a float64 (4,) tensor). `weights` (N,) 0/1 drops padding
     pairs from every number (an evaluation's filler)."""
@@ -112,13 +123,28 @@ def pair_stats(scorer, pairs: list, pad_id: int, device, center_coef: float, nor
     loss = (losses * w).sum() / normalizer
     with torch.no_grad():
         diff = chosen - rejected
-        stats = torch.stack([(losses * w).sum(), ((diff > 0).float() * w).sum(),
-                             (diff * w).sum(), ((chosen + rejected) * w).sum()])  # fmt: skip
+        stats = torch.stack(
+            [
+                (losses * w).sum(),
+                ((diff > 0).float() * w).sum(),
+                (diff * w).sum(),
+                ((chosen + rejected) * w).sum(),
+            ]
+        )
     return loss, stats.double()
 
 
-def rm_update(cfg: Config, model: Policy, scorer, batch_pairs: list, optimizer, scheduler,
-              params, dist, step: int | None = None):  # fmt: skip
+def rm_update(
+    cfg: Config,
+    model: Policy,
+    scorer,
+    batch_pairs: list,
+    optimizer,
+    scheduler,
+    params,
+    dist,
+    step: int | None = None,
+):
     """One optimizer step on this rank's pairs; returns the global batch's (loss, accuracy,
     mean margin, mean score, grad norm). A non-finite loss or gradient on any rank skips the
     step; an update that leaves a weight non-finite raises GrpoError naming `step`."""
@@ -131,8 +157,7 @@ def rm_update(cfg: Config, model: Policy, scorer, batch_pairs: list, optimizer, 
     pad = scorer_pad(scorer)
     for i, sl in enumerate(slices):
         with no_sync(scorer, skip=i < len(slices) - 1):
-            loss, stats = pair_stats(scorer, batch_pairs[sl], pad, device, cfg.rm.center_coef,
-                                     norm)  # fmt: skip
+            loss, stats = pair_stats(scorer, batch_pairs[sl], pad, device, cfg.rm.center_coef, norm)
             (loss * dist.world_size).backward()  # DDP averages; we want the sum
         totals = totals + stats
     grad_norm = clip_grad_norm(params, cfg.optim.max_grad_norm or np.inf)
@@ -174,11 +199,11 @@ def evaluate_pairs(cfg: Config, scorer, pairs: list, device, dist) -> dict[str, 
     totals = torch.zeros(4, dtype=torch.float64, device=device)
     size = cfg.train.micro_batch_size or cfg.train.batch_size
     for sl in micro_batches(len(mine), size):
-        _, stats = pair_stats(inner, mine[sl], inner.pad_id, device, cfg.rm.center_coef, 1.0,
-                              weights[sl])  # fmt: skip
+        _, stats = pair_stats(
+            inner, mine[sl], inner.pad_id, device, cfg.rm.center_coef, 1.0, weights[sl]
+        )
         totals += stats
-    loss, accuracy, margin, score = (all_reduce_sum(x, dist) / len(pairs)
-                                     for x in totals.tolist())  # fmt: skip
+    loss, accuracy, margin, score = (all_reduce_sum(x, dist) / len(pairs) for x in totals.tolist())
     return {
         "loss": loss,
         "accuracy": accuracy,
@@ -201,8 +226,10 @@ def build_reward_model(cfg: Config, device: torch.device) -> Policy:
     precision = Precision.from_config(cfg.model)
     if cfg.model.adapter or cfg.lora.adapter:
         field = "model.adapter" if cfg.model.adapter else "lora.adapter"
-        raise GrpoError(f"{field}: `grpo rm` starts from a checkpoint directory; merge the "
-                        "adapter first (grpo merge)")  # fmt: skip
+        raise GrpoError(
+            f"{field}: `grpo rm` starts from a checkpoint directory; merge the "
+            "adapter first (grpo merge)"
+        )
     tok = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     pad = reward_pad_id(cfg, tok)
     model_dir = resolve_model_dir(cfg.model.path)
@@ -212,8 +239,14 @@ def build_reward_model(cfg: Config, device: torch.device) -> Policy:
 
         model.config = dataclasses.replace(model.config, pad_token_id=pad)
     if cfg.lora.enabled:
-        apply_lora(model, rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                   targets=cfg.lora.targets, seed=cfg.train.seed)  # fmt: skip
+        apply_lora(
+            model,
+            rank=cfg.lora.rank,
+            alpha=cfg.lora.alpha,
+            dropout=cfg.lora.dropout,
+            targets=cfg.lora.targets,
+            seed=cfg.train.seed,
+        )
         model.score.weight.requires_grad_(True)  # the head is new: it always trains
     else:
         for p in model.parameters():
@@ -221,8 +254,9 @@ def build_reward_model(cfg: Config, device: torch.device) -> Policy:
     model.gradient_checkpointing = cfg.model.gradient_checkpointing
     precision.prepare(model)
     log.info("precision: %s", precision.describe(device))
-    return Policy(model, tok, [], None, Path(model_dir), cfg.lora.enabled, precision,
-                  torch.device(device))  # fmt: skip
+    return Policy(
+        model, tok, [], None, Path(model_dir), cfg.lora.enabled, precision, torch.device(device)
+    )
 
 
 def reward_pad_id(cfg: Config, tokenizer) -> int:
@@ -251,8 +285,10 @@ def check_rm(cfg: Config) -> None:
         problems.append(str(e))
     mc, source = read_model_config(cfg.model.path)
     if cfg.rm.max_length > mc.max_position_embeddings:
-        problems.append(f"rm.max_length: {cfg.rm.max_length} tokens exceed the model's "
-                        f"context ({mc.max_position_embeddings}, {source})")  # fmt: skip
+        problems.append(
+            f"rm.max_length: {cfg.rm.max_length} tokens exceed the model's "
+            f"context ({mc.max_position_embeddings}, {source})"
+        )
     try:
         check_lora(cfg, meta_decoder(mc))
     except PreflightError as e:
@@ -270,8 +306,13 @@ def load_pairs(cfg: Config, split: str, max_samples: int | None, tokenizer) -> l
     rows = load_preference_rows(cfg.data.dataset, split, max_samples)
     pairs, skipped = preference_pairs(rows, tokenizer, cfg.rm.max_length, source)
     if skipped:
-        log.warning("%s: %d of %d pairs skipped: a completion longer than rm.max_length (%d)",
-                    source, skipped, len(rows), cfg.rm.max_length)  # fmt: skip
+        log.warning(
+            "%s: %d of %d pairs skipped: a completion longer than rm.max_length (%d)",
+            source,
+            skipped,
+            len(rows),
+            cfg.rm.max_length,
+        )
     if not pairs:
         raise GrpoError(f"{source}: no pair fits rm.max_length ({cfg.rm.max_length})")
     return pairs
@@ -303,8 +344,10 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
     if cfg.train.epochs is not None and rundir.checkpoint is not None:
         limit = f"train.epochs={cfg.train.epochs:g} ({steps} steps)"
         check_resume_step(rundir.path, rundir.checkpoint, steps, limit, dist.rank)
-    header = {"run/reward_model": f"pairs {len(pairs)} train / {len(eval_pairs)} held out, "
-              f"pad id {policy.model.config.pad_token_id}"}  # fmt: skip
+    header = {
+        "run/reward_model": f"pairs {len(pairs)} train / {len(eval_pairs)} held out, "
+        f"pad id {policy.model.config.pad_token_id}"
+    }
     run = start_run(cfg, policy, dist, steps, rundir, header)
     state, optimizer, scheduler, params = run.state, run.optimizer, run.scheduler, run.params
     pad = policy.model.config.pad_token_id
@@ -312,8 +355,12 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
     B = cfg.train.batch_size
     bad_steps = 0
     metrics: dict = {}
-    bar = tqdm(total=steps, initial=state.step, desc="rm",
-               disable=not (cfg.train.progress and dist.is_main))  # fmt: skip
+    bar = tqdm(
+        total=steps,
+        initial=state.step,
+        desc="rm",
+        disable=not (cfg.train.progress and dist.is_main),
+    )
     while state.step < steps:
         t0 = time.perf_counter()
         where.step, where.phase = state.step + 1, "update"
@@ -325,11 +372,11 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             cfg, policy, scorer, batch, optimizer, scheduler, params, dist, state.step + 1
         )
         state.step += 1
-        bad_steps = nonfinite_streak(bad_steps, loss, grad_norm, cfg.train.max_nonfinite_steps,
-                                     state.step)  # fmt: skip
+        bad_steps = nonfinite_streak(
+            bad_steps, loss, grad_norm, cfg.train.max_nonfinite_steps, state.step
+        )
         dt = time.perf_counter() - t0
-        tokens = sum(2 * len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids)
-                     for p in batch)  # fmt: skip
+        tokens = sum(2 * len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in batch)
         metrics = {
             "train/loss": loss,
             "train/accuracy": accuracy,

@@ -54,15 +54,37 @@ def rollout_phase(
         step: training steps completed (the batch's policy_version).
     """
     show = cfg.train.progress and dist.is_main  # a bar when a sampling call runs long
-    return rollout_batches(cfg, policy, sampler, rows, state, reward_fns, step, [dist.rank],
-                           dist.world_size, dist, make_env, show=show)[0]  # fmt: skip
+    return rollout_batches(
+        cfg,
+        policy,
+        sampler,
+        rows,
+        state,
+        reward_fns,
+        step,
+        [dist.rank],
+        dist.world_size,
+        dist,
+        make_env,
+        show=show,
+    )[0]
 
 
 def rollout_batches(
-    cfg: Config, policy, sampler, rows, state, reward_fns, step: int, ranks: Sequence[int],
-    world: int, lockstep=SINGLE, make_env=None, policy_version: int | None = None,
+    cfg: Config,
+    policy,
+    sampler,
+    rows,
+    state,
+    reward_fns,
+    step: int,
+    ranks: Sequence[int],
+    world: int,
+    lockstep=SINGLE,
+    make_env=None,
+    policy_version: int | None = None,
     show: bool = False,
-) -> list[RolloutBatch]:  # fmt: skip
+) -> list[RolloutBatch]:
     """`rollout_phase` for the trainer ranks `ranks` of a job of `world` trainer ranks, one
     batch each: what each of those ranks would sample for itself, bitwise (same prompts, same
     seeds, the same dynamic-sampling rounds). A rollout producer (grpo.train.producer) calls it
@@ -104,12 +126,18 @@ def rollout_batches(
         short = sum(float(len(kept[t]) < P) for t in ranks)
         if all_reduce_sum(short, lockstep) == 0:
             break
-    return [_join_rounds(rounds[t], (kept[t] + spare[t])[:P], policy.tokenizer, round_, bounds)
-            for t in ranks]  # fmt: skip
+    return [
+        _join_rounds(rounds[t], (kept[t] + spare[t])[:P], policy.tokenizer, round_, bounds)
+        for t in ranks
+    ]
 
 
-def sampling_metrics(rounds: list[RolloutBatch], batch: RolloutBatch, refills: int,
-                     bounds: tuple[float, float] | None) -> dict[str, float]:  # fmt: skip
+def sampling_metrics(
+    rounds: list[RolloutBatch],
+    batch: RolloutBatch,
+    refills: int,
+    bounds: tuple[float, float] | None,
+) -> dict[str, float]:
     """What a step's sampling did, summed over ranks (`grpo.metrics.Sum`): groups sampled in
     all rounds, groups with signal (unequal rewards) in the batch trained on, sampling rounds
     after the first (`Max`: the ranks run them in lockstep), and, when the rewards declare
@@ -118,8 +146,11 @@ def sampling_metrics(rounds: list[RolloutBatch], batch: RolloutBatch, refills: i
     G = rounds[0].rollout.group_size
     sampled = sum(b.size // G for b in rounds)
     kept = int((~zero_std_groups(batch.rewards, G)).sum())
-    out = {"rollout/groups_sampled": Sum(sampled), "rollout/groups_kept": Sum(kept),
-           "rollout/refill_rounds": Max(refills)}  # fmt: skip
+    out = {
+        "rollout/groups_sampled": Sum(sampled),
+        "rollout/groups_kept": Sum(kept),
+        "rollout/refill_rounds": Max(refills),
+    }
     if bounds is not None:
         r = torch.cat([b.rewards for b in rounds]).double().view(-1, G)  # (groups, G)
         for name, bound in (("all_right", bounds[1]), ("all_wrong", bounds[0])):
@@ -144,8 +175,9 @@ def round_metrics(rounds: list[RolloutBatch]) -> dict[str, float]:
     return out
 
 
-def _join_rounds(rounds: list[RolloutBatch], order: list[tuple[int, int]], tokenizer,
-                 last_round: int, bounds) -> RolloutBatch:  # fmt: skip
+def _join_rounds(
+    rounds: list[RolloutBatch], order: list[tuple[int, int]], tokenizer, last_round: int, bounds
+) -> RolloutBatch:
     """One rank's batch: the groups `order` [(round, group), ...] of its sampling rounds, and
     its `sampling_metrics` (`last_round`: the lockstep's last round)."""
     G = rounds[0].rollout.group_size
@@ -158,8 +190,7 @@ def _join_rounds(rounds: list[RolloutBatch], order: list[tuple[int, int]], token
                 runs[-1][1].append(g)
             else:
                 runs.append((r, [g]))
-        batch = cat_batches([rounds[r].select_groups(gs) for r, gs in runs],
-                            tokenizer.pad_token_id)  # fmt: skip
+        batch = cat_batches([rounds[r].select_groups(gs) for r, gs in runs], tokenizer.pad_token_id)
     # the step's statistic is the first round's (what the policy gave before any refill)
     metrics = {**round_metrics(rounds), **sampling_metrics(rounds, batch, last_round, bounds)}
     return dataclasses.replace(batch, frac_zero_std=rounds[0].frac_zero_std, metrics=metrics)

@@ -99,8 +99,17 @@ def sft_loss(cfg: Config, scorer, batch: dict, normalizer: float) -> tuple[torch
     return -logprobs.sum() / normalizer, int(batch["completion_mask"].sum())
 
 
-def sft_update(cfg: Config, policy, scorer, batch_rows, optimizer, scheduler, params, dist,
-               step: int | None = None):  # fmt: skip
+def sft_update(
+    cfg: Config,
+    policy,
+    scorer,
+    batch_rows,
+    optimizer,
+    scheduler,
+    params,
+    dist,
+    step: int | None = None,
+):
     """One optimizer step on this rank's rows; returns (loss share, tokens, grad norm).
 
     A non-finite loss or gradient on any rank skips the step (the returned values show it).
@@ -211,8 +220,9 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             cfg, policy, scorer, batch_rows, optimizer, scheduler, params, dist, state.step + 1
         )
         state.step += 1
-        bad_steps = nonfinite_streak(bad_steps, total, grad_norm, cfg.train.max_nonfinite_steps,
-                                     state.step)  # fmt: skip
+        bad_steps = nonfinite_streak(
+            bad_steps, total, grad_norm, cfg.train.max_nonfinite_steps, state.step
+        )
         dt = time.perf_counter() - t0
         metrics = {
             "train/loss": all_reduce_sum(total, dist),
@@ -231,10 +241,14 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             # rank 0's work: its failure stops every rank at once (FSDP: all gather first)
             if eval_rows and evaluating:
                 res = evaluate(
-                    policy.model, tok, eval_rows, stop_ids=policy.stop_ids,
+                    policy.model,
+                    tok,
+                    eval_rows,
+                    stop_ids=policy.stop_ids,
                     max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
-                    batch_size=cfg.eval.batch_size, precision=policy.precision,
-                )  # fmt: skip
+                    batch_size=cfg.eval.batch_size,
+                    precision=policy.precision,
+                )
                 metrics.update({f"eval/{k}": v for k, v in res.summary.items() if k != "errors"})
             if state.step % cfg.train.log_every == 0 or last:
                 run.logger.log(

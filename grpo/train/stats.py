@@ -159,21 +159,24 @@ def advantage_stats(advantages: torch.Tensor, mask: torch.Tensor, dist=SINGLE) -
     with torch.no_grad():
         a = advantages.detach().double()
         inf = torch.tensor(math.inf, dtype=torch.float64, device=a.device)
-        local = torch.stack([
-            mask.sum().double(),
-            torch.where(mask, a, 0.0).sum(),
-            torch.where(mask, a * a, 0.0).sum(),
-            (mask & (a == 0)).sum().double(),
-            torch.where(mask, a, inf).min() if a.numel() else inf,
-            torch.where(mask, -a, inf).min() if a.numel() else inf,  # -max
-        ]).tolist()  # fmt: skip
+        local = torch.stack(
+            [
+                mask.sum().double(),
+                torch.where(mask, a, 0.0).sum(),
+                torch.where(mask, a * a, 0.0).sum(),
+                (mask & (a == 0)).sum().double(),
+                torch.where(mask, a, inf).min() if a.numel() else inf,
+                torch.where(mask, -a, inf).min() if a.numel() else inf,  # -max
+            ]
+        ).tolist()
     n, s, s2, zeros, lo, neg_hi = local
     sums = all_reduce_sum_dict({"n": n, "s": s, "s2": s2, "zeros": zeros}, dist)
     ext = all_reduce_max_dict({"neg_lo": -lo, "hi": -neg_hi}, dist)  # min = -max(-x)
     n = sums["n"]
     if n == 0:
-        return dict.fromkeys(("adv/mean", "adv/std", "adv/min", "adv/max", "adv/zero_frac"),
-                             float("nan"))  # fmt: skip
+        return dict.fromkeys(
+            ("adv/mean", "adv/std", "adv/min", "adv/max", "adv/zero_frac"), float("nan")
+        )
     mean = sums["s"] / n
     return {
         "adv/mean": mean,

@@ -76,16 +76,23 @@ def check_strategy(name: str, params: dict | None = None) -> None:
     ROLLOUT_STRATEGIES.check_params(name, params or {}, set(INPUTS))
 
 
-def sample_round(cfg: Config, policy, sampler, rows: list[dict], seed: int, make_env=None,
-                 show: bool = False):  # fmt: skip
+def sample_round(
+    cfg: Config, policy, sampler, rows: list[dict], seed: int, make_env=None, show: bool = False
+):
     """One sampling call: G completions per row (single turn), or G trajectories per row
     with the configured environment (multi-turn). The sampler holds the policy's precision
     (the trainer's autocast and float32 head). `show`: a progress bar of its decode steps
     (environment steps) when the call runs long (`grpo.run.perf.phase_bar`)."""
     c = cfg.rollout
-    sampling = {"temperature": c.temperature, "top_k": c.top_k, "top_p": c.top_p,
-                "min_p": c.min_p, "seed": seed, "pad_id": policy.tokenizer.pad_token_id,
-                "stop_ids": policy.stop_ids}  # fmt: skip
+    sampling = {
+        "temperature": c.temperature,
+        "top_k": c.top_k,
+        "top_p": c.top_p,
+        "min_p": c.min_p,
+        "seed": seed,
+        "pad_id": policy.tokenizer.pad_token_id,
+        "stop_ids": policy.stop_ids,
+    }
     B = len(rows) * c.group_size
     if not c.multi_turn:
         with phase_bar(show, f"rollout ({B} rows)", c.max_new_tokens, "tok") as bar:
@@ -94,18 +101,30 @@ def sample_round(cfg: Config, policy, sampler, rows: list[dict], seed: int, make
                 bar.update(1)
                 return tokens
 
-            return sampler.sample([r["prompt_ids"] for r in rows], group_size=c.group_size,
-                                  max_new_tokens=c.max_new_tokens,
-                                  on_step=counted if show else None, **sampling)  # fmt: skip
+            return sampler.sample(
+                [r["prompt_ids"] for r in rows],
+                group_size=c.group_size,
+                max_new_tokens=c.max_new_tokens,
+                on_step=counted if show else None,
+                **sampling,
+            )
     with phase_bar(show, f"rollout ({B} trajectories)", B * c.max_turns, "env step") as bar:
         return sample_with_env(
-            sampler, policy.tokenizer, rows, make_env or env_factory(c.env, c.env_kwargs),
-            env_name=c.env, group_size=c.group_size, max_new_tokens=c.max_new_tokens,
-            max_turns=c.max_turns, max_total_tokens=c.total_tokens,
-            max_obs_tokens=c.max_obs_tokens, step_timeout_s=c.env_timeout_s,
+            sampler,
+            policy.tokenizer,
+            rows,
+            make_env or env_factory(c.env, c.env_kwargs),
+            env_name=c.env,
+            group_size=c.group_size,
+            max_new_tokens=c.max_new_tokens,
+            max_turns=c.max_turns,
+            max_total_tokens=c.total_tokens,
+            max_obs_tokens=c.max_obs_tokens,
+            step_timeout_s=c.env_timeout_s,
             turn_end_ids=turn_end_ids(policy.tokenizer, c.turn_end_tokens),
-            progress=bar.update if show else None, **sampling,
-        )  # fmt: skip
+            progress=bar.update if show else None,
+            **sampling,
+        )
 
 
 def score_rollout(
@@ -130,17 +149,21 @@ def score_rollout(
     columns = {k: [r[k] for r in brows] for k in brows[0] if k != "prompt_ids"}
     lengths = rollout.completion_lens.tolist()
     columns["completion_lengths"] = lengths
-    columns["completion_ids"] = [ids[:n] for ids, n in zip(rollout.completion_ids.tolist(),
-                                                          lengths)]  # fmt: skip
+    columns["completion_ids"] = [
+        ids[:n] for ids, n in zip(rollout.completion_ids.tolist(), lengths)
+    ]
     if rollout.turn_texts is not None:  # multi-turn: what the trajectory did
         columns["num_turns"] = [len(t) for t in rollout.turn_texts]
         columns["env_info"] = rollout.infos
     T_c = rollout.completion_ids.shape[1]
     context = RewardContext(
-        step=policy_version, max_new_tokens=cfg.rollout.max_new_tokens,
-        truncated=tuple(not f for f in rollout.finished.tolist()), tokenizer=tokenizer,
-        device=rollout.ids.device, precision=Precision.from_config(cfg.model, training=False),
-    )  # fmt: skip
+        step=policy_version,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        truncated=tuple(not f for f in rollout.finished.tolist()),
+        tokenizer=tokenizer,
+        device=rollout.ids.device,
+        precision=Precision.from_config(cfg.model, training=False),
+    )
     reported: dict[str, float] = {}  # what the reward functions reported
     t0 = time.perf_counter()
     total, per_fn = compute_rewards(reward_fns, texts, columns, T_c, context, reported)
@@ -204,8 +227,14 @@ class Sampling:
     def tokenizer(self):
         return self.policy.tokenizer
 
-    def sample(self, rows: Sequence[dict], *, group_size: int | None = None,
-               seed: int | None = None, **settings) -> Rollout:  # fmt: skip
+    def sample(
+        self,
+        rows: Sequence[dict],
+        *,
+        group_size: int | None = None,
+        seed: int | None = None,
+        **settings,
+    ) -> Rollout:
         """`group_size` completions (default G) of each row, adjacent, in the order of `rows`:
         one sampler call (multi-turn: trajectories with the configured environment). Settings
         not given are the config's. Each call draws from its own seed: the round's seed for
@@ -213,8 +242,9 @@ class Sampling:
         from it; `seed` sets one."""
         unknown = sorted(set(settings) - set(SETTINGS))
         if unknown:
-            raise GrpoError(f"Sampling.sample: unknown settings {unknown}; settings: "
-                            f"{', '.join(SETTINGS)}")  # fmt: skip
+            raise GrpoError(
+                f"Sampling.sample: unknown settings {unknown}; settings: {', '.join(SETTINGS)}"
+            )
         if seed is None:
             seed = self.seed if self.calls == 0 else derive_seed(self.seed, self.calls)
         self.calls += 1
@@ -224,14 +254,16 @@ class Sampling:
             changed["group_size"] = group_size
         if changed:  # the config's own settings need no new config (the default strategy)
             cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(r, **changed))
-        return sample_round(cfg, self.policy, self.sampler, list(rows), seed, self.make_env,
-                            self.show)  # fmt: skip
+        return sample_round(
+            cfg, self.policy, self.sampler, list(rows), seed, self.make_env, self.show
+        )
 
     def score(self, rollout: Rollout, rows: Sequence[dict]) -> RolloutBatch:
         """The rollout scored by the configured rewards (their context: this step, the
         config's completion budget): a `RolloutBatch` (group size: the rollout's)."""
-        return score_rollout(self.cfg, rollout, list(rows), self.tokenizer, self.reward_fns,
-                             self.step)  # fmt: skip
+        return score_rollout(
+            self.cfg, rollout, list(rows), self.tokenizer, self.reward_fns, self.step
+        )
 
     def join_groups(self, parts: Sequence[Rollout]) -> Rollout:
         """Rollouts of the same rows (groups of g_1, g_2, ... rows) as one rollout with groups
@@ -244,8 +276,12 @@ class Sampling:
         for p in parts:
             offsets.append(start)
             start += len(p.ids)
-        order = [off + q * p.group_size + j for q in range(P) for p, off in zip(parts, offsets)
-                 for j in range(p.group_size)]  # fmt: skip
+        order = [
+            off + q * p.group_size + j
+            for q in range(P)
+            for p, off in zip(parts, offsets)
+            for j in range(p.group_size)
+        ]
         G = sum(p.group_size for p in parts)
         out = select_rows(joined, torch.tensor(order, dtype=torch.long))
         return dataclasses.replace(out, group_size=G)
@@ -277,16 +313,26 @@ def default(rows, sampling: Sampling) -> RolloutBatch:
 def run_strategy(cfg, sampling: Sampling, rows: list[dict], rank: int, round_: int):
     """The configured strategy's batch for `rows`, checked: P groups of G rows, in order."""
     r = cfg.rollout
-    inputs = {"rows": rows, "sampling": sampling, "step": sampling.step, "rank": rank,
-              "round": round_, **(r.strategy_kwargs or {})}  # fmt: skip
+    inputs = {
+        "rows": rows,
+        "sampling": sampling,
+        "step": sampling.step,
+        "rank": rank,
+        "round": round_,
+        **(r.strategy_kwargs or {}),
+    }
     batch = ROLLOUT_STRATEGIES.call(r.strategy, inputs)
     name = r.strategy
     if not isinstance(batch, RolloutBatch):
-        raise GrpoError(f"rollout strategy {name!r} returned {type(batch).__name__}, expected a "
-                        "RolloutBatch (Sampling.score)")  # fmt: skip
+        raise GrpoError(
+            f"rollout strategy {name!r} returned {type(batch).__name__}, expected a "
+            "RolloutBatch (Sampling.score)"
+        )
     G, want = r.group_size, len(rows) * r.group_size
     if batch.rollout.group_size != G or batch.size != want:
-        raise GrpoError(f"rollout strategy {name!r} returned {batch.size} rows in groups of "
-                        f"{batch.rollout.group_size}; expected {len(rows)} groups of "
-                        f"rollout.group_size={G} ({want} rows)")  # fmt: skip
+        raise GrpoError(
+            f"rollout strategy {name!r} returned {batch.size} rows in groups of "
+            f"{batch.rollout.group_size}; expected {len(rows)} groups of "
+            f"rollout.group_size={G} ({want} rows)"
+        )
     return batch

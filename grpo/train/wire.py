@@ -20,10 +20,29 @@ from grpo.rollout import Rollout
 from grpo.train.batch import RolloutBatch
 
 _ALIGN = 8
-_ROLLOUT_TENSORS = ("ids", "prompt_lens", "completion_ids", "completion_mask",
-                    "completion_lens", "finished", "logprobs", "generated_mask")  # fmt: skip
-_DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16,
-                               torch.int64, torch.int32, torch.uint8, torch.bool)}  # fmt: skip
+_ROLLOUT_TENSORS = (
+    "ids",
+    "prompt_lens",
+    "completion_ids",
+    "completion_mask",
+    "completion_lens",
+    "finished",
+    "logprobs",
+    "generated_mask",
+)
+_DTYPES = {
+    str(d): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.int64,
+        torch.int32,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 def pack_tensors(tensors: dict[str, torch.Tensor]) -> tuple[list[dict], torch.Tensor]:
@@ -34,8 +53,15 @@ def pack_tensors(tensors: dict[str, torch.Tensor]) -> tuple[list[dict], torch.Te
         if str(t.dtype) not in _DTYPES:
             raise GrpoError(f"cannot send tensor {name!r} of dtype {t.dtype}")
         nbytes = t.numel() * t.element_size()
-        layout.append({"name": name, "dtype": str(t.dtype), "shape": list(t.shape),
-                       "offset": total, "nbytes": nbytes})  # fmt: skip
+        layout.append(
+            {
+                "name": name,
+                "dtype": str(t.dtype),
+                "shape": list(t.shape),
+                "offset": total,
+                "nbytes": nbytes,
+            }
+        )
         total += -(-nbytes // _ALIGN) * _ALIGN
     buffer = torch.empty(total, dtype=torch.uint8)
     for entry, t in zip(layout, tensors.values()):
@@ -45,8 +71,9 @@ def pack_tensors(tensors: dict[str, torch.Tensor]) -> tuple[list[dict], torch.Te
     return layout, buffer
 
 
-def unpack_tensors(layout: list[dict], buffer: torch.Tensor,
-                   device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:  # fmt: skip
+def unpack_tensors(
+    layout: list[dict], buffer: torch.Tensor, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
     """The tensors `pack_tensors` packed (copies, on `device`)."""
     out = {}
     for e in layout:
@@ -99,8 +126,9 @@ def pack_batch(batch: RolloutBatch, row_index: list[int], extra: dict | None = N
         raise GrpoError(f"a rollout batch cannot be sent to its trainer: {e}") from None
 
 
-def unpack_batch(header: dict, buffer: torch.Tensor, rows: list[dict],
-                 device: torch.device | str = "cpu") -> RolloutBatch:  # fmt: skip
+def unpack_batch(
+    header: dict, buffer: torch.Tensor, rows: list[dict], device: torch.device | str = "cpu"
+) -> RolloutBatch:
     """The `RolloutBatch` that `pack_batch` packed, its tensors on `device`, its rows taken
     from `rows` (the dataset) by index."""
     t = unpack_tensors(header["layout"], buffer, device)

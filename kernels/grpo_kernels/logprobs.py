@@ -47,9 +47,15 @@ from grpo_kernels.reference import check_operands, matmul_fp32, tf32_matmuls
 
 _TL_PRECISION = {torch.float32: "ieee", torch.float16: "tf32", torch.bfloat16: "tf32"}
 _CONFIG_KEYS = (
-    "block_n", "block_v", "block_c", "num_warps", "num_stages", "num_splits", "grad_buffer_mib",
+    "block_n",
+    "block_v",
+    "block_c",
+    "num_warps",
+    "num_stages",
+    "num_splits",
+    "grad_buffer_mib",
     "tf32",
-)  # fmt: skip
+)
 
 
 @triton.jit
@@ -330,15 +336,29 @@ def logprobs_forward(
     grid = (triton.cdiv(n_tok, cfg["block_n"]) * splits,)
     with _on_device(hidden):
         _fwd_kernel[grid](
-            hidden, weight, ids, m, s, target, zp,
-            n_tok, v_total, c, v_per_split, float(temperature),
-            hidden.stride(0), weight.stride(0),
-            BLOCK_N=cfg["block_n"], BLOCK_V=cfg["block_v"], BLOCK_C=cfg["block_c"],
+            hidden,
+            weight,
+            ids,
+            m,
+            s,
+            target,
+            zp,
+            n_tok,
+            v_total,
+            c,
+            v_per_split,
+            float(temperature),
+            hidden.stride(0),
+            weight.stride(0),
+            BLOCK_N=cfg["block_n"],
+            BLOCK_V=cfg["block_v"],
+            BLOCK_C=cfg["block_c"],
             WITH_ENTROPY=return_entropy,
             PRECISION=_input_precision(hidden.dtype, cfg.get("tf32", False)),
             ROUND_TF32=_rounds_tf32(hidden.dtype, cfg.get("tf32", False)),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )  # fmt: skip
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        )
     lse = torch.logsumexp(m + torch.log(s), dim=0)  # (N,) merge of the splits
     logprobs = target.sum(dim=0) - lse
     entropy = torch.empty(0, **f32)
@@ -414,14 +434,31 @@ def logprobs_backward(
         grid = (triton.cdiv(n_tok, cfg["block_n"]) * triton.cdiv(v_len, bv),)
         with _on_device(hidden):
             _grad_logits_kernel[grid](
-                hidden, weight, ids, lse, gscale, gent, entropy, grad,
-                n_tok, v0, v_len, c, float(temperature),
-                hidden.stride(0), weight.stride(0), grad.stride(0),
-                BLOCK_N=cfg["block_n"], BLOCK_V=bv, BLOCK_C=cfg["block_c"],
-                WITH_ENTROPY_GRAD=with_entropy, PRECISION=_input_precision(hidden.dtype, tf32),
+                hidden,
+                weight,
+                ids,
+                lse,
+                gscale,
+                gent,
+                entropy,
+                grad,
+                n_tok,
+                v0,
+                v_len,
+                c,
+                float(temperature),
+                hidden.stride(0),
+                weight.stride(0),
+                grad.stride(0),
+                BLOCK_N=cfg["block_n"],
+                BLOCK_V=bv,
+                BLOCK_C=cfg["block_c"],
+                WITH_ENTROPY_GRAD=with_entropy,
+                PRECISION=_input_precision(hidden.dtype, tf32),
                 ROUND_TF32=_rounds_tf32(hidden.dtype, tf32),
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            )  # fmt: skip
+                num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"],
+            )
         w_chunk = weight[v0 : v0 + v_len]  # (v_len, C)
         with tf32_matmuls(hidden.device, tf32):
             if need_weight_grad:

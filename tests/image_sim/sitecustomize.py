@@ -30,5 +30,6 @@ class HideInstalled(importlib.machinery.PathFinder):
 
 
 if HIDDEN:
-    sys.meta_path[:] = [HideInstalled if f is importlib.machinery.PathFinder else f
-                        for f in sys.meta_path]  # fmt: skip
+    sys.meta_path[:] = [
+        HideInstalled if f is importlib.machinery.PathFinder else f for f in sys.meta_path
+    ]

@@ -22,17 +22,25 @@ from grpo.apps.serving.protocol import RequestError, ScoreRequest, Service
 from grpo.apps.serving.tools import ToolStream, ToolUse
 
 log = logging.getLogger(__name__)
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-               404: "invalid_request_error", 405: "invalid_request_error",
-               413: "invalid_request_error", 503: "server_busy"}  # fmt: skip
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "server_busy",
+}
 IGNORED_HEADER = "X-Ignored-Fields"  # the unknown top-level fields a request sent (not used)
 OPEN_PATHS = ("/health",)  # answered without the API key (load balancers, probes)
 
 
 def _usage(job: Job) -> dict:
     completion = sum(c.tokens for c in job.result)
-    return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": job.prompt_tokens + completion}  # fmt: skip
+    return {
+        "prompt_tokens": job.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": job.prompt_tokens + completion,
+    }
 
 
 def _sse(payload) -> str:
@@ -71,8 +79,11 @@ class BearerAuth:
         return hmac.compare_digest(sent, self.digest) and scheme.lower() == b"bearer"
 
     async def __call__(self, scope, receive, send):
-        if (scope["type"] != "http" or scope["path"] in OPEN_PATHS
-                or self.authorized(scope["headers"])):  # fmt: skip
+        if (
+            scope["type"] != "http"
+            or scope["path"] in OPEN_PATHS
+            or self.authorized(scope["headers"])
+        ):
             return await self.app(scope, receive, send)
         await self.unauthorized(scope["path"])(scope, receive, send)
 
@@ -128,8 +139,11 @@ def build_app(service: Service, on_startup=None, api_key: str | None = None):
                 if len(body) > limit:
                     raise RequestError("body", f"over the limit of {limit} bytes", status=413)
         except ClientDisconnect:
-            log.info("POST %s: the client disconnected after %d bytes of its body",
-                     request.url.path, len(body))  # fmt: skip
+            log.info(
+                "POST %s: the client disconnected after %d bytes of its body",
+                request.url.path,
+                len(body),
+            )
             raise RequestError("body", "the client disconnected before sending it all") from None
         return bytes(body)
 
@@ -153,22 +167,30 @@ def build_app(service: Service, on_startup=None, api_key: str | None = None):
             on_startup()
         yield
 
-    app = FastAPI(title="grpo serve", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)  # fmt: skip
+    app = FastAPI(
+        title="grpo serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     if api_key is not None:
-        message = ("a valid API key is required: send the header 'Authorization: Bearer KEY' "
-                   "(the key given to grpo serve by --api-key or $GRPO_API_KEY)")  # fmt: skip
+        message = (
+            "a valid API key is required: send the header 'Authorization: Bearer KEY' "
+            "(the key given to grpo serve by --api-key or $GRPO_API_KEY)"
+        )
         headers = {"WWW-Authenticate": "Bearer"}
-        app.add_middleware(BearerAuth, key=api_key, unauthorized=lambda path: error(
-            401, message, None, path.startswith("/v1"), headers))  # fmt: skip
+        app.add_middleware(
+            BearerAuth,
+            key=api_key,
+            unauthorized=lambda path: error(401, message, None, path.startswith("/v1"), headers),
+        )
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
         path = request.url.path
         if exc.status_code == 404:
-            message = (f"no route {path!r}; the routes are POST /v1/chat/completions, "
-                       "/v1/completions, /generate and GET /v1/models, /v1/models/{id}, "
-                       "/health")  # fmt: skip
+            message = (
+                f"no route {path!r}; the routes are POST /v1/chat/completions, "
+                "/v1/completions, /generate and GET /v1/models, /v1/models/{id}, "
+                "/health"
+            )
         elif exc.status_code == 405:
             message = f"{request.method} is not allowed on {path}; use {exc.headers['Allow']}"
         else:
@@ -185,14 +207,24 @@ def build_app(service: Service, on_startup=None, api_key: str | None = None):
     async def health():
         e = service.engine
         status = "ok" if e.accepting else "shutting_down"
-        return {"status": status, "model": service.name, "queued": e.queued,
-                "running": len(e.running), "in_flight": e.queued + len(e.running),
-                "batches": e.calls}  # fmt: skip
+        return {
+            "status": status,
+            "model": service.name,
+            "queued": e.queued,
+            "running": len(e.running),
+            "in_flight": e.queued + len(e.running),
+            "batches": e.calls,
+        }
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": service.name, "object": "model", "created": service.created,
-                "owned_by": "grpo", "max_model_len": service.engine.context}  # fmt: skip
+        card = {
+            "id": service.name,
+            "object": "model",
+            "created": service.created,
+            "owned_by": "grpo",
+            "max_model_len": service.engine.context,
+        }
         return {"object": "list", "data": [card]}
 
     @app.get("/v1/models/{model_id:path}")
@@ -213,8 +245,13 @@ def build_app(service: Service, on_startup=None, api_key: str | None = None):
         if job.error:
             return error(*job.error, None, False)
         c = job.result[0]
-        return {"text": c.text, "tokens": c.tokens, "logprob": c.logprob,
-                "finish_reason": c.finish_reason, "seed": req.seed}  # fmt: skip
+        return {
+            "text": c.text,
+            "tokens": c.tokens,
+            "logprob": c.logprob,
+            "finish_reason": c.finish_reason,
+            "seed": req.seed,
+        }
 
     async def openai_route(request: Request, chat: bool):
         try:
@@ -222,13 +259,20 @@ def build_app(service: Service, on_startup=None, api_key: str | None = None):
             job, include_usage, use = await asyncio.to_thread(service.openai_job, body, chat)
             if isinstance(job, ScoreRequest):  # echo: the prompt's log-probs, no generation
                 choices, usage = await asyncio.to_thread(service.score, job)
-                head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion",
-                        "created": int(time.time()), "model": service.name}  # fmt: skip
+                head = {
+                    "id": f"cmpl-{uuid.uuid4().hex[:24]}",
+                    "object": "text_completion",
+                    "created": int(time.time()),
+                    "model": service.name,
+                }
                 return {**head, "choices": choices, "usage": usage}
             request.state.ignored = job.ignored
-            head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
-                    "object": "chat.completion" if chat else "text_completion",
-                    "created": int(time.time()), "model": service.name}  # fmt: skip
+            head = {
+                "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": service.name,
+            }
             if job.stream:
                 return streaming(job, head, chat, include_usage, use)
             await run(job)
@@ -247,12 +291,19 @@ def build_app(service: Service, on_startup=None, api_key: str | None = None):
                 if use is not None:  # the reply's tool calls, read out of its text
                     message, reason = use.message(use.prefix + c.text, reason)
                 lp = None if tokens is None else service.chat_logprobs(tokens[len(choices)])
-                choices.append({"index": c.index, "message": message, "logprobs": lp,
-                                "finish_reason": reason})  # fmt: skip
+                choices.append(
+                    {"index": c.index, "message": message, "logprobs": lp, "finish_reason": reason}
+                )
         else:
-            choices = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-                        "logprobs": None if tokens is None else service.text_logprobs(t)}
-                       for c, t in zip(job.result, tokens or [None] * len(job.result))]  # fmt: skip
+            choices = [
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "finish_reason": c.finish_reason,
+                    "logprobs": None if tokens is None else service.text_logprobs(t),
+                }
+                for c, t in zip(job.result, tokens or [None] * len(job.result))
+            ]
         return {**head, "choices": choices, "usage": _usage(job)}
 
     def streaming(job: Job, head: dict, chat: bool, include_usage: bool, use: ToolUse | None):
@@ -271,8 +322,12 @@ def build_app(service: Service, on_startup=None, api_key: str | None = None):
             if chat:
                 choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
             else:
-                choice = {"index": index, "text": delta.get("content", ""), "logprobs": None,
-                          "finish_reason": reason}  # fmt: skip
+                choice = {
+                    "index": index,
+                    "text": delta.get("content", ""),
+                    "logprobs": None,
+                    "finish_reason": reason,
+                }
             return _sse({**head, "choices": [choice]})
 
         tool_streams = [ToolStream(use) for _ in range(job.rows)] if use else None
@@ -284,8 +339,9 @@ def build_app(service: Service, on_startup=None, api_key: str | None = None):
             finished = False
             try:
                 if chat:
-                    yield "".join(chunk(i, {"role": "assistant", "content": ""})
-                                  for i in range(job.rows))  # fmt: skip
+                    yield "".join(
+                        chunk(i, {"role": "assistant", "content": ""}) for i in range(job.rows)
+                    )
                 while (event := await events.get())[0] == "delta":
                     text = event[2]
                     if tool_streams is not None:
@@ -296,8 +352,18 @@ def build_app(service: Service, on_startup=None, api_key: str | None = None):
                 end = []
                 if job.error:  # after the 200: an error event, as OpenAI's API sends one
                     status, message = job.error
-                    end.append(_sse({"error": {"message": message, "type": "server_error",
-                                               "param": None, "code": status}}))  # fmt: skip
+                    end.append(
+                        _sse(
+                            {
+                                "error": {
+                                    "message": message,
+                                    "type": "server_error",
+                                    "param": None,
+                                    "code": status,
+                                }
+                            }
+                        )
+                    )
                 else:
                     for c in job.result:
                         reason = c.finish_reason
@@ -315,8 +381,9 @@ def build_app(service: Service, on_startup=None, api_key: str | None = None):
                 if not finished:  # the client went away: its rows stop at the next step
                     job.cancelled = True
 
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
+        return StreamingResponse(
+            body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
 
     def ignored_header(request: Request, answer):
         """The answer with `IGNORED_HEADER` naming the unknown fields the request sent."""

@@ -75,16 +75,24 @@ class Recorder:
         raise ValueError("no request with tools was recorded")
 
 
-def openai_episode(client, model: str, question: str, tools: list[dict], *,
-                   max_turns: int = 3, max_tokens: int = 32) -> Episode:  # fmt: skip
+def openai_episode(
+    client,
+    model: str,
+    question: str,
+    tools: list[dict],
+    *,
+    max_turns: int = 3,
+    max_tokens: int = 32,
+) -> Episode:
     """The agent loop written with the plain `openai` client: ask with the tools; while the
     model answers with tool calls, run them and send the results back; at most `max_turns`
     model turns."""
     messages: list[dict] = [{"role": "user", "content": question}]
     calls = 0
     for turn in range(1, max_turns + 1):
-        r = client.chat.completions.create(model=model, messages=messages, tools=tools,
-                                           temperature=0, max_tokens=max_tokens)  # fmt: skip
+        r = client.chat.completions.create(
+            model=model, messages=messages, tools=tools, temperature=0, max_tokens=max_tokens
+        )
         msg = r.choices[0].message
         if not msg.tool_calls:
             return Episode(msg.content or "", calls, turn)
@@ -97,9 +105,15 @@ def openai_episode(client, model: str, question: str, tools: list[dict], *,
     return Episode("", calls, max_turns)
 
 
-def agents_sdk_episodes(base_url: str, model: str, questions: list[str], *,
-                        recorder: Recorder | None = None, max_turns: int = 3,
-                        max_tokens: int = 32) -> list[Episode]:  # fmt: skip
+def agents_sdk_episodes(
+    base_url: str,
+    model: str,
+    questions: list[str],
+    *,
+    recorder: Recorder | None = None,
+    max_turns: int = 3,
+    max_tokens: int = 32,
+) -> list[Episode]:
     """Each question through the OpenAI Agents SDK: an `Agent` with `calculate` as a
     `@function_tool` (the SDK sends a ``strict`` schema with ``additionalProperties: false``),
     an `OpenAIChatCompletionsModel` on the server, `Runner.run`, tracing off."""
@@ -145,8 +159,7 @@ def agents_sdk_episodes(base_url: str, model: str, questions: list[str], *,
             except MaxTurnsExceeded:  # the turn limit: no final answer
                 out.append(Episode("", calls[0], max_turns))
                 continue
-            out.append(Episode(str(result.final_output or ""), calls[0],
-                               len(result.raw_responses)))  # fmt: skip
+            out.append(Episode(str(result.final_output or ""), calls[0], len(result.raw_responses)))
         await client.close()
         return out
 
@@ -172,14 +185,21 @@ def langchain_episode(llm, question: str, *, max_turns: int = 3) -> Episode:
     return Episode("", calls, max_turns)
 
 
-def langchain_model(base_url: str, model: str, *, recorder: Recorder | None = None,
-                    max_tokens: int = 32):  # fmt: skip
+def langchain_model(
+    base_url: str, model: str, *, recorder: Recorder | None = None, max_tokens: int = 32
+):
     """``ChatOpenAI(base_url=...)`` on the server, greedy, with `calculate` bound as the
     LangChain tool ``calculator`` (`bind_tools`)."""
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model=model, base_url=base_url, api_key="unused", temperature=0,
-                     max_tokens=max_tokens, max_retries=0,
-                     http_client=recorder.client() if recorder else None)  # fmt: skip
+    llm = ChatOpenAI(
+        model=model,
+        base_url=base_url,
+        api_key="unused",
+        temperature=0,
+        max_tokens=max_tokens,
+        max_retries=0,
+        http_client=recorder.client() if recorder else None,
+    )
     return llm.bind_tools([tool("calculator")(calculate)])

@@ -182,9 +182,16 @@ class Engine:
     """
 
     def __init__(
-        self, model, tokenizer, stop_ids: Sequence[int], *, max_queue: int = 64,
-        max_batch_rows: int = 32, batch_window_ms: float = 5.0, seed: int = 0,
-    ):  # fmt: skip
+        self,
+        model,
+        tokenizer,
+        stop_ids: Sequence[int],
+        *,
+        max_queue: int = 64,
+        max_batch_rows: int = 32,
+        batch_window_ms: float = 5.0,
+        seed: int = 0,
+    ):
         check_value("max_queue", max_queue, between(0))
         check_value("max_batch_rows", max_batch_rows, between(1))
         check_value("batch_window_ms", batch_window_ms, between(0))
@@ -410,10 +417,19 @@ class Engine:
         self.calls += 1
         self._rows = rows
         rollout = self.sampler.sample(
-            prompts, group_size=G, max_new_tokens=max_new, temperature=p.temperature,
-            top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, stop_ids=self.stop_ids, seed=seed,
-            pad_id=self.pad_id, on_step=self._step_hook(rows, max_new), **self._adjust(rows),
-        )  # fmt: skip
+            prompts,
+            group_size=G,
+            max_new_tokens=max_new,
+            temperature=p.temperature,
+            top_k=p.top_k,
+            top_p=p.top_p,
+            min_p=p.min_p,
+            stop_ids=self.stop_ids,
+            seed=seed,
+            pad_id=self.pad_id,
+            on_step=self._step_hook(rows, max_new),
+            **self._adjust(rows),
+        )
         return rollout, rows
 
     def _adjust(self, rows: list[_Row]) -> dict:
@@ -423,8 +439,9 @@ class Engine:
         dev = self.sampler.model.device
         if any(r.job.params.logit_bias for r in rows):
             V = self.sampler.model.config.vocab_size
-            out["logit_bias"] = logit_bias_tensor([dict(r.job.params.logit_bias) for r in rows],
-                                                  V, dev)  # fmt: skip
+            out["logit_bias"] = logit_bias_tensor(
+                [dict(r.job.params.logit_bias) for r in rows], V, dev
+            )
         if any(r.job.params.repetition_penalty != 1.0 for r in rows):
             penalty = [r.job.params.repetition_penalty for r in rows]
             out["repetition_penalty"] = torch.tensor(penalty, device=dev)  # (B,)

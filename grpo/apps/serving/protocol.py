@@ -81,9 +81,14 @@ def _stops(stop: str | tuple[str, ...]) -> str | None:
 def refused(why: str, *neutral):
     """A check for an OpenAI field this server cannot honour: only a value that changes
     nothing (`neutral`, null always) passes; any other is refused saying `why`."""
-    return lambda v: None if v is None or v in neutral else (
-        f"not supported: {why} (accepted: {' or '.join(map(repr, (None, *neutral)))}), "
-        f"got {brief_repr(v)}")  # fmt: skip
+    return lambda v: (
+        None
+        if v is None or v in neutral
+        else (
+            f"not supported: {why} (accepted: {' or '.join(map(repr, (None, *neutral)))}), "
+            f"got {brief_repr(v)}"
+        )
+    )
 
 
 def _format_name(name: str) -> str | None:
@@ -272,14 +277,20 @@ class Message(Body):
     def __post_init__(self):
         super().__post_init__()
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise FieldError("content: is required (null only for an assistant message with "
-                             "tool_calls)", field="content")  # fmt: skip
+            raise FieldError(
+                "content: is required (null only for an assistant message with tool_calls)",
+                field="content",
+            )
         if self.tool_calls is not None and self.role != "assistant":
-            raise FieldError(f"tool_calls: only an assistant message has them, not "
-                             f"{self.role!r}", field="tool_calls")  # fmt: skip
+            raise FieldError(
+                f"tool_calls: only an assistant message has them, not {self.role!r}",
+                field="tool_calls",
+            )
         if self.tool_call_id is not None and self.role != "tool":
-            raise FieldError(f"tool_call_id: only a tool message has one, not {self.role!r}",
-                             field="tool_call_id")  # fmt: skip
+            raise FieldError(
+                f"tool_call_id: only a tool message has one, not {self.role!r}",
+                field="tool_call_id",
+            )
 
     def rendered(self) -> dict:
         """The message for the chat template: {role, content} (developer is OpenAI's newer
@@ -335,8 +346,9 @@ class ChatBody(SamplingBody):
     safety_identifier: Any = None
     prediction: Any = None
     verbosity: Any = setting(None, check=refused("no verbosity control", "medium"))
-    reasoning_effort: Any = setting(None, check=refused(
-        "no per-request reasoning control (--enable-thinking is the server's)"))  # fmt: skip
+    reasoning_effort: Any = setting(
+        None, check=refused("no per-request reasoning control (--enable-thinking is the server's)")
+    )
     response_format: ResponseFormat | None = None
     modalities: Any = setting(None, check=refused("text only", ["text"]))
     audio: Any = setting(None, check=refused("no audio output"))
@@ -352,14 +364,17 @@ class ChatBody(SamplingBody):
         super().__post_init__()
         use = tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)  # the checks
         if use is not None and self.json_format is not None:
-            raise FieldError("response_format: not with tools (the reply would have to be both "
-                             "a tool call and JSON); send tool_choice: none or no tools",
-                             field="response_format")  # fmt: skip
+            raise FieldError(
+                "response_format: not with tools (the reply would have to be both "
+                "a tool call and JSON); send tool_choice: none or no tools",
+                field="response_format",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("top_logprobs: needs logprobs: true", field="top_logprobs")
         if self.logprobs and self.stream:
-            raise FieldError("stream: not with logprobs (not implemented for streams)",
-                             field="stream")  # fmt: skip
+            raise FieldError(
+                "stream: not with logprobs (not implemented for streams)", field="stream"
+            )
 
     @property
     def json_format(self) -> ResponseFormat | None:
@@ -393,22 +408,29 @@ class CompletionBody(SamplingBody):
         super().__post_init__()
         if not self.echo:
             if self.logprobs is not None and self.stream:
-                raise FieldError("stream: not with logprobs (not implemented for streams)",
-                                 field="stream")  # fmt: skip
+                raise FieldError(
+                    "stream: not with logprobs (not implemented for streams)", field="stream"
+                )
             if self.max_tokens == 0:
-                raise FieldError("max_tokens: 0 only with echo: true (scoring the prompt)",
-                                 field="max_tokens")  # fmt: skip
+                raise FieldError(
+                    "max_tokens: 0 only with echo: true (scoring the prompt)", field="max_tokens"
+                )
             return
         if self.max_tokens not in (0, 1):
-            raise FieldError(f"max_tokens: with echo, 0 (score the prompt) or 1 (and the greedy "
-                             f"next token), got {self.max_tokens}", field="max_tokens")  # fmt: skip
+            raise FieldError(
+                f"max_tokens: with echo, 0 (score the prompt) or 1 (and the greedy "
+                f"next token), got {self.max_tokens}",
+                field="max_tokens",
+            )
         if self.max_tokens == 1 and self.temperature != 0:
-            raise FieldError("temperature: with echo and max_tokens 1, only 0 (the greedy next "
-                             f"token), got {self.temperature:g}", field="temperature")  # fmt: skip
+            raise FieldError(
+                "temperature: with echo and max_tokens 1, only 0 (the greedy next "
+                f"token), got {self.temperature:g}",
+                field="temperature",
+            )
         if self.n != 1 or self.stream:
             field = "n" if self.n != 1 else "stream"
-            raise FieldError(f"{field}: not with echo (one scored prompt per choice)",
-                             field=field)  # fmt: skip
+            raise FieldError(f"{field}: not with echo (one scored prompt per choice)", field=field)
 
     @property
     def reply_logprobs(self) -> int | None:
@@ -469,8 +491,10 @@ def _not_text(value: str) -> str | None:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
-        return (f"is not valid Unicode text: a lone surrogate {value[e.start]!r} at character "
-                f"{e.start} (a \\ud800-\\udfff escape that is not half of a pair)")  # fmt: skip
+        return (
+            f"is not valid Unicode text: a lone surrogate {value[e.start]!r} at character "
+            f"{e.start} (a \\ud800-\\udfff escape that is not half of a pair)"
+        )
     return None
 
 
@@ -581,14 +605,16 @@ class Service:
                         use.schemas, use.parallel, TOOL_CALL_OPEN, TOOL_CALL_CLOSE
                     )
                 else:  # the rest of the call the server began
-                    grammar = self.grammars().tool_call(use.schemas, use.forced or None,
-                                                        TOOL_CALL_CLOSE)  # fmt: skip
+                    grammar = self.grammars().tool_call(
+                        use.schemas, use.forced or None, TOOL_CALL_CLOSE
+                    )
             except FieldError as e:
                 raise RequestError(e.field, e.problem) from None
             params = dataclasses.replace(params, grammar=grammar)
         top = req.reply_logprobs  # alternatives per reply token, if log-probs were asked for
-        job = Job(prompts, params, stream=req.stream, ignored=tuple(ignored or ()),
-                  top_logprobs=top)  # fmt: skip
+        job = Job(
+            prompts, params, stream=req.stream, ignored=tuple(ignored or ()), top_logprobs=top
+        )
         return job, req.include_usage, use
 
     def grammars(self, field: str = "tools"):
@@ -612,8 +638,12 @@ class Service:
             return grammars.compile("json_object")
         js = fmt.json_schema
         try:
-            return grammars.compile("json_schema", js.schema, bool(js.strict),
-                                    field="response_format.json_schema.schema")  # fmt: skip
+            return grammars.compile(
+                "json_schema",
+                js.schema,
+                bool(js.strict),
+                field="response_format.json_schema.schema",
+            )
         except FieldError as e:
             raise RequestError(e.field, e.problem) from None
 
@@ -624,9 +654,12 @@ class Service:
         extend = req.max_tokens == 1
         longest = max(len(p) for p in prompts)
         if longest + extend > self.engine.context:
-            raise RequestError("prompt", f"has {longest} tokens; with max_tokens={int(extend)} "
-                               f"it needs {longest + extend} positions > the model's context "
-                               f"of {self.engine.context}")  # fmt: skip
+            raise RequestError(
+                "prompt",
+                f"has {longest} tokens; with max_tokens={int(extend)} "
+                f"it needs {longest + extend} positions > the model's context "
+                f"of {self.engine.context}",
+            )
         items = [req.prompt] if isinstance(req.prompt, str) or _is_ids(req.prompt) else req.prompt
         texts = [item if isinstance(item, str) else None for item in items]
         return ScoreRequest(prompts, texts, req.logprobs, extend)
@@ -638,29 +671,45 @@ class Service:
 
         engine = self.engine
         with engine.lock:
-            scored = score(engine.sampler.model, request.prompts, request.top_k or 0,
-                           request.extend, engine.pad_id,
-                           engine.sampler.precision.head)  # fmt: skip
+            scored = score(
+                engine.sampler.model,
+                request.prompts,
+                request.top_k or 0,
+                request.extend,
+                engine.pad_id,
+                engine.sampler.precision.head,
+            )
         token = functools.lru_cache(maxsize=None)(lambda i: engine.decode([i]))
         choices = []
         for index, (s, text) in enumerate(zip(scored, request.texts)):
             prompt_len = len(request.prompts[index])
             echoed = text if text is not None else engine.decode(s.ids[:prompt_len])
-            choice = {"index": index, "text": echoed + engine.decode(s.ids[prompt_len:]),
-                      "finish_reason": "length", "logprobs": None}  # fmt: skip
+            choice = {
+                "index": index,
+                "text": echoed + engine.decode(s.ids[prompt_len:]),
+                "finish_reason": "length",
+                "logprobs": None,
+            }
             if request.top_k is not None:
                 tokens = [token(i) for i in s.ids]
                 offsets = [0]
                 for t in tokens[:-1]:
                     offsets.append(offsets[-1] + len(t))
                 top = [None if alts is None else _top_dict(alts, token) for alts in s.top]
-                choice["logprobs"] = {"tokens": tokens, "token_logprobs": s.logprobs,
-                                      "top_logprobs": top, "text_offset": offsets}  # fmt: skip
+                choice["logprobs"] = {
+                    "tokens": tokens,
+                    "token_logprobs": s.logprobs,
+                    "top_logprobs": top,
+                    "text_offset": offsets,
+                }
             choices.append(choice)
         prompt_tokens = sum(len(p) for p in request.prompts)
         completion = len(request.prompts) if request.extend else 0
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                 "total_tokens": prompt_tokens + completion}  # fmt: skip
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        }
         return choices, usage
 
     def choice_logprobs(self, job: Job, top_k: int) -> list[list]:
@@ -672,8 +721,14 @@ class Service:
         engine, n = self.engine, job.params.n
         rows = [job.prompts[c.index // n] + c.token_ids for c in job.result]
         with engine.lock:
-            scored = score(engine.sampler.model, rows, top_k, False, engine.pad_id,
-                           engine.sampler.precision.head)  # fmt: skip
+            scored = score(
+                engine.sampler.model,
+                rows,
+                top_k,
+                False,
+                engine.pad_id,
+                engine.sampler.precision.head,
+            )
         out = []
         for c, s in zip(job.result, scored):
             start = len(s.ids) - len(c.token_ids)  # the first generated position
@@ -689,9 +744,12 @@ class Service:
         offsets = [0]
         for t in texts[:-1]:
             offsets.append(offsets[-1] + len(t))
-        return {"tokens": texts, "token_logprobs": [lp for _, lp, _ in tokens],
-                "top_logprobs": [_top_dict(top, self.token_text) for _, _, top in tokens],
-                "text_offset": offsets}  # fmt: skip
+        return {
+            "tokens": texts,
+            "token_logprobs": [lp for _, lp, _ in tokens],
+            "top_logprobs": [_top_dict(top, self.token_text) for _, _, top in tokens],
+            "text_offset": offsets,
+        }
 
     def chat_logprobs(self, tokens: list) -> dict:
         """A chat choice's `logprobs` object ({"content": [...], "refusal": null}) for
@@ -701,8 +759,9 @@ class Service:
             text = self.token_text(i)
             return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
-        content = [{**entry(i, lp), "top_logprobs": [entry(j, v) for j, v in top]}
-                   for i, lp, top in tokens]  # fmt: skip
+        content = [
+            {**entry(i, lp), "top_logprobs": [entry(j, v) for j, v in top]} for i, lp, top in tokens
+        ]
         return {"content": content, "refusal": None}
 
     def generate_job(self, body: bytes) -> tuple[Job, GenerateRequest]:
@@ -714,22 +773,29 @@ class Service:
             ids = self.encode(req.text, "text")
         ctx = self.engine.context
         if len(ids) + req.max_tokens > ctx:
-            raise RequestError("text", f"has {len(ids)} tokens; with max_tokens={req.max_tokens} "
-                               f"it needs {len(ids) + req.max_tokens} positions > the model's "
-                               f"context of {ctx}")  # fmt: skip
-        params = SamplingParams(req.max_tokens, req.temperature, req.top_p, req.top_k,
-                                seed=req.seed)  # fmt: skip
+            raise RequestError(
+                "text",
+                f"has {len(ids)} tokens; with max_tokens={req.max_tokens} "
+                f"it needs {len(ids) + req.max_tokens} positions > the model's "
+                f"context of {ctx}",
+            )
+        params = SamplingParams(
+            req.max_tokens, req.temperature, req.top_p, req.top_k, seed=req.seed
+        )
         return Job([ids], params), req
 
-    def render_chat(self, messages: list[dict], field: str = "messages",
-                    tools: list[dict] | None = None) -> list[int]:  # fmt: skip
+    def render_chat(
+        self, messages: list[dict], field: str = "messages", tools: list[dict] | None = None
+    ) -> list[int]:
         """The chat template's rendering (with the generation prompt and `tools`) as ids
         (`grpo.tokenizer.encode_chat`): the template's own tags are special tokens, message
         contents plain text, so a message cannot forge a turn or a tool call."""
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
-            raise RequestError(field, "this model's tokenizer has no chat template; "
-                               "use /v1/completions with a prompt")  # fmt: skip
+            raise RequestError(
+                field,
+                "this model's tokenizer has no chat template; use /v1/completions with a prompt",
+            )
         shift = 0  # messages put before the request's
         if self.system_prompt and not any(m["role"] == "system" for m in messages):
             problem = _not_text(self.system_prompt)  # from argv's surrogateescape
@@ -737,8 +803,9 @@ class Service:
                 raise RequestError("--system-prompt", problem)
             messages, shift = [{"role": "system", "content": self.system_prompt}, *messages], 1
         kwargs = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
-        self.check_length([m["content"] for m in messages if isinstance(m.get("content"), str)],
-                          field)  # fmt: skip
+        self.check_length(
+            [m["content"] for m in messages if isinstance(m.get("content"), str)], field
+        )
         try:
             ids = encode_chat(tok, messages, tools=tools or None, **kwargs)
         except ChatStructureError as e:  # named as the request names it
@@ -773,8 +840,11 @@ class Service:
             elif _is_ids(item) and item and all(0 <= t < V for t in item):
                 out.append(list(item))
             else:
-                raise RequestError(name, "expected a non-empty string or a non-empty list of "
-                                   f"token ids in [0, {V}), got {brief_repr(item)}")  # fmt: skip
+                raise RequestError(
+                    name,
+                    "expected a non-empty string or a non-empty list of "
+                    f"token ids in [0, {V}), got {brief_repr(item)}",
+                )
         return out
 
     def params(self, req: SamplingBody, prompts: list[list[int]], field: str, default_max):
@@ -782,13 +852,17 @@ class Service:
         engine, limit, n = self.engine, self.max_tokens_limit, req.n
         _limit("n", n, engine.max_batch_rows)
         if len(prompts) * n > engine.max_batch_rows:
-            raise RequestError(field, f"{len(prompts)} prompts x n={n} completions exceed the "
-                               f"server's {engine.max_batch_rows} rows per request")  # fmt: skip
+            raise RequestError(
+                field,
+                f"{len(prompts)} prompts x n={n} completions exceed the "
+                f"server's {engine.max_batch_rows} rows per request",
+            )
         longest = max(len(p) for p in prompts)
         room = engine.context - longest
         if room < 1:
-            raise RequestError(field, f"has {longest} tokens; the model's context is "
-                               f"{engine.context}")  # fmt: skip
+            raise RequestError(
+                field, f"has {longest} tokens; the model's context is {engine.context}"
+            )
         key, max_tokens = "max_tokens", req.max_tokens
         if getattr(req, "max_completion_tokens", None) is not None:
             key, max_tokens = "max_completion_tokens", req.max_completion_tokens
@@ -797,18 +871,29 @@ class Service:
         if max_tokens is None:
             max_tokens = min(limit, room) if default_max is None else min(default_max, limit, room)
         elif longest + max_tokens > engine.context:
-            raise RequestError(field, f"has {longest} tokens; with {key}="
-                               f"{max_tokens} it needs {longest + max_tokens} positions > the "
-                               f"model's context of {engine.context}")  # fmt: skip
+            raise RequestError(
+                field,
+                f"has {longest} tokens; with {key}="
+                f"{max_tokens} it needs {longest + max_tokens} positions > the "
+                f"model's context of {engine.context}",
+            )
         V = engine.sampler.model.config.vocab_size
         bias = tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items())
         for t, _ in bias:
             if t >= V:
-                raise RequestError("logit_bias", f"token id {t} is not in the vocabulary "
-                                   f"[0, {V})")  # fmt: skip
-        return SamplingParams(max_tokens, req.temperature, req.top_p, req.top_k, n=n,
-                              seed=req.seed, stop=req.stops, min_p=req.min_p, logit_bias=bias,
-                              repetition_penalty=req.repetition_penalty)  # fmt: skip
+                raise RequestError("logit_bias", f"token id {t} is not in the vocabulary [0, {V})")
+        return SamplingParams(
+            max_tokens,
+            req.temperature,
+            req.top_p,
+            req.top_k,
+            n=n,
+            seed=req.seed,
+            stop=req.stops,
+            min_p=req.min_p,
+            logit_bias=bias,
+            repetition_penalty=req.repetition_penalty,
+        )
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -830,16 +915,23 @@ class Service:
             return
         chars = sum(len("".join(t.split())) for t in texts)
         if chars // per_token >= ctx:
-            raise RequestError(field, f"has {chars} characters besides white space: at least "
-                               f"{chars // per_token} tokens; the model's context is "
-                               f"{ctx}")  # fmt: skip
+            raise RequestError(
+                field,
+                f"has {chars} characters besides white space: at least "
+                f"{chars // per_token} tokens; the model's context is "
+                f"{ctx}",
+            )
 
     def check_model(self, model: str | None) -> None:
         if model is None:
             raise RequestError("model", f"is required (this server serves {self.name!r})")
         if model != self.name:
-            raise RequestError("model", f"{brief_repr(model)} is not served here; this server "
-                               f"serves {self.name!r} (GET /v1/models)", status=404)  # fmt: skip
+            raise RequestError(
+                "model",
+                f"{brief_repr(model)} is not served here; this server "
+                f"serves {self.name!r} (GET /v1/models)",
+                status=404,
+            )
 
 
 def _is_ids(x) -> bool:

@@ -42,8 +42,14 @@ class Scored:
 
 
 @torch.no_grad()
-def score(model, prompts: list[list[int]], top_k: int, extend: bool, pad_id: int = 0,
-          head_precision: str = "float32") -> list[Scored]:  # fmt: skip
+def score(
+    model,
+    prompts: list[list[int]],
+    top_k: int,
+    extend: bool,
+    pad_id: int = 0,
+    head_precision: str = "float32",
+) -> list[Scored]:
     """Log-probs of every prompt token after the first (and of the greedy next token if
     `extend`), with the `top_k` alternatives at each position.
 

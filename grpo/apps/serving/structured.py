@@ -90,8 +90,13 @@ class Grammars:
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._lock = threading.Lock()
 
-    def compile(self, kind: str, schema: dict | None = None, strict: bool = False,
-                field: str = "response_format") -> Grammar:  # fmt: skip
+    def compile(
+        self,
+        kind: str,
+        schema: dict | None = None,
+        strict: bool = False,
+        field: str = "response_format",
+    ) -> Grammar:
         """The grammar of `kind` ("json_object", or "json_schema" with `schema`); raises
         FieldError naming `field` when the engine cannot compile the schema."""
         if kind == "json_object":
@@ -142,8 +147,10 @@ class Grammars:
             rules += [f"head: TEXT? {tag}", "TEXT: /(?s:.+)/", "REST: /(?s:.*)/"]
         else:  # the shortest text ending in the tag; the last text without it
             pattern = re.escape(open)
-            rules += [f"head[lazy]: /(?s:.*){pattern}/",
-                      f"REST: /(?s:.*)/ & ~/(?s:.*){pattern}(?s:.*)/"]  # fmt: skip
+            rules += [
+                f"head[lazy]: /(?s:.*){pattern}/",
+                f"REST: /(?s:.*)/ & ~/(?s:.*){pattern}(?s:.*)/",
+            ]
         lark = f"start: call{'*' if parallel else '?'} REST\n" + "\n".join(rules) + "\n"
         grammar = lambda: self._llg.LLMatcher.grammar_from_lark(lark)  # noqa: E731
         return self._compiled(f"tool_calls|{lark}", grammar, "tools", "parameters")
@@ -173,8 +180,10 @@ class Grammars:
         except Exception as e:  # the engine's own errors (ValueError / RuntimeError)
             problem = e
         if problem is not None:
-            raise FieldError(f"{field}: the grammar engine cannot compile this {what}: "
-                             f"{_first_line(problem)}", field=field)  # fmt: skip
+            raise FieldError(
+                f"{field}: the grammar engine cannot compile this {what}: {_first_line(problem)}",
+                field=field,
+            )
         out = Grammar(key, start)
         with self._lock:
             self._cache[key] = out
@@ -219,8 +228,7 @@ class RowGrammars:
 
     def __init__(self, engine: Grammars, grammars: Sequence[Grammar | None]):
         self._lt, self._executor, self._eos = engine._lt, engine._executor, engine.eos_id
-        self._matchers = {b: g.start.deep_copy() for b, g in enumerate(grammars)
-                          if g is not None}  # fmt: skip
+        self._matchers = {b: g.start.deep_copy() for b, g in enumerate(grammars) if g is not None}
         self._bitmask = self._lt.allocate_token_bitmask(len(grammars), engine.vocab_size)
         self._bitmask.fill_(-1)  # every token allowed: the rows without a grammar
         self._vocab = engine.vocab_size

@@ -98,8 +98,10 @@ class CalledFunction(Settings):
         except (ValueError, RecursionError):
             args = None
         if not isinstance(args, dict):
-            raise FieldError(f"arguments: must be a JSON object in a string, got "
-                             f"{self.arguments!r:.80}", field="arguments")  # fmt: skip
+            raise FieldError(
+                f"arguments: must be a JSON object in a string, got {self.arguments!r:.80}",
+                field="arguments",
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,8 +115,11 @@ class MessageToolCall(Settings):
     def rendered(self) -> dict:
         """The call as chat templates take it: arguments as a mapping (Hugging Face's shape)."""
         f = self.function
-        return {"id": self.id, "type": "function",
-                "function": {"name": f.name, "arguments": json.loads(f.arguments)}}  # fmt: skip
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": f.name, "arguments": json.loads(f.arguments)},
+        }
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
@@ -150,11 +155,16 @@ class ToolUse:
         """(content, tool_calls in OpenAI's shape) of a reply's text."""
         content, calls = split_tool_calls(text, None if self.parallel else 1)
         out = [
-            {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": c.name, "arguments": json.dumps(c.arguments,
-                                                                  ensure_ascii=False)}}
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {
+                    "name": c.name,
+                    "arguments": json.dumps(c.arguments, ensure_ascii=False),
+                },
+            }
             for c in calls
-        ]  # fmt: skip
+        ]
         return content, out
 
 
@@ -174,8 +184,10 @@ def tool_use(tools, tool_choice, parallel: bool) -> ToolUse | None:
     elif isinstance(tool_choice, NamedToolChoice):
         name = tool_choice.function.name
         if name not in names:
-            raise FieldError(f"tool_choice: no tool named {name!r:.80} in `tools` "
-                             f"({', '.join(names)})", field="tool_choice")  # fmt: skip
+            raise FieldError(
+                f"tool_choice: no tool named {name!r:.80} in `tools` ({', '.join(names)})",
+                field="tool_choice",
+            )
         prefix, forced = f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments":', name
     return ToolUse([t.schema() for t in tools], prefix, parallel, forced)
 
