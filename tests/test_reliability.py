@@ -459,6 +459,91 @@ def test_nonfinite_updates_are_skipped_then_stop(model_dir, tmp_path, monkeypatc
     assert "checkpoint saved in " in str(e.value) and "--resume" in str(e.value)
 
 
+def _nan_sft_or_rm(recipe: str, model: Path, tmp_path: Path, monkeypatch):
+    """`train_sft` / `train_rm` with every loss NaN (skipped updates), and its config."""
+    from grpo.config import load_config
+
+    common = [
+        f"model.path={model}",
+        f"train.output_dir={tmp_path}/run",
+        "train.progress=false",
+        "train.max_steps=4",
+        "train.max_nonfinite_steps=2",
+        "train.save_every=0",
+        "data.eval_samples=0",
+        "train.epochs=null",
+        "train.log_every=1",
+    ]
+    if recipe == "sft":
+        import grpo.train.sft as mod
+
+        real = mod.sft_loss
+
+        def nan_loss(*a, **k):
+            loss, n = real(*a, **k)
+            return loss * float("nan"), n
+
+        monkeypatch.setattr(mod, "sft_loss", nan_loss)
+        cfg = load_config(
+            REPO / "configs" / "gsm8k_qwen3_0.6b_sft.yaml",
+            [
+                *common,
+                f"data.source={REPO / 'tests' / 'data' / 'gsm8k'}",
+                "data.split=test",
+                "data.max_samples=8",
+                "train.batch_size=2",
+                "rollout.max_new_tokens=12",
+            ],
+        )
+        return mod.train_sft, cfg
+    import grpo.train.rm as mod
+
+    real = mod.pair_loss
+    monkeypatch.setattr(mod, "pair_loss", lambda *a, **k: real(*a, **k) * float("nan"))
+    rows = [
+        {
+            "chosen": [
+                {"role": "user", "content": f"Is {i} even?"},
+                {"role": "assistant", "content": "yes"},
+            ],
+            "rejected": [
+                {"role": "user", "content": f"Is {i} even?"},
+                {"role": "assistant", "content": "no"},
+            ],
+        }
+        for i in range(8)
+    ]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(
+        REPO / "configs" / "rm_qwen3_0.6b.yaml",
+        [
+            *common,
+            f"data.dataset={data}",
+            "data.split=train",
+            "train.batch_size=4",
+            "rm.max_length=64",
+        ],
+    )
+    return mod.train_rm, cfg
+
+
+@pytest.mark.parametrize("recipe", ["sft", "rm"])
+def test_sft_and_rm_save_before_a_nonfinite_stop(recipe, shared_tiny_model, tmp_path, monkeypatch):
+    """As GRPO does: train.max_nonfinite_steps skipped updates in a row stop the run through
+    the guard, which checkpoints first (the weights are those of the last update applied) and
+    names the resume command; the skipped steps are logged."""
+    from grpo.run.loop import GuardStop
+
+    train, cfg = _nan_sft_or_rm(recipe, shared_tiny_model, tmp_path, monkeypatch)
+    with pytest.raises(GuardStop, match="2 consecutive updates had a non-finite loss") as e:
+        train(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/nonfinite_skipped"] for r in rows] == [1, 1]
+    assert latest_checkpoint(tmp_path / "run").name == "step_000002"  # save_every=0: the guard's
+    assert "checkpoint saved in " in str(e.value) and "--resume" in str(e.value)
+
+
 def nan_at_update(k: int):
     """`build_optimizer` whose k-th optimizer step (1-based) leaves a weight NaN, as an lr far
     too large or an fp16 overflow would."""

@@ -46,7 +46,15 @@ from grpo.run.state import (
     this_host,
 )
 
-__all__ = ["GuardStop", "Run", "RunDir", "run_directory", "run_training", "start_run"]
+__all__ = [
+    "GuardStop",
+    "Run",
+    "RunDir",
+    "nonfinite_stop",
+    "run_directory",
+    "run_training",
+    "start_run",
+]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +67,16 @@ class GuardStop(GrpoError):
     def __init__(self, message: str, rank: int = 0):
         super().__init__(message)
         self.rank = rank
+
+
+def nonfinite_stop(bad_steps: int, step: int, hint: str = "Lower optim.lr") -> GuardStop:
+    """The guard every recipe raises after train.max_nonfinite_steps consecutive skipped
+    updates, through `Run.guard_stop` (which saves first: skipped updates leave the weights
+    those of the last update applied)."""
+    return GuardStop(
+        f"{bad_steps} consecutive updates had a non-finite loss or gradient (step {step}); "
+        f"stopped. {hint} (the weights are those of the last update applied)"
+    )
 
 
 def run_training(

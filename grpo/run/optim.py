@@ -69,16 +69,11 @@ def weights_finite(params) -> torch.Tensor:
     return torch.stack([p.to(peaks[0].device) for p in peaks]).isfinite().all()
 
 
-def nonfinite_streak(bad_steps: int, loss: float, grad_norm: float, limit: int, step: int) -> int:
+def nonfinite_streak(bad_steps: int, loss: float, grad_norm: float) -> int:
     """The consecutive skipped (non-finite) updates after this one: 0 after a finite update.
-    Raises GrpoError at `limit` (train.max_nonfinite_steps): SFT's and `grpo rm`'s stop."""
-    bad_steps = 0 if math.isfinite(loss) and math.isfinite(grad_norm) else bad_steps + 1
-    if bad_steps >= limit:
-        raise GrpoError(
-            f"{bad_steps} consecutive updates had a non-finite loss or gradient (step "
-            f"{step}); stopped. Lower optim.lr; resume from the last checkpoint with --resume"
-        )
-    return bad_steps
+    At train.max_nonfinite_steps the recipe stops through `Run.guard_stop` (saving first):
+    `grpo.run.loop.nonfinite_stop`."""
+    return 0 if math.isfinite(loss) and math.isfinite(grad_norm) else bad_steps + 1
 
 
 def nonfinite_weights_error(step: int | None, loss: float, grad_norm: float, lr: float):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,6 +44,9 @@ from grpo.lora import apply_lora, load_adapter, unwrap_lora
 from grpo.models import Decoder, load_model
 from grpo.models.decoder import meta_decoder, rope_inv_freq
 from grpo.train.module_base import TrainedModule, register_trained_module
+
+if TYPE_CHECKING:
+    from grpo.policy import Policy
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +202,7 @@ def value_model_on(source: Decoder) -> Decoder:
 def critic(
     config,
     dist,
-    policy,
+    policy: Policy,
     *,
     init: str | None = None,
     lora: bool | dict | None = None,

@@ -65,11 +65,11 @@ from grpo.errors import GrpoError
 from grpo.eval import eval_env_settings, evaluate
 from grpo.loading import load_rows, resolve_device
 from grpo.lora import disabled_lora
-from grpo.policy import build_policy, shard_policy
+from grpo.policy import Policy, build_policy, shard_policy
 from grpo.rewards import build_rewards
 from grpo.rewards.bounds import total_bounds
 from grpo.rollout import Rollout
-from grpo.run.loop import GuardStop, RunDir, due, run_training, start_run
+from grpo.run.loop import GuardStop, RunDir, due, nonfinite_stop, run_training, start_run
 from grpo.run.optim import nonfinite_weights_error, weights_finite
 from grpo.run.perf import PhasePeaks, phase_bar
 from grpo.run.preflight import check_prompt_room, preflight, start_notices
@@ -102,7 +102,7 @@ class NonfiniteWeights(GuardStop):
 
 
 def step_batch(
-    cfg: Config, policy, batch: RolloutBatch, dist=SINGLE, step: int | None = None
+    cfg: Config, policy: Policy, batch: RolloutBatch, dist=SINGLE, step: int | None = None
 ) -> UpdateBatch:
     """The phases between rollout and update: what the loss counts, the micro-batch plan,
     reference log-probs (on the steps that measure the KL), advantages over the global batch,
@@ -119,7 +119,7 @@ def step_batch(
     )
 
 
-def step_plan(cfg: Config, policy, rollout: Rollout, mask: torch.Tensor, dist=SINGLE):
+def step_plan(cfg: Config, policy: Policy, rollout: Rollout, mask: torch.Tensor, dist=SINGLE):
     """The step's micro-batches (`micro_batch_plan`): packed when train.pack_sequences says so
     (by train.micro_batch_tokens when set, as many on every rank), else padded, by
     train.micro_batch_size rows."""
@@ -287,7 +287,7 @@ def kl_measured(cfg: Config, step: int | None) -> bool:
 @torch.no_grad()
 def reference_phase(
     cfg: Config,
-    policy,
+    policy: Policy,
     rollout: Rollout,
     mask: torch.Tensor,
     plan: tuple[MicroBatch, ...],
@@ -313,7 +313,7 @@ def reference_phase(
 @torch.no_grad()
 def old_logprobs_phase(
     cfg: Config,
-    policy,
+    policy: Policy,
     rollout: Rollout,
     mask: torch.Tensor,
     plan: tuple[MicroBatch, ...],
@@ -332,7 +332,7 @@ def old_logprobs_phase(
 
 def update_phase(
     cfg: Config,
-    policy,
+    policy: Policy,
     batch: UpdateBatch,
     optimizer,
     scheduler,
@@ -726,15 +726,8 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
                 tqdm.write(f"[sample] reward {float(batch.rewards[0]):.2f}: {batch.texts[0]!r}")
             where.phase = "checkpoint"
             if bad_steps >= cfg.train.max_nonfinite_steps:  # skipped updates: weights intact
-                raise run.guard_stop(
-                    policy,
-                    dist,
-                    GuardStop(
-                        f"{bad_steps} consecutive updates had a non-finite loss or gradient "
-                        f"(step {state.step}); stopped. Lower optim.lr or check the rewards (the "
-                        "weights are those of the last update applied)"
-                    ),
-                )
+                stop = nonfinite_stop(bad_steps, state.step, "Lower optim.lr or check the rewards")
+                raise run.guard_stop(policy, dist, stop)
             if stall is not None:
                 then = "(append the settings to change, e.g. train.stop_on_stall=false)"
                 raise run.guard_stop(policy, dist, stall, then)

@@ -35,7 +35,7 @@ import dataclasses
 import inspect
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +45,9 @@ from grpo.metrics import split_metrics
 from grpo.run.optim import build_optimizer, build_scheduler
 from grpo.train import critic as _critic  # noqa: F401  (registers the PPO critic, "critic")
 from grpo.train.module_base import TRAINED_MODULES, TrainedModule, register_trained_module
+
+if TYPE_CHECKING:
+    from grpo.policy import Policy
 
 _DONE = object()  # the end of a module's loss parts
 INPUTS = ("model_config", "tokenizer", "config", "dist", "policy")
@@ -74,7 +77,7 @@ class ModuleSet:
     """The run's trained modules (possibly none): built from `cfg.modules`, stepped, saved
     into checkpoints and restored from them."""
 
-    def __init__(self, cfg, policy, dist, device, total_steps: int):
+    def __init__(self, cfg, policy: Policy, dist, device, total_steps: int):
         self.items: list[Trained] = []
         self.precision, self.device = policy.precision, device
         seen = set()

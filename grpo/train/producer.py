@@ -33,6 +33,7 @@ import logging
 import signal
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as td
@@ -53,6 +54,9 @@ from grpo.train.wire import (
     unpack_batch,
     unpack_tensors,
 )
+
+if TYPE_CHECKING:
+    from grpo.policy import Policy
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +176,7 @@ class InlineRollouts(_Source):
     def __init__(
         self,
         cfg: Config,
-        policy,
+        policy: Policy,
         sampler,
         rows,
         reward_fns,
@@ -247,7 +251,7 @@ class ColocatedRollouts(_Asynchronous):
     def __init__(
         self,
         cfg: Config,
-        policy,
+        policy: Policy,
         make_sampler,
         rows,
         reward_fns,
@@ -425,7 +429,7 @@ class RemoteRollouts(_Asynchronous):
     """A trainer rank's side of disaggregated rollouts: it receives its batches from its
     producer rank; trainer rank 0 also broadcasts the weights the producers need."""
 
-    def __init__(self, cfg: Config, policy, rows, roles: Roles, state: TrainState):
+    def __init__(self, cfg: Config, policy: Policy, rows, roles: Roles, state: TrainState):
         super().__init__(cfg, state)
         self.policy, self.rows, self.roles = policy, rows, roles
         self.device = policy.model.device
@@ -502,7 +506,7 @@ class RemoteRollouts(_Asynchronous):
 
 
 def run_producer(
-    cfg: Config, policy, sampler, rows, reward_fns, make_env, roles: Roles, where
+    cfg: Config, policy: Policy, sampler, rows, reward_fns, make_env, roles: Roles, where
 ) -> dict:
     """A producer rank's loop: sample batch j for each trainer rank it serves with policy
     version `behaviour_version(j)`, send it, and take each published version from trainer
@@ -540,7 +544,7 @@ def _signals_noted():
             signal.signal(s, handler)
 
 
-def _produce(cfg: Config, policy, sampler, rows, reward_fns, make_env, roles: Roles, where):
+def _produce(cfg: Config, policy: Policy, sampler, rows, reward_fns, make_env, roles: Roles, where):
     # the trainers may be busy for long between two messages (an evaluation on rank 0)
     k = cfg.rollout.max_staleness
     timeout = max(cfg.rollout.async_timeout_s, cfg.train.dist_timeout_s)
@@ -621,7 +625,7 @@ def _finish(sends, timeout: float, produced: int) -> dict:
 
 def rollout_source(
     cfg: Config,
-    policy,
+    policy: Policy,
     rows,
     reward_fns,
     make_env,
@@ -653,7 +657,7 @@ def rollout_source(
 
 
 def make_sampler(
-    cfg: Config, policy, model, sharded: bool = False, producer_thread: bool = False
+    cfg: Config, policy: Policy, model, sharded: bool = False, producer_thread: bool = False
 ) -> Sampler:
     """The run's sampler over `model`: the compiled decode step as rollout.compile says (FSDP:
     eager, the sampler reads the gathered weights through FSDP's hooks). A colocated producer

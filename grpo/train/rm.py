@@ -41,7 +41,7 @@ from grpo.loading import resolve_device
 from grpo.models.classifier import sequence_scores
 from grpo.policy import Policy, shard_policy
 from grpo.precision import Precision
-from grpo.run.loop import RunDir, due, run_training, start_run
+from grpo.run.loop import RunDir, due, nonfinite_stop, run_training, start_run
 from grpo.run.optim import nonfinite_streak, nonfinite_weights_error, weights_finite
 from grpo.run.perf import peak_mem_mib, reset_peak_mem
 from grpo.run.rundir import check_resume_step
@@ -372,9 +372,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             cfg, policy, scorer, batch, optimizer, scheduler, params, dist, state.step + 1
         )
         state.step += 1
-        bad_steps = nonfinite_streak(
-            bad_steps, loss, grad_norm, cfg.train.max_nonfinite_steps, state.step
-        )
+        bad_steps = nonfinite_streak(bad_steps, loss, grad_norm)
         dt = time.perf_counter() - t0
         tokens = sum(2 * len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in batch)
         metrics = {
@@ -401,6 +399,8 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
                 run.logger.log(state.step, metrics)
             if on_step is not None and dist.is_main:
                 on_step(state.step, metrics)
+        if bad_steps >= cfg.train.max_nonfinite_steps:  # skipped updates: weights intact
+            raise run.guard_stop(policy, dist, nonfinite_stop(bad_steps, state.step))
         run.end_step(policy, dist, last)
         bar.update(1)
     bar.close()

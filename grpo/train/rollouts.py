@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,9 +38,20 @@ from grpo.train.strategies import (  # noqa: F401  (sample_round, score_rollout:
     score_rollout,
 )
 
+if TYPE_CHECKING:
+    from grpo.policy import Policy
+
 
 def rollout_phase(
-    cfg: Config, policy, sampler, rows, state, reward_fns, step: int, dist=SINGLE, make_env=None
+    cfg: Config,
+    policy: Policy,
+    sampler,
+    rows,
+    state,
+    reward_fns,
+    step: int,
+    dist=SINGLE,
+    make_env=None,
 ) -> RolloutBatch:
     """Sample G completions for P prompts and score them (advantages come later).
 
@@ -72,7 +84,7 @@ def rollout_phase(
 
 def rollout_batches(
     cfg: Config,
-    policy,
+    policy: Policy,
     sampler,
     rows,
     state,

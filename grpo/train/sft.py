@@ -30,8 +30,8 @@ from grpo.distributed import (
     wrap_ddp,
 )
 from grpo.loading import load_rows, resolve_device
-from grpo.policy import build_policy, shard_policy
-from grpo.run.loop import RunDir, due, run_training, start_run
+from grpo.policy import Policy, build_policy, shard_policy
+from grpo.run.loop import RunDir, due, nonfinite_stop, run_training, start_run
 from grpo.run.optim import nonfinite_streak, nonfinite_weights_error, weights_finite
 from grpo.run.perf import peak_mem_mib, reset_peak_mem
 from grpo.run.preflight import check_prompt_room, preflight
@@ -101,7 +101,7 @@ def sft_loss(cfg: Config, scorer, batch: dict, normalizer: float) -> tuple[torch
 
 def sft_update(
     cfg: Config,
-    policy,
+    policy: Policy,
     scorer,
     batch_rows,
     optimizer,
@@ -220,9 +220,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             cfg, policy, scorer, batch_rows, optimizer, scheduler, params, dist, state.step + 1
         )
         state.step += 1
-        bad_steps = nonfinite_streak(
-            bad_steps, total, grad_norm, cfg.train.max_nonfinite_steps, state.step
-        )
+        bad_steps = nonfinite_streak(bad_steps, total, grad_norm)
         dt = time.perf_counter() - t0
         metrics = {
             "train/loss": all_reduce_sum(total, dist),
@@ -256,6 +254,8 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
                 )
             if on_step is not None and dist.is_main:
                 on_step(state.step, metrics)
+        if bad_steps >= cfg.train.max_nonfinite_steps:  # skipped updates: weights intact
+            raise run.guard_stop(policy, dist, nonfinite_stop(bad_steps, state.step))
         run.end_step(policy, dist, last)
         bar.update(1)
     bar.close()

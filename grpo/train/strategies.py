@@ -33,19 +33,19 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from grpo.algo.advantages import zero_std_groups
 from grpo.algo.registry import Registry
-from grpo.envs import env_factory
+from grpo.envs import Environment, env_factory
 from grpo.errors import GrpoError
 from grpo.metrics import Sum
 from grpo.precision import Precision
-from grpo.rewards import RewardContext, compute_rewards
-from grpo.rollout import Rollout
+from grpo.rewards import NamedReward, RewardContext, compute_rewards
+from grpo.rollout import Rollout, Sampler
 from grpo.rollout.multiturn import sample_with_env, turn_end_ids
 from grpo.run.perf import phase_bar
 from grpo.train.batch import (
@@ -60,6 +60,7 @@ from grpo.train.batch import (
 
 if TYPE_CHECKING:
     from grpo.config import Config
+    from grpo.policy import Policy
 
 ROLLOUT_STRATEGIES = Registry("rollout strategy", "rollout.strategy")
 INPUTS = ("rows", "sampling", "step", "rank", "round")
@@ -77,7 +78,13 @@ def check_strategy(name: str, params: dict | None = None) -> None:
 
 
 def sample_round(
-    cfg: Config, policy, sampler, rows: list[dict], seed: int, make_env=None, show: bool = False
+    cfg: Config,
+    policy: Policy,
+    sampler,
+    rows: list[dict],
+    seed: int,
+    make_env=None,
+    show: bool = False,
 ):
     """One sampling call: G completions per row (single turn), or G trajectories per row
     with the configured environment (multi-turn). The sampler holds the policy's precision
@@ -196,6 +203,11 @@ def score_rollout(
 class Sampling:
     """What a strategy samples and scores with, for one round of one rank's step.
 
+    Fields: `cfg` the run's config; `policy` the policy being trained (its tokenizer, model
+    and precision); `sampler` the rollout sampler over the policy's model; `reward_fns` the
+    (reward, weight) pairs of `rewards:`; `make_env` the environment factory of a
+    multi-turn run (None: `rollout.env`); `seed` this round's seed; `step` below.
+
     Attributes:
         group_size: G, the rows per group the returned batch must have (rollout.group_size).
         settings: the config's sampling settings (temperature, top_k, top_p, min_p,
@@ -204,11 +216,11 @@ class Sampling:
         tokenizer: the policy's tokenizer.
     """
 
-    cfg: Any
-    policy: Any
-    sampler: Any
-    reward_fns: Any
-    make_env: Any
+    cfg: Config
+    policy: Policy
+    sampler: Sampler
+    reward_fns: list[tuple[NamedReward, float]]  # (reward, weight): `build_rewards`
+    make_env: Callable[[], Environment] | None  # None: rollout.env (multi-turn)
     seed: int
     step: int
     show: bool = False
