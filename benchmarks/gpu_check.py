@@ -122,6 +122,7 @@ class Check:
         self.device = "cpu" if dry else "cuda"
         self._seen: dict[str, int] = {}  # benchmark name -> rows already recorded
         self.children: set[subprocess.Popen] = set()  # killed with the check on an overrun
+        self.keep_caches = False  # archive the compile caches after a plan (`main` sets it)
 
     def left(self) -> float:
         return self.budget_s - (time.monotonic() - self.t0)
@@ -259,7 +260,8 @@ def run_plan(check: Check, steps: list[Step]) -> int:
         check.record(status=status, seconds=round(time.monotonic() - t0, 1), **extra)
         write_summary(check)
     check.step = "-"
-    archive_caches(check)
+    if check.keep_caches:
+        archive_caches(check)
     write_summary(check)
     return failed
 
@@ -618,7 +620,8 @@ def grpo_step(check: Check) -> None:
         "--name",
         "step_{tag}_{size}_lora_qkvo",
     )(check)
-    archive_caches(check)  # a compile's kernels kept even if the full run is cut off
+    if check.keep_caches:  # a compile's kernels kept even if the full run is cut off
+        archive_caches(check)
     bench(
         "bench_step",
         *common,
@@ -980,6 +983,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--steps: {unknown} not in plan {args.plan}: {[s.name for s in steps]}")
         steps = [s for s in steps if s.name in wanted]
     check = Check(Path(args.out), args.dry_run, budget)
+    check.keep_caches = True
     from benchmarks import harness
 
     harness.RESULT_HOOKS.append(check.benchmark_rows)

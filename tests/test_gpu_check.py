@@ -193,7 +193,7 @@ def test_the_watchdog_stops_a_step_that_overruns_the_time_left(tmp_path):
     """A step whose estimate fit but which runs past the time left: the watchdog records it,
     rewrites the summary and exits 124; the steps after it are not started."""
     t0 = time.monotonic()
-    proc = _driver(tmp_path, 4)
+    proc = _driver(tmp_path, 2)
     code = proc.wait(timeout=90)
     assert code == 124 and time.monotonic() - t0 < 60, proc.stderr.read()[-2000:]
     recs = Results.read(tmp_path / "results.jsonl")

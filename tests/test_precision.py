@@ -193,9 +193,24 @@ def rollout(sampler, multi_turn: bool):
     )
 
 
-@pytest.mark.parametrize("multi_turn", [False, True], ids=["single", "multi"])
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+# the compiled variants cost seconds each (a compile per shape): lora + multi-turn, the widest,
+# stays in the default tier, the other three run in the process tier
+BF16_AGREEMENT = [
+    pytest.param(
+        lora,
+        compiled,
+        multi_turn,
+        id=f"{'lora' if lora else 'full'}-{'compiled' if compiled else 'eager'}-"
+        f"{'multi' if multi_turn else 'single'}",
+        marks=pytest.mark.process if compiled and not (lora and multi_turn) else (),
+    )
+    for lora in (False, True)
+    for compiled in (False, True)
+    for multi_turn in (False, True)
+]
+
+
+@pytest.mark.parametrize("lora, compiled, multi_turn", BF16_AGREEMENT)
 def test_sampler_and_trainer_agree_under_bf16(tiny_checkpoints, lora, compiled, multi_turn):
     """The matrix: bf16 autocast x LoRA x compiled decode (aot_eager, the static cache) x
     shared prefix x single / multi-turn. The sampler's log-probs equal the trainer's within
