@@ -89,6 +89,22 @@ def test_the_core_never_imports_the_apps():
     assert not bad, bad
 
 
+def test_the_models_never_import_the_algorithm():
+    """grpo/models/ (the decoder, its caches, packing of rows for it) sits under grpo/algo/ (the
+    loss math): no module of it imports grpo.algo, lazily or not."""
+    files = sorted((GRPO / "models").rglob("*.py"))
+    assert len(files) > 5, files
+    bad = [
+        f"{path.relative_to(REPO)}:{line} imports {module}"
+        for path in files
+        for line, module in imported_modules(
+            path.read_text(), module_name(path), path.name == "__init__.py"
+        )
+        if module == "grpo.algo" or module.startswith("grpo.algo.")
+    ]
+    assert not bad, bad
+
+
 def test_the_core_never_imports_the_kit_and_the_kit_no_app():
     scans = [(core_files(), is_kit), (sorted(KIT.rglob("*.py")), is_app)]
     bad = [

@@ -11,9 +11,10 @@ import torch
 from conftest import live_lora
 from test_shared_prefix import logprobs_and_grads, multiturn, rollout
 
-from grpo.algo.logprobs import CompletionLogprobs, completion_logprobs, pack_rows, packed_overhead
+from grpo.algo.logprobs import CompletionLogprobs, completion_logprobs
 from grpo.distributed import SINGLE
 from grpo.models import load_model
+from grpo.models.packed_rows import pack_rows, packed_overhead
 from grpo.models.varlen import PackedSegments, plan_buckets
 
 

@@ -54,7 +54,7 @@ def packed_sequence_scores(
         group_size: G when rows b*G .. b*G + G - 1 share one prompt, else None.
         overhead: the attention buckets' per-call cost (`grpo.algo.logprobs.packed_overhead`).
     """
-    from grpo.algo.logprobs import pack_rows
+    from grpo.models.packed_rows import pack_rows
 
     B, T = ids.shape
     pos = score_positions(ids, attention_mask, pad_id)  # (B,)

@@ -233,8 +233,8 @@ def score_completions(
     prompt (a GRPO batch) each prompt runs once for its group (a forward then holds whole
     groups). Otherwise right-padded rows, sorted by length so a
     forward pads little. Both score alike (tests/test_reward_model_reward.py)."""
-    from grpo.algo.logprobs import packed_overhead
     from grpo.models.classifier import packed_sequence_scores, sequence_scores
+    from grpo.models.packed_rows import packed_overhead
     from grpo.models.varlen import packs_by_default
 
     rows = encode_rows(tokenizer, questions, completions, max_length, system_prompt)

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from grpo.algo.logprobs import PackedRows, pack_rows
 from grpo.distributed import SINGLE, Dist, all_reduce_max
+from grpo.models.packed_rows import PackedRows, pack_rows
 from grpo.rollout import Rollout
 from grpo.run.state import TrainState
 

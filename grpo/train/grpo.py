@@ -35,7 +35,7 @@ from grpo.algo.advantages import (
     wants_rollout,
 )
 from grpo.algo.kl import reward_minus_kl
-from grpo.algo.logprobs import CompletionLogprobs, packed_overhead
+from grpo.algo.logprobs import CompletionLogprobs
 from grpo.algo.losses import (
     check_bad_row,
     check_policy_loss,
@@ -65,6 +65,7 @@ from grpo.errors import GrpoError
 from grpo.eval import eval_env_settings, evaluate
 from grpo.loading import load_rows, resolve_device
 from grpo.lora import disabled_lora
+from grpo.models.packed_rows import packed_overhead
 from grpo.policy import Policy, build_policy, shard_policy
 from grpo.rewards import build_rewards
 from grpo.rewards.bounds import total_bounds

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from grpo.algo.logprobs import CompletionLogprobs, pack_rows, packed_overhead
+from grpo.algo.logprobs import CompletionLogprobs
 from grpo.config import Config
 from grpo.distributed import (
     Where,
@@ -30,6 +30,7 @@ from grpo.distributed import (
     wrap_ddp,
 )
 from grpo.loading import load_rows, resolve_device
+from grpo.models.packed_rows import pack_rows, packed_overhead
 from grpo.policy import Policy, build_policy, shard_policy
 from grpo.run.loop import RunDir, due, nonfinite_stop, run_training, start_run
 from grpo.run.optim import nonfinite_streak, nonfinite_weights_error, weights_finite
