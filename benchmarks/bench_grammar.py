@@ -191,7 +191,7 @@ IMPLS = {"xgrammar": XGrammar, "llguidance": LLGuidance, "llguidance-par": LLGui
 
 def decode_ms(shape: str, vocab: int, batch: int, model_dir: Path) -> float:
     """Our sampler's decode step at `batch`: (time of 24 new tokens - time of 8) / 16."""
-    from benchmarks.bench_sampler import CASES
+    from benchmarks.models import CASES
     from grpo.models import load_model
     from grpo.rollout import Sampler
 

@@ -18,7 +18,7 @@ Two ways to run the same T-turn conversations (model turn, observation, model tu
   group_size=1)` (after turn 1 every row is its own conversation: sampled rows diverge), then
   appends the observation. Same sampler code, so the difference is only the re-prefill.
 
-The work is made identical: same random-init model (`bench_sampler.CASES` shapes, our
+The work is made identical: same random-init model (`benchmarks.models.CASES` shapes, our
 `Decoder.init_weights(seed=0)`), same prompts and observation ids, greedy decoding
 (temperature 0), a stop id no row can sample (the vocab size), so every turn runs exactly
 `turn_len` tokens, and one `observe` callback for both that answers a fixed `obs_len`-token
@@ -46,8 +46,8 @@ from functools import partial
 
 import torch
 
-from benchmarks.bench_sampler import CASES
 from benchmarks.harness import add_output_args, comma_list, measure_interleaved, write_results
+from benchmarks.models import CASES
 from grpo.models import Decoder, ModelConfig
 from grpo.rollout import Sampler
 from grpo.rollout.multiturn import sample_turns
@@ -172,7 +172,7 @@ def build_workload(
 
 
 def build_model(size: str, min_vocab: int = 0) -> Decoder:
-    """A random-init float32 `Decoder` of the `bench_sampler.CASES[size]` shape (with at least
+    """A random-init float32 `Decoder` of the `benchmarks.models.CASES[size]` shape (with at least
     `min_vocab` tokens: a tokenizer's, when its text is encoded)."""
     hf = dict(
         CASES[size]["config"],

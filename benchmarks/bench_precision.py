@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_trl import make_checkpoint
 from benchmarks.harness import add_output_args, comma_list, write_results
+from benchmarks.models import make_checkpoint
 from grpo.algo.logprobs import CompletionLogprobs
 from grpo.data import minimath
 from grpo.lora import apply_lora

@@ -53,43 +53,10 @@ from benchmarks.harness import (
     measure,
     write_results,
 )
+from benchmarks.models import CASES
 
 # threads 0 = torch's default; target = required tok/s ratio ours / generate (dynamic cache);
 # rounds / warmup: timed / untimed calls per implementation (flags override them)
-CASES = {
-    "tiny": dict(
-        config=dict(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-        ),
-        target=2.0,
-        threads=1,
-        hf_caches="dynamic,static",
-        rounds=7,
-        warmup=1,
-    ),
-    "qwen3-0.6b": dict(
-        config=dict(
-            vocab_size=151936,
-            hidden_size=1024,
-            intermediate_size=3072,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-        ),
-        target=1.2,
-        threads=0,
-        hf_caches="dynamic",  # a static-cache generate costs another ~10 min here
-        rounds=3,  # one generate call takes minutes on a 2-core CPU
-        warmup=0,
-    ),
-}
 COLUMNS = [
     "case",
     "batch",

@@ -5,7 +5,7 @@
 
 One process serves, another one is the clients. The server is the real one (FastAPI app,
 uvicorn on 127.0.0.1, `grpo.apps.serving.Engine`) twice over the same random-init model
-(`bench_sampler.CASES` shapes, `Decoder.init_weights(seed=0)`, float32; the tiny case with
+(`benchmarks.models.CASES` shapes, `Decoder.init_weights(seed=0)`, float32; the tiny case with
 the 384-token BPE of `grpo.tiny`, the 0.6B shape with bench_grammar's 151,646-token BPE, so
 structured outputs mask a vocabulary of Qwen3's size): `batched` (up to --max-batch-rows rows
 per sampler call, a 5 ms batching window) and `sequential` (max_batch_rows=1: one request per

@@ -10,7 +10,7 @@
 Each phase of `grpo.train.grpo` is timed on its own with the shared harness, for LoRA and
 full fine-tuning, on tiny random-init Qwen3 models written by `grpo.tiny.make_tiny_model`, or
 (`qwen3-0.6b`) a random-init model of Qwen3-0.6B's shape with the same tokenizer
-(`benchmarks.bench_trl.make_checkpoint`). Results are written after each case, so a run stopped
+(`benchmarks.models.make_checkpoint`). Results are written after each case, so a run stopped
 by a timeout keeps the cases that finished.
 
 `--critic` adds PPO's work on the same rolled-out batch: the critic (`modules: [{name:
@@ -38,7 +38,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.bench_trl import DATA, make_checkpoint
 from benchmarks.harness import (
     add_output_args,
     comma_list,
@@ -47,6 +46,7 @@ from benchmarks.harness import (
     measure_interleaved,
     write_results,
 )
+from benchmarks.models import DATA, make_checkpoint
 from grpo.algo.logprobs import CompletionLogprobs
 from grpo.config import load_config
 from grpo.distributed import SINGLE

@@ -36,7 +36,6 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_sampler import CASES
 from benchmarks.harness import (
     _CpuPeak,
     _percentile,
@@ -44,56 +43,20 @@ from benchmarks.harness import (
     measure,
     write_results,
 )
+from benchmarks.models import DATA, make_checkpoint
 from grpo.config import load_config, save_config
 from grpo.loading import load_rows
-from grpo.models import Decoder, ModelConfig, save_pretrained
-from grpo.tiny import make_tiny_model
+from grpo.models import ModelConfig
 from grpo.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-QWEN3_06B = CASES["qwen3-0.6b"]["config"]  # the shape every benchmark here uses
-
-
-# Prompts: mini-math (~57 tokens with the tiny tokenizer) or real GSM8K questions (~200 tokens,
-# 85-358: the prompt lengths the shared prefix is for), from the repo's shared data directory.
-# gsm8k-test: the GSM8K test split the repository carries (tests/data/gsm8k), for machines
-# without the shared data directory.
-GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
-GSM8K_TEST_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "gsm8k"
-DATA = {
-    "minimath": [],
-    "gsm8k": ["data.dataset=gsm8k", f"data.source={GSM8K_DIR}", "data.max_prompt_len=440"],
-    "gsm8k-test": [
-        "data.dataset=gsm8k",
-        f"data.source={GSM8K_TEST_DIR}",
-        "data.split=test",
-        "data.max_prompt_len=512",  # its longest question is 472 tokens with the ci tokenizer
-    ],
-}
 
 
 def length_reward(completions, **kwargs) -> list[float]:
     """Completion length in characters / 100: cheap, and non-zero advantages for both sides."""
     return [len(c) / 100 for c in completions]
-
-
-def make_checkpoint(root: Path, shape: str) -> Path:
-    """HF-format checkpoint + the ci tokenizer: `ci` as written by make_tiny_model, or a
-    random-init Qwen3-0.6B-shape model (the tokenizer's ids are < its vocab)."""
-    out = make_tiny_model(root / shape, size="ci")
-    if shape == "ci":
-        return out
-    if shape != "qwen3-0.6b":
-        raise SystemExit(f"--shapes: unknown shape {shape!r} (expected ci or qwen3-0.6b)")
-    hf = json.loads((out / "config.json").read_text())
-    hf.update(QWEN3_06B, model_type="qwen3", tie_word_embeddings=True)
-    model = Decoder(ModelConfig.from_hf(hf))
-    model.init_weights(std=0.02, seed=0)
-    save_pretrained(model, out)
-    del model
-    return out
 
 
 def ours_config(model_dir: Path, lora: bool, args, shared: str = "auto", base: dict | None = None):

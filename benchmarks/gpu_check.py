@@ -471,7 +471,7 @@ def step_decode(check: Check) -> None:
     import torch
     from torch._dynamo.utils import counters
 
-    from benchmarks.bench_sampler import CASES
+    from benchmarks.models import CASES
     from grpo.models.config import ModelConfig
     from grpo.models.decoder import Decoder
     from grpo.rollout.sampler import Sampler
@@ -716,7 +716,7 @@ def tutorial_run(name: str, *extra: str, accept: str = "1e-2") -> Callable[[Chec
         size, steps, new = ("ci", 2, 8) if check.dry else ("qwen3-0.6b", 4, 128)
         model = check.work / "tutorial" / size
         if not model.exists():
-            from benchmarks.bench_trl import make_checkpoint
+            from benchmarks.models import make_checkpoint
 
             model = make_checkpoint(check.work / "tutorial", size)
             cfg = json.loads((model / "config.json").read_text())

@@ -3,7 +3,7 @@
     python -m benchmarks.gpu_parity --device cuda                  # gpu_check.sh: tiny + 0.6B
     python -m benchmarks.gpu_parity --device cpu --sizes tiny      # the dry run
 
-For each size (`bench_sampler.CASES`: tiny, qwen3-0.6b; random init, written once by
+For each size (`benchmarks.models.CASES`: tiny, qwen3-0.6b; random init, written once by
 `bench_sampler.build_models` and loaded by both sides) and dtype:
 
 - `logits`: log-softmax of our decoder and of `transformers` on the same left-padded batch

@@ -21,8 +21,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_step import build_case
-from benchmarks.bench_trl import make_checkpoint
 from benchmarks.harness import RESULTS_DIR, env_stamp
+from benchmarks.models import make_checkpoint
 from grpo.tiny import make_tiny_model
 from grpo.train.grpo import update_phase
 
