@@ -707,12 +707,52 @@ MAIN = [
 ]
 
 
+def one_rank_train(
+    check: Check, name: str, config: str, overrides: list[str], accept: str, parallel: str | None
+) -> None:
+    """`grpo train --config config overrides...` under `torchrun --standalone` with one rank (a
+    process group even on one GPU: NCCL, gloo on the dry run), summarized by
+    `benchmarks.gpu_run` as `<name>_<gpu|dry>`; `parallel` the mode its metrics must name."""
+    from benchmarks import gpu_run
+
+    run_dir = check.work / name
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    cmd = [
+        *torchrun,
+        "-m",
+        "grpo",
+        "train",
+        "--config",
+        config,
+        f"model.device={check.device}",
+        f"train.output_dir={run_dir}",
+        *overrides,
+    ]
+    code, tail = check.run_cmd(cmd, check.left() - check.reserve_s)
+    if code:
+        raise RuntimeError(f"grpo train exited {code}: {tail.splitlines()[-1:]}")
+    backend = "gloo" if check.dry else "nccl"
+    args = [
+        "--name",
+        f"{name}_{'dry' if check.dry else 'gpu'}",
+        "--out-dir",
+        str(check.res),
+        "--metrics",
+        str(run_dir / "metrics.jsonl"),
+        "--accept",
+        accept,
+    ]
+    if parallel is not None:
+        args += ["--parallel", f"{parallel} over 1 rank ({backend})"]
+    if gpu_run.main(args):
+        raise RuntimeError(f"{name}: a number missed its bound (see its table)")
+
+
 def tutorial_run(name: str, *extra: str, accept: str = "1e-2") -> Callable[[Check], None]:
-    """A `grpo train` run under torchrun with one rank, summarized by `benchmarks.gpu_run`."""
+    """The tutorial's GRPO config as written at the 0.6B shape (random init, context 2048),
+    a few steps on the repo's GSM8K test split, one rank."""
 
     def run(check: Check) -> None:
-        from benchmarks import gpu_run
-
         size, steps, new = ("ci", 2, 8) if check.dry else ("qwen3-0.6b", 4, 128)
         model = check.work / "tutorial" / size
         if not model.exists():
@@ -722,22 +762,9 @@ def tutorial_run(name: str, *extra: str, accept: str = "1e-2") -> Callable[[Chec
             cfg = json.loads((model / "config.json").read_text())
             cfg["max_position_embeddings"] = 2048
             (model / "config.json").write_text(json.dumps(cfg))
-        run_dir = check.work / name
-        backend = "gloo" if check.dry else "nccl"
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=1",
-            "-m",
-            "grpo",
-            "train",
-            "--config",
-            "configs/gsm8k_qwen3_0.6b_grpo.yaml",
+        overrides = [
             f"model.path={model}",
             "model.adapter=null",
-            f"model.device={check.device}",
             "data.source=tests/data/gsm8k",
             "data.split=test",
             "data.max_samples=64",
@@ -746,80 +773,37 @@ def tutorial_run(name: str, *extra: str, accept: str = "1e-2") -> Callable[[Chec
             "rollout.compile=off",
             f"train.max_steps={steps}",
             "train.log_every=1",
-            f"train.output_dir={run_dir}",
             *extra,
         ]
-        code, tail = check.run_cmd(cmd, check.left() - check.reserve_s)
-        if code:
-            raise RuntimeError(f"grpo train exited {code}: {tail.splitlines()[-1:]}")
-        parallel = ["--parallel", f"ddp over 1 rank ({backend})"] if accept != "inf" else []
-        if gpu_run.main(
-            [
-                "--name",
-                f"{name}_{'dry' if check.dry else 'gpu'}",
-                "--out-dir",
-                str(check.res),
-                "--metrics",
-                str(run_dir / "metrics.jsonl"),
-                "--accept",
-                accept,
-                *parallel,
-            ]
-        ):
-            raise RuntimeError(f"{name}: a number missed its bound (see its table)")
+        one_rank_train(
+            check,
+            name,
+            "configs/gsm8k_qwen3_0.6b_grpo.yaml",
+            overrides,
+            accept,
+            None if accept == "inf" else "ddp",
+        )
 
     return run
 
 
 def tiny_parallel(mode: str, steps: int) -> Callable[[Check], None]:
-    def run(check: Check) -> None:
-        from benchmarks import gpu_run
+    """configs/tiny_ci.yaml on the tiny model, `train.parallel=mode`, one rank."""
 
+    def run(check: Check) -> None:
         model = check.work / "tiny-model"
         if not model.exists():
-            code, tail = check.run_cmd(
-                [sys.executable, "-m", "grpo", "tiny-model", "--out", str(model)], check.left()
-            )
+            tiny = [sys.executable, "-m", "grpo", "tiny-model", "--out", str(model)]
+            code, _ = check.run_cmd(tiny, check.left())
             if code:
                 raise RuntimeError(f"tiny-model exited {code}")
-        backend = "gloo" if check.dry else "nccl"
-        run_dir = check.work / f"grpo-{mode}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=1",
-            "-m",
-            "grpo",
-            "train",
-            "--config",
-            "configs/tiny_ci.yaml",
+        overrides = [
             f"model.path={model}",
-            f"model.device={check.device}",
-            f"train.output_dir={run_dir}",
             f"train.max_steps={steps}",
             f"train.parallel={mode}",
             f"train.save_every={steps}",
         ]
-        code, tail = check.run_cmd(cmd, check.left() - check.reserve_s)
-        if code:
-            raise RuntimeError(f"grpo train exited {code}: {tail.splitlines()[-1:]}")
-        if gpu_run.main(
-            [
-                "--name",
-                f"grpo_{mode}_{'dry' if check.dry else 'gpu'}",
-                "--out-dir",
-                str(check.res),
-                "--metrics",
-                str(run_dir / "metrics.jsonl"),
-                "--accept",
-                "1e-4",
-                "--parallel",
-                f"{mode} over 1 rank ({backend})",
-            ]
-        ):
-            raise RuntimeError(f"grpo-{mode}: a number missed its bound")
+        one_rank_train(check, f"grpo_{mode}", "configs/tiny_ci.yaml", overrides, "1e-4", mode)
 
     return run
 
