@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo_cpu.yaml"
 
 # the RL settings both runs share, over the demo's GRPO stage (pipeline overrides)
-COMMON = ["grpo.loss.dynamic_sampling=false", "grpo.train.eval_every=25"]
+COMMON = ["grpo.rollout.dynamic_sampling=false", "grpo.train.eval_every=25"]
 # what makes the second run PPO (modules: the critic; its kwargs and optimizer)
 PPO = [
     "grpo.loss.advantage=gae",

@@ -209,7 +209,10 @@ class RolloutConfig:
     max_turns: int = 4  # model turns per trajectory (env other than single_turn)
     max_total_tokens: int | None = None  # completion-region budget; default: see total_tokens
     max_obs_tokens: int = 64  # most tokens of one observation's content (longer ones are cut)
-    gamma: float = 1.0  # per-turn discount: return = sum_k gamma^k r_k (+ gamma^(K-1) R_final)
+    # discount per turn of multi-turn returns: return = sum_k d^k r_k (+ d^(K-1) R_final)
+    turn_discount: float = 1.0
+    dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and sample more prompts
+    max_sampling_rounds: int = 3  # sampling rounds per step with dynamic_sampling
     turn_end_tokens: tuple[str, ...] = ("</tool_call>",)  # also end a turn (if single tokens)
     # Most seconds one environment call (start() or step() of one trajectory) may take; longer
     # fails the rollout naming the environment, the trajectory and turn (it runs in a worker
@@ -245,7 +248,12 @@ class RolloutConfig:
         _check(self.group_size >= 2, "rollout.group_size", f"must be >= 2, got {self.group_size}")
         _check(self.max_turns >= 1, "rollout.max_turns", f"must be >= 1, got {self.max_turns}")
         _check(self.max_obs_tokens >= 1, "rollout.max_obs_tokens", "must be >= 1")
-        _check(0 < self.gamma <= 1, "rollout.gamma", f"must be in (0, 1], got {self.gamma}")
+        _check(
+            0 < self.turn_discount <= 1,
+            "rollout.turn_discount",
+            f"must be in (0, 1], got {self.turn_discount}",
+        )
+        _check(self.max_sampling_rounds >= 1, "rollout.max_sampling_rounds", "must be >= 1")
         if self.max_total_tokens is not None:
             _check(
                 self.max_total_tokens >= self.max_new_tokens,
@@ -304,7 +312,7 @@ class LossConfig:
     beta: float = 0.04  # KL coefficient in the loss; 0 skips the reference model entirely
     kl_estimator: str = "k3"  # k1 | k2 | k3 | a registered name
     kl_in_reward: float = 0.0  # > 0: subtract this * KL_t from the token rewards (REINFORCE++)
-    gamma: float = 1.0  # discount per token of token rewards in returns (reinforce_pp, gae)
+    token_discount: float = 1.0  # per token, of token rewards in returns (reinforce_pp, gae)
     gae_lambda: float = 0.95  # GAE's lambda (advantage: gae, PPO with a critic)
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2  # > epsilon_low is DAPO's clip-higher
@@ -323,8 +331,6 @@ class LossConfig:
     advantage_eps: float = 1e-4
     mask_truncated_completions: bool = False
     num_iterations: int = 1  # mu: updates per rollout batch
-    dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill
-    max_sampling_rounds: int = 3
 
     def __post_init__(self):
         _check(self.beta >= 0, "loss.beta", f"must be >= 0, got {self.beta}")
@@ -335,9 +341,12 @@ class LossConfig:
             _check(self.dual_clip > 1, "loss.dual_clip", f"must be > 1, got {self.dual_clip}")
         _check(self.advantage_eps > 0, "loss.advantage_eps", "must be > 0")
         _check(self.num_iterations >= 1, "loss.num_iterations", "must be >= 1")
-        _check(self.max_sampling_rounds >= 1, "loss.max_sampling_rounds", "must be >= 1")
         _check(self.kl_in_reward >= 0, "loss.kl_in_reward", f"must be >= 0: {self.kl_in_reward}")
-        _check(0 < self.gamma <= 1, "loss.gamma", f"must be in (0, 1], got {self.gamma}")
+        _check(
+            0 < self.token_discount <= 1,
+            "loss.token_discount",
+            f"must be in (0, 1], got {self.token_discount}",
+        )
         _check(
             0 <= self.gae_lambda <= 1,
             "loss.gae_lambda",
@@ -674,10 +683,11 @@ class Config:
                 "'gae' needs a value model: add modules: [{name: critic}] (docs/algorithm.md)",
             )
             _check(
-                self.rollout.gamma == 1.0,
-                "rollout.gamma",
-                f"must be 1 with loss.advantage: gae ({self.rollout.gamma}): GAE discounts per "
-                "token with loss.gamma; a per-turn discount on top would discount twice",
+                self.rollout.turn_discount == 1.0,
+                "rollout.turn_discount",
+                f"must be 1 with loss.advantage: gae ({self.rollout.turn_discount}): GAE "
+                "discounts per token with loss.token_discount; a per-turn discount on top would "
+                "discount twice",
             )
         return self
 
@@ -790,7 +800,8 @@ def load_config(
             raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
         data.update(loaded)
     _drop_retired(data)
-    parsed = parse_overrides(overrides)
+    _rename_moved(data)
+    parsed = [(_moved_key(key), value) for key, value in parse_overrides(overrides)]
     for key, value in parsed:
         _set_dotted(data, key, value)
     _max_steps_wins(data, {key for key, _ in parsed})
@@ -830,6 +841,43 @@ def _drop_retired(data: dict) -> None:
         for key in keys if isinstance(node, dict) else ():
             if key in node and node[key] is None:
                 del node[key]
+
+
+# Keys moved or renamed after 0.1.0 (docs/CHANGES.md): old key -> new key. Every run directory
+# saved its config.yaml with the old names, so they keep loading: the value is carried to the
+# new key (one line says so); a config holding both fails naming them.
+RENAMED = {
+    "loss.dynamic_sampling": "rollout.dynamic_sampling",
+    "loss.max_sampling_rounds": "rollout.max_sampling_rounds",
+    "loss.gamma": "loss.token_discount",
+    "rollout.gamma": "rollout.turn_discount",
+}
+
+
+def _moved_key(dotted: str) -> str:
+    """A dotted override's current key (a pipeline stage's prefix, e.g. `grpo.`, kept)."""
+    for old, new in RENAMED.items():
+        if dotted == old or dotted.endswith("." + old):
+            log.warning("%s is now %s (renamed; the value is carried over)", old, new)
+            return dotted[: len(dotted) - len(old)] + new
+    return dotted
+
+
+def _rename_moved(data: dict) -> None:
+    for old, new in RENAMED.items():
+        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
+        node = data.get(old_section)
+        if not isinstance(node, dict) or old_key not in node:
+            continue
+        target = data.setdefault(new_section, {})
+        if not isinstance(target, dict):
+            continue  # the section's own error names it
+        if new_key in target:
+            raise ConfigError(
+                f"{old} and {new} are both set; {old} is the old name of {new}", field=new
+            )
+        log.warning("%s is now %s (renamed; the value is carried over)", old, new)
+        target[new_key] = node.pop(old_key)
 
 
 def config_to_dict(cfg) -> dict:

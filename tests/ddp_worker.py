@@ -208,7 +208,7 @@ def run_cases(ckpt: str, out: Path, dist, fsdp: bool = False) -> None:
         base={"model": {"path": ckpt}},
         overrides=[
             "loss.advantage=grpo_turn",
-            "rollout.gamma=0.9",
+            "rollout.turn_discount=0.9",
             "loss.beta=0",
             "optim.lr=1e-3",
             EPS,
@@ -243,7 +243,7 @@ def run_cases(ckpt: str, out: Path, dist, fsdp: bool = False) -> None:
         overrides=[
             "loss.advantage=gae",
             "loss.gae_lambda=0.9",
-            "loss.gamma=0.95",
+            "loss.token_discount=0.95",
             "loss.beta=0",
             "optim.lr=1e-3",
             EPS,

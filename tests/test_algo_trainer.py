@@ -188,7 +188,12 @@ def test_shipped_configs_load_with_the_default_algorithm(name):
 VARIANTS = [
     ["loss.advantage=rloo", "loss.policy_loss=cispo", "loss.policy_loss_kwargs={epsilon_high: 4}"],
     ["loss.advantage=opo", "loss.policy_loss=gmpo", "loss.aggregation=seq_mean_token_mean"],
-    ["loss.advantage=reinforce_pp", "loss.kl_in_reward=0.01", "loss.beta=0", "loss.gamma=0.99"],
+    [
+        "loss.advantage=reinforce_pp",
+        "loss.kl_in_reward=0.01",
+        "loss.beta=0",
+        "loss.token_discount=0.99",
+    ],
     ["loss.advantage=reinforce_pp_baseline", "loss.policy_loss=sapo", "loss.entropy_coef=0.01"],
     ["loss.advantage=batch_std", "loss.policy_loss=gspo", "loss.dual_clip=3"],
     [

@@ -88,8 +88,8 @@ def same_run(a, b) -> None:
         [
             "train.max_steps=3",
             "lora.enabled=false",
-            "loss.dynamic_sampling=true",
-            "loss.max_sampling_rounds=3",
+            "rollout.dynamic_sampling=true",
+            "rollout.max_sampling_rounds=3",
             "loss.num_iterations=1",
             "optim.lr=1e-4",
         ],

@@ -263,3 +263,98 @@ def test_command_line_max_steps_wins_over_config_epochs(caplog):
     assert lines == ["train.max_steps=1 (command line) wins over the config's train.epochs=3"]
     both = load_config(path, ["train.max_steps=1", "train.epochs=2"])
     assert both.train.epochs == 2
+
+
+def test_moved_keys_load_under_their_old_names_once_each(caplog):
+    """`grpo.config.RENAMED`: an old key (a file's, a base dict's or an override's, a pipeline
+    stage's prefix included) carries its value to the new key with one line saying so; both
+    set at once is one error naming both."""
+    from grpo.config import RENAMED, _moved_key
+    from grpo.settings import ConfigError
+
+    base = {
+        "model": {"path": "m"},
+        "loss": {"gamma": 0.9, "dynamic_sampling": True, "max_sampling_rounds": 5},
+        "rollout": {"gamma": 0.8},
+    }
+    with caplog.at_level(logging.WARNING, logger="grpo.config"):
+        cfg = load_config(base=base)
+    assert cfg.loss.token_discount == 0.9 and cfg.rollout.turn_discount == 0.8
+    assert cfg.rollout.dynamic_sampling and cfg.rollout.max_sampling_rounds == 5
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 4 and all("is now" in m and "renamed" in m for m in lines), lines
+    cfg = load_config(base={"model": {"path": "m"}}, overrides=["loss.gamma=0.7"])
+    assert cfg.loss.token_discount == 0.7
+    assert _moved_key("grpo.loss.dynamic_sampling") == "grpo.rollout.dynamic_sampling"
+    assert set(RENAMED) == {
+        "loss.dynamic_sampling",
+        "loss.max_sampling_rounds",
+        "loss.gamma",
+        "rollout.gamma",
+    }
+    with pytest.raises(ConfigError, match="loss.gamma and loss.token_discount are both set"):
+        load_config(base={"model": {"path": "m"}, "loss": {"gamma": 0.9, "token_discount": 1}})
+
+
+def test_a_run_directory_saved_with_the_old_keys_resumes_and_evaluates(
+    shared_tiny_model, tmp_path, monkeypatch
+):
+    """A run written before the keys moved (its config.yaml holds loss.gamma,
+    loss.dynamic_sampling, loss.max_sampling_rounds and rollout.gamma, non-null, as every run
+    directory saved them): `grpo train --config run/config.yaml --resume` continues it, the
+    run's model resolves through that config (`resolve_trained`, as `grpo serve` and the tool
+    do) and `grpo eval` evaluates it."""
+    import json
+
+    import yaml
+    from conftest import LENGTH_REWARD, tiny_train_argv, write_package
+
+    from grpo.apps import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    write_package(tmp_path, {"rewards.py": LENGTH_REWARD})
+    for name in [m for m in sys.modules if m == "my_pkg" or m.startswith("my_pkg.")]:
+        monkeypatch.delitem(sys.modules, name)
+    argv = tiny_train_argv(
+        shared_tiny_model, "train.max_steps=1", "train.output_dir=run", "train.save_every=1"
+    )
+    assert cli.main(argv) == 0
+    saved = tmp_path / "run" / "config.yaml"
+    data = yaml.safe_load(saved.read_text())
+    # what the code before the move wrote
+    data["loss"]["gamma"] = data["loss"].pop("token_discount")
+    data["rollout"]["gamma"] = data["rollout"].pop("turn_discount")
+    data["loss"]["dynamic_sampling"] = data["rollout"].pop("dynamic_sampling")
+    data["loss"]["max_sampling_rounds"] = data["rollout"].pop("max_sampling_rounds")
+    saved.write_text(yaml.safe_dump(data, sort_keys=False))
+    resume = [
+        "train",
+        "--config",
+        str(saved),
+        "train.max_steps=2",
+        "train.progress=false",
+        "--resume",
+    ]
+    assert cli.main(resume) == 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    from grpo.loading import resolve_trained
+
+    spec = resolve_trained(tmp_path / "run")  # through run/config.yaml, the old keys in it
+    assert spec.adapters and Path(spec.adapters[-1]).name == "final"
+    out = tmp_path / "eval.json"
+    args = [
+        "eval",
+        "--model",
+        spec.path,
+        "--adapter",
+        spec.adapters[-1],
+        "--max-samples",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--out",
+        str(out),
+    ]
+    assert cli.main(args) == 0 and json.loads(out.read_text())

@@ -132,7 +132,7 @@ def test_multi_turn_training_end_to_end(shared_tiny_model, tmp_path, monkeypatch
         "rollout.env=echo_env:Echo",
         "rollout.max_turns=3",
         "rollout.max_new_tokens=8",
-        "rollout.gamma=0.9",
+        "rollout.turn_discount=0.9",
     )
     assert code == 0, capsys.readouterr().err[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -200,7 +200,7 @@ def update_weights(
     r = rollout(model) if turns == "single" else multiturn(model, G=3)
     B, G = r.ids.shape[0], r.group_size
     rewards = torch.randn(B, generator=torch.Generator().manual_seed(0))
-    multi = ["loss.advantage=grpo_turn", "rollout.gamma=0.9"] if turns == "multi" else []
+    multi = ["loss.advantage=grpo_turn", "rollout.turn_discount=0.9"] if turns == "multi" else []
     cfg = load_config(
         base={"model": {"path": str(tmp_path)}},
         overrides=[

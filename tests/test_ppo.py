@@ -296,7 +296,7 @@ def test_a_critic_starts_from_a_reward_model_head(shared_tiny_model, tmp_path):
     "over, field",
     [
         (["modules=[]"], "loss.advantage"),
-        (["rollout.gamma=0.9", "rollout.env=calculator"], "rollout.gamma"),
+        (["rollout.turn_discount=0.9", "rollout.env=calculator"], "rollout.turn_discount"),
         (
             ["loss.advantage=grpo", "modules=[]", "train.critic_warmup_steps=2"],
             "train.critic_warmup_steps",

@@ -209,7 +209,7 @@ def test_docs_example_under_torchrun_two_ranks(shared_tiny_model, tmp_path):
         assert 0 <= m["rollout/groups_all_wrong"] <= B // G
         assert -1.0 <= m["rewards/overlong"] <= 0.0
     for m in torchrun_train(
-        tmp_path, shared_tiny_model, "dynamic", rewards, "loss.dynamic_sampling=true"
+        tmp_path, shared_tiny_model, "dynamic", rewards, "rollout.dynamic_sampling=true"
     ):
         n = m["rollout/refill_rounds"]
         assert n in range(rounds)

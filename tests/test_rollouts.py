@@ -83,8 +83,8 @@ def test_dynamic_sampling_equals_per_group_selection(tiny_checkpoints, tmp_path,
     cfg, policy, sampler, rows, calls = _setup(
         tiny_checkpoints,
         tmp_path,
-        "loss.dynamic_sampling=true",
-        f"loss.max_sampling_rounds={rounds}",
+        "rollout.dynamic_sampling=true",
+        f"rollout.max_sampling_rounds={rounds}",
     )
     fns = [(signal_only_when_varied, 1.0)]
     batch = rollouts.rollout_phase(cfg, policy, sampler, rows, TrainState(), fns, step=0)

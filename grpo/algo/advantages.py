@@ -11,9 +11,9 @@ hands it the *global* batch, all ranks concatenated, so batch statistics are exa
     mask           (B, T_c) bool     True on completion tokens (the tokens that exist)
     group_size     int               G
     eps            float             loss.advantage_eps, added to a std before dividing
-    gamma          float             loss.gamma, discount per token for returns
+    gamma          float             loss.token_discount, discount per token for returns
     turn_ids       (B, T_c) long     the turn of each token (multi-turn; all 0 for one turn)
-    turn_gamma     float             rollout.gamma: token rewards of turn k already carry
+    turn_gamma     float             rollout.turn_discount: token rewards of turn k already carry
                                      turn_gamma^k, so each row sums to its discounted return
     gae_lambda     float             loss.gae_lambda, GAE's lambda (the `gae` estimator)
     rollout        EstimatorRollout  the sampled tokens of the global batch (below); gathered
@@ -236,7 +236,7 @@ def gae(
     whiten: bool = True,
     values_key: str = "values",
 ):
-    """PPO's advantages: GAE (`gae_returns`, loss.gamma and loss.gae_lambda) over the token
+    """PPO's advantages: GAE (`gae_returns`, loss.token_discount and loss.gae_lambda) over the token
     rewards (with the KL in them under loss.kl_in_reward, the classic PPO objective) and a
     critic's values, read from the batch's extras (`values_key`, (B, T_c): the `critic` module
     attaches them, grpo/train/critic.py). `whiten`: (A - mean) / (std + eps) over the counted

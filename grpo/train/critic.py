@@ -56,7 +56,7 @@ class Critic(TrainedModule):
 
     Args:
         model: the value model.
-        cfg: the run's config (loss.gamma, loss.gae_lambda, loss.aggregation, ...).
+        cfg: the run's config (loss.token_discount, loss.gae_lambda, loss.aggregation, ...).
         dist: the trainer ranks (the loss's normalizer is summed over them).
         value_clip: c of the clipped value loss; None: unclipped.
         coef: the value loss's coefficient.
@@ -115,7 +115,11 @@ class Critic(TrainedModule):
             batch.token_rewards, r.logprobs, update.ref_logprobs, r.generated_mask, loss
         )
         _, ret = gae_returns(
-            rewards.float(), batch.extras["values"], r.generated_mask, loss.gamma, loss.gae_lambda
+            rewards.float(),
+            batch.extras["values"],
+            r.generated_mask,
+            loss.token_discount,
+            loss.gae_lambda,
         )
         return ret
 

@@ -4,7 +4,7 @@
     rollout_phase  the step's batch: draws prompts in lockstep with the other ranks, has the
                    configured rollout strategy (`grpo.train.strategies`: by default
                    `sample_round` then `score_rollout`) sample and score each rank's share
-                   and, with loss.dynamic_sampling, refills groups that carry no signal
+                   and, with rollout.dynamic_sampling, refills groups that carry no signal
     rollout_batches  the same for several trainer ranks at once (what a rollout producer
                    samples for the trainers it serves)
 
@@ -55,8 +55,8 @@ def rollout_phase(
 ) -> RolloutBatch:
     """Sample G completions for P prompts and score them (advantages come later).
 
-    With loss.dynamic_sampling, groups whose rewards are all equal (no signal) are dropped and
-    new prompts sampled in up to loss.max_sampling_rounds rounds; if still short, dropped
+    With rollout.dynamic_sampling, groups whose rewards are all equal (no signal) are dropped and
+    new prompts sampled in up to rollout.max_sampling_rounds rounds; if still short, dropped
     groups fill the batch so its size stays fixed (kept groups first, in the order sampled).
 
     Under DDP every rank walks the same global prompt order and takes its own slice of each
@@ -117,7 +117,7 @@ def rollout_batches(
     rounds: dict[int, list[RolloutBatch]] = {t: [] for t in ranks}
     kept: dict[int, list[tuple[int, int]]] = {t: [] for t in ranks}  # (round, group)
     spare: dict[int, list[tuple[int, int]]] = {t: [] for t in ranks}
-    n_rounds = cfg.loss.max_sampling_rounds if cfg.loss.dynamic_sampling else 1
+    n_rounds = cfg.rollout.max_sampling_rounds if cfg.rollout.dynamic_sampling else 1
     for round_ in range(n_rounds):
         # every rank draws P prompts per round (so all advance the data order alike) and
         # samples the ones it still needs
@@ -130,7 +130,7 @@ def rollout_batches(
             picked = [rows[i] for i in idx]
             sampling = Sampling(cfg, policy, sampler, reward_fns, make_env, seed, version, show)
             batch = run_strategy(cfg, sampling, picked, t, round_)  # rollout.strategy
-            dynamic = cfg.loss.dynamic_sampling
+            dynamic = cfg.rollout.dynamic_sampling
             zero = zero_std_groups(batch.rewards, G).tolist() if dynamic else None
             for p in range(len(idx)):
                 (spare[t] if zero is not None and zero[p] else kept[t]).append((len(rounds[t]), p))

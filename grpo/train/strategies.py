@@ -15,7 +15,7 @@ handle, and returns a `RolloutBatch` of P groups of ``rollout.group_size`` rows 
 rows adjacent, in the order of `rows`); the trainer checks that shape. Inputs by name, as the
 algorithm's registries pass them: `rows`, `sampling`, `step` (updates the sampling policy
 had), `rank` (the trainer rank the batch is for), `round` (the dynamic-sampling round), plus
-its kwargs. Dynamic sampling (loss.dynamic_sampling), the advantages and the update apply to
+its kwargs. Dynamic sampling (rollout.dynamic_sampling), the advantages and the update apply to
 what it returns as to the default strategy's batch, under DDP and the asynchronous producer
 alike (each rank, or the producer for it, calls the strategy for its own rows).
 
@@ -140,7 +140,7 @@ def score_rollout(
     """Score a rollout of P prompts x G rows with the reward functions.
 
     Args:
-        cfg: the run config (rollout.gamma discounts multi-turn step rewards).
+        cfg: the run config (rollout.turn_discount discounts multi-turn step rewards).
         rollout: B = P*G rows.
         rows: the P dataset rows sampled (their columns reach the reward functions).
         tokenizer: decodes the completions the rewards read.
@@ -178,7 +178,7 @@ def score_rollout(
     # step's sampling rounds and over ranks
     reported["perf/reward_s"] = Sum(time.perf_counter() - t0)
     if rollout.turn_rewards is not None:  # step rewards and the discounted return
-        tokens = turn_token_rewards(total, rollout, cfg.rollout.gamma)
+        tokens = turn_token_rewards(total, rollout, cfg.rollout.turn_discount)
         total = tokens.sum(-1)
     elif total.dim() == 1:  # (B,) sequence rewards -> on each row's last token
         tokens = outcome_token_rewards(total, rollout.completion_mask)
