@@ -528,7 +528,7 @@ def _nan_sft_or_rm(recipe: str, model: Path, tmp_path: Path, monkeypatch):
     return mod.train_rm, cfg
 
 
-@pytest.mark.parametrize("recipe", ["sft", "rm"])
+@pytest.mark.parametrize("recipe", ["sft", pytest.param("rm", marks=pytest.mark.process)])
 def test_sft_and_rm_save_before_a_nonfinite_stop(recipe, shared_tiny_model, tmp_path, monkeypatch):
     """As GRPO does: train.max_nonfinite_steps skipped updates in a row stop the run through
     the guard, which checkpoints first (the weights are those of the last update applied) and
