@@ -362,15 +362,13 @@ print("OK")
 """
 
 
-def test_triton_takes_tf32_through_forward_and_backward_interpreted():
-    """`fused_logprobs(..., tf32=True)` reaches the Triton launchers in the forward and the
-    backward (the config the autograd Function keeps): against float64 on the TF32-rounded
-    operands (the interpreter's `tl.dot` is plain float32; the rounding is the kernels' own,
-    `test_triton_tf32_rounds_its_operands_interpreted`); the tensor cores on CUDA below."""
+def run_interpreted(script: str) -> None:
+    """`script` in a fresh Python with TRITON_INTERPRET=1 (the kernels on the CPU); it must
+    print OK last."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     r = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED_TF32],
+        [sys.executable, "-c", script],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -378,6 +376,14 @@ def test_triton_takes_tf32_through_forward_and_backward_interpreted():
         timeout=600,
     )
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
+
+
+def test_triton_takes_tf32_through_forward_and_backward_interpreted():
+    """`fused_logprobs(..., tf32=True)` reaches the Triton launchers in the forward and the
+    backward (the config the autograd Function keeps): against float64 on the TF32-rounded
+    operands (the interpreter's `tl.dot` is plain float32; the rounding is the kernels' own,
+    `test_triton_tf32_rounds_its_operands_interpreted`); the tensor cores on CUDA below."""
+    run_interpreted(_INTERPRETED_TF32)
 
 
 _INTERPRETED_TF32_ROUNDING = """
@@ -443,17 +449,7 @@ def test_triton_tf32_rounds_its_operands_interpreted():
     log-softmax of the *rounded* operands (operands chosen so that float32 sums them exactly),
     and the backward's G must come from those logits; without the rounding they differ by more
     than 10x the float32 tolerance."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    r = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED_TF32_ROUNDING],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
+    run_interpreted(_INTERPRETED_TF32_ROUNDING)
 
 
 def test_round_to_tf32_is_round_to_nearest():

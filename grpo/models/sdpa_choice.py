@@ -75,16 +75,19 @@ def sdpa_backend(
     return SDPBackend(choice)
 
 
-def _enabled_backends(device_type: str) -> tuple:
-    if device_type != "cuda":
-        return ()
+def _key(base: tuple) -> tuple:
+    """The cache key of a kind of call (`base`: kind, device, dtype, heads, masked, causal):
+    on CUDA with the backends `sdpa_kernel` leaves enabled, which change the selector's answer."""
+    if base[1].type != "cuda":
+        return base
     b = torch.backends.cuda
-    return (
+    enabled = (
         b.flash_sdp_enabled(),
         b.mem_efficient_sdp_enabled(),
         b.cudnn_sdp_enabled(),
         b.math_sdp_enabled(),
     )
+    return (base, enabled)
 
 
 def _probe(kind, arrangement, device, dtype, heads, masked, is_causal):
@@ -120,7 +123,7 @@ def choose(
     base = (kind, device, dtype, heads, masked, is_causal)
     if torch.compiler.is_compiling():  # no selector inside a trace: `prepare` asked before
         return _LAST.get(base, MATMUL if kind == "decode" else GROUPED)
-    key = (base, _enabled_backends(device.type)) if device.type == "cuda" else base
+    key = _key(base)
     choice = _CHOICES.get(key)
     if choice is None:
         choice = _CHOICES[key] = _decide(kind, device, dtype, heads, masked, is_causal)
@@ -150,10 +153,8 @@ def chosen_backend(kind: str, device, dtype, heads, masked=True, is_causal=False
     """The kernel the arrangement `choose` returns gets (what the GPU check reports): the
     selector's fused kernel, or `SDPBackend.MATH` for the math kernel and for `MATMUL`."""
     choose(kind, device, dtype, heads, masked, is_causal)
-    device = torch.device(device)
-    base = (kind, device, dtype, heads, masked, is_causal)
-    key = (base, _enabled_backends(device.type)) if device.type == "cuda" else base
-    return _CHOICES[key][1] if key in _CHOICES else SDPBackend.MATH
+    choice = _CHOICES.get(_key((kind, torch.device(device), dtype, heads, masked, is_causal)))
+    return SDPBackend.MATH if choice is None else choice[1]
 
 
 def prepare(model: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -221,10 +221,11 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             cfg, policy, scorer, batch_rows, optimizer, scheduler, params, dist, state.step + 1
         )
         state.step += 1
-        bad_steps = nonfinite_streak(bad_steps, total, grad_norm)
+        loss = all_reduce_sum(total, dist)  # the global batch's: every rank counts alike
+        bad_steps = nonfinite_streak(bad_steps, loss, grad_norm)  # the guard below is collective
         dt = time.perf_counter() - t0
         metrics = {
-            "train/loss": all_reduce_sum(total, dist),
+            "train/loss": loss,
             "train/grad_norm": grad_norm,
             "train/nonfinite_skipped": int(bad_steps > 0),
             "train/lr": lr,
