@@ -296,6 +296,7 @@ def test_moved_keys_load_under_their_old_names_once_each(caplog):
         load_config(base={"model": {"path": "m"}, "loss": {"gamma": 0.9, "token_discount": 1}})
 
 
+@pytest.mark.process
 def test_a_run_directory_saved_with_the_old_keys_resumes_and_evaluates(
     shared_tiny_model, tmp_path, monkeypatch
 ):

@@ -189,6 +189,7 @@ def test_a_killed_check_keeps_every_finished_result(tmp_path):
         assert "results.jsonl" in tar.getnames()
 
 
+@pytest.mark.process
 def test_the_watchdog_stops_a_step_that_overruns_the_time_left(tmp_path):
     """A step whose estimate fit but which runs past the time left: the watchdog records it,
     rewrites the summary and exits 124; the steps after it are not started."""
@@ -204,6 +205,7 @@ def test_the_watchdog_stops_a_step_that_overruns_the_time_left(tmp_path):
     assert "| hang | killed |" in (tmp_path / "gpu_summary.md").read_text()
 
 
+@pytest.mark.process
 def test_tests_run_by_name_with_outcomes_and_failure_texts(tmp_path):
     """`Check.pytest`: a record per test as pytest prints it (-v), then each failure's
     assertion text from the JUnit XML; a failing run fails the step."""

@@ -378,6 +378,7 @@ def run_interpreted(script: str) -> None:
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
 
 
+@pytest.mark.process
 def test_triton_takes_tf32_through_forward_and_backward_interpreted():
     """`fused_logprobs(..., tf32=True)` reaches the Triton launchers in the forward and the
     backward (the config the autograd Function keeps): against float64 on the TF32-rounded
