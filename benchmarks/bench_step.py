@@ -50,6 +50,8 @@ from benchmarks.models import DATA, make_checkpoint
 from grpo.algo.logprobs import CompletionLogprobs
 from grpo.config import load_config
 from grpo.distributed import SINGLE
+from grpo.experience.batch import RolloutBatch, outcome_token_rewards
+from grpo.experience.collect import rollout_phase
 from grpo.loading import load_rows
 from grpo.policy import build_policy
 from grpo.rewards import build_rewards
@@ -58,9 +60,7 @@ from grpo.rollout.sampler import resolve_compile
 from grpo.run.optim import build_optimizer, build_scheduler
 from grpo.run.state import TrainState
 from grpo.tiny import SIZES, make_tiny_model
-from grpo.train.batch import RolloutBatch, outcome_token_rewards
 from grpo.train.grpo import reference_phase, step_batch, update_phase
-from grpo.train.rollouts import rollout_phase
 from grpo.train.sft import sft_update, tokenize_sft
 
 GSM8K_LENGTHS = {"median": 90.0, "sigma": 0.41, "at_cap": 0.05}  # see the module docstring
@@ -207,7 +207,7 @@ def critic_case(case: dict, grpo_step_ms: float, args) -> dict:
     import dataclasses
 
     from grpo.config import ModuleConfig
-    from grpo.train.modules import ModuleSet
+    from grpo.modules.module_set import ModuleSet
 
     cfg, policy = case["cfg"], case["policy"]
     device = torch.device(args.device)

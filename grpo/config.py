@@ -150,7 +150,7 @@ def default_total_tokens(max_new_tokens: int, max_turns: int, max_obs_tokens: in
 
 @dataclass(frozen=True)
 class ModuleConfig:
-    """A module trained beside the policy (grpo/train/modules.py, docs/extending.md)."""
+    """A module trained beside the policy (grpo/modules/module_set.py, docs/extending.md)."""
 
     name: str  # registered name or package.module:factory (the factory makes the module)
     kwargs: dict = field(default_factory=dict)  # the factory's keyword arguments
@@ -289,7 +289,7 @@ class RolloutConfig:
             "rollout.strategy",
             "must be a name",
         )
-        from grpo.train.strategies import check_strategy  # lazy: the registry imports torch
+        from grpo.experience.strategies import check_strategy  # lazy: the registry imports torch
 
         try:  # an unknown name or parameter fails here, naming the field
             check_strategy(self.strategy, self.strategy_kwargs)
@@ -442,7 +442,7 @@ class TrainConfig:
     sample_every: int = 0  # print a sample completion every N steps (0 = never)
     keep_last: int = 2
     max_nonfinite_steps: int = 3  # stop after this many consecutive non-finite updates
-    # GRPO learning health (grpo/train/health.py, docs/safety.md): warn (rank 0) when, over this
+    # GRPO learning health (grpo/run/health.py, docs/safety.md): warn (rank 0) when, over this
     # many consecutive steps, most completions are truncated with no signal left, every group's
     # rewards are equal, the gradient norm is 0, the trainable weights do not move, or the
     # reward mean is flat; the run summary's `health` lists each. 0 turns the checks off. When
@@ -476,7 +476,7 @@ class TrainConfig:
     micro_batch_tokens: int | None = None
     # GRPO under torchrun: after sampling, move whole groups between ranks so each runs about
     # as many real tokens (longest first to the emptiest rank, P groups each;
-    # grpo/train/balance.py). The global batch, and so the update, is the same either way.
+    # grpo/experience/balance.py). The global batch, and so the update, is the same either way.
     balance_ranks: bool = True
     # GRPO with trained modules (modules:): the first N steps update only the modules, not the
     # policy: PPO's critic warm-up (a fresh value head learns the returns before they steer the
@@ -613,7 +613,7 @@ class Config:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rewards: tuple[RewardConfig, ...] = (RewardConfig("accuracy"),)
-    # modules trained beside the policy (a value head, a learned baseline): grpo/train/modules.py
+    # modules trained beside the policy (a value head, a learned baseline): grpo/modules/
     modules: tuple[ModuleConfig, ...] = ()
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -632,7 +632,7 @@ class Config:
 
     def check_grpo(self) -> Config:
         """The rules only GRPO has (SFT configs need not follow them); returns self."""
-        from grpo.train.modules import check_trained_module  # lazy: imports torch
+        from grpo.modules.module_set import check_trained_module  # lazy: imports torch
 
         for i, spec in enumerate(self.modules):  # an unknown factory or keyword, named
             try:

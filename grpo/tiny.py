@@ -90,7 +90,7 @@ def make_tiny_model(
     return out
 
 
-@bounded(0.0, 1.0)  # all digits: a solved quickstart, not a stalled one (grpo.train.health)
+@bounded(0.0, 1.0)  # all digits: a solved quickstart, not a stalled one (grpo.run.health)
 def digit_share(completions: list[str], **columns) -> list[float]:
     """The quickstart's reward (configs/quickstart.yaml): the share of each completion's
     characters that are digits, in [0, 1] (``"x 12"`` -> 0.5; empty -> 0).

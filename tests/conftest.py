@@ -236,7 +236,7 @@ def live_lora(model, targets, std: float = 0.05, seed: int = 0):
 def update_batch(cfg, rollout, advantages, mask=None, ref_logprobs=None, old_logprobs=None):
     """An `UpdateBatch` of a rollout as the trainer builds it for `cfg` (its counted mask and
     micro-batch plan), with the given advantages ((B,) or (B, T_c)) and log-probs."""
-    from grpo.train.batch import UpdateBatch, counted_mask, micro_batch_plan
+    from grpo.experience.batch import UpdateBatch, counted_mask, micro_batch_plan
 
     if mask is None:
         mask = counted_mask(rollout, cfg.loss.mask_truncated_completions)

@@ -31,15 +31,8 @@ from grpo.distributed import (
     teardown,
     wrap_ddp,
 )
-from grpo.lora import apply_lora
-from grpo.models import load_model
-from grpo.policy import Policy
-from grpo.rollout import sample
-from grpo.rollout.multiturn import sample_turns
-from grpo.rollout.sampler import Observation, Sampler
-from grpo.run.optim import build_optimizer, build_scheduler
-from grpo.train.balance import balance_ranks
-from grpo.train.batch import (
+from grpo.experience.balance import balance_ranks
+from grpo.experience.batch import (
     RolloutBatch,
     UpdateBatch,
     counted_mask,
@@ -50,10 +43,17 @@ from grpo.train.batch import (
     turn_token_rewards,
     unit_tokens,
 )
+from grpo.lora import apply_lora
+from grpo.models import load_model
+from grpo.modules.module_set import ModuleSet
+from grpo.policy import Policy
+from grpo.rollout import sample
+from grpo.rollout.multiturn import sample_turns
+from grpo.rollout.sampler import Observation, Sampler
+from grpo.run.optim import build_optimizer, build_scheduler
+from grpo.run.stats import reduce_metrics
 from grpo.train.grpo import advantage_phase, step_batch, step_plan, update_phase
-from grpo.train.modules import ModuleSet
 from grpo.train.sft import sft_update
-from grpo.train.stats import reduce_metrics
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 # AdamW's first step is g / (|g| + eps) x lr: with the default eps (1e-8) a gradient near 0,

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from grpo.distributed import Dist, init_distributed, teardown
-from grpo.train.stats import advantage_stats
+from grpo.run.stats import advantage_stats
 
 B, T = 8, 7
 

@@ -16,13 +16,13 @@ from conftest import update_batch
 from grpo.algo import compute_advantages, kl_penalty
 from grpo.apps import cli
 from grpo.config import load_config
+from grpo.experience.batch import RolloutBatch, micro_batch_plan, outcome_token_rewards
 from grpo.models import load_model
 from grpo.policy import Policy
 from grpo.rewards import compute_rewards
 from grpo.rollout import sample
 from grpo.run.optim import build_optimizer, build_scheduler
 from grpo.settings import ConfigError
-from grpo.train.batch import RolloutBatch, micro_batch_plan, outcome_token_rewards
 from grpo.train.grpo import advantage_phase, old_logprobs_phase, update_phase
 
 REPO = Path(__file__).resolve().parents[1]

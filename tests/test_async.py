@@ -152,13 +152,14 @@ def test_batches_keep_the_log_probs_of_the_policy_that_sampled_them(shared_tiny_
     published, batch 2 by version 1; each batch's log-probs are those its sampling policy
     gives (recomputed by the trainer's scorer), not the newer policy's."""
     from grpo.algo.logprobs import CompletionLogprobs
+    from grpo.experience.batch import counted_mask, micro_batch_plan
+    from grpo.experience.inline import make_sampler
+    from grpo.experience.producer import ColocatedRollouts
     from grpo.loading import load_rows
     from grpo.policy import build_policy
     from grpo.rewards import build_rewards
     from grpo.run.state import TrainState
-    from grpo.train.batch import counted_mask, micro_batch_plan
     from grpo.train.grpo import micro_logprobs
-    from grpo.train.producer import ColocatedRollouts, make_sampler
 
     cfg = config(
         shared_tiny_model,
@@ -212,12 +213,12 @@ def test_batches_keep_the_log_probs_of_the_policy_that_sampled_them(shared_tiny_
 def test_rollout_batches_for_several_ranks_equal_each_rank_alone(shared_tiny_model):
     """What a producer samples for trainer ranks 0 and 1 of 2 is what each would sample for
     itself (prompts, seeds, tokens, log-probs, rewards)."""
+    from grpo.experience.collect import rollout_batches
     from grpo.loading import load_rows
     from grpo.policy import build_policy
     from grpo.rewards import build_rewards
     from grpo.rollout import Sampler
     from grpo.run.state import TrainState
-    from grpo.train.rollouts import rollout_batches
 
     cfg = config(shared_tiny_model, "unused").check_grpo()
     policy = build_policy(cfg, torch.device("cpu"), need_ref=False)
@@ -238,9 +239,9 @@ def test_rollout_batches_for_several_ranks_equal_each_rank_alone(shared_tiny_mod
 
 
 def test_wire_round_trip_is_bitwise():
+    from grpo.experience.batch import RolloutBatch
+    from grpo.experience.wire import decode_header, pack_batch, unpack_batch
     from grpo.rollout import Rollout
-    from grpo.train.batch import RolloutBatch
-    from grpo.train.wire import decode_header, pack_batch, unpack_batch
 
     g = torch.Generator().manual_seed(0)
     B, T_p, T_c = 4, 3, 5

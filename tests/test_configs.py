@@ -338,7 +338,7 @@ def load_model_config(path) -> ModelConfig:
 def aot_eager_sampler(monkeypatch):
     """rollout.compile=on compiles the decode step through dynamo with the aot_eager backend
     (the same graph capture, static cache and guards as inductor, without seconds of C++)."""
-    import grpo.train.producer as g
+    import grpo.experience.inline as g
     from grpo.rollout import Sampler
 
     monkeypatch.setattr(

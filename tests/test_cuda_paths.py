@@ -10,13 +10,13 @@ from pathlib import Path
 import torch
 
 from grpo.config import load_config
+from grpo.experience.batch import RolloutBatch
 from grpo.models import load_model
 from grpo.models.decoder import Decoder
 from grpo.precision import Precision
 from grpo.rollout import Sampler, sample
 from grpo.rollout import sampler as sampler_mod
 from grpo.train import producer
-from grpo.train.batch import RolloutBatch
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,8 +13,8 @@ import torch
 from grpo.apps import cli
 from grpo.envs import CalculatorEnv, Step, check_step, env_factory
 from grpo.errors import GrpoError
+from grpo.experience.batch import turn_token_rewards
 from grpo.rollout.sampler import Rollout
-from grpo.train.batch import turn_token_rewards
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -22,8 +22,8 @@ from grpo.config import load_config
 from grpo.errors import GrpoError
 from grpo.rewards import call_reward, get_reward
 from grpo.rewards.bounds import bounded, reward_bounds, total_bounds, with_bounds
+from grpo.run.health import LearningHealth, StallError
 from grpo.run.state import latest_checkpoint
-from grpo.train.health import LearningHealth, StallError
 from tests.test_reliability import nan_at_update
 
 REPO = Path(__file__).resolve().parents[1]
@@ -174,7 +174,7 @@ def test_every_group_at_the_highest_reward_is_solved_not_stalled(caplog):
     it ends the run (`finished`), no StallError. Below hi, or with unknown bounds, it is a
     stall as before, every rule firing."""
     h = LearningHealth(cfg_with(), reward_hi=1.1)
-    with caplog.at_level("INFO", logger="grpo.train.health"):
+    with caplog.at_level("INFO", logger="grpo.run.health"):
         events = [(e.rule, e.step, e.fired) for s in (1, 2) for e in h.observe(s, solved_step(1.1))]
     assert events == [("solved", 2, True)] and h.summary() == {} and not h.finished
     assert h.converged_summary() == {

@@ -1,4 +1,4 @@
-"""Learning health (grpo/train/health.py): each rule on hand-made metric sequences (fires on the
+"""Learning health (grpo/run/health.py): each rule on hand-made metric sequences (fires on the
 stall_steps-th step of a symptom, not before, clears when it stops, stays quiet on a healthy
 run), `train/weight_change`, and `grpo train` runs that stall: the warnings in the log, the
 `health` section of the summary, and train.stop_on_stall stopping with one line and exit 2."""
@@ -18,8 +18,8 @@ import torch
 
 from grpo.apps import cli
 from grpo.config import load_config
+from grpo.run.health import RULES, LearningHealth, StallError, WeightChange, describe
 from grpo.settings import ConfigError
-from grpo.train.health import RULES, LearningHealth, StallError, WeightChange, describe
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CI = str(REPO / "configs" / "tiny_ci.yaml")
@@ -217,7 +217,7 @@ def test_stop_on_stall_raises_once_naming_the_first_rule(caplog):
         return healthy(s) | SYMPTOMS["zero_variance"](s) | SYMPTOMS["zero_gradient"](s)
 
     errors = []
-    with caplog.at_level(logging.WARNING, logger="grpo.train.health"):
+    with caplog.at_level(logging.WARNING, logger="grpo.run.health"):
         for rank in (0, 1):
             h = LearningHealth(cfg, rank)
             assert h.observe(1, stalled(1)) == []
@@ -272,7 +272,7 @@ def test_truncated_run_warns_in_the_log_and_the_summary(
     With stall_steps 2 every rule fires at step 2: one WARNING line each (in the order of
     cause), and the summary line after `done:`."""
     monkeypatch.chdir(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="grpo.train.health"):
+    with caplog.at_level(logging.WARNING, logger="grpo.run.health"):
         code = cli.main(
             [
                 "train",
@@ -291,7 +291,7 @@ def test_truncated_run_warns_in_the_log_and_the_summary(
     warned = [
         r.getMessage()
         for r in caplog.records
-        if r.name == "grpo.train.health" and r.levelname == "WARNING"
+        if r.name == "grpo.run.health" and r.levelname == "WARNING"
     ]
     assert all(len(w.splitlines()) == 1 for w in warned), warned
     assert [w.split(": ", 2)[1] for w in warned] == [
@@ -388,7 +388,7 @@ def test_too_small_lr_is_caught_as_frozen_weights(shared_tiny_model, tmp_path, c
             "train.stall_steps=2",
         ],
     )
-    with caplog.at_level(logging.WARNING, logger="grpo.train.health"):
+    with caplog.at_level(logging.WARNING, logger="grpo.run.health"):
         summary = train_grpo(cfg)
     assert list(summary["health"]) == ["frozen_weights"], summary["health"]
     stall = summary["health"]["frozen_weights"]
@@ -437,7 +437,7 @@ def test_stop_on_stall_stops_every_torchrun_rank_at_the_same_step(shared_tiny_mo
         "grpo train: error: learning stalled at step 2: completions truncated: "
     ), r.stderr[-3000:]
     assert r.stderr.count("exitcode  : 2") == 2, r.stderr[-3000:]  # both ranks, the same exit
-    assert sum(" WARNING grpo.train.health: " in x for x in r.stderr.splitlines()) == 5
+    assert sum(" WARNING grpo.run.health: " in x for x in r.stderr.splitlines()) == 5
     assert (
         "resume with: torchrun --standalone --nproc_per_node=2 -m grpo train --config "
         "run/config.yaml --resume"

@@ -32,7 +32,7 @@ from grpo.run.preflight import (
     start_notices,
     turn_budget_notices,
 )
-from grpo.train.stats import advantage_stats
+from grpo.run.stats import advantage_stats
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CI = REPO / "configs" / "tiny_ci.yaml"

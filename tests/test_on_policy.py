@@ -13,15 +13,15 @@ import torch
 from conftest import update_batch
 
 from grpo.config import load_config
+from grpo.experience.batch import micro_batch_plan
+from grpo.experience.collect import sample_round
 from grpo.models import load_model
 from grpo.policy import Policy
 from grpo.precision import Precision
 from grpo.rollout import Sampler, sample
 from grpo.run.optim import build_optimizer, build_scheduler
 from grpo.settings import ConfigError
-from grpo.train.batch import micro_batch_plan
 from grpo.train.grpo import old_logprobs_phase, update_phase
-from grpo.train.rollouts import sample_round
 
 PROMPTS = [[5, 17, 33, 9], [101, 7]]
 

@@ -187,10 +187,10 @@ def update_weights(
     """The trainable weights after step_batch + update_phase on one fixed 9-row rollout (3
     prompts x 3, or multi-turn 3 x 2) from the same start, as configured."""
     from grpo.config import load_config
+    from grpo.experience.batch import RolloutBatch, outcome_token_rewards, turn_token_rewards
     from grpo.lora import apply_lora
     from grpo.policy import Policy
     from grpo.run.optim import build_optimizer, build_scheduler
-    from grpo.train.batch import RolloutBatch, outcome_token_rewards, turn_token_rewards
     from grpo.train.grpo import step_batch, update_phase
 
     model = load_model(tiny_checkpoints("qwen3"))
@@ -315,14 +315,14 @@ def test_token_slices_cut_even_and_within_budget(caplog):
     with one log line naming both numbers."""
     import logging
 
-    from grpo.train.batch import micro_batch_count, token_slices
+    from grpo.experience.batch import micro_batch_count, token_slices
 
     assert micro_batch_count([10] * 8, 40) == 2
     assert token_slices([10] * 8, 40) == [slice(0, 4), slice(4, 8)]
     # 3 slices of [10]*8 under 40: the greedy at cap 30 gives 30/30/20 (not 40/40/0)
     assert token_slices([10] * 8, 40, count=3) == [slice(0, 3), slice(3, 6), slice(6, 8)]
     costs = [5, 100, 3, 3, 40, 40, 7, 1, 1]
-    with caplog.at_level(logging.INFO, logger="grpo.train.batch"):
+    with caplog.at_level(logging.INFO, logger="grpo.experience.batch"):
         cuts = token_slices(costs, 64)
     assert cuts == [slice(0, 1), slice(1, 2), slice(2, 5), slice(5, 9)]
     assert "a row of 100 tokens exceeds train.micro_batch_tokens (64)" in caplog.text
@@ -389,7 +389,7 @@ def test_sft_packed_step_equals_padded(tiny_checkpoints, tmp_path, budget):
 def test_assign_groups_longest_first_to_the_emptiest_rank():
     """Hand-checked: 10 -> r0, 9 -> r1, 8 -> r1 (9 < 10), 1 -> r0 (10 < 17), 1 -> r0 (11),
     r0 is full (3 groups), 1 -> r1: tokens 12 and 18 (sampled as is: 27 and 3)."""
-    from grpo.train.balance import assign_groups
+    from grpo.experience.balance import assign_groups
 
     assert assign_groups([10, 9, 8, 1, 1, 1], 2) == [[0, 3, 4], [1, 2, 5]]
     assert assign_groups([5, 5, 5, 5], 4) == [[0], [1], [2], [3]]
@@ -476,8 +476,8 @@ def test_balance_in_one_process_round_trips_and_names_a_bad_row(tiny_checkpoints
     """One rank: the batch comes back bitwise (through the wire format); a dataset row JSON
     cannot carry is one error naming the setting to turn off."""
     from grpo.errors import GrpoError
-    from grpo.train.balance import balance_ranks
-    from grpo.train.batch import RolloutBatch, outcome_token_rewards
+    from grpo.experience.balance import balance_ranks
+    from grpo.experience.batch import RolloutBatch, outcome_token_rewards
 
     model = load_model(tiny_checkpoints("qwen3"))
     r = rollout(model)

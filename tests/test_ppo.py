@@ -220,8 +220,8 @@ def tiny_cfg(model, *over, modules="[{name: critic}]"):
 
 
 def build(cfg):
+    from grpo.modules.module_set import ModuleSet
     from grpo.policy import build_policy
-    from grpo.train.modules import ModuleSet
 
     policy = build_policy(cfg, torch.device("cpu"), need_ref=False)
     modules = ModuleSet(cfg.check_grpo(), policy, SINGLE, torch.device("cpu"), 3)
@@ -325,8 +325,8 @@ def test_ppo_settings_that_cannot_work_are_named(shared_tiny_model, over, field)
 # the critic, killing its own process (SIGKILL) at a policy version, for the resume test
 KILLER = """
 import os, signal
-from grpo.train.critic import Critic, critic
-from grpo.train.modules import register_trained_module
+from grpo.modules.critic import Critic, critic
+from grpo.modules.module_set import register_trained_module
 
 class KilledCritic(Critic):
     def attach(self, batch):

@@ -42,7 +42,7 @@ TINY = ModelConfig(
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Fail the test if any checkpoint's weights are read."""
-    import grpo.train.critic  # noqa: F401  binds load_model when imported: to the real one
+    import grpo.modules.critic  # noqa: F401  binds load_model when imported: to the real one
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the preflight failed")

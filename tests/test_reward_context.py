@@ -24,7 +24,7 @@ from grpo.rewards import (
     wants_context,
 )
 from grpo.rewards.bounds import reward_bounds
-from grpo.train.stats import reduce_metrics
+from grpo.run.stats import reduce_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny_ci.yaml")
@@ -159,7 +159,7 @@ def test_reduce_metrics_on_one_process_is_the_identity():
 
 
 def test_sampling_metrics_count_groups_by_hand():
-    from grpo.train.rollouts import sampling_metrics
+    from grpo.experience.collect import sampling_metrics
 
     class B:  # what sampling_metrics reads of a RolloutBatch
         def __init__(self, rewards, G=2):

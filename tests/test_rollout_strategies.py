@@ -16,20 +16,20 @@ from conftest import LENGTH_REWARD, docs_example, torchrun_train, write_package
 
 from grpo.config import load_config
 from grpo.errors import GrpoError
-from grpo.loading import load_rows
-from grpo.policy import build_policy
-from grpo.rewards import build_rewards
-from grpo.settings import ConfigError
-from grpo.tokenizer import load_tokenizer
-from grpo.train.batch import derive_seed
-from grpo.train.producer import make_sampler
-from grpo.train.strategies import (
+from grpo.experience.batch import derive_seed
+from grpo.experience.inline import make_sampler
+from grpo.experience.strategies import (
     Sampling,
     register_rollout_strategy,
     run_strategy,
     sample_round,
     score_rollout,
 )
+from grpo.loading import load_rows
+from grpo.policy import build_policy
+from grpo.rewards import build_rewards
+from grpo.settings import ConfigError
+from grpo.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny_ci.yaml")

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import grpo.train.rollouts as rollouts
+import grpo.experience.collect as rollouts
 from grpo.config import load_config
+from grpo.experience.batch import cat_rollouts, outcome_token_rewards, select_rows
+from grpo.experience.strategies import register_rollout_strategy
 from grpo.models import load_model
 from grpo.policy import Policy
 from grpo.rollout import Sampler
 from grpo.run.state import TrainState
-from grpo.train.batch import cat_rollouts, outcome_token_rewards, select_rows
-from grpo.train.strategies import register_rollout_strategy
 
 G = 2
 

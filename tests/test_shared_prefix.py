@@ -106,9 +106,9 @@ def test_update_with_shared_prefix_equals_full_rows(tiny_checkpoints, tmp_path):
     import copy
 
     from grpo.config import load_config
+    from grpo.experience.batch import RolloutBatch, outcome_token_rewards
     from grpo.policy import Policy
     from grpo.run.optim import build_optimizer, build_scheduler
-    from grpo.train.batch import RolloutBatch, outcome_token_rewards
     from grpo.train.grpo import step_batch, update_phase
 
     base = load_model(tiny_checkpoints("qwen3"))
@@ -213,7 +213,7 @@ def test_micro_batches_run_only_their_own_columns(tiny_checkpoints, tmp_path, tu
     """Each micro-batch (here one group) is trimmed to the columns its rows use; the trainer's
     log-probs equal a full-width forward's."""
     from grpo.config import load_config
-    from grpo.train.batch import column_bounds, micro_batch_plan
+    from grpo.experience.batch import column_bounds, micro_batch_plan
     from grpo.train.grpo import reference_phase
 
     model = load_model(tiny_checkpoints("qwen3"))

@@ -124,7 +124,7 @@ from safetensors.torch import save_file
 from grpo.config import load_config
 from grpo.distributed import init_distributed, teardown
 from grpo.precision import Precision
-from grpo.train.modules import ModuleSet
+from grpo.modules.module_set import ModuleSet
 
 dist = init_distributed("cpu")
 cfg = load_config(sys.argv[1], [f"model.path={sys.argv[2]}", sys.argv[3]])

@@ -239,7 +239,7 @@ def gae(
     """PPO's advantages: GAE (`gae_returns`, loss.token_discount and loss.gae_lambda) over the token
     rewards (with the KL in them under loss.kl_in_reward, the classic PPO objective) and a
     critic's values, read from the batch's extras (`values_key`, (B, T_c): the `critic` module
-    attaches them, grpo/train/critic.py). `whiten`: (A - mean) / (std + eps) over the counted
+    attaches them, grpo/modules/critic.py). `whiten`: (A - mean) / (std + eps) over the counted
     tokens of the global batch (all ranks), as verl and TRL do. Group structure is not used.
 
     Reports (global batch, before whitening): explained_variance of the values against the

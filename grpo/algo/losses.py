@@ -313,7 +313,7 @@ def check_policy_loss(cfg) -> None:
 def value_loss(
     values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's per-token value loss (a critic's, grpo.train.critic), before aggregation:
+    """PPO's per-token value loss (a critic's, grpo.modules.critic), before aggregation:
 
         1/2 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)
 

@@ -112,7 +112,7 @@ def print_done(summary: dict, rank: int = 0) -> None:
     else:
         print(f"done: {summary['step']} steps; weights in {summary['final']}")
     if summary.get("health"):  # learning-health rules that fired (their warnings say more)
-        from grpo.train.health import describe
+        from grpo.run.health import describe
 
         print(describe(summary["health"]))
     if converged and not converged.get("stopped"):

@@ -35,7 +35,7 @@ from grpo.tokenizer import render_prompt
 
 FORMAT_TYPES = ("sft", "rl")
 # what the trainer hands reward functions besides the dataset's own columns
-# (grpo.train.rollouts.score_rollout): a dataset column may not take these names
+# (grpo.experience.collect.score_rollout): a dataset column may not take these names
 RESERVED_COLUMNS = (
     "completions",
     "completion_lengths",

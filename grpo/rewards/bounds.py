@@ -2,7 +2,7 @@
 
 A reward that knows its range says so, and the trainer can then tell a solved task (every
 completion of every group at the run's highest reward) from a stalled one (equal rewards
-anywhere else); see `grpo.train.health` and docs/safety.md, "Learning health". Declare them
+anywhere else); see `grpo.run.health` and docs/safety.md, "Learning health". Declare them
 with the decorator or on a function a factory returns:
 
     @bounded(0.0, 1.0)

@@ -148,7 +148,7 @@ def call_reward(
 
 def _check_bounds(name: str, fn: RewardFn, values: list, completions: list[str]) -> None:
     """Every row's value (a per-token reward: its sum) within the bounds `fn` declares: a
-    declared bound the trainer relies on (a solved task, `grpo.train.health`) is never wrong."""
+    declared bound the trainer relies on (a solved task, `grpo.run.health`) is never wrong."""
     bounds = reward_bounds(fn)
     if bounds is None:
         return

@@ -132,7 +132,7 @@ class Run:
     state: TrainState
     logger: MetricLogger
     rundir: RunDir
-    modules: Any = None  # the modules trained beside the policy (grpo.train.modules.ModuleSet)
+    modules: Any = None  # the modules trained beside the policy (grpo.modules.module_set.ModuleSet)
 
     def end_step(self, policy: Policy, dist, last: bool) -> None:
         """Checkpoint when due (every rank's RNG state, rank 0 writes), then wait for all.

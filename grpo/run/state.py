@@ -148,7 +148,7 @@ def save_checkpoint(
             tmp/shards (`save_shards`), this call writes the rest there and renames it into
             place; default: a new tmp directory, the tensors read from model and optimizer.
         extra: called with the directory being written, to add files of its own (the trained
-            modules' states, `grpo.train.modules.ModuleSet.save`); in the manifest like the rest.
+            modules' states, `grpo.modules.ModuleSet.save`); in the manifest like the rest.
 
     Returns:
         the checkpoint directory. A failing write raises GrpoError and leaves earlier

@@ -195,7 +195,7 @@ def check_two_ranks(
 def reduced_stats(stats: dict, dist=None) -> dict[str, float]:
     """The trainer's reduction of one batch's stats (token-weighted, over ranks)."""
     from grpo.distributed import SINGLE
-    from grpo.train.stats import StatSums
+    from grpo.run.stats import StatSums
 
     sums = StatSums()
     sums.add(stats)

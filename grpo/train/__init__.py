@@ -1,14 +1,12 @@
-"""The training recipes a researcher reads:
+"""The training recipes, and nothing else:
 
-    grpo      GRPO: the step as phases over values (rollout -> scores -> advantages ->
-              reference / old log-probs -> update) and the loop that sequences them
-    rollouts  the rollout phase: sampling, scoring, dynamic-sampling refill -> RolloutBatch
-    batch     the values passed between phases (RolloutBatch, UpdateBatch, MicroBatch)
-    stats     what a step reports (loss stats over micro-batches and ranks, advantages,
-              rollout metrics)
-    health    learning that silently stops: rules over each step's metrics, warnings, a stop
-    sft       supervised fine-tuning
+    grpo  GRPO (and PPO with a critic): a step in numbered stages, rollout -> reference and
+          advantages -> update -> the run's tail, each naming the file that does it
+    sft   supervised fine-tuning: completion-only token-mean cross-entropy
+    rm    a Bradley-Terry reward model on preference pairs (`grpo rm`)
 
-The run around them (run directory, checkpoints, preflight checks, signals, the loop skeleton,
-optimizer) is `grpo.run`; the policy (model, LoRA, reference) is `grpo.policy`.
+What they share lives beside them: the rollout machinery in `grpo.experience`, the modules
+trained beside the policy in `grpo.modules`, the algorithm in `grpo.algo`, and the run around
+them (run directory, the loop's tail: evaluation, logging, guards, checkpoints; preflight,
+signals, optimizer, step statistics, learning health) in `grpo.run`.
 """

@@ -1,7 +1,7 @@
 """The GRPO recipe: one step is a pipeline of phases, each a function from plain values to
-plain values (the frozen dataclasses of `grpo.train.batch`):
+plain values (the frozen dataclasses of `grpo.experience.batch`):
 
-    rollout_phase      rows, sampler, rewards       -> RolloutBatch   (grpo.train.rollouts)
+    rollout_phase      rows, sampler, rewards       -> RolloutBatch   (grpo.experience.collect)
     counted_mask       RolloutBatch.rollout          -> (B, T_c) bool  the tokens the loss counts
     micro_batch_plan   RolloutBatch.rollout          -> (MicroBatch, ...)
     reference_phase    rollout, mask, plan           -> ref log-probs (B, T_c) or None
@@ -63,30 +63,32 @@ from grpo.distributed import (
 from grpo.envs import env_factory, env_metadata
 from grpo.errors import GrpoError
 from grpo.eval import eval_env_settings, evaluate
-from grpo.loading import load_rows, resolve_device
-from grpo.lora import disabled_lora
-from grpo.models.packed_rows import packed_overhead
-from grpo.policy import Policy, build_policy, shard_policy
-from grpo.rewards import build_rewards
-from grpo.rewards.bounds import total_bounds
-from grpo.rollout import Rollout
-from grpo.run.loop import GuardStop, RunDir, due, nonfinite_stop, run_training, start_run
-from grpo.run.optim import nonfinite_weights_error, weights_finite
-from grpo.run.perf import PhasePeaks, phase_bar
-from grpo.run.preflight import check_prompt_room, preflight, start_notices
-from grpo.run.state import seed_everything
-from grpo.train.balance import balance_ranks
-from grpo.train.batch import (
+from grpo.experience.balance import balance_ranks
+from grpo.experience.batch import (
     MicroBatch,
     RolloutBatch,
     UpdateBatch,
     counted_mask,
     micro_batch_plan,
 )
-from grpo.train.health import LearningHealth, StallError, WeightChange
-from grpo.train.modules import ModuleSet
-from grpo.train.producer import make_sampler, rollout_source, run_producer
-from grpo.train.stats import (
+from grpo.experience.inline import make_sampler
+from grpo.experience.producer import run_producer
+from grpo.experience.sources import rollout_source
+from grpo.loading import load_rows, resolve_device
+from grpo.lora import disabled_lora
+from grpo.models.packed_rows import packed_overhead
+from grpo.modules.module_set import ModuleSet
+from grpo.policy import Policy, build_policy, shard_policy
+from grpo.rewards import build_rewards
+from grpo.rewards.bounds import total_bounds
+from grpo.rollout import Rollout
+from grpo.run.health import LearningHealth, StallError, WeightChange
+from grpo.run.loop import GuardStop, RunDir, due, nonfinite_stop, run_training, start_run
+from grpo.run.optim import nonfinite_weights_error, weights_finite
+from grpo.run.perf import PhasePeaks, phase_bar
+from grpo.run.preflight import check_prompt_room, preflight, start_notices
+from grpo.run.state import seed_everything
+from grpo.run.stats import (
     OnPolicyCheck,
     StatSums,
     advantage_stats,
@@ -533,7 +535,7 @@ def train_grpo(
 
     Returns:
         the run's summary: output_dir, final, step, the last step's metrics, and `health`:
-        each learning-health rule that fired, with its steps (grpo/train/health.py).
+        each learning-health rule that fired, with its steps (grpo/run/health.py).
     """
     cfg.check_grpo()
     return run_training(cfg, "train", resume, overwrite, _train, on_step, _produce)

@@ -37,6 +37,7 @@ from grpo.distributed import (
     wrap_ddp,
 )
 from grpo.errors import GrpoError
+from grpo.experience.batch import micro_batches, next_prompts
 from grpo.loading import resolve_device
 from grpo.models.classifier import sequence_scores
 from grpo.policy import Policy, shard_policy
@@ -46,7 +47,6 @@ from grpo.run.optim import nonfinite_streak, nonfinite_weights_error, weights_fi
 from grpo.run.perf import peak_mem_mib, reset_peak_mem
 from grpo.run.rundir import check_resume_step
 from grpo.run.state import seed_everything
-from grpo.train.batch import micro_batches, next_prompts
 from grpo.train.sft import total_sft_steps
 
 log = logging.getLogger(__name__)

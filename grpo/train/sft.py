@@ -29,6 +29,7 @@ from grpo.distributed import (
     rank_local,
     wrap_ddp,
 )
+from grpo.experience.batch import micro_batch_count, micro_batches, next_prompts, token_slices
 from grpo.loading import load_rows, resolve_device
 from grpo.models.packed_rows import pack_rows, packed_overhead
 from grpo.policy import Policy, build_policy, shard_policy
@@ -38,7 +39,6 @@ from grpo.run.perf import peak_mem_mib, reset_peak_mem
 from grpo.run.preflight import check_prompt_room, preflight
 from grpo.run.rundir import check_resume_step
 from grpo.run.state import seed_everything
-from grpo.train.batch import micro_batch_count, micro_batches, next_prompts, token_slices
 
 log = logging.getLogger(__name__)
 

@@ -1,15 +1,13 @@
-"""Where a GRPO step's rollouts come from: the trainer asks a rollout source for the batch of
-each step and tells it about each update. One schedule, three placements:
+"""The asynchronous rollout sources (rollout.async: on; docs/async.md; the synchronous one is
+grpo/experience/inline.py, and grpo/experience/sources.py picks):
 
-    InlineRollouts     rollout.async: off. The trainer samples the step's batch itself, with
-                       the current weights (the synchronous step).
-    ColocatedRollouts  rollout.async: on, rollout.ranks: 0. A producer thread in the trainer's
-                       process samples ahead on its own copy of the policy (of the trainable
-                       weights: a LoRA copy shares the frozen base), refreshed after updates.
-    RemoteRollouts     rollout.async: on, rollout.ranks: R. The last R ranks of the torchrun job
-                       only sample (`run_producer`); the trainer ranks receive their batches
-                       point to point, and trainer rank 0 broadcasts the trainable weights (the
-                       adapters alone with LoRA) to the producers after updates.
+    ColocatedRollouts  rollout.ranks: 0. A producer thread in the trainer's process samples
+                       ahead on its own copy of the policy (of the trainable weights: a LoRA
+                       copy shares the frozen base), refreshed after updates.
+    RemoteRollouts     rollout.ranks: R. The last R ranks of the torchrun job only sample
+                       (`run_producer`); the trainer ranks receive their batches point to
+                       point, and trainer rank 0 broadcasts the trainable weights (the adapters
+                       alone with LoRA) to the producers after updates.
 
 The schedule (`behaviour_version`): batch j (the batch of step j + 1) is sampled by the policy
 of update max(start, j - k), k = rollout.max_staleness, start = the step the run (re)started
@@ -39,21 +37,19 @@ import torch
 import torch.distributed as td
 
 from grpo.config import Config
-from grpo.distributed import SINGLE, Dist, Roles, full_weights
+from grpo.distributed import SINGLE, Dist, Roles
 from grpo.errors import GrpoError
-from grpo.rollout import Sampler
-from grpo.rollout.sampler import resolve_compile
-from grpo.run.rundir import TrainingInterrupted
-from grpo.run.state import TrainState
-from grpo.train.batch import RolloutBatch
-from grpo.train.rollouts import rollout_batches, rollout_phase
-from grpo.train.wire import (
+from grpo.experience.batch import RolloutBatch
+from grpo.experience.collect import rollout_batches
+from grpo.experience.inline import RolloutSource
+from grpo.experience.wire import (
     decode_header,
     pack_batch,
     pack_tensors,
     unpack_batch,
     unpack_tensors,
 )
+from grpo.run.state import TrainState
 
 if TYPE_CHECKING:
     from grpo.policy import Policy
@@ -146,72 +142,7 @@ def _consume(state: TrainState, p: Produced, step: int, k: int) -> RolloutBatch:
     return p.batch
 
 
-class _Source:
-    """A rollout source is a context manager: leaving it stops the producers, handing over
-    what they sampled ahead first on a clean end or an interruption (`close(drain=True)`)."""
-
-    asynchronous = False
-    cache_bytes = 0  # the compiled step's KV cache in the last rollout (perf/sampler_cache_mib)
-    compile_s = 0.0  # seconds the sampler spent compiling so far (perf/compile_s)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, tb) -> None:
-        self.close(drain=kind is None or issubclass(kind, TrainingInterrupted))
-
-    def close(self, drain: bool = True) -> None:
-        pass
-
-    def published(self, model, version: int) -> None:
-        """Called after update `version` (every rank)."""
-
-    def metrics(self) -> dict:
-        return {}
-
-
-class InlineRollouts(_Source):
-    """rollout.async: off: each step samples its batch with the current weights."""
-
-    def __init__(
-        self,
-        cfg: Config,
-        policy: Policy,
-        sampler,
-        rows,
-        reward_fns,
-        make_env,
-        dist=SINGLE,
-        sharded: bool = False,
-    ):
-        self.cfg, self.policy, self.sampler, self.rows = cfg, policy, sampler, rows
-        self.reward_fns, self.make_env = reward_fns, make_env
-        self.dist, self.sharded = dist, sharded
-
-    def next(self, state: TrainState) -> RolloutBatch:
-        with full_weights(self.policy.model, self.sharded):  # FSDP: the sampler needs them whole
-            batch = rollout_phase(
-                self.cfg,
-                self.policy,
-                self.sampler,
-                self.rows,
-                state,
-                self.reward_fns,
-                state.step,
-                self.dist,
-                self.make_env,
-            )
-        # the compiled step's KV cache (17.5 GiB at B=128, 1280 slots, Qwen3-0.6B in bf16) is
-        # not kept through the reference and update passes
-        self.cache_bytes = self.sampler.release_caches()
-        return batch
-
-    @property
-    def compile_s(self) -> float:
-        return self.sampler.compile_s
-
-
-class _Asynchronous(_Source):
+class _Asynchronous(RolloutSource):
     """What both asynchronous placements share: the bound, the per-step metrics."""
 
     asynchronous = True
@@ -621,57 +552,3 @@ def _finish(sends, timeout: float, produced: int) -> dict:
         for work, _ in message:
             _wait(work, timeout)
     return {"role": "producer", "batches": produced}
-
-
-def rollout_source(
-    cfg: Config,
-    policy: Policy,
-    rows,
-    reward_fns,
-    make_env,
-    state: TrainState,
-    dist=SINGLE,
-    sharded: bool = False,
-    roles: Roles | None = None,
-) -> _Source:
-    """The rollout source a run's config asks for (see the module docstring)."""
-    if not cfg.rollout.asynchronous:
-        sampler = make_sampler(cfg, policy, policy.model, sharded)
-        return InlineRollouts(cfg, policy, sampler, rows, reward_fns, make_env, dist, sharded)
-    if roles is not None:
-        return RemoteRollouts(cfg, policy, rows, roles, state)
-    lockstep = SINGLE
-    if dist.enabled:  # the producer threads' own group, apart from the trainers' collectives
-        wait = max(cfg.rollout.async_timeout_s, cfg.train.dist_timeout_s)  # as split_roles
-        group = td.new_group(
-            list(range(dist.world_size)), backend="gloo", timeout=datetime.timedelta(seconds=wait)
-        )
-        lockstep = Dist(dist.rank, dist.world_size, dist.local_rank, torch.device("cpu"), group)
-
-    def thread_sampler(model):
-        return make_sampler(cfg, policy, model, producer_thread=True)
-
-    return ColocatedRollouts(
-        cfg, policy, thread_sampler, rows, reward_fns, make_env, state, dist, lockstep
-    )
-
-
-def make_sampler(
-    cfg: Config, policy: Policy, model, sharded: bool = False, producer_thread: bool = False
-) -> Sampler:
-    """The run's sampler over `model`: the compiled decode step as rollout.compile says (FSDP:
-    eager, the sampler reads the gathered weights through FSDP's hooks). A colocated producer
-    thread's compiled step records no CUDA graphs (mode "default"): CUDA-graph trees belong to
-    the thread that records them, and the trainer's thread replays its own."""
-    compile_ = not sharded and resolve_compile(
-        cfg.rollout.compile, model.device, cfg.rollout.multi_turn
-    )
-    options = {"mode": "default"} if producer_thread else None
-    return Sampler(
-        model,
-        compile=compile_,
-        fallback=cfg.rollout.compile == "auto",
-        precision=policy.precision,
-        compile_options=options,
-        max_rows=cfg.rollout.max_rows,
-    )

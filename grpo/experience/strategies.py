@@ -42,13 +42,7 @@ from grpo.algo.advantages import zero_std_groups
 from grpo.algo.registry import Registry
 from grpo.envs import Environment, env_factory
 from grpo.errors import GrpoError
-from grpo.metrics import Sum
-from grpo.precision import Precision
-from grpo.rewards import NamedReward, RewardContext, compute_rewards
-from grpo.rollout import Rollout, Sampler
-from grpo.rollout.multiturn import sample_with_env, turn_end_ids
-from grpo.run.perf import phase_bar
-from grpo.train.batch import (
+from grpo.experience.batch import (
     RolloutBatch,
     cat_batches,
     cat_rollouts,
@@ -57,6 +51,12 @@ from grpo.train.batch import (
     select_rows,
     turn_token_rewards,
 )
+from grpo.metrics import Sum
+from grpo.precision import Precision
+from grpo.rewards import NamedReward, RewardContext, compute_rewards
+from grpo.rollout import Rollout, Sampler
+from grpo.rollout.multiturn import sample_with_env, turn_end_ids
+from grpo.run.perf import phase_bar
 
 if TYPE_CHECKING:
     from grpo.config import Config

@@ -2,13 +2,13 @@
 `RolloutBatch`.
 
     rollout_phase  the step's batch: draws prompts in lockstep with the other ranks, has the
-                   configured rollout strategy (`grpo.train.strategies`: by default
+                   configured rollout strategy (`grpo.experience.strategies`: by default
                    `sample_round` then `score_rollout`) sample and score each rank's share
                    and, with rollout.dynamic_sampling, refills groups that carry no signal
     rollout_batches  the same for several trainer ranks at once (what a rollout producer
                    samples for the trainers it serves)
 
-`sample_round` and `score_rollout` live in `grpo.train.strategies` (re-exported here).
+`sample_round` and `score_rollout` live in `grpo.experience.strategies` (re-exported here).
 """
 
 from __future__ import annotations
@@ -23,20 +23,20 @@ import torch
 from grpo.algo.advantages import zero_std_groups
 from grpo.config import Config
 from grpo.distributed import SINGLE, all_reduce_sum
-from grpo.metrics import Max, Sum, reduction, tagged
-from grpo.rewards.bounds import total_bounds
-from grpo.train.batch import (
+from grpo.experience.batch import (
     RolloutBatch,
     cat_batches,
     derive_seed,
     next_prompts,
 )
-from grpo.train.strategies import (  # noqa: F401  (sample_round, score_rollout: re-exported)
+from grpo.experience.strategies import (  # noqa: F401  (sample_round, score_rollout: re-exported)
     Sampling,
     run_strategy,
     sample_round,
     score_rollout,
 )
+from grpo.metrics import Max, Sum, reduction, tagged
+from grpo.rewards.bounds import total_bounds
 
 if TYPE_CHECKING:
     from grpo.policy import Policy
@@ -99,7 +99,7 @@ def rollout_batches(
 ) -> list[RolloutBatch]:
     """`rollout_phase` for the trainer ranks `ranks` of a job of `world` trainer ranks, one
     batch each: what each of those ranks would sample for itself, bitwise (same prompts, same
-    seeds, the same dynamic-sampling rounds). A rollout producer (grpo.train.producer) calls it
+    seeds, the same dynamic-sampling rounds). A rollout producer (grpo.experience.producer) calls it
     for the trainer ranks it serves; `lockstep` holds every process that samples for some of
     the `world` ranks (the trainer job itself, or the producer ranks), so all end their
     dynamic-sampling rounds together.

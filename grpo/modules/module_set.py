@@ -25,7 +25,7 @@ come from its own seed (train.seed + 1000 + its index), the run's RNG left as it
 A factory takes its `kwargs` and any of these inputs by name: ``model_config`` (the policy's
 `ModelConfig`), ``tokenizer``, ``config`` (the run's `Config`), ``dist`` (the trainer ranks'
 `grpo.distributed.Dist`, for a loss normalized over the global batch) and ``policy`` (the
-`grpo.policy.Policy`, e.g. to share its frozen weights). The PPO critic (`grpo.train.critic`)
+`grpo.policy.Policy`, e.g. to share its frozen weights). The PPO critic (`grpo.modules.critic`)
 is one such module.
 """
 
@@ -42,9 +42,9 @@ import torch
 from grpo.errors import GrpoError
 from grpo.io import load_safetensors, save_safetensors, torch_load, torch_save
 from grpo.metrics import split_metrics
+from grpo.modules import critic as _critic  # noqa: F401  (registers the PPO critic, "critic")
+from grpo.modules.base import TRAINED_MODULES, TrainedModule, register_trained_module
 from grpo.run.optim import build_optimizer, build_scheduler
-from grpo.train import critic as _critic  # noqa: F401  (registers the PPO critic, "critic")
-from grpo.train.module_base import TRAINED_MODULES, TrainedModule, register_trained_module
 
 if TYPE_CHECKING:
     from grpo.policy import Policy
@@ -100,7 +100,7 @@ class ModuleSet:
             if not isinstance(module, TrainedModule):
                 raise GrpoError(
                     f"modules[{i}]: {spec.name!r} made a {type(module).__name__}, "
-                    "not a grpo.train.modules.TrainedModule"
+                    "not a grpo.modules.TrainedModule"
                 )
             module = module.to(device)
             optim = type(cfg.optim)(**spec.optim)  # OptimConfig's defaults, then its own

@@ -1,5 +1,5 @@
 """Rollout batches and weights as flat byte tensors, for the point-to-point messages between
-rollout producer ranks and trainer ranks (grpo.train.producer). No pickle: a message is a JSON
+rollout producer ranks and trainer ranks (grpo.experience.producer). No pickle: a message is a JSON
 header (UTF-8 bytes) plus one buffer holding every tensor's bytes, each at an 8-byte aligned
 offset; the receiver rebuilds bitwise-equal tensors.
 
@@ -15,9 +15,9 @@ import json
 import torch
 
 from grpo.errors import GrpoError
+from grpo.experience.batch import RolloutBatch
 from grpo.metrics import reduction, tagged
 from grpo.rollout import Rollout
-from grpo.train.batch import RolloutBatch
 
 _ALIGN = 8
 _ROLLOUT_TENSORS = (

@@ -1,6 +1,6 @@
-"""The base class and registry of modules trained beside the policy (grpo.train.modules
+"""The base class and registry of modules trained beside the policy (grpo.modules.module_set
 has the trainer's side: building, stepping, checkpoints). Kept apart so that a built-in module
-(the PPO critic, grpo.train.critic) registers without importing the trainer's side."""
+(the PPO critic, grpo.modules.critic) registers without importing the trainer's side."""
 
 from __future__ import annotations
 

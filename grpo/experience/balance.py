@@ -3,7 +3,7 @@ trainer ranks so that each rank's training passes run about the same number of r
 
 Every rank sampled its own P groups, whose completions differ in length; a DDP or FSDP step
 waits for the rank with the most tokens. The ranks exchange their batches (the wire format of
-`grpo.train.wire`, no pickle of tensors), assign the W x P groups to ranks by longest
+`grpo.experience.wire`, no pickle of tensors), assign the W x P groups to ranks by longest
 processing time first with P groups each (`assign_groups`, the same on every rank), and each
 keeps its own. The global batch is unchanged, so the update is too (the loss normalizers and
 the advantages are of the global batch); only which rank runs which group moves.
@@ -18,8 +18,8 @@ import torch
 
 from grpo.distributed import Dist, gather_objects
 from grpo.errors import GrpoError
-from grpo.train.batch import RolloutBatch, cat_batches, unit_tokens
-from grpo.train.wire import decode_header, pack_batch, unpack_batch
+from grpo.experience.batch import RolloutBatch, cat_batches, unit_tokens
+from grpo.experience.wire import decode_header, pack_batch, unpack_batch
 
 
 def assign_groups(costs: list[int], world: int) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""PPO's critic: a value model trained beside the policy, a trained module (grpo.train.modules).
+"""PPO's critic: a value model trained beside the policy, a trained module (grpo.modules).
 
     modules:
       - name: critic                 # this factory
@@ -43,7 +43,7 @@ from grpo.errors import GrpoError
 from grpo.lora import apply_lora, load_adapter, unwrap_lora
 from grpo.models import Decoder, load_model
 from grpo.models.decoder import meta_decoder, rope_inv_freq
-from grpo.train.module_base import TrainedModule, register_trained_module
+from grpo.modules.base import TrainedModule, register_trained_module
 
 if TYPE_CHECKING:
     from grpo.policy import Policy

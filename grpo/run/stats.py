@@ -15,9 +15,9 @@ from grpo.distributed import (
     all_reduce_max_dict,
     all_reduce_sum_dict,
 )
+from grpo.experience.batch import RolloutBatch
 from grpo.metrics import reduction
 from grpo.rollout.multiturn import env_metrics
-from grpo.train.batch import RolloutBatch
 
 
 class StatSums:
