@@ -1,8 +1,9 @@
-"""The run lifecycle the SFT and GRPO loops share: optimizer and schedule, restored state,
-the claimed run directory (grpo/run/rundir.py) and metric logger at the start; checkpoints
-and the agreed stop on SIGTERM / SIGINT at each step boundary; a guard's stop that saves what
-it can first and names the resume command (`Run.guard_stop`, `Run.unsaved_stop`); final
-weights at the end. The loops keep only what differs (their batches and their updates)."""
+"""The run lifecycle the GRPO, SFT and reward-model recipes share: optimizer and schedule,
+restored state, the claimed run directory (grpo/run/rundir.py) and metric logger at the start;
+the tail of every step (`Run.end_of_step`: evaluation, logging, the guards, the checkpoint and
+the agreed stop on SIGTERM / SIGINT); a guard's stop that saves what it can first and names
+the resume command (`Run.guard_stop`, `Run.unsaved_stop`); final weights at the end. The
+recipes keep only what differs (their batches and their updates)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import logging
 import os
 import shutil
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +59,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# what a learning-health stop (train.stop_on_stall) adds after the resume command
+STALL_THEN = "(append the settings to change, e.g. train.stop_on_stall=false)"
 
 
 class GuardStop(GrpoError):
@@ -132,7 +137,62 @@ class Run:
     state: TrainState
     logger: MetricLogger
     rundir: RunDir
-    modules: Any = None  # the modules trained beside the policy (grpo.modules.module_set.ModuleSet)
+    modules: Any = None  # the modules trained beside the policy (grpo.modules.ModuleSet)
+    bad_steps: int = 0  # consecutive updates skipped as non-finite (train.max_nonfinite_steps)
+
+    def end_of_step(
+        self,
+        policy: Policy,
+        dist,
+        where: Where,
+        metrics: dict,
+        last: bool,
+        on_step: Callable[[int, dict], None] | None = None,
+        evaluate: Callable[[], dict] | None = None,
+        sharded: bool = False,
+        collective_eval: bool = False,
+        stall: GrpoError | None = None,
+        hint: str = "Lower optim.lr",
+    ) -> None:
+        """The tail of every recipe's step, once its update is counted in `state.step`.
+        Collective: every rank calls it at every step, with metrics reduced over the ranks.
+
+        1. evaluate when due (data.eval_samples, train.eval_every and the last step): its
+           metrics join `metrics`;
+        2. log (train.log_every and the last step), then `on_step(step, metrics)` (rank 0);
+        3. the guards, which save and stop (`guard_stop`): train.max_nonfinite_steps
+           consecutive skipped updates (each step's ``train/nonfinite_skipped``; `hint` says
+           what to change), then a learning-health `stall` (train.stop_on_stall);
+        4. the checkpoint when due, and the stop every rank agrees on after SIGTERM / SIGINT
+           (`end_step`).
+
+        Args:
+            evaluate: () -> eval/* metrics. Run as rank 0's work (a failure stops every rank
+                at once; FSDP: the weights gathered first when `sharded`), or on every rank
+                with `collective_eval` (an evaluation that is itself collective).
+        """
+        cfg, step = self.cfg, self.state.step
+        where.phase = "evaluation / logging"
+        due_eval = cfg.data.eval_samples > 0 and due(step, cfg.train.eval_every, last)
+        evaluating = evaluate is not None and due_eval
+        if evaluating and collective_eval:
+            metrics.update(evaluate())
+        with full_weights(policy.model, sharded and evaluating), rank_local(dist, where):
+            # rank 0's work: its failure stops every rank at once (FSDP: all gather first)
+            if evaluating and not collective_eval:
+                metrics.update(evaluate())
+            if step % cfg.train.log_every == 0 or last:
+                self.logger.log(step, {k: v for k, v in metrics.items() if not isinstance(v, dict)})
+            if on_step is not None and dist.is_main:
+                on_step(step, metrics)
+        where.phase = "checkpoint"
+        skipped = int(metrics.get("train/nonfinite_skipped", 0))
+        self.bad_steps = self.bad_steps + skipped if skipped else 0
+        if self.bad_steps >= cfg.train.max_nonfinite_steps:  # skipped updates: weights intact
+            raise self.guard_stop(policy, dist, nonfinite_stop(self.bad_steps, step, hint))
+        if stall is not None:
+            raise self.guard_stop(policy, dist, stall, STALL_THEN)
+        self.end_step(policy, dist, last)
 
     def end_step(self, policy: Policy, dist, last: bool) -> None:
         """Checkpoint when due (every rank's RNG state, rank 0 writes), then wait for all.

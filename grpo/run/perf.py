@@ -1,7 +1,9 @@
-"""Peak memory per phase of a training step (`perf/peak_mem_*` metrics), and the progress bars
-of its long phases."""
+"""Seconds and peak memory per phase of a training step (`perf/*` metrics: `StepClock`), and
+the progress bars of its long phases."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 from tqdm.auto import tqdm
@@ -83,3 +85,33 @@ class PhasePeaks:
         out.update({f"perf/kept_mem_{k}_mib": v for k, v in self.kept.items()})
         out["perf/peak_mem_mib"] = max(self.peaks.values(), default=peak_mem_mib(self.device))
         return out
+
+
+class StepClock:
+    """A step's seconds and memory per phase: `start()`, then `lap(phase)` at the end of each
+    phase; `metrics(tokens)` -> perf/step_s, perf/<phase>_s, perf/tokens_per_s and the
+    phases' peak and kept memory (`PhasePeaks`)."""
+
+    def __init__(self, device: torch.device):
+        self.peaks = PhasePeaks(device)
+        self.seconds: dict[str, float] = {}
+        self.t0 = self.t = 0.0
+
+    def start(self) -> None:
+        self.peaks.start()
+        self.seconds = {}
+        self.t0 = self.t = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase], self.t = now - self.t, now
+        self.peaks.end(phase)
+
+    def metrics(self, tokens: float) -> dict[str, float]:
+        step_s = self.t - self.t0
+        return {
+            "perf/step_s": step_s,
+            **{f"perf/{phase}_s": s for phase, s in self.seconds.items()},
+            "perf/tokens_per_s": tokens / max(step_s, 1e-9),
+            **self.peaks.metrics(),
+        }

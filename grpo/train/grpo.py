@@ -1,28 +1,36 @@
-"""The GRPO recipe: one step is a pipeline of phases, each a function from plain values to
-plain values (the frozen dataclasses of `grpo.experience.batch`):
+"""The GRPO recipe (PPO too, with a critic among the trained modules). Each step runs four
+numbered stages (`_train`'s loop), each a function from plain values to plain values (the
+frozen dataclasses of grpo/experience/batch.py), and each naming the file that does it:
 
-    rollout_phase      rows, sampler, rewards       -> RolloutBatch   (grpo.experience.collect)
-    counted_mask       RolloutBatch.rollout          -> (B, T_c) bool  the tokens the loss counts
-    micro_batch_plan   RolloutBatch.rollout          -> (MicroBatch, ...)
-    reference_phase    rollout, mask, plan           -> ref log-probs (B, T_c) or None
-    advantage_phase    RolloutBatch, ref log-probs   -> advantages (B, T_c), over all ranks
-    old_logprobs_phase rollout, mask, plan           -> pi_old (B, T_c) or None
-    update_phase       UpdateBatch, optimizer        -> train/* and on-policy metrics
+    1. rollout                  batch = source.next(state)                  grpo/experience/
+         rows, sampler, rewards -> RolloutBatch: sources.py picks the source (inline.py samples
+         in the step; producer.py ahead, asynchronously), collect.py runs the rollout
+         strategy (strategies.py) over the step's prompts; balance.py evens tokens over
+         ranks; the trained modules (grpo/modules/) attach their values
+    2. reference and advantages step_batch(...)                              this file
+         counted_mask, micro_batch_plan (grpo/experience/batch.py), reference_phase,
+         advantage_phase (the estimator: grpo/algo/advantages.py, over the global batch),
+         old_logprobs_phase -> UpdateBatch
+    3. update                   update_phase(...)                            this file
+         loss.num_iterations passes of the policy loss (grpo/algo/losses.py) over the
+         micro-batches -> train/* metrics; then the trained modules' own steps
+    4. the run's tail           run.end_of_step(...)                         grpo/run/loop.py
+         learning health (grpo/run/health.py), evaluation, logging, the guards (a stop saves
+         what it can first: `Run.guard_stop`), the checkpoint; shared with SFT and the reward
+         model
 
-`_train` only sequences them (and logs, evaluates, checkpoints, and stops at a guard after
-saving what it can: `grpo.run.loop.Run.guard_stop`); `step_batch` runs the phases
-between the rollout and the update. Reference log-probs come before advantages so that an
-estimator can put the KL into the reward (REINFORCE++). A `RolloutBatch` carries everything
-the later phases read (tokens, masks, the sampler's log-probs, scores, the policy version that
-sampled it), so it could come from another rank or an earlier step. Shapes: P prompts per step,
-G completions per prompt, B = P*G rows, T_c completion tokens.
+Reference log-probs come before advantages so that an estimator can put the KL into the
+reward (REINFORCE++). A `RolloutBatch` carries everything the later stages read (tokens, masks,
+the sampler's log-probs, scores, the policy version that sampled it), so it could come from
+another rank or an earlier step. Shapes: P prompts per step, G completions per prompt,
+B = P*G rows, T_c completion tokens.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-import time
 from collections.abc import Callable
 
 import torch
@@ -55,7 +63,6 @@ from grpo.distributed import (
     clip_grad_norm,
     describe_parallel,
     device_for,
-    full_weights,
     no_sync,
     rank_local,
     wrap_ddp,
@@ -83,9 +90,9 @@ from grpo.rewards import build_rewards
 from grpo.rewards.bounds import total_bounds
 from grpo.rollout import Rollout
 from grpo.run.health import LearningHealth, StallError, WeightChange
-from grpo.run.loop import GuardStop, RunDir, due, nonfinite_stop, run_training, start_run
+from grpo.run.loop import GuardStop, RunDir, run_training, start_run
 from grpo.run.optim import nonfinite_weights_error, weights_finite
-from grpo.run.perf import PhasePeaks, phase_bar
+from grpo.run.perf import StepClock, phase_bar
 from grpo.run.preflight import check_prompt_room, preflight, start_notices
 from grpo.run.state import seed_everything
 from grpo.run.stats import (
@@ -97,6 +104,10 @@ from grpo.run.stats import (
 )
 
 log = logging.getLogger(__name__)
+
+
+# what the non-finite guard's stop (train.max_nonfinite_steps) says to change
+HINT = "Lower optim.lr or check the rewards"
 
 
 class NonfiniteWeights(GuardStop):
@@ -601,140 +612,88 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
         },
         modules=modules,
     )
-    state, optimizer, scheduler, params = run.state, run.optimizer, run.scheduler, run.params
+    state = run.state
     policy.model.eval()
     scorer = wrap_ddp(CompletionLogprobs(policy.model, policy.precision), dist, device)
-    peaks = PhasePeaks(device)
+    clock = StepClock(device)  # perf/*: each stage's seconds and peak memory
     # learning that silently stops, or a task solved (train.stall_steps)
     health = LearningHealth(cfg, dist.rank, highest_reward(cfg, reward_fns))
-    weight_change = WeightChange(params)  # train/weight_change, which it reads
-
-    def run_eval() -> dict:
-        res = evaluate(
-            policy.model,
-            policy.tokenizer,
-            eval_rows,
-            stop_ids=policy.stop_ids,
-            max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
-            batch_size=cfg.eval.batch_size,
-            precision=policy.precision,
-            **eval_env_settings(cfg),
-        )
-        return {f"eval/{k}": v for k, v in res.summary.items() if isinstance(v, (int, float))}
-
+    weight_change = WeightChange(run.params)  # train/weight_change, which it reads
+    run_eval = functools.partial(evaluate_policy, cfg, policy, eval_rows)  # rank 0's rows
     metrics: dict = {}
-    bad_steps = 0  # consecutive updates skipped as non-finite
-    show = cfg.train.progress and dist.is_main
     # the producers (asynchronous rollouts) stop with the block; on a clean end or an
     # interruption they first hand over what they sampled ahead
     with rollout_source(
         cfg, policy, rows, reward_fns, make_env, state, dist, sharded, roles
     ) as source:
+        show = cfg.train.progress and dist.is_main
         bar = tqdm(total=cfg.train.max_steps, initial=state.step, desc="grpo", disable=not show)
         compiled_s = source.compile_s
         while state.step < cfg.train.max_steps:
-            t0 = time.perf_counter()
-            where.step = state.step + 1
-            where.phase = "waiting for rollouts" if source.asynchronous else "rollout"
-            peaks.start()
+            step = state.step + 1
+            clock.start()
+            # 1. Rollout (grpo/experience/): the step's prompts sampled and scored by the
+            #    rollout strategy (sources.py -> collect.py -> strategies.py), tokens evened
+            #    over ranks (balance.py), the trained modules' values attached (grpo/modules/)
+            where.step, where.phase = step, "rollout"
+            if source.asynchronous:
+                where.phase = "waiting for rollouts"
             batch = source.next(state)
-            balanced: dict = {}
-            if dist.world_size > 1 and cfg.train.balance_ranks:  # tokens even over ranks
-                batch, balanced = balance_ranks(
-                    batch, dist, policy.tokenizer.pad_token_id, cfg.shared_prefix_groups is not None
-                )
-            batch = modules.attach(batch)  # the modules' extras, if any
-            t1 = time.perf_counter()
-            peaks.end("rollout")
+            batch, balanced = balanced_batch(cfg, policy, batch, dist)
+            batch = modules.attach(batch)
+            clock.lap("rollout")
+            # 2. Reference and advantages (this file: step_batch): the tokens the loss counts,
+            #    the micro-batches, reference log-probs, advantages over the global batch
+            #    (grpo/algo/advantages.py), pi_old when the trainer recomputes it
             where.phase = "reference / advantage"
-            inputs = step_batch(cfg, policy, batch, dist, state.step + 1)
+            inputs = step_batch(cfg, policy, batch, dist, step)
             adv_stats = advantage_stats(inputs.advantages, inputs.counted_mask, dist)
-            t2 = time.perf_counter()
-            peaks.end("logprob")
+            clock.lap("logprob")
+            # 3. Update (this file: update_phase; grpo/algo/losses.py): loss.num_iterations
+            #    passes of the policy loss, then each trained module's own step
             where.phase = "update"
             # the rollout's statistics and (async) the consumed batch's staleness and the time
-            # each side waited, in one all-reduce (staleness is the same on every rank)
-            metrics = rollout_metrics(batch, cfg.rollout.max_turns) | source.metrics()
-            metrics = reduce_metrics(metrics, dist)  # as each value's type says (mean default)
-            metrics.update(adv_stats)
-            metrics.update(balanced)  # the same on every rank
-            metrics.update(inputs.metrics)  # the estimator's: of the global batch, as they are
+            # each side waited, reduced as each value's type says (grpo/run/stats.py)
+            metrics = reduce_metrics(rollout_metrics(batch, cfg.rollout.max_turns), dist)
+            metrics |= reduce_metrics(source.metrics(), dist) | adv_stats | balanced
+            metrics |= inputs.metrics  # the estimator's: of the global batch, as they are
             warm_up = state.step < cfg.train.critic_warmup_steps  # the modules alone train
-            try:
-                update = (
-                    frozen_policy_metrics(scheduler)
-                    if warm_up
-                    else update_phase(
-                        cfg,
-                        policy,
-                        inputs,
-                        optimizer,
-                        scheduler,
-                        params,
-                        scorer,
-                        dist,
-                        state.step + 1,
-                    )
-                )
-            except NonfiniteWeights as e:  # every rank, at this update: never saved
-                what = str(e).split("; the checkpoints already written", 1)[0]
-                why = f"the weights after the update of step {state.step + 1} are not finite"
-                raise run.unsaved_stop(dist, NonfiniteWeights(what), why) from None
-            metrics.update(update)
+            metrics |= policy_update(cfg, policy, inputs, run, scorer, dist, step, warm_up)
             if modules:  # one step of each module on the same batch; means over ranks
-                metrics.update(reduce_metrics(modules.step(batch, inputs, state.step + 1), dist))
+                metrics |= reduce_metrics(modules.step(batch, inputs, step), dist)
             metrics["train/weight_change"] = weight_change.measure(dist)
-            t3 = time.perf_counter()
-            peaks.end("update")
-            state.step += 1
-            source.published(policy.model, state.step)  # the producer may sample with it now
+            clock.lap("update")
+            state.step = step
+            source.published(policy.model, step)  # the producer may sample with it now
             tokens = all_reduce_sum(int(batch.rollout.completion_mask.sum()), dist)
-            metrics.update(
-                {
-                    "perf/step_s": t3 - t0,
-                    "perf/rollout_s": t1 - t0,
-                    "perf/logprob_s": t2 - t1,
-                    "perf/update_s": t3 - t2,
-                    "perf/tokens_per_s": tokens / max(t3 - t0, 1e-9),
-                    # the compiled decode step's KV cache during the rollout (precision.md)
-                    "perf/sampler_cache_mib": source.cache_bytes / 2**20,
-                    # seconds of this step's rollouts spent compiling the decode step (a new
-                    # shape); with rollout.async, what the producer compiled since the last step
-                    "perf/compile_s": source.compile_s - compiled_s,
-                    **peaks.metrics(),
-                }
-            )
+            metrics |= clock.metrics(tokens) | source_perf(source, compiled_s)
             compiled_s = source.compile_s
-            skipped = int(metrics["train/nonfinite_skipped"])
-            bad_steps = bad_steps + skipped if skipped else 0
+            # 4. The run's tail (grpo/run/loop.py): learning health (grpo/run/health.py),
+            #    evaluation, logging, the guards, the checkpoint
+            stall = None
             try:  # warns (rank 0); every rank decides alike (reduced metrics)
                 if not warm_up:  # a frozen policy is not a stall
-                    health.observe(state.step, metrics)
-                stall = None
+                    health.observe(step, metrics)
             except StallError as e:  # train.stop_on_stall: raised once this step is logged
                 stall = e
-            # train.stop_on_stall and the task solved: this step ends the run as the last would
-            last = state.step == cfg.train.max_steps or health.finished
-            where.phase = "evaluation / logging"
-            evaluating = cfg.data.eval_samples > 0 and due(state.step, cfg.train.eval_every, last)
-            with full_weights(policy.model, sharded and evaluating), rank_local(dist, where):
-                # rank 0's work: its failure stops every rank at once (FSDP: all gather first)
-                if eval_rows and evaluating:
-                    metrics.update(run_eval())
-                if state.step % cfg.train.log_every == 0 or last:
-                    run.logger.log(state.step, metrics)
-                if on_step is not None and dist.is_main:
-                    on_step(state.step, metrics)
-            if dist.is_main and cfg.train.sample_every and state.step % cfg.train.sample_every == 0:
+            if dist.is_main and cfg.train.sample_every and step % cfg.train.sample_every == 0:
                 tqdm.write(f"[sample] reward {float(batch.rewards[0]):.2f}: {batch.texts[0]!r}")
-            where.phase = "checkpoint"
-            if bad_steps >= cfg.train.max_nonfinite_steps:  # skipped updates: weights intact
-                stop = nonfinite_stop(bad_steps, state.step, "Lower optim.lr or check the rewards")
-                raise run.guard_stop(policy, dist, stop)
-            if stall is not None:
-                then = "(append the settings to change, e.g. train.stop_on_stall=false)"
-                raise run.guard_stop(policy, dist, stall, then)
-            run.end_step(policy, dist, last)
+            # the task solved with train.stop_on_stall: this step ends the run as the last would
+            last = step == cfg.train.max_steps or health.finished
+            run_eval = lambda: evaluate_policy(cfg, policy, eval_rows)  # noqa: E731
+            hint = "Lower optim.lr or check the rewards"
+            run.end_of_step(
+                policy,
+                dist,
+                where,
+                metrics,
+                last,
+                on_step,
+                run_eval,
+                sharded,
+                stall=stall,
+                hint=hint,
+            )
             bar.update(1)
             if health.finished:
                 break
@@ -743,6 +702,61 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
     if health.converged is not None:
         summary["converged"] = health.converged_summary()
     return summary
+
+
+def balanced_batch(cfg: Config, policy: Policy, batch: RolloutBatch, dist) -> tuple:
+    """Stage 1's last move: with several ranks and train.balance_ranks, rows moved so that each
+    rank runs about as many tokens (grpo/experience/balance.py); (batch, its metrics)."""
+    if dist.world_size > 1 and cfg.train.balance_ranks:
+        shared = cfg.shared_prefix_groups is not None
+        return balance_ranks(batch, dist, policy.tokenizer.pad_token_id, shared)
+    return batch, {}
+
+
+def policy_update(
+    cfg: Config, policy: Policy, inputs: UpdateBatch, run, scorer, dist, step: int, frozen: bool
+) -> dict:
+    """Stage 3's policy part: `update_phase`, or on a train.critic_warmup_steps step the frozen
+    policy's metrics. An update that leaves a trainable weight NaN or inf (every rank raises it
+    at the same update) ends the run without saving that state (`Run.unsaved_stop`)."""
+    if frozen:
+        return frozen_policy_metrics(run.scheduler)
+    try:
+        return update_phase(
+            cfg, policy, inputs, run.optimizer, run.scheduler, run.params, scorer, dist, step
+        )
+    except NonfiniteWeights as e:
+        what = str(e).split("; the checkpoints already written", 1)[0]
+        why = f"the weights after the update of step {step} are not finite"
+        raise run.unsaved_stop(dist, NonfiniteWeights(what), why) from None
+
+
+def source_perf(source, compiled_s: float) -> dict[str, float]:
+    """The rollout source's perf metrics: the compiled decode step's KV cache during the
+    rollout (docs/precision.md), and the seconds spent compiling the decode step (a new shape)
+    since `compiled_s` (with rollout.async: what the producer compiled since the last step)."""
+    return {
+        "perf/sampler_cache_mib": source.cache_bytes / 2**20,
+        "perf/compile_s": source.compile_s - compiled_s,
+    }
+
+
+def evaluate_policy(cfg: Config, policy: Policy, eval_rows) -> dict:
+    """eval/* metrics of the policy on `eval_rows` (rank 0's; none elsewhere: {}), as `grpo
+    eval` scores them, with the evaluation environment when set (eval.env)."""
+    if not eval_rows:
+        return {}
+    res = evaluate(
+        policy.model,
+        policy.tokenizer,
+        eval_rows,
+        stop_ids=policy.stop_ids,
+        max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+        batch_size=cfg.eval.batch_size,
+        precision=policy.precision,
+        **eval_env_settings(cfg),
+    )
+    return {f"eval/{k}": v for k, v in res.summary.items() if isinstance(v, (int, float))}
 
 
 def highest_reward(cfg: Config, reward_fns) -> float | None:

@@ -33,7 +33,6 @@ from grpo.distributed import (
     clip_grad_norm,
     device_for,
     no_sync,
-    rank_local,
     wrap_ddp,
 )
 from grpo.errors import GrpoError
@@ -42,8 +41,8 @@ from grpo.loading import resolve_device
 from grpo.models.classifier import sequence_scores
 from grpo.policy import Policy, shard_policy
 from grpo.precision import Precision
-from grpo.run.loop import RunDir, due, nonfinite_stop, run_training, start_run
-from grpo.run.optim import nonfinite_streak, nonfinite_weights_error, weights_finite
+from grpo.run.loop import RunDir, run_training, start_run
+from grpo.run.optim import nonfinite_weights_error, weights_finite
 from grpo.run.perf import peak_mem_mib, reset_peak_mem
 from grpo.run.rundir import check_resume_step
 from grpo.run.state import seed_everything
@@ -353,14 +352,18 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
     pad = policy.model.config.pad_token_id
     scorer = wrap_ddp(PairScorer(policy.model, policy.precision, pad), dist, device)
     B = cfg.train.batch_size
-    bad_steps = 0
     metrics: dict = {}
-    bar = tqdm(
-        total=steps,
-        initial=state.step,
-        desc="rm",
-        disable=not (cfg.train.progress and dist.is_main),
-    )
+
+    def run_eval() -> dict:  # every rank scores its share of the held-out pairs
+        if not eval_pairs:
+            return {}
+        policy.model.eval()
+        return {
+            f"eval/{k}": v for k, v in evaluate_pairs(cfg, scorer, eval_pairs, device, dist).items()
+        }
+
+    show = cfg.train.progress and dist.is_main
+    bar = tqdm(total=steps, initial=state.step, desc="rm", disable=not show)
     while state.step < steps:
         t0 = time.perf_counter()
         where.step, where.phase = state.step + 1, "update"
@@ -372,7 +375,6 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             cfg, policy, scorer, batch, optimizer, scheduler, params, dist, state.step + 1
         )
         state.step += 1
-        bad_steps = nonfinite_streak(bad_steps, loss, grad_norm)
         dt = time.perf_counter() - t0
         tokens = sum(2 * len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in batch)
         metrics = {
@@ -381,27 +383,17 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             "train/margin": margin,
             "train/score_mean": score,
             "train/grad_norm": grad_norm,
-            "train/nonfinite_skipped": int(bad_steps > 0),
+            "train/nonfinite_skipped": int(not (math.isfinite(loss) and math.isfinite(grad_norm))),
             "train/lr": lr,
             "train/epoch": state.epoch + state.data_index / len(pairs),
             "perf/step_s": dt,
             "perf/tokens_per_s": all_reduce_sum(tokens, dist) / max(dt, 1e-9),
             "perf/peak_mem_mib": peak_mem_mib(device),
         }
+        # evaluation (collective: every rank scores pairs), logging, the non-finite guard, the
+        # checkpoint (grpo/run/loop.py)
         last = state.step == steps
-        where.phase = "evaluation / checkpoint"
-        if eval_pairs and due(state.step, cfg.train.eval_every, last):
-            policy.model.eval()
-            res = evaluate_pairs(cfg, scorer, eval_pairs, device, dist)
-            metrics.update({f"eval/{k}": v for k, v in res.items()})
-        with rank_local(dist, where):  # rank 0's work: its failure stops every rank
-            if state.step % cfg.train.log_every == 0 or last:
-                run.logger.log(state.step, metrics)
-            if on_step is not None and dist.is_main:
-                on_step(state.step, metrics)
-        if bad_steps >= cfg.train.max_nonfinite_steps:  # skipped updates: weights intact
-            raise run.guard_stop(policy, dist, nonfinite_stop(bad_steps, state.step))
-        run.end_step(policy, dist, last)
+        run.end_of_step(policy, dist, where, metrics, last, on_step, run_eval, collective_eval=True)
         bar.update(1)
     bar.close()
     return run.finish(policy, dist, metrics)

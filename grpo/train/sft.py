@@ -24,7 +24,6 @@ from grpo.distributed import (
     all_reduce_sum,
     clip_grad_norm,
     device_for,
-    full_weights,
     no_sync,
     rank_local,
     wrap_ddp,
@@ -33,8 +32,8 @@ from grpo.experience.batch import micro_batch_count, micro_batches, next_prompts
 from grpo.loading import load_rows, resolve_device
 from grpo.models.packed_rows import pack_rows, packed_overhead
 from grpo.policy import Policy, build_policy, shard_policy
-from grpo.run.loop import RunDir, due, nonfinite_stop, run_training, start_run
-from grpo.run.optim import nonfinite_streak, nonfinite_weights_error, weights_finite
+from grpo.run.loop import RunDir, run_training, start_run
+from grpo.run.optim import nonfinite_weights_error, weights_finite
 from grpo.run.perf import peak_mem_mib, reset_peak_mem
 from grpo.run.preflight import check_prompt_room, preflight
 from grpo.run.rundir import check_resume_step
@@ -205,8 +204,22 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
     state, optimizer, scheduler, params = run.state, run.optimizer, run.scheduler, run.params
     scorer = wrap_ddp(CompletionLogprobs(policy.model, policy.precision), dist, device)
     B = cfg.train.batch_size
-    bad_steps = 0  # consecutive skipped (non-finite) updates
     metrics: dict = {}
+
+    def run_eval() -> dict:  # rank 0's rows (data.eval_samples)
+        if not eval_rows:
+            return {}
+        res = evaluate(
+            policy.model,
+            tok,
+            eval_rows,
+            stop_ids=policy.stop_ids,
+            max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+            batch_size=cfg.eval.batch_size,
+            precision=policy.precision,
+        )
+        return {f"eval/{k}": v for k, v in res.summary.items() if k != "errors"}
+
     show = cfg.train.progress and dist.is_main
     bar = tqdm(total=steps, initial=state.step, desc="sft", disable=not show)
     while state.step < steps:
@@ -222,43 +235,22 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
         )
         state.step += 1
         loss = all_reduce_sum(total, dist)  # the global batch's: every rank counts alike
-        bad_steps = nonfinite_streak(bad_steps, loss, grad_norm)  # the guard below is collective
         dt = time.perf_counter() - t0
         metrics = {
             "train/loss": loss,
             "train/grad_norm": grad_norm,
-            "train/nonfinite_skipped": int(bad_steps > 0),
+            # skipped on every rank alike: the guard it feeds (Run.end_of_step) is collective
+            "train/nonfinite_skipped": int(not (math.isfinite(loss) and math.isfinite(grad_norm))),
             "train/lr": lr,
             "train/epoch": state.epoch + state.data_index / len(rows),
             "perf/step_s": dt,
             "perf/tokens_per_s": all_reduce_sum(tokens, dist) / max(dt, 1e-9),
             "perf/peak_mem_mib": peak_mem_mib(device),
         }
-        last = state.step == steps
-        where.phase = "evaluation / checkpoint"
-        evaluating = cfg.data.eval_samples > 0 and due(state.step, cfg.train.eval_every, last)
-        with full_weights(policy.model, sharded and evaluating), rank_local(dist, where):
-            # rank 0's work: its failure stops every rank at once (FSDP: all gather first)
-            if eval_rows and evaluating:
-                res = evaluate(
-                    policy.model,
-                    tok,
-                    eval_rows,
-                    stop_ids=policy.stop_ids,
-                    max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
-                    batch_size=cfg.eval.batch_size,
-                    precision=policy.precision,
-                )
-                metrics.update({f"eval/{k}": v for k, v in res.summary.items() if k != "errors"})
-            if state.step % cfg.train.log_every == 0 or last:
-                run.logger.log(
-                    state.step, {k: v for k, v in metrics.items() if not isinstance(v, dict)}
-                )
-            if on_step is not None and dist.is_main:
-                on_step(state.step, metrics)
-        if bad_steps >= cfg.train.max_nonfinite_steps:  # skipped updates: weights intact
-            raise run.guard_stop(policy, dist, nonfinite_stop(bad_steps, state.step))
-        run.end_step(policy, dist, last)
+        # evaluation, logging, the non-finite guard, the checkpoint (grpo/run/loop.py)
+        run.end_of_step(
+            policy, dist, where, metrics, state.step == steps, on_step, run_eval, sharded
+        )
         bar.update(1)
     bar.close()
     return run.finish(policy, dist, metrics)
