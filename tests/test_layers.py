@@ -105,6 +105,25 @@ def test_the_models_never_import_the_algorithm():
     assert not bad, bad
 
 
+def test_only_the_recipes_live_in_train_and_nothing_imports_them():
+    """grpo/train/ holds the recipes alone (grpo, sft, rm); what they use (the rollout
+    machinery in grpo/experience/, the trained modules in grpo/modules/, the run in grpo/run/)
+    never imports a recipe, lazily or not: a researcher reads a recipe top-down."""
+    recipes = sorted(p.stem for p in (GRPO / "train").glob("*.py") if p.stem != "__init__")
+    assert recipes == ["grpo", "rm", "sft"], recipes
+    files = [p for d in ("experience", "modules", "run") for p in sorted((GRPO / d).rglob("*.py"))]
+    assert len(files) > 20, files
+    bad = [
+        f"{path.relative_to(REPO)}:{line} imports {module}"
+        for path in files
+        for line, module in imported_modules(
+            path.read_text(), module_name(path), path.name == "__init__.py"
+        )
+        if module == "grpo.train" or module.startswith("grpo.train.")
+    ]
+    assert not bad, bad
+
+
 def test_the_core_never_imports_the_kit_and_the_kit_no_app():
     scans = [(core_files(), is_kit), (sorted(KIT.rglob("*.py")), is_app)]
     bad = [

@@ -69,13 +69,6 @@ def weights_finite(params) -> torch.Tensor:
     return torch.stack([p.to(peaks[0].device) for p in peaks]).isfinite().all()
 
 
-def nonfinite_streak(bad_steps: int, loss: float, grad_norm: float) -> int:
-    """The consecutive skipped (non-finite) updates after this one: 0 after a finite update.
-    At train.max_nonfinite_steps the recipe stops through `Run.guard_stop` (saving first):
-    `grpo.run.loop.nonfinite_stop`."""
-    return 0 if math.isfinite(loss) and math.isfinite(grad_norm) else bad_steps + 1
-
-
 def nonfinite_weights_error(step: int | None, loss: float, grad_norm: float, lr: float):
     """The one line that stops a run whose update left a weight NaN or inf (raised before the
     step's checkpoint, so the last one written holds finite weights)."""
