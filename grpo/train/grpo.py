@@ -42,6 +42,7 @@ from grpo.algo.losses import (
     loss_normalizer,
     policy_loss_on_device,
 )
+from grpo.checks import check_config
 from grpo.config import Config
 from grpo.distributed import (
     SINGLE,
@@ -66,6 +67,7 @@ from grpo.eval import eval_env_settings, evaluate
 from grpo.loading import load_rows, resolve_device
 from grpo.lora import disabled_lora
 from grpo.models.packed_rows import packed_overhead
+from grpo.models.varlen import packs_sequences
 from grpo.policy import Policy, build_policy, shard_policy
 from grpo.rewards import build_rewards
 from grpo.rewards.bounds import total_bounds
@@ -124,8 +126,9 @@ def step_plan(cfg: Config, policy: Policy, rollout: Rollout, mask: torch.Tensor,
     """The step's micro-batches (`micro_batch_plan`): packed when train.pack_sequences says so
     (by train.micro_batch_tokens when set, as many on every rank), else padded, by
     train.micro_batch_size rows."""
-    size = cfg.train.micro_batch_size or cfg.train.batch_size
-    if not cfg.packs_sequences(rollout.ids.device):
+    t = cfg.train
+    size = t.micro_batch_size or t.batch_size
+    if not packs_sequences(t.pack_sequences, rollout.ids.device, t.micro_batch_tokens):
         return micro_batch_plan(rollout, size)
     return micro_batch_plan(
         rollout,
@@ -535,7 +538,7 @@ def train_grpo(
         the run's summary: output_dir, final, step, the last step's metrics, and `health`:
         each learning-health rule that fired, with its steps (grpo/train/health.py).
     """
-    cfg.check_grpo()
+    check_config(cfg, "grpo")  # the names and GRPO's rules, before anything loads
     return run_training(cfg, "train", resume, overwrite, _train, on_step, _produce)
 
 
