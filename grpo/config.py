@@ -5,8 +5,12 @@
 Unknown keys fail and list the valid ones; every validation message names the dotted field.
 Model architecture is never configured here: it comes from the checkpoint's config.json.
 
-Only the run's config lives here: the dataclasses, their defaults, load / save / overrides. The
-typed-settings framework that reads them (`build_settings`, `Settings`, `setting`, the checks,
+Only the run's config lives here: the dataclasses, their defaults, load / save / overrides,
+and what a value alone can say: types, ranges and rules across fields. The names a config gives
+(log-prob kernel, rollout strategy, estimator, policy loss, KL estimator, trained modules) are
+resolved in their registries by `grpo.checks.check_config`, which every command runs right
+after `load_config`: this module imports no registry (tests/test_layers.py). The typed-settings
+framework that reads the dataclasses (`build_settings`, `Settings`, `setting`, the checks,
 `ConfigError`) is `grpo.settings`.
 """
 
@@ -20,17 +24,22 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import yaml
 
 from grpo.errors import GrpoError
 from grpo.io import read_text, write_text
 from grpo.plugins import load_plugins
-from grpo.settings import ConfigError, _build, _check, _coerce, _hints, setting, setting_key
-
-if TYPE_CHECKING:
-    import torch
+from grpo.settings import (
+    ConfigError,
+    build_settings,
+    coerce,
+    require,
+    setting,
+    setting_key,
+    type_hints,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +53,7 @@ def _check_seconds(value: float | None, key: str, nullable: bool = False) -> Non
         return
     ok = isinstance(value, int | float) and math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S
     extra = " or null" if nullable else ""
-    _check(ok, key, f"must be > 0 and at most {MAX_TIMEOUT_S:.0f} (seconds){extra}, got {value}")
+    require(ok, key, f"must be > 0 and at most {MAX_TIMEOUT_S:.0f} (seconds){extra}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -67,13 +76,7 @@ class ModelSourceConfig:
     logprob_impl: str = "auto"
 
     def __post_init__(self):
-        _check(bool(self.path), "model.path", "is required (a local directory or a hub id)")
-        import grpo_kernels  # torch only; never grpo
-
-        try:  # an unknown name or a path that does not import fails here, naming the field
-            grpo_kernels.get_logprob_impl(self.logprob_impl)
-        except ValueError as e:
-            raise ConfigError(f"model.logprob_impl: {e}", field="model.logprob_impl") from None
+        require(bool(self.path), "model.path", "is required (a local directory or a hub id)")
 
 
 @dataclass(frozen=True)
@@ -88,10 +91,10 @@ class LoRAConfig:
     adapter: str | None = None  # start from this adapter directory
 
     def __post_init__(self):
-        _check(self.rank > 0, "lora.rank", f"must be > 0, got {self.rank}")
-        _check(self.alpha > 0, "lora.alpha", f"must be > 0, got {self.alpha}")
-        _check(0 <= self.dropout < 1, "lora.dropout", f"must be in [0, 1), got {self.dropout}")
-        _check(len(self.targets) > 0, "lora.targets", "must name at least one module")
+        require(self.rank > 0, "lora.rank", f"must be > 0, got {self.rank}")
+        require(self.alpha > 0, "lora.alpha", f"must be > 0, got {self.alpha}")
+        require(0 <= self.dropout < 1, "lora.dropout", f"must be in [0, 1), got {self.dropout}")
+        require(len(self.targets) > 0, "lora.targets", "must name at least one module")
 
 
 @dataclass(frozen=True)
@@ -111,10 +114,10 @@ class DataConfig:
     seed: int = 0  # minimath only: which problems
 
     def __post_init__(self):
-        _check(self.max_prompt_len > 0, "data.max_prompt_len", "must be > 0")
+        require(self.max_prompt_len > 0, "data.max_prompt_len", "must be > 0")
         if self.max_samples is not None:
-            _check(self.max_samples > 0, "data.max_samples", "must be > 0")
-        _check(self.eval_samples >= 0, "data.eval_samples", "must be >= 0")
+            require(self.max_samples > 0, "data.max_samples", "must be > 0")
+        require(self.eval_samples >= 0, "data.eval_samples", "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -163,14 +166,14 @@ class ModuleConfig:
         return self.label or self.name.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
 
     def __post_init__(self):
-        _check(isinstance(self.name, str) and bool(self.name), "modules[].name", "must be a name")
+        require(isinstance(self.name, str) and bool(self.name), "modules[].name", "must be a name")
         if self.label is not None:
             ok = isinstance(self.label, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.label)
             want = "must be 1-64 characters of [A-Za-z0-9_.-]"
-            _check(bool(ok), "modules[].label", f"{want}, got {self.label!r}")
+            require(bool(ok), "modules[].label", f"{want}, got {self.label!r}")
         known = {f.name for f in fields(OptimConfig)}
         for k in self.optim:
-            _check(
+            require(
                 k in known,
                 f"modules[].optim.{k}",
                 f"unknown key; valid keys: {', '.join(sorted(known))}",
@@ -245,56 +248,50 @@ class RolloutConfig:
         return default_total_tokens(self.max_new_tokens, self.max_turns, self.max_obs_tokens)
 
     def __post_init__(self):
-        _check(self.group_size >= 2, "rollout.group_size", f"must be >= 2, got {self.group_size}")
-        _check(self.max_turns >= 1, "rollout.max_turns", f"must be >= 1, got {self.max_turns}")
-        _check(self.max_obs_tokens >= 1, "rollout.max_obs_tokens", "must be >= 1")
-        _check(
+        require(self.group_size >= 2, "rollout.group_size", f"must be >= 2, got {self.group_size}")
+        require(self.max_turns >= 1, "rollout.max_turns", f"must be >= 1, got {self.max_turns}")
+        require(self.max_obs_tokens >= 1, "rollout.max_obs_tokens", "must be >= 1")
+        require(
             0 < self.turn_discount <= 1,
             "rollout.turn_discount",
             f"must be in (0, 1], got {self.turn_discount}",
         )
-        _check(self.max_sampling_rounds >= 1, "rollout.max_sampling_rounds", "must be >= 1")
+        require(self.max_sampling_rounds >= 1, "rollout.max_sampling_rounds", "must be >= 1")
         if self.max_total_tokens is not None:
-            _check(
+            require(
                 self.max_total_tokens >= self.max_new_tokens,
                 "rollout.max_total_tokens",
                 f"must be >= rollout.max_new_tokens ({self.max_new_tokens})",
             )
-        _check(isinstance(self.env, str) and bool(self.env), "rollout.env", "must be a name")
-        _check(self.max_new_tokens > 0, "rollout.max_new_tokens", "must be > 0")
-        _check(
+        require(isinstance(self.env, str) and bool(self.env), "rollout.env", "must be a name")
+        require(self.max_new_tokens > 0, "rollout.max_new_tokens", "must be > 0")
+        require(
             self.max_rows >= 0,
             "rollout.max_rows",
             f"must be >= 0 (0 = every row at once), got {self.max_rows}",
         )
-        _check(self.temperature >= 0, "rollout.temperature", "must be >= 0")
-        _check(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)")
-        _check(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(0 <= self.min_p < 1, "rollout.min_p", f"must be in [0, 1), got {self.min_p}")
-        _check(
+        require(self.temperature >= 0, "rollout.temperature", "must be >= 0")
+        require(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)")
+        require(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+        require(0 <= self.min_p < 1, "rollout.min_p", f"must be in [0, 1), got {self.min_p}")
+        require(
             self.max_staleness >= 0,
             "rollout.max_staleness",
             f"must be >= 0, got {self.max_staleness}",
         )
-        _check(self.ranks >= 0, "rollout.ranks", f"must be >= 0, got {self.ranks}")
-        _check(
+        require(self.ranks >= 0, "rollout.ranks", f"must be >= 0, got {self.ranks}")
+        require(
             self.ranks == 0 or self.asynchronous,
             "rollout.ranks",
             f"{self.ranks} producer ranks need rollout.async: on",
         )
         _check_seconds(self.async_timeout_s, "rollout.async_timeout_s")
         _check_seconds(self.env_timeout_s, "rollout.env_timeout_s", nullable=True)
-        _check(
+        require(
             isinstance(self.strategy, str) and bool(self.strategy),
             "rollout.strategy",
             "must be a name",
         )
-        from grpo.experience.strategies import check_strategy  # lazy: the registry imports torch
-
-        try:  # an unknown name or parameter fails here, naming the field
-            check_strategy(self.strategy, self.strategy_kwargs)
-        except GrpoError as e:
-            raise ConfigError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -333,41 +330,37 @@ class LossConfig:
     num_iterations: int = 1  # mu: updates per rollout batch
 
     def __post_init__(self):
-        _check(self.beta >= 0, "loss.beta", f"must be >= 0, got {self.beta}")
-        _check(self.epsilon_low > 0, "loss.epsilon_low", f"must be > 0, got {self.epsilon_low}")
-        _check(self.epsilon_high > 0, "loss.epsilon_high", f"must be > 0, got {self.epsilon_high}")
-        _check(self.epsilon_low < 1, "loss.epsilon_low", "must be < 1")
+        require(self.beta >= 0, "loss.beta", f"must be >= 0, got {self.beta}")
+        require(self.epsilon_low > 0, "loss.epsilon_low", f"must be > 0, got {self.epsilon_low}")
+        require(self.epsilon_high > 0, "loss.epsilon_high", f"must be > 0, got {self.epsilon_high}")
+        require(self.epsilon_low < 1, "loss.epsilon_low", "must be < 1")
         if self.dual_clip is not None:
-            _check(self.dual_clip > 1, "loss.dual_clip", f"must be > 1, got {self.dual_clip}")
-        _check(self.advantage_eps > 0, "loss.advantage_eps", "must be > 0")
-        _check(self.num_iterations >= 1, "loss.num_iterations", "must be >= 1")
-        _check(self.kl_in_reward >= 0, "loss.kl_in_reward", f"must be >= 0: {self.kl_in_reward}")
-        _check(
+            require(self.dual_clip > 1, "loss.dual_clip", f"must be > 1, got {self.dual_clip}")
+        require(self.advantage_eps > 0, "loss.advantage_eps", "must be > 0")
+        require(self.num_iterations >= 1, "loss.num_iterations", "must be >= 1")
+        require(self.kl_in_reward >= 0, "loss.kl_in_reward", f"must be >= 0: {self.kl_in_reward}")
+        require(
             0 < self.token_discount <= 1,
             "loss.token_discount",
             f"must be in (0, 1], got {self.token_discount}",
         )
-        _check(
+        require(
             0 <= self.gae_lambda <= 1,
             "loss.gae_lambda",
             f"must be in [0, 1], got {self.gae_lambda}",
         )
-        _check(self.entropy_coef >= 0, "loss.entropy_coef", "must be >= 0")
+        require(self.entropy_coef >= 0, "loss.entropy_coef", "must be >= 0")
         if self.tis_cap is not None:
-            _check(self.tis_cap >= 1, "loss.tis_cap", f"must be >= 1 (or null), got {self.tis_cap}")
+            require(
+                self.tis_cap >= 1, "loss.tis_cap", f"must be >= 1 (or null), got {self.tis_cap}"
+            )
         for name in ("log_ratio_clamp", "kl_clamp"):
             value = getattr(self, name)
             if value is not None:
-                _check(value > 0, f"loss.{name}", f"must be > 0 (or null), got {value}")
+                require(value > 0, f"loss.{name}", f"must be > 0 (or null), got {value}")
         for name in ("advantage", "policy_loss", "kl_estimator"):
             value = getattr(self, name)
-            _check(isinstance(value, str) and bool(value), f"loss.{name}", "must be a name")
-        from grpo.algo import check_algorithm  # lazy: the registries import torch
-
-        try:  # unknown names and parameters fail here, naming the field
-            check_algorithm(self)
-        except GrpoError as e:
-            raise ConfigError(str(e)) from None
+            require(isinstance(value, str) and bool(value), f"loss.{name}", "must be a name")
 
     @property
     def needs_reference(self) -> bool:
@@ -394,31 +387,31 @@ class OptimConfig:
             values = getattr(self, name)
             for v in values if isinstance(values, tuple) else (values,):
                 ok = v is None or math.isfinite(v)
-                _check(ok, f"optim.{name}", f"must be a finite number, got {values}")
-        _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
+                require(ok, f"optim.{name}", f"must be a finite number, got {values}")
+        require(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
         # AdamW moves every weight by about lr per update (|m/sqrt(v)| ~ 1): above 1 one update
         # outgrows the weights themselves (fine-tuning uses 1e-7 .. 1e-3) and they soon overflow
-        _check(
+        require(
             self.lr <= 1,
             "optim.lr",
             f"must be <= 1 (AdamW moves every weight by about lr per update), got {self.lr:g}",
         )
-        _check(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        require(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
         # decoupled decay multiplies the weights by 1 - lr * weight_decay every update
         factor = 1 - self.lr * self.weight_decay
-        _check(
+        require(
             factor > 0,
             "optim.weight_decay",
             f"times optim.lr must be < 1 (each update multiplies the weights by 1 - lr * "
             f"weight_decay = {factor:g}), got {self.weight_decay:g}",
         )
-        _check(self.eps > 0, "optim.eps", f"must be > 0, got {self.eps}")
+        require(self.eps > 0, "optim.eps", f"must be > 0, got {self.eps}")
         ok = all(0 <= b < 1 for b in self.betas)
-        _check(ok, "optim.betas", f"must both be in [0, 1), got {list(self.betas)}")
-        _check(0 <= self.warmup_ratio < 1, "optim.warmup_ratio", "must be in [0, 1)")
-        _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
+        require(ok, "optim.betas", f"must both be in [0, 1), got {list(self.betas)}")
+        require(0 <= self.warmup_ratio < 1, "optim.warmup_ratio", "must be in [0, 1)")
+        require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
         if self.max_grad_norm is not None:
-            _check(self.max_grad_norm > 0, "optim.max_grad_norm", "must be > 0 (or null)")
+            require(self.max_grad_norm > 0, "optim.max_grad_norm", "must be > 0 (or null)")
 
 
 @dataclass(frozen=True)
@@ -494,49 +487,49 @@ class TrainConfig:
     fsdp_offload: bool = False
 
     def __post_init__(self):
-        _check(self.max_steps > 0, "train.max_steps", f"must be > 0, got {self.max_steps}")
-        _check(self.batch_size > 0, "train.batch_size", f"must be > 0, got {self.batch_size}")
+        require(self.max_steps > 0, "train.max_steps", f"must be > 0, got {self.max_steps}")
+        require(self.batch_size > 0, "train.batch_size", f"must be > 0, got {self.batch_size}")
         if self.epochs is not None:
-            _check(self.epochs > 0, "train.epochs", "must be > 0")
+            require(self.epochs > 0, "train.epochs", "must be > 0")
         mb = self.micro_batch_size
         if mb is not None:
-            _check(mb > 0, "train.micro_batch_size", "must be > 0")
-            _check(
+            require(mb > 0, "train.micro_batch_size", "must be > 0")
+            require(
                 self.batch_size % mb == 0,
                 "train.micro_batch_size",
                 f"must divide train.batch_size ({self.batch_size}), got {mb}",
             )
         if self.micro_batch_tokens is not None:
-            _check(self.micro_batch_tokens > 0, "train.micro_batch_tokens", "must be > 0")
-            _check(
+            require(self.micro_batch_tokens > 0, "train.micro_batch_tokens", "must be > 0")
+            require(
                 mb is None, "train.micro_batch_tokens", "set it or train.micro_batch_size, not both"
             )
-            _check(
+            require(
                 self.pack_sequences != "off",
                 "train.micro_batch_tokens",
                 "cuts packed micro-batches: needs train.pack_sequences on or auto",
             )
-        _check(self.log_every >= 1, "train.log_every", f"must be >= 1, got {self.log_every}")
+        require(self.log_every >= 1, "train.log_every", f"must be >= 1, got {self.log_every}")
         for name in ("eval_every", "save_every", "sample_every"):
-            _check(getattr(self, name) >= 0, f"train.{name}", "must be >= 0")
-        _check(self.keep_last >= 1, "train.keep_last", "must be >= 1")
-        _check(self.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", "must be >= 1")
-        _check(self.stall_steps >= 0, "train.stall_steps", "must be >= 0 (0 = no checks)")
-        _check(self.critic_warmup_steps >= 0, "train.critic_warmup_steps", "must be >= 0")
-        _check(
+            require(getattr(self, name) >= 0, f"train.{name}", "must be >= 0")
+        require(self.keep_last >= 1, "train.keep_last", "must be >= 1")
+        require(self.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", "must be >= 1")
+        require(self.stall_steps >= 0, "train.stall_steps", "must be >= 0 (0 = no checks)")
+        require(self.critic_warmup_steps >= 0, "train.critic_warmup_steps", "must be >= 0")
+        require(
             not self.stop_on_stall or self.stall_steps > 0,
             "train.stop_on_stall",
             "needs train.stall_steps > 0 (0 turns the checks off)",
         )
         _check_seconds(self.dist_timeout_s, "train.dist_timeout_s")
         out = str(self.output_dir).strip()
-        _check(
+        require(
             out not in ("", ".", "./") and Path(out).expanduser().resolve() != Path("/"),
             "train.output_dir",
             f"must name a directory of its own for the run, got {out!r} (the run would write "
             "its checkpoints and final/ into the current directory or the root)",
         )
-        _check(
+        require(
             self.parallel == "fsdp" or not self.fsdp_offload,
             "train.fsdp_offload",
             "needs train.parallel: fsdp (DDP keeps whole copies on every rank's device)",
@@ -559,9 +552,9 @@ class EvalConfig:
     sft_accuracy_threshold: float = 0.0  # pipeline: stop after SFT below this
 
     def __post_init__(self):
-        _check(self.k >= 1, "eval.k", "must be >= 1")
-        _check(self.batch_size >= 1, "eval.batch_size", "must be >= 1")
-        _check(0 <= self.sft_accuracy_threshold <= 1, "eval.sft_accuracy_threshold", "in [0, 1]")
+        require(self.k >= 1, "eval.k", "must be >= 1")
+        require(self.batch_size >= 1, "eval.batch_size", "must be >= 1")
+        require(0 <= self.sft_accuracy_threshold <= 1, "eval.sft_accuracy_threshold", "in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -578,7 +571,9 @@ class LogConfig:
     kl_every: int = 0
 
     def __post_init__(self):
-        _check(self.kl_every >= 0, "log.kl_every", f"must be >= 0 (0 = never), got {self.kl_every}")
+        require(
+            self.kl_every >= 0, "log.kl_every", f"must be >= 0 (0 = never), got {self.kl_every}"
+        )
 
 
 @dataclass(frozen=True)
@@ -598,11 +593,11 @@ class RewardModelConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self):
-        _check(self.max_length > 1, "rm.max_length", f"must be > 1, got {self.max_length}")
+        require(self.max_length > 1, "rm.max_length", f"must be > 1, got {self.max_length}")
         ok = math.isfinite(self.center_coef) and self.center_coef >= 0
-        _check(ok, "rm.center_coef", f"must be >= 0, got {self.center_coef}")
+        require(ok, "rm.center_coef", f"must be >= 0, got {self.center_coef}")
         if self.pad_token_id is not None:
-            _check(self.pad_token_id >= 0, "rm.pad_token_id", "must be >= 0 or null")
+            require(self.pad_token_id >= 0, "rm.pad_token_id", "must be >= 0 or null")
 
 
 @dataclass(frozen=True)
@@ -628,61 +623,56 @@ class Config:
     plugins: tuple[str, ...] = ()
 
     def __post_init__(self):
-        _check(len(self.rewards) > 0, "rewards", "needs at least one reward function")
+        require(len(self.rewards) > 0, "rewards", "needs at least one reward function")
 
     def check_grpo(self) -> Config:
-        """The rules only GRPO has (SFT configs need not follow them); returns self."""
-        from grpo.modules.module_set import check_trained_module  # lazy: imports torch
-
-        for i, spec in enumerate(self.modules):  # an unknown factory or keyword, named
-            try:
-                check_trained_module(spec, i)
-            except GrpoError as e:
-                raise ConfigError(str(e)) from None
+        """The rules across fields only GRPO has (SFT configs need not follow them); returns
+        self. The names a GRPO run resolves (its trained modules among them) are checked by
+        `grpo.checks.check_config(cfg, "grpo")`, which calls this."""
         G = self.rollout.group_size
         mb = self.train.micro_batch_size or self.train.batch_size
-        _check(
+        require(
             not (self.lora.enabled and self.lora.dropout > 0),
             "lora.dropout",
             f"must be 0 for GRPO (got {self.lora.dropout}): the sampler runs without dropout, so "
             "the trainer's first-pass ratio to it would not be 1 (SFT may use dropout)",
         )
-        _check(
+        require(
             self.train.shared_prefix != "on" or mb % G == 0,
             "train.shared_prefix",
             f"'on' needs micro-batches of whole groups: train.micro_batch_size ({mb}) is not "
             f"divisible by rollout.group_size ({G})",
         )
-        _check(
+        require(
             self.train.batch_size % G == 0,
             "train.batch_size",
             f"GRPO needs whole groups: {self.train.batch_size} is not divisible by "
             f"rollout.group_size ({G})",
         )
-        _check(
+        require(
             self.train.parallel != "fsdp" or self.rollout.compile != "on",
             "rollout.compile",
             "'on' cannot run under train.parallel: fsdp (the sampler reads the gathered weights "
             "through FSDP's hooks, eagerly); set rollout.compile: auto or off",
         )
-        _check(
+        require(
             not (self.rollout.asynchronous and self.train.parallel == "fsdp"),
             "rollout.async",
             "'on' cannot run under train.parallel: fsdp yet (a producer needs whole weights); "
             "use train.parallel: ddp",
         )
-        _check(
+        require(
             not self.train.critic_warmup_steps or bool(self.modules),
             "train.critic_warmup_steps",
             "needs a module to train during the warm-up (modules:, e.g. [{name: critic}])",
         )
         if self.loss.advantage == "gae":
-            _check(
+            require(
                 bool(self.modules),
                 "loss.advantage",
                 "'gae' needs a value model: add modules: [{name: critic}] (docs/algorithm.md)",
             )
-            _check(
+            require(
                 self.rollout.turn_discount == 1.0,
                 "rollout.turn_discount",
                 f"must be 1 with loss.advantage: gae ({self.rollout.turn_discount}): GAE "
@@ -701,18 +691,6 @@ class Config:
         if mode == "off" or (mb % G and self.train.micro_batch_tokens is None):
             return None  # token budgets cut whole groups
         return G
-
-    def packs_sequences(self, device: torch.device | str) -> bool:
-        """Whether the training passes on `device` pack each micro-batch's rows
-        (train.pack_sequences; auto: where the recorded measurement found it faster,
-        `grpo.models.varlen.PACKING_COSTS`: a CPU, not CUDA; docs/benchmarks.md)."""
-        from grpo.models.varlen import packs_by_default
-
-        mode = self.train.pack_sequences
-        if mode == "auto":
-            device_type = str(device).split(":")[0]
-            return self.train.micro_batch_tokens is not None or packs_by_default(device_type)
-        return mode == "on"
 
 
 # --------------------------------------------------------------------------- loading
@@ -738,7 +716,7 @@ def _set_dotted(data: dict, dotted: str, value: Any) -> None:
         if i == len(parts) - 1:
             node[key] = value
             return
-        cls = _hints(cls)[keys[key]]
+        cls = type_hints(cls)[keys[key]]
         child = node.get(key)
         if not isinstance(child, dict):
             child = {}
@@ -777,10 +755,11 @@ def load_config(
             the result, so a run's saved config imports them again).
 
     Returns:
-        the frozen `Config`. Raises `ConfigError` naming the dotted field on any problem
-        (a plugin that fails to import: `plugins[i]: cannot import ...`). The installed
-        entry-point plugins and then the config's `plugins` are imported before anything else
-        is checked (grpo/plugins.py).
+        the frozen `Config`, its types and ranges checked. Raises `ConfigError` naming the
+        dotted field on any problem (a plugin that fails to import: `plugins[i]: cannot import
+        ...`). The installed entry-point plugins and then the config's `plugins` are imported
+        before anything else is checked (grpo/plugins.py), so the names they register resolve
+        in `grpo.checks.check_config(cfg)`, the check of the names that follows.
     """
     data: dict = json.loads(json.dumps(base)) if base else {}
     if path is not None:
@@ -805,13 +784,13 @@ def load_config(
     for key, value in parsed:
         _set_dotted(data, key, value)
     _max_steps_wins(data, {key for key, _ in parsed})
-    listed = _coerce(data.get("plugins", []), tuple[str, ...], "plugins")
+    listed = coerce(data.get("plugins", []), tuple[str, ...], "plugins")
     data["plugins"] = [*listed, *(p for p in plugins if p not in listed)]
     try:  # first: loss, reward and environment names may be theirs
         load_plugins(data["plugins"])
     except GrpoError as e:
         raise ConfigError(str(e)) from None
-    return _build(Config, data)
+    return build_settings(Config, data)
 
 
 def _max_steps_wins(data: dict, overridden: set[str]) -> None:

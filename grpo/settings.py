@@ -12,6 +12,10 @@ raises a `ConfigError` (a `FieldError`) of one line, `job.temperature: must be i
 missing required fields and failed checks all fail the same way: one line naming the dotted
 field and what was expected. The run config (`grpo.config`) and the applications' settings
 (demo, sweep, pipeline, tool, serve) are all read by `build_settings`.
+
+For a reader of its own (the run config's dotted overrides): `require(ok, field, problem)`
+(a rule across fields, in `__post_init__`), `coerce(value, tp, field)` (one value as a field
+of annotation `tp` reads it) and `type_hints(cls)` (a settings class's resolved annotations).
 """
 
 from __future__ import annotations
@@ -48,9 +52,11 @@ class FieldError(ConfigError):
     `build_settings` puts the dotted path of a nested one in front."""
 
 
-def _check(cond: bool, name: str, msg: str) -> None:
-    if not cond:
-        raise ConfigError(f"{name}: {msg}", field=name)
+def require(ok: bool, name: str, problem: str) -> None:
+    """A rule across fields, or one `setting(check=)` cannot say: unless `ok`, a `ConfigError`
+    of one line, ``name: problem``, naming the dotted field (`.field == name`)."""
+    if not ok:
+        raise ConfigError(f"{name}: {problem}", field=name)
 
 
 def brief_repr(value: Any, limit: int = 80) -> str:
@@ -172,9 +178,11 @@ def _expect(ok: bool, name: str, what: str, value: Any) -> None:
         raise ConfigError(f"{name}: {what}, got {brief_repr(value)}", field=name)
 
 
-def _coerce(value: Any, tp: Any, name: str, nulls: bool = False) -> Any:
-    """Check `value` against the annotation `tp`, converting lists to tuples and ints to floats
-    (`nulls`: `build_settings`'s null_is_default, for nested settings)."""
+def coerce(value: Any, tp: Any, name: str, nulls: bool = False) -> Any:
+    """One value read as a field annotated `tp` would be (what `build_settings` does to each
+    field): checked against the annotation, lists converted to tuples and ints to floats,
+    nested dataclasses built; a mismatch is a `ConfigError` naming `name` (the dotted field).
+    `nulls`: `build_settings`'s null_is_default, for nested settings."""
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
@@ -185,7 +193,7 @@ def _coerce(value: Any, tp: Any, name: str, nulls: bool = False) -> Any:
         errors = []
         for arg in args:
             try:
-                return _coerce(value, arg, name, nulls)
+                return coerce(value, arg, name, nulls)
             except ConfigError as e:
                 errors.append(e)
         deeper = [e for e in errors if e.field != name]  # got past an alternative's outer type
@@ -203,10 +211,10 @@ def _coerce(value: Any, tp: Any, name: str, nulls: bool = False) -> Any:
         args = typing.get_args(tp)
         _expect(isinstance(value, (list, tuple)), name, "expected a list", value)
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(v, args[0], f"{name}[{i}]", nulls) for i, v in enumerate(value))
-        _check(len(value) == len(args), name, f"expected {len(args)} values, got {len(value)}")
+            return tuple(coerce(v, args[0], f"{name}[{i}]", nulls) for i, v in enumerate(value))
+        require(len(value) == len(args), name, f"expected {len(args)} values, got {len(value)}")
         items = enumerate(zip(value, args))
-        return tuple(_coerce(v, a, f"{name}[{i}]", nulls) for i, (v, a) in items)
+        return tuple(coerce(v, a, f"{name}[{i}]", nulls) for i, (v, a) in items)
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
@@ -264,9 +272,9 @@ def build_settings(cls, data: dict, prefix: str = "", *, null_is_default: bool =
 
 
 @functools.cache
-def _hints(cls) -> dict[str, Any]:
-    """The resolved annotations of a settings class (evaluated once: strings under
-    `from __future__ import annotations`)."""
+def type_hints(cls) -> dict[str, Any]:
+    """The resolved annotations of a settings class, field name -> type (evaluated once:
+    strings under `from __future__ import annotations`); what `coerce` takes as `tp`."""
     return typing.get_type_hints(cls)
 
 
@@ -275,7 +283,7 @@ def _admits_none(tp: Any) -> bool:
 
 
 def _build(cls, data: dict, prefix: str = "", nulls: bool = False):
-    hints = _hints(cls)
+    hints = type_hints(cls)
     if nulls:  # a null for a field that cannot hold one: the default (unknown keys stay)
         data = {k: v for k, v in data.items() if v is not None or _admits_none(hints.get(k, Any))}
     fields = {setting_key(f): f for f in dataclasses.fields(cls) if f.init}
@@ -290,7 +298,7 @@ def _build(cls, data: dict, prefix: str = "", nulls: bool = False):
     kwargs = {}
     for key, value in data.items():
         name = fields[key].name
-        kwargs[name] = _coerce(value, hints[name], f"{where}{key}", nulls)
+        kwargs[name] = coerce(value, hints[name], f"{where}{key}", nulls)
     required = [
         n
         for n, f in fields.items()

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from grpo.checks import check_config
 from grpo.config import config_to_dict, load_config, save_config
 from grpo.settings import (
     ConfigError,
@@ -98,8 +99,10 @@ def test_round_trip(cfg_file, tmp_path):
     ],
 )
 def test_bad_values_name_the_field(cfg_file, override, pattern):
+    # load_config checks types and ranges; check_config, which every command runs next, the
+    # names in their registries (loss.kl_estimator)
     with pytest.raises(ConfigError, match=pattern):
-        load_config(cfg_file, [override])
+        check_config(load_config(cfg_file, [override]))
 
 
 def test_rewards_and_environments_have_a_time_limit_by_default(cfg_file):

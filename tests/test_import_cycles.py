@@ -1,6 +1,7 @@
-"""No module of `grpo/` imports in a cycle: the import graph of the package (module-level and
-function-level imports alike: a lazy import only hides a cycle) has no strongly connected
-component of more than one module. `import a.b.c` also imports the packages a and a.b (their
+"""No module of `grpo/` imports in a cycle: the import graph of the package (module-level,
+function-level and `if TYPE_CHECKING:` imports alike: a lazy import only hides a cycle, and a
+type-only one is still a loop in the design) has no strongly connected component of more than
+one module. `import a.b.c` also imports the packages a and a.b (their
 __init__), except the importing module's own ancestors, which Python has already started."""
 
 from __future__ import annotations
@@ -21,15 +22,6 @@ def modules(root: Path) -> dict[str, Path]:
     return out
 
 
-def _type_checking_only(node: ast.AST, parents: dict) -> bool:
-    """Inside `if TYPE_CHECKING:` (never run)."""
-    while node in parents:
-        node = parents[node]
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            return True
-    return False
-
-
 def import_graph(root: Path) -> dict[str, set[str]]:
     """module -> the grpo modules it imports (nearest existing module of each dotted name)."""
     mods = modules(root)
@@ -45,12 +37,9 @@ def import_graph(root: Path) -> dict[str, set[str]]:
     edges: dict[str, set[str]] = {m: set() for m in mods}
     for m, path in mods.items():
         tree = ast.parse(path.read_text())
-        parents = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
         pkg = m if path.name == "__init__.py" else m.rpartition(".")[0]
         for node in ast.walk(tree):
             if not isinstance(node, (ast.Import, ast.ImportFrom)):
-                continue
-            if _type_checking_only(node, parents):
                 continue
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
@@ -132,13 +121,18 @@ def test_the_finder_sees_a_cycle(tmp_path):
     )
     edges = import_graph(pkg)
     assert edges["grpo.sub.b"] == {"grpo.sub.a"}
-    assert edges["grpo.c"] == set()  # TYPE_CHECKING imports never run
+    assert edges["grpo.c"] == {"grpo.sub", "grpo.sub.a"}  # TYPE_CHECKING imports count
     assert cycles(edges) == [["grpo.sub.a", "grpo.sub.b"]]
     (pkg / "sub" / "b.py").write_text("def g():\n    pass\n")
     assert cycles(import_graph(pkg)) == []
     # a submodule importing a name from its own package's __init__, which imports it back
     (pkg / "sub" / "b.py").write_text("from grpo.sub import f\n")
     assert cycles(import_graph(pkg)) == [["grpo.sub", "grpo.sub.a", "grpo.sub.b"]]
+    # a type-only import that closes a loop is a cycle too
+    (pkg / "sub" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from grpo.c import X\n"
+    )
+    assert cycles(import_graph(pkg)) == [["grpo.c", "grpo.sub", "grpo.sub.a", "grpo.sub.b"]]
 
 
 def test_no_module_of_grpo_imports_in_a_cycle():

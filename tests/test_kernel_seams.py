@@ -18,6 +18,7 @@ from conftest import LENGTH_REWARD, docs_example, write_package
 import grpo_kernels
 from benchmarks import bench_logprobs
 from grpo.apps import cli
+from grpo.checks import check_config
 from grpo.config import load_config
 from grpo.settings import ConfigError
 from grpo.testing import ConformanceError, check_logprob_impl
@@ -144,10 +145,15 @@ def test_training_calls_the_configured_kernel(my_pkg, shared_tiny_model, monkeyp
 
 
 def test_config_names_a_bad_kernel(shared_tiny_model):
+    def checked(impl: str):
+        return check_config(
+            load_config(TINY, [f"model.path={shared_tiny_model}", f"model.logprob_impl={impl}"])
+        )
+
     with pytest.raises(ConfigError, match="model.logprob_impl: unknown log-prob impl 'nope'"):
-        load_config(TINY, [f"model.path={shared_tiny_model}", "model.logprob_impl=nope"])
+        checked("nope")
     with pytest.raises(ConfigError, match="model.logprob_impl: log-prob impl 'no_such.mod:f'"):
-        load_config(TINY, [f"model.path={shared_tiny_model}", "model.logprob_impl=no_such.mod:f"])
+        checked("no_such.mod:f")
 
 
 def test_the_benchmark_times_an_outside_kernel_beside_the_built_ins(my_pkg, tmp_path):

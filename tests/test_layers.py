@@ -124,6 +124,31 @@ def test_only_the_recipes_live_in_train_and_nothing_imports_them():
     assert not bad, bad
 
 
+def test_the_config_imports_no_registry():
+    """grpo/config.py holds types and ranges: it imports nothing of the registries' packages
+    (grpo_kernels, grpo.algo, grpo.train) nor the models, lazily or not, and no private name
+    of grpo.settings; the names a config gives are checked by grpo/checks.py."""
+    path = GRPO / "config.py"
+    banned = (
+        "grpo_kernels",
+        "grpo.algo",
+        "grpo.train",
+        "grpo.experience",
+        "grpo.modules",
+        "grpo.models",
+    )
+    bad = [
+        f"{path.relative_to(REPO)}:{line} imports {module}"
+        for line, module in imported_modules(path.read_text(), module_name(path))
+        if any(module == b or module.startswith(b + ".") for b in banned)
+        or module.startswith("grpo.settings._")
+    ]
+    assert not bad, bad
+    planted = "def f():\n    import grpo_kernels\n    from grpo.settings import _build\n"
+    found = [m for _, m in imported_modules(planted, "grpo.config")]
+    assert "grpo_kernels" in found and "grpo.settings._build" in found  # the scan sees them
+
+
 def test_the_core_never_imports_the_kit_and_the_kit_no_app():
     scans = [(core_files(), is_kit), (sorted(KIT.rglob("*.py")), is_app)]
     bad = [

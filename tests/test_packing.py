@@ -408,13 +408,14 @@ def test_packing_costs_are_recorded_per_device_type_and_decide_auto(monkeypatch,
         assert cost.bucket_macs > 0 and cost.source and "benchmarks/results/" in cost.source
         want = cost.packed_vs_padded is not None and cost.packed_vs_padded < 1
         assert varlen.packs_by_default(device_type) == want
-    cfg = load_config(base={"model": {"path": str(tmp_path)}})
-    assert cfg.packs_sequences("cpu") and not cfg.packs_sequences("cuda")
+    mode = load_config(base={"model": {"path": str(tmp_path)}}).train.pack_sequences  # auto
+    assert varlen.packs_sequences(mode, "cpu") and not varlen.packs_sequences(mode, "cuda")
     monkeypatch.setitem(
         varlen.PACKING_COSTS, "cuda", varlen.PackingCost(10**9, 0.8, "a later measurement")
     )
     assert (
-        cfg.packs_sequences("cuda:1") and varlen.bucket_overhead(16, 128, "cuda") == 10**9 // 2048
+        varlen.packs_sequences(mode, "cuda:1")
+        and varlen.bucket_overhead(16, 128, "cuda") == 10**9 // 2048
     )
     monkeypatch.undo()
     # 16 rows of the benchmark's GSM8K spread (lognormal, median 90, capped at 256), own
@@ -432,18 +433,22 @@ def test_config_says_where_packing_runs(tmp_path):
     """auto packs where it was measured faster (a CPU) and wherever a token budget is set;
     a budget with micro_batch_size, or with packing off, is one line naming the field."""
     from grpo.config import load_config
+    from grpo.models.varlen import packs_sequences
     from grpo.settings import ConfigError
 
     def cfg(*over):
         return load_config(base={"model": {"path": str(tmp_path)}}, overrides=list(over))
 
+    def packs(c, device) -> bool:  # what the trainers ask
+        return packs_sequences(c.train.pack_sequences, device, c.train.micro_batch_tokens)
+
     auto = cfg()
     assert auto.train.pack_sequences == "auto"
-    assert auto.packs_sequences("cpu") and not auto.packs_sequences("cuda:0")
-    assert cfg("train.micro_batch_tokens=4096").packs_sequences("cuda")
-    assert cfg("train.pack_sequences=on").packs_sequences("cuda")
-    assert not cfg("train.pack_sequences=off").packs_sequences("cpu")
-    assert not auto.packs_sequences("mps")  # nothing measured there: padded
+    assert packs(auto, "cpu") and not packs(auto, "cuda:0")
+    assert packs(cfg("train.micro_batch_tokens=4096"), "cuda")
+    assert packs(cfg("train.pack_sequences=on"), "cuda")
+    assert not packs(cfg("train.pack_sequences=off"), "cpu")
+    assert not packs(auto, "mps")  # nothing measured there: padded
     with pytest.raises(
         ConfigError, match="train.micro_batch_tokens: set it or train.micro_batch_size, not both"
     ):

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from grpo.algo.advantages import EstimatorRollout, compute_advantages, gae_returns
 from grpo.algo.losses import value_loss
+from grpo.checks import check_config
 from grpo.config import load_config
 from grpo.distributed import SINGLE
 from grpo.errors import GrpoError
@@ -307,7 +308,7 @@ def test_a_critic_starts_from_a_reward_model_head(shared_tiny_model, tmp_path):
 )
 def test_ppo_settings_that_cannot_work_are_named(shared_tiny_model, over, field):
     with pytest.raises(ConfigError) as e:
-        load_config(
+        cfg = load_config(
             TINY,
             [
                 f"model.path={shared_tiny_model}",
@@ -315,7 +316,8 @@ def test_ppo_settings_that_cannot_work_are_named(shared_tiny_model, over, field)
                 "modules=[{name: critic}]",
                 *over,
             ],
-        ).check_grpo()
+        )
+        check_config(cfg, "grpo")
     assert field in str(e.value)
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import LENGTH_REWARD, docs_example, torchrun_train, write_package
 
+from grpo.checks import check_config
 from grpo.config import load_config
 from grpo.errors import GrpoError
 from grpo.experience.batch import derive_seed
@@ -138,17 +139,14 @@ def test_a_wrong_shape_and_an_unknown_strategy_are_named(setup, shared_tiny_mode
     want = "'test_half' returned 6 rows in groups of 2; expected 3 groups of rollout.group_size=4"
     with pytest.raises(GrpoError, match=want):
         run_strategy(bad, sampling(), rows, 0, 0)
+
+    def checked(*overrides: str):
+        return check_config(load_config(TINY, [f"model.path={shared_tiny_model}", *overrides]))
+
     with pytest.raises(ConfigError, match="rollout.strategy: unknown rollout strategy 'nope'"):
-        load_config(TINY, [f"model.path={shared_tiny_model}", "rollout.strategy=nope"])
+        checked("rollout.strategy=nope")
     with pytest.raises(ConfigError, match="'kk' is not a parameter of rollout strategy"):
-        load_config(
-            TINY,
-            [
-                f"model.path={shared_tiny_model}",
-                "rollout.strategy=default",
-                "rollout.strategy_kwargs={kk: 1}",
-            ],
-        )
+        checked("rollout.strategy=default", "rollout.strategy_kwargs={kk: 1}")
 
 
 # -- docs/extending.md's strategies, through grpo train ---------------------------------------

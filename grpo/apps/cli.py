@@ -29,8 +29,9 @@ def cmd_config(args) -> int:
 
 
 def check_before_model(cfg, trainer: str) -> None:
-    """What `grpo train` (trainer "grpo") or `grpo sft` checks before it loads the model, by the
-    same functions: the GRPO rules, the environments and their kwargs, the reward names and
+    """What `grpo train` (trainer "grpo"), `grpo sft` or `grpo rm` checks before it loads the
+    model, by the same functions: the names in their registries and the GRPO rules
+    (`grpo.checks.check_config`), the environments and their kwargs, the reward names and
     parameters, then the preflight (output directory, token budgets against the context, LoRA
     shapes, generated-data caps, memory estimate). The preflight reads the checkpoint's
     config.json, so it runs only when model.path exists on this machine: `grpo config` never
@@ -42,11 +43,13 @@ def check_before_model(cfg, trainer: str) -> None:
     """
     from pathlib import Path
 
+    from grpo.checks import check_config
+
+    check_config(cfg, trainer)
     if trainer == "grpo":
         from grpo.envs import env_factory
         from grpo.rewards import build_rewards
 
-        cfg.check_grpo()
         if cfg.rollout.multi_turn:
             env_factory(cfg.rollout.env, cfg.rollout.env_kwargs)
         if cfg.eval.env:

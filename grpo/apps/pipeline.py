@@ -42,6 +42,7 @@ from typing import Any
 
 import yaml
 
+from grpo.checks import check_config
 from grpo.config import Config, load_config
 from grpo.errors import GrpoError, SignalStop
 from grpo.eval import comparison_table, evaluate_config
@@ -159,8 +160,8 @@ def _route_overrides(overrides: list[str]) -> tuple[dict, list[str], list[str]]:
 def _stage_config(
     name: str, data: dict, overrides: list[str], out_dir: Path, plugins: Sequence[str] = ()
 ) -> Config:
-    try:
-        cfg = load_config(None, overrides, base=data, plugins=plugins)
+    try:  # the stage's names and, for grpo, its rules: checked now, not after SFT has run
+        cfg = check_config(load_config(None, overrides, base=data, plugins=plugins), name)
     except ConfigError as e:
         raise ConfigError(f"{name}: {e}") from None
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=str(out_dir)))
@@ -197,10 +198,6 @@ def load_pipeline_config(
     grpo_dict = _deep_merge(base, grpo_data)
     grpo_dict["model"] = {**(grpo_dict.get("model") or {}), "path": sft.model.path, "adapter": None}
     grpo = _stage_config("grpo", grpo_dict, grpo_file_over + grpo_over, out_dir / "grpo", plugins)
-    try:  # checked now, not after SFT has run
-        grpo.check_grpo()
-    except ConfigError as e:
-        raise ConfigError(f"grpo: {e}") from None
     model = dataclasses.replace(
         grpo.model, path=sft.model.path, tokenizer=sft.model.tokenizer, adapter=None
     )

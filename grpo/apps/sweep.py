@@ -169,10 +169,12 @@ class SweepSetup:
     plugins: tuple[str, ...] = ()  # the CLI's --plugin, added to every trial's config
 
     def trial_config(self, params: dict, trial_dir: Path):
+        from grpo.checks import check_config  # lazy: the registries import torch
+
         items = [*self.overrides, *(_override(k, v) for k, v in params.items())]
         items.append(_override("train.output_dir", str(trial_dir)))
         try:
-            return load_config(self.config, items, plugins=self.plugins)
+            return check_config(load_config(self.config, items, plugins=self.plugins))
         except ConfigError as e:
             raise GrpoError(f"trial {params}: {e}") from None
 

@@ -525,6 +525,7 @@ class RLTrainingTool:
         return d
 
     def _train(self, p: Train) -> dict:
+        from grpo.checks import check_config
         from grpo.config import load_config
         from grpo.settings import ConfigError
         from grpo.train.sft import train_sft
@@ -561,7 +562,7 @@ class RLTrainingTool:
         if not sft:
             d["rewards"] = self._rewards(p, dataset)
         try:
-            cfg = load_config(None, p.config_overrides, base=d)
+            cfg = check_config(load_config(None, p.config_overrides, base=d))
         except ConfigError as e:
             where = "config_overrides" if p.config_overrides else "params"
             raise ToolError(where, str(e)) from None
@@ -651,6 +652,7 @@ class RLTrainingTool:
         return out
 
     def _evaluate(self, p: Evaluate) -> dict:
+        from grpo.checks import check_config
         from grpo.config import load_config
         from grpo.eval import evaluate_config
 
@@ -661,7 +663,7 @@ class RLTrainingTool:
         d = self._config(p, TrainedModel(spec.path, (), spec.tokenizer), dataset)
         d["data"]["eval_samples"] = 0
         d["rewards"] = self._rewards(p, dataset)
-        cfg = load_config(None, base=d)
+        cfg = check_config(load_config(None, base=d))
         s = evaluate_config(cfg, spec, details=True)
         samples = s.pop("samples")
         result = {

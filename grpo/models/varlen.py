@@ -75,6 +75,24 @@ def packs_by_default(device_type: str) -> bool:
     return cost is not None and cost.packed_vs_padded is not None and cost.packed_vs_padded < 1
 
 
+def packs_sequences(
+    mode: str, device: torch.device | str, micro_batch_tokens: int | None = None
+) -> bool:
+    """Whether the training passes on `device` pack each micro-batch's rows.
+
+    Args:
+        mode: train.pack_sequences: on | off | auto (where the recorded measurement found it
+            faster, `packs_by_default`: a CPU, not CUDA; docs/benchmarks.md).
+        device: where the passes run.
+        micro_batch_tokens: train.micro_batch_tokens; a token budget cuts packed
+            micro-batches, so auto packs wherever one is set.
+    """
+    if mode == "auto":
+        device_type = str(device).split(":")[0]
+        return micro_batch_tokens is not None or packs_by_default(device_type)
+    return mode == "on"
+
+
 def bucket_overhead(num_heads: int, head_dim: int, device_type: str = "cpu") -> int:
     """The fixed cost of one more attention call (launches, gathers), in score elements of one
     row: the device type's recorded `bucket_macs` over the H * D multiply-adds of one score (a

@@ -50,6 +50,7 @@ from grpo.algo.losses import (
     loss_normalizer,
     policy_loss_on_device,
 )
+from grpo.checks import check_config
 from grpo.config import Config
 from grpo.distributed import (
     SINGLE,
@@ -84,6 +85,7 @@ from grpo.experience.sources import rollout_source
 from grpo.loading import load_rows, resolve_device
 from grpo.lora import disabled_lora
 from grpo.models.packed_rows import packed_overhead
+from grpo.models.varlen import packs_sequences
 from grpo.modules.module_set import ModuleSet
 from grpo.policy import Policy, build_policy, shard_policy
 from grpo.rewards import build_rewards
@@ -137,8 +139,9 @@ def step_plan(cfg: Config, policy: Policy, rollout: Rollout, mask: torch.Tensor,
     """The step's micro-batches (`micro_batch_plan`): packed when train.pack_sequences says so
     (by train.micro_batch_tokens when set, as many on every rank), else padded, by
     train.micro_batch_size rows."""
-    size = cfg.train.micro_batch_size or cfg.train.batch_size
-    if not cfg.packs_sequences(rollout.ids.device):
+    t = cfg.train
+    size = t.micro_batch_size or t.batch_size
+    if not packs_sequences(t.pack_sequences, rollout.ids.device, t.micro_batch_tokens):
         return micro_batch_plan(rollout, size)
     return micro_batch_plan(
         rollout,
@@ -548,7 +551,7 @@ def train_grpo(
         the run's summary: output_dir, final, step, the last step's metrics, and `health`:
         each learning-health rule that fired, with its steps (grpo/run/health.py).
     """
-    cfg.check_grpo()
+    check_config(cfg, "grpo")  # the names and GRPO's rules, before anything loads
     return run_training(cfg, "train", resume, overwrite, _train, on_step, _produce)
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from grpo.checks import check_config
 from grpo.config import Config
 from grpo.distributed import (
     Where,
@@ -325,6 +326,7 @@ def train_rm(
 ) -> dict:
     """Train a reward model as configured (one process, or one rank of a torchrun job);
     `resume`, `on_step`, `overwrite` and the summary returned are `train_sft`'s."""
+    check_config(cfg, "rm")  # the names, before anything loads
     return run_training(cfg, "rm", resume, overwrite, _train, on_step)
 
 

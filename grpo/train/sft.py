@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from grpo.algo.logprobs import CompletionLogprobs
+from grpo.checks import check_config
 from grpo.config import Config
 from grpo.distributed import (
     Where,
@@ -31,6 +32,7 @@ from grpo.distributed import (
 from grpo.experience.batch import micro_batch_count, micro_batches, next_prompts, token_slices
 from grpo.loading import load_rows, resolve_device
 from grpo.models.packed_rows import pack_rows, packed_overhead
+from grpo.models.varlen import packs_sequences
 from grpo.policy import Policy, build_policy, shard_policy
 from grpo.run.loop import RunDir, run_training, start_run
 from grpo.run.optim import nonfinite_weights_error, weights_finite
@@ -126,7 +128,8 @@ def sft_update(
     optimizer.zero_grad(set_to_none=True)
     total, tokens = torch.zeros((), dtype=torch.float64, device=device), 0  # summed on device
     slices = sft_slices(cfg, batch_rows, dist)
-    overhead = packed_overhead(policy.model) if cfg.packs_sequences(device) else None
+    packed = packs_sequences(cfg.train.pack_sequences, device, cfg.train.micro_batch_tokens)
+    overhead = packed_overhead(policy.model) if packed else None
     for i, sl in enumerate(slices):
         batch = collate(batch_rows[sl], policy.tokenizer.pad_token_id, device, overhead)
         with no_sync(scorer, skip=i < len(slices) - 1):
@@ -175,6 +178,7 @@ def train_sft(
     """Run SFT as configured (one process, or one rank of a torchrun job); `resume`,
     `on_step` and `overwrite` mean what they mean for `train_grpo`, and so does the summary
     returned (output_dir, final, step and the last step's metrics)."""
+    check_config(cfg, "sft")  # the names, before anything loads
     return run_training(cfg, "sft", resume, overwrite, _train, on_step)
 
 
