@@ -282,19 +282,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sft", help="supervised fine-tuning on worked solutions")
     _add_config_args(p)
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    _add_resume_arg(p)
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(func=cmd_sft)
 
     p = sub.add_parser("rm", help="train a reward model (Bradley-Terry) on preference pairs")
     _add_config_args(p)
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    _add_resume_arg(p)
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(func=cmd_rm)
 
     p = sub.add_parser("train", help="GRPO training")
     _add_config_args(p)
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    _add_resume_arg(p)
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.set_defaults(func=cmd_train)
 
@@ -389,9 +389,54 @@ def print_error(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def _add_resume_arg(p) -> None:
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        type=_resume_value,
+        metavar="auto",
+        help="continue from the newest valid checkpoint; `--resume auto`: continue if "
+        "train.output_dir holds a checkpoint, else start (what a cluster job's restarts and "
+        "requeues run: docs/distributed.md)",
+    )
+
+
+def _resume_value(text: str):
+    if text == "auto":
+        return "auto"
+    if text == "on":
+        return True
+    raise argparse.ArgumentTypeError(f"{text!r}: --resume takes nothing or `auto`")
+
+
+TRAINERS = ("train", "sft", "rm")  # the commands whose --resume takes `auto`
+
+
+def resume_words(argv: list[str]) -> list[str]:
+    """For a trainer's command: `--resume auto` -> `--resume=auto`, a bare `--resume` ->
+    `--resume=on`; the flag then never takes the override after it (`--resume
+    train.max_steps=8`) for its value. Other commands' arguments are returned as they are."""
+    if next((a for a in argv if not a.startswith("-")), None) not in TRAINERS:
+        return argv
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--":
+            return out + argv[i:]
+        if argv[i] == "--resume":
+            auto = argv[i + 1 : i + 2] == ["auto"]
+            out.append("--resume=auto" if auto else "--resume=on")
+            i += 2 if auto else 1
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(resume_words(list(sys.argv[1:] if argv is None else argv)))
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -85,7 +85,7 @@ def nonfinite_stop(bad_steps: int, step: int, hint: str = "Lower optim.lr") -> G
 
 
 def run_training(
-    cfg: Config, kind: str, resume: bool, overwrite: bool, train_fn, on_step, producer_fn=None
+    cfg: Config, kind: str, resume: bool | str, overwrite: bool, train_fn, on_step, producer_fn=None
 ):
     """One process (or torchrun rank) of a training job around `train_fn`: join the job, claim
     the run directory, report a failure on any rank as one line per rank naming the rank that
@@ -342,10 +342,12 @@ def start_run(
     rank 0 and written into the first metrics.jsonl record of this start, with what runs
     besides the config: ``run/plugins`` (every plugin loaded, with its version) and
     ``run/replaced`` (every registry name a plugin or user code replaced;
-    `grpo.plugins.plugin_header`), which a resumed run compares (`grpo.run.rundir`)."""
+    `grpo.plugins.plugin_header`), which a resumed run compares (`grpo.run.rundir`), and
+    ``run/start``: how this start began (fresh, resumed from which checkpoint, what
+    `--resume auto` chose)."""
     from grpo.plugins import plugin_header
 
-    header = {**(header or {}), **plugin_header()}
+    header = {**(header or {}), "run/start": rundir.start, **plugin_header()}
     params = policy.trainable_parameters()
     optimizer = build_optimizer(params, cfg.optim)
     scheduler = build_scheduler(optimizer, total_steps, cfg.optim)

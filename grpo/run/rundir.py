@@ -29,6 +29,7 @@ from grpo.errors import GrpoError
 from grpo.io import read_json
 from grpo.metrics import read_metrics
 from grpo.plugins import loaded_plugins
+from grpo.run.cluster import check_job
 from grpo.run.state import (
     find_checkpoint,
     list_checkpoints,
@@ -270,6 +271,38 @@ def earlier_run(run_dir: Path) -> str | None:
     if not parts and (run_dir / "metrics.jsonl").exists():
         parts.append("the metrics.jsonl of an earlier run")
     return " and ".join(parts) or None
+
+
+def auto_start(cfg: Config, overwrite: bool = False) -> tuple[bool, bool, str]:
+    """`--resume auto`: how this start goes on in cfg.train.output_dir, read-only, as
+    (resume, overwrite, what it chose in words). A directory holding checkpoints resumes from
+    the newest valid one (refused as a `--resume` is, e.g. on a config that changes what it
+    trained); a missing or empty one starts; one the same job left before its first
+    checkpoint (its config.yaml is this resolved config) starts again over it; anything else
+    is refused as a fresh start is."""
+    if overwrite:
+        raise GrpoError("--resume auto and --overwrite exclude each other")
+    run_dir = Path(cfg.train.output_dir)
+    steps = list_checkpoints(run_dir)
+    if steps:
+        return True, False, f"resuming (checkpoints up to step {steps[-1][0]} in {run_dir})"
+    used = earlier_run(run_dir)
+    if used is None:
+        return False, False, f"starting ({run_dir} holds no earlier run)"
+    if not (run_dir / "final").exists() and _same_config(run_dir / "config.yaml", cfg):
+        return False, True, f"starting again over this config's earlier start in {run_dir}"
+    return False, False, f"starting ({run_dir} holds {used})"  # refused by check_run_dir
+
+
+def _same_config(path: Path, cfg: Config) -> bool:
+    """Whether the config file a start wrote at `path` is `cfg`, resolved alike."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    return json.dumps(saved, sort_keys=True) == json.dumps(config_to_dict(cfg), sort_keys=True)
 
 
 def clear_run_outputs(run_dir: Path) -> list[str]:
@@ -536,12 +569,23 @@ class RunDir:
     signal handlers (released by `close`)."""
 
     path: Path
-    kind: str  # "train" (GRPO) | "sft": the `grpo` command that resumes it
+    kind: str  # "train" (GRPO) | "sft" | "rm": the `grpo` command that resumes it
     resume: bool
     overwrite: bool
     checkpoint: Path | None  # what a resumed run restores (verified by rank 0)
     stop: StopSignal = field(default_factory=StopSignal)
     lock: RunLock | None = None
+    auto: str | None = None  # with --resume auto: what it chose, in words (run/start)
+
+    @property
+    def start(self) -> str:
+        """How this start began, for the run header (``run/start``)."""
+        how = (
+            f"resumed from {self.checkpoint.name}"
+            if self.checkpoint is not None
+            else ("fresh, over an earlier run" if self.overwrite else "fresh")
+        )
+        return f"{how} (--resume auto: {self.auto})" if self.auto else how
 
     @property
     def config_file(self) -> Path:
@@ -597,7 +641,8 @@ class RunDir:
 
     def resume_command(self, dist: Dist) -> str:
         """The command that continues this run (its resolved config, --resume)."""
-        cmd = f"grpo {self.kind} --config {shlex.quote(str(self.config_file))} --resume"
+        flag = "--resume auto" if self.auto else "--resume"
+        cmd = f"grpo {self.kind} --config {shlex.quote(str(self.config_file))} {flag}"
         world = int(os.environ.get("WORLD_SIZE", dist.world_size))  # the job, producers too
         if world <= 1:
             return cmd
@@ -615,27 +660,36 @@ class RunDir:
 
 @contextlib.contextmanager
 def run_directory(
-    cfg: Config, kind: str, resume: bool, overwrite: bool, dist: Dist, failures=None
+    cfg: Config, kind: str, resume: bool | str, overwrite: bool, dist: Dist, failures=None
 ) -> Iterator[RunDir]:
     """Check a start in cfg.train.output_dir (read-only, before any model is loaded); the
     block trains; on leaving it, however it ends, the lock and signal handlers are released.
 
     Args:
-        kind: "train" (GRPO) or "sft".
-        resume: continue from the newest valid checkpoint (refused on incompatible config).
+        kind: "train" (GRPO), "sft" or "rm".
+        resume: continue from the newest valid checkpoint (refused on incompatible config);
+            "auto": continue if the directory holds a checkpoint, else start (`auto_start`).
         overwrite: start afresh in a used directory; its earlier run's outputs are removed
             only when the run is claimed, after every input has been checked.
         dist: rank 0 checks; every rank gets its verdict and the checkpoint.
         failures: the job's `grpo.run.failures.Failures` (torchrun): a signal after another
             rank failed stops this one at once; leaving by an error marks this rank failing.
     """
-    error, ckpt = None, None
+    try:  # a job over several nodes: the same code and config, one shared output directory
+        check_job(cfg, dist)
+    except GrpoError as e:  # decided alike on every rank: rank 0 prints it
+        raise JobError(str(e), dist.rank) from None
+    error, ckpt, auto = None, None, None
     if dist.is_main:
         try:
-            ckpt = check_run_dir(cfg, kind, resume, overwrite, dist.world_size)
+            if resume == "auto":
+                resume, overwrite, auto = auto_start(cfg, overwrite)
+                log.info("--resume auto: %s", auto)
+            ckpt = check_run_dir(cfg, kind, bool(resume), overwrite, dist.world_size)
         except GrpoError as e:
             error = e
-    message, ckpt = gather_objects((None if error is None else str(error), ckpt), dist)[0]
+    verdict = (None if error is None else str(error), ckpt, bool(resume), overwrite, auto)
+    message, ckpt, resume, overwrite, auto = gather_objects(verdict, dist)[0]
     if message is not None and dist.enabled:  # one line, rank 0's; every rank exits 2
         raise JobError(message, dist.rank)
     if error is not None:
@@ -643,7 +697,8 @@ def run_directory(
     if ckpt is not None and (kind == "train" or cfg.train.epochs is None):  # SFT epochs: later
         limit = f"train.max_steps={cfg.train.max_steps}"
         check_resume_step(Path(cfg.train.output_dir), ckpt, cfg.train.max_steps, limit, dist.rank)
-    rundir = RunDir(Path(cfg.train.output_dir), kind, resume, overwrite, ckpt, StopSignal(failures))
+    stop = StopSignal(failures)
+    rundir = RunDir(Path(cfg.train.output_dir), kind, resume, overwrite, ckpt, stop, auto=auto)
     try:
         yield rundir
     except BaseException:

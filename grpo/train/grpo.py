@@ -531,7 +531,7 @@ def run_header(
 
 def train_grpo(
     cfg: Config,
-    resume: bool = False,
+    resume: bool | str = False,
     on_step: Callable[[int, dict], None] | None = None,
     overwrite: bool = False,
 ) -> dict:
@@ -540,7 +540,8 @@ def train_grpo(
     Args:
         cfg: the run config.
         resume: continue from the run directory's newest valid checkpoint (refused if the
-            config changes the model, LoRA shape, group size or data).
+            config changes the model, LoRA shape, group size or data); "auto": continue if
+            the directory holds a checkpoint, else start (`grpo.run.rundir.auto_start`).
         on_step: called on the main rank after every step, once its metrics are logged, with
             (step, metrics); eval/* metrics are present on evaluation steps. An exception it
             raises ends the run (e.g. a sweep pruning a trial).

@@ -320,7 +320,7 @@ def load_pairs(cfg: Config, split: str, max_samples: int | None, tokenizer) -> l
 
 def train_rm(
     cfg: Config,
-    resume: bool = False,
+    resume: bool | str = False,
     on_step: Callable[[int, dict], None] | None = None,
     overwrite: bool = False,
 ) -> dict:

@@ -171,7 +171,7 @@ def total_sft_steps(cfg: Config, n_rows: int) -> int:
 
 def train_sft(
     cfg: Config,
-    resume: bool = False,
+    resume: bool | str = False,
     on_step: Callable[[int, dict], None] | None = None,
     overwrite: bool = False,
 ) -> dict:
