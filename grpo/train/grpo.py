@@ -71,9 +71,10 @@ from grpo.rewards import build_rewards
 from grpo.rewards.bounds import total_bounds
 from grpo.rollout import Rollout
 from grpo.run.loop import GuardStop, RunDir, due, nonfinite_stop, run_training, start_run
+from grpo.run.notices import start_notices
 from grpo.run.optim import nonfinite_weights_error, weights_finite
 from grpo.run.perf import PhasePeaks, phase_bar
-from grpo.run.preflight import check_prompt_room, preflight, start_notices
+from grpo.run.preflight import check_prompt_room, preflight
 from grpo.run.state import seed_everything
 from grpo.train.balance import balance_ranks
 from grpo.train.batch import (
