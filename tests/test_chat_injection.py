@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo.apps.serving.protocol import RequestError, Service
+from grpo.apps.serving.protocol import RequestError
+from grpo.apps.serving.service import Service
 from grpo.envs.base import Step
 from grpo.tokenizer import load_tokenizer, message_delta, message_delta_ids, render_prompt
 
