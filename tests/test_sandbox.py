@@ -388,7 +388,7 @@ def _unprivileged_python() -> str | None:
     return None
 
 
-RUNNER = ROOT / "grpo" / "envs" / "_sandbox.py"
+RUNNER = ROOT / "grpo" / "envs" / "_sandbox_child.py"
 NOBODY = (
     os.geteuid() == 0
     and shutil.which("setpriv") is not None

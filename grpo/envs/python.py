@@ -5,11 +5,11 @@ SimpleTIR style tool-integrated reasoning), and the `python` environment around 
     run_python("1 / 0").observation()                   # -> "error: ZeroDivisionError: ..."
     run_python("while True: pass", cpu_s=1).limit        # -> "cpu"
 
-Each run is a fresh interpreter (``sys.executable -s -P -u``, running grpo/envs/_sandbox.py; no
-state carries over between runs; numpy, sympy and whatever else the interpreter's site-packages
-hold can be imported) with a minimal environment (PATH, PYTHONHASHSEED=0, UTF-8 mode, one
-BLAS/OpenMP thread, HOME and TMPDIR at its work directory: no tokens or keys from the
-trainer's environment) and stdin at /dev/null.
+Each run is a fresh interpreter (``sys.executable -s -P -u``, running
+grpo/envs/_sandbox_child.py; no state carries over between runs; numpy, sympy and whatever else
+the interpreter's site-packages hold can be imported) with a minimal environment (PATH,
+PYTHONHASHSEED=0, UTF-8 mode, one BLAS/OpenMP thread, HOME and TMPDIR at its work directory: no
+tokens or keys from the trainer's environment) and stdin at /dev/null.
 
 It is an ISOLATION boundary on Linux, without root and without system packages (docs/safety.md
 lists the escapes tried). The child enters new user, pid, mount, network, ipc and uts
@@ -69,7 +69,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from grpo.envs._sandbox import EXIT_EXCEPTION, EXIT_FILE_SIZE, EXIT_MEMORY
+from grpo.envs._sandbox_child import EXIT_EXCEPTION, EXIT_FILE_SIZE, EXIT_MEMORY
 from grpo.envs.base import Step, question_messages
 from grpo.envs.tool_calls import ToolCall, ToolCallError, json_type, parse_tool_calls
 from grpo.errors import GrpoError
@@ -103,7 +103,7 @@ _MAX_OPEN_FILES = 64
 _STDERR_TAIL = 4096  # bytes of stderr kept (its last line is all the observation uses)
 _AFTER_EXIT_S = 0.5  # once the code's process exited: most seconds to wait for its pipes' EOF
 _LINE_CHARS = 300  # an error line is cut here
-_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox.py")
+_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
 # Layers a run needs before it counts as isolated; "proc" (the sandbox's own /proc) and
 # "landlock" are reported but optional.
 REQUIRED_LAYERS = (
