@@ -18,7 +18,7 @@ import argparse
 import time
 
 from benchmarks.harness import add_output_args, comma_list, measure_interleaved, write_results
-from grpo.envs.python import _run, isolation, run_python  # _run: the limits-only baseline
+from grpo.envs.sandbox import _run, isolation, run_python  # _run: the limits-only baseline
 
 CODES = {
     "pass": "pass",

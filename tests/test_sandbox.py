@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo.envs.python import REQUIRED_LAYERS, PythonEnv, isolation, run_python
+from grpo.envs.sandbox import REQUIRED_LAYERS, PythonEnv, isolation, run_python
 from grpo.errors import GrpoError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,7 +179,7 @@ def test_inside_the_sandbox():
 def test_isolation_required_by_default(monkeypatch):
     """Where a layer is missing, a run and the environment refuse with one line naming the layer
     and the escape; require_isolation=False runs the code with the resource limits alone."""
-    from grpo.envs import python as env
+    from grpo.envs import sandbox as env
 
     broken = env.Isolation({**ISO.layers, "mount": False})
     monkeypatch.setattr(env, "isolation", lambda: broken)
@@ -478,7 +478,7 @@ def test_a_run_refuses_to_start_without_the_sandbox(
     """`grpo train` with the python environment on a machine missing a layer: one line naming
     it and the escape, exit 2, before the model loads and before anything is written."""
     from grpo.apps import cli
-    from grpo.envs import python as env
+    from grpo.envs import sandbox as env
 
     broken = env.Isolation({}, "user: unshare: Operation not permitted")
     monkeypatch.setattr(env, "isolation", lambda: broken)

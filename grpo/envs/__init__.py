@@ -13,7 +13,7 @@ from grpo.envs.base import (
     register_env,
 )
 from grpo.envs.calculator import CalculatorEnv
-from grpo.envs.python import (
+from grpo.envs.sandbox import (
     PYTHON_TOOL,
     Isolation,
     PythonEnv,
