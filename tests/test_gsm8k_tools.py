@@ -24,7 +24,7 @@ from grpo.data.gsm8k_tools import (
     trace,
     trace_rows,
 )
-from grpo.envs.sandbox import PythonEnv
+from grpo.envs.python import PythonEnv
 from grpo.envs.tool_calls import parse_tool_calls
 from grpo.errors import GrpoError
 from grpo.rewards import compare_answers, extract_answer

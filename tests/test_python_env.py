@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from grpo.envs import PYTHON_TOOL, PythonEnv, Step, check_step, env_factory, run_python
-from grpo.envs.sandbox import code_runs, isolation
+from grpo.envs.python import code_runs
+from grpo.envs.sandbox import isolation
 from grpo.envs.tool_calls import tool_call_text
 from grpo.errors import GrpoError
 from grpo.rewards import make_accuracy
