@@ -1,6 +1,7 @@
-"""Tests for grpo.envs.python: run_python's limits (each bounded: small time, CPU and memory
-limits, so a failing test cannot hurt the machine), the environment's turns and counters, the
-reward-hacking guard, and a multi-turn rollout that goes on past a runaway program."""
+"""Tests for grpo.envs.python and its sandbox (grpo.envs.sandbox): run_python's limits (each
+bounded: small time, CPU and memory limits, so a failing test cannot hurt the machine), the
+environment's turns and counters, the reward-hacking guard, and a multi-turn rollout that goes
+on past a runaway program."""
 
 from __future__ import annotations
 
