@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from grpo.errors import GrpoError
-from grpo.models.loading import hf_name
+from grpo.models.hf_checkpoint import hf_name
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
