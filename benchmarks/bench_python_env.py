@@ -4,7 +4,7 @@ against the resource limits alone (what a call cost before the sandbox), side by
     python -m benchmarks.bench_python_env                   # the recorded run (50 repeats)
     python -m benchmarks.bench_python_env --repeats 5 --out-dir /tmp/bench   # quick
 
-Both modes run the same child program (grpo/envs/_sandbox.py) on the same code with the same
+Both modes run the same child program (grpo/envs/_sandbox_child.py) on the same code with the same
 limits; `limits only` skips the namespaces, the new root, the privilege drop and Landlock (it
 keeps the network namespace the resource boundary already had). Calls are interleaved, the
 order rotating every repeat, so that a busy machine slows both alike. Columns: `median_ms`,
@@ -18,7 +18,7 @@ import argparse
 import time
 
 from benchmarks.harness import add_output_args, comma_list, measure_interleaved, write_results
-from grpo.envs.python import _run, isolation, run_python  # _run: the limits-only baseline
+from grpo.envs.sandbox import _run, isolation, run_python  # _run: the limits-only baseline
 
 CODES = {
     "pass": "pass",

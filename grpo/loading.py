@@ -8,8 +8,8 @@ A trained model is a base checkpoint, the LoRA adapters folded into it (in order
 tokenizer (`TrainedModel`); training, SFT, evaluation, the pipeline, the tool and the server all
 load it through `load_trained_model`. Rows are rendered with the tokenizer of the model that
 reads them (its chat template and its token ids), and a prompt longer than
-`data.max_prompt_len` fails naming its row. (`grpo.models.loading` is the layer below: one HF
-checkpoint's weights.)
+`data.max_prompt_len` fails naming its row. (`grpo.models.hf_checkpoint` is the layer below:
+one HF checkpoint's weights.)
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from grpo.errors import GrpoError
 from grpo.lora import LoRALinear
-from grpo.models.loading import parse_dtype
+from grpo.models.hf_checkpoint import parse_dtype
 from grpo_kernels import matmul_fp32, tf32_matmuls
 
 # lm_head precisions (`model.head_precision`) -> the dtype of the head's operands

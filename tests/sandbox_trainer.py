@@ -11,7 +11,7 @@ import dataclasses
 import json
 import sys
 
-from grpo.envs.python import run_python
+from grpo.envs.sandbox import run_python
 
 
 def main() -> None:

@@ -621,7 +621,7 @@ def test_memory_estimate_counts_the_producer(shared_tiny_model, tmp_path):
     """Colocated: sampling runs alongside training, on a copy of the trainable weights plus up
     to k + 1 snapshots; trainer ranks of a job with producer ranks do not sample."""
     from grpo.models.config import ModelConfig
-    from grpo.run.preflight import estimate_memory
+    from grpo.run.memory import estimate_memory
 
     mc = ModelConfig.from_hf(shared_tiny_model)
     sync = estimate_memory(config(shared_tiny_model, tmp_path), mc, "grpo")

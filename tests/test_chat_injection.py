@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo.apps.serving.protocol import RequestError, Service
+from grpo.apps.serving.protocol import RequestError
+from grpo.apps.serving.service import Service
 from grpo.envs.base import Step
 from grpo.tokenizer import load_tokenizer, message_delta, message_delta_ids, render_prompt
 
@@ -213,7 +214,7 @@ def test_harmless_contents_encode_as_before(tok, content):
     """Without special-token text the served ids are exactly the old ones (one tokenization
     of the rendering), whitespace at the content's edges included; and cutting at the
     template's tags, the path taken for special-token text, gives the same ids too."""
-    from grpo.tokenizer import _cut_at_tags
+    from grpo.tokenizer.chat import _cut_at_tags
 
     service = Service(engine=None, tokenizer=tok, name="m")
     for msgs, tools in [(user_turn(content), None), (conversation(content), TOOLS)]:

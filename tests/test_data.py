@@ -184,7 +184,7 @@ def test_an_unreachable_hub_fails_in_seconds_naming_the_source(monkeypatch):
     import socket
 
     import grpo.data.formats as formats
-    from grpo.models.loading import resolve_model_dir
+    from grpo.models.hf_checkpoint import resolve_model_dir
 
     with socket.socket() as s:  # a port nothing listens on: the connect is refused at once
         s.bind(("127.0.0.1", 0))

@@ -23,7 +23,7 @@ from grpo.lora import LoRALinear
 from grpo.models import load_model
 from grpo.precision import Precision, cpu_packing_missing, head_logits, head_operands
 from grpo.rollout import Sampler
-from grpo.rollout.packing import MIN_NUMEL, PackedLinears
+from grpo.rollout.onednn_weights import MIN_NUMEL, PackedLinears
 from grpo.settings import ConfigError
 from tests.conftest import live_lora
 
@@ -326,7 +326,7 @@ def test_packed_cpu_head_follows_the_head_precision(mode, monkeypatch):
         assert (got - want).abs().max() <= tol
     if mode == "bf16":  # a CPU without bf16 packing: unpacked head, float32 packing unchanged
         monkeypatch.setattr(
-            "grpo.rollout.packing.cpu_packing_missing",
+            "grpo.rollout.onednn_weights.cpu_packing_missing",
             lambda dt: None if dt == torch.float32 else "no bf16",
         )
         packed = PackedLinears(model, prec)

@@ -24,7 +24,7 @@ from grpo.eval import evaluate
 from grpo.metrics import MetricLogger, read_metrics
 from grpo.rollout.multiturn import env_metrics
 from grpo.rollout.sampler import Rollout
-from grpo.run.preflight import (
+from grpo.run.notices import (
     OBS_GLUE_TOKENS,
     eval_fit_notice,
     guaranteed_turns,

@@ -16,6 +16,7 @@ from grpo.config import OptimConfig, load_config
 from grpo.errors import GrpoError
 from grpo.lora import apply_lora
 from grpo.models import Decoder, KVCache, ModelConfig
+from grpo.run import memory
 from grpo.run import preflight as pf
 from grpo.settings import ConfigError
 
@@ -76,7 +77,7 @@ def test_memory_estimate_follows_its_formula_and_the_real_sizes():
             "train.shared_prefix=off",
         ],
     )
-    est = pf.estimate_memory(cfg, TINY, "grpo")
+    est = memory.estimate_memory(cfg, TINY, "grpo")
     model = Decoder(TINY)
     n_params = sum(p.numel() for p in model.parameters())  # 90,496 (tied head counted once)
     assert est.weights == n_params * 4 == 90_496 * 4
@@ -97,7 +98,7 @@ def test_memory_estimate_follows_its_formula_and_the_real_sizes():
     assert est.total == est.weights + est.optimizer + est.training
     # full fine-tuning with a KL reference: a second copy and AdamW over every weight
     full = load_config(None, ["model.path=m", "lora.enabled=false", "loss.beta=0.04"])
-    est_full = pf.estimate_memory(full, TINY, "grpo")
+    est_full = memory.estimate_memory(full, TINY, "grpo")
     assert est_full.reference == est_full.weights and est_full.optimizer == 3 * est_full.weights
     # shared prefix: each group's prompt counted once (4 rows = 1 group of G=4)
     shared = load_config(
@@ -112,7 +113,7 @@ def test_memory_estimate_follows_its_formula_and_the_real_sizes():
         ],
     )
     tokens = 1 * 32 + 4 * 16
-    assert pf.estimate_memory(shared, TINY, "grpo").training == tokens * 2 * 704 * 4 + 2**25
+    assert memory.estimate_memory(shared, TINY, "grpo").training == tokens * 2 * 704 * 4 + 2**25
     # gradient checkpointing keeps one C vector per token and layer, plus one layer's A; bf16
     # autocast halves the activations
     ckpt = load_config(
@@ -127,7 +128,7 @@ def test_memory_estimate_follows_its_formula_and_the_real_sizes():
             "train.shared_prefix=off",
         ],
     )
-    est_ckpt = pf.estimate_memory(ckpt, TINY, "grpo")
+    est_ckpt = memory.estimate_memory(ckpt, TINY, "grpo")
     assert est_ckpt.training == 4 * 48 * (2 * 64 + 704) * 2 + 2**25
     # packed micro-batches of at most 500 tokens (train.micro_batch_tokens), and a budget
     # under one group's worst case (32 + 4 x 16 = 96 tokens: it runs alone)
@@ -142,7 +143,9 @@ def test_memory_estimate_follows_its_formula_and_the_real_sizes():
                 "data.max_prompt_len=32",
             ],
         )
-        assert pf.estimate_memory(packed, TINY, "grpo").training == (tokens * 2 * 704 * 4 + 2**25)
+        assert memory.estimate_memory(packed, TINY, "grpo").training == (
+            tokens * 2 * 704 * 4 + 2**25
+        )
 
 
 def test_memory_estimate_under_fsdp_is_per_rank():
@@ -157,8 +160,8 @@ def test_memory_estimate_under_fsdp_is_per_rank():
         "rollout.group_size=4",
         "data.eval_samples=0",
     ]
-    ddp = pf.estimate_memory(load_config(None, over), TINY, "grpo", world_size=4)
-    fsdp = pf.estimate_memory(
+    ddp = memory.estimate_memory(load_config(None, over), TINY, "grpo", world_size=4)
+    fsdp = memory.estimate_memory(
         load_config(None, [*over, "train.parallel=fsdp"]), TINY, "grpo", world_size=4
     )
     assert (fsdp.weights, fsdp.reference, fsdp.optimizer) == (
@@ -172,7 +175,7 @@ def test_memory_estimate_under_fsdp_is_per_rank():
     block = sum(p.numel() for p in model.layers[0].parameters())
     assert fsdp.training == ddp.training + (root + block) * 4  # float32 master weights
     assert fsdp.total < ddp.total
-    one = pf.estimate_memory(load_config(None, [*over, "train.parallel=fsdp"]), TINY, "grpo")
+    one = memory.estimate_memory(load_config(None, [*over, "train.parallel=fsdp"]), TINY, "grpo")
     assert one == ddp  # one process trains unsharded
 
 
@@ -200,7 +203,7 @@ def test_memory_estimate_follows_the_precision_policy():
                 "loss.beta=0",
             ],
         )
-        est = pf.estimate_memory(cfg, TINY, "grpo")
+        est = memory.estimate_memory(cfg, TINY, "grpo")
         model = Decoder(TINY).to(torch.bfloat16)
         if lora:
             apply_lora(model, rank=8, alpha=16, targets=["q_proj", "v_proj"])
@@ -219,13 +222,13 @@ def test_memory_estimate_follows_the_precision_policy():
     prec = Precision.from_config(cfg.model)
     cache = KVCache(2, 8, 2, 48, 16, dtype=prec.kv_dtype)  # bf16 under autocast
     kv = sum(t.numel() * t.element_size() for t in cache.k_layers + cache.v_layers)
-    assert pf.estimate_memory(cfg, TINY, "grpo").rollout == kv + 8 * 256 * 4 * 2
+    assert memory.estimate_memory(cfg, TINY, "grpo").rollout == kv + 8 * 256 * 4 * 2
 
 
 def test_memory_check_compares_with_available_memory_and_can_be_skipped(monkeypatch):
     cfg = load_config(None, ["model.path=m", "data.eval_samples=0"])
-    est = pf.estimate_memory(cfg, TINY, "grpo")
-    fields = pf._memory_fields(cfg)
+    est = memory.estimate_memory(cfg, TINY, "grpo")
+    fields = memory.memory_fields(cfg)
     monkeypatch.setattr(pf, "available_memory", lambda device: (est.total, "test"))
     pf.check_memory(est, torch.device("cpu"), 1, fields)  # exactly fits
     message = (
@@ -241,7 +244,7 @@ def test_memory_check_compares_with_available_memory_and_can_be_skipped(monkeypa
 
 
 def test_available_memory_reads_meminfo():
-    free, where = pf.available_memory(torch.device("cpu"))
+    free, where = memory.available_memory(torch.device("cpu"))
     text = Path("/proc/meminfo").read_text()
     line = next(x for x in text.splitlines() if x.startswith("MemAvailable:"))
     assert where == "MemAvailable in /proc/meminfo"

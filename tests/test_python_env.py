@@ -1,6 +1,7 @@
-"""Tests for grpo.envs.python: run_python's limits (each bounded: small time, CPU and memory
-limits, so a failing test cannot hurt the machine), the environment's turns and counters, the
-reward-hacking guard, and a multi-turn rollout that goes on past a runaway program."""
+"""Tests for grpo.envs.python and its sandbox (grpo.envs.sandbox): run_python's limits (each
+bounded: small time, CPU and memory limits, so a failing test cannot hurt the machine), the
+environment's turns and counters, the reward-hacking guard, and a multi-turn rollout that goes
+on past a runaway program."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from grpo.envs import PYTHON_TOOL, PythonEnv, Step, check_step, env_factory, run_python
-from grpo.envs.python import code_runs, isolation
+from grpo.envs.python import code_runs
+from grpo.envs.sandbox import isolation
 from grpo.envs.tool_calls import tool_call_text
 from grpo.errors import GrpoError
 from grpo.rewards import make_accuracy

@@ -1,5 +1,5 @@
 """The sampler's CPU decode paths: prompts held once per group (`GroupedKVCache`) and the
-oneDNN-packed weights (`grpo.rollout.packing`), each against the plain path it replaces."""
+oneDNN-packed weights (`grpo.rollout.onednn_weights`), each against the plain path it replaces."""
 
 from __future__ import annotations
 
@@ -15,14 +15,13 @@ from grpo.models import load_model
 from grpo.models.decoder import decode_attention, grouped_decode_attention
 from grpo.models.kv_cache import GroupedKVCache, KVCache
 from grpo.precision import Precision, cpu_packing_missing
-from grpo.rollout import Sampler
-from grpo.rollout import packing as packing_mod
+from grpo.rollout import Sampler, onednn_weights
 from grpo.rollout.prompts import left_pad
 from tests.conftest import live_lora
 from tests.test_sampler import make_prompts
 
 pytestmark = pytest.mark.skipif(
-    not packing_mod.packing_supported(torch.nn.Linear(2, 2)),
+    not onednn_weights.packing_supported(torch.nn.Linear(2, 2)),
     reason="this torch has no oneDNN linear packing",
 )
 
@@ -152,14 +151,14 @@ def test_grouped_cache_takes_one_token_per_row_and_its_slots_only(tiny_checkpoin
 def pack_everything(monkeypatch):
     """The tiny models' layers are far below MIN_NUMEL: pack them all. Returns the list of
     packed matmuls run (their row counts), so a test sees the packed path was taken."""
-    monkeypatch.setattr(packing_mod, "MIN_NUMEL", 0)
-    calls, real = [], packing_mod._packed_linear
+    monkeypatch.setattr(onednn_weights, "MIN_NUMEL", 0)
+    calls, real = [], onednn_weights._packed_linear
 
     def counted(x, packed, bias):
         calls.append(x.shape[0])
         return real(x, packed, bias)
 
-    monkeypatch.setattr(packing_mod, "_packed_linear", counted)
+    monkeypatch.setattr(onednn_weights, "_packed_linear", counted)
     return calls
 
 
@@ -258,9 +257,9 @@ AVX2_ONLY = textwrap.dedent("""
     from grpo.errors import GrpoError
     from grpo.models import load_model
     from grpo.precision import Precision, cpu_packing_missing
-    from grpo.rollout import Sampler, packing
+    from grpo.rollout import Sampler, onednn_weights
     from tests.test_sampler_layouts import _sample
-    packing.MIN_NUMEL = 0  # every layer is large enough to pack, as at the 0.6B width
+    onednn_weights.MIN_NUMEL = 0  # every layer is large enough to pack, as at the 0.6B width
     model = load_model(sys.argv[1])
     bf16 = Precision(torch.float32, torch.bfloat16)
     print("missing:", cpu_packing_missing(torch.bfloat16))

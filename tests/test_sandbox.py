@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo.envs.python import REQUIRED_LAYERS, PythonEnv, isolation, run_python
+from grpo.envs.python import PythonEnv
+from grpo.envs.sandbox import REQUIRED_LAYERS, isolation, run_python
 from grpo.errors import GrpoError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,10 +180,11 @@ def test_inside_the_sandbox():
 def test_isolation_required_by_default(monkeypatch):
     """Where a layer is missing, a run and the environment refuse with one line naming the layer
     and the escape; require_isolation=False runs the code with the resource limits alone."""
-    from grpo.envs import python as env
+    from grpo.envs import python, sandbox
 
-    broken = env.Isolation({**ISO.layers, "mount": False})
-    monkeypatch.setattr(env, "isolation", lambda: broken)
+    broken = sandbox.Isolation({**ISO.layers, "mount": False})
+    monkeypatch.setattr(sandbox, "isolation", lambda: broken)  # what run_python asks
+    monkeypatch.setattr(python, "isolation", lambda: broken)  # what PythonEnv asks
     for make in (lambda: run_python("print(1)"), lambda: PythonEnv()):
         with pytest.raises(GrpoError) as e:
             make()
@@ -388,7 +390,7 @@ def _unprivileged_python() -> str | None:
     return None
 
 
-RUNNER = ROOT / "grpo" / "envs" / "_sandbox.py"
+RUNNER = ROOT / "grpo" / "envs" / "_sandbox_child.py"
 NOBODY = (
     os.geteuid() == 0
     and shutil.which("setpriv") is not None
@@ -478,10 +480,10 @@ def test_a_run_refuses_to_start_without_the_sandbox(
     """`grpo train` with the python environment on a machine missing a layer: one line naming
     it and the escape, exit 2, before the model loads and before anything is written."""
     from grpo.apps import cli
-    from grpo.envs import python as env
+    from grpo.envs import python, sandbox
 
-    broken = env.Isolation({}, "user: unshare: Operation not permitted")
-    monkeypatch.setattr(env, "isolation", lambda: broken)
+    broken = sandbox.Isolation({}, "user: unshare: Operation not permitted")
+    monkeypatch.setattr(python, "isolation", lambda: broken)  # what PythonEnv asks
     out = tmp_path / "run"
     args = [
         "train",

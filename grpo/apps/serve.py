@@ -29,7 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from grpo.apps.serving.engine import Engine
-from grpo.apps.serving.protocol import MAX_BODY_BYTES, Service
+from grpo.apps.serving.protocol import MAX_BODY_BYTES
+from grpo.apps.serving.service import Service
 from grpo.errors import GrpoError
 from grpo.settings import between, check_value
 

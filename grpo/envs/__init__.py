@@ -13,14 +13,8 @@ from grpo.envs.base import (
     register_env,
 )
 from grpo.envs.calculator import CalculatorEnv
-from grpo.envs.python import (
-    PYTHON_TOOL,
-    Isolation,
-    PythonEnv,
-    PythonResult,
-    isolation,
-    run_python,
-)
+from grpo.envs.python import PYTHON_TOOL, PythonEnv
+from grpo.envs.sandbox import Isolation, PythonResult, isolation, run_python
 
 register_env("calculator", CalculatorEnv)
 register_env("python", PythonEnv)

@@ -25,7 +25,7 @@ from grpo.lora.layers import (
     lora_modules,
     unwrap_lora,
 )
-from grpo.models.loading import (
+from grpo.models.hf_checkpoint import (
     load_model,
     our_name,
     parse_dtype,

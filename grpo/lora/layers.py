@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from grpo.errors import GrpoError
-from grpo.models.loading import hf_name
+from grpo.models.hf_checkpoint import hf_name
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -88,7 +88,7 @@ class LoRALinear(nn.Module):
         """x (..., in) -> (..., out)."""
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)  # (N, in)
-        packed = self.__dict__.get("_packed_base")  # CPU decoding (grpo.rollout.packing)
+        packed = self.__dict__.get("_packed_base")  # CPU decoding (grpo.rollout.onednn_weights)
         out = F.linear(x2d, self.weight, self.bias) if packed is None else packed(x2d)  # (N, out)
         if self.merged or self.disabled:
             return out.view(*lead, self.out_features)

@@ -2,8 +2,8 @@
 
 from grpo.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from grpo.models.decoder import Decoder
+from grpo.models.hf_checkpoint import load_model, parse_dtype, save_pretrained
 from grpo.models.kv_cache import KVCache, RowKVCache
-from grpo.models.loading import load_model, parse_dtype, save_pretrained
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",

@@ -45,7 +45,7 @@ _LOCK = threading.Lock()
 def load_reward_model(path: str, device, dtype: str = "float32"):
     """(model, tokenizer) of a classifier checkpoint, loaded once per process and device."""
     from grpo.models import load_model
-    from grpo.models.loading import resolve_model_dir
+    from grpo.models.hf_checkpoint import resolve_model_dir
     from grpo.tokenizer import load_tokenizer
 
     model_dir = resolve_model_dir(path)

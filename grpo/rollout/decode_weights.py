@@ -9,8 +9,9 @@ nothing within a rollout:
   cache, and the cache is emptied when each forward's `autocast` exits. At the Qwen3-0.6B shape
   that was 982 cast launches per decode step and a read of the float32 weights plus a write of
   their bf16 copies, three times the bytes of the matmuls themselves. Here each weight (the
-  LoRA adapters too) is cast once, when it changed (`Tensor._version`, as `grpo.rollout.packing`
-  tracks it: with LoRA the frozen base once per run, the adapters once per rollout).
+  LoRA adapters too) is cast once, when it changed (`Tensor._version`, as
+  `grpo.rollout.onednn_weights` tracks it: with LoRA the frozen base once per run, the adapters
+  once per rollout).
 - **separate projections**: q, k and v (and gate and up) read the same input; one matmul over
   their weights stacked does the work of three (two) launches. LoRA adapters of stacked layers
   stack too: their A matrices side by side, their B matrices (scale folded in) block-diagonal,
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 
 from grpo.lora import LoRALinear
 from grpo.precision import Precision
-from grpo.rollout.packing import instance_attributes
+from grpo.rollout.onednn_weights import instance_attributes
 
 
 def _plain_tensors(model: nn.Module) -> bool:

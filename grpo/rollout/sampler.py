@@ -31,7 +31,7 @@ from grpo.models import sdpa_choice
 from grpo.models.kv_cache import GroupedKVCache, KVCache, RowKVCache
 from grpo.precision import Precision, cpu_packing_missing, head_logits
 from grpo.rollout.decode_weights import DecodeWeights
-from grpo.rollout.packing import PackedLinears, packing_supported
+from grpo.rollout.onednn_weights import PackedLinears, packing_supported
 from grpo.rollout.prompts import check_prompts, check_settings, left_pad
 from grpo.rollout.refill import RefillState, refill_loop, refill_step
 from grpo.rollout.sampling import (
@@ -271,9 +271,9 @@ class Sampler:
             head in its `head` precision as in the trainer); default: compute in the
             weights' dtype.
         pack: eager CPU decoding multiplies by oneDNN-packed copies of the large weights
-            (`grpo.rollout.packing`; repacked when the weights change); None = where supported
-            and not compiled (a CPU that cannot pack the compute dtype decodes plainly);
-            True where it cannot raises `GrpoError`.
+            (`grpo.rollout.onednn_weights`; repacked when the weights change); None = where
+            supported and not compiled (a CPU that cannot pack the compute dtype decodes
+            plainly); True where it cannot raises `GrpoError`.
         max_rows: decode at most this many rows of a `sample` call at once, refilling the
             slots of finished rows with waiting ones (`grpo.rollout.refill`; calls without
             hooks; compiled as one graph per step when the sampler compiles); 0 = every row

@@ -6,6 +6,9 @@
     failures   a failure on any torchrun rank as one line per rank, every rank stopping
     state      TrainState, checkpoints (safetensors + JSON), RNG state, seeding
     preflight  every check that can fail before a model loads or a file is written
+    memory     the memory estimate of a run and the memory the machine has for it
+    budgets    token budgets: the new tokens a run may add to a prompt
+    notices    limits a run states once before it starts (turns cut by the budget, ...)
     optim      optimizer and learning-rate schedule
     perf       peak memory per phase, progress bars of long phases
 

@@ -93,9 +93,10 @@ from grpo.rewards.bounds import total_bounds
 from grpo.rollout import Rollout
 from grpo.run.health import LearningHealth, StallError, WeightChange
 from grpo.run.loop import GuardStop, RunDir, run_training, start_run
+from grpo.run.notices import start_notices
 from grpo.run.optim import nonfinite_weights_error, weights_finite
 from grpo.run.perf import StepClock, phase_bar
-from grpo.run.preflight import check_prompt_room, preflight, start_notices
+from grpo.run.preflight import check_prompt_room, preflight
 from grpo.run.state import seed_everything
 from grpo.run.stats import (
     OnPolicyCheck,

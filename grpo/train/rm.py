@@ -220,7 +220,7 @@ def build_reward_model(cfg: Config, device: torch.device) -> Policy:
     ids), so the run's checkpoints, FSDP and final save treat it as they treat a policy."""
     from grpo.lora import apply_lora
     from grpo.models import load_model
-    from grpo.models.loading import resolve_model_dir
+    from grpo.models.hf_checkpoint import resolve_model_dir
     from grpo.tokenizer import load_tokenizer
 
     precision = Precision.from_config(cfg.model)

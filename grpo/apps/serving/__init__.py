@@ -2,7 +2,8 @@
 (`grpo.apps.serving.app`, imported on use: fastapi and uvicorn are the `serve` extra)."""
 
 from grpo.apps.serving.engine import Choice, Engine, Job, SamplingParams, Unavailable
-from grpo.apps.serving.protocol import RequestError, Service, parse_request
+from grpo.apps.serving.protocol import RequestError, parse_request
+from grpo.apps.serving.service import Service
 
 __all__ = [
     "Choice",

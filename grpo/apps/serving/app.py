@@ -1,7 +1,7 @@
 """The FastAPI application of `grpo serve`: routes, OpenAI response shapes, server-sent events,
 the API key.
 
-Bodies are parsed by `Service` (protocol.py) into `Job`s on a worker thread (JSON, checks,
+Bodies are parsed by `Service` (service.py) into `Job`s on a worker thread (JSON, checks,
 chat rendering and tokenizing take seconds on a 1 MiB body; the event loop, and /health, go
 on meanwhile); the `Engine` runs the jobs on its own thread, and its events come back to the
 event loop through `call_soon_threadsafe`.
@@ -18,7 +18,8 @@ import time
 import uuid
 
 from grpo.apps.serving.engine import Job, Unavailable
-from grpo.apps.serving.protocol import RequestError, ScoreRequest, Service
+from grpo.apps.serving.protocol import RequestError, ScoreRequest
+from grpo.apps.serving.service import Service
 from grpo.apps.serving.tools import ToolStream, ToolUse
 
 log = logging.getLogger(__name__)

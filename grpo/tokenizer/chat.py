@@ -1,204 +1,33 @@
-"""Tokenizers: load (over `transformers.AutoTokenizer`), render and encode chat prompts (message
-contents as plain text, only the template's own tags special), stop ids, and train a small
-ChatML BPE tokenizer for offline runs and tests."""
+"""Chat encoding that is a trust boundary, and the chat template's deltas for multi-turn rollouts.
+
+`encode_chat` renders a conversation with the tokenizer's chat template and encodes it with only
+the template's own tags as special tokens: every message content (system prompt, user text,
+tool results, observations) is plain text, so special-token text in it cannot forge a turn.
+`message_delta` / `message_delta_ids`: the template's text between a generated assistant turn
+and the next (closing glue, the new message, the next assistant header), cut once per template
+and cached per tokenizer (in this module, never on the tokenizer object).
+"""
 
 from __future__ import annotations
 
 import bisect
 import json
 import re
-from collections.abc import Callable, Iterable, Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from functools import partial
-from pathlib import Path
 
 from grpo.errors import GrpoError
-from grpo.io import read_json, read_text
 
-# ChatML, as the Qwen families use it; `enable_thinking=False` closes an empty think block
-# the way Qwen3's template does. Like Qwen3's, it renders `tools` (the schemas, one JSON line
-# each, in the system message) and an assistant's `tool_calls` (one Hermes block each, exactly
-# what `grpo.envs.tool_calls.tool_call_text` writes and what a trained model generates); a
-# conversation without them renders as plain ChatML.
-CHATML_TEMPLATE = (
-    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
-    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}"
-    "{%- endif %}"
-    '{{- \'Tools (call one with <tool_call>{"name": ..., "arguments": {...}}</tool_call>):\' }}'
-    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if not (tools and loop.first and message['role'] == 'system') %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
-    "{%- if message['role'] == 'assistant' and message['tool_calls'] %}"
-    "{%- for call in message['tool_calls'] %}"
-    "{%- set fn = call['function'] if call['function'] is defined else call %}"
-    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
-    "{{- '<tool_call>\\n{\"name\": ' + (fn['name'] | tojson) + ', \"arguments\": ' }}"
-    "{%- if fn['arguments'] is string %}{{- fn['arguments'] }}"
-    "{%- else %}{{- fn['arguments'] | tojson }}{%- endif %}"
-    "{{- '}\\n</tool_call>' }}"
-    "{%- endfor %}{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}"
-    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}"
-)
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Per tokenizer: its template cuts and its plain backend. Kept here, keyed weakly by the
+# tokenizer (an entry goes with it), never set as an attribute on the tokenizer, a third
+# party's object; no value refers back to its tokenizer.
+_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def load_tokenizer(path_or_id: str | Path):
-    """Load a tokenizer from a local directory or hub id (never with remote code).
-
-    A tokenizer without a pad token gets eos as pad: masks are built from lengths, so the
-    two are never confused.
-    """
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(str(path_or_id), trust_remote_code=False)
-    except Exception as e:
-        _check_tokenizer_files(Path(path_or_id))  # a broken file is named, if it is one
-        raise GrpoError(f"could not load a tokenizer from {str(path_or_id)!r}: {e}") from None
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    tok.padding_side = "left"
-    return tok
-
-
-_JSON_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-)
-
-
-def _check_tokenizer_files(path: Path) -> None:
-    """After a failed load: raise a FileError naming the first unreadable tokenizer file."""
-    if not path.is_dir():
-        return
-    for name in _JSON_FILES:
-        if (path / name).is_file():
-            read_json(path / name, f"a tokenizer file ({name})")
-    if (path / "merges.txt").is_file():
-        read_text(path / "merges.txt", "BPE merges (UTF-8 text)")
-
-
-def render_prompt(
-    tokenizer,
-    question: str,
-    system_prompt: str | None = None,
-    enable_thinking: bool | None = None,
-    tools: list[dict] | None = None,
-) -> str:
-    """The chat-template rendering of one user turn, ending with the assistant header (with
-    `tools`, the tool schemas as the template renders them). Encode it with `encode_prompt`,
-    not `tokenizer(text)`: that would parse special-token text in the question as chat
-    structure."""
-    messages, kwargs = _prompt_messages(tokenizer, question, system_prompt, enable_thinking)
-    if tools:
-        kwargs["tools"] = tools
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, **kwargs
-    )
-
-
-def encode_prompt(
-    tokenizer,
-    question: str,
-    system_prompt: str | None = None,
-    enable_thinking: bool | None = None,
-    tools: list[dict] | None = None,
-) -> list[int]:
-    """`render_prompt`'s text as token ids (`encode_chat`): the question and the system prompt
-    as plain text, the template's own tags as special tokens. Without special-token text in
-    them, the ids of `tokenizer(render_prompt(...), add_special_tokens=False)`."""
-    messages, kwargs = _prompt_messages(tokenizer, question, system_prompt, enable_thinking)
-    return encode_chat(tokenizer, messages, tools=tools or None, **kwargs)
-
-
-def _prompt_messages(tokenizer, question, system_prompt, enable_thinking) -> tuple[list, dict]:
-    """The messages and template kwargs of `render_prompt`."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise GrpoError(
-            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
-            "use an instruct/chat tokenizer or set one with tokenizer.chat_template"
-        )
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": question})
-    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-    return messages, kwargs
-
-
-def stop_ids(tokenizer, model_dir: str | Path | None = None) -> list[int]:
-    """Token ids that end a completion: the tokenizer's eos plus generation_config's eos."""
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    if model_dir is not None:
-        gen = Path(model_dir) / "generation_config.json"
-        if gen.is_file():
-            config = read_json(gen, "a generation_config.json object")
-            eos = config.get("eos_token_id") if isinstance(config, dict) else None
-            ids.update([eos] if isinstance(eos, int) else (eos or []))
-    if not ids:
-        raise GrpoError("the tokenizer has no eos token and no generation_config eos_token_id")
-    return sorted(ids)
-
-
-def train_bpe_tokenizer(
-    texts: Iterable[str],
-    vocab_size: int = 512,
-    out_dir: str | Path | None = None,
-    split_digits: bool = True,
-    extra_special_tokens: tuple[str, ...] = (),
-):
-    """Train a byte-level BPE tokenizer with ChatML special tokens and chat template.
-
-    Args:
-        texts: the training corpus.
-        vocab_size: target vocabulary size (special tokens included).
-        out_dir: if given, the tokenizer is saved there (loadable by `load_tokenizer`).
-        split_digits: one token per digit, which makes arithmetic far easier to learn.
-        extra_special_tokens: more tokens kept whole (e.g. "<tool_call>", "</tool_call>").
-
-    Returns:
-        a `transformers.PreTrainedTokenizerFast` with eos `<|im_end|>`, pad `<|endoftext|>`.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    if split_digits:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
-    else:
-        tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS + list(extra_special_tokens),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>", *extra_special_tokens],
-    )
-    fast.chat_template = CHATML_TEMPLATE
-    fast.padding_side = "left"
-    if out_dir is not None:
-        fast.save_pretrained(str(out_dir))
-    return fast
+def _cache(tokenizer) -> dict:
+    """`tokenizer`'s cache: ("delta", ...) and ("end_of_turn", ...) cuts, ("plain",) backend."""
+    return _CACHES.setdefault(tokenizer, {})
 
 
 # --- Chat structure: only the template's own tags are special tokens --------------------------
@@ -381,7 +210,7 @@ def _plain_backend(tokenizer):
     special (Qwen's `<tool_call>`) whole."""
     from tokenizers import Tokenizer
 
-    cache = vars(tokenizer).setdefault(_CACHE_ATTR, {})
+    cache = _cache(tokenizer)
     if ("plain",) not in cache:
         backend = tokenizer.backend_tokenizer
         plain = Tokenizer(backend.model)
@@ -472,7 +301,6 @@ _CONTENT_PH = "GrpoDummyContent{}Qz"  # one per appended message; "Qz" ends the 
 # Content that a template rendering contents verbatim reproduces exactly, but that trim, escape,
 # tojson or indent would change: the cached cut is used only if splicing it in matches a render.
 _PROBE = ' \n  probe "quoted" \\ {{ x }} {% y %} <b>&amp;\ttab\n\n '
-_CACHE_ATTR = "_grpo_chat_delta_cache"
 _RESERVED = ("conversation", "tools", "tokenize", "add_generation_prompt", "continue_final_message")
 
 
@@ -505,8 +333,9 @@ def message_delta(
     insist the preceding assistant turn carries matching `tool_calls`, and glue that depends on
     tool calls (Llama 3.1's `<|eom_id|>` after built-in tools).
 
-    Cost: the cut is cached on the tokenizer per (template, roles and other message keys,
-    after_stop, tools, template kwargs); a call then only joins strings. A template that
+    Cost: the cut is cached per tokenizer (in this module, not on the tokenizer) and per
+    (template, roles and other message keys, after_stop, tools, template kwargs); a call then
+    only joins strings. A template that
     rewrites contents (trim, tojson) is detected once and rendered at every call instead.
 
     Args:
@@ -568,7 +397,7 @@ def _delta_pieces(
         _canonical(tools),
         _canonical(template_kwargs),
     )
-    cache = vars(tokenizer).setdefault(_CACHE_ATTR, {})
+    cache = _cache(tokenizer)
     if key not in cache:
         cache[key] = _delta_segments(tokenizer, messages, after_stop, tools, template_kwargs)
     segments = cache[key]
@@ -592,7 +421,7 @@ def end_of_turn_text(tokenizer) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise GrpoError(f"tokenizer {_name(tokenizer)!r} has no chat template")
     key = ("end_of_turn", tokenizer.get_chat_template(None, None))
-    cache = vars(tokenizer).setdefault(_CACHE_ATTR, {})
+    cache = _cache(tokenizer)
     if key not in cache:
         conv = [
             {"role": "user", "content": _USER_PH},

@@ -1,10 +1,10 @@
 """The python environment's child program: set up the sandbox, then run the model's code.
 
-Started by `grpo.envs.python.run_python` as ``python -s -P -u _sandbox.py CONFIG_JSON`` with a
-minimal environment; it imports nothing from grpo (it runs in the child's interpreter, and after
-the mount step only the interpreter and its site-packages are visible). Linux only for the
-isolated path; elsewhere (or with ``isolate: false``) it sets the resource limits and runs the
-code in this process, as the resource boundary alone.
+Started by `grpo.envs.sandbox.run_python` as ``python -s -P -u _sandbox_child.py CONFIG_JSON``
+with a minimal environment; it imports nothing from grpo (it runs in the child's interpreter,
+and after the mount step only the interpreter and its site-packages are visible). Linux only
+for the isolated path; elsewhere (or with ``isolate: false``) it sets the resource limits and
+runs the code in this process, as the resource boundary alone.
 
 The isolated path, in processes (R is this process, in the caller's namespaces):
 
