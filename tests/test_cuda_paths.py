@@ -10,13 +10,13 @@ from pathlib import Path
 import torch
 
 from grpo.config import load_config
+from grpo.experience import inline, producer
 from grpo.experience.batch import RolloutBatch
 from grpo.models import load_model
 from grpo.models.decoder import Decoder
 from grpo.precision import Precision
 from grpo.rollout import Sampler, sample
 from grpo.rollout import sampler as sampler_mod
-from grpo.train import producer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,7 +35,7 @@ def test_a_producer_thread_compiles_without_cuda_graphs(monkeypatch, shared_tiny
     model = load_model(shared_tiny_model)
     policy = types.SimpleNamespace(precision=Precision())
     for thread in (False, True):
-        s = producer.make_sampler(cfg, policy, model, producer_thread=thread)
+        s = inline.make_sampler(cfg, policy, model, producer_thread=thread)
         assert s.compile and s._cuda
     # three compiled callables each: `decode`'s step, `sample`'s whole iteration, refill's
     assert seen == ["reduce-overhead"] * 3 + ["default"] * 3
@@ -102,9 +102,9 @@ def test_training_rollouts_free_the_compiled_cache_before_the_update(monkeypatch
         calls.append("rollout")
         return "batch"
 
-    monkeypatch.setattr(producer, "rollout_phase", rollout_phase)
+    monkeypatch.setattr(inline, "rollout_phase", rollout_phase)
     policy = types.SimpleNamespace(model=torch.nn.Linear(2, 2))
-    source = producer.InlineRollouts(None, policy, Compiled(), [], [], None)
+    source = inline.InlineRollouts(None, policy, Compiled(), [], [], None)
     assert source.next(types.SimpleNamespace(step=0)) == "batch"
     assert calls == ["rollout", "release"] and source.cache_bytes == 1234
     assert source.sampler.kept_cache_bytes == 0
