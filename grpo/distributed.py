@@ -106,11 +106,30 @@ def init_distributed(
         if device_type == "cuda":
             torch.cuda.set_device(device)
             kwargs["device_id"] = device  # NCCL binds the rank's device up front (no guessing)
+        store = attempt_store(world, timeout)
+        if store is not None:
+            kwargs.update(store=store, rank=rank, world_size=world)
         td.init_process_group(backend, timeout=timeout, **kwargs)
         log.debug("rank %d/%d joined (%s)", dist.rank, world, backend)
     if device_type != "cuda":
         return dist  # the group is gloo already: the scalars go over it
     return replace(dist, cpu_group=td.new_group(backend="gloo", timeout=timeout))
+
+
+def attempt_store(world: int, timeout: datetime.timedelta):
+    """Under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE): a client of it whose keys
+    carry this restart attempt (TORCHELASTIC_RESTART_COUNT); None otherwise. torchrun keeps
+    one store through the restarts of a job (--max-restarts), so without the prefix a rank of
+    the next attempt can read a key of the attempt before (a dead rank's address: gloo then
+    fails with "connection refused" when that rank starts more slowly than its peer).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = td.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    return td.PrefixStore(
+        f"grpo/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store
+    )
 
 
 def describe_parallel(dist: Dist, sharded: bool) -> str:
