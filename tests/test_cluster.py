@@ -115,11 +115,18 @@ def test_resume_auto_starts_resumes_and_says_so(shared_tiny_model, tmp_path, mon
 # --------------------------------------------- several nodes: the same code, config, directory
 
 
-def job_check(dist, cwds: list[str], overrides: list[list[str]]) -> str | None:
-    """On each rank of the pool: `check_job` with this rank's working directory and overrides;
-    the error it raised (None if none), and that the run directory was not made."""
-    back = os.getcwd()
+def job_check(
+    dist, cwds: list[str], overrides: list[list[str]], code: list[str] | None = None
+) -> str | None:
+    """On each rank of the pool: `check_job` with this rank's working directory, overrides and
+    (`code`) source hash; the error it raised (None if none), and that the run directory was
+    not made."""
+    import grpo.run.cluster as cluster
+
+    back, real_hash = os.getcwd(), cluster.source_hash
     os.chdir(cwds[dist.rank])
+    if code is not None:
+        cluster.source_hash = lambda: code[dist.rank]
     try:
         cfg = load_config(TINY_CI, ["train.output_dir=run", *overrides[dist.rank]])
         try:
@@ -130,6 +137,7 @@ def job_check(dist, cwds: list[str], overrides: list[list[str]]) -> str | None:
             return str(e)
     finally:
         os.chdir(back)
+        cluster.source_hash = real_hash
 
 
 def test_a_job_refuses_ranks_that_do_not_share_the_output_dir(rank_pool, tmp_path):
@@ -150,6 +158,14 @@ def test_a_job_refuses_ranks_with_another_config(rank_pool, tmp_path):
         "test_cluster:job_check", [str(tmp_path)] * 2, [[], ["loss.beta=0.5"]], timeout_s=120
     )
     assert errors[0] == errors[1] and "rank 1" in errors[0] and "loss.beta differs" in errors[0]
+
+
+def test_a_job_refuses_ranks_that_run_other_code(rank_pool, tmp_path):
+    errors = rank_pool.run(
+        "test_cluster:job_check", [str(tmp_path)] * 2, [[], []], ["aaaa", "bbbb"], timeout_s=120
+    )
+    assert errors[0] == errors[1] and "rank 1" in errors[0] and "runs other code" in errors[0]
+    assert "bbbb vs aaaa" in errors[0]
 
 
 def test_first_difference_and_source_hash():
