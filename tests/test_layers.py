@@ -89,19 +89,25 @@ def test_the_core_never_imports_the_apps():
     assert not bad, bad
 
 
-def test_the_models_never_import_the_algorithm():
-    """grpo/models/ (the decoder, its caches, packing of rows for it) sits under grpo/algo/ (the
-    loss math): no module of it imports grpo.algo, lazily or not."""
-    files = sorted((GRPO / "models").rglob("*.py"))
-    assert len(files) > 5, files
-    bad = [
+def imports_of(files: list[Path], package: str) -> list[str]:
+    """ "path:line imports module" for every import of `package` (or a module in it) by
+    `files`, lazy ones included."""
+    return [
         f"{path.relative_to(REPO)}:{line} imports {module}"
         for path in files
         for line, module in imported_modules(
             path.read_text(), module_name(path), path.name == "__init__.py"
         )
-        if module == "grpo.algo" or module.startswith("grpo.algo.")
+        if module == package or module.startswith(package + ".")
     ]
+
+
+def test_the_models_never_import_the_algorithm():
+    """grpo/models/ (the decoder, its caches, packing of rows for it) sits under grpo/algo/ (the
+    loss math): no module of it imports grpo.algo, lazily or not."""
+    files = sorted((GRPO / "models").rglob("*.py"))
+    assert len(files) > 5, files
+    bad = imports_of(files, "grpo.algo")
     assert not bad, bad
 
 
@@ -113,14 +119,7 @@ def test_only_the_recipes_live_in_train_and_nothing_imports_them():
     assert recipes == ["grpo", "rm", "sft"], recipes
     files = [p for d in ("experience", "modules", "run") for p in sorted((GRPO / d).rglob("*.py"))]
     assert len(files) > 20, files
-    bad = [
-        f"{path.relative_to(REPO)}:{line} imports {module}"
-        for path in files
-        for line, module in imported_modules(
-            path.read_text(), module_name(path), path.name == "__init__.py"
-        )
-        if module == "grpo.train" or module.startswith("grpo.train.")
-    ]
+    bad = imports_of(files, "grpo.train")
     assert not bad, bad
 
 
