@@ -65,13 +65,14 @@ def train(model, out, *overrides) -> tuple[dict, list[dict]]:
 
 
 def same_run(a, b) -> None:
-    """Bitwise the same weights, and every metric the synchronous run logs (timings aside, and
-    how the reward's code was loaded: a plugin module under torchrun, registered here)."""
+    """Bitwise the same weights, and every metric the synchronous run logs (timings aside, how
+    the reward's code was loaded: a plugin module under torchrun, registered here, and how the
+    start began: `run/start`)."""
     (wa, ma), (wb, mb) = a, b
     assert wa.keys() == wb.keys()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert len(ma) == len(mb)
-    loading = ("run/plugins", "run/replaced")
+    loading = ("run/plugins", "run/replaced", "run/start")  # how each start began differs
     for ra, rb in zip(ma, mb):
         differ = {
             k: (v, rb.get(k))
