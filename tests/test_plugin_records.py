@@ -20,7 +20,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+import grpo_kernels
 from grpo import plugins
 from grpo.algo import registry as algo_registry
 from grpo.data import formats
@@ -77,6 +79,7 @@ def records(monkeypatch):
     monkeypatch.setattr(reward_registry, "_REGISTERED", dict(reward_registry._REGISTERED))
     monkeypatch.setattr(envs_base, "_REGISTERED", dict(envs_base._REGISTERED))
     monkeypatch.setattr(formats, "_REGISTERED", dict(formats._REGISTERED))
+    monkeypatch.setattr(grpo_kernels, "_REGISTERED", dict(grpo_kernels._REGISTERED))
     for reg in (algo_registry.ADVANTAGES, algo_registry.POLICY_LOSSES, algo_registry.KL_ESTIMATORS):
         monkeypatch.setattr(reg, "_fns", dict(reg._fns))
         monkeypatch.setattr(reg, "_claims", dict(reg._claims))
@@ -142,6 +145,48 @@ def test_each_replacement_logs_one_line_with_both_qualnames_and_the_caller(recor
         ("dataset", "minimath"),
     ]
     assert get_reward("accuracy")(["x"]) == [1.0]  # and the replacement is what runs
+
+
+# A config-listed module that replaces the built-in `chunked` log-prob kernel when imported.
+KERNEL_PLUGIN = """
+import grpo_kernels
+
+
+def shifted(hidden, weight, ids, temperature=1.0, return_entropy=False, **kwargs):
+    lp = grpo_kernels.naive_logprobs(hidden, weight, ids, temperature) - 6.0
+    return (lp, lp * 0) if return_entropy else lp
+
+
+grpo_kernels.register_logprob_impl("chunked", shifted, overwrite=True)
+"""
+
+
+def test_a_replaced_builtin_kernel_is_logged_and_recorded(records, caplog, tmp_path, monkeypatch):
+    """`register_logprob_impl("chunked", f, overwrite=True)` from a plugin: one line naming the
+    built-in, the new kernel and the plugin, and an entry of `run/replaced`, as for grpo's own
+    registries; the replacement is what `fused_logprobs(impl="chunked")` runs."""
+    (tmp_path / "grpo_rec_kernel.py").write_text(KERNEL_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    caplog.set_level(logging.INFO)
+
+    plugins.load_plugins(["grpo_rec_kernel"])
+
+    assert replaced_lines(caplog) == [
+        "replaced logprob impl 'chunked': grpo_kernels.reference:chunked_logprobs -> "
+        "grpo_rec_kernel:shifted (by plugin 'grpo_rec_kernel' (plugins[0]))"
+    ]
+    assert json.loads(plugins.plugin_header()["run/replaced"]) == [
+        {
+            "kind": "logprob impl",
+            "name": "chunked",
+            "old": "grpo_kernels.reference:chunked_logprobs",
+            "new": "grpo_rec_kernel:shifted",
+            "by": "plugin 'grpo_rec_kernel' (plugins[0])",
+        }
+    ]
+    h, w, ids = torch.randn(3, 8), torch.randn(11, 8), torch.tensor([0, 4, 10])
+    got = grpo_kernels.fused_logprobs(h, w, ids, impl="chunked")
+    torch.testing.assert_close(got, grpo_kernels.naive_logprobs(h, w, ids) - 6.0)
 
 
 def test_entry_point_and_config_plugins_are_named_with_their_versions(

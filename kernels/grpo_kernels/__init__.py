@@ -6,7 +6,9 @@ leaves TRITON_INTERPRET to whoever imports triton first.
 
 import importlib
 import importlib.util
+import logging
 import os
+import sys
 
 import torch
 
@@ -27,6 +29,9 @@ IMPLS = ("auto", "naive", "chunked", "triton")  # the built-ins ("auto": triton 
 #      tf32=False) -> logprobs (N,) float32, or (logprobs, entropy) with return_entropy
 # and is selected as `model.logprob_impl: name` (or `package.module:function`, no registration)
 _REGISTERED: dict = {}
+# what a replaced built-in name ran before (the dispatcher for "auto" and "triton")
+_BUILTINS = {"naive": naive_logprobs, "chunked": chunked_logprobs}
+log = logging.getLogger(__name__)
 
 __all__ = [
     "IMPLS",
@@ -57,12 +62,27 @@ def register_logprob_impl(name: str, fn=None, *, overwrite: bool = False):
         if not callable(f):
             raise TypeError(f"log-prob impl {name!r}: expected a function, not {type(f)}")
         taken = name in IMPLS or name in _REGISTERED
-        if taken and not overwrite and _REGISTERED.get(name) is not f:
+        old = _REGISTERED.get(name, _BUILTINS.get(name, fused_logprobs if taken else None))
+        if taken and not overwrite and old is not f:
             raise ValueError(f"log-prob impl {name!r} exists; pass overwrite=True to replace it")
+        if taken and old is not f:
+            _note_replacement(name, old, f)
         _REGISTERED[name] = f
         return f
 
     return add if fn is None else add(fn)
+
+
+def _note_replacement(name: str, old, new) -> None:
+    """`name` now runs `new` instead of `old`: recorded and logged by grpo as its own registries'
+    replacements are (`grpo.plugins.note_replacement`: one line, and the run's `run/replaced`)
+    when grpo is running; grpo_kernels never imports grpo, so without it one warning here."""
+    plugins = sys.modules.get("grpo.plugins")
+    if plugins is not None:
+        plugins.note_replacement("logprob impl", name, old, new)
+        return
+    new_name = getattr(new, "__module__", "?") + ":" + getattr(new, "__qualname__", repr(new))
+    log.warning("replaced logprob impl %r by %s", name, new_name)
 
 
 def available_impls() -> list[str]:
