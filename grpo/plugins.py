@@ -21,6 +21,7 @@ named with the plugin within GRPO_PLUGIN_TIMEOUT_S, instead of the group's raw t
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import datetime
 import functools
@@ -201,6 +202,21 @@ def note_replacement(kind: str, name: str, old: object, new: object) -> None:
         replaced.new,
         replaced.by,
     )
+
+
+@contextlib.contextmanager
+def no_exit(what: str):
+    """Around a call into plug-in code (a rollout strategy, an estimator, a loss, a module's
+    `loss`, a log-prob kernel): its `sys.exit` (SystemExit) becomes a GrpoError naming `what`,
+    as a reward's does, so the run stops with one line and exit 2, never with exit 0, no
+    message and no final weights."""
+    try:
+        yield
+    except SystemExit as e:
+        raise GrpoError(
+            f"{what} called sys.exit({e.code!r}); plug-in code returns or raises, it does not "
+            "end the run"
+        ) from None
 
 
 def qualified_name(obj: object) -> str:

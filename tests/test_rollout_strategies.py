@@ -283,3 +283,130 @@ def test_best_of_k_and_counts_from_a_file_under_ddp(my_pkg, shared_tiny_model):
         f"rollout.strategy_kwargs={{counts: {my_pkg / 'counts.json'}}}",
     ):
         assert 16 <= m["strategy/drawn"] <= 32 and m["strategy/drawn"] % 4 == 0
+
+
+# -- what a strategy (and any plug-in) cannot do to the run -----------------------------------
+
+
+def test_a_strategy_that_edits_its_rows_leaves_the_dataset_alone(setup):
+    """A strategy gets its own copy of the rows (as a reward does): what it writes into them
+    never reaches the dataset the next steps draw from."""
+    cfg, policy, sampler, rewards, rows, sampling = setup
+    before = json.dumps(rows, sort_keys=True, default=str)
+
+    @register_rollout_strategy("test_editor", overwrite=True)
+    def editor(rows, sampling):
+        for row in rows:
+            row["prompt"] = "edited"
+            row["prompt_ids"].append(0)
+        return sampling.score(sampling.sample(rows), rows)
+
+    edit = dataclasses.replace(
+        cfg, rollout=dataclasses.replace(cfg.rollout, strategy="test_editor")
+    )
+    run_strategy(edit, sampling(), rows, 0, 0)
+    assert json.dumps(rows, sort_keys=True, default=str) == before
+
+
+@pytest.mark.parametrize(
+    "change, row, message",
+    [
+        ("arange", "0", "differs from token_rewards summed"),  # logged, never trained on
+        ("nan", "1", "is not finite"),
+    ],
+)
+def test_rewards_the_update_would_not_train_on_are_refused(setup, change, row, message):
+    """The update trains on `token_rewards`: a strategy that changes `rewards` alone (logged
+    as reward_mean, never trained on) or returns non-finite rewards is an error naming it and
+    the row, not a run that logs one thing and learns another."""
+    cfg, policy, sampler, rewards, rows, sampling = setup
+
+    @register_rollout_strategy("test_rewriter", overwrite=True)
+    def rewriter(rows, sampling):
+        batch = sampling.score(sampling.sample(rows), rows)
+        if change == "arange":
+            return dataclasses.replace(batch, rewards=torch.arange(batch.size).float())
+        nan = batch.rewards.clone()
+        nan[1] = float("nan")
+        return dataclasses.replace(batch, rewards=nan)
+
+    bad = dataclasses.replace(cfg.rollout, strategy="test_rewriter")
+    want = f"rollout strategy 'test_rewriter': the reward of row {row} .*{message}"
+    with pytest.raises(GrpoError, match=want):
+        run_strategy(dataclasses.replace(cfg, rollout=bad), sampling(), rows, 0, 0)
+
+
+EXIT_PLUGINS = """
+import sys
+
+import torch
+
+from grpo.modules import TrainedModule
+
+
+def strategy(**inputs):
+    sys.exit(0)
+
+
+def estimator(**inputs):
+    sys.exit(0)
+
+
+def kernel(*args, **kwargs):
+    sys.exit(0)
+
+
+class Exits(TrainedModule):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def attach(self, batch):
+        return {}
+
+    def loss(self, batch, update):
+        sys.exit(0)
+
+
+def module():
+    return Exits()
+"""
+
+
+@pytest.mark.parametrize(
+    "override, who",
+    [
+        ("rollout.strategy=exit_plugins:strategy", "rollout strategy 'exit_plugins:strategy'"),
+        pytest.param(
+            "loss.advantage=exit_plugins:estimator",
+            "advantage estimator 'exit_plugins:estimator'",
+            marks=pytest.mark.process,
+        ),
+        pytest.param(
+            "model.logprob_impl=exit_plugins:kernel",
+            "log-prob kernel 'exit_plugins:kernel'",
+            marks=pytest.mark.process,
+        ),
+        pytest.param(
+            "modules=[{name: 'exit_plugins:module'}]",
+            "module 'module' loss",
+            marks=pytest.mark.process,
+        ),
+    ],
+)
+def test_sys_exit_in_a_plug_in_stops_the_run_with_one_line(
+    shared_tiny_model, tmp_path, monkeypatch, capsys, override, who
+):
+    """`sys.exit(0)` in a strategy, an estimator, a log-prob kernel or a module's `loss` is an
+    error naming the plug-in (one line, exit 2), as in a reward: never exit 0 with no message
+    and no final weights."""
+    from grpo.apps import cli
+
+    (tmp_path / "exit_plugins.py").write_text(EXIT_PLUGINS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "--config", TINY, f"model.path={shared_tiny_model}", "train.max_steps=1"]
+    args += ["train.progress=false", "data.eval_samples=0", override]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert f"{who} called sys.exit(0)" in err, err[-2000:]

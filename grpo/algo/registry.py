@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from grpo.errors import GrpoError
-from grpo.plugins import import_callable, note_replacement
+from grpo.plugins import import_callable, no_exit, note_replacement
 
 
 class Registry:
@@ -115,14 +115,15 @@ class Registry:
         sig = _signature(fn)
         if sig is not None and not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
             inputs = {k: v for k, v in inputs.items() if k in sig.parameters}
+        name = spec if isinstance(spec, str) else getattr(fn, "__name__", repr(fn))
         try:
-            return fn(**inputs)
+            with no_exit(f"{self.kind} {name!r}"):
+                return fn(**inputs)
         except GrpoError:
             raise
         except Exception as e:
             if _is_builtin(fn):
                 raise
-            name = spec if isinstance(spec, str) else getattr(fn, "__name__", repr(fn))
             raise GrpoError(f"{self.kind} {name!r} raised {type(e).__name__}: {e}") from e
 
 

@@ -31,6 +31,7 @@ are off-policy by construction and the importance ratio (clipped) corrects for i
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -323,10 +324,12 @@ def default(rows, sampling: Sampling) -> RolloutBatch:
 
 
 def run_strategy(cfg, sampling: Sampling, rows: list[dict], rank: int, round_: int):
-    """The configured strategy's batch for `rows`, checked: P groups of G rows, in order."""
+    """The configured strategy's batch for `rows`, checked: P groups of G rows, in order, and
+    rewards the update can train on (`check_rewards`). The strategy gets its own copy of the
+    rows (as a reward does): what it changes in them never reaches the dataset."""
     r = cfg.rollout
     inputs = {
-        "rows": rows,
+        "rows": copy.deepcopy(rows),
         "sampling": sampling,
         "step": sampling.step,
         "rank": rank,
@@ -347,4 +350,33 @@ def run_strategy(cfg, sampling: Sampling, rows: list[dict], rank: int, round_: i
             f"{batch.rollout.group_size}; expected {len(rows)} groups of "
             f"rollout.group_size={G} ({want} rows)"
         )
+    check_rewards(batch, f"rollout strategy {name!r}")
     return batch
+
+
+def check_rewards(batch: RolloutBatch, who: str) -> None:
+    """What the update trains on is what is logged: `batch.rewards` (B,) must be finite and
+    equal to `batch.token_rewards` (B, T_c) summed over tokens (the update reads the token
+    rewards; `Sampling.score` sets both), else a GrpoError naming `who` and the first row.
+    Checked on the host (one copy of each, per sampling round)."""
+    rewards = batch.rewards.detach().double().cpu()
+    tokens = batch.token_rewards.detach().double().cpu()
+    if rewards.shape != (batch.size,) or tokens.dim() != 2 or tokens.shape[0] != batch.size:
+        raise GrpoError(
+            f"{who}: rewards {tuple(rewards.shape)} and token_rewards {tuple(tokens.shape)}; "
+            f"expected ({batch.size},) and ({batch.size}, T_c)"
+        )
+    summed = tokens.sum(-1)
+    finite = torch.isfinite(rewards) & torch.isfinite(tokens).all(-1)
+    # the built-in path sums in float32: 1e-5 of the largest reward covers its rounding
+    scale = 1.0 + float(rewards.abs().nan_to_num(0, 0, 0).max()) if batch.size else 1.0
+    agree = (rewards - summed).abs() <= 1e-5 * scale
+    bad = (~(finite & agree)).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        what = "is not finite" if not bool(finite[i]) else "differs from token_rewards summed"
+        raise GrpoError(
+            f"{who}: the reward of row {i} ({float(rewards[i]):g}, token rewards summing to "
+            f"{float(summed[i]):g}) {what}; the update trains on token_rewards, so set both "
+            "(Sampling.score computes them together) and keep them finite"
+        )

@@ -44,6 +44,7 @@ from grpo.io import load_safetensors, save_safetensors, torch_load, torch_save
 from grpo.metrics import split_metrics
 from grpo.modules import critic as _critic  # noqa: F401  (registers the PPO critic, "critic")
 from grpo.modules.base import TRAINED_MODULES, TrainedModule, register_trained_module
+from grpo.plugins import no_exit
 from grpo.run.optim import build_optimizer, build_scheduler
 
 if TYPE_CHECKING:
@@ -192,11 +193,12 @@ class ModuleSet:
     def _losses(self, t: Trained, batch, update):
         """(loss, metrics) of each of `t`'s loss parts (one, or what its generator yields),
         each computed under the policy's autocast, checked."""
-        with self.precision.autocast(self.device):
+        what = f"module {t.name!r} loss"
+        with self.precision.autocast(self.device), no_exit(what):
             result = t.module.loss(batch, update)
         parts = iter(result) if inspect.isgenerator(result) else iter((result,))
-        while True:
-            with self.precision.autocast(self.device):  # a generator's part runs in next()
+        while True:  # a generator's part runs in next()
+            with self.precision.autocast(self.device), no_exit(what):
                 part = next(parts, _DONE)
             if part is _DONE:
                 return
