@@ -43,10 +43,11 @@ of one row's judgment, its retries included.
 
 The whole batch runs under the reward's ``rewards[].timeout_s`` (300 s by default in a config):
 raise it for large batches or slow judges. HTTP is the standard library's (urllib, in
-``concurrency`` daemon threads): a call that ends (a failure, that timeout, a stop) leaves its
-requests in flight to end on their own, without holding the process open, and starts no more.
-A KeyboardInterrupt (Ctrl-C, a second SIGTERM in training) in the calling thread leaves the
-call as it is. The reward needs no client package.
+``concurrency`` daemon threads), so the reward needs no client package. A call that fails
+starts no more requests or retries; threads still working (after that failure, past that
+timeout, or at a stop: Ctrl-C or training's second SIGTERM, which leave the call as the
+KeyboardInterrupt they are) end on their own, each row within ``total_timeout_s``, and never
+hold the process open.
 """
 
 from __future__ import annotations
