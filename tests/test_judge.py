@@ -9,7 +9,11 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -49,8 +53,9 @@ def chat_reply(text: str) -> dict:
 
 class FakeJudge:
     """An OpenAI-style server on 127.0.0.1 in a thread: ``respond(body, n)`` (the request's
-    JSON and its 1-based number) -> (status, JSON-able or str, headers). Records each request
-    (path, body, Authorization) and the most requests it held at once."""
+    JSON, None for a GET, and its 1-based number) -> (status, JSON-able or str, headers).
+    Records each request (method, path, body, Authorization) and the most requests it held at
+    once."""
 
     def __init__(self, respond):
         self.respond, self.requests = respond, []
@@ -60,10 +65,16 @@ class FakeJudge:
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
                 with fake.lock:
                     fake.requests.append(
-                        {"path": self.path, "body": body, "auth": self.headers.get("Authorization")}
+                        {
+                            "method": self.command,
+                            "path": self.path,
+                            "body": body,
+                            "auth": self.headers.get("Authorization"),
+                        }
                     )
                     n = len(fake.requests)
                     fake.in_flight += 1
@@ -81,6 +92,8 @@ class FakeJudge:
                     self.send_header(key, value)
                 self.end_headers()
                 self.wfile.write(data)
+
+            do_GET = do_POST  # a redirected POST may arrive as a GET (no body)
 
             def log_message(self, *args):
                 pass
@@ -125,6 +138,32 @@ def echo(fake_judge):
     """A judge whose reply is the message it got: with template "{completion}", the
     completions are the replies."""
     return fake_judge(lambda body, n: (200, chat_reply(body["messages"][0]["content"]), {}))
+
+
+@pytest.fixture
+def hung_judge():
+    """The base URL of a server on 127.0.0.1 that accepts connections and never answers."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.05)
+    held, closing = [], threading.Event()
+
+    def accept():
+        while not closing.is_set():
+            try:
+                held.append(server.accept()[0])
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}/v1"
+    closing.set()
+    thread.join(5)
+    server.close()
+    for conn in held:
+        conn.close()
 
 
 def closed_port() -> int:
@@ -537,6 +576,152 @@ def test_a_slow_judge_fails_within_the_timeout(fake_judge):
     values, metrics = fn(["x", "y"])
     assert values == [0.25, 0.25] and metrics["failures"] == 2 and metrics["retries"] == 2
     assert time.monotonic() - start < 4.0  # two attempts of 0.5 s per row, rows in parallel
+
+
+@pytest.mark.parametrize("status", [302, 307])
+def test_a_redirect_is_not_followed_and_the_key_goes_nowhere_else(fake_judge, monkeypatch, status):
+    """A judge answering a redirect to another origin (another port): the redirect is not
+    followed, so the other server never sees the API key nor scores the row (it would answer
+    9); the row fails at once (not retried) with one line naming the status and the Location."""
+    monkeypatch.setenv("GRPO_TEST_JUDGE_KEY", "sekret")
+    other = fake_judge(lambda body, n: (200, chat_reply("Score: 9"), {}))
+    target = other.url + "/chat/completions"
+    fake = fake_judge(lambda body, n: (status, "", {"Location": target}))
+    kwargs = {"template": "{completion}", "api_key_env": "GRPO_TEST_JUDGE_KEY", "retries": 2}
+    message = (
+        rf"POST {fake.url}/chat/completions: HTTP {status}: the judge redirected to "
+        rf"'{target}'; redirects are not followed \(base_url must be the endpoint itself\)"
+    )
+    with pytest.raises(GrpoError, match=message) as err:
+        judge(fake.url, backoff_s=0.01, **kwargs)(["x"])
+    assert "\n" not in str(err.value)
+    values, metrics = judge(fake.url, on_failure=0.0, backoff_s=0.01, **kwargs)(["x"])
+    assert values == [0.0] and metrics["failures"] == 1 and metrics["retries"] == 0
+    assert other.requests == []  # neither the key nor any request reached the other origin
+    assert [r["auth"] for r in fake.requests] == ["Bearer sekret"] * 2  # one attempt per call
+
+
+def test_a_hung_judge_fails_within_total_timeout_s(hung_judge, caplog):
+    """A judge that accepts and never answers, with retries without end: each row's judgment
+    (its attempts and the waits between them) ends at total_timeout_s."""
+    fn = judge(
+        hung_judge,
+        template="{completion}",
+        request_timeout_s=0.4,
+        retries=1_000_000,
+        backoff_s=0.05,
+        total_timeout_s=1.5,
+        on_failure=-1.0,
+        concurrency=2,
+    )
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="grpo.rewards.judge"):
+        values, metrics = fn(["x", "y"])
+    elapsed = time.monotonic() - start
+    assert values == [-1.0, -1.0] and metrics["failures"] == 2
+    assert elapsed < 1.5 + 1.0, elapsed  # rows in parallel, each ended by 1.5 s
+    assert metrics["retries"] >= 2  # it retried while time was left
+    assert "no complete reply within" in caplog.text and "total_timeout_s=1.5 s" in caplog.text
+
+    # one attempt longer than the total: cut at the total, which the cause names
+    fn = judge(hung_judge, template="{completion}", request_timeout_s=30, total_timeout_s=0.5)
+    start = time.monotonic()
+    with pytest.raises(GrpoError, match=r"no complete reply within total_timeout_s=0.5 s"):
+        fn(["x"])
+    assert time.monotonic() - start < 0.5 + 1.0
+
+
+EXIT_SCRIPT = """
+import sys, time
+from grpo.errors import GrpoError
+from grpo.rewards import get_reward
+from grpo.rewards.compute import call_reward
+
+spec = {"name": "judge", "base_url": sys.argv[1], "model": "m", "template": "{completion}",
+        "concurrency": 2, "retries": 0, "request_timeout_s": 60}
+fn = get_reward(spec)
+try:  # row 1 fails at once, row 0 hangs: the call raises, row 0's thread waits on
+    fn(["hang", "bad"])
+except GrpoError as e:
+    print("failed:", e, flush=True)
+try:  # the reward's own timeout: the call is abandoned, its threads wait on
+    call_reward("judge", fn, ["hang", "hang"], {}, timeout_s=0.5)
+except GrpoError as e:
+    print("timed out:", e, flush=True)
+print("end", time.time(), flush=True)
+"""
+
+
+def test_judge_threads_do_not_hold_the_process_open(fake_judge):
+    """A process whose judge calls ended (a failure, the reward's timeout) while requests
+    still hang exits at once: the judge's threads do not keep the interpreter alive."""
+    hanging = threading.Event()
+
+    def respond(body, n):
+        if body["messages"][0]["content"] == "hang":
+            hanging.set()
+            fake.release.wait(60)
+            return 200, chat_reply("1"), {}
+        hanging.wait(10)  # the hanging row is in flight when this one fails
+        return 400, {"error": {"message": "no"}}, {}
+
+    fake = fake_judge(respond)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", EXIT_SCRIPT, fake.url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        lines = [proc.stdout.readline() for _ in range(3)]
+        assert lines[0].startswith("failed: reward 'judge' failed at row 1"), lines
+        assert "did not return within its timeout_s=0.5 s" in lines[1], lines
+        assert lines[2].startswith("end "), lines
+        ended = float(lines[2].split()[1])
+        rc = proc.wait(timeout=10)
+        exited = time.time()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 0 and exited - ended < 3.0, (rc, exited - ended)
+
+
+def test_a_second_sigterm_during_a_judgment_stops_at_once(hung_judge, capfd):
+    """The trainer's stop (`StopSignal`): a second SIGTERM during a hung judgment raises
+    KeyboardInterrupt, which leaves the reward call as the stop it is, not as an error of the
+    judge ("raised KeyboardInterrupt")."""
+    from grpo.rewards.compute import call_reward
+    from grpo.run.rundir import StopSignal
+
+    fn = judge(hung_judge, template="{completion}", request_timeout_s=30, retries=0)
+    stop = StopSignal()
+    stop.install()
+
+    def twice():
+        for _ in range(2):
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    sender = threading.Thread(target=twice, daemon=True)
+    start = time.monotonic()
+    try:
+        sender.start()
+        with pytest.raises(KeyboardInterrupt):
+            call_reward("judge", fn, ["x"], {}, timeout_s=30)
+    finally:
+        stop.restore()
+        sender.join(5)
+    assert time.monotonic() - start < 5.0
+    assert (
+        stop.signum == signal.SIGTERM
+        and "SIGTERM: stopping after this step" in capfd.readouterr().err
+    )
 
 
 def test_concurrency_bounds_the_requests_in_flight(fake_judge):

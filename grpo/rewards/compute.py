@@ -10,8 +10,9 @@ raises, calls ``sys.exit`` (SystemExit), raises KeyboardInterrupt itself, return
 number of values, a value that is not a finite float, or a value outside the bounds the function
 declares (`grpo.rewards.bounds`; a per-token reward: its row's sum) is a `GrpoError` naming the
 function and, where one can be found, the row. A real Ctrl-C still interrupts: in the main thread a
-SIGINT that arrives during the call is told apart from a KeyboardInterrupt raised by the
-function's own code, and only the latter becomes an error; elsewhere (a worker thread never
+SIGINT (or a SIGTERM whose handler raises KeyboardInterrupt, as training's second one does)
+that arrives during the call is told apart from a KeyboardInterrupt raised by the function's
+own code, and only the latter becomes an error; elsewhere (a worker thread never
 receives signals) every KeyboardInterrupt is the function's.
 
 Timeout (``timeout_s``; off for a bare function, 300 s for a config's ``rewards[]``): the call
@@ -86,7 +87,8 @@ def call_reward(
         GrpoError: naming `name` (and the first bad row): the function raised, exited, timed
             out, or returned the wrong type, length, a non-finite value or one outside the
             bounds it declares.
-        KeyboardInterrupt: a real Ctrl-C (SIGINT) during the call.
+        KeyboardInterrupt: a real Ctrl-C (SIGINT), or a SIGTERM whose handler raised it (a
+            second one in training), during the call.
     """
     if "context" in columns and wants_context(fn):
         raise _error(
@@ -105,6 +107,8 @@ def call_reward(
     except (KeyboardInterrupt, SignalStop):  # a real Ctrl-C / SIGTERM: the run stops
         raise
     except BaseException as e:  # SystemExit too: a reward must not end the process
+        if getattr(e, "caller_stop", False):  # raised in this thread while it waited: a stop
+            raise
         if getattr(e, "reward_name", None):  # already checked and named (a nested reward)
             raise
         row = _first_failing_row(fn, completions, columns, timeout_s, context)
@@ -237,7 +241,7 @@ class _Timeout(Exception):
 
 
 class _OwnInterrupt(Exception):
-    """A KeyboardInterrupt the reward function raised itself (no SIGINT arrived)."""
+    """A KeyboardInterrupt the reward function raised itself (no SIGINT / SIGTERM arrived)."""
 
 
 def _guarded_call(
@@ -250,7 +254,8 @@ def _guarded_call(
     """`fn` on fresh copies of the inputs, in this thread or (with `timeout_s`) a worker.
 
     Raises:
-        KeyboardInterrupt: only for a real SIGINT during the call.
+        KeyboardInterrupt: only for a real SIGINT (or a SIGTERM whose handler raised it)
+            during the call.
         _OwnInterrupt: the function raised KeyboardInterrupt itself.
         _Timeout: still running after `timeout_s` seconds.
         BaseException: whatever else the function raised (SystemExit included).
@@ -258,13 +263,13 @@ def _guarded_call(
     completions, columns = list(completions), _fresh(columns)
     if wants_context(fn):  # not copied: it holds the tokenizer (its fields are read-only)
         columns["context"] = context if context is not None else RewardContext()
-    with _sigint_watch() as interrupted:
+    with _signal_watch() as interrupted:
         try:
             if timeout_s is None:
                 return fn(completions, **columns)
             return _call_in_worker(fn, completions, columns, timeout_s)
         except KeyboardInterrupt as e:
-            if interrupted():
+            if interrupted() or getattr(e, "caller_stop", False):
                 raise
             raise _OwnInterrupt() from e
 
@@ -285,7 +290,11 @@ def _call_in_worker(
 
     worker = threading.Thread(target=work, name=f"reward-{reward_name(fn)}", daemon=True)
     worker.start()
-    worker.join(timeout_s)  # a Ctrl-C interrupts this wait in the main thread
+    try:
+        worker.join(timeout_s)  # a Ctrl-C interrupts this wait in the main thread
+    except (KeyboardInterrupt, SystemExit) as e:  # a signal's handler raised it in this thread
+        e.caller_stop = True  # the caller's stop, never the function's error
+        raise
     if worker.is_alive():
         raise _Timeout()
     if "error" in box:
@@ -297,35 +306,40 @@ def _call_in_worker(
 
 
 @contextmanager
-def _sigint_watch() -> Iterator[Any]:
-    """Yields a function telling whether a SIGINT arrived inside the block.
+def _signal_watch() -> Iterator[Any]:
+    """Yields a function telling whether a SIGINT or SIGTERM arrived inside the block.
 
-    In the main thread (the only one Python delivers signals to) the SIGINT handler is wrapped
-    for the duration: it records the signal, then does what the previous handler did. Elsewhere,
-    or when the handler was not installed from Python, nothing is wrapped and the answer is
-    always False (no Ctrl-C can surface as a KeyboardInterrupt there).
+    In the main thread (the only one Python delivers signals to) the handlers of both are
+    wrapped for the duration: each records the signal, then does what the previous handler did
+    (a Ctrl-C's KeyboardInterrupt; the trainer's `StopSignal` raising KeyboardInterrupt on a
+    second SIGTERM; the default's end of the process). Elsewhere, or where the handler was not
+    installed from Python or ignores the signal, nothing is wrapped (no such signal can surface
+    as a KeyboardInterrupt there).
     """
     hit = [False]
-    previous = None
+    previous = {}
     if threading.current_thread() is threading.main_thread():
-        previous = signal.getsignal(signal.SIGINT)
-    if previous is None:
-        yield lambda: hit[0]
-        return
+        for s in (signal.SIGINT, signal.SIGTERM):
+            handler = signal.getsignal(s)
+            if handler is not None and handler != signal.SIG_IGN:
+                previous[s] = handler
 
     def handler(signum, frame):
         hit[0] = True
-        if callable(previous):
-            previous(signum, frame)
-        elif previous == signal.SIG_DFL:  # the default action: end the process
+        before = previous[signum]
+        if callable(before):
+            before(signum, frame)
+        else:  # the default action: end the process
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
 
-    signal.signal(signal.SIGINT, handler)
+    for s in previous:
+        signal.signal(s, handler)
     try:
         yield lambda: hit[0]
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, before in previous.items():
+            signal.signal(s, before)
 
 
 def _fresh(columns: dict[str, Any]) -> dict[str, Any]:
@@ -430,7 +444,9 @@ def _first_failing_row(
             raise
         except _Timeout:
             break
-        except BaseException:
+        except BaseException as e:
+            if getattr(e, "caller_stop", False):
+                raise
             first_fail = row if first_fail is None else first_fail
         if first_fail is not None and any_pass:
             return first_fail

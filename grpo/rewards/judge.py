@@ -13,6 +13,7 @@
           concurrency: 4                      # requests in flight at once
           request_timeout_s: 30               # one attempt
           retries: 2                          # more attempts on transient errors
+          total_timeout_s: 120                # one row's judgment, retries and waits included
           backoff_s: 0.5                      # first retry's wait, doubling after
           on_failure: error                   # or a number: the reward of a failed row
           max_tokens: 64                      # sent with the request
@@ -29,8 +30,11 @@ last match of that regex (its group 1 when it has one); ``yes_no`` the first who
 score s in [lo, hi] becomes (s - lo) / (hi - lo).
 
 A row fails when its request fails after the retries (connection errors, timeouts, HTTP 5xx
-and 429 are retried; other HTTP errors are not), when the reply has no text or no score, or
-when the score lies outside ``scale`` (the judge did not follow the scale: not clamped). With
+and 429 are retried; other HTTP errors are not), when its judgment runs past
+``total_timeout_s`` (no retry starts after it, and an attempt running then is cut at it), when
+the judge answers a redirect (3xx: never followed, so the API key goes to ``base_url`` only),
+when the reply has no text or no score, or when the score lies outside ``scale`` (the judge
+did not follow the scale: not clamped). With
 ``on_failure: error`` the first failure stops the call with one `GrpoError` naming the row, the
 URL and the cause; with a number the failed rows get that reward, a warning is logged and
 ``failures`` counts them. The reward reports (logged as ``rewards/judge/<metric>``):
@@ -38,8 +42,12 @@ URL and the cause; with a number the failed rows get that reward, a warning is l
 of one row's judgment, its retries included.
 
 The whole batch runs under the reward's ``rewards[].timeout_s`` (300 s by default in a config):
-raise it for large batches or slow judges. HTTP is the standard library's (urllib and a thread
-pool), so the reward needs no client package.
+raise it for large batches or slow judges. HTTP is the standard library's (urllib, in
+``concurrency`` daemon threads), so the reward needs no client package. A call that fails
+starts no more requests or retries; threads still working (after that failure, past that
+timeout, or at a stop: Ctrl-C or training's second SIGTERM, which leave the call as the
+KeyboardInterrupt they are) end on their own, each row within ``total_timeout_s``, and never
+hold the process open.
 """
 
 from __future__ import annotations
@@ -50,14 +58,15 @@ import logging
 import math
 import numbers
 import os
+import queue
 import re
 import string
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +120,7 @@ def make_judge(
     request_timeout_s: float = 30.0,
     retries: int = 2,
     backoff_s: float = 0.5,
+    total_timeout_s: float = 120.0,
     on_failure: str | float = "error",
     max_tokens: int = 64,
     temperature: float = 0.0,
@@ -131,6 +141,9 @@ def make_judge(
         retries: further attempts after a connection error, a timeout, HTTP 5xx or 429.
         backoff_s: wait before the first retry, doubled before each next one (a 429 or 503's
             ``Retry-After`` header of up to 30 s is waited instead).
+        total_timeout_s: seconds one row's judgment may take in all, its attempts and the
+            waits between them (> 0): no retry starts (nor waits) past it, and an attempt
+            running then is cut at it. The defaults' worst case is 3 x 30 s + 1.5 s of waits.
         on_failure: ``"error"`` (a failed row raises) or the reward a failed row gets.
         max_tokens, temperature: sent with each request.
         api_key_env: the environment variable holding a bearer token (read now).
@@ -154,6 +167,7 @@ def make_judge(
     _check_int("retries", retries, 0)
     _check_int("max_tokens", max_tokens, 1)
     _check_number("request_timeout_s", request_timeout_s, 0.0, strict=True)
+    _check_number("total_timeout_s", total_timeout_s, 0.0, strict=True)
     _check_number("backoff_s", backoff_s, 0.0)
     _check_number("temperature", temperature, 0.0)
     fallback = _check_on_failure(on_failure)
@@ -161,6 +175,7 @@ def make_judge(
     if api_key_env is not None:
         headers["Authorization"] = f"Bearer {_api_key(api_key_env)}"
     settings = {"model": model, "max_tokens": max_tokens, "temperature": float(temperature)}
+    opener = urllib.request.build_opener(_NoRedirect)  # the key goes to base_url only
 
     def score(reply: str) -> float:
         """The reward of a reply: parsed, checked against the scale, mapped."""
@@ -186,21 +201,35 @@ def make_judge(
             )
         return (float(s) - lo) / (hi - lo)
 
-    def judge_one(prompt: str) -> _Outcome:
-        """One row: POST with retries, then read the score."""
+    def judge_one(prompt: str, stop: threading.Event) -> _Outcome:
+        """One row: POST with retries until `total_timeout_s` (or `stop`), then read the
+        score."""
         body = json.dumps({**settings, "messages": [{"role": "user", "content": prompt}]})
         start, attempt = time.monotonic(), 0
+        deadline = start + total_timeout_s
         while True:
+            left = deadline - time.monotonic()
+            cut = left < request_timeout_s  # the total cuts this attempt: its cause says so
+            if cut:
+                timeout_s, limit = max(left, 1e-3), f"total_timeout_s={total_timeout_s:g}"
+            else:
+                timeout_s, limit = request_timeout_s, f"request_timeout_s={request_timeout_s:g}"
             try:
-                reply = _post(url, body.encode(), headers, request_timeout_s)
+                reply = _post(opener, url, body.encode(), headers, timeout_s, limit)
                 value = score(reply)
                 return _Outcome(value, "", time.monotonic() - start, attempt)
             except _Retryable as e:
-                if attempt >= retries:
-                    tries = f" after {attempt + 1} attempts" if attempt else ""
-                    cause = f"POST {url} failed{tries}: {e}"
+                tries = f" after {attempt + 1} attempts" if attempt else ""
+                cause = f"POST {url} failed{tries}: {e}"
+                wait = e.wait_s if e.wait_s is not None else backoff_s * 2.0 ** min(attempt, 60)
+                if attempt < retries and time.monotonic() + wait >= deadline and not cut:
+                    cause += (
+                        f" (no time left for a retry within total_timeout_s={total_timeout_s:g} s)"
+                    )
+                if attempt >= retries or time.monotonic() + wait >= deadline:
                     return _Outcome(None, cause, time.monotonic() - start, attempt)
-                time.sleep(e.wait_s if e.wait_s is not None else backoff_s * 2**attempt)
+                if stop.wait(wait):  # the call has ended (failed, or was left): no more attempts
+                    return _Outcome(None, cause, time.monotonic() - start, attempt)
                 attempt += 1
             except _Failure as e:
                 cause = f"POST {url}: {e}"
@@ -217,17 +246,18 @@ def make_judge(
         rows = _fields(used, completions, question, ground_truth, columns)
         prompts = [template.format_map(row) for row in rows]
         outcomes: list[_Outcome | None] = [None] * len(prompts)
-        if prompts:
-            pool = ThreadPoolExecutor(min(concurrency, len(prompts)), thread_name_prefix="judge")
-            try:
-                futures = {pool.submit(judge_one, p): row for row, p in enumerate(prompts)}
-                for future in as_completed(futures):
-                    row, outcome = futures[future], future.result()
-                    outcomes[row] = outcome
-                    if outcome.value is None and fallback is None:  # fail fast
-                        raise _row_error(row, completions[row], outcome.cause)
-            finally:  # after a failure: queued rows are dropped, running ones end on their own
-                pool.shutdown(wait=False, cancel_futures=True)
+        done: queue.Queue = queue.Queue()  # (row, _Outcome or the exception of a bug)
+        stop = _start_workers(judge_one, prompts, min(concurrency, len(prompts)), done)
+        try:
+            for _ in prompts:
+                row, outcome = done.get()  # a Ctrl-C in the main thread interrupts this wait
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                outcomes[row] = outcome
+                if outcome.value is None and fallback is None:  # fail fast
+                    raise _row_error(row, completions[row], outcome.cause)
+        finally:  # queued rows are dropped; running ones end at their next wait or on their own
+            stop.set()
         failed = [row for row, o in enumerate(outcomes) if o.value is None]
         if failed:
             first = failed[0]
@@ -292,6 +322,37 @@ def score_parser(parser: str, pattern: str | None = None) -> Callable[[str], flo
     )
 
 
+def _start_workers(
+    judge_one: Callable[[str, threading.Event], _Outcome],
+    prompts: list[str],
+    n_threads: int,
+    done: queue.Queue,
+) -> threading.Event:
+    """`n_threads` daemon threads judging `prompts` row by row, each putting (row, outcome)
+    on `done` (or (row, exception) for an unexpected error). Returns the event that stops
+    them: none starts a row, or waits for a retry, after it is set. Daemon threads: one left
+    waiting on a hung judge does not keep the process alive (a ThreadPoolExecutor's would)."""
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for row in range(len(prompts)):
+        todo.put(row)
+    stop = threading.Event()
+
+    def work() -> None:
+        while not stop.is_set():
+            try:
+                row = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                done.put((row, judge_one(prompts[row], stop)))
+            except BaseException as e:  # a bug: raised in the caller
+                done.put((row, e))
+
+    for i in range(n_threads):
+        threading.Thread(target=work, name=f"judge-{i}", daemon=True).start()
+    return stop
+
+
 # --------------------------------------------------------------------------- parsers
 
 
@@ -328,29 +389,52 @@ class _Retryable(Exception):
         self.wait_s = wait_s
 
 
-def _post(url: str, body: bytes, headers: dict[str, str], timeout_s: float) -> str:
-    """The text of the reply to one chat-completions request (one attempt).
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Redirects are not followed: a 3xx is an HTTPError (urllib would send the request, its
+    Authorization header included, wherever the Location points)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+def _post(
+    opener: urllib.request.OpenerDirector,
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    timeout_s: float,
+    limit: str,
+) -> str:
+    """The text of the reply to one chat-completions request (one attempt of at most
+    `timeout_s` seconds; `limit` names the setting that set it, for the cause).
 
     Raises:
         _Retryable: a connection error, a timeout, HTTP 5xx or 429.
-        _Failure: another HTTP error, a reply that is not JSON or has no message text.
+        _Failure: a redirect, another HTTP error, a reply that is not JSON or has no message
+            text.
     """
     request = urllib.request.Request(url, data=body, headers=headers, method="POST")
     deadline = time.monotonic() + timeout_s  # bounds the body too, however slowly it comes
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-            data = _read(resp, deadline, timeout_s)
+        with opener.open(request, timeout=timeout_s) as resp:
+            data = _read(resp, deadline, limit)
     except _Failure:
         raise
     except urllib.error.HTTPError as e:
+        if 300 <= e.code < 400:
+            where = _excerpt(e.headers.get("Location") or "", 200)
+            raise _Failure(
+                f"HTTP {e.code}: the judge redirected to {where}; redirects are not followed "
+                "(base_url must be the endpoint itself)"
+            ) from None
         cause = f"HTTP {e.code}{_error_detail(e)}"
         if e.code == 429 or e.code >= 500:
             raise _Retryable(cause, _retry_after(e.headers)) from None
         raise _Failure(cause) from None
     except urllib.error.URLError as e:  # connecting, sending
-        raise _Retryable(_connection_cause(e.reason, timeout_s)) from None
+        raise _Retryable(_connection_cause(e.reason, limit)) from None
     except OSError as e:  # waiting for or reading the reply: a timeout, a reset
-        raise _Retryable(_connection_cause(e, timeout_s)) from None
+        raise _Retryable(_connection_cause(e, limit)) from None
     except http.client.HTTPException as e:  # a broken reply (RemoteDisconnected is an OSError)
         raise _Retryable(f"{type(e).__name__}: {e}") from None
     try:
@@ -366,7 +450,7 @@ def _post(url: str, body: bytes, headers: dict[str, str], timeout_s: float) -> s
     return content
 
 
-def _read(resp: Any, deadline: float, timeout_s: float) -> bytes:
+def _read(resp: Any, deadline: float, limit: str) -> bytes:
     """The body of `resp`, read by chunks as they come, until `deadline` at the latest."""
     chunks, size = [], 0
     while chunk := resp.read1(65536):
@@ -375,14 +459,14 @@ def _read(resp: Any, deadline: float, timeout_s: float) -> bytes:
         if size > MAX_REPLY_BYTES:
             raise _Failure(f"the reply is larger than {MAX_REPLY_BYTES >> 20} MiB")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no complete reply within request_timeout_s={timeout_s:g} s")
+            raise TimeoutError(f"no complete reply within {limit} s")
     return b"".join(chunks)
 
 
-def _connection_cause(reason: Any, timeout_s: float) -> str:
-    """A short cause for a connection error or timeout."""
+def _connection_cause(reason: Any, limit: str) -> str:
+    """A short cause for a connection error or timeout (`limit`: the setting that timed out)."""
     if isinstance(reason, TimeoutError) or "timed out" in str(reason):
-        return f"no complete reply within request_timeout_s={timeout_s:g} s"
+        return f"no complete reply within {limit} s"
     if isinstance(reason, ConnectionRefusedError):
         return "connection refused (is the judge server running?)"
     if isinstance(reason, BaseException):
