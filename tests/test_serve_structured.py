@@ -275,6 +275,7 @@ def test_nested_repeat_product():
     assert _nested_repeat("(a{3,}){1,5}") == 15
     for single in ("a{1,100000}", r"\d{4}-\d{2}", "[{(]{3}(b){5,}", r"\p{L}{1,5}", "(a*)+"):
         assert _nested_repeat(single) == 1, single
+    assert _nested_repeat("(a{1," + "9" * 5000 + "}){2}") == 1  # not a count: the engine's call
 
 
 def test_a_stop_before_the_grammar_is_complete_is_a_500(server, client, monkeypatch, caplog):

@@ -166,7 +166,8 @@ def _finite(node, finite: dict) -> bool:
         return node
     if not isinstance(node, dict):
         return True
-    if finite.get(node.get("$ref"), True) is False:
+    ref = node.get("$ref")
+    if isinstance(ref, str) and finite.get(ref) is False:
         return False
     all_of = node.get("allOf")
     if isinstance(all_of, list) and not all(_finite(s, finite) for s in all_of):
@@ -210,7 +211,7 @@ def _patterns(schema):
             yield from node["patternProperties"]
 
 
-_COUNT = re.compile(r"\{(\d*)(,?)(\d*)\}")
+_COUNT = re.compile(r"\{(\d{0,12})(,?)(\d{0,12})\}")  # longer counts: not a count here
 
 
 def _nested_repeat(pattern: str) -> int:
