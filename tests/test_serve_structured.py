@@ -195,6 +195,108 @@ def test_bad_formats_are_400s_naming_the_field(server, fmt, field):
     assert data["error"]["message"].startswith(field)
 
 
+ENDLESS = {  # A -> B -> A, each through a required property: no finite JSON matches
+    "$defs": {
+        "A": {"type": "object", "properties": {"b": {"$ref": "#/$defs/B"}}, "required": ["b"]},
+        "B": {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"]},
+    },
+    "$ref": "#/$defs/A",
+}
+TREE = {  # recursion that may stop: a node's children may be none
+    "$defs": {
+        "node": {
+            "type": "object",
+            "properties": {
+                "v": {"type": "integer", "minimum": 0, "maximum": 9},
+                "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2},
+            },
+            "required": ["v", "kids"],
+        }
+    },
+    "$ref": "#/$defs/node",
+}
+
+
+@pytest.mark.parametrize(
+    "schema, why",
+    [
+        ({"$ref": "#"}, 'its $ref "#" recurses on every path'),
+        (ENDLESS, 'its $ref "#/$defs/A" recurses on every path'),
+        (
+            {"type": "string", "pattern": "^((a{1,1000}){1,1000}){1,1000}$"},
+            "nests counted repetitions whose bounds multiply to 1e+09",
+        ),
+    ],
+    ids=["self", "a-b-a", "pattern"],
+)
+def test_endless_schemas_are_400s_naming_the_field(server, schema, why):
+    """Schemas the engine compiles but cannot finish (issue 64): refused up front, not a 200
+    with "stop" and an empty or cut reply."""
+    field = "response_format.json_schema.schema"
+    for strict in (True, False):
+        status, data = post(server, {**CHAT, "response_format": response_format(schema, strict)})
+        assert status == 400 and data["error"]["param"] == field, data
+        assert data["error"]["message"].startswith(field) and why in data["error"]["message"]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+def test_endless_strict_tool_parameters_are_400s(server, tool_choice):
+    loose = {"type": "function", "function": {"name": "g", "parameters": {"$ref": "#"}}}
+    endless = {
+        "type": "function",
+        "function": {"name": "f", "strict": True, "parameters": {"$ref": "#"}},
+    }
+    body = {**CHAT, "tools": [loose, endless], "tool_choice": tool_choice}
+    status, data = post(server, body)
+    field = "tools[1].function.parameters"
+    assert status == 400 and data["error"]["param"] == field, data
+    assert data["error"]["message"].startswith(field + ': its $ref "#" recurses')
+
+
+def test_recursion_that_may_stop_is_served(client):
+    """A tree whose children may be empty passes the check; every reply that stops is a
+    valid tree."""
+    for seed in range(3):
+        r = client.chat.completions.create(
+            **CHAT, response_format=response_format(TREE), temperature=1.0, seed=seed, max_tokens=80
+        )
+        c = r.choices[0]
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.message.content), TREE)
+        else:
+            assert c.finish_reason == "length" and c.message.content.startswith('{"v": ')
+
+
+def test_nested_repeat_product():
+    from grpo.apps.serving.structured import _nested_repeat
+
+    assert _nested_repeat("^((a{1,1000}){1,1000}){1,1000}$") == 10**9
+    assert _nested_repeat("(?:x{2,4}|y){100}") == 400
+    assert _nested_repeat("(a{3,}){1,5}") == 15
+    for single in ("a{1,100000}", r"\d{4}-\d{2}", "[{(]{3}(b){5,}", r"\p{L}{1,5}", "(a*)+"):
+        assert _nested_repeat(single) == 1, single
+    assert _nested_repeat("(a{1," + "9" * 5000 + "}){2}") == 1  # not a count: the engine's call
+
+
+def test_a_stop_before_the_grammar_is_complete_is_a_500(server, client, monkeypatch, caplog):
+    """The promise at response time: should a constrained row still draw end-of-sequence with
+    its grammar incomplete (here a grammar with no reply, let past both checks), the server
+    answers 500 and logs one line, never "stop" with an empty or cut reply."""
+    from grpo.apps.serving import structured
+
+    monkeypatch.setattr(structured, "check_schema", lambda schema, field: None)
+    monkeypatch.setattr(structured.Grammars, "_only_eos", lambda self, matcher: False)
+    fmt = response_format({"$ref": "#", "description": "let through"})  # its own cache entry
+    with caplog.at_level("ERROR", logger="grpo.apps.serving.engine"):
+        status, data = post(server, {**CHAT, "response_format": fmt})
+    assert status == 500, data
+    assert "before its structured output was complete" in data["error"]["message"]
+    assert "stopped before its grammar was complete" in caplog.text
+    with pytest.raises(openai.APIError, match="before its structured output was complete"):
+        for _ in client.chat.completions.create(**CHAT, response_format=fmt, stream=True):
+            pass  # the 200 went first: an error event, as OpenAI's API sends one
+
+
 def test_text_is_accepted_and_tools_with_json_refused(server, client):
     r = client.chat.completions.create(
         **CHAT, response_format={"type": "text"}, max_tokens=4, temperature=0

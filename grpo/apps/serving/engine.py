@@ -514,6 +514,7 @@ class Engine:
         ids_all = rollout.completion_ids.tolist()
         logprobs = rollout.logprobs
         choices: dict[int, list[Choice]] = {id(j): [] for j in batch}
+        broken: dict[int, int] = {}  # job -> a choice its grammar left incomplete
         for b, r in enumerate(rows):
             p = r.job.params
             n_real, ids = lens[b], ids_all[b]
@@ -521,6 +522,8 @@ class Engine:
                 count, keep, reason = r.stop_step + 1, r.stop_step + 1, "stop"
             elif finished[b] and n_real <= p.max_tokens:  # drew a stop id within its budget
                 count, keep, reason = n_real, n_real - 1, "stop"
+                if p.grammar is not None and not self.grammars.accepts(p.grammar, ids[:keep]):
+                    broken.setdefault(id(r.job), r.index)  # "stop" would promise valid JSON
             else:
                 count = keep = min(n_real, p.max_tokens)
                 reason = "length"
@@ -537,5 +540,11 @@ class Engine:
                 elif not text.startswith(sent):
                     log.warning("streamed text of choice %d differs from its full decode", r.index)
         for job in batch:
+            if id(job) in broken:
+                index = broken[id(job)]
+                log.error("choice %d stopped before its grammar was complete: answered 500", index)
+                why = "the grammar engine ended choice %d before its structured output was complete"
+                self._fail(job, 500, why % index)
+                continue
             job.result = sorted(choices[id(job)], key=lambda c: c.index)
             job.notify(("done",))

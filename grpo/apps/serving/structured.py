@@ -20,8 +20,13 @@ The JSON is written as `json.dumps` writes it (``{"a": 1, "b": [2]}``), its prop
 schema's order (the engine fixes the order). Once the grammar is complete only the
 end-of-sequence token may follow, so a reply that ends with `finish_reason: "stop"` parses
 and validates; one cut by `max_tokens` reports "length" (its text is a prefix of such JSON).
-A schema the engine cannot compile is a 400 naming it. Why llguidance: docs/serving.md,
-"Structured outputs" (benchmarks/bench_grammar.py).
+A schema the engine cannot compile is a 400 naming it, and so is one the engine would accept
+but could not finish (`check_schema`): a `$ref` cycle that every instance must follow (no
+finite JSON matches it), or a pattern whose nested counted repetitions multiply past
+`MAX_NESTED_REPEAT` (the engine's lexer runs out of states mid-string). Should a row still
+draw end-of-sequence with its grammar not complete, `Grammars.accepts` says so and the server
+answers 500 rather than "stop". Why llguidance: docs/serving.md, "Structured outputs"
+(benchmarks/bench_grammar.py).
 """
 
 from __future__ import annotations
@@ -42,6 +47,10 @@ from grpo.settings import FieldError
 # other white space, so a model cannot spend its budget on it.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 64  # compiled grammars kept (by schema text); least recently used go first
+# Nested counted repetitions in a pattern (``(a{1,100}){1,100}``) multiply the states of the
+# engine's lazy lexer: measured on llguidance 1.9, a product of 10^4 exhausts it about 100
+# characters in, 2,500 did not within 1,000. A single count (``a{1,100000}``) is cheap.
+MAX_NESTED_REPEAT = 1000
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,6 +74,186 @@ def strict_schema(schema):
     if is_object and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
+
+
+def check_schema(schema, field: str) -> None:
+    """Refuse a schema the engine compiles but cannot finish: raises FieldError naming
+    `field` when no finite JSON matches it (a `$ref` cycle on every path: ``{"$ref": "#"}``,
+    A -> B -> A through required properties), or when a pattern's nested counted repetitions
+    multiply past `MAX_NESTED_REPEAT`. Recursion that may stop (a tree whose `children` may be
+    empty) passes."""
+    try:
+        endless = _endless_ref(schema)
+        patterns = list(_patterns(schema))
+    except RecursionError:  # nested past Python's stack: the engine's own limits decide
+        return
+    if endless is not None:
+        raise FieldError(f"{field}: {endless}", field=field)
+    for pattern in patterns:
+        product = _nested_repeat(pattern)
+        if product > MAX_NESTED_REPEAT:
+            raise FieldError(
+                f"{field}: the pattern {json.dumps(pattern)[:80]} nests counted repetitions "
+                f"whose bounds multiply to {product:.3g} (at most {MAX_NESTED_REPEAT})",
+                field=field,
+            )
+
+
+def _endless_ref(root) -> str | None:
+    """Why no finite JSON value matches `root` (None when one may): the least fixed point of
+    "has a finite instance" over the local `$ref` targets, each rule an over-estimate, so a
+    schema is refused only when it is surely endless."""
+    refs = {}  # "#/..." -> its target, every local $ref in the document
+    for node in _nodes(root):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref not in refs:
+            target = _resolve(root, ref)
+            if target is not _MISSING:
+                refs[ref] = target
+    finite = dict.fromkeys(refs, False)
+    changed = True
+    while changed:
+        changed = False
+        for ref, target in refs.items():
+            if not finite[ref] and _finite(target, finite):
+                finite[ref] = changed = True
+    if _finite(root, finite):
+        return None
+    endless = [r for r, ok in finite.items() if not ok]
+    if not endless:
+        return "no JSON value matches it"
+    first = root.get("$ref") if isinstance(root, dict) and root.get("$ref") in endless else None
+    ref = json.dumps(first or endless[0])
+    return f"its $ref {ref} recurses on every path: no finite JSON matches it"
+
+
+_MISSING = object()
+
+
+def _resolve(root, ref: str):
+    """The target of a local JSON-pointer `ref` ("#", "#/$defs/A"), else _MISSING (remote or
+    anchor refs, or a pointer to nothing: the engine reports those)."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return _MISSING
+    node = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return _MISSING
+    return node
+
+
+def _nodes(schema):
+    """Every dict in `schema` (depth first)."""
+    if isinstance(schema, dict):
+        yield schema
+        for v in schema.values():
+            yield from _nodes(v)
+    elif isinstance(schema, list):
+        for v in schema:
+            yield from _nodes(v)
+
+
+def _finite(node, finite: dict) -> bool:
+    """Whether `node` may have a finite instance, given which `$ref` targets may (`finite`)."""
+    if isinstance(node, bool):
+        return node
+    if not isinstance(node, dict):
+        return True
+    ref = node.get("$ref")
+    if isinstance(ref, str) and finite.get(ref) is False:
+        return False
+    all_of = node.get("allOf")
+    if isinstance(all_of, list) and not all(_finite(s, finite) for s in all_of):
+        return False
+    for key in ("anyOf", "oneOf"):
+        alts = node.get(key)
+        if isinstance(alts, list) and alts and not any(_finite(s, finite) for s in alts):
+            return False
+    types = node.get("type")
+    if types is None and ("properties" in node or "required" in node):
+        types = "object"  # as the engine reads it
+    types = [types] if isinstance(types, str) else types
+    if not isinstance(types, list) or "const" in node or "enum" in node:
+        return True
+    return any(_finite_type(t, node, finite) for t in types)
+
+
+def _finite_type(kind, node: dict, finite: dict) -> bool:
+    if kind == "object":
+        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        required = node.get("required") if isinstance(node.get("required"), list) else []
+        return all(_finite(props[k], finite) for k in required if isinstance(k, str) and k in props)
+    if kind == "array":
+        need = node.get("minItems", 0)
+        prefix, items = node.get("prefixItems"), node.get("items", True)
+        if isinstance(items, list):  # the older tuple form
+            prefix, items = items, node.get("additionalItems", True)
+        prefix = prefix if isinstance(prefix, list) else []
+        need = need if isinstance(need, int) else 0
+        firsts = range(min(need, len(prefix) + 1))  # the items beyond are like the last
+        return all(_finite(prefix[j] if j < len(prefix) else items, finite) for j in firsts)
+    return True
+
+
+def _patterns(schema):
+    """Every regular expression in `schema`: `pattern` values and `patternProperties` keys."""
+    for node in _nodes(schema):
+        if isinstance(node.get("pattern"), str):
+            yield node["pattern"]
+        if isinstance(node.get("patternProperties"), dict):
+            yield from node["patternProperties"]
+
+
+_COUNT = re.compile(r"\{(\d{0,12})(,?)(\d{0,12})\}")  # longer counts: not a count here
+
+
+def _nested_repeat(pattern: str) -> int:
+    """The largest product of the upper bounds of counted repetitions nested in one another
+    (``((a{1,1000}){1,1000}){1,1000}``: 10^9; ``{m,}`` counts m; a count not inside another,
+    or ``*`` / ``+``, counts 1). A scan, not a parser: escapes and classes are skipped."""
+    frames = [[]]  # per open group: (product, counted levels) of each atom so far
+    worst, i = 1, 0
+    while i < len(pattern):
+        c = pattern[i]
+        atoms = frames[-1]
+        m = _COUNT.match(pattern, i) if c == "{" else None
+        if m and (m.group(1) or m.group(3)):
+            bound = int(m.group(3) or m.group(1)) if m.group(2) else int(m.group(1) or 0)
+            if atoms:
+                product, levels = atoms[-1]
+                atoms[-1] = (product * max(bound, 1), levels + 1)
+                if levels >= 1:
+                    worst = max(worst, atoms[-1][0])
+            i = m.end()
+            continue
+        if c == "(":
+            frames.append([])
+        elif c == ")" and len(frames) > 1:
+            inner = frames.pop()
+            frames[-1].append(max(inner, default=(1, 0)))
+        elif c == "\\":
+            i += 1
+            if pattern[i + 1 : i + 2] == "{":  # \p{L}, \u{..}: one atom
+                i = pattern.find("}", i) if "}" in pattern[i:] else len(pattern)
+            atoms.append((1, 0))
+        elif c == "[":  # a class: up to its closing ] (a ] first in it is a literal)
+            j = i + 1 + (pattern[i + 1 : i + 2] == "^")
+            j += pattern[j : j + 1] == "]"
+            while j < len(pattern) and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            i = j
+            atoms.append((1, 0))
+        elif c not in "|*+?^$":
+            atoms.append((1, 0))
+        i += 1
+    return worst
 
 
 class Grammars:
@@ -103,6 +292,7 @@ class Grammars:
             schema, strict = {"type": "object"}, False
         if strict:
             schema = strict_schema(schema)
+        check_schema(schema, field)
         text = json.dumps(schema)  # key order kept: properties come out in the schema's order
 
         def grammar():
@@ -119,6 +309,7 @@ class Grammars:
         the `close` tag, then the end of the reply. The wrapper is fixed text; a tag the
         tokenizer keeps as one special token is that token."""
         chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+        _check_strict(tools)
         rules, alts = [], []
         for i, fn in enumerate(chosen):
             head = "" if name is not None else json.dumps(fn["name"] + '", "arguments":')
@@ -136,6 +327,7 @@ class Grammars:
         may follow a call. Without `parallel` at most one call. Text that is not a call never
         holds the `open` tag, so every call the reply begins is one the server can parse."""
         fns = [t["function"] for t in tools]
+        _check_strict(tools)
         alts = " | ".join(f"f{i}" for i in range(len(fns)))
         rules = [f"call: head ({alts})"]
         for i, fn in enumerate(fns):
@@ -177,6 +369,8 @@ class Grammars:
             start = self._llg.LLMatcher(self._tokenizer, grammar(), log_level=0)
             if start.is_error():
                 problem = start.get_error()
+            elif not start.is_accepting() and self._only_eos(start):
+                problem = "no reply matches it (the grammar allows only the end at its start)"
         except Exception as e:  # the engine's own errors (ValueError / RuntimeError)
             problem = e
         if problem is not None:
@@ -191,12 +385,34 @@ class Grammars:
                 self._cache.popitem(last=False)
         return out
 
+    def _only_eos(self, matcher) -> bool:
+        """Whether `matcher` allows no token but end-of-sequence next (or none at all)."""
+        bits = bytearray(matcher.deep_copy().compute_bitmask())
+        if self.eos_id is not None and self.eos_id // 8 < len(bits):
+            bits[self.eos_id // 8] &= ~(1 << (self.eos_id % 8)) & 0xFF
+        return not any(bits)
+
+    def accepts(self, grammar: Grammar, ids: Sequence[int]) -> bool:
+        """Whether the reply `ids` (its stop token left out) is complete under `grammar`: the
+        check before a constrained reply is called "stop" (a slow twin of the sampler's
+        masks: a matcher that ran out of its limits mid-reply allows only the end)."""
+        m = grammar.start.deep_copy()
+        return m.consume_tokens(list(ids)) and m.is_accepting()
+
     def constraint(self, grammars: Sequence[Grammar | None]) -> RowGrammars | None:
         """The `TokenConstraint` of a batch (one entry per row; None: unconstrained), or None
         when no row has a grammar."""
         if not any(g is not None for g in grammars):
             return None
         return RowGrammars(self, grammars)
+
+
+def _check_strict(tools: Sequence[dict]) -> None:
+    """`check_schema` on each strict function's parameters, naming ``tools[i]``."""
+    for i, t in enumerate(tools):
+        fn = t["function"]
+        if fn.get("strict") and fn.get("parameters"):
+            check_schema(strict_schema(fn["parameters"]), f"tools[{i}].function.parameters")
 
 
 def _arguments(fn: dict) -> str:
