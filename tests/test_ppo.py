@@ -293,6 +293,31 @@ def test_a_critic_starts_from_a_reward_model_head(shared_tiny_model, tmp_path):
     assert critic.model.score.weight.requires_grad
 
 
+def test_a_critic_from_a_checkpoint_of_another_tokenizer_is_refused(shared_tiny_model, tmp_path):
+    """The critic reads the policy's token ids as they are: an `init` whose tokenizer maps
+    tokens to other ids (one token more here), or whose vocabulary without tokenizer files is
+    too small for them, is an error naming modules[critic].kwargs.init, not a critic that
+    trains on the wrong tokens (or crashes in an embedding lookup)."""
+    import shutil
+
+    from grpo.models import Decoder, ModelConfig, save_pretrained
+    from grpo.tokenizer import load_tokenizer
+
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(shared_tiny_model, other)
+    tok = load_tokenizer(other)
+    tok.add_tokens(["<an_extra_token>"])
+    tok.save_pretrained(other)
+    with pytest.raises(GrpoError, match=r"modules\[critic\].kwargs.init: .* another tokenizer"):
+        build(tiny_cfg(shared_tiny_model, modules=f"[{{name: critic, kwargs: {{init: {other}}}}}]"))
+
+    mc = ModelConfig.from_hf(json.loads((shared_tiny_model / "config.json").read_text()))
+    small = tmp_path / "small_vocab"
+    save_pretrained(Decoder(ModelConfig(**{**mc.__dict__, "vocab_size": 40})), small)
+    with pytest.raises(GrpoError, match=r"vocabulary of 40 tokens and no tokenizer files"):
+        build(tiny_cfg(shared_tiny_model, modules=f"[{{name: critic, kwargs: {{init: {small}}}}}]"))
+
+
 @pytest.mark.parametrize(
     "over, field",
     [

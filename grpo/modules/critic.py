@@ -24,7 +24,10 @@ critic shares the policy's frozen base weights in memory (its own adapter and he
 a critic costs an adapter, a head and their optimizer states, not a second model (not under
 train.parallel: fsdp, where the policy's weights are sharded: the critic then loads its own
 copy, replicated on every rank). `init` names any checkpoint instead: a reward model from
-`grpo rm` (its score head becomes the value head) or a causal LM (a new zero head).
+`grpo rm` (its score head becomes the value head) or a causal LM (a new zero head). The critic
+reads the policy's token ids as they are (it does not re-encode the text), so `init` must have
+the policy's tokenizer (`grpo.tokenizer.check_same_vocabulary`; the `reward_model` reward, by
+contrast, re-renders and re-encodes each completion with its own tokenizer).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from grpo.lora import apply_lora, load_adapter, unwrap_lora
 from grpo.models import Decoder, load_model
 from grpo.models.decoder import meta_decoder, rope_inv_freq
 from grpo.modules.base import TrainedModule, register_trained_module
+from grpo.tokenizer import check_same_vocabulary
 
 if TYPE_CHECKING:
     from grpo.policy import Policy
@@ -239,7 +243,8 @@ def critic(
     lcfg = _lora_settings(cfg.lora, lora)
     device, dtype = policy.device, cfg.model.dtype
     sharded = cfg.train.parallel == "fsdp" and dist.enabled
-    if init is not None:
+    if init is not None:  # it reads the policy's token ids: they must mean the same tokens
+        check_same_vocabulary(init, policy.tokenizer, "modules[critic].kwargs.init")
         model = load_model(init, dtype=dtype, device=device, num_labels=1)
         if "score.weight" in dict(model.named_parameters()):
             with torch.no_grad():  # the head trains in float32

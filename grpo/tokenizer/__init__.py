@@ -18,9 +18,16 @@ from grpo.tokenizer.chat import (
     message_delta_ids,
     plain_ids,
 )
-from grpo.tokenizer.load import encode_prompt, load_tokenizer, render_prompt, stop_ids
+from grpo.tokenizer.load import (
+    check_same_vocabulary,
+    encode_prompt,
+    load_tokenizer,
+    render_prompt,
+    stop_ids,
+)
 
 __all__ = [
+    "check_same_vocabulary",
     "CHATML_TEMPLATE",
     "SPECIAL_TOKENS",
     "ChatStructureError",

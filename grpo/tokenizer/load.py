@@ -10,6 +10,38 @@ from grpo.io import read_json, read_text
 from grpo.tokenizer.chat import encode_chat
 
 
+def check_same_vocabulary(path: str | Path, tokenizer, field: str) -> None:
+    """A model loaded from `path` that reads ids `tokenizer` encoded (a critic from its own
+    checkpoint) must give them the same meaning: its tokenizer's vocabulary (token -> id) must
+    be `tokenizer`'s, else a GrpoError naming `field`. A checkpoint without tokenizer files
+    is checked by its vocabulary size alone (config.json): it must hold every id."""
+    path = Path(path)
+    theirs = None
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        theirs = load_tokenizer(path).get_vocab()
+    ours = tokenizer.get_vocab()
+    if theirs is not None:
+        if theirs == ours:
+            return
+        differ = sorted(set(theirs.items()) ^ set(ours.items()), key=lambda kv: kv[1])
+        token, at = differ[0]
+        raise GrpoError(
+            f"{field}: {path} has another tokenizer than the policy ({len(theirs)} tokens "
+            f"against {len(ours)}; first difference: {token!r} at id {at}): it would read the "
+            "policy's token ids as other tokens; start it from a checkpoint with the policy's "
+            "tokenizer"
+        )
+    config = read_json(path / "config.json", "a model's config.json")
+    size = config.get("vocab_size") if isinstance(config, dict) else None
+    needed = max(ours.values(), default=-1) + 1
+    if isinstance(size, int) and size < needed:
+        raise GrpoError(
+            f"{field}: {path} has a vocabulary of {size} tokens and no tokenizer files; the "
+            f"policy's tokenizer has ids up to {needed - 1}: start it from a checkpoint with "
+            "the policy's tokenizer"
+        )
+
+
 def load_tokenizer(path_or_id: str | Path):
     """Load a tokenizer from a local directory or hub id (never with remote code).
 
