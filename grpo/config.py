@@ -449,6 +449,10 @@ class TrainConfig:
     # torchrun jobs: a collective that waits longer than this fails the job, each rank printing
     # one line naming itself, the phase and the step (docs/distributed.md)
     dist_timeout_s: float = 600.0
+    # the longest one call of a rollout strategy or of a trained module's `loss` may run (in
+    # the trainer's main thread; null: no bound); past it the run stops with one line naming
+    # it and the rank (a hang otherwise shows nothing in a single process)
+    plugin_timeout_s: float | None = 3600.0
     progress: bool = True
     # GRPO: run each group's prompt once in the training passes (reference, old log-probs,
     # update) and repeat its keys/values to the group's rows: the full-row forward's numbers
@@ -522,6 +526,7 @@ class TrainConfig:
             "needs train.stall_steps > 0 (0 turns the checks off)",
         )
         _check_seconds(self.dist_timeout_s, "train.dist_timeout_s")
+        _check_seconds(self.plugin_timeout_s, "train.plugin_timeout_s", nullable=True)
         out = str(self.output_dir).strip()
         require(
             out not in ("", ".", "./") and Path(out).expanduser().resolve() != Path("/"),

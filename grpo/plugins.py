@@ -31,7 +31,9 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -217,6 +219,31 @@ def no_exit(what: str):
             f"{what} called sys.exit({e.code!r}); plug-in code returns or raises, it does not "
             "end the run"
         ) from None
+
+
+@contextlib.contextmanager
+def time_limit(what: str, seconds: float | None, key: str = "train.plugin_timeout_s"):
+    """Around a call into plug-in code in the main thread: past `seconds` it is interrupted
+    (SIGALRM) with a GrpoError naming `what`, the setting `key` and the rank, instead of a
+    hang that prints nothing. Elsewhere (another thread, `seconds` None) it runs unbounded:
+    an asynchronous producer thread's wait is the trainer's rollout.async_timeout_s, and
+    under torchrun the other ranks' collectives time out at train.dist_timeout_s too."""
+    main = threading.current_thread() is threading.main_thread()
+    if seconds is None or not main or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def fire(signum, frame):
+        rank = os.environ.get("RANK", "0")
+        raise GrpoError(f"{what} did not return within {key}={seconds:g} s (rank {rank})")
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def qualified_name(obj: object) -> str:

@@ -338,6 +338,7 @@ def test_rewards_the_update_would_not_train_on_are_refused(setup, change, row, m
 
 EXIT_PLUGINS = """
 import sys
+import time
 
 import torch
 
@@ -346,6 +347,10 @@ from grpo.modules import TrainedModule
 
 def strategy(**inputs):
     sys.exit(0)
+
+
+def hangs(**inputs):
+    time.sleep(3600)
 
 
 def estimator(**inputs):
@@ -365,11 +370,15 @@ class Exits(TrainedModule):
         return {}
 
     def loss(self, batch, update):
+        if self.hang:
+            time.sleep(3600)
         sys.exit(0)
 
 
-def module():
-    return Exits()
+def module(hang=False):
+    m = Exits()
+    m.hang = hang
+    return m
 """
 
 
@@ -410,3 +419,35 @@ def test_sys_exit_in_a_plug_in_stops_the_run_with_one_line(
     assert cli.main(args) == 2
     err = capsys.readouterr().err
     assert f"{who} called sys.exit(0)" in err, err[-2000:]
+
+
+@pytest.mark.parametrize(
+    "override, who",
+    [
+        ("rollout.strategy=exit_plugins:hangs", "rollout strategy 'exit_plugins:hangs'"),
+        pytest.param(
+            "modules=[{name: 'exit_plugins:module', kwargs: {hang: true}}]",
+            "module 'module' loss",
+            marks=pytest.mark.process,
+        ),
+    ],
+)
+def test_a_hanging_plug_in_stops_the_run_at_its_time_limit(
+    shared_tiny_model, tmp_path, monkeypatch, capsys, override, who
+):
+    """A strategy or a module's `loss` that never returns: at train.plugin_timeout_s the run
+    stops with one line naming it and the rank, where it hung with no output."""
+    import time
+
+    from grpo.apps import cli
+
+    (tmp_path / "exit_plugins.py").write_text(EXIT_PLUGINS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "--config", TINY, f"model.path={shared_tiny_model}", "train.max_steps=1"]
+    args += ["train.progress=false", "data.eval_samples=0", "train.plugin_timeout_s=1", override]
+    start = time.monotonic()
+    assert cli.main(args) == 2
+    assert time.monotonic() - start < 60
+    err = capsys.readouterr().err
+    assert f"{who} did not return within train.plugin_timeout_s=1 s (rank 0)" in err, err[-2000:]

@@ -53,6 +53,7 @@ from grpo.experience.batch import (
     turn_token_rewards,
 )
 from grpo.metrics import Sum
+from grpo.plugins import time_limit
 from grpo.precision import Precision
 from grpo.rewards import NamedReward, RewardContext, compute_rewards
 from grpo.rollout import Rollout, Sampler
@@ -336,8 +337,9 @@ def run_strategy(cfg, sampling: Sampling, rows: list[dict], rank: int, round_: i
         "round": round_,
         **(r.strategy_kwargs or {}),
     }
-    batch = ROLLOUT_STRATEGIES.call(r.strategy, inputs)
     name = r.strategy
+    with time_limit(f"rollout strategy {name!r}", cfg.train.plugin_timeout_s):
+        batch = ROLLOUT_STRATEGIES.call(r.strategy, inputs)
     if not isinstance(batch, RolloutBatch):
         raise GrpoError(
             f"rollout strategy {name!r} returned {type(batch).__name__}, expected a "

@@ -44,7 +44,7 @@ from grpo.io import load_safetensors, save_safetensors, torch_load, torch_save
 from grpo.metrics import split_metrics
 from grpo.modules import critic as _critic  # noqa: F401  (registers the PPO critic, "critic")
 from grpo.modules.base import TRAINED_MODULES, TrainedModule, register_trained_module
-from grpo.plugins import no_exit
+from grpo.plugins import no_exit, time_limit
 from grpo.run.optim import build_optimizer, build_scheduler
 
 if TYPE_CHECKING:
@@ -81,6 +81,7 @@ class ModuleSet:
     def __init__(self, cfg, policy: Policy, dist, device, total_steps: int):
         self.items: list[Trained] = []
         self.precision, self.device = policy.precision, device
+        self.timeout_s = cfg.train.plugin_timeout_s  # one call of a module's loss
         seen = set()
         for i, spec in enumerate(cfg.modules):
             name = spec.key
@@ -193,12 +194,12 @@ class ModuleSet:
     def _losses(self, t: Trained, batch, update):
         """(loss, metrics) of each of `t`'s loss parts (one, or what its generator yields),
         each computed under the policy's autocast, checked."""
-        what = f"module {t.name!r} loss"
-        with self.precision.autocast(self.device), no_exit(what):
+        what, limit = f"module {t.name!r} loss", self.timeout_s
+        with self.precision.autocast(self.device), no_exit(what), time_limit(what, limit):
             result = t.module.loss(batch, update)
         parts = iter(result) if inspect.isgenerator(result) else iter((result,))
         while True:  # a generator's part runs in next()
-            with self.precision.autocast(self.device), no_exit(what):
+            with self.precision.autocast(self.device), no_exit(what), time_limit(what, limit):
                 part = next(parts, _DONE)
             if part is _DONE:
                 return
