@@ -377,6 +377,9 @@ def test_scale_maps_linearly_to_0_1(echo, scale, reply, value):
     [
         ("Score: 12", r"score 12 is outside scale \[0, 10\]: the judge did not follow the scale"),
         ("Score: -3", r"score -3 is outside scale \[0, 10\]"),
+        # an exponent is read whole: 1e999 is inf, never the "1" before it
+        ("Score: 1e999", r"parser 'number' returned inf .*expected a finite number"),
+        ("Score: 2e1", r"score 20 is outside scale \[0, 10\]"),
         (
             "I cannot grade this.",
             r"no score in the reply 'I cannot grade this.' \(parser 'number'\)",
@@ -392,6 +395,16 @@ def test_an_unreadable_or_out_of_scale_score_is_a_failure(echo, reply, cause):
     )
     assert values == [0.5, -1.0]
     assert metrics["failures"] == 1 and isinstance(metrics["failures"], Sum)
+
+
+def test_a_reply_nested_too_deep_is_a_failure_under_on_failure(fake_judge):
+    """A reply body of 100,000 nested lists (json.loads: RecursionError) is the row's failure,
+    so on_failure applies, instead of an exception past it."""
+    deep = "[" * 100_000 + "]" * 100_000
+    server = fake_judge(lambda body, n: (200, deep, {}))
+    fn = judge(server.url, template="{completion}", on_failure=-1.0, retries=0)
+    values, metrics = fn(["a"])
+    assert values == [-1.0] and metrics["failures"] == 1
 
 
 def test_a_custom_parser_that_raises_fails_the_row(echo, tmp_path, monkeypatch):

@@ -89,7 +89,7 @@ DEFAULT_TEMPLATE = (
 )
 FIELDS = ("question", "completion", "reference")  # what a template may use
 # a number not glued to a word or a decimal point, and not a denominator ("7/10" reads 7)
-_NUMBER = re.compile(r"(?<![\w./])-?\d+(?:\.\d+)?")
+_NUMBER = re.compile(r"(?<![\w./])-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?(?!\w)")
 _YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
 MAX_REPLY_BYTES = 4 << 20  # a larger reply body is a failure, not memory spent
 RETRY_AFTER_MAX_S = 30.0  # the longest Retry-After header (429 / 503) that is honoured
@@ -289,7 +289,8 @@ def score_parser(parser: str, pattern: str | None = None) -> Callable[[str], flo
 
     Args:
         parser: ``"number"``: the last number of the reply not glued to a word and not after
-            a ``/`` (``"Score: 7/10"`` -> 7.0, ``"8.5"`` -> 8.5, ``"-2"`` -> -2.0); with
+            a ``/`` (``"Score: 7/10"`` -> 7.0, ``"8.5"`` -> 8.5, ``"-2"`` -> -2.0), an exponent
+            read with it (``"2e1"`` -> 20.0; ``"1e999"`` is not finite: a failure); with
             `pattern`, the last match of that regex instead (its group 1 when it has groups,
             read as a float). ``"yes_no"``: the first whole word "yes" (1.0) or "no" (0.0),
             any case. ``"package.module:function"``: a function ``text -> float`` (returning
@@ -440,7 +441,7 @@ def _post(
     try:
         reply = json.loads(data)
         content = reply["choices"][0]["message"]["content"]
-    except (ValueError, KeyError, IndexError, TypeError):
+    except (ValueError, KeyError, IndexError, TypeError, RecursionError):  # nested too deep too
         raise _Failure(
             f"the reply has no choices[0].message.content: "
             f"{_excerpt(data.decode('utf-8', 'replace'))}"
