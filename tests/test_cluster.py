@@ -70,6 +70,19 @@ def test_resume_words_keep_overrides_apart():
         parse(cli.resume_words(["train", "--config", "c.yaml", "--resume=later"]))
 
 
+def test_overrides_after_a_flag_join_the_others():
+    """Dotted overrides anywhere among the options (after `--plugin X`, `--resume`), in the
+    order given; an unknown flag is still argparse's one-line error (exit 2)."""
+    parser = cli.build_parser()
+    argv = ["train", "--config", "c.yaml", "a.b=1", "--plugin", "m", "c.d=2", "--resume", "e=3"]
+    args = cli.parse_args(parser, argv)
+    assert args.overrides == ["a.b=1", "c.d=2", "e=3"] and args.plugin == ["m"]
+    assert args.resume is True
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(parser, ["train", "--config", "c.yaml", "a=1", "--bogus", "b=2"])
+    assert e.value.code == 2
+
+
 def test_auto_start_chooses_by_what_the_directory_holds(tmp_path):
     cfg = load_config(TINY_CI, [f"train.output_dir={tmp_path / 'run'}"])
     assert auto_start(cfg)[:2] == (False, False)  # missing: start

@@ -434,9 +434,24 @@ def resume_words(argv: list[str]) -> list[str]:
     return out
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """`parser.parse_args`, with dotted overrides anywhere among the options: argparse takes
+    the positional `overrides` once, so those after a flag (`--plugin m a.b=1`) come back
+    unrecognized; they join the overrides, in order. Anything else unrecognized is argparse's
+    error, as before."""
+    args, extra = parser.parse_known_args(resume_words(argv))
+    if extra:
+        overrides = getattr(args, "overrides", None)
+        stray = [a for a in extra if a.startswith("-") or "=" not in a]
+        if overrides is None or stray:
+            parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+        args.overrides = [*overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(resume_words(list(sys.argv[1:] if argv is None else argv)))
+    args = parse_args(parser, list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
