@@ -671,6 +671,12 @@ class Config:
             "train.critic_warmup_steps",
             "needs a module to train during the warm-up (modules:, e.g. [{name: critic}])",
         )
+        require(
+            self.train.critic_warmup_steps < self.train.max_steps,
+            "train.critic_warmup_steps",
+            f"({self.train.critic_warmup_steps}) must be below train.max_steps "
+            f"({self.train.max_steps}): the policy would never be updated",
+        )
         if self.loss.advantage == "gae":
             require(
                 bool(self.modules),

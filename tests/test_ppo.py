@@ -328,6 +328,7 @@ def test_a_critic_from_a_checkpoint_of_another_tokenizer_is_refused(shared_tiny_
             "train.critic_warmup_steps",
         ),
         (["modules=[{name: critic, kwargs: {valu_clip: 0.2}}]"], "modules[0].kwargs"),
+        (["train.critic_warmup_steps=4", "train.max_steps=4"], "must be below train.max_steps"),
         (["loss.gae_lambda=1.5"], "loss.gae_lambda"),
     ],
 )
