@@ -329,6 +329,19 @@ def test_refused_message_fields(server):
     assert status == 400 and data["error"]["param"] == "messages[1].refusal"
 
 
+def test_the_ignored_fields_header_stays_readable(server, client):
+    """20,000 unknown fields: the header names the first ones and how many more (at most
+    IGNORED_HEADER_CHARS), so the client can still read the reply."""
+    from grpo.apps.serving.app import IGNORED_HEADER_CHARS
+
+    extra = {f"zz_field_{i:05d}": 1 for i in range(20_000)}
+    raw = client.chat.completions.with_raw_response.create(**CHAT, extra_body=extra)
+    value = raw.headers["X-Ignored-Fields"]
+    assert len(value) <= IGNORED_HEADER_CHARS + 32 and value.endswith(" more)")
+    assert value.startswith("zz_field_00000, zz_field_00001")
+    assert raw.parse().choices[0].message.role == "assistant"
+
+
 def test_unknown_fields_ignored_with_header_or_strict(server, client, caplog):
     raw = client.chat.completions.with_raw_response.create(
         **CHAT, extra_body={"guided_json": {"type": "object"}, "zz_custom": 1}

@@ -32,7 +32,22 @@ ERROR_TYPES = {
     503: "server_busy",
 }
 IGNORED_HEADER = "X-Ignored-Fields"  # the unknown top-level fields a request sent (not used)
+# the most of that header's value: a client reads headers of at most ~64 KB (h11, httpx)
+IGNORED_HEADER_CHARS = 1024
 OPEN_PATHS = ("/health",)  # answered without the API key (load balancers, probes)
+
+
+def ignored_value(names) -> str:
+    """`IGNORED_HEADER`'s value: the names, comma-separated, cut at `IGNORED_HEADER_CHARS`
+    with how many more there were (20,000 unknown fields would make a header no client
+    reads, and the reply with it)."""
+    shown, size = [], 0
+    for name in names:
+        if size + len(name) + 2 > IGNORED_HEADER_CHARS:
+            return ", ".join(shown) + f", ... ({len(names) - len(shown)} more)"
+        shown.append(name)
+        size += len(name) + 2
+    return ", ".join(shown)
 
 
 def _usage(job: Job) -> dict:
@@ -393,7 +408,7 @@ def build_app(service: Service, on_startup=None, api_key: str | None = None):
             return answer
         if not isinstance(answer, Response):
             answer = JSONResponse(answer)
-        answer.headers[IGNORED_HEADER] = ", ".join(names)
+        answer.headers[IGNORED_HEADER] = ignored_value(names)
         return answer
 
     @app.post("/v1/chat/completions")
