@@ -239,6 +239,10 @@ def test_memory_check_compares_with_available_memory_and_can_be_skipped(monkeypa
     with pytest.raises(pf.PreflightError, match=message):
         pf.check_memory(est, torch.device("cpu"), 2, fields)  # CPU ranks share the memory
     pf.check_memory(est, torch.device("cuda"), 2, fields)  # one GPU per rank
+    packed = load_config(
+        None, ["model.path=m", "data.eval_samples=0", "train.micro_batch_tokens=100"]
+    )
+    assert memory.memory_fields(packed)["training"] == "train.micro_batch_tokens"  # its setting
     monkeypatch.setattr(pf, "available_memory", lambda device: (None, "unknown"))
     pf.check_memory(est, torch.device("cpu"), 2, fields)  # cannot tell: no check
 

@@ -207,7 +207,9 @@ def memory_fields(cfg: Config) -> dict[str, str]:
         "reference": "lora.enabled",
         "optimizer": "lora.rank" if cfg.lora.enabled else "lora.enabled",
         "rollout": "train.batch_size",
-        "training": "train.micro_batch_size",
+        "training": "train.micro_batch_tokens"
+        if cfg.train.micro_batch_tokens is not None
+        else "train.micro_batch_size",
         "evaluation": "eval.batch_size",
         "producer": "rollout.max_staleness",
     }
