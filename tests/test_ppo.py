@@ -293,6 +293,14 @@ def test_a_critic_starts_from_a_reward_model_head(shared_tiny_model, tmp_path):
     assert critic.model.score.weight.requires_grad
 
 
+def test_a_critic_beside_an_estimator_that_reads_no_values_is_said_once(shared_tiny_model):
+    from grpo.run.notices import start_notices
+
+    said = start_notices(tiny_cfg(shared_tiny_model, "loss.advantage=grpo"), "grpo")
+    assert any("the critic trains beside loss.advantage='grpo'" in line for line in said), said
+    assert not any("critic" in line for line in start_notices(tiny_cfg(shared_tiny_model)))
+
+
 def test_a_critic_from_a_checkpoint_of_another_tokenizer_is_refused(shared_tiny_model, tmp_path):
     """The critic reads the policy's token ids as they are: an `init` whose tokenizer maps
     tokens to other ids (one token more here), or whose vocabulary without tokenizer files is

@@ -16,7 +16,8 @@ def start_notices(
     cfg: Config, kind: str = "grpo", *, pipeline: bool = False, tokenizer=None
 ) -> list[str]:
     """The limits and mismatches a run states once before it starts (each one line; nothing
-    is refused): `turn_budget_notices`, `eval_fit_notice` and `same_data_notice`. `grpo train`
+    is refused): `turn_budget_notices`, `eval_fit_notice`, `same_data_notice` and
+    `unused_critic_notice`. `grpo train`
     logs them as warnings on rank 0 once the tokenizer is loaded; without `tokenizer` the
     template's glue is the estimate `default_total_tokens` uses (OBS_GLUE_TOKENS), so a
     config-only check may state fewer.
@@ -31,7 +32,24 @@ def start_notices(
     evaluates = (kind == "grpo" and cfg.data.eval_samples > 0) or pipeline
     fit = eval_fit_notice(cfg) if evaluates else None
     same = same_data_notice(cfg) if evaluates else None
-    return out + [n for n in (fit, same) if n]
+    unused = unused_critic_notice(cfg) if kind == "grpo" else None
+    return out + [n for n in (fit, same, unused) if n]
+
+
+def unused_critic_notice(cfg: Config) -> str | None:
+    """One line when a critic trains beside an estimator that reads no values (one that
+    does not declare `rollout`, where a module's extras arrive): it costs its forward,
+    backward and optimizer, and only its own metrics use it (a choice, not an error)."""
+    if not any(m.name == "critic" for m in cfg.modules):
+        return None
+    from grpo.algo.advantages import wants_rollout
+
+    if wants_rollout(cfg.loss.advantage):
+        return None
+    return (
+        f"modules: the critic trains beside loss.advantage={cfg.loss.advantage!r}, which reads "
+        "no values: they only reach its metrics (loss.advantage=gae uses them)"
+    )
 
 
 def same_data_notice(cfg: Config) -> str | None:
