@@ -222,6 +222,22 @@ def no_exit(what: str):
 
 
 @contextlib.contextmanager
+def named_errors(what: str, builtin: bool = False):
+    """Around a call into plug-in code: an exception it raises becomes one GrpoError naming
+    `what` (``module 'mine' loss raised ValueError: ...``, the original chained), as a
+    registry's plug-ins' do (`grpo.algo.registry.Registry.call`); a built-in's (`builtin`)
+    propagates with its traceback (a bug of ours)."""
+    try:
+        yield
+    except GrpoError:
+        raise
+    except Exception as e:
+        if builtin:
+            raise
+        raise GrpoError(f"{what} raised {type(e).__name__}: {e}") from e
+
+
+@contextlib.contextmanager
 def time_limit(what: str, seconds: float | None, key: str = "train.plugin_timeout_s"):
     """Around a call into plug-in code in the main thread: past `seconds` it is interrupted
     (SIGALRM) with a GrpoError naming `what`, the setting `key` and the rank, instead of a

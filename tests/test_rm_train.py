@@ -217,3 +217,17 @@ def test_two_ranks_equal_one_process(shared_tiny_model, tmp_path, parallel):
         for key in ("train/loss", "train/accuracy", "train/margin", "eval/loss", "eval/accuracy"):
             if key in x:
                 assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-7), key
+
+
+def test_a_pad_id_outside_the_vocabulary_is_one_line_before_loading(shared_tiny_model, tmp_path):
+    """rm.pad_token_id past the model's vocabulary: refused by the checks `grpo rm` runs
+    before anything loads, naming the setting (it was a 59-line IndexError at the first
+    forward)."""
+    from grpo.run.preflight import PreflightError
+    from grpo.train.rm import check_rm
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", toy_pairs(8, 0))
+    cfg = rm_config(shared_tiny_model, data, tmp_path / "out", "rm.pad_token_id=1000000")
+    with pytest.raises(PreflightError, match=r"rm.pad_token_id: 1000000 is not a token"):
+        check_rm(cfg)
+    check_rm(rm_config(shared_tiny_model, data, tmp_path / "out", "rm.pad_token_id=0"))

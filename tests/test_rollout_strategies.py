@@ -370,6 +370,8 @@ class Exits(TrainedModule):
         return {}
 
     def loss(self, batch, update):
+        if self.hang == "raise":
+            raise ValueError("a bug in the loss")
         if self.hang:
             time.sleep(3600)
         sys.exit(0)
@@ -451,3 +453,22 @@ def test_a_hanging_plug_in_stops_the_run_at_its_time_limit(
     assert time.monotonic() - start < 60
     err = capsys.readouterr().err
     assert f"{who} did not return within train.plugin_timeout_s=1 s (rank 0)" in err, err[-2000:]
+
+
+def test_an_error_in_a_module_loss_is_one_line_naming_it(
+    shared_tiny_model, tmp_path, monkeypatch, capsys
+):
+    """A module's `loss` that raises: one line naming the module (the original chained in a
+    verbose run), not a 25-60-line traceback."""
+    from grpo.apps import cli
+
+    (tmp_path / "exit_plugins.py").write_text(EXIT_PLUGINS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "--config", TINY, f"model.path={shared_tiny_model}", "train.max_steps=1"]
+    args += ["train.progress=false", "data.eval_samples=0"]
+    args += ["modules=[{name: 'exit_plugins:module', kwargs: {hang: raise}}]"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "module 'module' loss raised ValueError: a bug in the loss" in err, err[-2000:]
+    assert "Traceback" not in err

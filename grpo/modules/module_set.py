@@ -44,7 +44,7 @@ from grpo.io import load_safetensors, save_safetensors, torch_load, torch_save
 from grpo.metrics import split_metrics
 from grpo.modules import critic as _critic  # noqa: F401  (registers the PPO critic, "critic")
 from grpo.modules.base import TRAINED_MODULES, TrainedModule, register_trained_module
-from grpo.plugins import no_exit, time_limit
+from grpo.plugins import named_errors, no_exit, time_limit
 from grpo.run.optim import build_optimizer, build_scheduler
 
 if TYPE_CHECKING:
@@ -142,8 +142,10 @@ class ModuleSet:
         extras = dict(batch.extras)
         for t in self.items:
             t.module.eval()
-            with torch.no_grad(), self.precision.autocast(self.device):
-                made = t.module.attach(batch) or {}
+            what, ours = f"module {t.name!r} attach", type(t.module).__module__.startswith("grpo.")
+            with torch.no_grad(), self.precision.autocast(self.device), no_exit(what):
+                with time_limit(what, self.timeout_s), named_errors(what, builtin=ours):
+                    made = t.module.attach(batch) or {}
             for k, v in made.items():
                 if not isinstance(v, torch.Tensor) or v.shape[0] != batch.size or v.dim() > 2:
                     raise GrpoError(
@@ -195,12 +197,16 @@ class ModuleSet:
         """(loss, metrics) of each of `t`'s loss parts (one, or what its generator yields),
         each computed under the policy's autocast, checked."""
         what, limit = f"module {t.name!r} loss", self.timeout_s
+        ours = type(t.module).__module__.startswith("grpo.")  # the critic: keep its traceback
+
         with self.precision.autocast(self.device), no_exit(what), time_limit(what, limit):
-            result = t.module.loss(batch, update)
+            with named_errors(what, builtin=ours):
+                result = t.module.loss(batch, update)
         parts = iter(result) if inspect.isgenerator(result) else iter((result,))
         while True:  # a generator's part runs in next()
             with self.precision.autocast(self.device), no_exit(what), time_limit(what, limit):
-                part = next(parts, _DONE)
+                with named_errors(what, builtin=ours):
+                    part = next(parts, _DONE)
             if part is _DONE:
                 return
             loss, got = split_metrics(part, f"module {t.name!r}")

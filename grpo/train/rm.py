@@ -284,6 +284,12 @@ def check_rm(cfg: Config) -> None:
     except PreflightError as e:
         problems.append(str(e))
     mc, source = read_model_config(cfg.model.path)
+    pad = cfg.rm.pad_token_id
+    if pad is not None and pad >= mc.vocab_size:
+        problems.append(
+            f"rm.pad_token_id: {pad} is not a token of the model (vocabulary of "
+            f"{mc.vocab_size}, {source})"
+        )
     if cfg.rm.max_length > mc.max_position_embeddings:
         problems.append(
             f"rm.max_length: {cfg.rm.max_length} tokens exceed the model's "
