@@ -353,7 +353,9 @@ def run_strategy(cfg, sampling: Sampling, rows: list[dict], rank: int, round_: i
             f"rollout.group_size={G} ({want} rows)"
         )
     check_rewards(batch, f"rollout strategy {name!r}")
-    return batch
+    # the dataset's own rows again (each prompt's, G times, in order, as checked above): later
+    # stages and a producer rank's wire format name rows by identity, and edits stay behind
+    return dataclasses.replace(batch, rows=[rows[i // G] for i in range(batch.size)])
 
 
 def check_rewards(batch: RolloutBatch, who: str) -> None:
