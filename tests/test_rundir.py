@@ -230,6 +230,17 @@ def test_resume_conflicts_compare_what_was_trained():
     ]
     assert resume_conflicts(saved, other, "sft") == ["data.seed (0 -> 1)"]  # SFT has no groups
     assert resume_conflicts({"ok": True}, other, "train") == []  # an older format: no keys
+    # PPO resumed without its critic, or with another start: refused; a reward model's pad id
+    ppo = {**saved, "modules": [{"name": "critic", "kwargs": {}}], "rm": {"pad_token_id": 0}}
+    grpo = {**ppo, "modules": []}
+    assert resume_conflicts(ppo, grpo, "train") == [
+        "modules ([{'name': 'critic', 'kwargs': {}}] -> [])"
+    ]
+    init = {**ppo, "modules": [{"name": "critic", "kwargs": {"init": "rm"}}]}
+    assert resume_conflicts(ppo, init, "train")[0].startswith("modules (")
+    pad = {**ppo, "rm": {"pad_token_id": 5}}
+    assert resume_conflicts(ppo, pad, "rm") == ["rm.pad_token_id (0 -> 5)"]
+    assert resume_conflicts(ppo, pad, "train") == []  # GRPO has no pad id to keep
 
 
 def test_one_directory_spelled_two_ways_is_the_same_model(tmp_path, monkeypatch):

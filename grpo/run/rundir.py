@@ -343,19 +343,23 @@ def _same(key: str, old, new) -> bool:
 def resume_conflicts(saved: dict, new: dict, kind: str) -> list[str]:
     """The incompatible changes between a checkpoint's config and a resumed run's, each as
     "key (old -> new)": the model (path, tokenizer, merged adapter), the LoRA shape (enabled,
-    rank, alpha, targets, starting adapter), the group size (GRPO) and the dataset (name,
-    split, size, and the source / generator settings that pick its rows).
+    rank, alpha, targets, starting adapter), the group size and trained modules (GRPO: a PPO
+    run whose critic was removed or re-initialised is not the run it resumes), the reward
+    model's pad id (`grpo rm`) and the dataset (name, split, size, and the source / generator
+    settings that pick its rows).
 
     Args:
         saved: the checkpoint's config.json; keys it lacks (an older format) are not compared.
         new: `config_to_dict` of the resumed run's config.
-        kind: "train" (GRPO) or "sft".
+        kind: "train" (GRPO), "sft" or "rm".
     """
     keys = ["model.path", "model.tokenizer", "model.adapter", "lora.enabled"]
     if _get(saved, "lora.enabled") is not False and _get(new, "lora.enabled"):
         keys += ["lora.rank", "lora.alpha", "lora.targets", "lora.adapter"]
-    if kind == "train":
-        keys.append("rollout.group_size")
+    if kind == "train":  # the modules trained beside the policy: their states are saved too
+        keys += ["rollout.group_size", "modules"]
+    if kind == "rm":  # the padding the scored position is found by
+        keys.append("rm.pad_token_id")
     keys += ["data.dataset", "data.split", "data.max_samples"]
     dataset = _get(new, "data.dataset")
     if dataset == "minimath":
@@ -474,8 +478,8 @@ def check_run_dir(
     if conflicts:
         raise GrpoError(
             f"--resume: the config changes {', '.join(conflicts)} from checkpoint {ckpt}; a "
-            "resumed run keeps its model, LoRA shape, group size and data (start afresh with "
-            "--overwrite or another train.output_dir)"
+            "resumed run keeps its model, LoRA shape, group size, trained modules and data "
+            "(start afresh with --overwrite or another train.output_dir)"
         )
     saved_ranks = len(read_json(ckpt / "state.json", "a checkpoint's state.json").get("rng", []))
     if world_size > saved_ranks >= 1:  # one RNG state per rank that saved it
