@@ -108,8 +108,27 @@ def test_normalize_system_prompt_and_max_length(reward_ckpt):
     assert metrics["score_mean"] == pytest.approx(sum(raw) / 4, rel=1e-6)  # raw, not normalized
     sys_, _ = call(get_reward({**spec, "system_prompt": "Be strict."}))
     assert sys_ != pytest.approx(raw)  # the system message is part of what it reads
-    short, _ = call(get_reward({**spec, "max_length": 12}))  # the prompt keeps its end
+    short, cut = call(get_reward({**spec, "max_length": 12}))  # the prompt keeps its end
     assert short != pytest.approx(raw)
+    assert metrics["prompt_cut_frac"] == 0 and cut["prompt_cut_frac"] == 1  # counted, not silent
+
+
+def test_a_max_length_that_drops_every_prompt_says_so(reward_ckpt, caplog):
+    """max_length 2: every prompt cut away; the reward model scores completions alone, which
+    is said once (a warning) and counted (prompt_cut_frac), not silent."""
+    import grpo.rewards.model as rm
+
+    rm._SAID_DROPPED.clear()
+    with caplog.at_level("WARNING", logger="grpo.rewards.model"):
+        _, metrics = call(
+            get_reward({"name": "reward_model", "path": str(reward_ckpt), "max_length": 2})
+        )
+        call(get_reward({"name": "reward_model", "path": str(reward_ckpt), "max_length": 2}))
+    said = [
+        r.getMessage() for r in caplog.records if "without any of their prompt" in r.getMessage()
+    ]
+    assert len(said) == 1 and "max_length=2 left 4 of 4 rows" in said[0]
+    assert metrics["prompt_cut_frac"] == 1
 
 
 def test_reference_column_caps_each_reward_at_its_references_score(reward_ckpt):

@@ -27,6 +27,7 @@ Reported metrics: ``rewards/reward_model/score_mean`` (raw scores, before normal
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 import time
@@ -38,6 +39,8 @@ from grpo.errors import GrpoError
 from grpo.rewards.functions import RewardContext
 
 NORMALIZE = ("none", "batch")
+log = logging.getLogger(__name__)
+_SAID_DROPPED: list[bool] = []  # the dropped-prompt warning, once per process
 _CACHE: dict[tuple, Any] = {}  # (path, device, dtype) -> (model, tokenizer): one per process
 _LOCK = threading.Lock()
 
@@ -131,6 +134,7 @@ def make_reward_model(
                 )
         model, tok = load_reward_model(path, device, dtype)
         t0 = time.perf_counter()
+        cuts: dict[str, int] = {}
         scores = score_completions(
             model,
             tok,
@@ -140,8 +144,20 @@ def make_reward_model(
             max_length,
             system_prompt,
             context.precision,
+            cuts=cuts,
         )
-        reported = {}
+        reported = {"prompt_cut_frac": cuts.get("prompt_cut", 0) / max(len(completions), 1)}
+        dropped = cuts.get("prompt_dropped", 0)
+        if dropped and not _SAID_DROPPED:  # a choice of max_length, said once per process
+            _SAID_DROPPED.append(True)
+            log.warning(
+                "reward_model: max_length=%d left %d of %d rows without any of their prompt: "
+                "the reward model scores those completions alone (rewards/reward_model/"
+                "prompt_cut_frac counts the rows whose prompt was cut)",
+                max_length,
+                dropped,
+                len(completions),
+            )
         if refs is not None:  # each distinct (question, reference) scored once
             pairs = sorted(set(zip(question, map(str, refs))))
             bound = score_completions(
@@ -181,11 +197,13 @@ def encode_rows(
     completions: list[str],
     max_length: int,
     system_prompt: str | None,
+    cuts: dict[str, int] | None = None,
 ) -> list[tuple[list[int], list[int]]]:
     """Each row's (prompt ids, completion ids) as the reward model's training pairs were
     encoded (a chat, or plain text for a tokenizer without a chat template), the prompt cut
     from the left to fit `max_length`, the completion cut at its end only when it alone is
-    longer."""
+    longer. `cuts`, when given, counts the rows whose prompt was cut ("prompt_cut") and those
+    left with none of it ("prompt_dropped")."""
     from grpo.data.preferences import encode_prompt_completion
 
     chat = bool(getattr(tokenizer, "chat_template", None))
@@ -198,8 +216,11 @@ def encode_rows(
         else:
             p_ids, c_ids = encode_prompt_completion(tokenizer, q, c)
         c_ids = c_ids[:max_length]  # a completion alone over the limit: its start is scored
-        p_ids = p_ids[len(p_ids) - (max_length - len(c_ids)) :] if max_length > len(c_ids) else []
-        out.append((p_ids, c_ids))
+        kept = p_ids[len(p_ids) - (max_length - len(c_ids)) :] if max_length > len(c_ids) else []
+        if cuts is not None and len(kept) < len(p_ids):
+            cuts["prompt_cut"] = cuts.get("prompt_cut", 0) + 1
+            cuts["prompt_dropped"] = cuts.get("prompt_dropped", 0) + (not kept)
+        out.append((kept, c_ids))
     return out
 
 
@@ -224,6 +245,7 @@ def score_completions(
     system_prompt: str | None = None,
     precision=None,
     pack: bool | None = None,
+    cuts: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """(B,) float32 scores on the CPU of a classifier `Decoder`, `batch_size` rows per forward.
 
@@ -232,12 +254,13 @@ def score_completions(
     (`grpo.models.classifier.packed_sequence_scores`), and when they come in groups of one
     prompt (a GRPO batch) each prompt runs once for its group (a forward then holds whole
     groups). Otherwise right-padded rows, sorted by length so a
-    forward pads little. Both score alike (tests/test_reward_model_reward.py)."""
+    forward pads little. Both score alike (tests/test_reward_model_reward.py). `cuts`: as
+    `encode_rows` counts them."""
     from grpo.models.classifier import packed_sequence_scores, sequence_scores
     from grpo.models.packed_rows import packed_overhead
     from grpo.models.varlen import packs_by_default
 
-    rows = encode_rows(tokenizer, questions, completions, max_length, system_prompt)
+    rows = encode_rows(tokenizer, questions, completions, max_length, system_prompt, cuts)
     pad = model.config.pad_token_id
     pad = pad if pad is not None else (tokenizer.pad_token_id or 0)
     out = torch.empty(len(rows), dtype=torch.float32)
