@@ -384,6 +384,18 @@ def module(hang=False):
 """
 
 
+def train_with_plugins(tmp_path, monkeypatch, model, *overrides: str) -> int:
+    """`grpo train` (one step of tiny_ci, in this process) with EXIT_PLUGINS importable as
+    `exit_plugins`; its exit code."""
+    from grpo.apps import cli
+
+    (tmp_path / "exit_plugins.py").write_text(EXIT_PLUGINS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "--config", TINY, f"model.path={model}", "train.max_steps=1"]
+    return cli.main([*args, "train.progress=false", "data.eval_samples=0", *overrides])
+
+
 @pytest.mark.parametrize(
     "override, who",
     [
@@ -411,14 +423,7 @@ def test_sys_exit_in_a_plug_in_stops_the_run_with_one_line(
     """`sys.exit(0)` in a strategy, an estimator, a log-prob kernel or a module's `loss` is an
     error naming the plug-in (one line, exit 2), as in a reward: never exit 0 with no message
     and no final weights."""
-    from grpo.apps import cli
-
-    (tmp_path / "exit_plugins.py").write_text(EXIT_PLUGINS)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    args = ["train", "--config", TINY, f"model.path={shared_tiny_model}", "train.max_steps=1"]
-    args += ["train.progress=false", "data.eval_samples=0", override]
-    assert cli.main(args) == 2
+    assert train_with_plugins(tmp_path, monkeypatch, shared_tiny_model, override) == 2
     err = capsys.readouterr().err
     assert f"{who} called sys.exit(0)" in err, err[-2000:]
 
@@ -441,15 +446,9 @@ def test_a_hanging_plug_in_stops_the_run_at_its_time_limit(
     stops with one line naming it and the rank, where it hung with no output."""
     import time
 
-    from grpo.apps import cli
-
-    (tmp_path / "exit_plugins.py").write_text(EXIT_PLUGINS)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    args = ["train", "--config", TINY, f"model.path={shared_tiny_model}", "train.max_steps=1"]
-    args += ["train.progress=false", "data.eval_samples=0", "train.plugin_timeout_s=1", override]
     start = time.monotonic()
-    assert cli.main(args) == 2
+    limit = "train.plugin_timeout_s=1"
+    assert train_with_plugins(tmp_path, monkeypatch, shared_tiny_model, limit, override) == 2
     assert time.monotonic() - start < 60
     err = capsys.readouterr().err
     assert f"{who} did not return within train.plugin_timeout_s=1 s (rank 0)" in err, err[-2000:]
@@ -460,15 +459,8 @@ def test_an_error_in_a_module_loss_is_one_line_naming_it(
 ):
     """A module's `loss` that raises: one line naming the module (the original chained in a
     verbose run), not a 25-60-line traceback."""
-    from grpo.apps import cli
-
-    (tmp_path / "exit_plugins.py").write_text(EXIT_PLUGINS)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    args = ["train", "--config", TINY, f"model.path={shared_tiny_model}", "train.max_steps=1"]
-    args += ["train.progress=false", "data.eval_samples=0"]
-    args += ["modules=[{name: 'exit_plugins:module', kwargs: {hang: raise}}]"]
-    assert cli.main(args) == 2
+    module = "modules=[{name: 'exit_plugins:module', kwargs: {hang: raise}}]"
+    assert train_with_plugins(tmp_path, monkeypatch, shared_tiny_model, module) == 2
     err = capsys.readouterr().err
     assert "module 'module' loss raised ValueError: a bug in the loss" in err, err[-2000:]
     assert "Traceback" not in err
