@@ -21,7 +21,7 @@ import yaml
 from grpo.apps import cli
 from grpo.config import load_config, save_config
 from grpo.errors import GrpoError
-from grpo.run.cluster import check_job, first_difference, source_hash
+from grpo.run.cluster import check_job, first_difference, hash_sources, source_hash
 from grpo.run.rundir import auto_start, check_run_dir
 from grpo.run.state import checkpoint_weights
 
@@ -185,7 +185,23 @@ def test_first_difference_and_source_hash():
     assert first_difference({"a": {"b": 1, "c": 2}}, {"a": {"b": 1, "c": 3}}) == "a.c"
     assert first_difference({"a": [1, 2]}, {"a": [1, 2]}) is None
     assert first_difference({"a": 1}, {"a": 1, "z": 0}) == "z"
-    assert len(source_hash()) == 16 and source_hash() == source_hash()
+    assert len(source_hash()) == 16
+
+
+def test_hash_sources_sees_a_changed_or_moved_file(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "sub" / "b.py").write_text("y = 2\n")
+    (pkg / "notes.txt").write_text("not code")
+    before = hash_sources({"pkg": pkg})
+    (pkg / "notes.txt").write_text("still not code")
+    assert hash_sources({"pkg": pkg}) == before  # .py files only
+    (pkg / "sub" / "b.py").write_text("y = 3\n")
+    edited = hash_sources({"pkg": pkg})
+    assert edited != before
+    (pkg / "sub" / "b.py").rename(pkg / "b.py")
+    assert hash_sources({"pkg": pkg}) not in (before, edited)  # the same bytes, moved
 
 
 # --------------------------------------------------------------------- Slurm (stand-ins)

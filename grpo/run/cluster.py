@@ -31,16 +31,23 @@ from grpo.run.state import this_host
 
 @functools.cache
 def source_hash() -> str:
-    """sha256 over the installed grpo and grpo_kernels packages' .py files (relative path and
-    bytes, in path order): two ranks agree on it when they run the same code."""
+    """`hash_sources` of the installed grpo and grpo_kernels packages: two ranks agree on it
+    when they run the same code (once per process)."""
     import grpo
     import grpo_kernels
 
+    return hash_sources(
+        {p.__name__: Path(p.__file__).resolve().parent for p in (grpo, grpo_kernels)}
+    )
+
+
+def hash_sources(roots: dict[str, Path]) -> str:
+    """sha256 (16 hex digits) over each root's .py files: name/relative path and bytes, in
+    path order."""
     h = hashlib.sha256()
-    for package in (grpo, grpo_kernels):
-        root = Path(package.__file__).resolve().parent
+    for name, root in roots.items():
         for path in sorted(root.rglob("*.py")):
-            h.update(f"{package.__name__}/{path.relative_to(root).as_posix()}\0".encode())
+            h.update(f"{name}/{path.relative_to(root).as_posix()}\0".encode())
             h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
@@ -66,22 +73,27 @@ def check_job(cfg: Config, dist: Dist) -> None:
     process."""
     if not dist.enabled:
         return
-    mine = (this_host(), source_hash(), config_to_dict(cfg))
-    views = gather_objects(mine, dist)
-    host0, code0, config0 = views[0]
-    for rank, (host, code, config) in enumerate(views):
+    # a digest of each rank's config first; the configs themselves only when one differs
+    config = config_to_dict(cfg)
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+    views = gather_objects((this_host(), source_hash(), digest), dist)
+    host0, code0, digest0 = views[0]
+    for rank, (host, code, _) in enumerate(views):
         if code != code0:
             raise GrpoError(
                 f"rank {rank} ({host}) runs other code than rank 0 ({host0}): the installed "
                 f"grpo sources differ (hash {code} vs {code0}); install the same commit on "
                 "every node"
             )
-        field = first_difference(config0, config)
-        if field is not None:
-            raise GrpoError(
-                f"rank {rank} ({host}) has another config than rank 0 ({host0}): {field} "
-                "differs; start every node with the same config and overrides"
-            )
+    if any(d != digest0 for _, _, d in views):  # every rank sees it: all gather the configs
+        configs = gather_objects(config, dist)
+        for rank, ((host, _, _), other) in enumerate(zip(views, configs)):
+            field = first_difference(configs[0], other)
+            if field is not None:
+                raise GrpoError(
+                    f"rank {rank} ({host}) has another config than rank 0 ({host0}): {field} "
+                    "differs; start every node with the same config and overrides"
+                )
     check_shared_output_dir(Path(cfg.train.output_dir), dist)
 
 
