@@ -345,6 +345,26 @@ def average_reward(cfg: Config, rows: list[dict], samples: list[dict]) -> float:
     return float(total.mean())
 
 
+def evaluate_policy(cfg: Config, policy, rows, env: bool = True) -> dict:
+    """A training run's eval/* metrics of its policy (`grpo.policy.Policy`) on `rows` (rank 0's;
+    none elsewhere: {}): greedy, eval.max_new_tokens (else rollout.max_new_tokens), in the
+    policy's precision; with `env`, in the evaluation environment (eval.env, else
+    rollout.env; SFT evaluates single-turn)."""
+    if not rows:
+        return {}
+    res = evaluate(
+        policy.model,
+        policy.tokenizer,
+        rows,
+        stop_ids=policy.stop_ids,
+        max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+        batch_size=cfg.eval.batch_size,
+        precision=policy.precision,
+        **(eval_env_settings(cfg) if env else {}),
+    )
+    return {f"eval/{k}": v for k, v in res.summary.items() if isinstance(v, (int, float))}
+
+
 def evaluate_config(cfg: Config, spec: TrainedModel, details: bool = False) -> dict:
     """Evaluate `spec` on `eval.max_samples` rows of `data.eval_split` as `cfg` says, the rows
     rendered with `spec`'s own tokenizer.

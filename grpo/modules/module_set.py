@@ -54,6 +54,12 @@ _DONE = object()  # the end of a module's loss parts
 INPUTS = ("model_config", "tokenizer", "config", "dist", "policy")
 
 
+def _builtin(module) -> bool:
+    """A module of grpo's own (the critic): its errors keep their traceback (a bug of ours);
+    a plug-in's are one line naming it (`grpo.plugins.named_errors`)."""
+    return type(module).__module__.startswith("grpo.")
+
+
 def check_trained_module(spec, index: int = 0) -> None:
     """Fail early on an unknown factory or a keyword it does not take (naming the field)."""
     try:
@@ -142,7 +148,7 @@ class ModuleSet:
         extras = dict(batch.extras)
         for t in self.items:
             t.module.eval()
-            what, ours = f"module {t.name!r} attach", type(t.module).__module__.startswith("grpo.")
+            what, ours = f"module {t.name!r} attach", _builtin(t.module)
             with torch.no_grad(), self.precision.autocast(self.device), no_exit(what):
                 with time_limit(what, self.timeout_s), named_errors(what, builtin=ours):
                     made = t.module.attach(batch) or {}
@@ -197,7 +203,7 @@ class ModuleSet:
         """(loss, metrics) of each of `t`'s loss parts (one, or what its generator yields),
         each computed under the policy's autocast, checked."""
         what, limit = f"module {t.name!r} loss", self.timeout_s
-        ours = type(t.module).__module__.startswith("grpo.")  # the critic: keep its traceback
+        ours = _builtin(t.module)
 
         with self.precision.autocast(self.device), no_exit(what), time_limit(what, limit):
             with named_errors(what, builtin=ours):

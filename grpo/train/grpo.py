@@ -70,7 +70,7 @@ from grpo.distributed import (
 )
 from grpo.envs import env_factory, env_metadata
 from grpo.errors import GrpoError
-from grpo.eval import eval_env_settings, evaluate
+from grpo.eval import eval_env_settings, evaluate_policy
 from grpo.experience.balance import balance_ranks
 from grpo.experience.batch import (
     MicroBatch,
@@ -685,8 +685,6 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
                 tqdm.write(f"[sample] reward {float(batch.rewards[0]):.2f}: {batch.texts[0]!r}")
             # the task solved with train.stop_on_stall: this step ends the run as the last would
             last = step == cfg.train.max_steps or health.finished
-            run_eval = lambda: evaluate_policy(cfg, policy, eval_rows)  # noqa: E731
-            hint = "Lower optim.lr or check the rewards"
             run.end_of_step(
                 policy,
                 dist,
@@ -697,7 +695,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
                 run_eval,
                 sharded,
                 stall=stall,
-                hint=hint,
+                hint=HINT,
             )
             bar.update(1)
             if health.finished:
@@ -744,24 +742,6 @@ def source_perf(source, compiled_s: float) -> dict[str, float]:
         "perf/sampler_cache_mib": source.cache_bytes / 2**20,
         "perf/compile_s": source.compile_s - compiled_s,
     }
-
-
-def evaluate_policy(cfg: Config, policy: Policy, eval_rows) -> dict:
-    """eval/* metrics of the policy on `eval_rows` (rank 0's; none elsewhere: {}), as `grpo
-    eval` scores them, with the evaluation environment when set (eval.env)."""
-    if not eval_rows:
-        return {}
-    res = evaluate(
-        policy.model,
-        policy.tokenizer,
-        eval_rows,
-        stop_ids=policy.stop_ids,
-        max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
-        batch_size=cfg.eval.batch_size,
-        precision=policy.precision,
-        **eval_env_settings(cfg),
-    )
-    return {f"eval/{k}": v for k, v in res.summary.items() if isinstance(v, (int, float))}
 
 
 def highest_reward(cfg: Config, reward_fns) -> float | None:

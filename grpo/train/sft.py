@@ -7,6 +7,7 @@ the step's batch, so micro-batches with gradient accumulation equal one full bat
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -183,7 +184,7 @@ def train_sft(
 
 
 def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None) -> dict:
-    from grpo.eval import evaluate
+    from grpo.eval import evaluate_policy
 
     device = device_for(dist, resolve_device(cfg.model.device))
     mc = preflight(cfg, "sft", device, world_size=dist.world_size)  # before any load or write
@@ -210,19 +211,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
     B = cfg.train.batch_size
     metrics: dict = {}
 
-    def run_eval() -> dict:  # rank 0's rows (data.eval_samples)
-        if not eval_rows:
-            return {}
-        res = evaluate(
-            policy.model,
-            tok,
-            eval_rows,
-            stop_ids=policy.stop_ids,
-            max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
-            batch_size=cfg.eval.batch_size,
-            precision=policy.precision,
-        )
-        return {f"eval/{k}": v for k, v in res.summary.items() if k != "errors"}
+    run_eval = functools.partial(evaluate_policy, cfg, policy, eval_rows, env=False)
 
     show = cfg.train.progress and dist.is_main
     bar = tqdm(total=steps, initial=state.step, desc="sft", disable=not show)
