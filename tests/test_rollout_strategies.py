@@ -464,3 +464,25 @@ def test_an_error_in_a_module_loss_is_one_line_naming_it(
     err = capsys.readouterr().err
     assert "module 'module' loss raised ValueError: a bug in the loss" in err, err[-2000:]
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("where", ["sampled", "scored"])
+def test_a_strategy_that_skips_a_prompt_is_refused(setup, where):
+    """The right number of groups is not enough: a group that answers another row's prompt
+    (here every group answers row 0, so rows 1 and 2 are never trained on) is named."""
+    cfg, policy, sampler, rewards, rows, sampling = setup
+
+    @register_rollout_strategy("test_skipper", overwrite=True)
+    def skipper(rows, sampling):
+        first = [rows[0]] * len(rows)
+        if where == "sampled":  # sampled from row 0 only, scored against the rows given
+            return sampling.score(sampling.sample(first), rows)
+        return sampling.score(sampling.sample(first), first)
+
+    skip = dataclasses.replace(
+        cfg, rollout=dataclasses.replace(cfg.rollout, strategy="test_skipper")
+    )
+    verb = "sampled from" if where == "sampled" else "scored with"
+    want = f"'test_skipper': group 1 \\(row 4\\) was {verb} row 0's prompt, not row 1's"
+    with pytest.raises(GrpoError, match=want):
+        run_strategy(skip, sampling(), rows, 0, 0)

@@ -353,6 +353,7 @@ def run_strategy(cfg, sampling: Sampling, rows: list[dict], rank: int, round_: i
             f"rollout.group_size={G} ({want} rows)"
         )
     check_rewards(batch, f"rollout strategy {name!r}")
+    check_prompts(batch, rows, f"rollout strategy {name!r}", multi_turn=r.multi_turn)
     # the dataset's own rows again (each prompt's, G times, in order, as checked above): later
     # stages and a producer rank's wire format name rows by identity, and edits stay behind
     return dataclasses.replace(batch, rows=[rows[i // G] for i in range(batch.size)])
@@ -384,3 +385,30 @@ def check_rewards(batch: RolloutBatch, who: str) -> None:
             f"{float(summed[i]):g}) {what}; the update trains on token_rewards, so set both "
             "(Sampling.score computes them together) and keep them finite"
         )
+
+
+def check_prompts(batch: RolloutBatch, rows: Sequence[dict], who: str, multi_turn: bool) -> None:
+    """Each group answers the row it stands for: the rows it was scored with, and (single
+    turn) the prompt tokens it was sampled from, begin with that row's ``prompt_ids`` (a
+    strategy may append to a prompt, e.g. a hint or a partial answer, but not answer another
+    row), else a GrpoError naming `who`, the group and the row its prompt came from. One host
+    copy of the prompt columns per sampling round."""
+    G = batch.rollout.group_size
+    want = [list(r["prompt_ids"]) for r in rows]
+    got_rows = [list(r.get("prompt_ids", ())) for r in batch.rows]
+    got_tokens = None
+    if not multi_turn:
+        ro = batch.rollout
+        ids, lens = ro.ids[:, : ro.prompt_width].tolist(), ro.prompt_lens.tolist()
+        got_tokens = [row[ro.prompt_width - n :] for row, n in zip(ids, lens)]
+    for i in range(batch.size):
+        p = want[i // G]
+        for what, got in (("scored with", got_rows), ("sampled from", got_tokens)):
+            if got is None or got[i][: len(p)] == p:
+                continue
+            other = next((q for q, w in enumerate(want) if got[i][: len(w)] == w), None)
+            whose = f"row {other}'s" if other is not None else "a prompt that is no row's"
+            raise GrpoError(
+                f"{who}: group {i // G} (row {i}) was {what} {whose} prompt, not row "
+                f"{i // G}'s; return one group per row it was given, in the order of `rows`"
+            )
