@@ -7,7 +7,10 @@ are caught naming the check and the numbers."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -110,6 +113,118 @@ def test_seeded_kernel_bugs_are_caught(kernel, check, detail):
     message = str(e.value)
     assert f": {check} failed: " in message and detail in message, message
     assert "the same-dtype torch reference's" in message or "allowed" in message
+
+
+def entropy_ignores_temperature(
+    hidden, weight, ids, temperature=1.0, return_entropy=False, *, entropy_grad=False, tf32=False
+):
+    lp = grpo_kernels.chunked_logprobs(hidden, weight, ids, temperature)
+    if not (return_entropy or entropy_grad):
+        return lp
+    _, ent = grpo_kernels.chunked_logprobs(
+        hidden, weight, ids, 1.0, True, entropy_grad=entropy_grad
+    )
+    return lp, ent  # the entropy of softmax(z), not of softmax(z / T)
+
+
+def test_an_entropy_that_ignores_the_temperature_is_caught():
+    with pytest.raises(ConformanceError) as e:
+        check_logprob_impl(
+            entropy_ignores_temperature, dtypes=(torch.float32,), checks=["temperature"]
+        )
+    message = str(e.value)
+    assert ": temperature failed: entropy: max error" in message and "T=0.7" in message, message
+    assert "\n" not in message
+
+
+class RowChunks(torch.autograd.Function):
+    """Log-probs whose backward runs 16 rows at a time and accumulates d weight in the weight's
+    dtype (as Liger's fused linear cross entropy does in bfloat16); `leak`: rows with a zero
+    upstream gradient count with this one in d weight (a masking bug)."""
+
+    @staticmethod
+    def forward(ctx, h, w, ids, temperature, leak):
+        ctx.save_for_backward(h, w, ids)
+        ctx.temperature, ctx.leak = temperature, leak
+        z = (h.float() @ w.float().t()) / temperature
+        return z.gather(1, ids[:, None])[:, 0] - torch.logsumexp(z, 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        h, w, ids = ctx.saved_tensors
+        masked = g == 0
+        d_h, d_w = torch.empty_like(h), torch.zeros_like(w)
+        for s in range(0, h.shape[0], 16):
+            rows = slice(s, s + 16)
+            hs = h[rows].float()
+            p = (hs @ w.float().t() / ctx.temperature).softmax(1)
+            onehot = torch.nn.functional.one_hot(ids[rows], w.shape[0]).float()
+            gs = torch.where(masked[rows], ctx.leak, g[rows])
+            dz = (onehot - p) * gs[:, None] / ctx.temperature
+            d_h[rows] = torch.where(masked[rows, None], 0.0, dz @ w.float()).to(h.dtype)
+            d_w += (dz.t() @ hs).to(w.dtype)
+        return d_h, d_w, None, None, None
+
+
+def row_chunks(leak: float):
+    def logprobs(hidden, weight, ids, temperature=1.0, return_entropy=False, **kw):
+        return RowChunks.apply(hidden, weight, ids, temperature, leak)
+
+    return logprobs
+
+
+def test_ignored_rows_holds_a_kernel_to_its_dtypes_budget():
+    # bfloat16 rounding over another row order is within bfloat16's budget (it failed float32's
+    # tolerances before), and float32 within float32's
+    for dtype in (torch.bfloat16, torch.float32):
+        check_logprob_impl(row_chunks(0.0), dtypes=(dtype,), checks=["ignored_rows"])
+    for dtype in (torch.bfloat16, torch.float32):  # masked rows leaking into d weight: caught
+        with pytest.raises(ConformanceError) as e:
+            check_logprob_impl(row_chunks(0.05), dtypes=(dtype,), checks=["ignored_rows"])
+        message = str(e.value)
+        assert ": ignored_rows failed: d weight: " in message and "\n" not in message, message
+
+
+REGISTERS = """
+import grpo_kernels
+from my_pkg.kernel import logprobs
+
+
+def broken(hidden, weight, ids, temperature=1.0, return_entropy=False, **kw):
+    lp = grpo_kernels.chunked_logprobs(hidden, weight, ids, temperature)
+    if not return_entropy:
+        return lp
+    return lp, grpo_kernels.chunked_logprobs(hidden, weight, ids, 1.0, True)[1]  # T ignored
+
+
+grpo_kernels.register_logprob_impl("my_kernel", logprobs)
+grpo_kernels.register_logprob_impl("my_broken_kernel", broken)
+"""
+
+
+def test_the_pytest_entry_finds_a_plugins_kernels(my_pkg):
+    from grpo.testing import registered_by
+
+    (my_pkg / "my_pkg" / "registers.py").write_text(REGISTERS)
+    entries = registered_by(["my_pkg.registers"])
+    assert entries.logprob_impls == ("my_broken_kernel", "my_kernel") and entries
+
+
+@pytest.mark.process
+def test_the_pytest_entry_checks_a_plugins_kernels(my_pkg):
+    (my_pkg / "my_pkg" / "registers.py").write_text(REGISTERS)
+    path = [str(my_pkg), str(REPO), str(REPO / "kernels")]  # this checkout's grpo
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    cmd = [sys.executable, "-m", "pytest", "-p", "grpo.testing.plugin", "--pyargs", "grpo.testing"]
+    cmd += ["--grpo-plugin", "my_pkg.registers", "-k", "logprob_impl and temperature"]
+    cmd += ["-v", "-p", "no:cacheprovider"]
+    r = subprocess.run(cmd, cwd=my_pkg, capture_output=True, text=True, env=env, timeout=300)
+    got = dict(re.findall(r"::(test_logprob_impl\S+) (PASSED|FAILED)", r.stdout))
+    assert got == {
+        "test_logprob_impl[my_broken_kernel-temperature]": "FAILED",
+        "test_logprob_impl[my_kernel-temperature]": "PASSED",
+    }, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "my_broken_kernel': temperature failed: entropy: max error" in r.stdout
 
 
 def test_training_calls_the_configured_kernel(my_pkg, shared_tiny_model, monkeypatch, capsys):
