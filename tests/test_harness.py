@@ -112,7 +112,7 @@ def test_bench_logprobs_smoke(tmp_path):
         ]
     )
     rows = json.loads((tmp_path / "smoke.json").read_text())["rows"]
-    assert len(rows) == 3 * 4 + 2  # modes x impls, and bwd (derived) of naive and chunked
+    assert len(rows) == 4 * 4 + 2  # modes x impls, and bwd (derived) of naive and chunked
     chunked = [r for r in rows if r["impl"] == "chunked" and r["mode"] != "bwd"]
     assert all(r["median_ms"] > 0 and r["lp_err"] < 1e-4 for r in chunked)
     assert all(r["note"].startswith("skipped") for r in rows if r["impl"] in ("liger", "triton"))

@@ -6,8 +6,12 @@ are caught naming the check and the numbers."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -112,6 +116,116 @@ def test_seeded_kernel_bugs_are_caught(kernel, check, detail):
     assert "the same-dtype torch reference's" in message or "allowed" in message
 
 
+def entropy_ignores_temperature(
+    hidden, weight, ids, temperature=1.0, return_entropy=False, *, entropy_grad=False, tf32=False
+):
+    lp = grpo_kernels.chunked_logprobs(hidden, weight, ids, temperature)
+    if not (return_entropy or entropy_grad):
+        return lp
+    _, ent = grpo_kernels.chunked_logprobs(
+        hidden, weight, ids, 1.0, True, entropy_grad=entropy_grad
+    )
+    return lp, ent  # the entropy of softmax(z), not of softmax(z / T)
+
+
+def test_an_entropy_that_ignores_the_temperature_is_caught():
+    with pytest.raises(ConformanceError) as e:
+        check_logprob_impl(
+            entropy_ignores_temperature, dtypes=(torch.float32,), checks=["temperature"]
+        )
+    message = str(e.value)
+    assert ": temperature failed: entropy: max error" in message and "T=0.7" in message, message
+    assert "\n" not in message
+
+
+class RowChunks(torch.autograd.Function):
+    """Log-probs whose backward runs 16 rows at a time and accumulates d weight in the weight's
+    dtype (as Liger's fused linear cross entropy does in bfloat16); `leak`: rows with a zero
+    upstream gradient count with this one in d weight (a masking bug)."""
+
+    @staticmethod
+    def forward(ctx, h, w, ids, temperature, leak):
+        ctx.save_for_backward(h, w, ids)
+        ctx.temperature, ctx.leak = temperature, leak
+        z = (h.float() @ w.float().t()) / temperature
+        return z.gather(1, ids[:, None])[:, 0] - torch.logsumexp(z, 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        h, w, ids = ctx.saved_tensors
+        masked = g == 0
+        d_h, d_w = torch.empty_like(h), torch.zeros_like(w)
+        for s in range(0, h.shape[0], 16):
+            rows = slice(s, s + 16)
+            hs = h[rows].float()
+            p = (hs @ w.float().t() / ctx.temperature).softmax(1)
+            onehot = torch.nn.functional.one_hot(ids[rows], w.shape[0]).float()
+            gs = torch.where(masked[rows], ctx.leak, g[rows])
+            dz = (onehot - p) * gs[:, None] / ctx.temperature
+            d_h[rows] = torch.where(masked[rows, None], 0.0, dz @ w.float()).to(h.dtype)
+            d_w += (dz.t() @ hs).to(w.dtype)
+        return d_h, d_w, None, None, None
+
+
+def row_chunks(leak: float):
+    def logprobs(hidden, weight, ids, temperature=1.0, return_entropy=False, **kw):
+        return RowChunks.apply(hidden, weight, ids, temperature, leak)
+
+    return logprobs
+
+
+def test_ignored_rows_holds_a_kernel_to_its_dtypes_budget():
+    # bfloat16 rounding over another row order is within bfloat16's budget (float32's
+    # tolerances failed it)
+    check_logprob_impl(row_chunks(0.0), dtypes=(torch.bfloat16,), checks=["ignored_rows"])
+    with pytest.raises(ConformanceError) as e:  # masked rows leaking into d weight: caught
+        check_logprob_impl(row_chunks(0.05), dtypes=(torch.bfloat16,), checks=["ignored_rows"])
+    message = str(e.value)
+    assert ": ignored_rows failed: d weight: " in message and "\n" not in message, message
+
+
+REGISTERS = """
+import grpo_kernels
+from my_pkg.kernel import logprobs
+
+
+def broken(hidden, weight, ids, temperature=1.0, return_entropy=False, **kw):
+    lp = grpo_kernels.chunked_logprobs(hidden, weight, ids, temperature)
+    if not return_entropy:
+        return lp
+    return lp, grpo_kernels.chunked_logprobs(hidden, weight, ids, 1.0, True)[1]  # T ignored
+
+
+grpo_kernels.register_logprob_impl("my_kernel", logprobs)
+grpo_kernels.register_logprob_impl("my_broken_kernel", broken)
+"""
+
+
+def test_the_pytest_entry_finds_a_plugins_kernels(my_pkg):
+    from grpo.testing import registered_by
+
+    (my_pkg / "my_pkg" / "registers.py").write_text(REGISTERS)
+    entries = registered_by(["my_pkg.registers"])
+    assert entries.logprob_impls == ("my_broken_kernel", "my_kernel") and entries
+
+
+@pytest.mark.process
+def test_the_pytest_entry_checks_a_plugins_kernels(my_pkg):
+    (my_pkg / "my_pkg" / "registers.py").write_text(REGISTERS)
+    path = [str(my_pkg), str(REPO), str(REPO / "kernels")]  # this checkout's grpo
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    cmd = [sys.executable, "-m", "pytest", "-p", "grpo.testing.plugin", "--pyargs", "grpo.testing"]
+    cmd += ["--grpo-plugin", "my_pkg.registers", "-k", "logprob_impl and temperature"]
+    cmd += ["-v", "-p", "no:cacheprovider"]
+    r = subprocess.run(cmd, cwd=my_pkg, capture_output=True, text=True, env=env, timeout=300)
+    got = dict(re.findall(r"::(test_logprob_impl\S+) (PASSED|FAILED)", r.stdout))
+    assert got == {
+        "test_logprob_impl[my_broken_kernel-temperature]": "FAILED",
+        "test_logprob_impl[my_kernel-temperature]": "PASSED",
+    }, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "my_broken_kernel': temperature failed: entropy: max error" in r.stdout
+
+
 def test_training_calls_the_configured_kernel(my_pkg, shared_tiny_model, monkeypatch, capsys):
     calls = my_pkg / "calls.txt"
     monkeypatch.setenv("KERNEL_CALLS", str(calls))
@@ -183,7 +297,10 @@ def test_the_benchmark_times_an_outside_kernel_beside_the_built_ins(my_pkg, tmp_
     result = json.loads((tmp_path / "out" / "mine.json").read_text())
     rows = result["rows"]
     mine = [r for r in rows if r["impl"] == "my_pkg.kernel:logprobs"]
-    assert {r["mode"] for r in mine} == {"fwd", "fwd_bwd", "fwd_bwd_frozen", "bwd"}
+    modes = {"fwd", "fwd_bwd", "fwd_bwd_entropy", "fwd_bwd_frozen", "bwd"}
+    assert {r["mode"] for r in mine} == modes
+    (trainers,) = [r for r in mine if r["mode"] == "fwd_bwd_entropy"]  # the trainer's call
+    assert trainers["ent_err"] <= 1e-5 and trainers["median_ms"] > 0
     for r in rows:
         if r.get("median_ms") and r["mode"] != "bwd":
             assert r["lp_err"] <= 1e-5 and r["tok_per_s"] > 0 and r["gb_per_s"] > 0
@@ -191,10 +308,59 @@ def test_the_benchmark_times_an_outside_kernel_beside_the_built_ins(my_pkg, tmp_
             assert 0 < r["pct_roofline"] <= 100 + 1e-9
         assert r["dtype"] == "float32"
     broken = [r for r in rows if r["impl"] == "my_pkg.broken:logprobs"]
-    assert broken and all(r["note"].startswith("MISMATCH vs float64") for r in broken)
+    assert broken and all(
+        r["note"].startswith("MISMATCH vs float64")
+        for r in broken
+        if r["mode"] not in ("fwd_bwd_entropy", "bwd")
+    )
+    (entropy,) = [r for r in broken if r["mode"] == "fwd_bwd_entropy"]  # it returns none
+    assert entropy["note"] == (
+        "error: TypeError: asked for the entropy (return_entropy=True), it returned none"
+    )
     assert all("median_ms" not in r for r in broken)
     # the stored command reproduces the run, the outside kernels included
     assert result["meta"]["command"] == "python -m benchmarks.bench_logprobs " + shlex.join(argv)
+    kernel = result["meta"]["outside_kernels"]["my_pkg.kernel:logprobs"]
+    source = (my_pkg / "my_pkg" / "kernel.py").read_bytes()
+    assert kernel["sha256"] == hashlib.sha256(source).hexdigest()[:16]
+    assert (
+        kernel["function"] == "my_pkg.kernel:logprobs"
+        and result["meta"]["triton_interpret"] is None
+    )
     with pytest.raises(SystemExit) as e:
         bench_logprobs.main(["--quick", "--impl", "no_such.mod:f"])
     assert e.value.code == 2
+
+
+def test_grpo_bench_logprobs_runs_from_the_package(my_pkg, monkeypatch, capsys):
+    """`grpo bench logprobs` (the installed package's, not benchmarks/): a tiny CPU shape, the
+    stored command with TRITON_INTERPRET, the outside kernel's hash; results under
+    ./bench_results outside a checkout is `RESULTS_DIR`'s default (here: --out-dir)."""
+    monkeypatch.chdir(my_pkg)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    args = ["--quick", "--shapes", "16x8x50", "--impls", "chunked", "--repeats", "1"]
+    args += ["--modes", "fwd_bwd_entropy", "--impl", "my_pkg.kernel:logprobs"]
+    args += ["--out-dir", "out", "--name", "b"]
+    assert cli.main(["bench", "logprobs", *args]) == 0
+    meta = json.loads((my_pkg / "out" / "b.json").read_text())["meta"]
+    assert meta["command"] == "TRITON_INTERPRET=1 grpo bench logprobs " + shlex.join(args)
+    assert meta["triton_interpret"] == "1"
+    digest = hashlib.sha256((my_pkg / "my_pkg" / "kernel.py").read_bytes()).hexdigest()[:16]
+    assert meta["outside_kernels"]["my_pkg.kernel:logprobs"]["sha256"] == digest
+    rows = json.loads((my_pkg / "out" / "b.json").read_text())["rows"]
+    assert {r["impl"] for r in rows if r.get("median_ms", 0) > 0} == {
+        "chunked",
+        "my_pkg.kernel:logprobs",
+    }
+    assert "grpo.apps.bench" in sys.modules and "benchmarks.bench_logprobs" not in str(
+        sys.modules["grpo.apps.bench.logprobs"].__file__
+    )
+
+
+def test_a_negative_derived_backward_time_is_noted():
+    from grpo.apps.bench.logprobs import derived_rows
+
+    medians = {("fwd_bwd", "a"): 1.0, ("fwd", "a"): 1.5, ("fwd_bwd", "b"): 3.0, ("fwd", "b"): 1.0}
+    neg, pos = derived_rows(medians, ["a", "b", "c"], "1x2x3", "float32")
+    assert neg["median_ms"] == -0.5 and "is negative (fwd_bwd timed faster than fwd)" in neg["note"]
+    assert pos["median_ms"] == 2.0 and pos["note"] == "derived: fwd_bwd - fwd"

@@ -359,6 +359,15 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_parser(sub)
     serve.add_parser(sub)
 
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks from the installed package: `grpo bench logprobs --help`",
+        add_help=False,  # --help goes to the benchmark's own parser
+    )
+    p.add_argument("benchmark", choices=BENCHMARKS, help="which benchmark")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="its arguments (see its --help)")
+    p.set_defaults(func=cmd_bench)
+
     p = sub.add_parser("tiny-model", help="write a tiny random-init model + tokenizer (offline)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--size", default="ci", help="ci (L=2, C=64) or demo (L=3, C=192)")
@@ -375,6 +384,19 @@ def build_parser() -> argparse.ArgumentParser:
             "call) first: the names it registers become valid (repeatable)",
         )
     return parser
+
+
+BENCHMARKS = ("logprobs",)  # grpo bench <name>: grpo.apps.bench.<name>
+
+
+def cmd_bench(args) -> int:
+    """`grpo bench logprobs ...`: the log-prob kernel benchmark (grpo/apps/bench/logprobs.py),
+    its results in --out-dir (default ./bench_results outside a source checkout). A kernel
+    registered by name comes from `grpo bench --plugin MODULE logprobs --impl NAME`."""
+    from grpo.apps.bench import logprobs
+
+    logprobs.main(list(args.bench_args), prog=f"grpo bench {args.benchmark}")
+    return 0
 
 
 def print_error(line: str) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -53,7 +54,7 @@ from grpo.experience.batch import (
     turn_token_rewards,
 )
 from grpo.metrics import Sum
-from grpo.plugins import time_limit
+from grpo.plugins import qualified_name, time_limit
 from grpo.precision import Precision
 from grpo.rewards import NamedReward, RewardContext, compute_rewards
 from grpo.rollout import Rollout, Sampler
@@ -77,6 +78,15 @@ def register_rollout_strategy(name: str, *, overwrite: bool = False):
 def check_strategy(name: str, params: dict | None = None) -> None:
     """Fail early on an unknown strategy or a parameter it does not take (naming the field)."""
     ROLLOUT_STRATEGIES.check_params(name, params or {}, set(INPUTS))
+
+
+def strategy_record(cfg: Config) -> str:
+    """The run header's ``run/rollout_strategy``: JSON ``{"name", "kwargs", "function"}``
+    (rollout.strategy, rollout.strategy_kwargs, the function's ``module:qualname``)."""
+    r = cfg.rollout
+    fn = qualified_name(ROLLOUT_STRATEGIES.get(r.strategy))
+    record = {"name": r.strategy, "kwargs": dict(r.strategy_kwargs or {}), "function": fn}
+    return json.dumps(record, default=str)
 
 
 def sample_round(

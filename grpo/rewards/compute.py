@@ -54,6 +54,20 @@ def reward_name(fn: RewardFn) -> str:
     return getattr(fn, "name", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
+def reward_keys(fns_with_weights: Sequence[tuple[RewardFn, float]]) -> list[str]:
+    """The ``per_fn`` key of each reward, in order: its `reward_name`, a repeated one with
+    ``_2``, ``_3``... (what `compute_rewards` returns and ``rewards/<key>`` logs)."""
+    keys: list[str] = []
+    for fn, _ in fns_with_weights:
+        name = base = reward_name(fn)
+        k = 1
+        while name in keys:
+            k += 1
+            name = f"{base}_{k}"
+        keys.append(name)
+    return keys
+
+
 def call_reward(
     name: str,
     fn: RewardFn,
@@ -207,12 +221,7 @@ def compute_rewards(
     total = torch.zeros(B, dtype=torch.float64)  # (B,)
     tokens = None  # (B, T_c) float64 per-token parts, once a function returns them
     per_fn: dict[str, torch.Tensor] = {}
-    for fn, weight in fns_with_weights:
-        name = base = reward_name(fn)
-        k = 1
-        while name in per_fn:
-            k += 1
-            name = f"{base}_{k}"
+    for (fn, weight), name in zip(fns_with_weights, reward_keys(fns_with_weights)):
         timeout_s = getattr(fn, "timeout_s", None)
         values = call_reward(name, fn, completions, columns, lengths, timeout_s, context, metrics)
         row_sums = []

@@ -9,6 +9,8 @@ Llama / Qwen2 / Qwen3 `*ForSequenceClassification` checkpoint) scores each compl
           batch_size: 16               # rows per forward
           max_length: 1024             # tokens per row: a longer prompt keeps its end
           normalize: none              # none | batch: (r - mean) / std over the call's rows
+                                       # | global: over the step's whole batch (every rank,
+                                       #   every sampling round; grpo.experience.normalize)
           system_prompt: null          # the system message the reward model's pairs had
           reference_column: null       # a column of reference completions: each reward is
                                        # capped at its reference's score (a hacking guard)
@@ -22,11 +24,21 @@ run's precision policy (`RewardContext.device` / `precision`). The model is load
 process (shared by every reward entry and the async producer naming the same checkpoint).
 Reported metrics: ``rewards/reward_model/score_mean`` (raw scores, before normalization) and
 ``rows_per_s``.
+
+``normalize: batch`` normalises the rows of one call: one rank's share of one sampling round.
+``normalize: global`` returns the raw scores and declares ``global_normalize`` on the function:
+the trainer then normalises them over the step's global batch, the rows every trainer rank
+trains on gathered from all sampling rounds, in float64, before the advantages
+(`grpo.experience.normalize.normalize_globally`); evaluation reports raw scores.
+
+The run header records the checkpoint (``run/rewards``: its path and `checkpoint_hash`, so a
+run names the reward model it optimised, bit for bit).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import threading
@@ -38,10 +50,11 @@ import torch
 from grpo.errors import GrpoError
 from grpo.rewards.functions import RewardContext
 
-NORMALIZE = ("none", "batch")
+NORMALIZE = ("none", "batch", "global")
 log = logging.getLogger(__name__)
 _SAID_DROPPED: list[bool] = []  # the dropped-prompt warning, once per process
 _CACHE: dict[tuple, Any] = {}  # (path, device, dtype) -> (model, tokenizer): one per process
+_HASHES: dict[tuple, str] = {}  # checkpoint files' (path, mtime, size) -> checkpoint_hash
 _LOCK = threading.Lock()
 
 
@@ -178,7 +191,7 @@ def make_reward_model(
         dt = time.perf_counter() - t0
         raw = scores.tolist()
         values = raw
-        if normalize == "batch" and len(raw) > 1:
+        if normalize == "batch" and len(raw) > 1:  # "global": the trainer normalises later
             std = scores.std().item()
             values = ((scores - scores.mean()) / (std if std > 1e-6 else 1.0)).tolist()
         return values, {
@@ -188,7 +201,39 @@ def make_reward_model(
         }
 
     reward_model.__name__ = "reward_model"
+    reward_model.global_normalize = normalize == "global"
+    reward_model.run_record = lambda: {"checkpoint": checkpoint_record(path)}
     return reward_model
+
+
+def checkpoint_record(path: str) -> dict[str, str]:
+    """What the run header records of a reward model checkpoint: its path as given, the
+    directory it resolved to and `checkpoint_hash` of that directory."""
+    from grpo.models.hf_checkpoint import resolve_model_dir
+
+    model_dir = resolve_model_dir(path)
+    return {"path": str(path), "dir": str(model_dir), "sha256": checkpoint_hash(model_dir)}
+
+
+def checkpoint_hash(model_dir) -> str:
+    """sha256 (16 hex digits) over a checkpoint directory's weights and config: each
+    ``*.safetensors`` file and ``config.json``, by name and bytes, in name order (read once per
+    process per file version: a checkpoint rewritten in place is hashed again)."""
+    from pathlib import Path
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    files += [f for f in [Path(model_dir) / "config.json"] if f.is_file()]
+    stamp = tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
+    with _LOCK:
+        if stamp not in _HASHES:
+            h = hashlib.sha256()
+            for f in files:
+                h.update(f"{f.name}\0{f.stat().st_size}\0".encode())
+                with open(f, "rb") as fh:
+                    for block in iter(lambda: fh.read(1 << 22), b""):
+                        h.update(block)
+            _HASHES[stamp] = h.hexdigest()[:16]
+        return _HASHES[stamp]
 
 
 def encode_rows(

@@ -126,6 +126,8 @@ def checking(what: str, check: str) -> Iterator[None]:
         raise
     except Exception as e:  # an assertion, a GrpoError from the library's own checks, a crash
         detail = str(e) if isinstance(e, AssertionError) else f"{type(e).__name__}: {e}"
+        # one line: a multi-line message (torch.testing.assert_close's) joined with "; "
+        detail = "; ".join(line.strip() for line in detail.splitlines() if line.strip())
         raise ConformanceError(f"{what}: {check} failed: {detail}") from e
 
 

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import grpo_kernels
 from grpo.algo import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES
 from grpo.envs import available_envs
 from grpo.plugins import load_entry_point_plugins, load_plugins
@@ -25,11 +26,20 @@ class Entries:
     policy_losses: tuple[str, ...] = ()
     kl_estimators: tuple[str, ...] = ()
     environments: tuple[str, ...] = ()
+    logprob_impls: tuple[str, ...] = ()  # registered log-prob kernels (not the built-ins)
     references: dict[str, Callable | str] = field(default_factory=dict)
     settings: dict[str, dict] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return any((self.advantages, self.policy_losses, self.kl_estimators, self.environments))
+        return any(
+            (
+                self.advantages,
+                self.policy_losses,
+                self.kl_estimators,
+                self.environments,
+                self.logprob_impls,
+            )
+        )
 
 
 def _registered() -> dict[str, set[str]]:
@@ -38,6 +48,7 @@ def _registered() -> dict[str, set[str]]:
         "policy_losses": set(POLICY_LOSSES.names()),
         "kl_estimators": set(KL_ESTIMATORS.names()),
         "environments": set(available_envs()),
+        "logprob_impls": set(grpo_kernels.available_impls()) - set(grpo_kernels.IMPLS),
     }
 
 
@@ -46,7 +57,9 @@ def registered_by(plugins: Sequence[str]) -> Entries:
     ``package.module`` or ``package.module:function``) and return what they registered: the
     names new after loading them, and the algorithm entries whose function is defined in one of
     their modules (a module imported earlier). No plugins: every registered entry (the
-    built-ins and the installed entry-point plugins').
+    built-ins and the installed entry-point plugins'; of the log-prob kernels, those
+    registered with `grpo_kernels.register_logprob_impl`, the built-ins being the kit's own
+    references).
 
     References: the built-ins' (`BUILTIN_REFERENCES`), updated with each plugin module's
     ``CONFORMANCE_REFERENCES`` dict (a function or its ``package.module:function`` path);
@@ -75,11 +88,15 @@ def registered_by(plugins: Sequence[str]) -> Entries:
         ("policy_losses", POLICY_LOSSES),
         ("kl_estimators", KL_ESTIMATORS),
         ("environments", None),
+        ("logprob_impls", None),
     ):
+        get = registry.get if registry is not None else None
+        if key == "logprob_impls":
+            get = grpo_kernels.get_logprob_impl
         defined_here = {
             n
             for n in after[key]
-            if registry is not None and getattr(registry.get(n), "__module__", None) in modules
+            if get is not None and getattr(get(n), "__module__", None) in modules
         }
         found[key] = tuple(sorted((after[key] - before[key]) | defined_here))
     return Entries(tuple(plugins), references=references, settings=settings, **found)

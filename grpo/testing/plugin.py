@@ -25,7 +25,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=[],
         metavar="PLUGIN",
         help="a plugin (package.module or package.module:function, as grpo's --plugin) whose "
-        "registered estimators, policy losses, KL estimators and environments are checked; "
+        "registered estimators, policy losses, KL estimators, environments and log-prob "
+        "kernels are checked; "
         "repeatable, or comma-separated. None: every registered entry (the built-ins).",
     )
 
@@ -40,13 +41,20 @@ def pytest_configure(config: pytest.Config) -> None:
     if plugins and not entries:
         raise pytest.UsageError(
             f"--grpo-plugin {','.join(plugins)}: registered no advantage estimator, policy "
-            "loss, KL estimator or environment (register them when the module is imported)"
+            "loss, KL estimator, environment or log-prob kernel (register them when the "
+            "module is imported)"
         )
     config.stash[ENTRIES] = entries
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    from grpo.testing import advantage_checks, environment_checks, kl_checks, policy_loss_checks
+    from grpo.testing import (
+        advantage_checks,
+        environment_checks,
+        kl_checks,
+        logprob_impl_checks,
+        policy_loss_checks,
+    )
 
     entries = metafunc.config.stash.get(ENTRIES, None)
     if entries is None:
@@ -59,6 +67,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         "policy_loss_check": [(n, c) for n in entries.policy_losses for c in policy_loss_checks(n)],
         "kl_check": [(n, c) for n in entries.kl_estimators for c in kl_checks(n, refs.get(n))],
         "environment_check": [(n, c) for n in entries.environments for c in environment_checks(n)],
+        "logprob_impl_check": [
+            (n, c) for n in entries.logprob_impls for c in logprob_impl_checks()
+        ],
         "two_ranks_entry": [("advantage", n) for n in entries.advantages]
         + [("policy_loss", n) for n in entries.policy_losses],
     }

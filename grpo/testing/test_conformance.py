@@ -14,6 +14,7 @@ from grpo.testing import (
     check_advantage,
     check_environment,
     check_kl,
+    check_logprob_impl,
     check_policy_loss,
     check_two_ranks,
 )
@@ -53,6 +54,11 @@ def test_kl(grpo_entries, kl_check):
 def test_environment(environment_check):
     name, check = environment_check
     _run(check_environment, name, checks=[check])
+
+
+def test_logprob_impl(logprob_impl_check):
+    name, check = logprob_impl_check
+    _run(check_logprob_impl, name, checks=[check])
 
 
 def test_two_ranks(grpo_two_ranks, two_ranks_entry):

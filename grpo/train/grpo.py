@@ -80,8 +80,10 @@ from grpo.experience.batch import (
     micro_batch_plan,
 )
 from grpo.experience.inline import make_sampler
+from grpo.experience.normalize import normalize_globally
 from grpo.experience.producer import run_producer
 from grpo.experience.sources import rollout_source
+from grpo.experience.strategies import strategy_record
 from grpo.loading import load_rows, resolve_device
 from grpo.lora import disabled_lora
 from grpo.models.packed_rows import packed_overhead
@@ -90,6 +92,7 @@ from grpo.modules.module_set import ModuleSet
 from grpo.policy import Policy, build_policy, shard_policy
 from grpo.rewards import build_rewards
 from grpo.rewards.bounds import total_bounds
+from grpo.rewards.records import rewards_header
 from grpo.rollout import Rollout
 from grpo.run.health import LearningHealth, StallError, WeightChange
 from grpo.run.loop import GuardStop, RunDir, run_training, start_run
@@ -522,6 +525,7 @@ def run_header(
         "run/policy_loss": loss.policy_loss,
         "run/kl_estimator": loss.kl_estimator,
         "run/aggregation": loss.aggregation,
+        "run/rollout_strategy": strategy_record(cfg),
         "run/env": cfg.rollout.env,
         "run/eval_env": cfg.eval.env or cfg.rollout.env,
         "run/precision": precision.describe(device),
@@ -614,6 +618,8 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
                 cfg, policy.precision, policy.device, describe_parallel(dist, sharded), env_meta
             ),
             **modules.header(),
+            # names, weights, kwargs, checkpoint hashes (rank 0 writes the header)
+            **(rewards_header(reward_fns, cfg.rewards) if dist.is_main else {}),
         },
         modules=modules,
     )
@@ -644,6 +650,8 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             if source.asynchronous:
                 where.phase = "waiting for rollouts"
             batch = source.next(state)
+            # a reward normalised over the global batch (reward_model normalize: global)
+            batch = normalize_globally(batch, reward_fns, dist, cfg.rollout.turn_discount)
             batch, balanced = balanced_batch(cfg, policy, batch, dist)
             batch = modules.attach(batch)
             clock.lap("rollout")
