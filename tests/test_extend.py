@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import docs_example, write_package
+from conftest import LENGTH_REWARD, docs_example, torchrun_train, write_package
 
 from grpo.algo.logprobs import completion_logprobs
 from grpo.config import load_config
@@ -161,13 +161,15 @@ def test_budgets_are_per_row_and_greedy_scores_at_temperature_one(qwen3):
     assert one.completion_ids.shape == (2, 1)
 
 
-def test_compiled_sampler_and_lora(qwen3):
-    """The compiled decode step gives the eager rollout; a LoRA model's log-probs (adapters
-    live: B nonzero) are its float64 forward's."""
+def test_compiled_refilled_and_lora(qwen3):
+    """The compiled decode step and continuous refill (4 rows in flight) give the eager
+    rollout; a LoRA model's log-probs (adapters live: B nonzero) are its float64 forward's."""
     eager = run(qwen3, include_partial=True)
     compiled = run(qwen3, True, Sampler(qwen3, compile=True, compile_options={"backend": "eager"}))
-    assert torch.equal(compiled.ids, eager.ids)
-    assert (compiled.logprobs - eager.logprobs).abs().max().item() <= 1e-5
+    refilled = run(qwen3, True, Sampler(qwen3, max_rows=4))
+    for other in (compiled, refilled):
+        assert torch.equal(other.ids, eager.ids)
+        assert (other.logprobs - eager.logprobs).abs().max().item() <= 1e-5
     model = copy.deepcopy(qwen3)
     apply_lora(model, rank=4, alpha=8, seed=0)
     with torch.no_grad():
@@ -322,6 +324,27 @@ def test_the_docs_tree_rollout_trains(shared_tiny_model, tree_pkg):
     train_grpo(cfg)
     logged = [m for m in read_metrics(tree_pkg / "run" / "metrics.jsonl") if "step" in m]
     assert len(logged) == 2 and all("strategy/cut_tokens" in m for m in logged)
+
+
+@pytest.mark.process
+def test_the_docs_tree_rollout_under_ddp_and_the_async_producer(shared_tiny_model, tmp_path):
+    """`grpo train` with the tree strategy on 2 torchrun ranks, synchronous and with the
+    asynchronous producer (which calls the strategy for the trainer ranks it serves)."""
+    write_package(
+        tmp_path, {"tree.py": docs_example("# my_pkg/tree.py"), "rewards.py": LENGTH_REWARD}
+    )
+    for out, extra in (("ddp", []), ("async", ["rollout.async=on"])):
+        for m in torchrun_train(
+            tmp_path,
+            shared_tiny_model,
+            out,
+            "rollout.max_new_tokens=8",
+            "rewards=[{name: my_pkg.rewards:length}]",
+            "rollout.strategy=my_pkg.tree:tree",
+            *extra,
+        ):
+            assert m["rollout/groups_sampled"] == 4  # 2 ranks x 2 groups of 4
+            assert "strategy/cut_tokens" in m
 
 
 def test_groups_mixing_prompts_are_refused_under_shared_prefix(setup):
