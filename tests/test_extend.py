@@ -301,7 +301,8 @@ def test_the_docs_tree_rollout(setup, tree_pkg):
 
 def test_the_docs_tree_rollout_trains(shared_tiny_model, tree_pkg):
     """Two steps of `grpo train`'s recipe with the tree strategy (shared prefix on: every
-    group holds one prompt), its metric logged."""
+    group holds one prompt), its metric logged, the partials' recomputed log-probs and the
+    continuations' equal to the update's."""
     from grpo.metrics import read_metrics
     from grpo.train.grpo import train_grpo
 
@@ -324,6 +325,8 @@ def test_the_docs_tree_rollout_trains(shared_tiny_model, tree_pkg):
     train_grpo(cfg)
     logged = [m for m in read_metrics(tree_pkg / "run" / "metrics.jsonl") if "step" in m]
     assert len(logged) == 2 and all("strategy/cut_tokens" in m for m in logged)
+    # the update's first pass (packed, each group's prompt once) meets the sampler's log-probs
+    assert all(m["rollout/logprob_diff_max"] < 1e-5 for m in logged)
 
 
 @pytest.mark.process
@@ -345,6 +348,8 @@ def test_the_docs_tree_rollout_under_ddp_and_the_async_producer(shared_tiny_mode
         ):
             assert m["rollout/groups_sampled"] == 4  # 2 ranks x 2 groups of 4
             assert "strategy/cut_tokens" in m
+            if out == "ddp":  # synchronous: the first pass meets the sampler's log-probs
+                assert m["rollout/logprob_diff_max"] < 1e-5
 
 
 def test_groups_mixing_prompts_are_refused_under_shared_prefix(setup):
