@@ -23,6 +23,8 @@ The default strategy is ``sampling.score(sampling.sample(rows), rows)``: G compl
 (or G trajectories with the configured environment) at the config's settings (`sample_round`),
 scored by the configured rewards (`score_rollout`, the one place rewards change device and
 dtype: every tensor of the batch is float32 on the rollout's device from there on).
+`sampling.extend` continues prompts plus partial completions (tree rollouts,
+`grpo.rollout.extend`).
 
 Log-probs: a rollout's log-probs are those of the settings that sampled it (its temperature).
 The trainer scores every row at ``rollout.temperature``, so rows drawn at another temperature
@@ -58,6 +60,7 @@ from grpo.plugins import qualified_name, time_limit
 from grpo.precision import Precision
 from grpo.rewards import NamedReward, RewardContext, compute_rewards
 from grpo.rollout import Rollout, Sampler
+from grpo.rollout.extend import extend
 from grpo.rollout.multiturn import sample_with_env, turn_end_ids
 from grpo.run.perf import phase_bar
 
@@ -282,6 +285,54 @@ class Sampling:
             cfg, self.policy, self.sampler, list(rows), seed, self.make_env, self.show
         )
 
+    def extend(
+        self,
+        rows: Sequence[dict],
+        partials: Sequence[Sequence[int]],
+        *,
+        group_size: int | None = None,
+        include_partial: bool = False,
+        seed: int | None = None,
+        **settings,
+    ) -> Rollout:
+        """`group_size` continuations (default G) of each row's prompt followed by its partial
+        completion (`partials[i]` continues `rows[i]`; repeat a row to branch it from several
+        partials), adjacent, in order: one sampler call (`grpo.rollout.extend`), each context
+        prefilled once. Settings and seeds as `sample`; `max_new_tokens` bounds the whole
+        completion, partial included. `include_partial` False: the partial is context
+        (`completion_mask` and the rewards cover only the continuation); True: the completion
+        is partial + continuation, all of it trained on and scored, the partial's log-probs
+        computed as the trainer does (rows of several partials of one prompt then share the
+        prompt and may form one group). Single-turn runs only.
+
+        Returns:
+            a `Rollout` of len(rows) * group_size rows, in groups of group_size."""
+        unknown = sorted(set(settings) - set(SETTINGS))
+        if unknown:
+            raise GrpoError(
+                f"Sampling.extend: unknown settings {unknown}; settings: {', '.join(SETTINGS)}"
+            )
+        if self.cfg.rollout.multi_turn:
+            raise GrpoError(
+                "Sampling.extend continues single-turn completions; this run is multi-turn "
+                "(rollout.multi_turn)"
+            )
+        if seed is None:
+            seed = self.seed if self.calls == 0 else derive_seed(self.seed, self.calls)
+        self.calls += 1
+        s = {**self.settings, **settings}
+        return extend(
+            self.sampler,
+            [r["prompt_ids"] for r in rows],
+            partials,
+            group_size=self.group_size if group_size is None else group_size,
+            include_partial=include_partial,
+            seed=seed,
+            pad_id=self.tokenizer.pad_token_id,
+            stop_ids=self.policy.stop_ids,
+            **s,
+        )
+
     def score(self, rollout: Rollout, rows: Sequence[dict]) -> RolloutBatch:
         """The rollout scored by the configured rewards (their context: this step, the
         config's completion budget): a `RolloutBatch` (group size: the rollout's)."""
@@ -364,9 +415,29 @@ def run_strategy(cfg, sampling: Sampling, rows: list[dict], rank: int, round_: i
         )
     check_rewards(batch, f"rollout strategy {name!r}")
     check_prompts(batch, rows, f"rollout strategy {name!r}", multi_turn=r.multi_turn)
+    if cfg.shared_prefix_groups is not None:
+        check_shared_prompts(batch.rollout, f"rollout strategy {name!r}")
     # the dataset's own rows again (each prompt's, G times, in order, as checked above): later
     # stages and a producer rank's wire format name rows by identity, and edits stay behind
     return dataclasses.replace(batch, rows=[rows[i // G] for i in range(batch.size)])
+
+
+def check_shared_prompts(rollout: Rollout, who: str) -> None:
+    """Each group's rows hold one prompt (ids and length), as the training passes assume when
+    they run it once per group (train.shared_prefix); else a GrpoError naming `who`, the
+    group and the remedies. One comparison on the rollout's device, one host sync."""
+    G, T_p = rollout.group_size, rollout.prompt_width
+    ids = rollout.prompt_ids.reshape(-1, G, T_p)  # (P, G, T_p)
+    lens = rollout.prompt_lens.reshape(-1, G)  # (P, G)
+    same = (ids == ids[:, :1]).all(-1).all(-1) & (lens == lens[:, :1]).all(-1)  # (P,)
+    bad = (~same).nonzero()
+    if len(bad):
+        raise GrpoError(
+            f"{who}: the rows of group {int(bad[0])} do not share one prompt, but "
+            "train.shared_prefix runs each group's prompt once; keep each group's prompt "
+            "(Sampling.extend(include_partial=True) keeps partials in the completion) or set "
+            "train.shared_prefix: off"
+        )
 
 
 def check_rewards(batch: RolloutBatch, who: str) -> None:

@@ -1,6 +1,7 @@
 """Rollouts: pure logits processing (`sampling`), prompt batching (`prompts`), the batched
 sampler and its public steps (`sampler`), its decode weights (`decode_weights`) and continuous
-refill (`refill`); multi-turn rollouts build on them (`multiturn`)."""
+refill (`refill`); multi-turn rollouts build on them (`multiturn`), and continuations of
+partial completions (`extend`)."""
 
 from grpo.rollout.prompts import check_prompts, check_settings, left_pad
 from grpo.rollout.sampler import Observation, Rollout, Sampler, TokenConstraint, sample
