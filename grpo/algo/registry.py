@@ -80,6 +80,16 @@ class Registry:
             f"{', '.join(self.names())} (or a 'package.module:function' path)"
         )
 
+    def declares(self, spec: str | Callable[..., Any], name: str) -> bool:
+        """Whether the function of `spec` receives the input `name` from `call`: it names the
+        parameter, or takes ``**kwargs`` (an input that costs something to compute, such as a
+        differentiable entropy, is computed only then)."""
+        sig = _signature(self.get(spec))
+        if sig is None:
+            return True
+        params = sig.parameters
+        return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
     def check_params(self, spec: str, params: Mapping[str, Any], offered: set[str]) -> None:
         """Fail now, naming the key, if `params` holds a name the function does not accept or
         if the function needs an argument that neither the registry nor `params` provides."""
