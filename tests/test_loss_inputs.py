@@ -2,7 +2,7 @@
 control"): the exact entropy with its gradient, the sampler's log-probs, the batch's extras cut to
 the micro-batch, the step; extras an estimator computes over the global batch. The docs'
 examples run as written: the adaptive entropy bonus against a float64 computation from the
-logits, KL-Cov equal at micro-batches of 1 and of the whole batch."""
+logits, KL-Cov equal at micro-batches of 1 and of the whole batch and on two ranks."""
 
 from __future__ import annotations
 
@@ -310,3 +310,91 @@ def test_an_estimator_extra_may_not_shadow_the_batchs(tiny_checkpoints):
 def shadowing(scores, mask):
     """An estimator returning an extra the batch already holds."""
     return torch.zeros(mask.shape), {}, {"replayed": torch.ones(scores.shape[0])}
+
+
+def entropy_floor_reference(
+    log_ratio, advantages, entropy, mask, step, *, target, coef, epsilon_low, epsilon_high
+):
+    """`entropy_floor` written out in float64, token by token, at the default decay (200
+    steps)."""
+    out = torch.zeros_like(log_ratio)
+    c = coef * max(0.0, 1.0 - (step - 1) / 200)
+    for i in range(mask.shape[0]):
+        counted = [t for t in range(mask.shape[1]) if mask[i, t]]
+        low = bool(counted) and sum(float(entropy[i, t]) for t in counted) / len(counted) < target
+        for t in counted:
+            rho, A = torch.exp(log_ratio[i, t]), advantages[i, t]
+            surrogate = torch.minimum(rho * A, rho.clamp(1 - epsilon_low, 1 + epsilon_high) * A)
+            out[i, t] = -surrogate - (c * entropy[i, t] if low else 0.0)
+    return out
+
+
+def test_the_conformance_kit_checks_a_loss_that_reads_the_entropy(ec):
+    """The kit hands a loss the inputs it may declare (a fixed entropy, the sampler's
+    log-probs, the step), so the docs' entropy bonus passes every check against its float64
+    twin."""
+    from grpo.testing import check_policy_loss
+
+    kwargs = {"target": 1.0, "coef": 0.1}  # the kit's entropies are uniform in [0, 2)
+    check_policy_loss(f"{MOD}:entropy_floor", entropy_floor_reference, kwargs=kwargs)
+
+
+def kl_cov_rows(dist, doc_dir: str):
+    """KL-Cov's estimator on this rank's half of a fixed batch (each rank only its own
+    completion width), through the trainer's `global_advantages`: (this rank's extra, its
+    advantages). Runs in the session's ranks (`rank_pool`) and in this process (`SINGLE`)."""
+    from types import SimpleNamespace
+
+    from grpo.config import load_config
+    from grpo.train.grpo import global_advantages
+
+    sys.path.insert(0, doc_dir)
+    try:
+        x = make_inputs(7, rows=8, width=6)
+        mask = x["mask"]
+        token_rewards = torch.zeros(mask.shape)
+        token_rewards[torch.arange(8), mask.sum(-1) - 1] = 1.0 + x["advantages"][:, 0]
+        half = 8 // dist.world_size
+        rows = slice(dist.rank * half, (dist.rank + 1) * half)
+        width = int(mask[rows].sum(-1).max())
+        mine = (rows, slice(0, width))
+        rollout = SimpleNamespace(
+            completion_ids=torch.where(mask, 5, 0)[mine],
+            completion_mask=mask[mine],
+            logprobs=torch.where(mask, x["old_logprobs"], 0.0)[mine],
+            prompt_lens=torch.full((8,), 3)[rows],
+        )
+        loss = {"advantage": f"{MOD}:kl_cov_advantages", "advantage_kwargs": {"top_frac": 0.25}}
+        base = {"model": {"path": "unused"}, "rollout": {"group_size": 4}, "loss": loss}
+        extras: dict = {}
+        batch = SimpleNamespace(rollout=rollout, extras={})
+        adv = global_advantages(
+            load_config(base=base),
+            token_rewards[mine],
+            mask[mine],
+            dist,
+            None,
+            batch,
+            step=1,
+            extras=extras,
+        )
+        return extras["kl_cov"].tolist(), adv.tolist()
+    finally:
+        sys.path.remove(doc_dir)
+        for name in [m for m in sys.modules if m == "my_pkg" or m.startswith("my_pkg.")]:
+            del sys.modules[name]
+
+
+def test_kl_cov_chooses_over_every_ranks_rows(ec, rank_pool):
+    """Two ranks, each with half the rows and its own completion width: each gets its rows of
+    the one choice over the whole batch, as one process on all rows."""
+    from grpo.distributed import SINGLE
+
+    doc_dir = str(Path(ec.__file__).parents[1])
+    chosen, adv = (torch.tensor(v) for v in kl_cov_rows(SINGLE, doc_dir))
+    assert int(chosen.sum()) == int(0.25 * int(make_inputs(7, rows=8, width=6)["mask"].sum()))
+    for rank, (got, got_adv) in enumerate(rank_pool.run("test_loss_inputs:kl_cov_rows", doc_dir)):
+        got, rows = torch.tensor(got), slice(4 * rank, 4 * rank + 4)
+        assert got.tolist() == chosen[rows, : got.shape[1]].tolist()
+        assert not chosen[rows, got.shape[1] :].any()  # nothing chosen past its width
+        torch.testing.assert_close(torch.tensor(got_adv), adv[rows, : got.shape[1]])

@@ -158,7 +158,8 @@ KL_ESTIMATORS = Registry("KL estimator", "loss.kl_estimator")
 def register_advantage(name: str, *, overwrite: bool = False, claims: tuple[str, ...] = ()):
     """Decorator: an advantage estimator selectable as ``loss.advantage: name``.
 
-    The function returns (B, T_c) advantages (see `grpo.algo.advantages` for its inputs).
+    The function returns (B, T_c) advantages, optionally with metrics and with extras for the
+    policy loss (see `grpo.algo.advantages` for its inputs and what it may return).
     claims: properties the conformance suite checks: "shift_invariant" (adding a constant to
     every reward changes nothing), "group_zero_sum" (each group's per-row advantages sum to 0).
     """
