@@ -18,10 +18,16 @@ hands it the *global* batch, all ranks concatenated, so batch statistics are exa
     gae_lambda     float             loss.gae_lambda, GAE's lambda (the `gae` estimator)
     rollout        EstimatorRollout  the sampled tokens of the global batch (below); gathered
                                      over ranks only for an estimator that declares it
+    step           int               the training step being taken (1-based, as in
+                                     metrics.jsonl); None outside the trainer
 
 plus whatever `loss.advantage_kwargs` holds. It returns (B, T_c) advantages, or
 ``(advantages, {"name": scalar})``: the metrics are logged as ``advantage/<name>`` (computed
-on the global batch, so the same on every rank: logged as they are). Only that shape; values
+on the global batch, so the same on every rank: logged as they are), or
+``(advantages, metrics, {"name": tensor})``: extras for the policy loss, (B,) or (B, T_c) over
+the global batch, of which the trainer hands each micro-batch its own rows (the loss's
+`extras` input): what must be computed over the whole batch, such as KL-Cov's selection of
+tokens, is computed here. Only that shape; values
 outside `mask` are ignored (set to 0). Sequence-level estimators broadcast one value per row
 with `broadcast`. A 1-d result is refused, not broadcast: (B,) and (T_c,) are the same shape
 whenever T_c == B, so a per-token vector returned by mistake would pass as per-row values on
@@ -53,6 +59,7 @@ INPUTS = (
     "turn_gamma",
     "gae_lambda",
     "rollout",
+    "step",
 )
 
 
@@ -346,6 +353,8 @@ def compute_advantages(
     params: dict | None = None,
     rollout: EstimatorRollout | None = None,
     metrics: dict[str, float] | None = None,
+    step: int | None = None,
+    extras: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Run the estimator `name` and check what it returned.
 
@@ -359,13 +368,17 @@ def compute_advantages(
         params: extra keyword arguments (``loss.advantage_kwargs``).
         rollout: the sampled tokens (`EstimatorRollout`), for estimators that declare it.
         metrics: when given, gets what the estimator reported, as ``advantage/<name>``.
+        step: the training step (1-based), for an estimator that declares `step`.
+        extras: when given, gets the extras the estimator returned for the policy loss,
+            each (B,) or (B, T_c) (else they are checked and dropped).
 
     Returns:
         (B, T_c) float32 advantages, exactly 0 outside `mask`.
 
     Raises:
         GrpoError: the estimator returned anything but a (B, T_c) tensor (a 1-d (B,) too) or a
-            non-finite value on a completion token (named, with the first bad row).
+            non-finite value on a completion token (named, with the first bad row), or an extra
+            that is not a (B,) or (B, T_c) tensor.
     """
     mask = mask.bool()
     token_rewards = torch.where(mask, token_rewards.float(), 0.0)  # nothing leaks from padding
@@ -380,10 +393,18 @@ def compute_advantages(
         "turn_gamma": turn_gamma,
         "gae_lambda": gae_lambda,
         "rollout": rollout,
+        "step": step,
         **(params or {}),
     }
     out = ADVANTAGES.call(name, inputs)
     label = f"advantage estimator {name!r}"
+    returned: dict[str, torch.Tensor] = {}
+    if isinstance(out, tuple) and len(out) == 3:
+        out, reported, returned = out
+        out = (out, reported)
+        returned = _check_extras(label, returned, mask)
+    if extras is not None:
+        extras.update(returned)
     out, reported = split_metrics(out, label)
     if metrics is not None:
         metrics.update({f"advantage/{k}": float(v) for k, v in reported.items()})
@@ -401,6 +422,27 @@ def compute_advantages(
         row = int(bad.any(-1).nonzero()[0])
         raise GrpoError(f"{label} returned a non-finite advantage at row {row}")
     return torch.where(mask, out.float(), 0.0)
+
+
+def _check_extras(label: str, extras, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The extras an estimator returned, checked: a dict of (B,) or (B, T_c) tensors."""
+    if not isinstance(extras, dict):
+        raise GrpoError(
+            f"{label} returned {type(extras).__name__} as its third value, expected a dict of "
+            "extras (name -> (B,) or (B, T_c) tensor)"
+        )
+    B, T = mask.shape
+    for key, v in extras.items():
+        if not isinstance(key, str) or not key:
+            raise GrpoError(f"{label} returned the extra {key!r}: a name is a non-empty string")
+        ok = isinstance(v, torch.Tensor) and (tuple(v.shape) in ((B,), (B, T)))
+        if not ok:
+            got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            raise GrpoError(
+                f"{label} returned the extra {key!r} of shape {got}, expected (B,) = ({B},) "
+                f"or (B, T_c) = {(B, T)}"
+            )
+    return {k: v.detach() for k, v in extras.items()}
 
 
 def group_advantages(

@@ -22,6 +22,7 @@ padded position cannot poison the loss or its gradient.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -117,6 +118,8 @@ def policy_loss(
     max_new_tokens: int | None = None,
     entropy: torch.Tensor | None = None,
     behaviour_logprobs: torch.Tensor | None = None,
+    extras: Mapping[str, torch.Tensor] | None = None,
+    step: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of one (micro-)batch under the configured policy loss, and its statistics.
 
@@ -135,10 +138,15 @@ def policy_loss(
             own (`loss_normalizer`), i.e. the batch is the whole batch.
         max_new_tokens: T_max for seq_mean_token_sum_norm (default: T_c).
         entropy: (B, T_c) per-token entropy: differentiable when cfg.entropy_coef > 0 (the
-            bonus), else for the stats only.
+            bonus) or the policy loss declares it, else for the stats only. Required when the
+            policy loss declares `entropy`.
         behaviour_logprobs: (B, T_c) the sampler's log-probs when `old_logprobs` are the
             trainer's recompute; with cfg.tis_cap the policy loss is weighted by
-            min(exp(old_logprobs - behaviour_logprobs), tis_cap) (truncated IS).
+            min(exp(old_logprobs - behaviour_logprobs), tis_cap) (truncated IS). A policy
+            loss that declares it gets `old_logprobs` when None.
+        extras: name -> (B,) or (B, T_c) tensors of this batch's rows, for a policy loss that
+            declares `extras` (default none).
+        step: the training step (1-based), for a policy loss that declares `step`.
 
     Returns:
         loss (scalar, differentiable) and float stats over this batch's counted tokens:
@@ -161,6 +169,8 @@ def policy_loss(
         max_new_tokens,
         entropy,
         behaviour_logprobs,
+        extras,
+        step,
     )
     row, *values = torch.stack([bad_row.double(), *(v.double() for v in stats.values())]).tolist()
     check_bad_row(cfg.policy_loss, int(row))
@@ -178,6 +188,8 @@ def policy_loss_on_device(
     max_new_tokens: int | None = None,
     entropy: torch.Tensor | None = None,
     behaviour_logprobs: torch.Tensor | None = None,
+    extras: Mapping[str, torch.Tensor] | None = None,
+    step: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """`policy_loss` without a host sync, for a training step that reads its stats once.
 
@@ -204,6 +216,15 @@ def policy_loss_on_device(
     log_ratio = logprobs - old_logprobs  # (B, T_c)
     if cfg.log_ratio_clamp is not None:  # exp() stays finite; values inside are untouched
         log_ratio = torch.clamp(log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    if entropy is not None:
+        entropy = _zero_masked(entropy.to(logprobs.dtype), mask)
+    elif POLICY_LOSSES.declares(cfg.policy_loss, "entropy"):
+        raise GrpoError(
+            f"policy loss {_name(cfg.policy_loss)!r} declares `entropy`, but none was given"
+        )
+    behaviour = old_logprobs
+    if behaviour_logprobs is not None:
+        behaviour = _zero_masked(behaviour_logprobs.to(logprobs.dtype), mask)
 
     inputs = {
         "logprobs": logprobs,
@@ -214,6 +235,10 @@ def policy_loss_on_device(
         "epsilon_low": cfg.epsilon_low,
         "epsilon_high": cfg.epsilon_high,
         "dual_clip": cfg.dual_clip,
+        "entropy": entropy,
+        "behaviour_logprobs": behaviour,
+        "extras": _loss_extras(extras, mask),
+        "step": step,
         **(cfg.policy_loss_kwargs or {}),
     }
     out = POLICY_LOSSES.call(cfg.policy_loss, inputs)
@@ -223,7 +248,7 @@ def policy_loss_on_device(
     stats: dict[str, torch.Tensor] = {}  # 0-d, detached: read on the host by the caller
     if cfg.tis_cap is not None and behaviour_logprobs is not None:
         # pi_old (trainer numerics) / pi_sampler, truncated: corrects the sampler's mismatch
-        d = _zero_masked(old_logprobs - behaviour_logprobs.to(logprobs.dtype), mask)
+        d = old_logprobs - behaviour  # both 0 off the mask
         w = torch.exp(torch.clamp(d, max=math.log(cfg.tis_cap)))  # (B, T_c) min(ratio, cap)
         pg = pg * w.detach()
         stats["tis_weight_mean"] = _reduce_stat("tis_weight_mean", w, mask)
@@ -244,10 +269,8 @@ def policy_loss_on_device(
             kl = kl_penalty(
                 logprobs, ref, cfg.kl_estimator, cfg.log_ratio_clamp, cfg.kl_clamp, kl_stats
             )
-    if entropy is not None:
-        entropy = _zero_masked(entropy.to(logprobs.dtype), mask)
-        if cfg.entropy_coef:
-            per_token = per_token - cfg.entropy_coef * entropy
+    if entropy is not None and cfg.entropy_coef:
+        per_token = per_token - cfg.entropy_coef * entropy
 
     loss = aggregate(per_token, mask, cfg.aggregation, normalizer)
 
@@ -266,6 +289,22 @@ def policy_loss_on_device(
             stats[name] = _reduce_stat(name, values.expand(mask.shape), mask)
         stats["tokens"] = mask.sum()
     return loss, stats, bad_row
+
+
+def _name(spec) -> str:
+    return spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
+
+
+def _loss_extras(extras: Mapping[str, torch.Tensor] | None, mask: torch.Tensor) -> dict:
+    """The extras as a policy loss gets them: a new dict (the loss may not change the batch's),
+    per-token floating ones (B, T_c) 0 off the mask like every other input, so a NaN there
+    cannot reach the gradient through a product."""
+    out = {}
+    for k, v in (extras or {}).items():
+        if v.is_floating_point() and v.shape == mask.shape:
+            v = _zero_masked(v, mask)
+        out[k] = v
+    return out
 
 
 def _check_shape(name, pg, mask) -> None:

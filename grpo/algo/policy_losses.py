@@ -10,6 +10,19 @@ for per-row reductions):
     advantages     (B, T_c)  from the advantage estimator
     mask           (B, T_c)  bool, True = the token counts
     epsilon_low, epsilon_high, dual_clip   from loss.*
+    entropy        (B, T_c)  the exact per-token entropy of pi_theta (at the rollout's
+                             temperature), the one the update computes anyway; differentiable
+                             when the loss declares it (an entropy bonus of its own)
+    behaviour_logprobs (B, T_c)  the sampler's log-probs (no grad); equal to old_logprobs
+                             unless the trainer recomputes pi_old (loss.old_logprobs: recompute)
+    extras         dict      the batch's named per-row tensors, (B,) or (B, T_c), the same rows
+                             as the other inputs: what the rollout strategy and the trained
+                             modules attached, and what the estimator returned over the global
+                             batch (`grpo.algo.advantages`); per-token float ones hold 0 off
+                             the mask
+    step           int       the training step being taken (1-based, as in metrics.jsonl;
+                             the loss.num_iterations updates of a step share it); None outside
+                             the trainer
 
 plus whatever `loss.policy_loss_kwargs` holds. It returns the (B, T_c) per-token loss (to be
 minimized) or a pair (loss, stats) where stats maps names to (B, T_c) per-token values; the
@@ -18,6 +31,11 @@ for names ending in ``_max``). Aggregation over tokens and rows, the KL and entr
 truncated importance weights are added by `grpo.algo.losses.policy_loss`, the same for every
 variant. A sequence-level loss puts its row's value on every token of the row; pair it with
 ``loss.aggregation: seq_mean_token_mean`` to weigh rows equally.
+
+A loss sees one micro-batch of one rank, never the whole batch: what is selected or
+normalised over the whole batch (KL-Cov's top tokens by covariance, a batch statistic) is
+computed by the advantage estimator, which sees the global batch, returned as an extra and read
+here from `extras`, sliced to the micro-batch (docs/extending.md, "Entropy control").
 """
 
 from __future__ import annotations
@@ -35,6 +53,10 @@ INPUTS = (
     "epsilon_low",
     "epsilon_high",
     "dual_clip",
+    "entropy",
+    "behaviour_logprobs",
+    "extras",
+    "step",
 )
 
 

@@ -80,6 +80,16 @@ class Registry:
             f"{', '.join(self.names())} (or a 'package.module:function' path)"
         )
 
+    def declares(self, spec: str | Callable[..., Any], name: str) -> bool:
+        """Whether the function of `spec` receives the input `name` from `call`: it names the
+        parameter, or takes ``**kwargs`` (an input that costs something to compute, such as a
+        differentiable entropy, is computed only then)."""
+        sig = _signature(self.get(spec))
+        if sig is None:
+            return True
+        params = sig.parameters
+        return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
     def check_params(self, spec: str, params: Mapping[str, Any], offered: set[str]) -> None:
         """Fail now, naming the key, if `params` holds a name the function does not accept or
         if the function needs an argument that neither the registry nor `params` provides."""
@@ -148,7 +158,8 @@ KL_ESTIMATORS = Registry("KL estimator", "loss.kl_estimator")
 def register_advantage(name: str, *, overwrite: bool = False, claims: tuple[str, ...] = ()):
     """Decorator: an advantage estimator selectable as ``loss.advantage: name``.
 
-    The function returns (B, T_c) advantages (see `grpo.algo.advantages` for its inputs).
+    The function returns (B, T_c) advantages, optionally with metrics and with extras for the
+    policy loss (see `grpo.algo.advantages` for its inputs and what it may return).
     claims: properties the conformance suite checks: "shift_invariant" (adding a constant to
     every reward changes nothing), "group_zero_sum" (each group's per-row advantages sum to 0).
     """

@@ -150,6 +150,10 @@ class UpdateBatch:
             loss.tis_cap); None: the sampler's are pi_old.
         metrics: what the phases before the update reported (the estimator's
             ``advantage/<name>``), logged with the step's metrics.
+        extras: named per-row tensors, (B,) or (B, T_c), for the policy loss (its `extras`
+            input, sliced to each micro-batch's rows): the rollout batch's (a rollout
+            strategy's, a trained module's, e.g. a per-row flag) and those the estimator
+            returned, computed over the global batch.
     """
 
     rollout: Rollout
@@ -159,6 +163,7 @@ class UpdateBatch:
     ref_logprobs: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     metrics: dict = dataclasses.field(default_factory=dict)
+    extras: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def counted_mask(rollout: Rollout, mask_truncated: bool) -> torch.Tensor:

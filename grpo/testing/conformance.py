@@ -65,6 +65,7 @@ def make_inputs(seed: int = 0, rows: int = B, width: int = T) -> dict[str, torch
     old = logprobs + 0.3 * torch.randn(rows, width, generator=g)
     ref = logprobs + 0.5 * torch.randn(rows, width, generator=g)
     advantages = torch.randn(rows, width, generator=g)
+    entropy = 2 * torch.rand(rows, width, generator=g)  # drawn last: the others stay as they were
     return {
         "mask": mask,
         "token_rewards": torch.where(mask, token_rewards, 0.0),
@@ -72,6 +73,18 @@ def make_inputs(seed: int = 0, rows: int = B, width: int = T) -> dict[str, torch
         "old_logprobs": old,
         "ref_logprobs": ref,
         "advantages": advantages,
+        "entropy": entropy,
+    }
+
+
+def loss_inputs(x: Mapping[str, torch.Tensor], rows=slice(None)) -> dict[str, Any]:
+    """The inputs a loss may declare beyond the basics, as every policy-loss check passes them
+    (rows `rows` of `x`): the entropy (fixed: no gradient of its own here), the sampler's
+    log-probs equal to pi_old, step 1, no extras."""
+    return {
+        "entropy": x["entropy"][rows],
+        "behaviour_logprobs": x["old_logprobs"][rows],
+        "step": 1,
     }
 
 
@@ -393,6 +406,7 @@ def check_policy_loss(
                 cfg,
                 normalizer=normalizer,
                 max_new_tokens=width,
+                **loss_inputs(x, rows),
             )
             (grad,) = torch.autograd.grad(loss, lp)
             return loss.item(), grad
@@ -451,6 +465,7 @@ def check_policy_loss(
                 "old_logprobs": float("inf"),
                 "ref_logprobs": float("-inf"),
                 "advantages": float("nan"),
+                "entropy": float("nan"),
             }
             for key, bad in garbage.items():
                 dirty[key][~x["mask"]] = bad
@@ -561,6 +576,10 @@ def reference_loss(
         "epsilon_low": cfg.epsilon_low,
         "epsilon_high": cfg.epsilon_high,
         "dual_clip": cfg.dual_clip,
+        "entropy": torch.where(mask, x["entropy"].double(), 0.0),
+        "behaviour_logprobs": old,
+        "extras": {},
+        "step": 1,
         **(kwargs or {}),
     }
     out = POLICY_LOSSES.call(reference, inputs)

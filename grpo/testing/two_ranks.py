@@ -36,6 +36,7 @@ from grpo.testing.conformance import (
     expect,
     kit_rollout,
     label,
+    loss_inputs,
     loss_settings,
     make_inputs,
 )
@@ -172,6 +173,7 @@ def check_two_ranks(
             x["mask"],
             loss_settings(name, kw),
             max_new_tokens=T,
+            **loss_inputs(x),
         )
         (grad,) = torch.autograd.grad(loss, lp)
         got_loss, want_loss = result["losses"][name], loss.item()

@@ -27,6 +27,7 @@ from grpo.testing.conformance import (
     G,
     T,
     kit_rollout,
+    loss_inputs,
     loss_settings,
     make_inputs,
 )
@@ -87,6 +88,7 @@ def run_rank(dist: Dist, spec: dict) -> dict | None:
             cfg,
             normalizer=norm,
             max_new_tokens=T,
+            **loss_inputs(mine),
         )
         loss.backward()
         grad = torch.nn.functional.pad(logprobs.grad, (0, T - width))

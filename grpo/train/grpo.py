@@ -50,6 +50,7 @@ from grpo.algo.losses import (
     loss_normalizer,
     policy_loss_on_device,
 )
+from grpo.algo.registry import POLICY_LOSSES
 from grpo.checks import check_config
 from grpo.config import Config
 from grpo.distributed import (
@@ -132,11 +133,34 @@ def step_batch(
     show = cfg.train.progress and dist.is_main  # bars of the passes that run long
     ref = reference_phase(cfg, policy, batch.rollout, mask, plan, step, show=show)
     reported: dict[str, float] = {}  # what the estimator reported (the same on every rank)
-    advantages = advantage_phase(cfg, batch, ref, dist, step, metrics=reported)
+    returned: dict[str, torch.Tensor] = {}  # the extras it returned for the loss (this rank's)
+    advantages = advantage_phase(cfg, batch, ref, dist, step, metrics=reported, extras=returned)
     old = old_logprobs_phase(cfg, policy, batch.rollout, mask, plan, show=show)
     return UpdateBatch(
-        batch.rollout, mask, advantages, plan, ref_logprobs=ref, old_logprobs=old, metrics=reported
+        batch.rollout,
+        mask,
+        advantages,
+        plan,
+        ref_logprobs=ref,
+        old_logprobs=old,
+        metrics=reported,
+        extras=loss_extras(cfg, batch, returned, step),
     )
+
+
+def loss_extras(
+    cfg: Config, batch: RolloutBatch, returned: dict[str, torch.Tensor], step: int | None = None
+) -> dict[str, torch.Tensor]:
+    """The extras the policy loss reads: the batch's (rollout strategy, trained modules) and
+    those the estimator returned; a name both hold is refused (neither would win silently)."""
+    both = sorted(set(batch.extras) & set(returned))
+    if both:
+        where = f"step {step}: " if step is not None else ""
+        raise GrpoError(
+            f"{where}advantage estimator {cfg.loss.advantage!r} returned the extra {both[0]!r}, "
+            "which the batch already holds (from the rollout strategy or a trained module)"
+        )
+    return {**batch.extras, **returned}
 
 
 def step_plan(cfg: Config, policy: Policy, rollout: Rollout, mask: torch.Tensor, dist=SINGLE):
@@ -175,6 +199,7 @@ def advantage_phase(
     dist=SINGLE,
     step: int | None = None,
     metrics: dict | None = None,
+    extras: dict | None = None,
 ) -> torch.Tensor:
     """(B, T_c) advantages from the configured estimator over the *global* batch.
 
@@ -183,14 +208,17 @@ def advantage_phase(
     (batch_std, reinforce_pp, ...) are those of the combined batch; each rank keeps its rows.
     Only the generated tokens count (observations are not actions). An estimator that
     declares `rollout` also gets the sampled tokens and the batch's extras, gathered alike
-    (`EstimatorRollout`); what it reports goes into `metrics` (``advantage/<name>``).
+    (`EstimatorRollout`); what it reports goes into `metrics` (``advantage/<name>``), the
+    extras it returns for the policy loss into `extras` (this rank's rows, (B,) or (B, T_c)).
     """
     r = batch.rollout
     mask = r.generated_mask
     # REINFORCE++, classic PPO: KL(pi_old || ref) per token in the reward (loss.kl_in_reward)
     token_rewards = reward_minus_kl(batch.token_rewards, r.logprobs, ref_logprobs, mask, cfg.loss)
     try:
-        return global_advantages(cfg, token_rewards, mask, dist, r.turn_ids, batch, metrics)
+        return global_advantages(
+            cfg, token_rewards, mask, dist, r.turn_ids, batch, metrics, step, extras
+        )
     except GrpoError as e:
         raise GrpoError(f"step {step}: {e}" if step is not None else str(e)) from None
 
@@ -203,9 +231,12 @@ def global_advantages(
     turn_ids=None,
     batch: RolloutBatch | None = None,
     metrics: dict | None = None,
+    step: int | None = None,
+    extras: dict | None = None,
 ):
     """This rank's (B, T_c) rows of the estimator run on all ranks' rows (rank order), each
-    rank's tensors padded to the longest T_c (padding is masked out)."""
+    rank's tensors padded to the longest T_c (padding is masked out); the extras it returns,
+    this rank's rows of them, into `extras`."""
     B, T = mask.shape
     T_max = int(all_reduce_max(T, dist))
     pad = (0, T_max - T)
@@ -234,6 +265,7 @@ def global_advantages(
             prompt_lens=gather(r.prompt_lens),
             extras={k: gather(v) for k, v in sorted(batch.extras.items())},
         )
+    returned: dict[str, torch.Tensor] = {}  # extras for the loss, over the global batch
     adv = compute_advantages(
         cfg.loss.advantage,
         all_rewards,
@@ -247,8 +279,13 @@ def global_advantages(
         params=cfg.loss.advantage_kwargs,
         rollout=rollout,
         metrics=metrics,
+        step=step,
+        extras=returned,
     )
-    return adv[dist.rank * B : (dist.rank + 1) * B, :T]  # (B, T_c)
+    rows = slice(dist.rank * B, (dist.rank + 1) * B)
+    if extras is not None:
+        extras.update({k: v[rows, :T] if v.dim() == 2 else v[rows] for k, v in returned.items()})
+    return adv[rows, :T]  # (B, T_c)
 
 
 def micro_logprobs(
@@ -377,6 +414,11 @@ def update_phase(
     """
     model = policy.model
     scorer = scorer if scorer is not None else CompletionLogprobs(model, policy.precision)
+    # the entropy the pass computes anyway is differentiable for a bonus, or for a loss that
+    # declares it (its own bonus)
+    entropy_grad = cfg.loss.entropy_coef > 0 or POLICY_LOSSES.declares(
+        cfg.loss.policy_loss, "entropy"
+    )
     model.train()
     mask = batch.counted_mask
     norm = loss_normalizer(mask, cfg.loss.aggregation, cfg.rollout.max_new_tokens)
@@ -412,7 +454,7 @@ def update_phase(
                     mask,
                     mb,
                     entropy=True,
-                    entropy_grad=cfg.loss.entropy_coef > 0,
+                    entropy_grad=entropy_grad,
                 )
                 try:
                     loss, st, bad = policy_loss_on_device(
@@ -426,6 +468,8 @@ def update_phase(
                         max_new_tokens=cfg.rollout.max_new_tokens,
                         entropy=entropy,
                         behaviour_logprobs=sampler_logprobs[sl],
+                        extras={k: v[sl] for k, v in batch.extras.items()},
+                        step=step,
                     )
                 except GrpoError as e:
                     raise GrpoError(f"step {step}: {e}" if step is not None else str(e)) from None
