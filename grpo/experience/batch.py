@@ -150,6 +150,8 @@ class UpdateBatch:
             loss.tis_cap); None: the sampler's are pi_old.
         metrics: what the phases before the update reported (the estimator's
             ``advantage/<name>``), logged with the step's metrics.
+        extras: the rollout batch's per-row extras (`RolloutBatch.extras`), e.g.
+            ``replayed`` (B,) bool, which splits the importance weights' stats by row kind.
     """
 
     rollout: Rollout
@@ -159,6 +161,7 @@ class UpdateBatch:
     ref_logprobs: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     metrics: dict = dataclasses.field(default_factory=dict)
+    extras: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def counted_mask(rollout: Rollout, mask_truncated: bool) -> torch.Tensor:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from grpo.algo.advantages import zero_std_groups
-from grpo.algo.registry import Registry
+from grpo.algo.registry import Registry, _signature
 from grpo.envs import Environment, env_factory
 from grpo.errors import GrpoError
 from grpo.experience.batch import (
@@ -52,6 +52,7 @@ from grpo.experience.batch import (
     select_rows,
     turn_token_rewards,
 )
+from grpo.experience.strategy_state import StrategyState
 from grpo.metrics import Sum
 from grpo.plugins import time_limit
 from grpo.precision import Precision
@@ -65,7 +66,8 @@ if TYPE_CHECKING:
     from grpo.policy import Policy
 
 ROLLOUT_STRATEGIES = Registry("rollout strategy", "rollout.strategy")
-INPUTS = ("rows", "sampling", "step", "rank", "round")
+INPUTS = ("rows", "sampling", "step", "rank", "round", "state")
+REPLAYED = "replayed"  # the per-row extra marking rows a strategy replayed (module doc)
 SETTINGS = ("temperature", "top_k", "top_p", "min_p", "max_new_tokens")
 
 
@@ -74,9 +76,23 @@ def register_rollout_strategy(name: str, *, overwrite: bool = False):
     return ROLLOUT_STRATEGIES.register(name, overwrite=overwrite)
 
 
-def check_strategy(name: str, params: dict | None = None) -> None:
-    """Fail early on an unknown strategy or a parameter it does not take (naming the field)."""
+def check_strategy(name: str, params: dict | None = None, asynchronous: bool = False) -> None:
+    """Fail early on an unknown strategy or a parameter it does not take (naming the field),
+    and on a strategy that keeps state (`keeps_state`) with asynchronous rollouts, whose
+    producers sample ahead of the checkpoint that would save it."""
     ROLLOUT_STRATEGIES.check_params(name, params or {}, set(INPUTS))
+    if asynchronous and keeps_state(name):
+        raise GrpoError(
+            f"rollout.strategy: {name!r} keeps state across steps (it declares `state`), "
+            "which asynchronous rollouts do not save; set rollout.async=off"
+        )
+
+
+def keeps_state(name: str) -> bool:
+    """Whether strategy `name` declares a `state` input (it keeps state across steps,
+    saved with each checkpoint: `grpo.experience.strategy_state`)."""
+    sig = _signature(ROLLOUT_STRATEGIES.get(name))
+    return sig is not None and "state" in sig.parameters
 
 
 def sample_round(
@@ -324,10 +340,18 @@ def default(rows, sampling: Sampling) -> RolloutBatch:
     return sampling.score(sampling.sample(rows), rows)
 
 
-def run_strategy(cfg, sampling: Sampling, rows: list[dict], rank: int, round_: int):
+def run_strategy(
+    cfg,
+    sampling: Sampling,
+    rows: list[dict],
+    rank: int,
+    round_: int,
+    state: StrategyState | None = None,
+):
     """The configured strategy's batch for `rows`, checked: P groups of G rows, in order, and
     rewards the update can train on (`check_rewards`). The strategy gets its own copy of the
-    rows (as a reward does): what it changes in them never reaches the dataset."""
+    rows (as a reward does): what it changes in them never reaches the dataset. `state`: this
+    rank's `StrategyState`, for a strategy that declares it (`keeps_state`)."""
     r = cfg.rollout
     inputs = {
         "rows": copy.deepcopy(rows),
@@ -337,6 +361,8 @@ def run_strategy(cfg, sampling: Sampling, rows: list[dict], rank: int, round_: i
         "round": round_,
         **(r.strategy_kwargs or {}),
     }
+    if state is not None:
+        inputs["state"] = state
     name = r.strategy
     with time_limit(f"rollout strategy {name!r}", cfg.train.plugin_timeout_s):
         batch = ROLLOUT_STRATEGIES.call(r.strategy, inputs)
@@ -353,9 +379,37 @@ def run_strategy(cfg, sampling: Sampling, rows: list[dict], rank: int, round_: i
             f"rollout.group_size={G} ({want} rows)"
         )
     check_rewards(batch, f"rollout strategy {name!r}")
+    replayed = replayed_groups(batch, f"rollout strategy {name!r}")
     # the dataset's own rows again (each prompt's, G times, in order, as checked above): later
-    # stages and a producer rank's wire format name rows by identity, and edits stay behind
-    return dataclasses.replace(batch, rows=[rows[i // G] for i in range(batch.size)])
+    # stages and a producer rank's wire format name rows by identity, and edits stay behind.
+    # A replayed group keeps the rows it was sampled for; the fresh groups, in order, are
+    # those of the first prompts given.
+    fresh = iter(rows)
+    own = [batch.rows[g * G : (g + 1) * G] if old else [next(fresh)] * G for g, old in replayed]
+    return dataclasses.replace(batch, rows=[row for group in own for row in group])
+
+
+def replayed_groups(batch: RolloutBatch, who: str) -> list[tuple[int, bool]]:
+    """(group, whether it is replayed) for each group of the batch, from its ``replayed``
+    extra (bool (B,), the same within a group; absent: nothing replayed), checked (a
+    GrpoError naming `who`)."""
+    G = batch.rollout.group_size
+    mark = batch.extras.get(REPLAYED)
+    if mark is None:
+        return [(g, False) for g in range(batch.size // G)]
+    if mark.dtype != torch.bool or mark.shape != (batch.size,):
+        raise GrpoError(
+            f"{who}: extras[{REPLAYED!r}] is {mark.dtype} {tuple(mark.shape)}; expected bool "
+            f"({batch.size},), True on the rows of replayed groups"
+        )
+    per_group = mark.detach().cpu().view(-1, G)
+    mixed = (per_group.any(1) & ~per_group.all(1)).nonzero()
+    if len(mixed):
+        raise GrpoError(
+            f"{who}: extras[{REPLAYED!r}] marks part of group {int(mixed[0])}; a group is "
+            "replayed whole (its advantages compare its own rows)"
+        )
+    return list(enumerate(per_group[:, 0].tolist()))
 
 
 def check_rewards(batch: RolloutBatch, who: str) -> None:
