@@ -28,7 +28,13 @@ from grpo.experience.strategies import (
     register_rollout_strategy,
     run_strategy,
 )
-from grpo.experience.strategy_state import StrategyState, load_state, save_states
+from grpo.experience.strategy_state import (
+    StrategyState,
+    _raw,
+    _unraw,
+    load_state,
+    save_states,
+)
 from grpo.io import load_safetensors
 from grpo.loading import load_rows
 from grpo.metrics import read_metrics
@@ -74,6 +80,10 @@ def equal_batches(a, b) -> None:
     assert all(torch.equal(a.extras[k], b.extras[k]) for k in a.extras)
 
 
+def mark_of(batch):
+    return batch.extras["replayed"]
+
+
 def test_a_kept_batch_and_a_saved_state_come_back_bitwise(setup, tmp_path):
     cfg, rows, sampling = setup
     s = sampling()
@@ -97,6 +107,10 @@ def test_a_kept_batch_and_a_saved_state_come_back_bitwise(setup, tmp_path):
     assert other.values == {} and other.tensors == {}
     with pytest.raises(GrpoError, match="strategy states of 2 rank.*none of rank 2"):
         load_state(tmp_path, 2, StrategyState(), "s")
+    # how tensors travel between ranks at a save (gather_states): rebuilt bitwise
+    for t in (state.tensors["bf16"], torch.tensor(2.5), torch.zeros(0, 4), mark_of(batch)):
+        back_t = _unraw(_raw("t", t))[1]
+        assert back_t.dtype == t.dtype and back_t.shape == t.shape and torch.equal(back_t, t)
     state.values["bad"] = object()
     with pytest.raises(GrpoError, match="'s': state.values cannot be saved as JSON"):
         state.packed("'s'")
@@ -287,3 +301,89 @@ def test_the_docs_replay_strategy_survives_resume_bitwise(shared_tiny_model, tmp
     (va, ta), (vb, tb) = saved
     assert va == vb and va["replayed"] == 2 and len(va["buffer"]["rows"]) == 3 * 4
     assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+@pytest.mark.process
+def test_each_rank_resumes_its_own_buffer_under_torchrun(shared_tiny_model, tmp_path):
+    """2 torchrun ranks, each with its own buffer (its own prompts and seeds): a checkpoint
+    holds both ranks' states, different; the run cut after step 2 (its step-3 checkpoint and
+    records removed, as a kill would leave it) resumes to step 3 bitwise: weights, metrics,
+    and each rank's buffer."""
+    import shutil
+    import subprocess
+    import sys
+
+    write_package(
+        tmp_path,
+        {"replay.py": docs_example("# my_pkg/replay.py"), "rewards.py": LENGTH_REWARD},
+        name="my_pkg",
+    )
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO), str(REPO / "kernels")]),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "grpo",
+        "train",
+        "--config",
+        TINY,
+        f"model.path={shared_tiny_model}",
+        "train.progress=false",
+        "data.eval_samples=0",
+        "rollout.compile=off",
+        "train.save_every=2",
+        "train.log_every=1",
+        "train.max_steps=3",
+        "train.batch_size=8",
+        "rollout.max_new_tokens=6",
+        "loss.beta=0",
+        "loss.num_iterations=1",
+        "loss.tis_cap=2.0",
+        "rollout.strategy=my_pkg.replay:replay",
+        "rollout.strategy_kwargs={k: 1, capacity: 3}",
+        "rewards=[{name: my_pkg.rewards:length}]",
+    ]
+
+    def train(*more: str) -> None:
+        r = subprocess.run(
+            [*cmd, *more], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    train("train.output_dir=straight")
+    shutil.copytree(tmp_path / "straight", tmp_path / "cut")
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_000003")
+    shutil.rmtree(tmp_path / "cut" / "final")
+    (tmp_path / "cut" / "checkpoints" / "latest").write_text("step_000002\n")
+    train("train.output_dir=cut", "--resume")
+
+    def state(out: str, rank: int):
+        base = tmp_path / out / "checkpoints" / "step_000003" / "strategy" / f"rank_{rank:05d}"
+        values = json.loads(base.with_suffix(".json").read_text())
+        return values, load_safetensors(base.with_suffix(".safetensors"))
+
+    for rank in (0, 1):
+        (va, ta), (vb, tb) = state("straight", rank), state("cut", rank)
+        assert va == vb and va["replayed"] == 2
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+    assert state("straight", 0)[0]["buffer"]["rows"] != state("straight", 1)[0]["buffer"]["rows"]
+    a = checkpoint_weights(tmp_path / "straight" / "checkpoints" / "step_000003")
+    b = checkpoint_weights(tmp_path / "cut" / "checkpoints" / "step_000003")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    want, got = (
+        {
+            r["step"]: {k: v for k, v in r.items() if k.split("/")[0] not in ("perf", "run")}
+            for r in read_metrics(tmp_path / out / "metrics.jsonl")
+            if "strategy/replayed_groups" in r
+        }
+        for out in ("straight", "cut")
+    )
+    assert json.dumps(got[3], sort_keys=True) == json.dumps(want[3], sort_keys=True)
+    assert want[3]["strategy/replayed_groups"] == 2  # one a rank, summed

@@ -14,15 +14,25 @@ It receives the round's P dataset rows (`rows`, each with ``prompt_ids``) and a 
 handle, and returns a `RolloutBatch` of P groups of ``rollout.group_size`` rows (a group's
 rows adjacent, in the order of `rows`); the trainer checks that shape. Inputs by name, as the
 algorithm's registries pass them: `rows`, `sampling`, `step` (updates the sampling policy
-had), `rank` (the trainer rank the batch is for), `round` (the dynamic-sampling round), plus
-its kwargs. Dynamic sampling (rollout.dynamic_sampling), the advantages and the update apply to
-what it returns as to the default strategy's batch, under DDP and the asynchronous producer
-alike (each rank, or the producer for it, calls the strategy for its own rows).
+had), `rank` (the trainer rank the batch is for), `round` (the dynamic-sampling round),
+`state` (below), plus its kwargs. Dynamic sampling (rollout.dynamic_sampling), the
+advantages and the update apply to what it returns as to the default strategy's batch, under
+DDP and the asynchronous producer alike (each rank, or the producer for it, calls the strategy
+for its own rows).
 
 The default strategy is ``sampling.score(sampling.sample(rows), rows)``: G completions per row
 (or G trajectories with the configured environment) at the config's settings (`sample_round`),
 scored by the configured rewards (`score_rollout`, the one place rewards change device and
 dtype: every tensor of the batch is float32 on the rollout's device from there on).
+
+State: a strategy that declares `state` gets its rank's `StrategyState`
+(grpo/experience/strategy_state.py), the same object every step and round, saved with each
+checkpoint and restored on ``--resume`` (synchronous rollouts only: `check_strategy`).
+
+Replay: rows a strategy did not sample for this round's prompts (groups of earlier steps) are
+marked in the per-row extra ``replayed``, bool (B,), whole groups (`replayed_groups`). Such a
+group keeps its own rows; the fresh groups, in order, get the first prompts handed over. The
+update logs the truncated importance weights by row kind (`grpo.algo.losses.tis_by_kind`).
 
 Log-probs: a rollout's log-probs are those of the settings that sampled it (its temperature).
 The trainer scores every row at ``rollout.temperature``, so rows drawn at another temperature

@@ -167,16 +167,28 @@ def save_states(directory: Path, states: list) -> None:
         save_safetensors(tensors, d / f"rank_{rank:05d}.safetensors")
 
 
-def load_state(checkpoint: Path, rank: int, state: StrategyState, who: str) -> None:
+def load_state(
+    checkpoint: Path, rank: int, state: StrategyState, who: str, world_size: int = 1
+) -> None:
     """This rank's saved strategy state into `state` (module docstring: none saved -> empty,
-    with a warning; another rank's only -> refused, naming the checkpoint)."""
+    with a warning; another rank's only -> refused, naming the checkpoint). Resumed on fewer
+    ranks than saved it, the other ranks' states are left behind, said in a warning (rank 0)."""
     d = Path(checkpoint) / DIRECTORY
     if not d.is_dir():
         log.warning("%s: checkpoint %s holds no strategy state; it starts empty", who, checkpoint)
         return
     base = d / f"rank_{rank:05d}"
+    saved = len(list(d.glob("rank_*.json")))
+    if rank == 0 and saved > world_size:
+        log.warning(
+            "%s: checkpoint %s holds the states of %d ranks; the %d ranks resuming it take "
+            "their own, the others' are not used",
+            who,
+            checkpoint,
+            saved,
+            world_size,
+        )
     if not base.with_suffix(".json").is_file():
-        saved = len(list(d.glob("rank_*.json")))
         raise GrpoError(
             f"checkpoint {checkpoint} holds the strategy states of {saved} rank(s), none of "
             f"rank {rank}: resume with the number of ranks that saved it"

@@ -374,7 +374,8 @@ def start_run(
         if modules:  # the modules trained beside the policy: theirs too
             modules.load(ckpt)
         if strategy is not None:  # the rollout strategy's, this rank's
-            load_state(ckpt, dist.rank, strategy, f"rollout strategy {cfg.rollout.strategy!r}")
+            who = f"rollout strategy {cfg.rollout.strategy!r}"
+            load_state(ckpt, dist.rank, strategy, who, dist.world_size)
         log.info("resumed from %s (step %d)", ckpt, state.step)
     rundir.claim(cfg, dist)
     if header and dist.is_main:
