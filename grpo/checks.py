@@ -54,7 +54,8 @@ def check_config(cfg: Config, trainer: str | None = None) -> Config:
         grpo_kernels.get_logprob_impl(cfg.model.logprob_impl)
     except ValueError as e:
         raise ConfigError(f"model.logprob_impl: {e}", field="model.logprob_impl") from None
-    _named(check_strategy, cfg.rollout.strategy, cfg.rollout.strategy_kwargs)
+    r = cfg.rollout
+    _named(check_strategy, r.strategy, r.strategy_kwargs, r.asynchronous)
     _named(check_algorithm, cfg.loss)
     if trainer == "grpo":
         for i, spec in enumerate(cfg.modules):  # an unknown factory or keyword, named

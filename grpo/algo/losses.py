@@ -120,6 +120,7 @@ def policy_loss(
     behaviour_logprobs: torch.Tensor | None = None,
     extras: Mapping[str, torch.Tensor] | None = None,
     step: int | None = None,
+    replayed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of one (micro-)batch under the configured policy loss, and its statistics.
 
@@ -147,12 +148,15 @@ def policy_loss(
         extras: name -> (B,) or (B, T_c) tensors of this batch's rows, for a policy loss that
             declares `extras` (default none).
         step: the training step (1-based), for a policy loss that declares `step`.
+        replayed: (B,) bool, the rows a rollout strategy replayed (``extras["replayed"]``):
+            with tis_cap, the weights' stats by row kind (`tis_by_kind`).
 
     Returns:
         loss (scalar, differentiable) and float stats over this batch's counted tokens:
         policy_loss (this batch's share of the aggregated policy term), tokens, kl (when
-        ref_logprobs are given), entropy (when given), tis_weight_mean (with tis_cap), and
-        whatever the policy loss returns (clip_frac_*, ratio_mean, ...).
+        ref_logprobs are given), entropy (when given), tis_weight_mean (with tis_cap; by row
+        kind too with `replayed`), and whatever the policy loss returns (clip_frac_*,
+        ratio_mean, ...).
 
     Raises:
         GrpoError: the policy loss returned the wrong shape, or a non-finite value at a counted
@@ -171,6 +175,7 @@ def policy_loss(
         behaviour_logprobs,
         extras,
         step,
+        replayed,
     )
     row, *values = torch.stack([bad_row.double(), *(v.double() for v in stats.values())]).tolist()
     check_bad_row(cfg.policy_loss, int(row))
@@ -190,6 +195,7 @@ def policy_loss_on_device(
     behaviour_logprobs: torch.Tensor | None = None,
     extras: Mapping[str, torch.Tensor] | None = None,
     step: int | None = None,
+    replayed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """`policy_loss` without a host sync, for a training step that reads its stats once.
 
@@ -252,6 +258,8 @@ def policy_loss_on_device(
         w = torch.exp(torch.clamp(d, max=math.log(cfg.tis_cap)))  # (B, T_c) min(ratio, cap)
         pg = pg * w.detach()
         stats["tis_weight_mean"] = _reduce_stat("tis_weight_mean", w, mask)
+        if replayed is not None:
+            stats |= tis_by_kind(d, mask, replayed, cfg.tis_cap)
     per_token = pg
     kl = None
     kl_stats: dict = {}  # what the KL estimator reported (train/kl_<name>)
@@ -304,6 +312,37 @@ def _loss_extras(extras: Mapping[str, torch.Tensor] | None, mask: torch.Tensor) 
         if v.is_floating_point() and v.shape == mask.shape:
             v = _zero_masked(v, mask)
         out[k] = v
+ROW_KINDS = ("fresh", "replayed")
+
+
+@torch.no_grad()
+def tis_by_kind(
+    log_ratio: torch.Tensor, mask: torch.Tensor, replayed: torch.Tensor, cap: float
+) -> dict[str, torch.Tensor]:
+    """The truncated importance weights' stats by row kind, fresh rows and rows a rollout
+    strategy replayed (0-d tensors, no host sync), for each kind K:
+
+        tis_weight_mean_K   mean of min(ratio, cap) over K's counted tokens
+        tis_clip_frac_K     fraction of K's counted tokens whose ratio exceeded the cap
+        tis_ratio_K_max     the largest ratio (before the cap; -inf where K has no token)
+        tokens_K            K's counted tokens (`grpo.run.stats.StatSums` weights K's means
+                            by them over micro-batches and ranks)
+
+    Args:
+        log_ratio: (B, T_c) log(pi_old / pi_sampler), 0 at masked tokens.
+        mask: (B, T_c) bool, the counted tokens.
+        replayed: (B,) bool.
+        cap: loss.tis_cap.
+    """
+    # the ratio itself stays finite: exp of at most log(float32 max) / 2
+    ratio = torch.exp(torch.clamp(log_ratio.float(), max=40.0))
+    out = {}
+    for kind, rows in zip(ROW_KINDS, (~replayed.bool(), replayed.bool())):
+        m = mask & rows.to(mask.device)[:, None]
+        out[f"tis_weight_mean_{kind}"] = _reduce_stat("mean", ratio.clamp(max=cap), m)
+        out[f"tis_clip_frac_{kind}"] = _reduce_stat("mean", (ratio > cap).float(), m)
+        out[f"tis_ratio_{kind}_max"] = _reduce_stat("_max", ratio, m)
+        out[f"tokens_{kind}"] = m.sum()
     return out
 
 

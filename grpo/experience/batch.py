@@ -152,7 +152,8 @@ class UpdateBatch:
             ``advantage/<name>``), logged with the step's metrics.
         extras: named per-row tensors, (B,) or (B, T_c), for the policy loss (its `extras`
             input, sliced to each micro-batch's rows): the rollout batch's (a rollout
-            strategy's, a trained module's, e.g. a per-row flag) and those the estimator
+            strategy's, a trained module's, e.g. ``replayed`` (B,) bool,
+            which also splits the importance weights' stats by row kind) and those the estimator
             returned, computed over the global batch.
     """
 

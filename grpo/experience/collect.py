@@ -35,6 +35,7 @@ from grpo.experience.strategies import (  # noqa: F401  (sample_round, score_rol
     sample_round,
     score_rollout,
 )
+from grpo.experience.strategy_state import StrategyState
 from grpo.metrics import Max, Sum, reduction, tagged
 from grpo.rewards.bounds import total_bounds
 
@@ -52,6 +53,7 @@ def rollout_phase(
     step: int,
     dist=SINGLE,
     make_env=None,
+    strategy_state: StrategyState | None = None,
 ) -> RolloutBatch:
     """Sample G completions for P prompts and score them (advantages come later).
 
@@ -64,8 +66,10 @@ def rollout_phase(
 
     Args:
         step: training steps completed (the batch's policy_version).
+        strategy_state: this rank's state of a strategy that keeps one (`keeps_state`).
     """
     show = cfg.train.progress and dist.is_main  # a bar when a sampling call runs long
+    states = {dist.rank: strategy_state} if strategy_state is not None else None
     return rollout_batches(
         cfg,
         policy,
@@ -79,6 +83,7 @@ def rollout_phase(
         dist,
         make_env,
         show=show,
+        strategy_states=states,
     )[0]
 
 
@@ -96,6 +101,7 @@ def rollout_batches(
     make_env=None,
     policy_version: int | None = None,
     show: bool = False,
+    strategy_states: dict[int, StrategyState] | None = None,
 ) -> list[RolloutBatch]:
     """`rollout_phase` for the trainer ranks `ranks` of a job of `world` trainer ranks, one
     batch each: what each of those ranks would sample for itself, bitwise (same prompts, same
@@ -109,6 +115,7 @@ def rollout_batches(
             it picks the sampler seeds.
         policy_version: updates the sampling policy had seen (default: `step`, synchronous).
         show: a progress bar of each sampling call that runs long (`sample_round`).
+        strategy_states: trainer rank -> its `StrategyState` (a strategy that keeps state).
     """
     G = cfg.rollout.group_size
     P = cfg.train.batch_size // G
@@ -129,7 +136,8 @@ def rollout_batches(
             seed = derive_seed(cfg.train.seed, t, step, round_)
             picked = [rows[i] for i in idx]
             sampling = Sampling(cfg, policy, sampler, reward_fns, make_env, seed, version, show)
-            batch = run_strategy(cfg, sampling, picked, t, round_)  # rollout.strategy
+            kept_state = strategy_states[t] if strategy_states is not None else None
+            batch = run_strategy(cfg, sampling, picked, t, round_, kept_state)  # rollout.strategy
             dynamic = cfg.rollout.dynamic_sampling
             zero = zero_std_groups(batch.rewards, G).tolist() if dynamic else None
             for p in range(len(idx)):

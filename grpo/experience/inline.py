@@ -53,10 +53,12 @@ class InlineRollouts(RolloutSource):
         make_env,
         dist=SINGLE,
         sharded: bool = False,
+        strategy_state=None,
     ):
         self.cfg, self.policy, self.sampler, self.rows = cfg, policy, sampler, rows
         self.reward_fns, self.make_env = reward_fns, make_env
         self.dist, self.sharded = dist, sharded
+        self.strategy_state = strategy_state  # a strategy's kept state (strategy_state.py)
 
     def next(self, state: TrainState) -> RolloutBatch:
         with full_weights(self.policy.model, self.sharded):  # FSDP: the sampler needs them whole
@@ -70,6 +72,7 @@ class InlineRollouts(RolloutSource):
                 state.step,
                 self.dist,
                 self.make_env,
+                self.strategy_state,
             )
         # the compiled step's KV cache (17.5 GiB at B=128, 1280 slots, Qwen3-0.6B in bf16) is
         # not kept through the reference and update passes

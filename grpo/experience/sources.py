@@ -40,11 +40,15 @@ def rollout_source(
     dist=SINGLE,
     sharded: bool = False,
     roles: Roles | None = None,
+    strategy_state=None,
 ) -> RolloutSource:
-    """The rollout source a run's config asks for (see the module docstring)."""
+    """The rollout source a run's config asks for (see the module docstring). `strategy_state`:
+    this rank's `StrategyState` of a strategy that keeps one (synchronous rollouts only)."""
     if not cfg.rollout.asynchronous:
         sampler = make_sampler(cfg, policy, policy.model, sharded)
-        return InlineRollouts(cfg, policy, sampler, rows, reward_fns, make_env, dist, sharded)
+        return InlineRollouts(
+            cfg, policy, sampler, rows, reward_fns, make_env, dist, sharded, strategy_state
+        )
     if roles is not None:
         return RemoteRollouts(cfg, policy, rows, roles, state)
     lockstep = SINGLE

@@ -14,10 +14,11 @@ It receives the round's P dataset rows (`rows`, each with ``prompt_ids``) and a 
 handle, and returns a `RolloutBatch` of P groups of ``rollout.group_size`` rows (a group's
 rows adjacent, in the order of `rows`); the trainer checks that shape. Inputs by name, as the
 algorithm's registries pass them: `rows`, `sampling`, `step` (updates the sampling policy
-had), `rank` (the trainer rank the batch is for), `round` (the dynamic-sampling round), plus
-its kwargs. Dynamic sampling (rollout.dynamic_sampling), the advantages and the update apply to
-what it returns as to the default strategy's batch, under DDP and the asynchronous producer
-alike (each rank, or the producer for it, calls the strategy for its own rows).
+had), `rank` (the trainer rank the batch is for), `round` (the dynamic-sampling round),
+`state` (below), plus its kwargs. Dynamic sampling (rollout.dynamic_sampling), the
+advantages and the update apply to what it returns as to the default strategy's batch, under
+DDP and the asynchronous producer alike (each rank, or the producer for it, calls the strategy
+for its own rows).
 
 The default strategy is ``sampling.score(sampling.sample(rows), rows)``: G completions per row
 (or G trajectories with the configured environment) at the config's settings (`sample_round`),
@@ -25,6 +26,15 @@ scored by the configured rewards (`score_rollout`, the one place rewards change 
 dtype: every tensor of the batch is float32 on the rollout's device from there on).
 `sampling.extend` continues prompts plus partial completions (tree rollouts,
 `grpo.rollout.extend`).
+
+State: a strategy that declares `state` gets its rank's `StrategyState`
+(grpo/experience/strategy_state.py), the same object every step and round, saved with each
+checkpoint and restored on ``--resume`` (synchronous rollouts only: `check_strategy`).
+
+Replay: rows a strategy did not sample for this round's prompts (groups of earlier steps) are
+marked in the per-row extra ``replayed``, bool (B,), whole groups (`replayed_groups`). Such a
+group keeps its own rows; the fresh groups, in order, get the first prompts handed over. The
+update logs the truncated importance weights by row kind (`grpo.algo.losses.tis_by_kind`).
 
 Log-probs: a rollout's log-probs are those of the settings that sampled it (its temperature).
 The trainer scores every row at ``rollout.temperature``, so rows drawn at another temperature
@@ -43,7 +53,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from grpo.algo.advantages import zero_std_groups
-from grpo.algo.registry import Registry
+from grpo.algo.registry import Registry, _signature
 from grpo.envs import Environment, env_factory
 from grpo.errors import GrpoError
 from grpo.experience.batch import (
@@ -55,6 +65,7 @@ from grpo.experience.batch import (
     select_rows,
     turn_token_rewards,
 )
+from grpo.experience.strategy_state import StrategyState
 from grpo.metrics import Sum
 from grpo.plugins import qualified_name, time_limit
 from grpo.precision import Precision
@@ -69,7 +80,8 @@ if TYPE_CHECKING:
     from grpo.policy import Policy
 
 ROLLOUT_STRATEGIES = Registry("rollout strategy", "rollout.strategy")
-INPUTS = ("rows", "sampling", "step", "rank", "round")
+INPUTS = ("rows", "sampling", "step", "rank", "round", "state")
+REPLAYED = "replayed"  # the per-row extra marking rows a strategy replayed (module doc)
 SETTINGS = ("temperature", "top_k", "top_p", "min_p", "max_new_tokens")
 
 
@@ -78,9 +90,23 @@ def register_rollout_strategy(name: str, *, overwrite: bool = False):
     return ROLLOUT_STRATEGIES.register(name, overwrite=overwrite)
 
 
-def check_strategy(name: str, params: dict | None = None) -> None:
-    """Fail early on an unknown strategy or a parameter it does not take (naming the field)."""
+def check_strategy(name: str, params: dict | None = None, asynchronous: bool = False) -> None:
+    """Fail early on an unknown strategy or a parameter it does not take (naming the field),
+    and on a strategy that keeps state (`keeps_state`) with asynchronous rollouts, whose
+    producers sample ahead of the checkpoint that would save it."""
     ROLLOUT_STRATEGIES.check_params(name, params or {}, set(INPUTS))
+    if asynchronous and keeps_state(name):
+        raise GrpoError(
+            f"rollout.strategy: {name!r} keeps state across steps (it declares `state`), "
+            "which asynchronous rollouts do not save; set rollout.async=off"
+        )
+
+
+def keeps_state(name: str) -> bool:
+    """Whether strategy `name` declares a `state` input (it keeps state across steps,
+    saved with each checkpoint: `grpo.experience.strategy_state`)."""
+    sig = _signature(ROLLOUT_STRATEGIES.get(name))
+    return sig is not None and "state" in sig.parameters
 
 
 def strategy_record(cfg: Config) -> str:
@@ -385,10 +411,18 @@ def default(rows, sampling: Sampling) -> RolloutBatch:
     return sampling.score(sampling.sample(rows), rows)
 
 
-def run_strategy(cfg, sampling: Sampling, rows: list[dict], rank: int, round_: int):
+def run_strategy(
+    cfg,
+    sampling: Sampling,
+    rows: list[dict],
+    rank: int,
+    round_: int,
+    state: StrategyState | None = None,
+):
     """The configured strategy's batch for `rows`, checked: P groups of G rows, in order, and
     rewards the update can train on (`check_rewards`). The strategy gets its own copy of the
-    rows (as a reward does): what it changes in them never reaches the dataset."""
+    rows (as a reward does): what it changes in them never reaches the dataset. `state`: this
+    rank's `StrategyState`, for a strategy that declares it (`keeps_state`)."""
     r = cfg.rollout
     inputs = {
         "rows": copy.deepcopy(rows),
@@ -398,6 +432,8 @@ def run_strategy(cfg, sampling: Sampling, rows: list[dict], rank: int, round_: i
         "round": round_,
         **(r.strategy_kwargs or {}),
     }
+    if state is not None:
+        inputs["state"] = state
     name = r.strategy
     with time_limit(f"rollout strategy {name!r}", cfg.train.plugin_timeout_s):
         batch = ROLLOUT_STRATEGIES.call(r.strategy, inputs)
@@ -414,12 +450,40 @@ def run_strategy(cfg, sampling: Sampling, rows: list[dict], rank: int, round_: i
             f"rollout.group_size={G} ({want} rows)"
         )
     check_rewards(batch, f"rollout strategy {name!r}")
-    check_prompts(batch, rows, f"rollout strategy {name!r}", multi_turn=r.multi_turn)
+    replayed = replayed_groups(batch, f"rollout strategy {name!r}")
+    check_prompts(batch, rows, replayed, f"rollout strategy {name!r}", multi_turn=r.multi_turn)
     if cfg.shared_prefix_groups is not None:
         check_shared_prompts(batch.rollout, f"rollout strategy {name!r}")
     # the dataset's own rows again (each prompt's, G times, in order, as checked above): later
-    # stages and a producer rank's wire format name rows by identity, and edits stay behind
-    return dataclasses.replace(batch, rows=[rows[i // G] for i in range(batch.size)])
+    # stages and a producer rank's wire format name rows by identity, and edits stay behind.
+    # A replayed group keeps the rows it was sampled for; the fresh groups, in order, are
+    # those of the first prompts given.
+    fresh = iter(rows)
+    own = [batch.rows[g * G : (g + 1) * G] if old else [next(fresh)] * G for g, old in replayed]
+    return dataclasses.replace(batch, rows=[row for group in own for row in group])
+
+
+def replayed_groups(batch: RolloutBatch, who: str) -> list[tuple[int, bool]]:
+    """(group, whether it is replayed) for each group of the batch, from its ``replayed``
+    extra (bool (B,), the same within a group; absent: nothing replayed), checked (a
+    GrpoError naming `who`)."""
+    G = batch.rollout.group_size
+    mark = batch.extras.get(REPLAYED)
+    if mark is None:
+        return [(g, False) for g in range(batch.size // G)]
+    if mark.dtype != torch.bool or mark.shape != (batch.size,):
+        raise GrpoError(
+            f"{who}: extras[{REPLAYED!r}] is {mark.dtype} {tuple(mark.shape)}; expected bool "
+            f"({batch.size},), True on the rows of replayed groups"
+        )
+    per_group = mark.detach().cpu().view(-1, G)
+    mixed = (per_group.any(1) & ~per_group.all(1)).nonzero()
+    if len(mixed):
+        raise GrpoError(
+            f"{who}: extras[{REPLAYED!r}] marks part of group {int(mixed[0])}; a group is "
+            "replayed whole (its advantages compare its own rows)"
+        )
+    return list(enumerate(per_group[:, 0].tolist()))
 
 
 def check_shared_prompts(rollout: Rollout, who: str) -> None:
@@ -468,12 +532,19 @@ def check_rewards(batch: RolloutBatch, who: str) -> None:
         )
 
 
-def check_prompts(batch: RolloutBatch, rows: Sequence[dict], who: str, multi_turn: bool) -> None:
-    """Each group answers the row it stands for: the rows it was scored with, and (single
-    turn) the prompt tokens it was sampled from, begin with that row's ``prompt_ids`` (a
-    strategy may append to a prompt, e.g. a hint or a partial answer, but not answer another
-    row), else a GrpoError naming `who`, the group and the row its prompt came from. One host
-    copy of the prompt columns per sampling round."""
+def check_prompts(
+    batch: RolloutBatch,
+    rows: Sequence[dict],
+    replayed: Sequence[tuple[int, bool]],
+    who: str,
+    multi_turn: bool,
+) -> None:
+    """Each fresh group answers the row it stands for (the fresh groups, in order, stand for
+    the first rows given; a replayed group, `replayed_groups`, keeps its own): the rows it was
+    scored with, and (single turn) the prompt tokens it was sampled from, begin with that row's
+    ``prompt_ids`` (a strategy may append to a prompt, e.g. a hint or a partial answer, but
+    not answer another row), else a GrpoError naming `who`, the group and the row its prompt
+    came from. One host copy of the prompt columns per sampling round."""
     G = batch.rollout.group_size
     want = [list(r["prompt_ids"]) for r in rows]
     got_rows = [list(r.get("prompt_ids", ())) for r in batch.rows]
@@ -482,14 +553,19 @@ def check_prompts(batch: RolloutBatch, rows: Sequence[dict], who: str, multi_tur
         ro = batch.rollout
         ids, lens = ro.ids[:, : ro.prompt_width].tolist(), ro.prompt_lens.tolist()
         got_tokens = [row[ro.prompt_width - n :] for row, n in zip(ids, lens)]
-    for i in range(batch.size):
-        p = want[i // G]
-        for what, got in (("scored with", got_rows), ("sampled from", got_tokens)):
-            if got is None or got[i][: len(p)] == p:
-                continue
-            other = next((q for q, w in enumerate(want) if got[i][: len(w)] == w), None)
-            whose = f"row {other}'s" if other is not None else "a prompt that is no row's"
-            raise GrpoError(
-                f"{who}: group {i // G} (row {i}) was {what} {whose} prompt, not row "
-                f"{i // G}'s; return one group per row it was given, in the order of `rows`"
-            )
+    fresh = 0
+    for g, old in replayed:
+        if old:
+            continue
+        p, k = want[fresh], fresh
+        fresh += 1
+        for i in range(g * G, (g + 1) * G):
+            for what, got in (("scored with", got_rows), ("sampled from", got_tokens)):
+                if got is None or got[i][: len(p)] == p:
+                    continue
+                other = next((q for q, w in enumerate(want) if got[i][: len(w)] == w), None)
+                whose = f"row {other}'s" if other is not None else "a prompt that is no row's"
+                raise GrpoError(
+                    f"{who}: group {g} (row {i}) was {what} {whose} prompt, not row {k}'s; "
+                    "return one group per row it was given, in the order of `rows`"
+                )

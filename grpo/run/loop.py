@@ -7,6 +7,7 @@ recipes keep only what differs (their batches and their updates)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -30,6 +31,7 @@ from grpo.distributed import (
     teardown,
 )
 from grpo.errors import GrpoError
+from grpo.experience.strategy_state import gather_states, load_state, save_states
 from grpo.loading import resolve_device
 from grpo.metrics import MetricLogger
 from grpo.policy import Policy, save_final
@@ -138,6 +140,7 @@ class Run:
     logger: MetricLogger
     rundir: RunDir
     modules: Any = None  # the modules trained beside the policy (grpo.modules.ModuleSet)
+    strategy: Any = None  # this rank's rollout-strategy state (grpo.experience.strategy_state)
     bad_steps: int = 0  # consecutive updates skipped as non-finite (train.max_nonfinite_steps)
 
     def end_of_step(
@@ -262,6 +265,9 @@ class Run:
         for all (collective either way); returns the step's checkpoint directory."""
         cfg = self.cfg
         rngs = gather_objects(rng_state(), dist) if save else None
+        # every rank's strategy state, which rank 0 writes with the rest
+        who = f"rollout strategy {cfg.rollout.strategy!r}"
+        strategy = gather_states(self.strategy, who, dist) if save and self.strategy else None
         where = Where("checkpoint", self.state.step)
         # FSDP: every rank writes its shards into rank 0's temporary directory first
         sharded = (
@@ -281,9 +287,17 @@ class Run:
                     cfg.train.keep_last,
                     rng_states=rngs,
                     sharded=sharded,
-                    extra=self.modules.save if self.modules else None,
+                    extra=functools.partial(self._save_extra, strategy),
                 )
         return self.out_dir / "checkpoints" / f"step_{self.state.step:06d}"
+
+    def _save_extra(self, strategy: list | None, directory: Path) -> None:
+        """What a checkpoint holds besides the policy's state: the trained modules' states and
+        every rank's rollout-strategy state (`gather_states`)."""
+        if self.modules:
+            self.modules.save(directory)
+        if strategy is not None:
+            save_states(directory, strategy)
 
     def _save_shards(self, policy: Policy, dist, where: Where) -> tuple[Path, list[dict]]:
         """Every rank's shards of the weights and optimizer states into the temporary directory
@@ -333,6 +347,7 @@ def start_run(
     rundir: RunDir,
     header: dict[str, str] | None = None,
     modules=None,
+    strategy=None,
 ) -> Run:
     """Optimizer and schedule over `total_steps` updates, the state restored from the
     checkpoint `rundir` resumes, then (inputs all checked by now) the run directory claimed
@@ -344,7 +359,8 @@ def start_run(
     ``run/replaced`` (every registry name a plugin or user code replaced;
     `grpo.plugins.plugin_header`), which a resumed run compares (`grpo.run.rundir`), and
     ``run/start``: how this start began (fresh, resumed from which checkpoint, what
-    `--resume auto` chose)."""
+    `--resume auto` chose). `strategy`: this rank's `StrategyState` of a rollout strategy that
+    keeps one, restored from the checkpoint and saved with every later one."""
     from grpo.plugins import plugin_header
 
     header = {**(header or {}), "run/start": rundir.start, **plugin_header()}
@@ -357,6 +373,9 @@ def start_run(
         state = load_checkpoint(ckpt, policy.model, optimizer, scheduler, rank=dist.rank)
         if modules:  # the modules trained beside the policy: theirs too
             modules.load(ckpt)
+        if strategy is not None:  # the rollout strategy's, this rank's
+            who = f"rollout strategy {cfg.rollout.strategy!r}"
+            load_state(ckpt, dist.rank, strategy, who, dist.world_size)
         log.info("resumed from %s (step %d)", ckpt, state.step)
     rundir.claim(cfg, dist)
     if header and dist.is_main:
@@ -371,7 +390,9 @@ def start_run(
         resume_step=state.step if rundir.resume else None,
         header=header,
     )
-    return Run(cfg, rundir.path, params, optimizer, scheduler, state, logger, rundir, modules)
+    return Run(
+        cfg, rundir.path, params, optimizer, scheduler, state, logger, rundir, modules, strategy
+    )
 
 
 def due(step: int, every: int, last: bool) -> bool:

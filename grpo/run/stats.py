@@ -35,16 +35,24 @@ class StatSums:
         self.tokens: float | torch.Tensor = 0.0
 
     def add(self, stats: dict[str, float | torch.Tensor]) -> None:
+        """One micro-batch's stats. A mean over part of the tokens comes with their count:
+        ``tokens_<kind>`` weights the means named ``..._<kind>`` (`grpo.algo.losses.
+        tis_by_kind`: fresh and replayed rows), every other mean is weighted by ``tokens``."""
         w = _f64(stats["tokens"])
         self.tokens = self.tokens + w
+        kinds = {k.removeprefix("tokens_"): _f64(v) for k, v in stats.items() if k[:7] == "tokens_"}
+        for kind, n in kinds.items():
+            key = f"__tokens_{kind}"
+            self.sums[key] = self.sums.get(key, 0.0) + n
         for k, v in stats.items():
-            if k in ("tokens", "policy_loss"):
+            if k in ("tokens", "policy_loss") or k[:7] == "tokens_":
                 continue
             v = _f64(v)
             if k.endswith("_max") or k.endswith("_min"):
                 self.extremes[k] = _pick(self.extremes.get(k, v), v, k.endswith("_max"))
             else:
-                self.sums[k] = self.sums.get(k, 0.0) + v * w
+                kind = k.rsplit("_", 1)[-1]
+                self.sums[k] = self.sums.get(k, 0.0) + v * kinds.get(kind, w)
 
     def reduce(self, dist) -> dict[str, float]:
         """The ``train/<name>`` means and extremes over all ranks (one host read, then the
@@ -53,7 +61,14 @@ class StatSums:
         extremes = {k: local.pop(k) for k in self.extremes}
         sums = all_reduce_sum_dict(local, dist)
         n = max(sums.pop("__tokens"), 1.0)
-        out = {f"train/{k}": v / n for k, v in sums.items()}
+        kinds = {k[len("__tokens_") :]: sums.pop(k) for k in list(sums) if k[:9] == "__tokens_"}
+        out = {}
+        for k, v in sums.items():
+            kind = k.rsplit("_", 1)[-1]
+            if kind in kinds:  # over that kind's tokens; none anywhere: no mean (NaN)
+                out[f"train/{k}"] = v / kinds[kind] if kinds[kind] else float("nan")
+            else:
+                out[f"train/{k}"] = v / n
         maxes = {k: v for k, v in extremes.items() if k.endswith("_max")}
         mins = {k: -v for k, v in extremes.items() if k.endswith("_min")}
         both = all_reduce_max_dict({**maxes, **mins}, dist)  # min = -max(-x)

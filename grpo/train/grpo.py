@@ -84,7 +84,8 @@ from grpo.experience.inline import make_sampler
 from grpo.experience.normalize import normalize_globally
 from grpo.experience.producer import run_producer
 from grpo.experience.sources import rollout_source
-from grpo.experience.strategies import strategy_record
+from grpo.experience.strategies import REPLAYED, keeps_state, strategy_record
+from grpo.experience.strategy_state import StrategyState
 from grpo.loading import load_rows, resolve_device
 from grpo.lora import disabled_lora
 from grpo.models.packed_rows import packed_overhead
@@ -426,6 +427,7 @@ def update_phase(
     plan = batch.plan
     sampler_logprobs = batch.rollout.logprobs
     old = batch.old_logprobs if batch.old_logprobs is not None else sampler_logprobs
+    replayed = batch.extras.get(REPLAYED)  # (B,) bool: rows a rollout strategy replayed
     # The stats stay on the device through the micro-batch loop (float64 sums: the numbers
     # Python floats would give). Host reads: one per pass (its loss, grad norm and blamed row,
     # for the non-finite check) and two after the loop, none per micro-batch.
@@ -470,6 +472,7 @@ def update_phase(
                         behaviour_logprobs=sampler_logprobs[sl],
                         extras={k: v[sl] for k, v in batch.extras.items()},
                         step=step,
+                        replayed=replayed[sl] if replayed is not None else None,
                     )
                 except GrpoError as e:
                     raise GrpoError(f"step {step}: {e}" if step is not None else str(e)) from None
@@ -650,6 +653,8 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
         for line in start_notices(cfg, "grpo", tokenizer=policy.tokenizer):
             log.warning("%s", line)
     modules = ModuleSet(cfg, policy, dist, device, cfg.train.max_steps)  # trained beside it
+    # what a rollout strategy keeps across steps (a replay buffer), checkpointed per rank
+    strategy = StrategyState() if keeps_state(cfg.rollout.strategy) else None
     # Only now, with model, data and rewards checked, does the run directory get written.
     run = start_run(
         cfg,
@@ -666,6 +671,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             **(rewards_header(reward_fns, cfg.rewards) if dist.is_main else {}),
         },
         modules=modules,
+        strategy=strategy,
     )
     state = run.state
     policy.model.eval()
@@ -679,7 +685,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
     # the producers (asynchronous rollouts) stop with the block; on a clean end or an
     # interruption they first hand over what they sampled ahead
     with rollout_source(
-        cfg, policy, rows, reward_fns, make_env, state, dist, sharded, roles
+        cfg, policy, rows, reward_fns, make_env, state, dist, sharded, roles, strategy
     ) as source:
         show = cfg.train.progress and dist.is_main
         bar = tqdm(total=cfg.train.max_steps, initial=state.step, desc="grpo", disable=not show)
