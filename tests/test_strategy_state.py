@@ -130,7 +130,8 @@ def test_replayed_groups_keep_their_rows_and_the_mark_is_checked(setup):
     def fn(rows, sampling):  # the first two prompts fresh, then the replayed group
         return dataclasses.replace(sampling.cat([fresh, old]), extras=current)
 
-    picked = [rows[1], rows[0], rows[2]]  # the prompts handed over: the first two fresh
+    # the prompts handed over: the first two answered fresh, the third's slot replayed
+    picked = [rows[0], rows[1], rows[0]]
 
     def run(extras):
         current.clear()

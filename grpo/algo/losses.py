@@ -312,6 +312,9 @@ def _loss_extras(extras: Mapping[str, torch.Tensor] | None, mask: torch.Tensor) 
         if v.is_floating_point() and v.shape == mask.shape:
             v = _zero_masked(v, mask)
         out[k] = v
+    return out
+
+
 ROW_KINDS = ("fresh", "replayed")
 
 
