@@ -254,3 +254,47 @@ def test_a_trainable_module_without_parameters_is_refused_a_frozen_scorer_is_not
             ModuleSet(cfg, policy, SINGLE, torch.device("cpu"), 1)
     finally:
         del TRAINED_MODULES._fns["test_empty"], TRAINED_MODULES._fns["test_constant"]
+
+
+def test_the_docs_frozen_scorer_saves_and_restores_its_state(
+    shared_tiny_model, tmp_path, monkeypatch
+):
+    """docs/extending.md's RunningBaseline (a FrozenScorer with state): no optimizer, no
+    trainable parameter; its state in the checkpoint (no optimizer or schedule files), back on
+    load into a fresh module; the metadata names it frozen."""
+    import sys
+
+    from conftest import docs_example, write_package
+
+    from grpo.distributed import SINGLE
+    from grpo.modules.module_set import ModuleSet
+
+    write_package(tmp_path, {"frozen.py": docs_example("# my_pkg/frozen.py")})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_pkg", raising=False)
+    monkeypatch.delitem(sys.modules, "my_pkg.frozen", raising=False)
+    spec = "modules=[{name: my_pkg.frozen:RunningBaseline, kwargs: {momentum: 0.5}}]"
+    cfg = check_config(load_config(None, [f"model.path={shared_tiny_model}", spec]), "grpo")
+    policy = build_policy(cfg, torch.device("cpu"), need_ref=False)
+    modules = ModuleSet(cfg, policy, SINGLE, torch.device("cpu"), 2)
+    assert modules.header()["run/modules"] == (
+        "RunningBaseline (my_pkg.frozen.RunningBaseline, frozen)"
+    )
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Batch:  # what the scorer reads of a RolloutBatch
+        size: int
+        rewards: torch.Tensor
+        extras: dict
+
+    batch = Batch(2, torch.tensor([1.0, 3.0]), {})
+    first = modules.attach(batch).extras["baseline"]
+    second = modules.attach(batch).extras["baseline"]
+    assert first.tolist() == [0.0, 0.0] and second.tolist() == [1.0, 1.0]  # 0.5 * 0 + 0.5 * 2
+    modules.save(tmp_path / "ckpt")
+    saved = tmp_path / "ckpt" / "modules" / "RunningBaseline"
+    assert {p.name for p in saved.iterdir()} == {"weights.safetensors", "identity.json"}
+    fresh = ModuleSet(cfg, policy, SINGLE, torch.device("cpu"), 2)
+    fresh.load(tmp_path / "ckpt")
+    assert fresh.attach(batch).extras["baseline"].tolist() == [1.5, 1.5]  # 0.5 * 1 + 0.5 * 2
