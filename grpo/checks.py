@@ -22,6 +22,7 @@ import re
 
 import grpo_kernels
 from grpo.algo import check_algorithm
+from grpo.algo.advantages import reads_rewards
 from grpo.config import Config
 from grpo.errors import GrpoError
 from grpo.experience.strategies import check_strategy
@@ -61,7 +62,28 @@ def check_config(cfg: Config, trainer: str | None = None) -> Config:
         for i, spec in enumerate(cfg.modules):  # an unknown factory or keyword, named
             _named(check_trained_module, spec, i)
         cfg.check_grpo()
+        if not cfg.rewards:
+            _check_no_rewards(cfg)
     return cfg
+
+
+def _check_no_rewards(cfg: Config) -> None:
+    """`rewards: []`: only with an estimator that drives learning without rewards (it names
+    neither token_rewards nor scores: `grpo.algo.advantages.reads_rewards`), or an environment
+    whose step rewards are the rewards; dynamic sampling would drop every group."""
+    if not cfg.rollout.multi_turn and reads_rewards(cfg.loss.advantage):
+        raise ConfigError(
+            f"rewards: [] leaves loss.advantage {cfg.loss.advantage!r} nothing to learn from "
+            "(it reads the rewards); add a reward, or use an estimator that reads none "
+            "(e.g. distill with a teacher module)",
+            field="rewards",
+        )
+    if cfg.rollout.dynamic_sampling and not cfg.rollout.multi_turn:
+        raise ConfigError(
+            "rollout.dynamic_sampling drops groups of equal rewards: with rewards: [] it "
+            "would drop every group; set it to false",
+            field="rollout.dynamic_sampling",
+        )
 
 
 def _named(check, *args) -> None:

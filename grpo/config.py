@@ -627,8 +627,7 @@ class Config:
     # `package.module:function` (called with no arguments). grpo/plugins.py, docs/extending.md.
     plugins: tuple[str, ...] = ()
 
-    def __post_init__(self):
-        require(len(self.rewards) > 0, "rewards", "needs at least one reward function")
+    # `rewards: []` is allowed when the estimator reads no rewards (grpo.checks)
 
     def check_grpo(self) -> Config:
         """The rules across fields only GRPO has (SFT configs need not follow them); returns

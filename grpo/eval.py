@@ -333,7 +333,7 @@ def average_reward(cfg: Config, rows: list[dict], samples: list[dict]) -> float:
     """Mean weighted reward (cfg.rewards) of evaluation completions."""
     from grpo.rewards import RewardContext, build_rewards, compute_rewards
 
-    if not samples:
+    if not samples or not cfg.rewards:  # `rewards: []`: the empty sum
         return 0.0
     fns = build_rewards([r.spec for r in cfg.rewards])
     columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt_ids"}

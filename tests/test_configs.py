@@ -47,6 +47,7 @@ RUN_HERE = (
     "quickstart.yaml",
     "rm_qwen3_0.6b.yaml",
     "gsm8k_qwen3_0.6b_ppo.yaml",
+    "distill_tiny.yaml",
 )
 # Sizes and lengths only: one step, a few rows, short prompts and completions.
 SMALL = [
@@ -279,6 +280,30 @@ def test_tiny_ci_config_runs(shared_tiny_model, tmp_path):
     m = check_metrics(out)
     phases = [m[f"perf/peak_mem_{k}_mib"] for k in ("rollout", "logprob", "update")]
     assert min(phases) > 0 and m["perf/peak_mem_mib"] == max(phases)
+
+
+def test_distill_config_runs(shared_tiny_model, tmp_path):
+    """configs/distill_tiny.yaml for one step, with the tiny model as the student and as its
+    own teacher (its only module's path replaced, the rest of the entry as written): rewards [],
+    the teacher a frozen scorer, the `distill` estimator. A teacher equal to the student scores
+    each sampled token as the sampler did: the reverse KL is 0 within the on-policy budget."""
+    out = tmp_path / "run"
+    entry = settings("distill_tiny.yaml")["modules"][0]
+    entry["kwargs"]["path"] = str(shared_tiny_model)
+    cfg = load_config(
+        CONFIGS / "distill_tiny.yaml",
+        [
+            f"model.path={shared_tiny_model}",
+            f"modules=[{json.dumps(entry)}]",
+            f"train.output_dir={out}",
+            *SMALL,
+        ],
+    )
+    assert cfg.rewards == () and cfg.loss.advantage == "distill"
+    assert train_grpo(cfg)["step"] == 1
+    m = check_metrics(out)
+    assert abs(m["advantage/reverse_kl"]) <= 1e-4 and m["rollout/logprob_diff_max"] <= 1e-4
+    assert "module/teacher/loss" not in m
 
 
 def test_quickstart_config_learns(shared_tiny_model, tmp_path):

@@ -50,6 +50,7 @@ def healthy(step: int) -> dict:
         "train/grad_norm": 0.5,
         "train/weight_change": 1e-3,
         "train/lr": 1e-3,
+        "advantage/reverse_kl": 1.0 - 0.01 * step,  # a distillation's objective (distill)
     }
 
 
@@ -65,7 +66,10 @@ SYMPTOMS = {
     "zero_gradient": lambda s: {"train/grad_norm": 0.0},
     "frozen_weights": lambda s: {"train/weight_change": 0.0},
     "flat_reward": lambda s: {"rollout/reward_mean": 0.3},
+    "flat_objective": lambda s: {"advantage/reverse_kl": 0.5},
 }
+# a rule that judges another kind of run: its config
+RUN_OF = {"flat_objective": ["loss.advantage=distill", "rewards=[]"]}
 
 
 def feed(health: LearningHealth, steps: list[dict], start: int = 1) -> list:
@@ -79,7 +83,7 @@ def feed(health: LearningHealth, steps: list[dict], start: int = 1) -> list:
 def test_each_rule_fires_on_the_nth_step_of_its_symptom_and_clears(rule):
     """stall_steps = 3: healthy steps 1-2, the symptom on steps 3-6 (fires at step 5, the third;
     nothing at steps 3-4), healthy again at step 7 (cleared); the summary has its steps."""
-    h = LearningHealth(cfg_with("train.stall_steps=3"))
+    h = LearningHealth(cfg_with("train.stall_steps=3", *RUN_OF.get(rule, [])))
     steps = [healthy(s) for s in (1, 2)]
     steps += [healthy(s) | SYMPTOMS[rule](s) for s in (3, 4, 5, 6)]
     steps += [healthy(7)]
@@ -443,3 +447,31 @@ def test_stop_on_stall_stops_every_torchrun_rank_at_the_same_step(shared_tiny_mo
         "run/config.yaml --resume"
     ) in ours[0]
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_000002"
+
+
+def test_a_distillation_is_judged_by_its_objective_never_solved_by_constant_rewards():
+    """Issue 65: a run of the `distill` estimator with `rewards: []` (every reward 0, every group
+    equal, the reward 'at its maximum' 0) while the reverse KL falls: no rule fires and
+    stop_on_stall does not stop it; the same metrics under a reward estimator are 'solved'.
+    When the reverse KL stops moving, flat_objective fires and stop_on_stall stops it."""
+    constant = {
+        "rollout/truncated_frac": 1.0,
+        "rollout/frac_zero_std_groups": 1.0,
+        "rollout/reward_mean": 0.0,
+        "train/grad_norm": 0.5,
+        "train/weight_change": 1e-3,
+        "train/lr": 1e-3,
+    }
+    falling = [constant | {"advantage/reverse_kl": 2.0 / s} for s in range(1, 9)]
+    distill = cfg_with(
+        "train.stall_steps=3", "train.stop_on_stall=true", "loss.advantage=distill", "rewards=[]"
+    )
+    h = LearningHealth(distill, reward_hi=0.0)
+    assert h.objective == "advantage/reverse_kl" and not h.judge_rewards
+    assert feed(h, falling) == [] and not h.finished and h.converged is None
+    # by the rewards the same steps look solved (and with stop_on_stall the run would end)
+    grpo = LearningHealth(cfg_with("train.stall_steps=3", "train.stop_on_stall=true"), 0, 0.0)
+    assert ("solved", 3, True) in feed(grpo, falling) and grpo.finished
+    # the objective stops moving: a stall, stopped
+    with pytest.raises(StallError, match="objective flat: advantage/reverse_kl"):
+        feed(h, [constant | {"advantage/reverse_kl": 0.25}] * 3, start=9)

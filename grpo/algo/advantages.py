@@ -33,6 +33,11 @@ with `broadcast`. A 1-d result is refused, not broadcast: (B,) and (T_c,) are th
 whenever T_c == B, so a per-token vector returned by mistake would pass as per-row values on
 exactly those steps.
 
+An estimator that names neither `token_rewards` nor `scores` (nor takes **kwargs) reads no
+rewards (`reads_rewards`): it drives learning on its own (`distill`), so a run may configure
+``rewards: []``; one registered with ``minimises="metric"`` is judged by that metric by the
+learning-health check (grpo.run.health).
+
 eps: GRPO divides by (std + eps) with eps = 1e-4 by default, as TRL does; verl uses 1e-6.
 A group of equal rewards gets advantage exactly 0 (never NaN) either way.
 """
@@ -44,7 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpo.algo.registry import ADVANTAGES, register_advantage
+from grpo.algo.registry import ADVANTAGES, estimator_objective, register_advantage
 from grpo.errors import GrpoError
 from grpo.metrics import split_metrics
 
@@ -98,6 +103,21 @@ def wants_rollout(name) -> bool:
     except (TypeError, ValueError):
         return False
     return "rollout" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def reads_rewards(name) -> bool:
+    """Whether the estimator `name` reads the rewards: declares `token_rewards` or `scores` (or
+    takes **kwargs). One that does not drives learning on its own: ``rewards: []`` is allowed
+    with it (grpo.checks)."""
+    import inspect
+
+    try:
+        params = inspect.signature(ADVANTAGES.get(name)).parameters
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return True
+    return "token_rewards" in params or "scores" in params
 
 
 def broadcast(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -339,6 +359,51 @@ def grpo_turn(
     return out
 
 
+@register_advantage("distill", claims=("shift_invariant",), minimises="reverse_kl")
+def distill(
+    mask: torch.Tensor,
+    rollout: EstimatorRollout | None,
+    *,
+    teacher_key: str = "teacher_logprobs",
+    coef: float = 1.0,
+):
+    """On-policy distillation (reverse-KL descent): the student samples, a frozen teacher
+    scores each sampled token (the `teacher` module, grpo/modules/teacher.py, attaches
+    log p_teacher under `teacher_key`), and each token's advantage is
+
+        A_t = coef * (log p_teacher(y_t) - log pi_old(y_t))
+
+    with pi_old the behaviour policy's log-probs (the sampler's, `rollout.logprobs`), both at
+    rollout.temperature. Per token, with no discount: the policy gradient of
+    sum_t A_t log pi(y_t) is the per-token gradient of the reverse KL(pi || p_teacher) on the
+    sampled tokens. Reads no rewards (a run may set ``rewards: []``).
+
+    Reports reverse_kl: the mean over the generated tokens of the global batch of
+    log pi_old(y_t) - log p_teacher(y_t), a sampled estimate of the per-token reverse KL
+    (the run's objective, `minimises`), and teacher_logprob_mean."""
+    extras = rollout.extras if rollout is not None else {}
+    if teacher_key not in extras:
+        have = ", ".join(sorted(extras)) or "none"
+        raise GrpoError(
+            f"loss.advantage=distill reads the teacher's log-probs from the batch's extras "
+            f"({teacher_key!r}; extras here: {have}): add the teacher, "
+            "modules: [{name: teacher, kwargs: {path: ...}}] (docs/extending.md)"
+        )
+    teacher = extras[teacher_key]
+    if teacher.shape != mask.shape:
+        raise GrpoError(
+            f"loss.advantage=distill: extras[{teacher_key!r}] has shape "
+            f"{tuple(teacher.shape)}, expected (B, T_c) = {tuple(mask.shape)}"
+        )
+    gap = torch.where(mask, teacher.float() - rollout.logprobs.float(), 0.0)  # (B, T_c)
+    n = max(int(mask.sum()), 1)
+    metrics = {
+        "reverse_kl": -float(gap.double().sum()) / n,
+        "teacher_logprob_mean": float(torch.where(mask, teacher.double(), 0.0).sum()) / n,
+    }
+    return coef * gap, metrics
+
+
 def compute_advantages(
     name: str,
     token_rewards: torch.Tensor,
@@ -489,9 +554,11 @@ __all__ = [
     "check_estimator",
     "compute_advantages",
     "discounted_returns",
+    "estimator_objective",
     "explained_variance",
     "gae_returns",
     "group_advantages",
+    "reads_rewards",
     "register_advantage",
     "zero_std_groups",
 ]

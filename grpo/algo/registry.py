@@ -155,15 +155,46 @@ POLICY_LOSSES = Registry("policy loss", "loss.policy_loss")
 KL_ESTIMATORS = Registry("KL estimator", "loss.kl_estimator")
 
 
-def register_advantage(name: str, *, overwrite: bool = False, claims: tuple[str, ...] = ()):
+# estimator function -> the metric it minimises (`register_advantage(..., minimises=...)`)
+_OBJECTIVES: dict[Callable[..., Any], str] = {}
+
+
+def register_advantage(
+    name: str,
+    *,
+    overwrite: bool = False,
+    claims: tuple[str, ...] = (),
+    minimises: str | None = None,
+):
     """Decorator: an advantage estimator selectable as ``loss.advantage: name``.
 
     The function returns (B, T_c) advantages, optionally with metrics and with extras for the
     policy loss (see `grpo.algo.advantages` for its inputs and what it may return).
     claims: properties the conformance suite checks: "shift_invariant" (adding a constant to
     every reward changes nothing), "group_zero_sum" (each group's per-row advantages sum to 0).
+    minimises: the metric the estimator reports (``advantage/<minimises>``) that falls as the
+    run learns (a distillation's reverse KL): the learning-health check judges the run by it
+    instead of by the rewards (grpo.run.health).
     """
-    return ADVANTAGES.register(name, overwrite=overwrite, claims=claims)
+    if minimises is not None and (not isinstance(minimises, str) or not minimises):
+        raise GrpoError(f"advantage estimator {name!r}: minimises must be a metric name")
+    register = ADVANTAGES.register(name, overwrite=overwrite, claims=claims)
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        register(fn)
+        if minimises is not None:
+            _OBJECTIVES[fn] = minimises
+        return fn
+
+    return deco
+
+
+def estimator_objective(spec: str | Callable[..., Any]) -> str | None:
+    """The metric the estimator `spec` declared it minimises (`register_advantage`), or None."""
+    try:
+        return _OBJECTIVES.get(ADVANTAGES.get(spec))
+    except GrpoError:
+        return None
 
 
 def register_policy_loss(name: str, *, overwrite: bool = False):

@@ -56,7 +56,8 @@ def check_before_model(cfg, trainer: str) -> None:
             from grpo.eval import eval_env_settings
 
             env_factory(cfg.eval.env, eval_env_settings(cfg).get("env_kwargs"), key="eval.env")
-        build_rewards([r.spec for r in cfg.rewards])
+        if cfg.rewards:
+            build_rewards([r.spec for r in cfg.rewards])
     if not Path(cfg.model.path).expanduser().exists():
         logging.getLogger(__name__).info(
             "model.path %r is not on this machine: the checks that read its config.json "

@@ -1,11 +1,18 @@
-"""Modules trained beside the policy (the config's `modules: [...]`): a value head, a learned
-baseline, PPO's critic.
+"""Modules beside the policy (the config's `modules: [...]`): trained ones (a value head, a
+learned baseline, PPO's critic) and frozen scorers (a distillation teacher).
 
-    base        the seam a researcher implements: TrainedModule, register_trained_module
+    base        the seams a researcher implements: TrainedModule, FrozenScorer,
+                register_trained_module
     module_set  the trainer's side: ModuleSet (building, optimizers, stepping, checkpoints)
     critic      the built-in PPO critic (`modules: [{name: critic}]`)
+    teacher     the built-in distillation teacher (`modules: [{name: teacher, kwargs: ...}]`)
 """
 
-from grpo.modules.base import TRAINED_MODULES, TrainedModule, register_trained_module
+from grpo.modules.base import (
+    TRAINED_MODULES,
+    FrozenScorer,
+    TrainedModule,
+    register_trained_module,
+)
 
-__all__ = ["TRAINED_MODULES", "TrainedModule", "register_trained_module"]
+__all__ = ["TRAINED_MODULES", "FrozenScorer", "TrainedModule", "register_trained_module"]

@@ -1,6 +1,8 @@
-"""The base class and registry of modules trained beside the policy (grpo.modules.module_set
-has the trainer's side: building, stepping, checkpoints). Kept apart so that a built-in module
-(the PPO critic, grpo.modules.critic) registers without importing the trainer's side."""
+"""The base classes and registry of the modules beside the policy (grpo.modules.module_set
+has the trainer's side: building, stepping, checkpoints): `TrainedModule`, trained with its own
+optimizer, and `FrozenScorer`, which only attaches values (a teacher's log-probs). Kept apart
+so that a built-in module (the PPO critic, the teacher) registers without importing the
+trainer's side."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ class TrainedModule(torch.nn.Module):
     """
 
     updates: int = 1
+    trainable: bool = True  # False: a `FrozenScorer` (no optimizer, no loss, no gradient)
 
     def attach(self, batch) -> dict[str, torch.Tensor]:
         return {}
@@ -45,3 +48,41 @@ class TrainedModule(torch.nn.Module):
 
     def load_checkpoint_state(self, weights: dict[str, torch.Tensor]) -> None:
         self.load_state_dict(weights)
+
+
+class FrozenScorer(TrainedModule):
+    """A module that only attaches values (a teacher's per-token log-probs, a frozen value
+    baseline): configured under ``modules:`` like a trained one and loaded once, but nothing of
+    it trains: no optimizer, its parameters frozen (``requires_grad`` off), its `attach` run
+    without gradient under the policy's precision, no `loss`. Override:
+
+    attach(batch) -> {name: (B,) or (B, T_c) tensor}: as `TrainedModule.attach`. A factory that
+        takes the ``scoring`` input gets the trainer's `grpo.experience.scoring.Scoring`:
+        ``scoring.logprobs(model, batch.rollout)`` scores the completions with the trainer's
+        micro-batches, packing, precision and log-prob kernel.
+    identity() -> {key: str}: what identifies it (e.g. the checkpoint it loaded and that
+        checkpoint's hash): the run's metadata (``run/modules``) records it, checkpoints hold
+        it, and a resume with another identity is refused.
+    checkpoint_state() -> {name: tensor}: state that changes during the run (a running
+        statistic), saved in checkpoints and restored on resume; default none (the frozen
+        weights come back from where `identity` says). A scorer with state overrides it and
+        `load_checkpoint_state`.
+    """
+
+    trainable = False
+
+    def loss(self, batch, update):
+        raise TypeError(f"{type(self).__name__} is a FrozenScorer: it has no loss")
+
+    def identity(self) -> dict[str, str]:
+        return {}
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_checkpoint_state(self, weights: dict[str, torch.Tensor]) -> None:
+        if weights:
+            raise RuntimeError(
+                f"{type(self).__name__} saves no state, the checkpoint holds "
+                f"{sorted(weights)[:3]}: override load_checkpoint_state"
+            )

@@ -24,15 +24,24 @@ come from its own seed (train.seed + 1000 + its index), the run's RNG left as it
 
 A factory takes its `kwargs` and any of these inputs by name: ``model_config`` (the policy's
 `ModelConfig`), ``tokenizer``, ``config`` (the run's `Config`), ``dist`` (the trainer ranks'
-`grpo.distributed.Dist`, for a loss normalized over the global batch) and ``policy`` (the
-`grpo.policy.Policy`, e.g. to share its frozen weights). The PPO critic (`grpo.modules.critic`)
-is one such module.
+`grpo.distributed.Dist`, for a loss normalized over the global batch), ``policy`` (the
+`grpo.policy.Policy`, e.g. to share its frozen weights) and ``scoring`` (the trainer's
+`grpo.experience.scoring.Scoring`: completion log-probs of any model with the trainer's
+micro-batches, packing, precision and kernel). The PPO critic (`grpo.modules.critic`) is one
+such module.
+
+A `FrozenScorer` (grpo.modules.base) only attaches: it gets no optimizer (an `optim` section is
+refused), its parameters are frozen, `step` passes it by; checkpoints hold its state (none by
+default) and its identity (`identity.json`: the teacher's checkpoint hash), and a resume with
+another identity is refused; the metadata line names it ``frozen``. The distillation teacher
+(`grpo.modules.teacher`) is one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,10 +49,24 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from grpo.errors import GrpoError
-from grpo.io import load_safetensors, save_safetensors, torch_load, torch_save
+from grpo.experience.scoring import Scoring
+from grpo.io import (
+    load_safetensors,
+    read_json,
+    save_safetensors,
+    torch_load,
+    torch_save,
+    write_text,
+)
 from grpo.metrics import split_metrics
 from grpo.modules import critic as _critic  # noqa: F401  (registers the PPO critic, "critic")
-from grpo.modules.base import TRAINED_MODULES, TrainedModule, register_trained_module
+from grpo.modules import teacher as _teacher  # noqa: F401  (registers "teacher")
+from grpo.modules.base import (
+    TRAINED_MODULES,
+    FrozenScorer,
+    TrainedModule,
+    register_trained_module,
+)
 from grpo.plugins import named_errors, no_exit, time_limit
 from grpo.run.optim import build_optimizer, build_scheduler
 
@@ -51,7 +74,7 @@ if TYPE_CHECKING:
     from grpo.policy import Policy
 
 _DONE = object()  # the end of a module's loss parts
-INPUTS = ("model_config", "tokenizer", "config", "dist", "policy")
+INPUTS = ("model_config", "tokenizer", "config", "dist", "policy", "scoring")
 
 
 def _builtin(module) -> bool:
@@ -71,24 +94,29 @@ def check_trained_module(spec, index: int = 0) -> None:
 
 @dataclasses.dataclass
 class Trained:
-    """One module with its optimizer and schedule."""
+    """One module with its optimizer and schedule (None for a frozen scorer)."""
 
     name: str
     module: TrainedModule
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None
     scheduler: Any
     max_grad_norm: float | None
 
+    @property
+    def frozen(self) -> bool:
+        return self.optimizer is None
+
 
 class ModuleSet:
-    """The run's trained modules (possibly none): built from `cfg.modules`, stepped, saved
-    into checkpoints and restored from them."""
+    """The run's modules (possibly none): built from `cfg.modules`, the trained ones stepped,
+    all saved into checkpoints and restored from them."""
 
     def __init__(self, cfg, policy: Policy, dist, device, total_steps: int):
         self.items: list[Trained] = []
         self.precision, self.device = policy.precision, device
         self.timeout_s = cfg.train.plugin_timeout_s  # one call of a module's loss
         seen = set()
+        scoring = Scoring(cfg, policy, dist)
         for i, spec in enumerate(cfg.modules):
             name = spec.key
             if name in seen:
@@ -100,6 +128,7 @@ class ModuleSet:
                 "config": cfg,
                 "dist": dist,
                 "policy": policy,
+                "scoring": scoring,
                 **spec.kwargs,
             }
             with torch.random.fork_rng(devices=[]):  # its own init; the run's RNG untouched
@@ -111,13 +140,30 @@ class ModuleSet:
                     "not a grpo.modules.TrainedModule"
                 )
             module = module.to(device)
+            if not getattr(module, "trainable", True):  # a frozen scorer: allowed, nothing trains
+                if spec.optim:
+                    raise GrpoError(
+                        f"modules[{i}].optim: {name!r} is a frozen scorer "
+                        f"({type(module).__name__}): nothing of it trains; remove `optim`"
+                    )
+                module.requires_grad_(False).eval()
+                self.items.append(Trained(name, module, None, None, None))
+                continue
             optim = type(cfg.optim)(**spec.optim)  # OptimConfig's defaults, then its own
             params = [p for p in module.parameters() if p.requires_grad]
             if not params:
-                raise GrpoError(f"modules[{i}]: {name!r} has no trainable parameters")
+                raise GrpoError(
+                    f"modules[{i}]: {name!r} has no trainable parameters (a module that only "
+                    "attaches values subclasses grpo.modules.FrozenScorer)"
+                )
             optimizer = build_optimizer(params, optim)
             scheduler = build_scheduler(optimizer, total_steps * _updates(module), optim)
             self.items.append(Trained(name, module, optimizer, scheduler, optim.max_grad_norm))
+        if cfg.train.critic_warmup_steps and cfg.modules and all(t.frozen for t in self.items):
+            raise GrpoError(
+                f"train.critic_warmup_steps ({cfg.train.critic_warmup_steps}) needs a module "
+                "that trains; every module here is a frozen scorer"
+            )
         self.dist = dist
         if dist.enabled:  # the same initial weights on every rank, as DDP broadcasts them
             import torch.distributed as td
@@ -131,14 +177,20 @@ class ModuleSet:
         return bool(self.items)
 
     def header(self) -> dict[str, str]:
-        """``run/modules``: each module's name, class and trainable parameter count."""
+        """``run/modules``: each module's name, class and trainable parameter count; a frozen
+        scorer's identity (``frozen``, e.g. its checkpoint and hash)."""
         if not self.items:
             return {}
         parts = []
         for t in self.items:
-            n = sum(p.numel() for p in t.module.parameters() if p.requires_grad)
             cls = type(t.module)
-            parts.append(f"{t.name} ({cls.__module__}.{cls.__qualname__}, {n} parameters)")
+            what = f"{cls.__module__}.{cls.__qualname__}"
+            if t.frozen:
+                ident = "".join(f", {k}={v}" for k, v in _identity(t).items())
+                parts.append(f"{t.name} ({what}, frozen{ident})")
+                continue
+            n = sum(p.numel() for p in t.module.parameters() if p.requires_grad)
+            parts.append(f"{t.name} ({what}, {n} parameters)")
         return {"run/modules": "; ".join(parts)}
 
     def attach(self, batch):
@@ -167,6 +219,8 @@ class ModuleSet:
         means over those updates)."""
         out: dict[str, float] = {}
         for t in self.items:
+            if t.frozen:  # a frozen scorer only attaches
+                continue
             t.module.train()
             n = _updates(t.module)
             sums: dict[str, float] = {}
@@ -234,6 +288,9 @@ class ModuleSet:
             state = t.module.checkpoint_state()
             weights = {k: v.detach().contiguous() for k, v in state.items()}
             save_safetensors(weights, d / "weights.safetensors")
+            if t.frozen:  # what identifies it: a resume checks it (`load`)
+                write_text(d / "identity.json", json.dumps(_identity(t), sort_keys=True))
+                continue
             if weights_only:
                 continue
             torch_save(t.optimizer.state_dict(), d / "optimizer.pt")
@@ -257,6 +314,9 @@ class ModuleSet:
                     f"checkpoint {checkpoint}: module {t.name!r} does not fit: {first}"
                 ) from None
             t.module.to(self.device)
+            if t.frozen:
+                _check_identity(t, d, checkpoint)
+                continue
             opt = torch_load(
                 d / "optimizer.pt", "a module's optimizer state", map_location=self.device
             )
@@ -265,6 +325,30 @@ class ModuleSet:
                 d / "scheduler.pt", "a module's schedule state", map_location=self.device
             )
             t.scheduler.load_state_dict(sched)
+
+
+def _identity(t: Trained) -> dict[str, str]:
+    """A frozen scorer's `identity()`, checked: a mapping of strings."""
+    ident = t.module.identity() if isinstance(t.module, FrozenScorer) else {}
+    if not isinstance(ident, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in ident.items()
+    ):
+        raise GrpoError(f"module {t.name!r}: identity() must return a dict of strings")
+    return ident
+
+
+def _check_identity(t: Trained, d: Path, checkpoint: Path) -> None:
+    """A resumed frozen scorer must be the one the checkpoint was written with."""
+    path = d / "identity.json"
+    saved = read_json(path, "a frozen module's identity") if path.is_file() else {}
+    now = _identity(t)
+    if saved != now:
+        diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+        k = diff[0]
+        raise GrpoError(
+            f"checkpoint {checkpoint}: module {t.name!r} was run with {k}={saved.get(k)}, this "
+            f"run has {k}={now.get(k)}: resume with the same frozen scorer"
+        )
 
 
 def _updates(module: TrainedModule) -> int:
@@ -301,6 +385,7 @@ def _shape(v) -> str:
 
 __all__ = [
     "TRAINED_MODULES",
+    "FrozenScorer",
     "ModuleSet",
     "TrainedModule",
     "check_trained_module",

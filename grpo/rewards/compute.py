@@ -195,7 +195,8 @@ def compute_rewards(
     under its ``timeout_s`` when it has one (a `NamedReward` from a spec with ``timeout_s``).
 
     Args:
-        fns_with_weights: (reward function, weight) pairs, e.g. from `build_rewards`.
+        fns_with_weights: (reward function, weight) pairs, e.g. from `build_rewards`; none
+            (`rewards: []`): every total 0.
         completions: B completion texts.
         columns: per-row dataset columns (``ground_truth``, ...) and ``completion_lengths``.
         token_width: T_c; when given (with ``completion_lengths``), functions may return
@@ -214,9 +215,9 @@ def compute_rewards(
         GrpoError: a function raised, exited, timed out, returned the wrong type or length, or
             a non-finite value.
     """
-    if not fns_with_weights:
-        raise GrpoError("no reward functions given: configure at least one reward")
     B = len(completions)
+    if not fns_with_weights:  # `rewards: []`: the empty sum (an estimator that reads none)
+        return torch.zeros(B), {}
     lengths = columns.get("completion_lengths") if token_width is not None else None
     total = torch.zeros(B, dtype=torch.float64)  # (B,)
     tokens = None  # (B, T_c) float64 per-token parts, once a function returns them

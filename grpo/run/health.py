@@ -19,6 +19,15 @@ with no signal left). It is an INFO line, not a warning; the summary's `converge
 it; with `train.stop_on_stall` the run ends there as at its last step (final/ weights, exit
 0, "converged at step N").
 
+A run whose estimator drives learning without the rewards (on-policy distillation: it reads no
+rewards, `grpo.algo.advantages.reads_rewards`, or declares the metric it minimises,
+`register_advantage(..., minimises=...)`) is judged by what it optimises, not by the rewards
+(none, or riding along): the rules that read the rewards (equal rewards, a flat reward, solved,
+truncated completions that leave no reward signal) do not apply, and `flat_objective` fires
+when the estimator's metric (``advantage/<minimises>``) stops moving; the gradient and weight
+rules apply as ever. Such a run is never `solved` by constant rewards, and
+`train.stop_on_stall` does not stop it while its objective still moves.
+
 `WeightChange` measures the metric the frozen-weights rule reads, `train/weight_change`.
 """
 
@@ -32,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from grpo.algo.advantages import estimator_objective, reads_rewards
 from grpo.config import Config
 from grpo.distributed import SINGLE, all_reduce_sum_dict
 from grpo.errors import GrpoError
@@ -65,6 +75,8 @@ class Window:
     metrics: tuple[dict, ...]
     lowest_reward: tuple[float, ...]  # per step: the run's lowest rollout/reward_mean until then
     reward_hi: float | None = None  # the run's highest possible reward (None: unknown)
+    judge_rewards: bool = True  # the estimator learns from the rewards (module docstring)
+    objective: str | None = None  # the metric the estimator minimises (advantage/<name>)
 
     def values(self, key: str) -> list[float]:
         """`key` on every step of the window (NaN where a step lacks it)."""
@@ -85,6 +97,8 @@ def _truncated(cfg: Config, w: Window) -> bool:
     the loss drops them (loss.mask_truncated_completions), or nearly every group has equal
     rewards while the reward mean is at the run's lowest so far (the budget cuts the answers
     off; equal rewards at a high reward are a solved task, not the budget's doing)."""
+    if not w.judge_rewards and not cfg.loss.mask_truncated_completions:
+        return False  # a cut completion's tokens still carry the estimator's signal
     for m, lowest in zip(w.metrics, w.lowest_reward):
         t, z, r = (_num(m.get(k)) for k in TRUNCATION_KEYS)
         if not t >= TRUNCATED_FRAC:
@@ -111,7 +125,7 @@ def _truncated_message(cfg: Config, w: Window) -> str:
     else:
         what = f"{t:.0%} of completions hit rollout.max_new_tokens={ro.max_new_tokens}"
         fix = "raise rollout.max_new_tokens or ask for shorter answers (data.system_prompt)"
-    if cfg.loss.mask_truncated_completions:
+    if cfg.loss.mask_truncated_completions or not w.judge_rewards:
         why = "loss.mask_truncated_completions drops them from the loss"
     else:
         why = f"reward mean {r:.3f}, {z:.0%} of groups with equal rewards: no learning signal"
@@ -121,7 +135,7 @@ def _truncated_message(cfg: Config, w: Window) -> str:
 
 def _zero_variance(cfg: Config, w: Window) -> bool:
     """Every group's completions got equal rewards, on every step (advantages all 0)."""
-    return all(z >= 1 - 1e-9 for z in w.values("rollout/frac_zero_std_groups"))
+    return w.judge_rewards and all(z >= 1 - 1e-9 for z in w.values("rollout/frac_zero_std_groups"))
 
 
 def _zero_variance_message(cfg: Config, w: Window) -> str:
@@ -177,7 +191,8 @@ def _flat_reward(cfg: Config, w: Window) -> bool:
     """The reward mean's range (max - min) over the window at most FLAT; the window holds at
     least two steps."""
     r = w.values("rollout/reward_mean")
-    return len(r) >= 2 and all(math.isfinite(x) for x in r) and max(r) - min(r) <= FLAT
+    flat = len(r) >= 2 and all(math.isfinite(x) for x in r) and max(r) - min(r) <= FLAT
+    return w.judge_rewards and flat
 
 
 def _flat_reward_message(cfg: Config, w: Window) -> str:
@@ -196,7 +211,7 @@ def _solved(cfg: Config, w: Window) -> bool:
     has equal rewards and the reward mean is at the bound (no reward exceeds its declared
     bounds: `grpo.rewards.compute` checks them). Never with unknown or infinite bounds."""
     hi = w.reward_hi
-    if hi is None or not math.isfinite(hi):
+    if hi is None or not math.isfinite(hi) or not w.judge_rewards:
         return False
     at_max = all(r >= hi - AT_MAX * max(1.0, abs(hi)) for r in w.values("rollout/reward_mean"))
     return at_max and _zero_variance(cfg, w)
@@ -207,6 +222,25 @@ def _solved_message(cfg: Config, w: Window) -> str:
         f"every completion in every group got the rewards' maximum ({w.reward_hi:g}) for "
         f"{len(w.steps)} steps ({w.span}): the task is learned; harder prompts (data) would "
         "give the policy more to learn"
+    )
+
+
+def _flat_objective(cfg: Config, w: Window) -> bool:
+    """The estimator's objective (`Window.objective`) moved by at most FLAT over the window
+    (at least two steps, every value finite)."""
+    if w.objective is None:
+        return False
+    v = w.values(w.objective)
+    return len(v) >= 2 and all(math.isfinite(x) for x in v) and max(v) - min(v) <= FLAT
+
+
+def _flat_objective_message(cfg: Config, w: Window) -> str:
+    v = w.values(w.objective)
+    return (
+        f"objective flat: {w.objective} (what loss.advantage={cfg.loss.advantage!r} minimises) "
+        f"stayed at {v[-1]:.4g} (range {max(v) - min(v):.2g} <= {FLAT:g}) for {len(v)} steps "
+        f"({w.span}): nothing is being learned; check optim.lr and the module that attaches "
+        "its inputs (e.g. the teacher)"
     )
 
 
@@ -228,6 +262,7 @@ RULES = (
     Rule("zero_gradient", _zero_gradient, _zero_gradient_message),
     Rule("frozen_weights", _frozen_weights, _frozen_weights_message),
     Rule("flat_reward", _flat_reward, _flat_reward_message, min_steps=2),
+    Rule("flat_objective", _flat_objective, _flat_objective_message, min_steps=2),
 )
 # Not a stall: the task is learned. While it holds no stall rule does: each of their symptoms
 # (equal rewards, a flat reward, no gradient, unmoving weights, truncated completions that
@@ -287,6 +322,8 @@ class LearningHealth:
             total_bounds`), or None when unknown: then no run is ever `solved`.
 
     Attributes:
+        objective: the metric the estimator minimises (``advantage/<name>``), or None.
+        judge_rewards: whether the rules that read the rewards apply (module docstring).
         stalls: rule name -> `Stall`, for every stall rule that fired.
         converged: the `solved` rule's record once it fired (None before).
         finished: train.stop_on_stall and the task solved at the step just observed: the
@@ -299,12 +336,19 @@ class LearningHealth:
     _recent: deque = field(init=False)
     _active: dict[str, int] = field(init=False, default_factory=dict)  # rule -> firing step
     _lowest: float = field(init=False, default=math.inf)
+    objective: str | None = field(init=False, default=None)
+    judge_rewards: bool = field(init=False, default=True)
     stalls: dict[str, Stall] = field(init=False, default_factory=dict)
     converged: Stall | None = field(init=False, default=None)
     finished: bool = field(init=False, default=False)
 
     def __post_init__(self):
         self._recent = deque(maxlen=max(self.cfg.train.stall_steps, 2))
+        # what the run optimises (module docstring): the rewards, or the estimator's metric
+        adv = self.cfg.loss.advantage
+        name = estimator_objective(adv)
+        self.objective = f"advantage/{name}" if name else None
+        self.judge_rewards = name is None and reads_rewards(adv)
 
     @property
     def enabled(self) -> bool:
@@ -359,7 +403,7 @@ class LearningHealth:
         if len(self._recent) < n:
             return None
         steps, metrics, lowest = zip(*list(self._recent)[-n:])
-        return Window(steps, metrics, lowest, self.reward_hi)
+        return Window(steps, metrics, lowest, self.reward_hi, self.judge_rewards, self.objective)
 
     def _record(self, name: str) -> Stall | None:
         return self.converged if name == SOLVED.name else self.stalls.get(name)

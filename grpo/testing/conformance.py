@@ -33,7 +33,7 @@ from grpo.algo.advantages import EstimatorRollout, wants_rollout
 
 B, G, T = 16, 4, 9  # rows, group size, completion width of the fixed batch
 # the batch extras a built-in estimator reads (`check_advantage` fills them for it)
-BUILTIN_EXTRAS = {"gae": ("values",)}
+BUILTIN_EXTRAS = {"gae": ("values",), "distill": ("teacher_logprobs",)}
 CLAIMS = ("shift_invariant", "group_zero_sum")  # what an estimator may claim (register_advantage)
 BETA = 0.05  # the KL weight every loss check runs with (k3 in the loss)
 # every policy-loss check runs at the settings given, and again with these on top: a clip

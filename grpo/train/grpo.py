@@ -78,18 +78,16 @@ from grpo.experience.batch import (
     RolloutBatch,
     UpdateBatch,
     counted_mask,
-    micro_batch_plan,
 )
 from grpo.experience.inline import make_sampler
 from grpo.experience.normalize import normalize_globally
 from grpo.experience.producer import run_producer
+from grpo.experience.scoring import micro_logprobs, step_plan
 from grpo.experience.sources import rollout_source
 from grpo.experience.strategies import REPLAYED, keeps_state, strategy_record
 from grpo.experience.strategy_state import StrategyState
 from grpo.loading import load_rows, resolve_device
 from grpo.lora import disabled_lora
-from grpo.models.packed_rows import packed_overhead
-from grpo.models.varlen import packs_sequences
 from grpo.modules.module_set import ModuleSet
 from grpo.policy import Policy, build_policy, shard_policy
 from grpo.rewards import build_rewards
@@ -162,26 +160,6 @@ def loss_extras(
             "which the batch already holds (from the rollout strategy or a trained module)"
         )
     return {**batch.extras, **returned}
-
-
-def step_plan(cfg: Config, policy: Policy, rollout: Rollout, mask: torch.Tensor, dist=SINGLE):
-    """The step's micro-batches (`micro_batch_plan`): packed when train.pack_sequences says so
-    (by train.micro_batch_tokens when set, as many on every rank), else padded, by
-    train.micro_batch_size rows."""
-    t = cfg.train
-    size = t.micro_batch_size or t.batch_size
-    if not packs_sequences(t.pack_sequences, rollout.ids.device, t.micro_batch_tokens):
-        return micro_batch_plan(rollout, size)
-    return micro_batch_plan(
-        rollout,
-        size,
-        mask,
-        pack=True,
-        group_size=cfg.shared_prefix_groups,
-        max_tokens=cfg.train.micro_batch_tokens,
-        overhead=packed_overhead(policy.model),
-        dist=dist,
-    )
 
 
 def each_micro_batch(plan: tuple[MicroBatch, ...], show: bool, desc: str):
@@ -287,51 +265,6 @@ def global_advantages(
     if extras is not None:
         extras.update({k: v[rows, :T] if v.dim() == 2 else v[rows] for k, v in returned.items()})
     return adv[rows, :T]  # (B, T_c)
-
-
-def micro_logprobs(
-    cfg: Config,
-    scorer,
-    rollout: Rollout,
-    mask: torch.Tensor,
-    mb: MicroBatch,
-    entropy: bool = False,
-    entropy_grad: bool = False,
-):
-    """A micro-batch's completion log-probs (mb, T_c) through `scorer` (a CompletionLogprobs,
-    maybe DDP), computed over the columns `mb.cols` that hold its real tokens and only at the
-    counted tokens of `mask` (B, T_c), zero-padded back to T_c; with `entropy`, also the
-    entropies."""
-    r, sl = rollout, mb.rows
-    if mb.packed is not None:  # the rows on one token axis: (mb, T_c) out, as scored
-        temperature = cfg.rollout.temperature or 1.0
-        return scorer(
-            r.ids[sl],
-            None,
-            r.prompt_width,
-            None,
-            temperature,
-            return_entropy=entropy,
-            entropy_grad=entropy_grad,
-            packed=mb.packed,
-        )
-    lo, hi = mb.cols
-    T_p, T_c = r.prompt_width, r.ids.shape[1] - r.prompt_width
-    out = scorer(  # autocast as the policy's precision says (CompletionLogprobs)
-        r.ids[sl, lo:hi],
-        r.attention_mask()[sl, lo:hi],
-        T_p - lo,
-        mask[sl, : hi - T_p],
-        cfg.rollout.temperature or 1.0,  # greedy rollouts are scored at T = 1
-        return_entropy=entropy,
-        entropy_grad=entropy_grad,
-        has_holes=r.multi_turn,
-        group_size=cfg.shared_prefix_groups,
-    )
-    pad = (0, T_c - (hi - T_p))  # the trimmed columns hold no scored token: 0 there
-    if entropy:
-        return tuple(torch.nn.functional.pad(t, pad) for t in out)
-    return torch.nn.functional.pad(out, pad)
 
 
 def kl_measured(cfg: Config, step: int | None) -> bool:
@@ -619,7 +552,7 @@ def _produce(cfg: Config, roles: Roles, where: Where) -> dict:
     policy = build_policy(cfg, device, need_ref=False)
     policy.model.eval()
     rows = load_rows(cfg.data, cfg.data.split, cfg.data.max_samples, "rl", policy.tokenizer)
-    reward_fns = build_rewards([r.spec for r in cfg.rewards])
+    reward_fns = build_rewards([r.spec for r in cfg.rewards]) if cfg.rewards else []
     sampler = make_sampler(cfg, policy, policy.model)
     return run_producer(cfg, policy, sampler, rows, reward_fns, make_env, roles, where)
 
@@ -648,7 +581,7 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             n_eval = cfg.data.eval_samples
             eval_rows = load_rows(cfg.data, cfg.data.eval_split, n_eval, "rl", policy.tokenizer)
         check_prompt_room(cfg, mc, "grpo", rows, eval_rows)
-    reward_fns = build_rewards([r.spec for r in cfg.rewards])
+    reward_fns = build_rewards([r.spec for r in cfg.rewards]) if cfg.rewards else []
     if dist.is_main:  # limits that would act silently, said once (grpo config says them too)
         for line in start_notices(cfg, "grpo", tokenizer=policy.tokenizer):
             log.warning("%s", line)
@@ -805,8 +738,9 @@ def source_perf(source, compiled_s: float) -> dict[str, float]:
 def highest_reward(cfg: Config, reward_fns) -> float | None:
     """The highest total reward a completion can get, for the learning-health `solved` rule:
     the weighted rewards' upper bound (`grpo.rewards.bounds.total_bounds`). None when a reward
-    declares no bounds, or with an environment (its step rewards add to the total)."""
-    if cfg.rollout.multi_turn:
+    declares no bounds, with an environment (its step rewards add to the total), or with
+    `rewards: []`."""
+    if cfg.rollout.multi_turn or not reward_fns:
         return None
     bounds = total_bounds(reward_fns)
     return None if bounds is None else bounds[1]
