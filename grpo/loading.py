@@ -22,6 +22,7 @@ import torch
 
 from grpo.config import Config, DataConfig, load_config
 from grpo.errors import GrpoError
+from grpo.models.config import classifier_architecture
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,15 @@ def resolve_trained(path: str | Path) -> TrainedModel:
     in its adapter_config.json.
     """
     p = Path(path)
+    for weights in (p / "final", p):
+        arch = classifier_architecture(weights)
+        if arch is not None:  # `grpo rm`'s output: its config.yaml reads like a LoRA policy's
+            raise GrpoError(
+                f"{path} is a reward model ({arch}: a scalar score head, as `grpo rm` writes), "
+                "not a causal LM: it scores text and cannot generate, so it cannot be served "
+                "or evaluated as a chat model; use it as a reward "
+                f"(rewards: [{{name: reward_model, kwargs: {{path: {weights}}}}}], docs/rewards.md)"
+            )
     if (p / "final").is_dir() and (p / "config.yaml").is_file():
         return trained_model(load_config(p / "config.yaml"), p / "final")
     if p.name == "final" and (p.parent / "config.yaml").is_file():

@@ -293,6 +293,36 @@ def test_a_critic_starts_from_a_reward_model_head(shared_tiny_model, tmp_path):
     assert critic.model.score.weight.requires_grad
 
 
+def critic_on_two_ranks(dist, model: str) -> tuple[list[str], float]:
+    """On each rank of the pool: a LoRA critic's ModuleSet (its start-up broadcast) and a
+    backward through the critic's trained tensors; (the warnings seen, a sum of its state)."""
+    import warnings
+
+    from grpo.modules.module_set import ModuleSet
+    from grpo.policy import build_policy
+
+    cfg = tiny_cfg(model)
+    policy = build_policy(cfg, torch.device("cpu"), need_ref=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        modules = ModuleSet(cfg.check_grpo(), policy, dist, torch.device("cpu"), 3)
+        state = modules.items[0].module.checkpoint_state()
+        loss = sum((t.double() ** 2).sum() for t in state.values())
+        loss.backward()
+    return [str(w.message) for w in seen], float(loss)
+
+
+def test_two_ranks_start_a_lora_critic_without_broadcast_warnings(rank_pool, shared_tiny_model):
+    """The ranks' start-up broadcast of a LoRA critic's parameters (trainable tensors) ran
+    under autograd: c10d's broadcast_, which has no backward, warned "may lead to silently
+    incorrect behavior" at every rank's first backward (issue 64). Under no_grad it is gone,
+    and the ranks start from the same weights."""
+    replies = rank_pool.run("test_ppo:critic_on_two_ranks", str(shared_tiny_model))
+    for said, _ in replies:
+        assert not [w for w in said if "broadcast" in w], said
+    assert replies[0][1] == replies[1][1]
+
+
 def test_a_critic_beside_an_estimator_that_reads_no_values_is_said_once(shared_tiny_model):
     from grpo.run.notices import start_notices
 

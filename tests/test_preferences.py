@@ -80,8 +80,9 @@ def test_implicit_messages_prompt_is_the_common_leading_run(tiny_tokenizer):
     assert head + pair.chosen_ids == encode_chat(tok, chosen, add_generation_prompt=False)
     assert head + pair.rejected_ids == encode_chat(tok, rejected, add_generation_prompt=False)
     # one shared message: the same as the explicit form
-    explicit = one_pair(tok, {"prompt": [USER], "chosen": [a1], "rejected": [u2]})
-    assert explicit == one_pair(tok, {"chosen": [USER, a1], "rejected": [USER, u2]})
+    a2 = {"role": "assistant", "content": "Step 1: 3 + 5 = 9"}
+    explicit = one_pair(tok, {"prompt": [USER], "chosen": [a1], "rejected": [a2]})
+    assert explicit == one_pair(tok, {"chosen": [USER, a1], "rejected": [USER, a2]})
 
 
 def test_tool_call_completion_with_null_content(tiny_tokenizer):
@@ -259,6 +260,46 @@ BAD_ROWS = [
     (
         {"chosen": [USER, A], "rejected": [{"role": "user", "content": "other"}, B]},
         "share no leading message",
+    ),
+    # roles (issue 64: accepted, and the pairs trained on): named by field and message
+    (
+        {"prompt": [{"role": "usr", "content": "q"}], "chosen": "a", "rejected": "b"},
+        "prompt[0].role 'usr' is not a chat role (system, user, assistant, tool)",
+    ),
+    (
+        {"prompt": [USER], "chosen": [{"role": "bot", "content": "a"}], "rejected": "b"},
+        "chosen[0].role 'bot' is not a chat role",
+    ),
+    (
+        {"prompt": [USER, SYSTEM], "chosen": "a", "rejected": "b"},
+        "prompt[1].role 'system' comes after another message",
+    ),
+    (
+        {"prompt": [USER], "chosen": "a", "rejected": [{"role": "user", "content": "b"}]},
+        "rejected[0].role 'user' begins the reply; the reply is the assistant's",
+    ),
+    (
+        {"prompt": [USER], "chosen": [A, {"role": "user", "content": "more"}], "rejected": [B]},
+        "chosen[1].role 'user' in the reply",
+    ),
+    (
+        {"prompt": [USER, A], "chosen": "a", "rejected": "b"},
+        "prompt[1].role 'assistant' ends the prompt; the reply follows a user message",
+    ),
+    (
+        {"prompt": [{"role": "tool", "content": "8"}], "chosen": "a", "rejected": "b"},
+        "prompt[0].role 'tool' (a tool result) must follow an assistant message",
+    ),
+    (
+        {"chosen": [USER, A, {"role": "user", "content": "x"}], "rejected": [USER, A, B]},
+        "chosen[1].role 'assistant' ends the prompt",
+    ),
+    (
+        {
+            "chosen": [{"role": "User", "content": "q"}, A],
+            "rejected": [{"role": "User", "content": "q"}, B],
+        },
+        "chosen[0].role 'User' is not a chat role",
     ),
 ]
 

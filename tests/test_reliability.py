@@ -1001,6 +1001,33 @@ def test_merge_refuses_outputs_that_would_destroy_something(
     assert tree_digest(root) == before, f"{name}: something on disk changed"
 
 
+def test_merge_refuses_an_adapter_of_another_base(merge_inputs, capsys):
+    """An adapter whose adapter_config.json names another base than --model (issue 64: it
+    was folded in silently): one line naming both, nothing written; the same directory by
+    another path merges; --any-base merges anyway. A non-causal-LM task_type is refused."""
+    root = merge_inputs
+    config = json.loads((root / "adapter" / "adapter_config.json").read_text())
+    other = {**config, "base_model_name_or_path": "Qwen/Qwen3-0.6B"}
+    (root / "adapter" / "adapter_config.json").write_text(json.dumps(other))
+    before = tree_digest(root)
+    assert cli.main(merge_argv(root, root / "out")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("grpo merge: error: --adapter "), err
+    assert "was trained on 'Qwen/Qwen3-0.6B'" in err and f"not --model {root / 'base'}" in err
+    assert "--any-base" in err and tree_digest(root) == before
+    assert cli.main(merge_argv(root, root / "out", "--any-base")) == 0
+    same = {**config, "base_model_name_or_path": str(root / "old" / ".." / "base")}
+    (root / "adapter" / "adapter_config.json").write_text(json.dumps(same))
+    assert cli.main(merge_argv(root, root / "out2")) == 0
+    seq_cls = {**same, "task_type": "SEQ_CLS"}
+    (root / "adapter" / "adapter_config.json").write_text(json.dumps(seq_cls))
+    capsys.readouterr()
+    assert cli.main(merge_argv(root, root / "out3")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "task_type 'SEQ_CLS'" in err, err
+    assert not (root / "out3").exists()
+
+
 def test_merge_overwrite_replaces_the_contents(merge_inputs, capsys):
     from grpo.models import load_model
 

@@ -231,3 +231,32 @@ def test_a_pad_id_outside_the_vocabulary_is_one_line_before_loading(shared_tiny_
     with pytest.raises(PreflightError, match=r"rm.pad_token_id: 1000000 is not a token"):
         check_rm(cfg)
     check_rm(rm_config(shared_tiny_model, data, tmp_path / "out", "rm.pad_token_id=0"))
+
+
+def test_a_reward_model_is_not_served_nor_merged_into(shared_tiny_model, tmp_path, capfd):
+    """A `grpo rm` output (LoRA run: its config.yaml reads like a policy run's) given to `grpo
+    serve` or `grpo merge`: one line saying it is a reward model, what it is for, exit 2. Serving
+    said "no adapter_config.json"; merging a policy adapter into it wrote a classifier with the
+    policy's deltas, rc 0."""
+    from grpo.apps.cli import main
+    from grpo.lora import apply_lora, save_adapter
+    from grpo.models import load_model
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", toy_pairs(56, 0))
+    cfg = rm_config(shared_tiny_model, data, tmp_path / "rm", "train.max_steps=1")
+    final = Path(train_rm(cfg)["final"])
+    policy = load_model(shared_tiny_model)
+    apply_lora(policy, rank=4, alpha=8, targets=["q_proj"], seed=0)
+    save_adapter(policy, tmp_path / "adapter", base_model_name_or_path=str(shared_tiny_model))
+    capfd.readouterr()
+    for model in (tmp_path / "rm", final):
+        assert main(["serve", "--model", str(model), "--port", "0"]) == 2
+        err = capfd.readouterr().err
+        assert err.count("\n") == 1 and "no adapter_config.json" not in err, err
+        assert f"{model} is a reward model (Qwen3ForSequenceClassification" in err, err
+        assert f"name: reward_model, kwargs: {{path: {final}}}" in err, err
+    argv = ["merge", "--model", str(final), "--adapter", str(tmp_path / "adapter")]
+    assert main([*argv, "--out", str(tmp_path / "merged")]) == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and f"--model {final} is a reward model" in err, err
+    assert not (tmp_path / "merged").exists()

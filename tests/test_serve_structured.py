@@ -239,6 +239,24 @@ def test_endless_schemas_are_400s_naming_the_field(server, schema, why):
         assert data["error"]["message"].startswith(field) and why in data["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    "pattern, reason",
+    [("a(b", "unclosed group"), ("x" * 5000 + "[z-a]", "invalid character class range")],
+    ids=["unclosed", "long"],
+)
+def test_a_bad_pattern_is_one_bounded_line(server, pattern, reason):
+    """A regex the engine cannot parse (issue 64): one line naming the field, where the
+    pattern is and the engine's reason, not the first line of its multi-line message."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "pattern": pattern}}}
+    status, data = post(server, {**CHAT, "response_format": response_format(schema)})
+    field = "response_format.json_schema.schema"
+    message = data["error"]["message"]
+    assert status == 400 and data["error"]["param"] == field, data
+    assert message.startswith(f"{field}: the pattern at properties.name.pattern "), message
+    assert message.endswith(reason) or reason in message.rsplit(": ", 1)[-1], message
+    assert "\n" not in message and len(message) < 500, message
+
+
 @pytest.mark.parametrize("tool_choice", ["required", "auto"])
 def test_endless_strict_tool_parameters_are_400s(server, tool_choice):
     loose = {"type": "function", "function": {"name": "g", "parameters": {"$ref": "#"}}}

@@ -174,7 +174,12 @@ def cmd_merge(args) -> int:
     from grpo.lora import merge_command
 
     out = merge_command(
-        args.model, args.adapter, args.out, dtype=args.dtype, overwrite=args.overwrite
+        args.model,
+        args.adapter,
+        args.out,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+        any_base=args.any_base,
     )
     print(f"wrote merged checkpoint to {out}")
     return 0
@@ -351,6 +356,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: base)")
     p.add_argument(
         "--overwrite", action="store_true", help="replace the contents of a non-empty --out"
+    )
+    p.add_argument(
+        "--any-base",
+        action="store_true",
+        help="merge although the adapter's config names another base (the same model moved)",
     )
     p.set_defaults(func=cmd_merge)
 

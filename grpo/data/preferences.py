@@ -283,6 +283,10 @@ def _extract(row: Any, where: str) -> tuple[str | list[dict], Any, Any]:
             prompt = _messages(prompt, where, "prompt")
             chosen = _completion(chosen, where, "chosen")
             rejected = _completion(rejected, where, "rejected")
+            for side, completion in (("chosen", chosen), ("rejected", rejected)):
+                named = [(f"prompt[{j}]", m) for j, m in enumerate(prompt)]
+                named += [(f"{side}[{j}]", m) for j, m in enumerate(completion)]
+                _check_roles(named, len(prompt), where)
         else:
             raise GrpoError(
                 f"{where}: prompt must be a string or a message list, got a {_kind(prompt)}"
@@ -296,6 +300,9 @@ def _extract(row: Any, where: str) -> tuple[str | list[dict], Any, Any]:
                 f"{where}: chosen and rejected share no leading message, so there is "
                 "no prompt; give a prompt column or start both with it"
             )
+        for side, conversation in (("chosen", chosen), ("rejected", rejected)):
+            named = [(f"{side}[{j}]", m) for j, m in enumerate(conversation)]
+            _check_roles(named, k, where)
         prompt, chosen, rejected = chosen[:k], chosen[k:], rejected[k:]
     elif isinstance(chosen, str) and isinstance(rejected, str):
         k = _common_prefix(chosen, rejected)
@@ -351,6 +358,36 @@ def _messages(value: list, where: str, field: str) -> list[dict]:
             )
         out.append({**{k: v for k, v in m.items() if v is not None}, "content": content})
     return out
+
+
+ROLES = ("system", "user", "assistant", "tool")  # what chat templates render
+
+
+def _check_roles(named: list[tuple[str, dict]], reply: int, where: str) -> None:
+    """Raise naming the message (`prompt[j]`, `chosen[j]`, ...) whose role is not a chat role
+    or out of order in one side's conversation: `named` is (field, message) in order, the
+    reply (the completion scored) from index `reply` on. A system message comes first only;
+    a tool result follows an assistant message or another result; the prompt ends with a
+    user message or a tool result; the reply is the assistant's (it begins with an assistant
+    message and holds no user or system turn)."""
+    for j, (field, m) in enumerate(named):
+        role = m["role"]
+        before = named[j - 1][1]["role"] if j else None
+        if role not in ROLES:
+            problem = f"{_short(role)} is not a chat role ({', '.join(ROLES)})"
+        elif role == "system" and j:
+            problem = "'system' comes after another message; a system message comes first"
+        elif role == "tool" and before not in ("assistant", "tool"):
+            problem = "'tool' (a tool result) must follow an assistant message or another result"
+        elif j == reply and role != "assistant":
+            problem = f"{role!r} begins the reply; the reply is the assistant's"
+        elif j > reply and role not in ("assistant", "tool"):
+            problem = f"{role!r} in the reply; the reply holds assistant messages and tool results"
+        elif j == reply - 1 < len(named) - 1 and role not in ("user", "tool"):
+            problem = f"{role!r} ends the prompt; the reply follows a user message or a tool result"
+        else:
+            continue
+        raise GrpoError(f"{where}: {field}.role {problem}")
 
 
 def _has_text(completion: str | list[dict]) -> bool:

@@ -25,6 +25,7 @@ from grpo.lora.layers import (
     lora_modules,
     unwrap_lora,
 )
+from grpo.models.config import classifier_architecture
 from grpo.models.hf_checkpoint import (
     load_model,
     our_name,
@@ -258,12 +259,49 @@ def check_merge_output(out_dir: str | Path, inputs: dict[str, Path], overwrite: 
     return out
 
 
+def check_merge_base(
+    model_path: str | Path, model_dir: Path, adapter_dir: str | Path, any_base: bool = False
+) -> None:
+    """Refuse a merge that would write a model nobody trained: into a reward model (a
+    `*ForSequenceClassification` checkpoint: a policy adapter's deltas would land on its
+    decoder and the result score, not generate), an adapter of another task than a causal
+    LM's, or (unless `any_base`) an adapter whose `adapter_config.json` names another base
+    than `model_path` (its `base_model_name_or_path`, as `grpo train` and PEFT record it; the
+    same directory by another path, or the same name, is the same base). Raises GrpoError."""
+    cfg = read_adapter_config(adapter_dir)
+    recorded = cfg.get("base_model_name_or_path")
+    arch = classifier_architecture(model_dir)
+    if arch is not None:
+        raise GrpoError(
+            f"--model {model_path} is a reward model ({arch}: a scalar score head), not a "
+            f"causal LM; grpo merge folds a policy's adapter into the base it was trained on "
+            f"(this one's adapter_config.json names {recorded!r})"
+        )
+    task = cfg.get("task_type")
+    if task not in (None, "CAUSAL_LM"):
+        raise GrpoError(
+            f"--adapter {adapter_dir}: task_type {task!r} in its adapter_config.json; grpo "
+            "merge folds CAUSAL_LM adapters (a policy's) into a causal LM"
+        )
+    if any_base or not recorded or str(recorded) == str(model_path):
+        return
+    named = Path(str(recorded))
+    if named.is_dir() and named.resolve() == Path(model_dir).resolve():
+        return
+    raise GrpoError(
+        f"--adapter {adapter_dir} was trained on {recorded!r} (its adapter_config.json's "
+        f"base_model_name_or_path), not --model {model_path}; merge it into that base, or "
+        "pass --any-base if this is the same model moved or renamed"
+    )
+
+
 def merge_command(
     model_path: str | Path,
     adapter_dir: str | Path,
     out_dir: str | Path,
     dtype: str | None = None,
     overwrite: bool = False,
+    any_base: bool = False,
 ) -> Path:
     """`grpo merge`: base checkpoint + adapter -> a plain HF checkpoint `transformers` loads.
 
@@ -278,6 +316,8 @@ def merge_command(
         out_dir: output directory; see `check_merge_output` for what is refused.
         dtype: "float32" / "bfloat16" / "float16" or None.
         overwrite: replace the contents of a non-empty `out_dir`.
+        any_base: merge even when the adapter's config names another base (see
+            `check_merge_base`).
 
     Returns:
         `out_dir` as a Path.
@@ -286,6 +326,7 @@ def merge_command(
     out = check_merge_output(
         out_dir, {"--model": model_dir, "--adapter": Path(adapter_dir)}, overwrite
     )
+    check_merge_base(model_path, model_dir, adapter_dir, any_base)
     model = load_model(model_dir, dtype=torch.float32)  # checks config.json and the weights
     if dtype is None:
         hf_cfg = read_json(model_dir / "config.json", "a Hugging Face config.json")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,21 @@ _REQUIRED_FIELDS = (
     "num_hidden_layers",
     "num_attention_heads",
 )
+
+
+def classifier_architecture(model_dir: str | Path) -> str | None:
+    """The `*ForSequenceClassification` architecture that `model_dir`/config.json names (a
+    reward model: a scalar score head, no lm_head), None for anything else, a hub id or a
+    directory without a readable config.json (the loader says what is wrong with those)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+    archs = config.get("architectures") if isinstance(config, dict) else None
+    archs = archs if isinstance(archs, list) else []
+    found = [a for a in archs if isinstance(a, str) and a.endswith("ForSequenceClassification")]
+    return found[0] if found else None
 
 
 @dataclass(frozen=True)

@@ -169,9 +169,13 @@ class ModuleSet:
             import torch.distributed as td
 
             src = 0 if dist.group is None else td.get_global_rank(dist.group, 0)
-            for t in self.items:
-                for tensor in t.module.checkpoint_state().values():
-                    td.broadcast(tensor, src=src, group=dist.group)
+            # without grad: a trainable parameter broadcast in place under autograd puts
+            # c10d's broadcast_, which has no backward, into the graph of every later step
+            # (torch warns at each rank's backward: "may lead to silently incorrect behavior")
+            with torch.no_grad():
+                for t in self.items:
+                    for tensor in t.module.checkpoint_state().values():
+                        td.broadcast(tensor, src=src, group=dist.group)
 
     def __bool__(self) -> bool:
         return bool(self.items)

@@ -240,11 +240,15 @@ def _content_pieces(
     if not idx:
         return [(real, False)]
     phs = {_CONTENT_PH.format(i): i for i in idx}
+    real_at = set(idx)  # a set: `i in idx` made this quadratic in the messages
     dummy = [
-        {**m, "content": _CONTENT_PH.format(i)} if i in idx else m for i, m in enumerate(messages)
+        {**m, "content": _CONTENT_PH.format(i)} if i in real_at else m
+        for i, m in enumerate(messages)
     ]
     skeleton = render(dummy)
-    gaps = list(re.finditer("|".join(map(re.escape, phs)), skeleton))
+    # one pattern for every placeholder, not an alternation of them: compiling one of 24,000
+    # alternatives takes a second in C, holding the GIL (a server's event loop with it)
+    gaps = [g for g in _CONTENT_RE.finditer(skeleton) if g.group() in phs]
 
     def pieces(contents: dict[int, str]) -> list[tuple[str, bool]] | None:
         out, pos = [], 0
@@ -261,8 +265,11 @@ def _content_pieces(
     if out is not None:
         return out
     written = {}
+    where_of: dict[int, list] = {}
+    for g in gaps:
+        where_of.setdefault(phs[g.group()], []).append(g)
     for i in idx:
-        where = [g for g in gaps if phs[g.group()] == i]
+        where = where_of.get(i, [])
         if len(where) != 1:
             continue
         head, tail = skeleton[: where[0].start()], skeleton[where[0].end() :]
@@ -298,6 +305,7 @@ def _content_pieces(
 _USER_PH = "GrpoDummyUserQz"
 _ASSISTANT_PH = "GrpoDummyAssistantQz"
 _CONTENT_PH = "GrpoDummyContent{}Qz"  # one per appended message; "Qz" ends the index
+_CONTENT_RE = re.compile(r"GrpoDummyContent\d+Qz")  # any _CONTENT_PH
 # Content that a template rendering contents verbatim reproduces exactly, but that trim, escape,
 # tojson or indent would change: the cached cut is used only if splicing it in matches a render.
 _PROBE = ' \n  probe "quoted" \\ {{ x }} {% y %} <b>&amp;\ttab\n\n '

@@ -299,7 +299,7 @@ class Grammars:
             styled = {**schema, "x-guidance": JSON_STYLE} if isinstance(schema, dict) else schema
             return self._llg.LLMatcher.grammar_from_json_schema(json.dumps(styled))
 
-        return self._compiled(f"{kind}|{int(strict)}|{text}", grammar, field, "schema")
+        return self._compiled(f"{kind}|{int(strict)}|{text}", grammar, field, "schema", schema)
 
     def tool_call(self, tools: Sequence[dict], name: str | None, close: str) -> Grammar:
         """The rest of a forced tool call (`tool_choice` required, or the function `name`),
@@ -356,9 +356,9 @@ class Grammars:
             return f"<[{tid}]>"
         return json.dumps(tag)
 
-    def _compiled(self, key: str, grammar, field: str, what: str) -> Grammar:
+    def _compiled(self, key: str, grammar, field: str, what: str, schema=None) -> Grammar:
         """The cached `Grammar` of `key`, else `grammar()` compiled (and cached); an engine
-        error is a FieldError naming `field`."""
+        error is a FieldError naming `field` (and, for a bad pattern, where in `schema`)."""
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
@@ -374,6 +374,9 @@ class Grammars:
         except Exception as e:  # the engine's own errors (ValueError / RuntimeError)
             problem = e
         if problem is not None:
+            regex = _regex_error(problem, schema)
+            if regex is not None:
+                raise FieldError(f"{field}: {regex}", field=field)
             raise FieldError(
                 f"{field}: the grammar engine cannot compile this {what}: {_first_line(problem)}",
                 field=field,
@@ -426,6 +429,48 @@ def _arguments(fn: dict) -> str:
 def _first_line(e) -> str:
     text = str(e).strip()
     return (text.splitlines()[0] if text else type(e).__name__)[:300]
+
+
+def _regex_error(e, schema) -> str | None:
+    """One line for the engine's regex parse error (None for other errors). The engine's text
+    spans lines (``regex parse error:``, the pattern, a caret line, ``error: <reason>``), so its
+    first line alone says nothing: this names the pattern (and its place in `schema` when
+    found) and the reason, each cut to a bounded length."""
+    lines = str(e).strip().splitlines()
+    if not lines or not lines[0].startswith("regex parse error"):
+        return None
+    reasons = [ln.strip()[len("error:") :].strip() for ln in lines if ln.startswith("error:")]
+    reason = (reasons[-1] if reasons else "unreadable")[:200]
+    shown = lines[1].strip() if len(lines) > 1 else ""  # the pattern as the engine quotes it
+    where = _pattern_path(schema, shown) if shown else None
+    at = f" at {where[:120]}" if where else ""
+    pattern = json.dumps(shown)
+    pattern = pattern if len(pattern) <= 80 else pattern[:76] + '..."'
+    return f"the pattern{at} {pattern} is not a valid regular expression: {reason}"
+
+
+def _pattern_path(schema, pattern: str, path: str = "") -> str | None:
+    """The dotted place in `schema` of the regex `pattern` (``properties.name.pattern``, or
+    ``patternProperties`` and its key), None when not found."""
+    try:
+        if isinstance(schema, dict):
+            if schema.get("pattern") == pattern:
+                return f"{path}pattern"
+            props = schema.get("patternProperties")
+            if isinstance(props, dict) and pattern in props:
+                return f"{path}patternProperties"
+            items = schema.items()
+        elif isinstance(schema, list):
+            items = ((str(i), v) for i, v in enumerate(schema))
+        else:
+            return None
+        for k, v in items:
+            found = _pattern_path(v, pattern, f"{path}{k}.")
+            if found is not None:
+                return found
+    except RecursionError:  # nested past Python's stack: the pattern alone names it
+        return None
+    return None
 
 
 class RowGrammars:
