@@ -336,6 +336,41 @@ def test_rewards_the_update_would_not_train_on_are_refused(setup, change, row, m
         run_strategy(dataclasses.replace(cfg, rollout=bad), sampling(), rows, 0, 0)
 
 
+@pytest.mark.parametrize(
+    "metrics, message",
+    [
+        ({"note": "warm"}, "reported the metric 'note': 'warm'"),
+        ({"both": torch.tensor([1.0, 2.0])}, "reported the metric 'both': a tensor of shape (2,)"),
+        ({"gone": None}, "reported the metric 'gone': None"),
+        ({"flag": True}, "reported the metric 'flag': True"),
+        ({"nested": {"a": 1.0}}, "reported the metric 'nested': {'a': 1.0}"),
+        ([("a", 1.0)], "metrics are a list, not a dict"),
+    ],
+)
+def test_a_strategys_metrics_of_odd_types_are_one_line_naming_it(setup, metrics, message):
+    """What a strategy puts in `batch.metrics` is merged over rounds and ranks and logged: a
+    value that is not a number (a string, None, a tensor of several elements) is one line
+    naming the strategy and the key, not a traceback from the reduction; a one-element tensor
+    is read as its number."""
+    cfg, policy, sampler, rewards, rows, sampling = setup
+
+    @register_rollout_strategy("test_reporter", overwrite=True)
+    def reporter(rows, sampling, odd=True):
+        batch = sampling.score(sampling.sample(rows), rows)
+        got = metrics if odd else {**batch.metrics, "one": torch.tensor([0.5])}
+        return dataclasses.replace(batch, metrics=got)
+
+    bad = dataclasses.replace(cfg.rollout, strategy="test_reporter")
+    with pytest.raises(GrpoError) as e:
+        run_strategy(dataclasses.replace(cfg, rollout=bad), sampling(), rows, 0, 0)
+    assert str(e.value).startswith("rollout strategy 'test_reporter'") and message in str(e.value)
+    assert len(str(e.value).splitlines()) == 1
+    good = dataclasses.replace(bad, strategy_kwargs={"odd": False})
+    batch = run_strategy(dataclasses.replace(cfg, rollout=good), sampling(), rows, 0, 0)
+    assert batch.metrics["one"] == 0.5 and type(batch.metrics["one"]) is float
+    assert batch.metrics["perf/reward_s"].op == "sum"  # a Sum stays one
+
+
 EXIT_PLUGINS = """
 import sys
 import time

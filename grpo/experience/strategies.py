@@ -52,7 +52,7 @@ from grpo.experience.batch import (
     select_rows,
     turn_token_rewards,
 )
-from grpo.metrics import Sum
+from grpo.metrics import Sum, split_metrics
 from grpo.plugins import time_limit
 from grpo.precision import Precision
 from grpo.rewards import NamedReward, RewardContext, compute_rewards
@@ -353,9 +353,24 @@ def run_strategy(cfg, sampling: Sampling, rows: list[dict], rank: int, round_: i
             f"rollout.group_size={G} ({want} rows)"
         )
     check_rewards(batch, f"rollout strategy {name!r}")
+    batch = dataclasses.replace(batch, metrics=check_metrics(batch.metrics, name))
     # the dataset's own rows again (each prompt's, G times, in order, as checked above): later
     # stages and a producer rank's wire format name rows by identity, and edits stay behind
     return dataclasses.replace(batch, rows=[rows[i // G] for i in range(batch.size)])
+
+
+def check_metrics(metrics, name: str) -> dict:
+    """A strategy's `batch.metrics`, checked before they are merged over rounds and ranks:
+    a dict of string names to finite numbers (`Sum` / `Max` / `Min` keep their type; a
+    one-element tensor is read), else one line naming the strategy and the metric key
+    (`grpo.metrics.split_metrics`'s rule, the rewards' own)."""
+    who = f"rollout strategy {name!r}"
+    if not isinstance(metrics, dict):
+        raise GrpoError(
+            f"{who} returned a batch whose metrics are a {type(metrics).__name__}, not a dict "
+            "of names to numbers"
+        )
+    return split_metrics((None, metrics), who)[1]
 
 
 def check_rewards(batch: RolloutBatch, who: str) -> None:
