@@ -372,6 +372,7 @@ def test_a_strategys_metrics_of_odd_types_are_one_line_naming_it(setup, metrics,
 
 
 EXIT_PLUGINS = """
+import dataclasses
 import sys
 import time
 
@@ -386,6 +387,14 @@ def strategy(**inputs):
 
 def hangs(**inputs):
     time.sleep(3600)
+
+
+def nan_logprobs(rows, sampling):
+    batch = sampling.score(sampling.sample(rows), rows)
+    logprobs = batch.rollout.logprobs.clone()
+    logprobs[1, 0] = float("nan")  # every row generates at least its first token
+    rollout = dataclasses.replace(batch.rollout, logprobs=logprobs)
+    return dataclasses.replace(batch, rollout=rollout)
 
 
 def estimator(**inputs):
@@ -487,6 +496,23 @@ def test_a_hanging_plug_in_stops_the_run_at_its_time_limit(
     assert time.monotonic() - start < 60
     err = capsys.readouterr().err
     assert f"{who} did not return within train.plugin_timeout_s=1 s (rank 0)" in err, err[-2000:]
+
+
+def test_nan_log_probs_from_a_strategy_name_the_strategy(
+    shared_tiny_model, tmp_path, monkeypatch, capsys
+):
+    """A strategy that returns a NaN behaviour log-prob (where the trainer's own log-prob of
+    that token, before any update, is finite) is named at its step, not a skipped update that
+    the non-finite guard later blames on optim.lr and the rewards."""
+    strategy = "rollout.strategy=exit_plugins:nan_logprobs"
+    assert train_with_plugins(tmp_path, monkeypatch, shared_tiny_model, strategy) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err[-2000:]
+    assert (
+        "step 1: the log-probs of the batch rollout strategy 'exit_plugins:nan_logprobs' "
+        "returned (its rollout.logprobs) are not finite at 1 of "
+    ) in err, err
+    assert "optim.lr" not in err
 
 
 def test_an_error_in_a_module_loss_is_one_line_naming_it(
