@@ -654,7 +654,12 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             where.step, where.phase = step, "rollout"
             if source.asynchronous:
                 where.phase = "waiting for rollouts"
-            batch = source.next(state)
+            try:
+                batch = source.next(state)
+            except GrpoError as e:  # a reward's failure mid-run: the checkpoint to resume
+                if getattr(e, "reward_name", None) or getattr(e.__cause__, "reward_name", None):
+                    run.failed_stop(dist, e)  # completes its message
+                raise
             batch, balanced = balanced_batch(cfg, policy, batch, dist)
             batch = modules.attach(batch)
             clock.lap("rollout")
