@@ -435,6 +435,11 @@ class TrainConfig:
     sample_every: int = 0  # print a sample completion every N steps (0 = never)
     keep_last: int = 2
     max_nonfinite_steps: int = 3  # stop after this many consecutive non-finite updates
+    # GRPO: refuse a step whose first-pass log-probs (before any update: the policy that
+    # sampled) differ from the sampler's by more than this many nats per counted token on
+    # average (a log-prob kernel that is wrong, not rounding: bf16 gaps are ~1e-2; docs/safety.md
+    # says where it is not checked); 0 or null: not checked
+    max_logprob_gap: float | None = 0.5
     # GRPO learning health (grpo/run/health.py, docs/safety.md): warn (rank 0) when, over this
     # many consecutive steps, most completions are truncated with no signal left, every group's
     # rewards are equal, the gradient norm is 0, the trainable weights do not move, or the
@@ -518,6 +523,12 @@ class TrainConfig:
             require(getattr(self, name) >= 0, f"train.{name}", "must be >= 0")
         require(self.keep_last >= 1, "train.keep_last", "must be >= 1")
         require(self.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", "must be >= 1")
+        gap = self.max_logprob_gap
+        require(
+            gap is None or (math.isfinite(gap) and gap >= 0),
+            "train.max_logprob_gap",
+            f"must be a finite number >= 0 or null (0 and null: not checked), got {gap}",
+        )
         require(self.stall_steps >= 0, "train.stall_steps", "must be >= 0 (0 = no checks)")
         require(self.critic_warmup_steps >= 0, "train.critic_warmup_steps", "must be >= 0")
         require(

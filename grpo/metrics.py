@@ -62,8 +62,10 @@ def split_metrics(result, who: str) -> tuple:
             v = float(v.detach().item())
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
         if not isinstance(key, str) or not key or not ok:
+            shown = f"a tensor of shape {tuple(v.shape)}" if hasattr(v, "shape") else repr(v)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."  # one line, short
             raise GrpoError(
-                f"{who} reported the metric {key!r}: {v!r}; a metric is a string "
+                f"{who} reported the metric {key!r}: {shown}; a metric is a string "
                 "name and a finite number"
             )
         out[key] = v if hasattr(v, "op") else float(v)

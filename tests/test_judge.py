@@ -834,3 +834,41 @@ def test_one_grpo_step_is_scored_by_the_judge(shared_tiny_model, tmp_path, fake_
     assert row["rollout/reward_mean"] == pytest.approx(sum(scores) / B, rel=1e-6)
     assert row["rewards/judge/failures"] == 0 and row["rewards/judge/retries"] == 0
     assert row["rewards/judge/latency_s"] > 0
+
+
+def test_a_judge_outage_mid_run_names_the_checkpoint_and_the_resume_command(
+    shared_tiny_model, tmp_path, fake_judge, monkeypatch, capsys
+):
+    """The judge answers the first step's 8 judgments (a checkpoint), then is down (503, no
+    retries left): the run stops with one line naming the failed judgment, the last checkpoint
+    and the command that resumes from it, as the guards' stops do; the resumed run goes on
+    once the judge is back."""
+    from grpo.apps import cli
+
+    up = threading.Event()
+
+    def grade(body, n):
+        if n > 8 and not up.is_set():  # tiny_ci: 8 completions a step
+            return 503, {"error": "overloaded"}, {}
+        return 200, chat_reply("Score: 5"), {}
+
+    fake = fake_judge(grade)
+    spec = {"name": "judge", "kwargs": {"base_url": fake.url, "model": NAME, "retries": 0}}
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "--config", str(REPO / "configs" / "tiny_ci.yaml")]
+    args += [f"model.path={shared_tiny_model}", "train.output_dir=run", "train.save_every=1"]
+    args += ["data.eval_samples=0", "train.progress=false", "rollout.max_new_tokens=8"]
+    args += ["loss.num_iterations=1", "train.max_steps=2", f"rewards=[{json.dumps(spec)}]"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err[-3000:]
+    assert err.startswith("grpo train: error: reward 'judge' failed at row "), err
+    assert "HTTP 503" in err or "503" in err
+    assert err.endswith(
+        "; the last checkpoint stays: run/checkpoints/step_000001 (step 1); resume from it "
+        "with: grpo train --config run/config.yaml --resume"
+    ), err
+    up.set()
+    assert cli.main(["train", "--config", "run/config.yaml", "--resume"]) == 0
+    steps = [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "step" in r]
+    assert sorted(set(steps)) == [1, 2]

@@ -24,6 +24,7 @@ from benchmarks import bench_logprobs
 from grpo.apps import cli
 from grpo.checks import check_config
 from grpo.config import load_config
+from grpo.errors import GrpoError
 from grpo.settings import ConfigError
 from grpo.testing import ConformanceError, check_logprob_impl
 
@@ -256,6 +257,116 @@ def test_training_calls_the_configured_kernel(my_pkg, shared_tiny_model, monkeyp
     n = calls.read_text().split()
     # every pass of each step: reference (beta > 0) and two update passes, each micro-batch
     assert len(n) >= 2 * 3 and all(int(x) > 0 for x in n)
+
+
+# kernels that train silently wrong today: no log-sum-exp (log-probs off by log Z, ~6 nats on
+# the tiny model) and NaN log-probs (which the non-finite guard blamed on the learning rate)
+BROKEN = """
+import torch
+
+
+def no_lse(hidden, weight, ids, temperature=1.0, return_entropy=False, *, entropy_grad=False,
+           tf32=False):
+    z = (hidden.float() @ weight.float().t()) / temperature
+    out = z.gather(1, ids[:, None].long())[:, 0]  # - torch.logsumexp(z, -1) forgotten
+    if not return_entropy:
+        return out
+    lse = torch.logsumexp(z, dim=-1)
+    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+    return out, entropy if entropy_grad else entropy.detach()
+
+
+def nan(hidden, weight, ids, temperature=1.0, return_entropy=False, **kwargs):
+    out = no_lse(hidden, weight, ids, temperature, return_entropy, **kwargs)
+    first = out[0] if return_entropy else out
+    bad = first - torch.logsumexp((hidden.float() @ weight.float().t()) / temperature, -1)
+    bad = torch.where(torch.arange(len(bad)) == 0, float("nan"), bad)
+    return (bad, out[1]) if return_entropy else bad
+"""
+
+
+def train_with_kernel(my_pkg, model, impl: str, *overrides: str) -> int:
+    (my_pkg / "my_pkg" / "broken.py").write_text(BROKEN)
+    return cli.main(
+        [
+            "train",
+            "--config",
+            TINY,
+            f"model.path={model}",
+            "train.progress=false",
+            "data.eval_samples=0",
+            "rollout.compile=off",
+            "train.max_steps=1",
+            "train.output_dir=run",
+            "rewards=[{name: my_pkg.rewards:length}]",
+            f"model.logprob_impl={impl}",
+            *overrides,
+        ]
+    )
+
+
+def test_a_kernel_without_the_log_sum_exp_is_refused_before_any_update(
+    my_pkg, shared_tiny_model, monkeypatch, capsys
+):
+    """The first pass of a step scores the tokens with the policy that sampled them, so its
+    gap to the sampler's log-probs is numeric only: a kernel missing the log-sum-exp (a gap of
+    nats) stops the run at step 1, naming the kernel and the gap, before any update; the gap a
+    correct kernel leaves is far below train.max_logprob_gap (tests/test_on_policy.py), and 0
+    turns the check off."""
+    monkeypatch.chdir(my_pkg)
+    code = train_with_kernel(my_pkg, shared_tiny_model, "my_pkg.broken:no_lse")
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err[-3000:]
+    assert (
+        "step 1: the trainer's log-probs (model.logprob_impl='my_pkg.broken:no_lse') differ "
+        "from the sampler's (its float32 log_softmax) by "
+    ) in err
+    assert "above train.max_logprob_gap=0.5" in err
+    gap = float(err.split(" by ")[1].split(" nats")[0])
+    assert gap > 1.0, err  # log Z of a 256-token vocabulary, not a rounding
+    assert not (my_pkg / "run" / "checkpoints").exists() and not (my_pkg / "run" / "final").exists()
+    code = train_with_kernel(
+        my_pkg, shared_tiny_model, "my_pkg.broken:no_lse", "train.max_logprob_gap=0", "--overwrite"
+    )
+    assert code == 0, capsys.readouterr().err[-3000:]
+
+
+def test_nan_log_probs_from_a_kernel_name_the_kernel(
+    my_pkg, shared_tiny_model, monkeypatch, capsys
+):
+    """A kernel whose log-probs are NaN where the sampler's are finite (the same policy, before
+    any update) is named at its first step, not a skipped update that the non-finite guard
+    later blames on optim.lr."""
+    monkeypatch.chdir(my_pkg)
+    code = train_with_kernel(my_pkg, shared_tiny_model, "my_pkg.broken:nan")
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err[-3000:]
+    assert (
+        "step 1: the trainer's log-probs (model.logprob_impl='my_pkg.broken:nan') are not "
+        "finite at "
+    ) in err
+    assert "the log-prob kernel (or the model's training forward) made them" in err
+    assert "optim.lr" not in err
+
+
+def test_a_replaced_kernel_is_named_with_its_replacement(monkeypatch):
+    """A built-in name that a plug-in replaced (recorded in run/replaced) is named with the
+    function it now means, as the message's kernel."""
+    from grpo import plugins
+    from grpo.run.stats import check_first_pass
+
+    replaced = plugins.Replacement("logprob impl", "chunked", "a:old", "my_pkg.k:fast", "plug X")
+    monkeypatch.setattr(plugins, "_REPLACED", [replaced])
+    # 8 counted tokens, |diff| summing to 48: 6 nats per token (max 6.5)
+    with pytest.raises(GrpoError) as e:
+        check_first_pass([48.0, 8.0, 6.5, 0.0, 0.0], 3, "default", "chunked", 0.5)
+    assert str(e.value).startswith(
+        "step 3: the trainer's log-probs (model.logprob_impl='chunked', replaced by "
+        "my_pkg.k:fast (plug X)) differ from the sampler's (its float32 log_softmax) by 6 nats "
+        "per counted token on average (max 6.5) before any update"
+    ), str(e.value)
+    check_first_pass([3.9, 8.0, 2.0, 0.0, 0.0], 3, "default", "chunked", 0.5)  # 0.4875 passes
+    check_first_pass([48.0, 8.0, 6.5, 0.0, 0.0], 3, "default", "chunked", None)  # not checked
 
 
 def test_config_names_a_bad_kernel(shared_tiny_model):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import update_batch
 
-from grpo.config import load_config
+from grpo.config import TrainConfig, load_config
 from grpo.experience.batch import micro_batch_plan
 from grpo.experience.collect import sample_round
 from grpo.models import load_model
@@ -20,6 +20,7 @@ from grpo.policy import Policy
 from grpo.precision import Precision
 from grpo.rollout import Sampler, sample
 from grpo.run.optim import build_optimizer, build_scheduler
+from grpo.run.stats import first_pass_gap_limit
 from grpo.settings import ConfigError
 from grpo.train.grpo import old_logprobs_phase, update_phase
 
@@ -41,7 +42,9 @@ def update(tmp_path, model, r, *overrides):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(params, cfg.optim)
     batch = update_batch(cfg, r, adv)
-    return update_phase(cfg, policy, batch, opt, build_scheduler(opt, 10, cfg.optim), params)
+    sched = build_scheduler(opt, 10, cfg.optim)
+    gap = cfg.train.max_logprob_gap  # the trainer's check of the first pass, at its default
+    return update_phase(cfg, policy, batch, opt, sched, params, max_logprob_gap=gap)
 
 
 def test_first_pass_agrees_with_the_sampler_and_the_check_sees_a_mismatch(
@@ -135,6 +138,26 @@ def test_sampler_runs_under_the_trainers_precision(tiny_checkpoints, tmp_path):
         )
         diffs[name] = stats["rollout/logprob_diff_mean"]
     assert diffs["matched"] < diffs["fp32"], diffs
+    # bf16 training against a bf16 or a float32 sampler: far below train.max_logprob_gap,
+    # which refuses a step past it (update_phase ran that check at its default above)
+    assert max(diffs.values()) < TrainConfig().max_logprob_gap / 10, diffs
+
+
+def test_the_logprob_gap_is_checked_only_where_it_can_only_be_numeric(tmp_path):
+    """train.max_logprob_gap applies to a batch the trained policy sampled with the default
+    strategy; an older batch (asynchronous, staleness > 0), a plug-in strategy (which may
+    replay rows or sample at another temperature) and 0 or null skip it."""
+    cfg = make_cfg(tmp_path)
+    assert first_pass_gap_limit(cfg, 4, 4) == 0.5  # the default, on a fresh batch
+    assert first_pass_gap_limit(cfg, 3, 4) is None  # sampled one update ago
+    strategy = make_cfg(tmp_path, "rollout.strategy=my_pkg.s:replay")
+    assert first_pass_gap_limit(strategy, 4, 4) is None
+    for off in ("0", "null"):
+        assert (
+            first_pass_gap_limit(make_cfg(tmp_path, f"train.max_logprob_gap={off}"), 4, 4) is None
+        )
+    with pytest.raises(ConfigError, match="train.max_logprob_gap: must be a finite number >= 0"):
+        make_cfg(tmp_path, "train.max_logprob_gap=-1")
 
 
 def test_grpo_refuses_lora_dropout(tmp_path):

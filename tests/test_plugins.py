@@ -385,6 +385,24 @@ def test_pipeline_and_sweep_stages_keep_cli_plugins(tmp_path, monkeypatch):
         (["rewards=[{name: nope}]"], "unknown reward 'nope'"),
         (["rewards=[{name: step, betta: 1}]"], "betta"),
         (["train.batch_size=6", "train.micro_batch_size=3"], "GRPO needs whole groups"),
+        # the critic's kwargs (their types from its signature, then its own checks) and the
+        # scorers' checkpoints, which the trainer read only after loading the policy
+        (
+            ["loss.advantage=gae", "modules=[{name: critic, kwargs: {micro_batch_size: x}}]"],
+            "modules[0].kwargs.micro_batch_size: expected int or null, got str 'x'",
+        ),
+        (
+            ["loss.advantage=gae", "modules=[{name: critic, kwargs: {coef: 0}}]"],
+            "modules[0].kwargs.coef must be > 0, got 0",
+        ),
+        (
+            ["loss.advantage=gae", "modules=[{name: critic, kwargs: {init: /nonexistent/c}}]"],
+            "modules[0].kwargs.init: '/nonexistent/c' is not a checkpoint directory",
+        ),
+        (
+            ["rewards=[{name: reward_model, kwargs: {path: /nonexistent/rm}}]"],
+            "rewards[0].kwargs.path: '/nonexistent/rm' is not a checkpoint directory",
+        ),
     ],
 )
 def test_config_checks_what_train_checks_before_the_model(overrides, message, capsys):
@@ -422,6 +440,36 @@ def test_config_preflight_reads_a_local_model_only(shared_tiny_model, tmp_path, 
     assert "lora.dropout: must be 0 for GRPO" in capsys.readouterr().err
     assert cli.main(["config", *local, "lora.dropout=0.1", "--trainer", "sft"]) == 0
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_a_causal_lm_as_reward_model_is_refused_before_any_model_loads(
+    shared_tiny_model, tmp_path, capsys, monkeypatch
+):
+    """A `reward_model` path that is a causal LM is named by `grpo config` and by `grpo train`
+    from its config.json, before the policy loads (no weights read) and before anything is
+    written; a reward model checkpoint (one output) passes."""
+    import grpo.models
+    from grpo.models import load_model, save_pretrained
+
+    rm = tmp_path / "rm"
+    save_pretrained(load_model(shared_tiny_model, num_labels=1, pad_token_id=0), rm)
+    args = ["--config", str(TINY), f"model.path={shared_tiny_model}"]
+    want = f"rewards[0].kwargs.path: '{shared_tiny_model}' is a causal LM"
+    reward = f"rewards=[{{name: reward_model, kwargs: {{path: '{shared_tiny_model}'}}}}]"
+    assert cli.main(["config", *args, reward]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and want in err, err
+
+    def no_loading(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(grpo.models, "load_model", no_loading)
+    run = tmp_path / "run"
+    assert cli.main(["train", *args, f"train.output_dir={run}", reward]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and want in err, err
+    assert not run.exists()
+    assert cli.main(["config", *args, reward.replace(str(shared_tiny_model), str(rm))]) == 0
 
 
 def test_error_line_never_glued_to_a_progress_bar(monkeypatch, capsys):

@@ -336,7 +336,43 @@ def test_rewards_the_update_would_not_train_on_are_refused(setup, change, row, m
         run_strategy(dataclasses.replace(cfg, rollout=bad), sampling(), rows, 0, 0)
 
 
+@pytest.mark.parametrize(
+    "metrics, message",
+    [
+        ({"note": "warm"}, "reported the metric 'note': 'warm'"),
+        ({"both": torch.tensor([1.0, 2.0])}, "reported the metric 'both': a tensor of shape (2,)"),
+        ({"gone": None}, "reported the metric 'gone': None"),
+        ({"flag": True}, "reported the metric 'flag': True"),
+        ({"nested": {"a": 1.0}}, "reported the metric 'nested': {'a': 1.0}"),
+        ([("a", 1.0)], "metrics are a list, not a dict"),
+    ],
+)
+def test_a_strategys_metrics_of_odd_types_are_one_line_naming_it(setup, metrics, message):
+    """What a strategy puts in `batch.metrics` is merged over rounds and ranks and logged: a
+    value that is not a number (a string, None, a tensor of several elements) is one line
+    naming the strategy and the key, not a traceback from the reduction; a one-element tensor
+    is read as its number."""
+    cfg, policy, sampler, rewards, rows, sampling = setup
+
+    @register_rollout_strategy("test_reporter", overwrite=True)
+    def reporter(rows, sampling, odd=True):
+        batch = sampling.score(sampling.sample(rows), rows)
+        got = metrics if odd else {**batch.metrics, "one": torch.tensor([0.5])}
+        return dataclasses.replace(batch, metrics=got)
+
+    bad = dataclasses.replace(cfg.rollout, strategy="test_reporter")
+    with pytest.raises(GrpoError) as e:
+        run_strategy(dataclasses.replace(cfg, rollout=bad), sampling(), rows, 0, 0)
+    assert str(e.value).startswith("rollout strategy 'test_reporter'") and message in str(e.value)
+    assert len(str(e.value).splitlines()) == 1
+    good = dataclasses.replace(bad, strategy_kwargs={"odd": False})
+    batch = run_strategy(dataclasses.replace(cfg, rollout=good), sampling(), rows, 0, 0)
+    assert batch.metrics["one"] == 0.5 and type(batch.metrics["one"]) is float
+    assert batch.metrics["perf/reward_s"].op == "sum"  # a Sum stays one
+
+
 EXIT_PLUGINS = """
+import dataclasses
 import sys
 import time
 
@@ -351,6 +387,14 @@ def strategy(**inputs):
 
 def hangs(**inputs):
     time.sleep(3600)
+
+
+def nan_logprobs(rows, sampling):
+    batch = sampling.score(sampling.sample(rows), rows)
+    logprobs = batch.rollout.logprobs.clone()
+    logprobs[1, 0] = float("nan")  # every row generates at least its first token
+    rollout = dataclasses.replace(batch.rollout, logprobs=logprobs)
+    return dataclasses.replace(batch, rollout=rollout)
 
 
 def estimator(**inputs):
@@ -452,6 +496,23 @@ def test_a_hanging_plug_in_stops_the_run_at_its_time_limit(
     assert time.monotonic() - start < 60
     err = capsys.readouterr().err
     assert f"{who} did not return within train.plugin_timeout_s=1 s (rank 0)" in err, err[-2000:]
+
+
+def test_nan_log_probs_from_a_strategy_name_the_strategy(
+    shared_tiny_model, tmp_path, monkeypatch, capsys
+):
+    """A strategy that returns a NaN behaviour log-prob (where the trainer's own log-prob of
+    that token, before any update, is finite) is named at its step, not a skipped update that
+    the non-finite guard later blames on optim.lr and the rewards."""
+    strategy = "rollout.strategy=exit_plugins:nan_logprobs"
+    assert train_with_plugins(tmp_path, monkeypatch, shared_tiny_model, strategy) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err[-2000:]
+    assert (
+        "step 1: the log-probs of the batch rollout strategy 'exit_plugins:nan_logprobs' "
+        "returned (its rollout.logprobs) are not finite at 1 of "
+    ) in err, err
+    assert "optim.lr" not in err
 
 
 def test_an_error_in_a_module_loss_is_one_line_naming_it(

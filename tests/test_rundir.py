@@ -27,6 +27,7 @@ from grpo.run.rundir import (
     LOCK_STALE_S,
     RunLock,
     TrainingInterrupted,
+    algorithm_changes,
     lock_is_live,
     read_lock,
     resume_conflicts,
@@ -241,6 +242,39 @@ def test_resume_conflicts_compare_what_was_trained():
     pad = {**ppo, "rm": {"pad_token_id": 5}}
     assert resume_conflicts(ppo, pad, "rm") == ["rm.pad_token_id (0 -> 5)"]
     assert resume_conflicts(ppo, pad, "train") == []  # GRPO has no pad id to keep
+    # the algorithm may change on a resume, said (not refused)
+    loss = {**saved, "loss": {"advantage": "grpo", "policy_loss": "clip", "kl_estimator": "k3"}}
+    gspo = {**loss, "loss": {**loss["loss"], "policy_loss": "gspo"}}
+    assert resume_conflicts(loss, gspo, "train") == []
+    assert algorithm_changes(loss, gspo, "train") == ["loss.policy_loss ('clip' -> 'gspo')"]
+    assert (
+        algorithm_changes(loss, gspo, "sft") == [] and algorithm_changes(saved, gspo, "train") == []
+    )
+
+
+def test_a_resume_that_changes_the_algorithm_says_so(shared_tiny_model, tmp_path, caplog):
+    """Resuming with another advantage estimator, policy loss or KL estimator (or their
+    kwargs) goes on with the new one, but is said: one warning line naming each change, and
+    the start's run/start record lists them (a resume that changes none says nothing:
+    `algorithm_changes` in test_resume_conflicts_compare_what_was_trained)."""
+    run = tmp_path / "run"
+    base = ["train", "--config", TINY_CI, f"model.path={shared_tiny_model}"]
+    base += [f"train.output_dir={run}", *FAST, "train.save_every=1", "rollout.max_new_tokens=8"]
+    assert cli.main([*base, "train.max_steps=1"]) == 0
+    with caplog.at_level("WARNING", logger="grpo.run.rundir"):
+        changed = ["loss.advantage=rloo", "loss.kl_estimator=k2", "train.max_steps=2"]
+        assert cli.main([*base, *changed, "--resume"]) == 0
+    said = [r.getMessage() for r in caplog.records if "changes the algorithm" in r.getMessage()]
+    changes = "loss.advantage ('grpo' -> 'rloo'), loss.kl_estimator ('k3' -> 'k2')"
+    assert said == [
+        f"--resume: the config changes the algorithm from checkpoint {run}/checkpoints/"
+        f"step_000001: {changes}; the run goes on with the new one from its next step "
+        "(recorded in run/start)"
+    ]
+    starts = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    starts = [r["run/start"] for r in starts if "run/start" in r]
+    assert starts == ["fresh", f"resumed from step_000001, changing {changes}"]
+    assert steps_logged(run) == [1, 2]
 
 
 def test_one_directory_spelled_two_ways_is_the_same_model(tmp_path, monkeypatch):

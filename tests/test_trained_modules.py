@@ -35,12 +35,25 @@ class KilledValueHead(ValueHead):
 """
 
 
+# a module with annotated kwargs and nothing to train
+FROZEN = """
+import torch
+from grpo.modules import TrainedModule
+
+class Frozen(TrainedModule):
+    def __init__(self, *, scale: float = 1.0, name: str | None = None):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((1,), scale), requires_grad=False)
+"""
+
+
 @pytest.fixture()
 def my_pkg(tmp_path):
     return write_package(
         tmp_path,
         {
             "value.py": docs_example("# my_pkg/value.py"),
+            "frozen.py": FROZEN,
             "killer.py": KILLER,
             "rewards.py": LENGTH_REWARD,
         },
@@ -221,6 +234,21 @@ def test_two_ranks_train_a_module_as_one_process(my_pkg, shared_tiny_model):
         (
             "modules=[{name: my_pkg.value:ValueHead, optim: {lrr: 1}}]",
             "modules[].optim.lrr: unknown key",
+        ),
+        # a value of another type than the factory's annotation: at the config check
+        (
+            "modules=[{name: my_pkg.frozen:Frozen, kwargs: {scale: big, name: null}}]",
+            "modules[0].kwargs.scale: expected float, got str 'big'",
+        ),
+        (
+            "modules=[{name: my_pkg.frozen:Frozen, kwargs: {name: [1]}}]",
+            "modules[0].kwargs.name: expected str or null, got list [1]",
+        ),
+        # nothing to train: known once it is built, still before anything is written
+        (
+            "modules=[{name: my_pkg.frozen:Frozen, kwargs: {scale: 2}}]",
+            "modules[0]: 'Frozen' (Frozen, from 'my_pkg.frozen:Frozen') has no trainable "
+            "parameters",
         ),
     ],
 )

@@ -32,10 +32,11 @@ def check_before_model(cfg, trainer: str) -> None:
     """What `grpo train` (trainer "grpo"), `grpo sft` or `grpo rm` checks before it loads the
     model, by the same functions: the names in their registries and the GRPO rules
     (`grpo.checks.check_config`), the environments and their kwargs, the reward names and
-    parameters, then the preflight (output directory, token budgets against the context, LoRA
-    shapes, generated-data caps, memory estimate). The preflight reads the checkpoint's
-    config.json, so it runs only when model.path exists on this machine: `grpo config` never
-    downloads. Left to training: the run directory's state (it depends on --resume /
+    parameters, then the preflight (output directory, the critic's and reward models'
+    checkpoints, token budgets against the context, LoRA shapes, generated-data caps, memory
+    estimate). The preflight reads the checkpoint's config.json, so it runs only when
+    model.path exists on this machine (the scorers' checkpoints are read either way): `grpo
+    config` never downloads. Left to training: the run directory's state (it depends on --resume /
     --overwrite), the weights, tokenizer and data.
 
     Raises:
@@ -59,6 +60,10 @@ def check_before_model(cfg, trainer: str) -> None:
         if cfg.rewards:
             build_rewards([r.spec for r in cfg.rewards])
     if not Path(cfg.model.path).expanduser().exists():
+        if trainer == "grpo":  # the scorers' own checkpoints are read all the same
+            from grpo.run.preflight import check_scorer_checkpoints
+
+            check_scorer_checkpoints(cfg)
         logging.getLogger(__name__).info(
             "model.path %r is not on this machine: the checks that read its config.json "
             "(context, LoRA shapes, memory) run when training starts",

@@ -66,7 +66,7 @@ from grpo.experience.batch import (
     turn_token_rewards,
 )
 from grpo.experience.strategy_state import StrategyState
-from grpo.metrics import Sum
+from grpo.metrics import Sum, split_metrics
 from grpo.plugins import qualified_name, time_limit
 from grpo.precision import Precision
 from grpo.rewards import NamedReward, RewardContext, compute_rewards
@@ -450,6 +450,7 @@ def run_strategy(
             f"rollout.group_size={G} ({want} rows)"
         )
     check_rewards(batch, f"rollout strategy {name!r}")
+    batch = dataclasses.replace(batch, metrics=check_metrics(batch.metrics, name))
     replayed = replayed_groups(batch, f"rollout strategy {name!r}")
     check_prompts(batch, rows, replayed, f"rollout strategy {name!r}", multi_turn=r.multi_turn)
     if cfg.shared_prefix_groups is not None:
@@ -502,6 +503,20 @@ def check_shared_prompts(rollout: Rollout, who: str) -> None:
             "(Sampling.extend(include_partial=True) keeps partials in the completion) or set "
             "train.shared_prefix: off"
         )
+
+
+def check_metrics(metrics, name: str) -> dict:
+    """A strategy's `batch.metrics`, checked before they are merged over rounds and ranks:
+    a dict of string names to finite numbers (`Sum` / `Max` / `Min` keep their type; a
+    one-element tensor is read), else one line naming the strategy and the metric key
+    (`grpo.metrics.split_metrics`'s rule, the rewards' own)."""
+    who = f"rollout strategy {name!r}"
+    if not isinstance(metrics, dict):
+        raise GrpoError(
+            f"{who} returned a batch whose metrics are a {type(metrics).__name__}, not a dict "
+            "of names to numbers"
+        )
+    return split_metrics((None, metrics), who)[1]
 
 
 def check_rewards(batch: RolloutBatch, who: str) -> None:

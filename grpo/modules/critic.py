@@ -236,10 +236,8 @@ def critic(
             as many as the policy's; from the second on the value clip can act).
     """
     cfg = config
-    if value_clip is not None and not value_clip > 0:
-        raise GrpoError(f"modules[critic].kwargs.value_clip must be > 0 or null, got {value_clip}")
-    if not coef > 0:
-        raise GrpoError(f"modules[critic].kwargs.coef must be > 0, got {coef}")
+    given = {"value_clip": value_clip, "coef": coef, "lora": lora, "updates": updates}
+    check_critic_kwargs({**given, "micro_batch_size": micro_batch_size}, "modules[critic].kwargs")
     lcfg = _lora_settings(cfg.lora, lora)
     device, dtype = policy.device, cfg.model.dtype
     sharded = cfg.train.parallel == "fsdp" and dist.enabled
@@ -273,34 +271,58 @@ def critic(
     model.gradient_checkpointing = cfg.model.gradient_checkpointing
     policy.precision.prepare(model)  # what trains in float32
     mb = micro_batch_size or cfg.train.micro_batch_size or cfg.train.batch_size
-    if mb < 1:
-        raise GrpoError(f"modules[critic].kwargs.micro_batch_size must be >= 1, got {mb}")
     n = cfg.loss.num_iterations if updates is None else updates
-    if not (isinstance(n, int) and n >= 1):
-        raise GrpoError(f"modules[critic].kwargs.updates must be an integer >= 1, got {n!r}")
     return Critic(model, cfg, dist, value_clip, coef, mb, lcfg.enabled, n)
 
 
+def check_critic_kwargs(kwargs: dict, field: str) -> None:
+    """The critic's kwargs that cannot work, from the config alone (the factory's
+    `check_kwargs`: `grpo config` and `check_config` run it before anything loads; the
+    keyword types are checked from the signature first, `check_trained_module`).
+
+    Args:
+        kwargs: the critic's kwargs, those given (the factory passes all of its own).
+        field: the dotted field they sit at, e.g. "modules[0].kwargs".
+
+    Raises:
+        GrpoError: one line naming `field`.key.
+    """
+    value_clip = kwargs.get("value_clip")
+    if isinstance(value_clip, (int, float)) and not value_clip > 0:
+        raise GrpoError(f"{field}.value_clip must be > 0 or null, got {value_clip}")
+    coef = kwargs.get("coef", 1.0)
+    if isinstance(coef, (int, float)) and not coef > 0:
+        raise GrpoError(f"{field}.coef must be > 0, got {coef}")
+    for key in ("micro_batch_size", "updates"):  # null: the run's own setting
+        n = kwargs.get(key)
+        if n is not None and not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+            raise GrpoError(f"{field}.{key} must be an integer >= 1 or null, got {n!r}")
+    lora = kwargs.get("lora")
+    if lora is None or isinstance(lora, bool):
+        return
+    if not isinstance(lora, dict):
+        raise GrpoError(f"{field}.lora must be null, a bool or a mapping, got {lora!r}")
+    known = {"enabled", "rank", "alpha", "dropout", "targets"}
+    unknown = sorted(set(lora) - known)
+    if unknown:
+        raise GrpoError(
+            f"{field}.lora: unknown key {unknown[0]!r}; valid: {', '.join(sorted(known))}"
+        )
+
+
 def _lora_settings(policy_lora, lora):
-    """The critic's LoRA: the policy's section, overridden as `lora` says."""
+    """The critic's LoRA: the policy's section, overridden as `lora` says (checked by
+    `check_critic_kwargs`)."""
     if lora is None:
         return policy_lora
     if lora is False:
         return dataclasses.replace(policy_lora, enabled=False)
     if lora is True:
         return dataclasses.replace(policy_lora, enabled=True)
-    if not isinstance(lora, dict):
-        raise GrpoError(
-            f"modules[critic].kwargs.lora must be null, a bool or a mapping, got {lora!r}"
-        )
-    known = {"enabled", "rank", "alpha", "dropout", "targets"}
-    unknown = sorted(set(lora) - known)
-    if unknown:
-        raise GrpoError(
-            f"modules[critic].kwargs.lora: unknown key {unknown[0]!r}; valid: "
-            f"{', '.join(sorted(known))}"
-        )
     settings = dict(lora)
     if "targets" in settings:
         settings["targets"] = tuple(settings["targets"])
     return dataclasses.replace(policy_lora, **{"enabled": True, **settings})
+
+
+critic.check_kwargs = check_critic_kwargs  # run by `check_trained_module` before anything loads

@@ -43,6 +43,8 @@ import dataclasses
 import inspect
 import json
 import math
+import types
+import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -84,12 +86,92 @@ def _builtin(module) -> bool:
 
 
 def check_trained_module(spec, index: int = 0) -> None:
-    """Fail early on an unknown factory or a keyword it does not take (naming the field)."""
+    """Fail early, naming the field, on what the config alone shows cannot work: an unknown
+    factory, a keyword it does not take, a keyword whose value is not of the type the
+    factory's signature annotates (`check_kwarg_types`), then the factory's own
+    ``check_kwargs(kwargs, field)`` when it has one (the critic's: value ranges)."""
     try:
         TRAINED_MODULES.check_params(spec.name, spec.kwargs, set(INPUTS))
     except GrpoError as e:  # the registry's field names, made this entry's
         text = str(e).replace("modules[].name_kwargs", f"modules[{index}].kwargs")
         raise GrpoError(text.replace("modules[].name", f"modules[{index}].name")) from None
+    factory = TRAINED_MODULES.get(spec.name)
+    field = f"modules[{index}].kwargs"
+    check_kwarg_types(factory, spec.kwargs, field)
+    check = getattr(factory, "check_kwargs", None)
+    if callable(check):
+        with no_exit(f"{field}: {spec.name!r} check_kwargs"):
+            check(dict(spec.kwargs), field)
+
+
+# the annotations `check_kwarg_types` reads; any other one (a class, Any, Literal) is not checked
+_PLAIN = {int: "int", float: "float", str: "str", bool: "bool", dict: "mapping", list: "list"}
+_PLAIN |= {tuple: "list", type(None): "null"}
+
+
+def check_kwarg_types(factory, kwargs: dict, field: str) -> None:
+    """Each of `kwargs` whose parameter `factory` annotates with plain types (int, float, str,
+    bool, dict, list, tuple, None and their unions: ``int | None``) holds one of them (an int
+    passes for a float; a bool only for a bool), so that ``micro_batch_size: 'x'`` is one line
+    at `grpo config`, not a traceback once the model has loaded. Annotations it cannot read
+    are not checked.
+
+    Raises:
+        GrpoError: ``<field>.<key>: expected int or null, got str 'x'``.
+    """
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return
+    scope = vars(inspect.getmodule(factory) or inspect)
+    for key, value in kwargs.items():
+        p = params.get(key)
+        if p is None or p.annotation is p.empty:
+            continue
+        allowed = _allowed_types(p.annotation, scope)
+        if allowed is None or _fits(value, allowed):
+            continue
+        names = " or ".join(dict.fromkeys(_PLAIN[t] for t in _PLAIN if t in allowed))
+        raise GrpoError(f"{field}.{key}: expected {names}, got {type(value).__name__} {value!r}")
+
+
+def _allowed_types(annotation, scope: dict) -> set | None:
+    """The plain types an annotation (a string under `from __future__ import annotations`)
+    allows, or None when it names anything else."""
+    if isinstance(annotation, str):  # resolved in the factory's module, as typing does
+        holder = types.SimpleNamespace(__annotations__={"value": annotation})
+        try:
+            annotation = typing.get_type_hints(holder, globalns=scope)["value"]
+        except Exception:  # a name only imported under TYPE_CHECKING, say: not checked
+            return None
+    if annotation is None:
+        return {type(None)}
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        out: set = set()
+        for arg in typing.get_args(annotation):
+            got = _allowed_types(arg, scope)
+            if got is None:
+                return None
+            out |= got
+        return out
+    base = origin if origin is not None else annotation
+    return {base} if base in _PLAIN else None
+
+
+def _fits(value, allowed: set) -> bool:
+    if value is None:
+        return type(None) in allowed
+    if isinstance(value, bool):
+        return bool in allowed
+    if isinstance(value, int):
+        return int in allowed or float in allowed
+    for t in (float, str, dict):
+        if isinstance(value, t):
+            return t in allowed
+    if isinstance(value, (list, tuple)):
+        return list in allowed or tuple in allowed
+    return True  # another object (a config built in Python): not the YAML's to check
 
 
 @dataclasses.dataclass
@@ -151,10 +233,12 @@ class ModuleSet:
                 continue
             optim = type(cfg.optim)(**spec.optim)  # OptimConfig's defaults, then its own
             params = [p for p in module.parameters() if p.requires_grad]
-            if not params:
+            if not params:  # known only once it is built: still before anything is written
                 raise GrpoError(
-                    f"modules[{i}]: {name!r} has no trainable parameters (a module that only "
-                    "attaches values subclasses grpo.modules.FrozenScorer)"
+                    f"modules[{i}]: {name!r} ({type(module).__name__}, from {spec.name!r}) has "
+                    "no trainable parameters (none with requires_grad): nothing for its "
+                    "optimizer to train; a module that only attaches values subclasses "
+                    "grpo.modules.FrozenScorer"
                 )
             optimizer = build_optimizer(params, optim)
             scheduler = build_scheduler(optimizer, total_steps * _updates(module), optim)

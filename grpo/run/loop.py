@@ -244,21 +244,38 @@ class Run:
         to raise, its message completed with the newest good checkpoint that stays and the
         resume command (or that none was written yet), and its `rank` set."""
         self.logger.close()
+        return _completed(error, f"nothing saved ({why}); {self._kept(dist)}", dist)
+
+    def failed_stop(self, dist, error: GrpoError) -> GrpoError:
+        """A failure outside the training state ends the run mid-way (a reward's service gone:
+        the judge after its retries, a reward model's endpoint): returns `error`, its message
+        completed as a guard's stop is, with the newest checkpoint and the resume command (or
+        that none was written yet). Not collective (one rank may fail alone; the others hear
+        of it from grpo.run.failures) and nothing is saved. A run that has finished no step and
+        has no checkpoint to resume gets `error` as it is."""
         ckpt, _ = find_checkpoint(self.out_dir)
+        if ckpt is None and self.state.step == 0:
+            return error
+        self.logger.close()
+        error.args = (f"{error}; {self._kept(dist, ckpt)}",)
+        return error
+
+    def _kept(self, dist, ckpt: Path | None = None) -> str:
+        """What a stop that saves nothing leaves: the newest checkpoint and the resume command,
+        or that none was written."""
+        ckpt = ckpt or find_checkpoint(self.out_dir)[0]
         if ckpt is None:
             every = self.cfg.train.save_every
             when = f"every {every} steps" if every else "at the end only"
-            kept = (
+            return (
                 f"no checkpoint was written before it (train.save_every={every}: "
                 f"{when}); start again with --overwrite"
             )
-        else:
-            step = int(ckpt.name.removeprefix("step_"))
-            kept = (
-                f"the last checkpoint stays: {ckpt} (step {step}); resume from it with: "
-                f"{self.rundir.resume_command(dist)}"
-            )
-        return _completed(error, f"nothing saved ({why}); {kept}", dist)
+        step = int(ckpt.name.removeprefix("step_"))
+        return (
+            f"the last checkpoint stays: {ckpt} (step {step}); resume from it with: "
+            f"{self.rundir.resume_command(dist)}"
+        )
 
     def _checkpoint(self, policy: Policy, dist, save: bool) -> Path:
         """Checkpoint this step when `save` (every rank's RNG state, rank 0 writes), then wait

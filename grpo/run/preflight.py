@@ -9,6 +9,8 @@ swapped. `preflight` runs them all at the start and fails with one line naming t
 
 - train.output_dir (the pipeline's output_dir) can be created and written;
 - the checkpoint's config.json is readable and of a supported architecture (no weights read);
+- GRPO: a critic's `init` and each `reward_model` reward's path are checkpoints of the right
+  kind (`check_scorer_checkpoints`, their config.json only);
 - every token budget leaves room for a prompt in the context (max_position_embeddings): the
   rollout's (rollout.max_new_tokens, or the multi-turn budget), SFT's completion limit, the
   evaluation's (eval.max_new_tokens, and its multi-turn budget);
@@ -91,6 +93,8 @@ def preflight(
             problems.append(str(e))
 
     check(check_output_dir, cfg.train.output_dir, "train.output_dir")
+    if kind == "grpo":
+        check(check_scorer_checkpoints, cfg)
     mc, source = read_model_config(cfg.model.path)
     ctx = mc.max_position_embeddings
     rollout_field, rollout_tokens = rollout_budget(cfg, kind)
@@ -156,6 +160,52 @@ def read_model_config(path_or_id: str | Path) -> tuple[ModelConfig, str]:
     except Exception as e:  # offline, unknown repo, auth...
         raise GrpoError(f"could not fetch model {name!r} from the hub: {e}") from None
     return ModelConfig.from_hf(file), f"{name}/config.json"
+
+
+def check_scorer_checkpoints(cfg: Config) -> None:
+    """The checkpoints a GRPO run loads beside the policy, from their config.json alone (no
+    weights): a critic's ``modules[i].kwargs.init`` is a supported checkpoint, and the path of
+    each ``reward_model`` reward is a reward model (a sequence classifier with one output),
+    not a causal LM. A hub id is not fetched here (the run loads it when it starts).
+
+    Raises:
+        PreflightError: naming the field and the file.
+    """
+    for i, spec in enumerate(cfg.modules):
+        init = spec.kwargs.get("init") if spec.name == "critic" else None
+        if isinstance(init, str):
+            _local_config(init, f"modules[{i}].kwargs.init")
+    for i, r in enumerate(cfg.rewards):
+        path = r.kwargs.get("path") if r.name == "reward_model" else None
+        if not isinstance(path, str):
+            continue
+        field = f"rewards[{i}].kwargs.path"
+        mc = _local_config(path, field)
+        if mc is None:
+            continue
+        if not mc.num_labels:
+            raise PreflightError(
+                f"{field}: {path!r} is a causal LM (its config.json names no "
+                "*ForSequenceClassification architecture), not a reward model; train one with "
+                "`grpo rm`"
+            )
+        if mc.num_labels != 1:
+            raise PreflightError(
+                f"{field}: {path!r} has {mc.num_labels} outputs (num_labels); a reward model has 1"
+            )
+
+
+def _local_config(path: str, field: str) -> ModelConfig | None:
+    """The `ModelConfig` of a local checkpoint directory; None for a hub id (not fetched)."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        if p.exists() or path.startswith((".", "/", "~")) or path.count("/") != 1:
+            raise PreflightError(f"{field}: {path!r} is not a checkpoint directory (nor a hub id)")
+        return None
+    try:
+        return ModelConfig.from_hf(p)
+    except GrpoError as e:
+        raise PreflightError(f"{field}: {e}") from None
 
 
 # --------------------------------------------------------------------------- token budgets

@@ -374,6 +374,32 @@ def resume_conflicts(saved: dict, new: dict, kind: str) -> list[str]:
     return out
 
 
+# What a resumed GRPO run may change of its algorithm: honoured from the next step on (the
+# weights and optimizer state carry over), but no longer the run it was, so said.
+ALGORITHM_KEYS = (
+    "loss.advantage",
+    "loss.advantage_kwargs",
+    "loss.policy_loss",
+    "loss.policy_loss_kwargs",
+    "loss.kl_estimator",
+)
+
+
+def algorithm_changes(saved: dict, new: dict, kind: str) -> list[str]:
+    """The algorithm's changes between a checkpoint's config and a resumed GRPO run's, each as
+    "key (old -> new)": the advantage estimator, the policy loss and the KL estimator, with
+    their kwargs (`ALGORITHM_KEYS`). Empty for SFT and `grpo rm`, and for keys the saved
+    config lacks (an older format)."""
+    if kind != "train":
+        return []
+    out = []
+    for key in ALGORITHM_KEYS:
+        old, now = _get(saved, key), _get(new, key)
+        if old is not _MISSING and not _same(key, old, now):
+            out.append(f"{key} ({old!r} -> {now!r})")
+    return out
+
+
 def plugin_changes(saved: dict, now: dict) -> list[str]:
     """How the plugins of a run's earlier start (`saved`, its ``run/plugins`` record: spec ->
     {"version": ...}) differ from this start's (`now`, the same form), each as "'spec' 1.0
@@ -496,6 +522,21 @@ def check_run_dir(
     return ckpt
 
 
+def resume_changes(cfg: Config, ckpt: Path, kind: str) -> tuple[str, ...]:
+    """`algorithm_changes` of resuming `ckpt` with `cfg`, warned in one line (the run's
+    ``run/start`` record lists them too: `RunDir.start`)."""
+    saved = read_json(ckpt / "config.json", "the run config a checkpoint was saved with")
+    changes = algorithm_changes(saved if isinstance(saved, dict) else {}, config_to_dict(cfg), kind)
+    if changes:
+        log.warning(
+            "--resume: the config changes the algorithm from checkpoint %s: %s; the run goes "
+            "on with the new one from its next step (recorded in run/start)",
+            ckpt,
+            ", ".join(changes),
+        )
+    return tuple(changes)
+
+
 def _check_global_batch(
     ckpt: Path, saved: dict, saved_ranks: int, batch_size: int, world_size: int
 ) -> None:
@@ -580,6 +621,7 @@ class RunDir:
     stop: StopSignal = field(default_factory=StopSignal)
     lock: RunLock | None = None
     auto: str | None = None  # with --resume auto: what it chose, in words (run/start)
+    changes: tuple[str, ...] = ()  # a resume's algorithm changes (`resume_changes`), rank 0
 
     @property
     def start(self) -> str:
@@ -589,6 +631,8 @@ class RunDir:
             if self.checkpoint is not None
             else ("fresh, over an earlier run" if self.overwrite else "fresh")
         )
+        if self.changes:
+            how += f", changing {', '.join(self.changes)}"
         return f"{how} (--resume auto: {self.auto})" if self.auto else how
 
     @property
@@ -683,13 +727,14 @@ def run_directory(
         check_job(cfg, dist)
     except GrpoError as e:  # decided alike on every rank: rank 0 prints it
         raise JobError(str(e), dist.rank) from None
-    error, ckpt, auto = None, None, None
+    error, ckpt, auto, changes = None, None, None, ()
     if dist.is_main:
         try:
             if resume == "auto":
                 resume, overwrite, auto = auto_start(cfg, overwrite)
                 log.info("--resume auto: %s", auto)
             ckpt = check_run_dir(cfg, kind, bool(resume), overwrite, dist.world_size)
+            changes = resume_changes(cfg, ckpt, kind) if ckpt is not None else ()
         except GrpoError as e:
             error = e
     verdict = (None if error is None else str(error), ckpt, bool(resume), overwrite, auto)
@@ -702,7 +747,8 @@ def run_directory(
         limit = f"train.max_steps={cfg.train.max_steps}"
         check_resume_step(Path(cfg.train.output_dir), ckpt, cfg.train.max_steps, limit, dist.rank)
     stop = StopSignal(failures)
-    rundir = RunDir(Path(cfg.train.output_dir), kind, resume, overwrite, ckpt, stop, auto=auto)
+    path = Path(cfg.train.output_dir)
+    rundir = RunDir(path, kind, resume, overwrite, ckpt, stop, auto=auto, changes=changes)
     try:
         yield rundir
     except BaseException:

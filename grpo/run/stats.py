@@ -129,17 +129,21 @@ class OnPolicyCheck:
         ratio_sum: sum exp(logprobs - sampler's).
         tokens: counted tokens.
         diff_max: max |difference| (0 when no token counts).
+        sampler_bad: counted tokens whose sampler log-prob is NaN or inf.
+        trainer_bad: counted tokens whose trainer log-prob is NaN or inf.
     """
 
     diff_sum: torch.Tensor
     ratio_sum: torch.Tensor
     tokens: torch.Tensor
     diff_max: torch.Tensor
+    sampler_bad: torch.Tensor
+    trainer_bad: torch.Tensor
 
     @classmethod
     def zeros(cls, device) -> OnPolicyCheck:
         z = torch.zeros((), dtype=torch.float64, device=device)
-        return cls(z, z, z, z)
+        return cls(z, z, z, z, z, z)
 
     @classmethod
     def of(cls, logprobs, sampler_logprobs, mask) -> OnPolicyCheck:
@@ -147,7 +151,16 @@ class OnPolicyCheck:
         with torch.no_grad():
             d = torch.where(mask, logprobs.detach().double() - sampler_logprobs.double(), 0.0)
             ratio = torch.where(mask, torch.exp(d), 0.0)
-            return cls(d.abs().sum(), ratio.sum(), mask.sum().double(), d.abs().max())
+            sampler_bad = (mask & ~torch.isfinite(sampler_logprobs)).sum().double()
+            trainer_bad = (mask & ~torch.isfinite(logprobs.detach())).sum().double()
+            return cls(
+                d.abs().sum(),
+                ratio.sum(),
+                mask.sum().double(),
+                d.abs().max(),
+                sampler_bad,
+                trainer_bad,
+            )
 
     def __add__(self, other: OnPolicyCheck) -> OnPolicyCheck:
         return OnPolicyCheck(
@@ -155,7 +168,102 @@ class OnPolicyCheck:
             self.ratio_sum + other.ratio_sum,
             self.tokens + other.tokens,
             torch.maximum(self.diff_max, other.diff_max),
+            self.sampler_bad + other.sampler_bad,
+            self.trainer_bad + other.trainer_bad,
         )
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What `check_first_pass` reads, in its order (stacked into a pass's one host read)."""
+        return [self.diff_sum, self.tokens, self.diff_max, self.sampler_bad, self.trainer_bad]
+
+
+def check_first_pass(
+    values: list[float],
+    step: int | None,
+    strategy: str,
+    logprob_impl: str,
+    max_gap: float | None,
+) -> None:
+    """Before the first update of a step, where the trainer's log-probs are the sampling
+    policy's own (the same weights; only numerics differ), say where a broken log-prob comes
+    from instead of letting the non-finite guard blame the learning rate steps later:
+
+    - the sampler's (or the strategy's) log-probs not finite where the trainer's are: the
+      rollout strategy, or the sampler under the default one, named;
+    - the trainer's not finite where the sampler's are: the log-prob kernel (model.logprob_impl)
+      named; both not finite: the weights or the model, left to the non-finite guard;
+    - `max_gap` (train.max_logprob_gap; None: not checked): the mean |trainer - sampler| over
+      the counted tokens above it, e.g. a kernel without the log-sum-exp (a gap of nats, where
+      bf16 sampling against fp32 or bf16 training gives ~1e-2).
+
+    Args:
+        values: `OnPolicyCheck.tensors` of the step's first pass over this rank's batch, read.
+        step: the step, for the message.
+        strategy: rollout.strategy. logprob_impl: model.logprob_impl.
+
+    Raises:
+        GrpoError: one line naming the strategy or the kernel.
+    """
+    from grpo.errors import GrpoError
+
+    diff_sum, tokens, diff_max, sampler_bad, trainer_bad = values
+    at = f"step {step}: " if step is not None else ""
+    n = int(tokens)
+    if sampler_bad and not trainer_bad:
+        source = (
+            "the sampler's log-probs (rollout.logprobs)"
+            if strategy == "default"
+            else f"the log-probs of the batch rollout strategy {strategy!r} returned "
+            "(its rollout.logprobs)"
+        )
+        raise GrpoError(
+            f"{at}{source} are not finite at {int(sampler_bad)} of {n} counted tokens, where "
+            "the trainer's log-probs of the same tokens (before any update: the policy that "
+            "sampled them) are finite; the update's ratio needs finite behaviour log-probs"
+        )
+    if trainer_bad and not sampler_bad:
+        raise GrpoError(
+            f"{at}the trainer's log-probs ({_kernel(logprob_impl)}) are not finite at "
+            f"{int(trainer_bad)} of {n} counted tokens before any update, where the sampler's "
+            "log-probs of the same tokens are finite: the log-prob kernel (or the model's "
+            "training forward) made them, not the learning rate"
+        )
+    if not max_gap or sampler_bad or trainer_bad or n == 0:
+        return
+    mean = diff_sum / n
+    if mean > max_gap:
+        raise GrpoError(
+            f"{at}the trainer's log-probs ({_kernel(logprob_impl)}) differ from the sampler's "
+            f"(its float32 log_softmax) by {mean:.3g} nats per counted token on average (max "
+            f"{diff_max:.3g}) before any update, above train.max_logprob_gap={max_gap:g}: "
+            "the policy that sampled scored the same tokens, so this is the kernel's number, "
+            "not rounding (bf16: ~1e-2), e.g. a log-softmax without its log-sum-exp; fix the "
+            "kernel, or set train.max_logprob_gap=0 to train on it anyway"
+        )
+
+
+def first_pass_gap_limit(cfg, policy_version: int, trained_steps: int) -> float | None:
+    """train.max_logprob_gap where the first pass's gap can only be numeric, else None: the
+    batch was sampled by the policy being trained (`policy_version` == the updates it had,
+    `trained_steps`: an asynchronous batch sampled `staleness` > 0 updates ago differs by
+    learning) and by the default strategy (a plug-in strategy may replay earlier rows or
+    sample at another temperature than the trainer scores at). Tokens an environment or tool
+    wrote are not counted by the check at all (they have no sampler log-prob)."""
+    gap = cfg.train.max_logprob_gap
+    if not gap or cfg.rollout.strategy != "default" or policy_version != trained_steps:
+        return None
+    return gap
+
+
+def _kernel(name: str) -> str:
+    """``model.logprob_impl='chunked'``, with the function the name means now when a plug-in
+    or user code replaced it (`grpo.plugins.replacements`)."""
+    from grpo.plugins import replacements
+
+    replaced = [r for r in replacements() if r.kind == "logprob impl" and r.name == name]
+    if replaced:
+        return f"model.logprob_impl={name!r}, replaced by {replaced[-1].new} ({replaced[-1].by})"
+    return f"model.logprob_impl={name!r}"
 
 
 def advantage_stats(advantages: torch.Tensor, mask: torch.Tensor, dist=SINGLE) -> dict:

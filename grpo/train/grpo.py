@@ -105,6 +105,8 @@ from grpo.run.stats import (
     OnPolicyCheck,
     StatSums,
     advantage_stats,
+    check_first_pass,
+    first_pass_gap_limit,
     reduce_metrics,
     rollout_metrics,
 )
@@ -332,6 +334,7 @@ def update_phase(
     scorer=None,
     dist=SINGLE,
     step: int | None = None,
+    max_logprob_gap: float | None = None,
 ) -> dict:
     """mu passes over the batch; each pass is one optimizer step over all micro-batches.
 
@@ -344,7 +347,10 @@ def update_phase(
     rollout/first_pass_ratio_mean (exp of the difference; 1 when they agree). An update that
     leaves a trainable weight NaN or inf (on any rank) raises `NonfiniteWeights` naming the
     step, its loss, grad norm and lr (`nonfinite_weights_error`), read with the stats: no extra
-    sync.
+    sync. Before the first update (read with the first pass's loss: no extra sync),
+    `check_first_pass` names a sampler, strategy or log-prob kernel whose log-probs are not
+    finite, and with `max_logprob_gap` (`first_pass_gap_limit`) refuses a gap between the
+    trainer's log-probs and the sampler's that no rounding explains.
     """
     model = policy.model
     scorer = scorer if scorer is not None else CompletionLogprobs(model, policy.precision)
@@ -419,10 +425,15 @@ def update_phase(
             bar.update(1)
         max_norm = cfg.optim.max_grad_norm or math.inf
         grad_norm = clip_grad_norm(params, max_norm)
-        # the pass's one host read
-        read = torch.stack([total, grad_norm.to(total), bad_row.to(total)]).tolist()
+        # the pass's one host read (the first pass's: with the on-policy check, before any
+        # update)
+        first = on_policy.tensors() if it == 0 else []
+        read = torch.stack([total, grad_norm.to(total), bad_row.to(total), *first]).tolist()
         total, grad_norm = read[0], read[1]
         check_bad_row(cfg.loss.policy_loss, int(read[2]), step)  # a row of this rank's batch
+        if it == 0:
+            strategy, impl = cfg.rollout.strategy, cfg.model.logprob_impl
+            check_first_pass(read[3:], step, strategy, impl, max_logprob_gap)
         finite = math.isfinite(grad_norm) and math.isfinite(total)
         if all_reduce_sum(float(not finite), dist):
             # A non-finite loss or gradient on any rank: skip this update everywhere.
@@ -632,7 +643,12 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             where.step, where.phase = step, "rollout"
             if source.asynchronous:
                 where.phase = "waiting for rollouts"
-            batch = source.next(state)
+            try:
+                batch = source.next(state)
+            except GrpoError as e:  # a reward's failure mid-run: the checkpoint to resume
+                if getattr(e, "reward_name", None) or getattr(e.__cause__, "reward_name", None):
+                    run.failed_stop(dist, e)  # completes its message
+                raise
             # a reward normalised over the global batch (reward_model normalize: global)
             batch = normalize_globally(batch, reward_fns, dist, cfg.rollout.turn_discount)
             batch, balanced = balanced_batch(cfg, policy, batch, dist)
@@ -654,7 +670,8 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
             metrics |= reduce_metrics(source.metrics(), dist) | adv_stats | balanced
             metrics |= inputs.metrics  # the estimator's: of the global batch, as they are
             warm_up = state.step < cfg.train.critic_warmup_steps  # the modules alone train
-            metrics |= policy_update(cfg, policy, inputs, run, scorer, dist, step, warm_up)
+            gap = first_pass_gap_limit(cfg, batch.policy_version, state.step)
+            metrics |= policy_update(cfg, policy, inputs, run, scorer, dist, step, warm_up, gap)
             if modules:  # one step of each module on the same batch; means over ranks
                 metrics |= reduce_metrics(modules.step(batch, inputs, step), dist)
             metrics["train/weight_change"] = weight_change.measure(dist)
@@ -708,7 +725,15 @@ def balanced_batch(cfg: Config, policy: Policy, batch: RolloutBatch, dist) -> tu
 
 
 def policy_update(
-    cfg: Config, policy: Policy, inputs: UpdateBatch, run, scorer, dist, step: int, frozen: bool
+    cfg: Config,
+    policy: Policy,
+    inputs: UpdateBatch,
+    run,
+    scorer,
+    dist,
+    step: int,
+    frozen: bool,
+    max_logprob_gap: float | None = None,
 ) -> dict:
     """Stage 3's policy part: `update_phase`, or on a train.critic_warmup_steps step the frozen
     policy's metrics. An update that leaves a trainable weight NaN or inf (every rank raises it
@@ -717,7 +742,16 @@ def policy_update(
         return frozen_policy_metrics(run.scheduler)
     try:
         return update_phase(
-            cfg, policy, inputs, run.optimizer, run.scheduler, run.params, scorer, dist, step
+            cfg,
+            policy,
+            inputs,
+            run.optimizer,
+            run.scheduler,
+            run.params,
+            scorer,
+            dist,
+            step,
+            max_logprob_gap,
         )
     except NonfiniteWeights as e:
         what = str(e).split("; the checkpoints already written", 1)[0]
