@@ -282,6 +282,10 @@ def nan(hidden, weight, ids, temperature=1.0, return_entropy=False, **kwargs):
     bad = first - torch.logsumexp((hidden.float() @ weight.float().t()) / temperature, -1)
     bad = torch.where(torch.arange(len(bad)) == 0, float("nan"), bad)
     return (bad, out[1]) if return_entropy else bad
+
+
+def raises(hidden, weight, ids, temperature=1.0, return_entropy=False, **kwargs):
+    raise RuntimeError("shared memory exceeded\\n  (a second line of detail)")
 """
 
 
@@ -347,6 +351,18 @@ def test_nan_log_probs_from_a_kernel_name_the_kernel(
     ) in err
     assert "the log-prob kernel (or the model's training forward) made them" in err
     assert "optim.lr" not in err
+
+
+def test_an_error_in_a_kernel_is_one_line_naming_it(my_pkg, shared_tiny_model, capsys):
+    """A plug-in kernel that raises stops the run with one line naming it (as a registry's
+    plug-in does), not a 25-60-line traceback through the trainer."""
+    code = train_with_kernel(my_pkg, shared_tiny_model, "my_pkg.broken:raises")
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err[-3000:]
+    assert (
+        "log-prob kernel 'my_pkg.broken:raises' raised RuntimeError: shared memory exceeded "
+        "(a second line of detail)"
+    ) in err
 
 
 def test_a_replaced_kernel_is_named_with_its_replacement(monkeypatch):

@@ -13,7 +13,7 @@ import grpo_kernels
 
 # pack_rows and packed_overhead live in grpo.models.packed_rows; importable from here too
 from grpo.models.packed_rows import PackedRows, pack_rows, packed_overhead  # noqa: F401
-from grpo.plugins import no_exit
+from grpo.plugins import named_errors, no_exit
 from grpo.precision import Precision, head_operands, no_autocast
 
 
@@ -45,7 +45,10 @@ def head_logprobs(
         [and (N,) entropy].
     """
     hidden, weight = head_operands(lm_head, hidden, head_precision)  # (N, C'), (V, C')
-    with no_autocast(hidden.device.type), no_exit(f"log-prob kernel {impl!r}"):
+    what = f"log-prob kernel {impl!r}"
+    # a plug-in kernel's error is one line naming it; a built-in's keeps its traceback (ours)
+    builtin = not callable(impl) and grpo_kernels.get_logprob_impl(impl) is None
+    with no_autocast(hidden.device.type), no_exit(what), named_errors(what, builtin=builtin):
         return grpo_kernels.fused_logprobs(
             hidden.contiguous(),
             weight.contiguous(),
