@@ -18,7 +18,7 @@ model's own tokenizer and chat template over [system?, user: question, assistant
 After the policy's update, `loss` collects preference labels on the step's rollouts: it draws
 pairs of two different completions of one prompt (one GRPO group), uniformly among the pairs of
 the batch whose texts differ, asks the labeller at most `label_budget` times, and takes one
-Bradley-Terry step on the labelled pairs (`grpo.train.rm.pair_stats`, the loss `grpo rm`
+Bradley-Terry step on the labelled pairs (`grpo.algo.preference.pair_loss`, the loss `grpo rm`
 trains with). The rewards of a step come from the reward model before it learns from that
 step's labels.
 
@@ -45,9 +45,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from grpo.algo.preference import collate_pairs, pair_loss
 from grpo.algo.registry import Registry
 from grpo.distributed import all_reduce_sum
 from grpo.errors import GrpoError
+from grpo.models.classifier import sequence_scores
 from grpo.modules.base import TrainedModule, register_trained_module
 
 if TYPE_CHECKING:
@@ -146,6 +148,10 @@ class OnlineRewardModel(TrainedModule):
         pad = model.config.pad_token_id
         self.pad_id = pad if pad is not None else (tokenizer.pad_token_id or 0)
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.score.weight.device
+
     # -- scoring: the step's reward ------------------------------------------------------
 
     def scores(self, rows: list[dict], texts: list[str]) -> torch.Tensor:
@@ -224,8 +230,6 @@ class OnlineRewardModel(TrainedModule):
     def loss(self, batch, update):
         """Label this step's pairs and return the Bradley-Terry loss on them (module
         docstring), this rank's share of the mean over the global batch's labelled pairs."""
-        from grpo.train.rm import PairScorer, pair_stats
-
         drawn = self.draw_pairs(batch)
         labelled = self.label(batch, drawn)
         self.steps += 1
@@ -238,17 +242,25 @@ class OnlineRewardModel(TrainedModule):
             "pairs": n,
             "labels_total": all_reduce_sum(float(self.labels), dist),
         }
-        if not labelled:  # no pair on this rank: a zero gradient, the ranks' steps in step
-            zero = sum(p.sum() for p in self.model.parameters() if p.requires_grad) * 0.0
-            return zero, reported
-        scorer = PairScorer(self.model, self.precision, self.pad_id)
-        device = self.model.score.weight.device
-        pairs = self.encode(batch, labelled)
-        loss, stats = pair_stats(scorer, pairs, self.pad_id, device, self.center_coef, n)
-        # this rank's share of the global mean; ModuleSet averages gradients over the ranks
-        loss = loss * dist.world_size
-        correct = all_reduce_sum(float(stats[1]), dist)
-        reported["pair_accuracy"] = correct / max(n, 1.0)  # before this update
+        # every rank makes the same collective calls, with or without pairs of its own
+        if labelled:
+            pairs = collate_pairs(self.encode(batch, labelled), self.pad_id, self.device)
+            with self.precision.autocast(self.device):
+                scores = sequence_scores(
+                    self.model, pairs["ids"], pairs["attention_mask"], self.pad_id
+                )[:, 0]  # (2N,): the chosen sides, then the rejected
+            k = len(labelled)
+            chosen, rejected = scores[:k], scores[k:]
+            losses = pair_loss(chosen, rejected, pairs["margin"], self.center_coef)  # (N,)
+            # this rank's share of the global mean; ModuleSet averages gradients over ranks
+            loss = losses.sum() / n * dist.world_size
+            correct = float((chosen > rejected).sum())
+        else:  # no pair on this rank: a zero gradient
+            loss = sum(p.sum() for p in self.model.parameters() if p.requires_grad) * 0.0
+            correct = 0.0
+        correct = all_reduce_sum(correct, dist)
+        if n:
+            reported["pair_accuracy"] = correct / n  # before this update
         return loss, reported
 
 
