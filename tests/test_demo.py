@@ -195,6 +195,26 @@ def test_rlhf_demo_quick_writes_every_output(tmp_path, capsys):
         assert r["rollout/reward_mean"] == pytest.approx(r["rewards/reward_model"], abs=1e-6)
         assert "rollout/accuracy" in r and "rewards/reward_model/score_mean" in r
     assert _is_png(out / "curves.png")
+    # the online variant: the same SFT model and steps, its reward the online reward model's
+    # score alone (started from out/rm/final), 4 labels a step (quick.overrides)
+    online = results["grpo_online"]
+    assert online["steps"] == results["grpo"]["steps"] == 3
+    assert online["labels"] <= 3 * 4 and 0 <= online["eval"]["accuracy"] <= 1
+    rows = [json.loads(line) for line in (out / "grpo_online" / "metrics.jsonl").open()]
+    steps = [r for r in rows if "rollout/reward_mean" in r]
+    assert steps
+    for r in steps:
+        assert r["rollout/reward_mean"] == pytest.approx(r["rewards/online_rm"], abs=1e-6)
+        assert r["module/online_reward_model/labels"] <= 4 and "rollout/accuracy" in r
+    assert "online_reward_model" in rows[0]["run/modules"]
+    state = out / "grpo_online" / "final" / "modules" / "online_reward_model"
+    assert (state / "weights.safetensors").is_file()
+    variants = json.loads((out / "rm_variants.json").read_text())
+    for name in ("offline", "online"):
+        assert variants[name]["eval_accuracy"][0] == results["sft"]["eval"]["accuracy"]
+        assert variants[name]["eval_step"][-1] == 3 and variants[name]["rm_score"]
+    assert variants["online"]["final_accuracy"] == online["eval"]["accuracy"]
+    assert _is_png(out / "rm_variants.png")
 
 
 def test_task_and_config_must_agree(tmp_path, capsys):

@@ -127,6 +127,8 @@ class DemoFile:
     demo: dict = dataclasses.field(default_factory=dict)
     pipeline: dict = dataclasses.field(default_factory=dict)
     rm: dict = dataclasses.field(default_factory=dict)  # --task rlhf: the `grpo rm` config
+    # --task rlhf: the online reward model's module `kwargs` and `optim` (grpo/apps/demo_rlhf.py)
+    online_rm: dict = dataclasses.field(default_factory=dict)
     quick: QuickSection = QuickSection()
 
 

@@ -8,12 +8,21 @@ where the policy never sees a rule-based reward.
       -> GRPO from the SFT model, the reward model its ONLY reward            (out/grpo)
          (the strict accuracy reward rides along at weight 0: logged, never trained on)
       -> evaluate the GRPO model the same way
+      -> GRPO again from the SFT model, same seed and steps, its reward a reward model trained
+         online: the one above, updated every step on preference labels of the policy's own
+         samples, a labeller (the rule verifier standing in for people) answering at most
+         `label_budget` pairs per step (grpo/modules/online_rm.py)          (out/grpo_online)
+      -> evaluate that model the same way
       -> results.json, metrics.jsonl, curves.png (true accuracy beside the reward model's
-         score, so reward hacking would show: the score rising while accuracy falls)
+         score, so reward hacking would show: the score rising while accuracy falls) and
+         rm_variants.png / rm_variants.json: both variants' true accuracy and reward-model
+         score per step on one plot
 
-Settings: configs/demo_rlhf_cpu.yaml (the math demo's `demo` and `pipeline` sections, plus an
-`rm` section: the `grpo rm` config over the pipeline's `base`). Overrides: the pipeline's
-``stage.section.key=value`` and ``rm.section.key=value`` for the reward model.
+Settings: configs/demo_rlhf_cpu.yaml (the math demo's `demo` and `pipeline` sections, an `rm`
+section: the `grpo rm` config over the pipeline's `base`, and an `online_rm` section: the online
+reward model's module `kwargs` and `optim`). Overrides: the pipeline's
+``stage.section.key=value``, ``rm.section.key=value`` for the reward model and
+``online_rm.kwargs.key=value`` / ``online_rm.optim.key=value`` for the online one.
 """
 
 from __future__ import annotations
@@ -28,7 +37,8 @@ from typing import Any
 from grpo.settings import ConfigError
 
 PREFERENCES = "demo-preferences"  # the pairs the demo registers (train / test)
-STEPS = 6
+STEPS = 8
+ONLINE = "online_reward_model"  # the module the online variant trains beside the policy
 
 
 def _say(i: int, what: str) -> None:
@@ -162,6 +172,7 @@ def run_rlhf(
             [*quick_overrides, *overrides],
             seed,
             quick,
+            _demo_file(path).online_rm,
         )
     finally:
         torch.set_num_threads(threads_before)
@@ -175,6 +186,7 @@ def run_rlhf_demo(
     overrides: list[str],
     seed: int,
     quick: bool,
+    online_section: dict | None = None,
 ) -> dict:
     """Run the demo (module docstring) into `out`; returns what it writes to results.json."""
     import torch
@@ -193,7 +205,9 @@ def run_rlhf_demo(
     t_start, cpu_start = time.perf_counter(), time.process_time()
     times: dict[str, float] = {}
     rm_over = [o.removeprefix("rm.") for o in overrides if o.startswith("rm.")]
-    pipe_over = [o for o in overrides if not o.startswith("rm.")]
+    online_over = [o for o in overrides if o.startswith("online_rm.")]
+    pipe_over = [o for o in overrides if not o.startswith(("rm.", "online_rm."))]
+    online_section = online_settings(online_section or {}, online_over)
 
     _say(1, "tokenizer, model and problems")
     model_dir = out / "model"
@@ -265,6 +279,22 @@ def run_rlhf_demo(
     grpo_samples = grpo_eval.pop("samples")
     _print_eval("GRPO", grpo_eval, grpo_cfg.eval.k)
     times["eval_grpo"] = time.perf_counter() - t
+
+    _say(7, "GRPO from the SFT model again, its reward a reward model trained online")
+    t = time.perf_counter()
+    online_cfg = online_config(grpo_cfg, online_section, str(rm_final), out / "grpo_online")
+    online = train_grpo(online_cfg, overwrite=True)
+    times["grpo_online"] = time.perf_counter() - t
+
+    _say(8, "evaluate the online variant's model on the same problems")
+    t = time.perf_counter()
+    # the same evaluation (true accuracy; the offline reward model's score), plus the score
+    # of the online reward model as it ended
+    online_eval = evaluate_config(grpo_cfg, trained_model(grpo_cfg, online["final"]), details=True)
+    online_samples = online_eval.pop("samples")
+    online_rm_score = final_online_score(str(rm_final), online["final"], online_samples, online_cfg)
+    _print_eval("GRPO, online reward model", online_eval, grpo_cfg.eval.k)
+    times["eval_grpo_online"] = time.perf_counter() - t
     times["total"] = time.perf_counter() - t_start
     times["cpu"] = time.process_time() - cpu_start
 
@@ -272,6 +302,7 @@ def run_rlhf_demo(
         out, sft["step"], grpo["step"], {"sft": sft_eval, "grpo": grpo_eval}
     )
     curves = plot_run(out)
+    variants = compare_variants(out, sft_eval, grpo_eval, online_eval)
     from grpo.apps.demo import _examples
 
     results = {
@@ -301,9 +332,21 @@ def run_rlhf_demo(
             "reward_last": grpo.get("rollout/reward_mean"),
             "kl_last": grpo.get("train/kl"),
         },
+        "grpo_online": {
+            "eval": online_eval,
+            "rm_score": online_eval["average_reward"],
+            "online_rm_score": online_rm_score,
+            "steps": online["step"],
+            "reward_last": online.get("rollout/reward_mean"),
+            "kl_last": online.get("train/kl"),
+            "labels": online.get(f"module/{ONLINE}/labels_total"),
+            "module": {k: v for k, v in online_section.items()},
+        },
         "accuracy_gain": grpo_eval["accuracy"] - sft_eval["accuracy"],
         "rm_score_gain": grpo_eval["average_reward"] - sft_eval["average_reward"],
+        "online_accuracy_gain": online_eval["accuracy"] - sft_eval["accuracy"],
         "examples": _examples(sft_samples, grpo_samples),
+        "examples_online": _examples(sft_samples, online_samples),
         "time_s": {k: round(v, 2) for k, v in times.items()},
         "threads": torch.get_num_threads(),
         "paths": {
@@ -311,13 +354,15 @@ def run_rlhf_demo(
             "sft": sft["final"],
             "rm": rm["final"],
             "grpo": grpo["final"],
+            "grpo_online": online["final"],
             "metrics": str(metrics),
             "curves": str(curves),
+            "rm_variants": str(variants),
         },
     }
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     print("\n" + summary_table(results))
-    print(f"results.json, metrics.jsonl and curves.png are in {out}", flush=True)
+    print(f"results.json, metrics.jsonl, curves.png and rm_variants.png are in {out}", flush=True)
     return results
 
 
@@ -330,10 +375,11 @@ def summary_table(results: dict) -> str:
         "| model | true greedy accuracy | reward-model score | format | length | train time |",
         "|---|---|---|---|---|---|",
     ]
-    for name in ("sft", "grpo"):
+    names = {"sft": "SFT", "grpo": "GRPO, offline RM", "grpo_online": "GRPO, online RM"}
+    for name, title in names.items():
         e = results[name]["eval"]
         lines.append(
-            f"| {name.upper()} | {e['accuracy']:.3f} | {results[name]['rm_score']:+.3f} "
+            f"| {title} | {e['accuracy']:.3f} | {results[name]['rm_score']:+.3f} "
             f"| {e['format_rate']:.3f} | {e['avg_length']:.1f} | "
             f"{_fmt_s(results['time_s'][name])} |"
         )
@@ -344,7 +390,130 @@ def summary_table(results: dict) -> str:
         f"{_fmt_s(results['time_s']['rm_train'])}",
         f"GRPO - SFT: {100 * results['accuracy_gain']:+.1f} points of true accuracy, "
         f"{results['rm_score_gain']:+.3f} reward-model score on {results['eval']['n']} "
-        f"held-out problems; total {_fmt_s(results['time_s']['total'])} on "
-        f"{os.cpu_count()} core(s)",
+        f"held-out problems",
+        f"GRPO with the online reward model - SFT: "
+        f"{100 * results['online_accuracy_gain']:+.1f} points of true accuracy "
+        f"({results['grpo_online']['labels']:.0f} labels); total "
+        f"{_fmt_s(results['time_s']['total'])} on {os.cpu_count()} core(s)",
     ]
     return "\n".join(lines)
+
+
+def online_settings(section: dict, overrides: list[str]) -> dict:
+    """The online reward model's `kwargs` and `optim` (the demo file's `online_rm` section)
+    with ``online_rm.kwargs.key=value`` / ``online_rm.optim.key=value`` overrides (values
+    parsed as YAML)."""
+    import yaml
+
+    unknown = sorted(set(section) - {"kwargs", "optim"})
+    if unknown:
+        raise ConfigError(f"online_rm.{unknown[0]}: unknown key; valid keys: kwargs, optim")
+    out = {"kwargs": dict(section.get("kwargs") or {}), "optim": dict(section.get("optim") or {})}
+    for o in overrides:
+        key, eq, value = o.partition("=")
+        parts = key.split(".")
+        if not eq or len(parts) != 3 or parts[1] not in out:
+            raise ConfigError(
+                f"override {o!r}: expected online_rm.kwargs.KEY=VALUE or online_rm.optim.KEY=VALUE"
+            )
+        out[parts[1]][parts[2]] = yaml.safe_load(value)
+    return out
+
+
+def online_config(grpo_cfg, section: dict, rm_path: str, output_dir: Path):
+    """The online variant's GRPO config: the offline one with the `reward_model` reward
+    replaced by the online reward model (`ONLINE`, from `rm_path`) and its own output
+    directory; the weight-0 accuracy reward still rides along."""
+    from grpo.config import ModuleConfig
+
+    rewards = tuple(r for r in grpo_cfg.rewards if r.name != "reward_model")
+    kwargs = {"init": rm_path, **section["kwargs"]}
+    module = ModuleConfig(ONLINE, kwargs=kwargs, optim=dict(section["optim"]))
+    train = dataclasses.replace(grpo_cfg.train, output_dir=str(output_dir))
+    return dataclasses.replace(grpo_cfg, rewards=rewards, modules=(module,), train=train)
+
+
+def final_online_score(rm_path: str, final: str, samples: list[dict], cfg) -> float:
+    """The mean score the online reward model, as it ended (final/modules/...), gives the
+    evaluation's completions."""
+    from grpo.io import load_safetensors
+    from grpo.models import load_model
+    from grpo.rewards.model import score_completions
+    from grpo.tokenizer import load_tokenizer
+
+    weights = load_safetensors(Path(final) / "modules" / ONLINE / "weights.safetensors")
+    model = load_model(rm_path, device="cpu")
+    model.load_state_dict(
+        {k.removeprefix("model."): v for k, v in weights.items() if k.startswith("model.")}
+    )
+    kwargs = dict(cfg.modules[0].kwargs)
+    scores = score_completions(
+        model.eval(),
+        load_tokenizer(rm_path),
+        [s["question"] for s in samples],
+        [s["completion"] for s in samples],
+        kwargs.get("batch_size", 64),
+        kwargs.get("max_length", 1024),
+        kwargs.get("system_prompt"),
+    )
+    return float(scores.mean())
+
+
+def variant_curves(run_dir: Path, score_key: str) -> dict[str, list]:
+    """Per-step series of one GRPO run: steps, the sampled completions' true accuracy
+    (`rollout/accuracy`), the reward model's mean score (`score_key`), and the held-out
+    greedy accuracy where evaluated."""
+    from grpo.metrics import read_metrics
+
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    steps = [r for r in rows if "rollout/accuracy" in r]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    return {
+        "step": [r["step"] for r in steps],
+        "sampled_accuracy": [r["rollout/accuracy"] for r in steps],
+        "rm_score": [r.get(score_key) for r in steps],
+        "eval_step": [r["step"] for r in evals],
+        "eval_accuracy": [r["eval/accuracy"] for r in evals],
+    }
+
+
+def compare_variants(out: Path, sft_eval: dict, offline_eval: dict, online_eval: dict) -> Path:
+    """out/rm_variants.png and .json: true accuracy (sampled, per step; held-out greedy from
+    the SFT model to the end) and the reward model's score per step, offline and online."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = {
+        "sft_accuracy": sft_eval["accuracy"],
+        "offline": variant_curves(out / "grpo", "rewards/reward_model"),
+        "online": variant_curves(out / "grpo_online", "rewards/online_rm"),
+    }
+    for name, final in (("offline", offline_eval), ("online", online_eval)):
+        c = data[name]
+        last = c["step"][-1] if c["step"] else 0
+        # the held-out curve runs from the SFT model (step 0) to the final evaluation
+        points = [(0, sft_eval["accuracy"])]
+        points += [(s, a) for s, a in zip(c["eval_step"], c["eval_accuracy"]) if s < last]
+        points.append((last, final["accuracy"]))
+        c["eval_step"], c["eval_accuracy"] = [p[0] for p in points], [p[1] for p in points]
+        c["final_accuracy"] = final["accuracy"]
+    (out / "rm_variants.json").write_text(json.dumps(data, indent=1) + "\n")
+    fig, (acc, score) = plt.subplots(1, 2, figsize=(11, 4))
+    colors = {"offline": "tab:red", "online": "tab:blue"}
+    for name in ("offline", "online"):
+        c, col = data[name], colors[name]
+        acc.plot(c["step"], c["sampled_accuracy"], color=col, alpha=0.3, lw=0.8)
+        acc.plot(c["eval_step"], c["eval_accuracy"], "o-", color=col, label=f"{name} RM")
+        score.plot(c["step"], c["rm_score"], color=col, label=f"{name} RM (its own score)")
+    acc.axhline(sft_eval["accuracy"], color="gray", ls="--", lw=1, label="SFT")
+    acc.set(title="true accuracy (dots: held-out greedy; thin: samples)", xlabel="GRPO step")
+    score.set(title="reward-model score of the step's samples", xlabel="GRPO step")
+    acc.legend()
+    score.legend()
+    fig.tight_layout()
+    path = out / "rm_variants.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -23,6 +23,11 @@ class TrainedModule(torch.nn.Module):
 
     attach(batch) -> {name: (B,) or (B, T_c) tensor}: per-row tensors added to the step's
         `RolloutBatch.extras` (computed without gradient), before the advantages.
+    rewards(batch) -> {name: (B,) tensor}: sequence rewards the module gives (a reward model
+        trained online: grpo.modules.online_rm), computed without gradient after `attach` and
+        added to the step's total reward (weight 1: a module scales its own), each on its
+        row's last generated token, logged as ``rewards/<name>``. A run with such a module has
+        no known highest reward (the learning-health `solved` rule never fires in it).
     loss(batch, update) -> loss or (loss, {"name": scalar}): this rank's loss (a mean over its
         rows) on the step's `RolloutBatch` and `UpdateBatch` (advantages, masks), after the
         policy's update; one optimizer step follows. Or a generator yielding one of those per
@@ -38,6 +43,9 @@ class TrainedModule(torch.nn.Module):
     trainable: bool = True  # False: a `FrozenScorer` (no optimizer, no loss, no gradient)
 
     def attach(self, batch) -> dict[str, torch.Tensor]:
+        return {}
+
+    def rewards(self, batch) -> dict[str, torch.Tensor]:
         return {}
 
     def loss(self, batch, update):

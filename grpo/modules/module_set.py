@@ -62,6 +62,7 @@ from grpo.io import (
 )
 from grpo.metrics import split_metrics
 from grpo.modules import critic as _critic  # noqa: F401  (registers the PPO critic, "critic")
+from grpo.modules import online_rm as _online_rm  # noqa: F401  ("online_reward_model")
 from grpo.modules import teacher as _teacher  # noqa: F401  (registers "teacher")
 from grpo.modules.base import (
     TRAINED_MODULES,
@@ -281,17 +282,25 @@ class ModuleSet:
             parts.append(f"{t.name} ({what}, {n} parameters)")
         return {"run/modules": "; ".join(parts)}
 
+    @property
+    def gives_rewards(self) -> bool:
+        """Whether a module gives rewards (overrides `TrainedModule.rewards`)."""
+        return any(type(t.module).rewards is not TrainedModule.rewards for t in self.items)
+
     def attach(self, batch):
-        """The batch with every module's per-row tensors added to its extras."""
+        """The batch with every module's per-row tensors added to its extras and the rewards
+        modules give added to its rewards (`TrainedModule.rewards`)."""
         if not self.items:
             return batch
         extras = dict(batch.extras)
+        given: dict[str, torch.Tensor] = {}
         for t in self.items:
             t.module.eval()
             what, ours = f"module {t.name!r} attach", _builtin(t.module)
             with torch.no_grad(), self.precision.autocast(self.device), no_exit(what):
                 with time_limit(what, self.timeout_s), named_errors(what, builtin=ours):
                     made = t.module.attach(batch) or {}
+                    rewards = t.module.rewards(batch) or {}
             for k, v in made.items():
                 if not isinstance(v, torch.Tensor) or v.shape[0] != batch.size or v.dim() > 2:
                     raise GrpoError(
@@ -300,7 +309,18 @@ class ModuleSet:
                         f"{batch.size}"
                     )
                 extras[k] = v.float() if v.is_floating_point() else v
-        return dataclasses.replace(batch, extras=extras)
+            for k, v in rewards.items():
+                ok = isinstance(v, torch.Tensor) and tuple(v.shape) == (batch.size,)
+                if not ok or k in batch.per_fn or k in given:
+                    why = "a name already taken" if ok else f"{_shape(v)}; expected (B,)"
+                    raise GrpoError(
+                        f"module {t.name!r}: rewards returned {k!r} of {why} (B = {batch.size})"
+                    )
+                if not bool(torch.isfinite(v).all()):
+                    raise GrpoError(f"module {t.name!r}: reward {k!r} is not finite")
+                given[k] = v.float().to(batch.rewards.device)
+        batch = dataclasses.replace(batch, extras=extras)
+        return _with_rewards(batch, given) if given else batch
 
     def step(self, batch, update, step: int | None = None) -> dict[str, float]:
         """`updates` optimizer steps of every module on the step's batch; their metrics (the
@@ -437,6 +457,30 @@ def _check_identity(t: Trained, d: Path, checkpoint: Path) -> None:
             f"checkpoint {checkpoint}: module {t.name!r} was run with {k}={saved.get(k)}, this "
             f"run has {k}={now.get(k)}: resume with the same frozen scorer"
         )
+
+
+def _with_rewards(batch, given: dict[str, torch.Tensor]):
+    """`batch` with the (B,) rewards `given` added: to `rewards`, to `token_rewards` on each
+    row's last generated token, to `per_fn` by name; `frac_zero_std` of the new totals."""
+    from grpo.algo.advantages import zero_std_groups
+
+    total = sum(given.values())  # (B,)
+    generated = batch.rollout.generated_mask  # (B, T_c)
+    cols = torch.arange(generated.shape[1], device=generated.device)
+    last = (cols * generated).argmax(-1)  # (B,) the last generated token (0 with none)
+    tokens = batch.token_rewards.clone()
+    tokens[torch.arange(batch.size, device=tokens.device), last] += total.to(tokens.device)
+    rewards = batch.rewards + total
+    G = batch.rollout.group_size
+    return dataclasses.replace(
+        batch,
+        rewards=rewards,
+        token_rewards=tokens,
+        per_fn={**batch.per_fn, **given},
+        frac_zero_std=float(zero_std_groups(rewards, G).float().mean())
+        if batch.size % G == 0
+        else batch.frac_zero_std,
+    )
 
 
 def _updates(module: TrainedModule) -> int:

@@ -622,7 +622,8 @@ def _train(cfg: Config, rundir: RunDir, dist, on_step, where: Where, roles=None)
     scorer = wrap_ddp(CompletionLogprobs(policy.model, policy.precision), dist, device)
     clock = StepClock(device)  # perf/*: each stage's seconds and peak memory
     # learning that silently stops, or a task solved (train.stall_steps)
-    health = LearningHealth(cfg, dist.rank, highest_reward(cfg, reward_fns))
+    reward_hi = None if modules.gives_rewards else highest_reward(cfg, reward_fns)
+    health = LearningHealth(cfg, dist.rank, reward_hi)
     weight_change = WeightChange(run.params)  # train/weight_change, which it reads
     run_eval = functools.partial(evaluate_policy, cfg, policy, eval_rows)  # rank 0's rows
     metrics: dict = {}

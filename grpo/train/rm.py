@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from grpo.algo.preference import collate_pairs, pair_loss
 from grpo.checks import check_config
 from grpo.config import Config
 from grpo.distributed import (
@@ -52,28 +52,6 @@ from grpo.train.sft import total_sft_steps
 log = logging.getLogger(__name__)
 
 
-def pair_loss(
-    chosen: torch.Tensor,
-    rejected: torch.Tensor,
-    margin: torch.Tensor | None = None,
-    center_coef: float = 0.0,
-) -> torch.Tensor:
-    """Per-pair Bradley-Terry loss: -log sigmoid(r_c - r_r - m) + center_coef (r_c + r_r)^2.
-
-    Args:
-        chosen, rejected: (N,) scores.
-        margin: (N,) required margins, or None (0).
-        center_coef: the reward-centering coefficient.
-    """
-    diff = chosen - rejected
-    if margin is not None:
-        diff = diff - margin
-    loss = -F.logsigmoid(diff)
-    if center_coef:
-        loss = loss + center_coef * (chosen + rejected) ** 2
-    return loss
-
-
 class PairScorer(torch.nn.Module):
     """Both sides of a micro-batch of pairs scored in one forward (so DDP wraps the decoder
     and the head together and syncs every trainable gradient), under the precision policy's
@@ -86,20 +64,6 @@ class PairScorer(torch.nn.Module):
     def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         with self.precision.autocast(ids.device):
             return sequence_scores(self.model, ids, attention_mask, self.pad_id)[:, 0]
-
-
-def collate_pairs(pairs: list, pad_id: int, device) -> dict:
-    """2N right-padded sequences (the N chosen sides, then the N rejected), masks, margins."""
-    seqs = [p.prompt_ids + p.chosen_ids for p in pairs]
-    seqs += [p.prompt_ids + p.rejected_ids for p in pairs]
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(seqs), T, dtype=torch.bool)
-    for b, s in enumerate(seqs):
-        ids[b, : len(s)] = torch.tensor(s)
-        mask[b, : len(s)] = True
-    margin = torch.tensor([float(p.margin) for p in pairs], dtype=torch.float32)
-    return {"ids": ids.to(device), "attention_mask": mask.to(device), "margin": margin.to(device)}
 
 
 def pair_stats(
