@@ -401,7 +401,7 @@ class KilledCritic(Critic):
         return super().attach(batch)
 
 @register_trained_module("killed_critic")
-def killed_critic(config, dist, policy, model_config, tokenizer, **kwargs):
+def killed_critic(config, dist, policy, model_config, tokenizer, scoring, **kwargs):
     made = critic(config, dist, policy, **kwargs)
     made.__class__ = KilledCritic
     return made
