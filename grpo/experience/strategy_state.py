@@ -29,9 +29,8 @@ import torch
 from grpo.distributed import SINGLE, gather_objects
 from grpo.errors import GrpoError
 from grpo.experience.batch import RolloutBatch
-from grpo.experience.wire import _ROLLOUT_TENSORS
+from grpo.experience.wire import batch_from_parts, batch_parts
 from grpo.io import load_safetensors, read_json, save_safetensors, write_text
-from grpo.rollout import Rollout
 
 log = logging.getLogger(__name__)
 
@@ -55,28 +54,9 @@ class StrategyState:
         self._drop(name)
         if batch is None:
             return
-        r = batch.rollout
-        tensors = {f"rollout.{k}": getattr(r, k) for k in _ROLLOUT_TENSORS}
-        if r.turn_ids is not None:
-            tensors["rollout.turn_ids"] = r.turn_ids
-        tensors |= {"rewards": batch.rewards, "token_rewards": batch.token_rewards}
-        tensors |= {f"per_fn.{k}": v for k, v in batch.per_fn.items()}
-        tensors |= {f"extras.{k}": v for k, v in batch.extras.items()}
+        tensors, meta = batch_parts(batch)
         for k, v in tensors.items():
             self.tensors[f"{name}.{k}"] = v.detach().cpu().clone()
-        meta = {
-            "rows": batch.rows,
-            "texts": batch.texts,
-            "prompt_width": r.prompt_width,
-            "group_size": r.group_size,
-            "turn_rewards": r.turn_rewards,
-            "turn_texts": r.turn_texts,
-            "infos": r.infos,
-            "policy_version": batch.policy_version,
-            "frac_zero_std": batch.frac_zero_std,
-            "per_fn": list(batch.per_fn),
-            "extras": list(batch.extras),
-        }
         try:  # a copy as JSON now: what this run keeps is what a resumed run reads back
             self.values[name] = json.loads(json.dumps(meta))
         except (TypeError, ValueError) as e:
@@ -94,28 +74,7 @@ class StrategyState:
             for k, v in self.tensors.items()
             if k.startswith(f"{name}.")
         }
-        rollout = Rollout(
-            **{k: t[f"rollout.{k}"] for k in _ROLLOUT_TENSORS},
-            prompt_width=meta["prompt_width"],
-            group_size=meta["group_size"],
-            turn_ids=t.get("rollout.turn_ids"),
-            turn_rewards=meta["turn_rewards"],
-            turn_texts=meta["turn_texts"],
-            infos=meta["infos"],
-        )
-        if rollout.turn_ids is None:  # single turn: generated_mask is completion_mask, as built
-            rollout.generated_mask = rollout.completion_mask
-        return RolloutBatch(
-            rollout=rollout,
-            rows=meta["rows"],
-            texts=meta["texts"],
-            rewards=t["rewards"],
-            token_rewards=t["token_rewards"],
-            per_fn={k: t[f"per_fn.{k}"] for k in meta["per_fn"]},
-            policy_version=meta["policy_version"],
-            frac_zero_std=meta["frac_zero_std"],
-            extras={k: t[f"extras.{k}"] for k in meta["extras"]},
-        )
+        return batch_from_parts(t, meta, meta["rows"])
 
     def _drop(self, name: str) -> None:
         self.values.pop(name, None)

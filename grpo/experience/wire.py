@@ -92,9 +92,10 @@ def decode_header(data: torch.Tensor) -> dict:
     return json.loads(bytes(data.tolist()).decode())
 
 
-def pack_batch(batch: RolloutBatch, row_index: list[int], extra: dict | None = None):
-    """A rollout batch as (header, buffer) uint8 tensors. `row_index`: the dataset index of each
-    of its B rows (the receiver holds the same rows); `extra`: JSON values to carry along."""
+def batch_parts(batch: RolloutBatch) -> tuple[dict[str, torch.Tensor], dict]:
+    """A rollout batch as named tensors and a JSON-able description of the rest (its rows,
+    texts, per-turn fields, policy version; not its metrics): what `pack_batch` sends and a
+    `StrategyState` keeps. `batch_from_parts` is the inverse."""
     r = batch.rollout
     tensors = {f"rollout.{k}": getattr(r, k) for k in _ROLLOUT_TENSORS}
     if r.turn_ids is not None:
@@ -103,11 +104,9 @@ def pack_batch(batch: RolloutBatch, row_index: list[int], extra: dict | None = N
     tensors["token_rewards"] = batch.token_rewards
     tensors.update({f"per_fn.{k}": v for k, v in batch.per_fn.items()})
     tensors.update({f"extras.{k}": v for k, v in batch.extras.items()})
-    layout, buffer = pack_tensors(tensors)
-    header = {
-        "layout": layout,
+    meta = {
         "per_fn": list(batch.per_fn),
-        "rows": row_index,
+        "rows": batch.rows,
         "texts": batch.texts,
         "prompt_width": r.prompt_width,
         "group_size": r.group_size,
@@ -116,8 +115,50 @@ def pack_batch(batch: RolloutBatch, row_index: list[int], extra: dict | None = N
         "infos": r.infos,
         "policy_version": batch.policy_version,
         "frac_zero_std": batch.frac_zero_std,
-        "metrics": {k: [float(v), reduction(v)] for k, v in batch.metrics.items()},
         "extras": list(batch.extras),
+    }
+    return tensors, meta
+
+
+def batch_from_parts(
+    t: dict[str, torch.Tensor], meta: dict, rows: list[dict], metrics: dict | None = None
+) -> RolloutBatch:
+    """The `RolloutBatch` of `batch_parts`' tensors `t` and description `meta`, with `rows`."""
+    rollout = Rollout(
+        **{k: t[f"rollout.{k}"] for k in _ROLLOUT_TENSORS},
+        prompt_width=meta["prompt_width"],
+        group_size=meta["group_size"],
+        turn_ids=t.get("rollout.turn_ids"),
+        turn_rewards=meta["turn_rewards"],
+        turn_texts=meta["turn_texts"],
+        infos=meta["infos"],
+    )
+    if rollout.turn_ids is None:  # single turn: generated_mask is completion_mask, as built
+        rollout.generated_mask = rollout.completion_mask
+    return RolloutBatch(
+        rollout=rollout,
+        rows=rows,
+        texts=meta["texts"],
+        rewards=t["rewards"],
+        token_rewards=t["token_rewards"],
+        per_fn={k: t[f"per_fn.{k}"] for k in meta["per_fn"]},
+        policy_version=meta["policy_version"],
+        frac_zero_std=meta["frac_zero_std"],
+        metrics=metrics or {},
+        extras={k: t[f"extras.{k}"] for k in meta["extras"]},
+    )
+
+
+def pack_batch(batch: RolloutBatch, row_index: list[int], extra: dict | None = None):
+    """A rollout batch as (header, buffer) uint8 tensors. `row_index`: the dataset index of each
+    of its B rows (the receiver holds the same rows); `extra`: JSON values to carry along."""
+    tensors, meta = batch_parts(batch)
+    layout, buffer = pack_tensors(tensors)
+    header = {
+        "layout": layout,
+        **meta,
+        "rows": row_index,
+        "metrics": {k: [float(v), reduction(v)] for k, v in batch.metrics.items()},
         "extra": extra or {},
     }
     try:
@@ -132,26 +173,5 @@ def unpack_batch(
     """The `RolloutBatch` that `pack_batch` packed, its tensors on `device`, its rows taken
     from `rows` (the dataset) by index."""
     t = unpack_tensors(header["layout"], buffer, device)
-    rollout = Rollout(
-        **{k: t[f"rollout.{k}"] for k in _ROLLOUT_TENSORS},
-        prompt_width=header["prompt_width"],
-        group_size=header["group_size"],
-        turn_ids=t.get("rollout.turn_ids"),
-        turn_rewards=header["turn_rewards"],
-        turn_texts=header["turn_texts"],
-        infos=header["infos"],
-    )
-    if rollout.turn_ids is None:  # single turn: generated_mask is completion_mask, as built
-        rollout.generated_mask = rollout.completion_mask
-    return RolloutBatch(
-        rollout=rollout,
-        rows=[rows[i] for i in header["rows"]],
-        texts=header["texts"],
-        rewards=t["rewards"],
-        token_rewards=t["token_rewards"],
-        per_fn={k: t[f"per_fn.{k}"] for k in header["per_fn"]},
-        policy_version=header["policy_version"],
-        frac_zero_std=header["frac_zero_std"],
-        metrics={k: tagged(v, op) for k, (v, op) in header["metrics"].items()},
-        extras={k: t[f"extras.{k}"] for k in header["extras"]},
-    )
+    metrics = {k: tagged(v, op) for k, (v, op) in header["metrics"].items()}
+    return batch_from_parts(t, header, [rows[i] for i in header["rows"]], metrics)
