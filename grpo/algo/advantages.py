@@ -202,6 +202,26 @@ def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: f
     return torch.where(mask, out, 0.0)
 
 
+def token_extra(rollout, key: str, mask: torch.Tensor, estimator: str, what: str, remedy: str):
+    """The batch's per-token extra `key` (B, T_c) that estimator `estimator` reads (`what`,
+    for messages): a GrpoError naming the extras the batch has and `remedy` when it is missing,
+    or the shape it should have when it is not `mask`'s."""
+    extras = rollout.extras if rollout is not None else {}
+    if key not in extras:
+        have = ", ".join(sorted(extras)) or "none"
+        raise GrpoError(
+            f"loss.advantage={estimator} reads {what} from the batch's extras ({key!r}; extras "
+            f"here: {have}): {remedy}"
+        )
+    value = extras[key]
+    if value.shape != mask.shape:
+        raise GrpoError(
+            f"loss.advantage={estimator}: extras[{key!r}] has shape {tuple(value.shape)}, "
+            f"expected (B, T_c) = {tuple(mask.shape)}"
+        )
+    return value
+
+
 def gae_returns(
     token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,21 +291,14 @@ def gae(
 
     Reports (global batch, before whitening): explained_variance of the values against the
     returns (left out on a step where the returns do not vary), value_mean, return_mean."""
-    extras = rollout.extras if rollout is not None else {}
-    if values_key not in extras:
-        have = ", ".join(sorted(extras)) or "none"
-        raise GrpoError(
-            f"loss.advantage=gae reads the critic's values from the batch's extras "
-            f"({values_key!r}; extras here: {have}): add the value model, "
-            "modules: [{name: critic}] (docs/algorithm.md)"
-        )
-    values = extras[values_key]
-    if values.shape != mask.shape:
-        raise GrpoError(
-            f"loss.advantage=gae: extras[{values_key!r}] has shape "
-            f"{tuple(values.shape)}, expected (B, T_c) = "
-            f"{tuple(mask.shape)}"
-        )
+    values = token_extra(
+        rollout,
+        values_key,
+        mask,
+        "gae",
+        "the critic's values",
+        "add the value model, modules: [{name: critic}] (docs/algorithm.md)",
+    )  # (B, T_c)
     adv, returns = gae_returns(token_rewards.float(), values.float(), mask, gamma, gae_lambda)
     n = max(int(mask.sum()), 1)
     metrics = {
@@ -381,20 +394,14 @@ def distill(
     Reports reverse_kl: the mean over the generated tokens of the global batch of
     log pi_old(y_t) - log p_teacher(y_t), a sampled estimate of the per-token reverse KL
     (the run's objective, `minimises`), and teacher_logprob_mean."""
-    extras = rollout.extras if rollout is not None else {}
-    if teacher_key not in extras:
-        have = ", ".join(sorted(extras)) or "none"
-        raise GrpoError(
-            f"loss.advantage=distill reads the teacher's log-probs from the batch's extras "
-            f"({teacher_key!r}; extras here: {have}): add the teacher, "
-            "modules: [{name: teacher, kwargs: {path: ...}}] (docs/extending.md)"
-        )
-    teacher = extras[teacher_key]
-    if teacher.shape != mask.shape:
-        raise GrpoError(
-            f"loss.advantage=distill: extras[{teacher_key!r}] has shape "
-            f"{tuple(teacher.shape)}, expected (B, T_c) = {tuple(mask.shape)}"
-        )
+    teacher = token_extra(
+        rollout,
+        teacher_key,
+        mask,
+        "distill",
+        "the teacher's log-probs",
+        "add the teacher, modules: [{name: teacher, kwargs: {path: ...}}] (docs/extending.md)",
+    )  # (B, T_c)
     gap = torch.where(mask, teacher.float() - rollout.logprobs.float(), 0.0)  # (B, T_c)
     n = max(int(mask.sum()), 1)
     metrics = {
