@@ -298,3 +298,25 @@ def test_the_docs_frozen_scorer_saves_and_restores_its_state(
     fresh = ModuleSet(cfg, policy, SINGLE, torch.device("cpu"), 2)
     fresh.load(tmp_path / "ckpt")
     assert fresh.attach(batch).extras["baseline"].tolist() == [1.5, 1.5]  # 0.5 * 1 + 0.5 * 2
+
+
+@pytest.mark.parametrize("name", ["gae", "distill"])
+def test_an_estimator_missing_its_extra_names_the_module_to_add(name):
+    """gae reads a critic's values and distill a teacher's log-probs from the batch's extras:
+    without them (or with the wrong shape) one line names the extra and the module to add."""
+    from grpo.algo.advantages import ADVANTAGES, EstimatorRollout
+
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    zeros = torch.zeros(2, 3)
+
+    def rollout(**extras):
+        ids = torch.zeros(2, 3, dtype=torch.long)
+        return EstimatorRollout(ids, mask, mask, ids, zeros, torch.ones(2), extras)
+
+    key, module = ("values", "critic") if name == "gae" else ("teacher_logprobs", "teacher")
+    inputs = {"token_rewards": zeros, "scores": torch.zeros(2), "mask": mask, "group_size": 2}
+    inputs |= {"gamma": 1.0, "gae_lambda": 1.0, "eps": 1e-6}
+    with pytest.raises(GrpoError, match=rf"{name} reads .*'{key}'; extras here: none.*{module}"):
+        ADVANTAGES.call(name, {**inputs, "rollout": rollout()})
+    with pytest.raises(GrpoError, match=rf"extras\['{key}'\] has shape \(2, 1\), expected"):
+        ADVANTAGES.call(name, {**inputs, "rollout": rollout(**{key: torch.zeros(2, 1)})})
