@@ -353,9 +353,10 @@ def test_nan_log_probs_from_a_kernel_name_the_kernel(
     assert "optim.lr" not in err
 
 
-def test_an_error_in_a_kernel_is_one_line_naming_it(my_pkg, shared_tiny_model, capsys):
+def test_an_error_in_a_kernel_is_one_line_naming_it(my_pkg, shared_tiny_model, monkeypatch, capsys):
     """A plug-in kernel that raises stops the run with one line naming it (as a registry's
     plug-in does), not a 25-60-line traceback through the trainer."""
+    monkeypatch.chdir(my_pkg)
     code = train_with_kernel(my_pkg, shared_tiny_model, "my_pkg.broken:raises")
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err[-3000:]
