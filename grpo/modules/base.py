@@ -34,12 +34,18 @@ class TrainedModule(torch.nn.Module):
         micro-batch (each backpropagated as it is yielded; metrics: the last reported wins).
     updates: optimizer steps per training step on the same batch (default 1; PPO's critic
         takes loss.num_iterations, as the policy; its schedule counts them all).
+    trains_first: False (default): the module's optimizer steps come after the policy's
+        update, so the step's `attach` / `rewards` see it as the last step left it. True: they
+        come first, after the rollout and before `attach` / `rewards`, whose values then come
+        from the module trained on this step's batch (`loss` gets ``update=None``: the
+        advantages do not exist yet). The online reward model's ``label_first``.
     checkpoint_state() -> {name: tensor}: what checkpoints hold and ranks broadcast at the start
         (default: the whole `state_dict`; a module on frozen shared weights returns only what
         it trains); load_checkpoint_state(weights) puts it back (default: `load_state_dict`).
     """
 
     updates: int = 1
+    trains_first: bool = False  # its updates before attach / rewards (docstring)
     trainable: bool = True  # False: a `FrozenScorer` (no optimizer, no loss, no gradient)
 
     def attach(self, batch) -> dict[str, torch.Tensor]:

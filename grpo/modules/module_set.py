@@ -250,6 +250,7 @@ class ModuleSet:
                 "that trains; every module here is a frozen scorer"
             )
         self.dist = dist
+        self._first: dict[str, dict[str, float]] = {}  # `attach`'s early updates' metrics
         if dist.enabled:  # the same initial weights on every rank, as DDP broadcasts them
             import torch.distributed as td
 
@@ -289,9 +290,14 @@ class ModuleSet:
 
     def attach(self, batch):
         """The batch with every module's per-row tensors added to its extras and the rewards
-        modules give added to its rewards (`TrainedModule.rewards`)."""
+        modules give added to its rewards (`TrainedModule.rewards`); a module that trains first
+        (`TrainedModule.trains_first`) takes its optimizer steps on the batch before."""
         if not self.items:
             return batch
+        self._first = {}  # the updates of modules that train first, for `step` to report
+        for t in self.items:
+            if not t.frozen and getattr(t.module, "trains_first", False):
+                self._first[t.name] = self._train(t, batch, None, None)
         extras = dict(batch.extras)
         given: dict[str, torch.Tensor] = {}
         for t in self.items:
@@ -326,18 +332,26 @@ class ModuleSet:
         """`updates` optimizer steps of every module on the step's batch; their metrics (the
         means over those updates)."""
         out: dict[str, float] = {}
+        first = self._first
         for t in self.items:
             if t.frozen:  # a frozen scorer only attaches
                 continue
-            t.module.train()
-            n = _updates(t.module)
-            sums: dict[str, float] = {}
-            for _ in range(n):
-                for k, v in self._update(t, batch, update, step).items():
-                    sums[k] = sums.get(k, 0.0) + v
-            t.module.eval()
-            out.update({f"module/{t.name}/{k}": v / n for k, v in sums.items()})
+            if t.name in first:  # trained before `attach` (`TrainedModule.trains_first`)
+                out.update(first.pop(t.name))
+                continue
+            out.update(self._train(t, batch, update, step))
         return out
+
+    def _train(self, t: Trained, batch, update, step: int | None) -> dict[str, float]:
+        """`updates` optimizer steps of `t`; its metrics, the means over them."""
+        t.module.train()
+        n = _updates(t.module)
+        sums: dict[str, float] = {}
+        for _ in range(n):
+            for k, v in self._update(t, batch, update, step).items():
+                sums[k] = sums.get(k, 0.0) + v
+        t.module.eval()
+        return {f"module/{t.name}/{k}": v / n for k, v in sums.items()}
 
     def _update(self, t: Trained, batch, update, step: int | None) -> dict[str, float]:
         """One optimizer step of `t`: its loss, grad_norm and reported metrics."""
