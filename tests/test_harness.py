@@ -95,6 +95,7 @@ def test_env_stamp_is_json_serializable():
     json.dumps(stamp)
 
 
+@pytest.mark.process  # the harness runs in the default tier through test_kernel_seams' bench test
 def test_bench_logprobs_smoke(tmp_path):
     bench_logprobs.main(
         [

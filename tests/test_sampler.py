@@ -307,6 +307,7 @@ def test_compiled_decode_step_traces_as_one_static_graph(qwen3):
     check_compiled_matches_eager(qwen3, {"backend": "aot_eager"})
 
 
+@pytest.mark.process  # a variant of the aot_eager test above: the C++ codegen's cost
 def test_compiled_decode_step_with_inductor_matches_eager(qwen3):
     # The real backend: inductor compiles C++ on CPU (about 30 s with gcc).
     check_compiled_matches_eager(qwen3, None)

@@ -288,8 +288,9 @@ class OnlineRewardModel(TrainedModule):
 
     def loss(self, batch, update):
         """This rank's share of the mean Bradley-Terry loss over the global batch's pairs: the
-        step's labelled pairs (labelled at the step's first update) and `replay` earlier
-        ones drawn afresh for each update (module docstring)."""
+        step's labelled pairs (labelled at the step's first update), `replay` earlier ones and
+        `rehearsal` pairs of the fixed data, both drawn afresh for each update (module
+        docstring)."""
         dist = self.dist
         here = self._step
         if here is None or here.batch is not batch or here.updates >= self.updates:
