@@ -293,8 +293,8 @@ class OnlineRewardModel(TrainedModule):
         docstring)."""
         dist = self.dist
         here = self._step
-        if here is None or here.batch is not batch or here.updates >= self.updates:
-            self._step = _Step(batch, *self._label_step(batch))  # the step's first update
+        if here is None or here.updates >= self.updates:  # the step's first update
+            self._step = _Step(*self._label_step(batch))
         here = self._step
         update_index, here.updates = here.updates, here.updates + 1
         labelled = here.labelled
@@ -381,11 +381,10 @@ class OnlineRewardModel(TrainedModule):
 class _Step:
     """A training step's labels, kept over its updates."""
 
-    batch: Any  # the step's batch (another batch, or `updates` taken: a new step)
     labelled: list  # this rank's encoded labelled pairs
     pool: list  # the buffer before them: what the updates replay
     metrics: dict[str, float]
-    updates: int = 0  # updates taken on it
+    updates: int = 0  # updates taken on it (`updates` taken: the next call is a new step)
 
 
 def _pack(pairs: list) -> dict[str, torch.Tensor]:
